@@ -1,0 +1,3 @@
+from expertfs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Model-shaped GGUFs with real llama.cpp architectures and random weights."""

@@ -1,0 +1,1 @@
+"""The engine: I/O backends, cache tiers, policies, predictors, the MoE forward pass."""
