@@ -26,7 +26,8 @@ from ..errors import FormatError
 from .ggml import FILE_TYPES, MAX_DIMS, GGMLType, block_size, tensor_nbytes
 
 __all__ = ["KVEntry", "TensorInfo", "GGUFFile", "GGUFModel", "read_gguf", "read_model",
-           "GGUF_MAGIC", "DEFAULT_ALIGNMENT", "MAX_NAME", "shard_paths", "SPLIT_KEYS"]
+           "GGUF_MAGIC", "DEFAULT_ALIGNMENT", "MAX_NAME", "shard_paths", "SPLIT_KEYS",
+           "parse_kv_entries"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32       # GGUF_DEFAULT_ALIGNMENT
@@ -155,6 +156,19 @@ class _Cursor:
             raise FormatError(f"{what} claims {n} bytes (limit {MAX_STRING})", path=self.path,
                               fix="the header is damaged; re-download or re-convert the model")
         return bytes(self.take(n, what)).decode("utf-8", errors="surrogateescape")
+
+
+def parse_kv_entries(buf: bytes, path: str) -> dict[str, KVEntry]:
+    """Metadata entries stored as ``uint64 count`` followed by GGUF-encoded entries."""
+    cur = _Cursor(memoryview(buf), path)
+    n = cur.unpack("<Q", "metadata count")
+    kv: dict[str, KVEntry] = {}
+    for _ in range(n):
+        e = _read_kv(cur, kv)
+        kv[e.key] = e
+    if cur.remaining():
+        raise _bad(path, f"{cur.remaining()} stray bytes after {n} metadata entries")
+    return kv
 
 
 def _bad(path: str, problem: str, fix: str = "the file is damaged or was not written by a "

@@ -124,7 +124,8 @@ ChunkSource = Callable[[int, TensorSpec], Iterable[bytes | bytearray | memoryvie
 
 def write_gguf(path: str | os.PathLike[str], kv: Sequence[bytes], tensors: Sequence[TensorSpec],
                chunks: ChunkSource, alignment: int = DEFAULT_ALIGNMENT,
-               progress: Callable[[int], None] | None = None, drop_cache: bool = False) -> int:
+               progress: Callable[[int], None] | None = None, drop_cache: bool = False,
+               version: int = 3) -> int:
     """Write a GGUF to ``path`` (via ``path + '.partial'``); returns the file size.
 
     ``chunks(i, spec)`` yields tensor ``i``'s bytes in order; their total must equal its size.
@@ -133,7 +134,7 @@ def write_gguf(path: str | os.PathLike[str], kv: Sequence[bytes], tensors: Seque
     """
     path = os.fspath(path)
     tmp = path + ".partial"
-    head, _ = header_bytes(kv, tensors, alignment)
+    head, _ = header_bytes(kv, tensors, alignment, version)
     flushed = 0
     try:
         with open(tmp, "wb", buffering=0) as f:

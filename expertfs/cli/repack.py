@@ -1,0 +1,43 @@
+"""``expertfs repack MODEL.gguf [more shards] -o STORE``"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..units import fmt_bytes
+from ..repack import repack
+from ._common import print_json, progress_bar, size_arg
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("repack", help="GGUF (single or split) -> per-expert store (lossless)",
+                       description="Turn a GGUF (one file, or every shard of a split GGUF) into a "
+                       "store: one page-aligned extent per expert and an LMDB index. Crash-safe: "
+                       "the store appears only when complete; an interrupted repack resumes.")
+    p.add_argument("model", nargs="+", help="the .gguf (for a split model: the first shard, or all)")
+    p.add_argument("-o", "--output", required=True, help="the store folder to create")
+    p.add_argument("--align", type=size_arg, default=4096,
+                   help="extent alignment, a power of two from 4K to 2M (default 4K)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing store (only once the new one is complete)")
+    p.add_argument("--restart", action="store_true",
+                   help="ignore an interrupted repack's progress and start over")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with progress_bar("repack", not args.json) as bar:
+        res = repack(args.model, args.output, alignment=args.align, force=args.force,
+                     resume=not args.restart, progress=bar)
+    d = res.as_dict()
+    if args.json:
+        print_json(d)
+        return 0
+    rate = d["bytes_per_second"] or 0
+    resumed = f" (resumed after {fmt_bytes(res.resumed_from_bytes)})" if res.resumed_from_bytes else ""
+    print(f"{res.store}: {d['moe_layers']} MoE layers x {d['expert_count']} experts, "
+          f"{fmt_bytes(d['expert_bytes'])} experts + {fmt_bytes(d['trunk_bytes'])} trunk{resumed}")
+    print(f"copied {fmt_bytes(res.bytes_copied)} in {res.seconds:.2f} s ({fmt_bytes(rate)}/s), "
+          f"{'O_DIRECT' if res.direct_io else 'buffered'} writes")
+    return 0
