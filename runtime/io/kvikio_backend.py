@@ -1,0 +1,130 @@
+"""``kvikio``: reads with ``kvikio.CuFile`` into host buffers or straight into CUDA memory.
+
+kvikio uses GPUDirect Storage where the platform supports it (cuFile with nvidia-fs) and its
+POSIX compat mode with its own thread pool otherwise (``KVIKIO_COMPAT_MODE=AUTO``). Every read,
+host buffers included, asks the CUDA driver what kind of memory the buffer is, so the backend
+is available only where ``libcuda.so.1`` loads (the NVIDIA driver); elsewhere
+:meth:`KvikioBackend.availability` says why and ``auto`` falls back. kvikio is an optional
+extra (``pip install expertfs[kvikio]``); it is imported only when this backend is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .buffers import host_view, is_device_buffer
+from .errors import BackendUnavailable
+from .protocol import DEFAULT_QUEUE_DEPTH, Availability, FileHandle, IOBackend, RawFile, open_fd
+from .retry import RetryPolicy
+
+__all__ = ["KvikioBackend"]
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+
+
+def _import_kvikio() -> Any:
+    try:
+        kvikio = importlib.import_module("kvikio")
+        importlib.import_module("kvikio.defaults")
+        return kvikio
+    except ImportError as e:
+        raise BackendUnavailable("kvikio", f"kvikio is not installed ({e})",
+                                 fix="pip install 'expertfs[kvikio]' on a machine with the NVIDIA "
+                                     "driver, or use backend='direct'") from None
+
+
+class _KvikioFile(RawFile):
+    host_only = False
+
+    def __init__(self, path: str, size: int, cufile: Any) -> None:
+        super().__init__(path, size)
+        self._f = cufile
+
+    def prepare(self, buf: Any) -> Any:
+        if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
+            return buf.detach().reshape(-1).view(torch.uint8)
+        if is_device_buffer(buf):
+            return buf                     # a 1-D uint8 device array (cupy, numba)
+        return np.frombuffer(host_view(buf), dtype=np.uint8)
+
+    def pread_into(self, dest: Any, start: int, end: int, file_offset: int) -> int:
+        n = end - start
+        return int(self._f.pread(dest[start:end], size=n, file_offset=file_offset).get())
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class KvikioBackend(IOBackend):
+    """``nthreads``: kvikio's pool size (default: the handle's queue depth, at least 4);
+    ``task_size``: bytes per pool task (kvikio's default 4 MiB)."""
+
+    name = "kvikio"
+
+    def __init__(self, *, nthreads: int | None = None, task_size: int | None = None) -> None:
+        self.nthreads = nthreads
+        self.task_size = task_size
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            _import_kvikio()
+        except BackendUnavailable as e:
+            return Availability(False, e.reason)
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            return Availability(False, "libcuda.so.1 (the NVIDIA driver) cannot be loaded: kvikio "
+                                       f"needs the CUDA driver even for host buffers ({e})")
+        return Availability(True, "kvikio imports and libcuda.so.1 loads")
+
+    def mode(self) -> str:
+        """'gds' when cuFile reads go GPUDirect, 'compat' when kvikio uses its POSIX path."""
+        kvikio = _import_kvikio()
+        return "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
+
+    def describe(self) -> str:
+        try:
+            kvikio = _import_kvikio()
+            return (f"kvikio ({self.mode()} mode, {kvikio.defaults.get('num_threads')} threads, "
+                    f"task {kvikio.defaults.get('task_size')} B)")
+        except BackendUnavailable as e:
+            return f"kvikio (unavailable: {e.reason})"
+
+    def _configure(self, queue_depth: int) -> None:
+        kvikio = _import_kvikio()
+        want = self.nthreads or max(4, queue_depth)
+        with _lock:
+            if kvikio.defaults.get("num_threads") < want:
+                kvikio.defaults.set("num_threads", want)
+            if self.task_size and kvikio.defaults.get("task_size") != self.task_size:
+                kvikio.defaults.set("task_size", self.task_size)
+
+    def open(self, path: str | os.PathLike[str], *, queue_depth: int = DEFAULT_QUEUE_DEPTH,
+             max_pending: int | None = None, retry: RetryPolicy | None = None) -> FileHandle:
+        self._configure(queue_depth)
+        return super().open(path, queue_depth=queue_depth, max_pending=max_pending, retry=retry)
+
+    def open_raw(self, path: str | os.PathLike[str]) -> RawFile:
+        avail = self.availability()
+        if not avail.available:
+            raise BackendUnavailable(self.name, avail.reason, path=path,
+                                     fix="use backend='direct' or 'auto' (it falls back)")
+        kvikio = _import_kvikio()
+        path, fd, size = open_fd(path)      # the same typed errors as every backend
+        os.close(fd)
+        f = kvikio.CuFile(path, "r")
+        log.debug("%s: opened with %s", path, self.describe())
+        return _KvikioFile(path, size, f)

@@ -1,0 +1,209 @@
+"""A bounded, prioritised read queue served by a fixed pool of worker threads.
+
+``workers`` is the queue depth: at most that many reads run at once. Waiting reads sit in a
+heap ordered by (priority, submission order), so a demand read overtakes every queued
+prefetch. A queued read can be cancelled (its future's ``cancel()``), promoted to a higher
+priority, or displaced: when ``max_pending`` reads already wait, a new read pushes out the
+oldest of the least urgent ones if they are less urgent than it, and otherwise waits for room
+(or raises :class:`QueueFullError` with ``block=False``). Running reads are never interrupted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from enum import IntEnum
+from typing import Any
+
+from .errors import IOUsageError, QueueFullError
+
+__all__ = ["Priority", "ReadFuture", "ReadScheduler"]
+
+log = logging.getLogger(__name__)
+
+
+class Priority(IntEnum):
+    """Lower is more urgent."""
+
+    DEMAND = 0
+    PREFETCH = 1
+
+
+class ReadFuture(Future):
+    """A ``concurrent.futures.Future`` with the read's priority, tag and timestamps
+    (``time.perf_counter_ns`` at submit, start and completion; 0 until reached)."""
+
+    def __init__(self, priority: Priority, tag: Any = None) -> None:
+        super().__init__()
+        self.priority = priority
+        self.tag = tag
+        self.t_submit = time.perf_counter_ns()
+        self.t_start = 0
+        self.t_done = 0
+        self._entry: list[Any] | None = None
+
+    @property
+    def latency_ns(self) -> int:
+        """Submit to completion; 0 while not done."""
+        return self.t_done - self.t_submit if self.t_done else 0
+
+
+class ReadScheduler:
+    def __init__(self, workers: int, *, max_pending: int | None = None, name: str = "io") -> None:
+        if workers < 1:
+            raise IOUsageError(f"queue depth {workers} is below 1", fix="use a queue depth of 1 or more")
+        if max_pending is not None and max_pending < 1:
+            raise IOUsageError(f"max_pending {max_pending} is below 1", fix="use None or 1 or more")
+        self.workers = workers
+        self.max_pending = max_pending
+        self._heap: list[list[Any]] = []     # [priority, seq, future, fn]; fn None once removed
+        self._live = 0                       # entries whose fn is not None
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.running = 0
+        self.max_running = 0
+        self.stats = {"submitted": 0, "completed": 0, "failed": 0, "cancelled": 0, "displaced": 0,
+                      "promoted": 0}
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    # -- submitting ------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], Any], *, priority: Priority = Priority.DEMAND,
+               tag: Any = None, block: bool = True) -> ReadFuture:
+        fut = ReadFuture(Priority(priority), tag)
+        with self._cv:
+            while True:
+                if self._closed:
+                    raise IOUsageError("the read queue is closed", fix="submit before close()")
+                if self.max_pending is None or self._live < self.max_pending:
+                    break
+                if self._displace_for(fut.priority):
+                    continue
+                if not block:
+                    raise QueueFullError(f"{self._live} reads already wait, none less urgent",
+                                         fix="wait for reads to complete or raise max_pending")
+                self._cv.wait()
+            entry = [int(fut.priority), next(self._seq), fut, fn]
+            fut._entry = entry
+            heapq.heappush(self._heap, entry)
+            self._live += 1
+            self.stats["submitted"] += 1
+            self._cv.notify()
+        fut.add_done_callback(self._on_done)
+        return fut
+
+    def _displace_for(self, priority: int) -> bool:
+        """Cancel the oldest of the least urgent waiting reads if less urgent than ``priority``."""
+        live = [e for e in self._heap if e[3] is not None]
+        if not live:
+            return False
+        worst = max(live, key=lambda e: (e[0], -e[1]))
+        if worst[0] <= priority:
+            return False
+        self._remove(worst)
+        self.stats["displaced"] += 1
+        log.debug("displaced a queued priority-%d read for a priority-%d one", worst[0], priority)
+        worst[2].cancel()
+        return True
+
+    def _remove(self, entry: list[Any]) -> None:
+        if entry[3] is not None:
+            entry[3] = None
+            self._live -= 1
+            self._cv.notify_all()
+
+    def _on_done(self, fut: Future) -> None:
+        if fut.cancelled():
+            entry = getattr(fut, "_entry", None)
+            with self._cv:
+                self.stats["cancelled"] += 1
+                if entry is not None:
+                    self._remove(entry)
+
+    def promote(self, fut: ReadFuture, priority: Priority) -> bool:
+        """Move a still-queued read up to ``priority``; False if it already started or finished."""
+        with self._cv:
+            entry = fut._entry
+            if entry is None or entry[3] is None or priority >= entry[0]:
+                return False
+            fn = entry[3]
+            entry[3] = None
+            new = [int(priority), entry[1], fut, fn]
+            fut._entry = new
+            fut.priority = Priority(priority)
+            heapq.heappush(self._heap, new)
+            self.stats["promoted"] += 1
+            self._cv.notify()
+            return True
+
+    def cancel_pending(self, predicate: Callable[[ReadFuture], bool] | None = None, *,
+                       min_priority: Priority = Priority.PREFETCH) -> int:
+        """Cancel queued (not started) reads at ``min_priority`` or less urgent for which
+        ``predicate(future)`` holds; returns how many were cancelled."""
+        with self._cv:
+            victims = [e[2] for e in self._heap
+                       if e[3] is not None and e[0] >= min_priority and (predicate is None or predicate(e[2]))]
+        return sum(1 for f in victims if f.cancel())
+
+    @property
+    def pending(self) -> int:
+        return self._live
+
+    # -- serving ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    while self._heap and self._heap[0][3] is None:
+                        heapq.heappop(self._heap)
+                    if self._heap or self._closed:
+                        break
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                entry = heapq.heappop(self._heap)
+                fut, fn = entry[2], entry[3]
+                entry[3] = None
+                self._live -= 1
+                self._cv.notify_all()
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                self.running += 1
+                self.max_running = max(self.max_running, self.running)
+            fut.t_start = time.perf_counter_ns()
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the future's owner
+                fut.t_done = time.perf_counter_ns()
+                with self._cv:
+                    self.running -= 1
+                    self.stats["failed"] += 1
+                fut.set_exception(e)
+            else:
+                fut.t_done = time.perf_counter_ns()
+                with self._cv:
+                    self.running -= 1
+                    self.stats["completed"] += 1
+                fut.set_result(result)
+
+    def close(self, *, cancel_pending: bool = True, wait: bool = True) -> None:
+        """Stop accepting reads; cancel (or drain) the queued ones; join the workers."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            victims = [e[2] for e in self._heap if e[3] is not None] if cancel_pending else []
+            self._cv.notify_all()
+        for f in victims:
+            f.cancel()
+        if wait:
+            for t in self._threads:
+                t.join()
