@@ -32,7 +32,6 @@ from .protocol import DEFAULT_QUEUE_DEPTH, Availability, FileHandle, IOBackend, 
 from .reader import VERIFY_MODES, ExpertBuffer, ExpertReader
 from .retry import RetryPolicy
 from .scheduler import Priority, ReadFuture, ReadScheduler
-from .units import format_bytes, parse_bytes
 
 __all__ = [
     "AsyncExpertReader", "run", "uvloop_available",
@@ -48,5 +47,4 @@ __all__ = [
     "DEFAULT_QUEUE_DEPTH", "Availability", "FileHandle", "IOBackend", "RawFile",
     "VERIFY_MODES", "ExpertBuffer", "ExpertReader",
     "RetryPolicy", "Priority", "ReadFuture", "ReadScheduler",
-    "format_bytes", "parse_bytes",
 ]

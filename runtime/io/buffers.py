@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from expertfs.units import parse_size
+
 from .errors import IOUsageError
-from .units import parse_bytes
 
 __all__ = ["PAGE", "aligned_empty", "host_view", "is_device_buffer", "address_of", "nbytes_of",
            "PinBudget", "default_pin_budget", "HostSlab"]
@@ -133,7 +134,11 @@ def default_pin_budget() -> PinBudget:
     if _default_budget is None:
         env = os.environ.get("EXPERTFS_PIN_BUDGET")
         if env:
-            limit = parse_bytes(env, what="EXPERTFS_PIN_BUDGET")
+            try:
+                limit = parse_size(env)
+            except ValueError as e:
+                raise IOUsageError(f"EXPERTFS_PIN_BUDGET: {e}",
+                                   fix="set it to a size such as 8G, or unset it") from None
         else:
             limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
         _default_budget = PinBudget(limit)
