@@ -10,6 +10,7 @@ recorder write.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Iterable, Iterator
 
 import lmdb
@@ -22,11 +23,14 @@ __all__ = ["Index", "META", "TENSORS", "EXPERTS", "USAGE"]
 
 META, TENSORS, EXPERTS, USAGE = b"meta", b"tensors", b"experts", b"usage"
 _WRITE_MAP_SIZE = 1 << 32        # a ceiling, not an allocation: data.mdb grows as written
+# py-lmdb allows one Environment per file per process: read-only opens share it, refcounted.
+_SHARED: dict[str, list] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class Index:
-    def __init__(self, env: lmdb.Environment, path: str) -> None:
-        self.env, self.path = env, path
+    def __init__(self, env: lmdb.Environment, path: str, shared_key: str | None = None) -> None:
+        self.env, self.path, self._shared_key = env, path, shared_key
         ro = env.flags()["readonly"]
         self._meta = env.open_db(META, create=not ro)
         self._tensors = env.open_db(TENSORS, create=not ro)
@@ -45,6 +49,20 @@ class Index:
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
             raise StoreError("no index (index.lmdb/data.mdb is missing)", path=path,
                              fix="this is not a complete expertfs store; run expertfs repack")
+        if not write:
+            key = os.path.realpath(path)
+            with _SHARED_LOCK:
+                if key in _SHARED:
+                    _SHARED[key][1] += 1
+                    return cls(_SHARED[key][0], path, key)
+                idx = cls._open_env(path, write)
+                _SHARED[key] = [idx.env, 1]
+                idx._shared_key = key
+                return idx
+        return cls._open_env(path, write)
+
+    @classmethod
+    def _open_env(cls, path: str, write: bool) -> "Index":
         try:
             env = lmdb.open(path, readonly=not write, max_dbs=4, subdir=True, create=False,
                             lock=True, readahead=False, map_size=_WRITE_MAP_SIZE if write else 0)
@@ -62,6 +80,14 @@ class Index:
                              fix="the store is damaged; run expertfs repack again") from None
 
     def close(self) -> None:
+        if self._shared_key is not None:
+            with _SHARED_LOCK:
+                entry = _SHARED.get(self._shared_key)
+                if entry is not None and entry[0] is self.env:
+                    entry[1] -= 1
+                    if entry[1] > 0:
+                        return
+                    del _SHARED[self._shared_key]
         self.env.close()
 
     def __enter__(self) -> "Index":

@@ -1,0 +1,173 @@
+"""``SynthConfig``: the geometry, quantization and seed of a synthetic model.
+
+One flat frozen dataclass; ``SynthConfig()`` is the tiny qwen3moe used by tests and the demo,
+``SynthConfig.tiny(arch)`` a tiny model of another architecture, ``SynthConfig.like(name)`` a
+real model's geometry (``presets.py``). Field names follow GGUF's (``n_embd``, ``n_ff_exp``...).
+``validate()`` checks everything llama.cpp's loader would trip over and raises ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from .quant import QuantSpec, parse_quant
+
+__all__ = ["SynthConfig", "ARCHES", "MAX_LAYERS"]
+
+#: llama.cpp architectures synth can write, by ``general.architecture``
+ARCHES = ("qwen3moe", "glm4moe", "llama", "deepseek2", "gpt-oss")
+MAX_LAYERS = 512             # LLAMA_MAX_LAYERS
+MAX_EXPERTS = 512            # LLAMA_MAX_EXPERTS
+_FUSED_OK = ("deepseek2",)   # arches whose loader has create_tensor_gate_up_exps
+_NEXTN_OK = ("glm4moe", "deepseek2")
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    arch: str = "qwen3moe"
+    name: str = "expertfs synth"
+    n_layer: int = 2                 # decoder layers; block_count = n_layer + n_nextn
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 64
+    n_ff: int = 512                  # dense FFN width (leading dense blocks)
+    n_ff_exp: int = 256              # per routed expert
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_expert_shared: int = 0
+    n_dense_lead: int = 0
+    n_nextn: int = 0                 # NextN/MTP blocks appended after the decoder layers
+    nextn_heads: bool = False        # write the optional nextn.embed_tokens/shared_head_head
+    n_vocab: int = 1024
+    n_ctx_train: int = 4096
+    rope_freq_base: float = 1_000_000.0
+    rope_dim: int = 0                # rope.dimension_count; 0 = not written (whole head)
+    rms_eps: float = 1e-6
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    # routing (glm4moe, deepseek2)
+    gating: int = 0                  # expert_gating_func: 0 = not written, 1 softmax, 2 sigmoid
+    expert_weights_scale: float = 0.0    # 0 = not written
+    expert_weights_norm: bool | None = None
+    expert_group_count: int = 0          # 0 = not written
+    expert_group_used_count: int = 0
+    probs_bias: bool = False         # exp_probs_b (e_score_correction_bias)
+    # MLA (deepseek2)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # gpt-oss
+    sliding_window: int = 0
+    # rope scaling, as convert_hf_to_gguf writes it
+    rope_scaling: str = ""           # "" | "yarn" | "linear"
+    rope_scaling_factor: float = 0.0
+    rope_orig_ctx: int = 0
+    yarn_beta_fast: float = 0.0
+    yarn_beta_slow: float = 0.0
+    yarn_log_mul: float = 0.0
+    fuse_gate_up: bool = False       # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
+    quant: str = "default"
+    seed: int = 0
+
+    # ---- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, arch: str = "qwen3moe", **over: object) -> SynthConfig:
+        """A few-MB model of ``arch`` with every tensor kind the architecture has."""
+        from .presets import tiny_fields
+        return cls(**{**tiny_fields(arch), **over}).validate()
+
+    @classmethod
+    def like(cls, name: str, layers: int | None = None, **over: object) -> SynthConfig:
+        """A real model's geometry (``presets.PRESETS``), optionally cut to ``layers`` layers."""
+        from .presets import like_fields
+        cfg = cls(**{**like_fields(name), **over})
+        return (cfg.with_layers(layers) if layers else cfg).validate()
+
+    def replace(self, **changes: object) -> SynthConfig:
+        return dataclasses.replace(self, **changes)
+
+    def with_layers(self, n_layer: int) -> SynthConfig:
+        """Scale to ``n_layer`` decoder layers, keeping at least one MoE layer."""
+        if n_layer < 1:
+            raise UsageError(f"--layers {n_layer}: a model needs at least one layer",
+                             fix="pass --layers 1 or more")
+        return self.replace(n_layer=n_layer, n_dense_lead=min(self.n_dense_lead, n_layer - 1))
+
+    # ---- derived ------------------------------------------------------------------------
+
+    @property
+    def block_count(self) -> int:
+        return self.n_layer + self.n_nextn
+
+    @property
+    def quant_spec(self) -> QuantSpec:
+        return parse_quant(self.quant)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.arch == "deepseek2"
+
+    def is_moe_block(self, i: int) -> bool:
+        return i >= self.n_dense_lead
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def validate(self) -> SynthConfig:
+        """Raise ``UsageError`` for a geometry llama.cpp's loader (or this writer) rejects."""
+        def bad(problem: str, fix: str) -> UsageError:
+            return UsageError(f"synth {self.arch}: {problem}", fix=fix)
+
+        if self.arch not in ARCHES:
+            raise UsageError(f"unknown architecture {self.arch!r}", fix=f"use one of {', '.join(ARCHES)}")
+        for f in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff_exp", "n_expert",
+                  "n_expert_used", "n_vocab", "n_ctx_train"):
+            if getattr(self, f) < 1:
+                raise bad(f"{f} is {getattr(self, f)}", f"give {f} a positive value")
+        if self.block_count > MAX_LAYERS:
+            raise bad(f"{self.block_count} blocks; llama.cpp allows {MAX_LAYERS}",
+                      "pass fewer --layers")
+        if self.n_expert > MAX_EXPERTS:
+            raise bad(f"{self.n_expert} experts; llama.cpp allows {MAX_EXPERTS}", "pass fewer --experts")
+        if not 1 <= self.n_expert_used <= self.n_expert:
+            raise bad(f"top-k {self.n_expert_used} with {self.n_expert} experts",
+                      "pass --top-k between 1 and --experts")
+        if self.n_head % self.n_head_kv:
+            raise bad(f"{self.n_head} heads is not a multiple of {self.n_head_kv} KV heads",
+                      "choose n_head_kv dividing n_head")
+        if not 0 <= self.n_dense_lead < self.n_layer:
+            raise bad(f"{self.n_dense_lead} leading dense blocks of {self.n_layer} layers",
+                      "keep at least one MoE layer")
+        if self.n_nextn and self.arch not in _NEXTN_OK:
+            raise bad("NextN blocks are read by llama.cpp only for glm4moe and deepseek2",
+                      "drop n_nextn or pick one of those arches")
+        if self.fuse_gate_up and self.arch not in _FUSED_OK:
+            raise bad("llama.cpp's loader for this arch has no ffn_gate_up_exps",
+                      "drop --fuse-gate-up or use --arch deepseek2")
+        if self.expert_group_count > 1 and (self.n_expert % self.expert_group_count or
+                                            not 0 < self.expert_group_used_count < self.expert_group_count):
+            raise bad(f"expert groups {self.expert_group_used_count}/{self.expert_group_count} "
+                      f"do not fit {self.n_expert} experts",
+                      "use a group count dividing the expert count and fewer used groups")
+        if self.arch == "deepseek2":
+            if min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) < 1:
+                raise bad("MLA needs kv_lora_rank, qk_nope_dim, qk_rope_dim and v_head_dim",
+                          "use SynthConfig.tiny('deepseek2') or --like DeepSeek-V3")
+            if self.q_lora_rank and self.n_layer in (26, 27):
+                raise bad(f"llama.cpp treats a {self.n_layer}-layer deepseek2 as V2-Lite (no "
+                          "q_lora_rank) and would not find attn_q_a", "pick another --layers")
+        if self.arch == "gpt-oss" and self.sliding_window < 1:
+            raise bad("gpt-oss needs attention.sliding_window", "set sliding_window")
+        if self.arch in ("qwen3moe", "llama") and self.rope_dim not in (0, self.head_dim):
+            raise bad(f"rope.dimension_count {self.rope_dim} differs from head_dim {self.head_dim}",
+                      "this arch ropes the whole head; leave rope_dim at 0")
+        if self.arch == "llama" and self.n_ff != self.n_ff_exp:
+            raise bad("Mixtral-style llama sizes experts by feed_forward_length, so n_ff must "
+                      "equal n_ff_exp", "set both to the same value")
+        self.quant_spec  # parses, raising UsageError on a bad spec
+        return self

@@ -1,0 +1,24 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gguf_builders import moe_gguf  # noqa: E402
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    return moe_gguf(tmp_path / "tiny.gguf")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("EXPERTFS_LLAMA_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="llama.cpp tests are opt-in: set EXPERTFS_LLAMA_TESTS=1 "
+                            "(needs llama-cpp-python, a long build)")
+    for item in items:
+        if "llama" in item.keywords:
+            item.add_marker(skip)
