@@ -79,10 +79,10 @@ class _FaultyFile(RawFile):
             if end == start:
                 return 0
         n = self.inner.pread_into(dest, start, end, file_offset)
-        if n > 0 and any(f.kind == "corrupt" for f in fired):
-            at = start + (0 if fired[0].offset is None else
-                          min(n - 1, max(0, fired[0].offset - file_offset)))
-            dest[at] = (int(dest[at]) ^ 0xFF)
+        bad = next((f for f in fired if f.kind == "corrupt"), None)
+        if n > 0 and bad is not None:
+            at = start + (0 if bad.offset is None else min(n - 1, max(0, bad.offset - file_offset)))
+            dest[at] = int(dest[at]) ^ 0xFF
         return n
 
     def close(self) -> None:

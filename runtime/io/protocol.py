@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,12 +38,13 @@ def open_fd(path: str | os.PathLike[str], flags: int = 0) -> tuple[str, int, int
     """``os.open(path, O_RDONLY | flags)`` -> (path, fd, size), a typed error when it fails."""
     path = os.fspath(path)
     try:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise IOUsageError("is a directory, not a file", path=path,
+                               fix="name the file (a store's experts.bin) or open it as a store")
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | flags)
     except FileNotFoundError:
         raise IOUsageError("no such file", path=path, fix="check the path") from None
-    except IsADirectoryError:
-        raise IOUsageError("is a directory, not a file", path=path,
-                           fix="name the file (a store's experts.bin) or open it as a store") from None
     except PermissionError:
         raise IOUsageError("permission denied", path=path, fix="make the file readable") from None
     try:

@@ -1,0 +1,197 @@
+"""Every backend returns the bytes a plain pread returns: awkward sizes, unaligned offsets,
+unaligned buffers, several reads in flight. Plus the typed errors of bad reads and buffers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from expertfs.errors import ExpertfsError
+from expertfs.runtime import io as eio
+from expertfs.runtime.io import (BackendUnavailable, DirectBackend, IOUsageError, aligned_empty,
+                                 get_backend)
+
+SIZES = [1, 511, 4095, 4096, 4097, 3 * 4096 + 7]
+OFFSETS = [0, 1, 4095, 4096, 8192 + 3]
+HOST_BACKENDS = [n for n in ("buffered", "direct", "mmap")]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> tuple[str, bytes]:
+    path = tmp_path_factory.mktemp("io") / "data.bin"
+    data = np.random.default_rng(1).integers(0, 256, 6 * 4096 + 123, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    return str(path), data
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_identical_bytes_all_sizes_and_offsets(backend, data_file):
+    path, data = data_file
+    with get_backend(backend).open(path, queue_depth=4) as fh:
+        assert fh.size == len(data)
+        for size in SIZES:
+            for off in OFFSETS:
+                want = data[off:off + size]
+                aligned = aligned_empty(size)
+                assert fh.read(aligned, off, size) == size
+                assert aligned.numpy().tobytes() == want
+                raw = bytearray(size + 1)                 # bytearray: arbitrary address
+                fh.read(memoryview(raw)[1:], off, size)
+                assert bytes(raw[1:]) == want
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_unaligned_tail_of_file_and_many_in_flight(backend, data_file):
+    path, data = data_file
+    with get_backend(backend).open(path, queue_depth=8) as fh:
+        tail = len(data) - 4096 - 123          # aligned start, the file's unaligned end
+        buf = aligned_empty(len(data) - tail)
+        fh.read(buf, tail)
+        assert buf.numpy().tobytes() == data[tail:]
+        bufs = [aligned_empty(4097) for _ in range(16)]
+        futs = [fh.pread(b, i * 1000, 4097) for i, b in enumerate(bufs)]
+        for i, (f, b) in enumerate(zip(futs, bufs)):
+            assert f.result() == 4097
+            assert b.numpy().tobytes() == data[i * 1000:i * 1000 + 4097]
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_destination_types(backend, data_file):
+    path, data = data_file
+    with get_backend(backend).open(path) as fh:
+        a = np.zeros(4096, np.uint8)
+        fh.read(a, 5)
+        assert a.tobytes() == data[5:4101]
+        t = torch.zeros(1024, dtype=torch.int32)       # a non-byte tensor is read as bytes
+        fh.read(t, 0)
+        assert t.numpy().tobytes() == data[:4096]
+        z = bytearray(0)
+        assert fh.read(z, 0) == 0
+
+
+def test_direct_strict_refuses_unaligned(data_file):
+    path, _ = data_file
+    with DirectBackend(strict=True).open(path) as fh:
+        fh.read(aligned_empty(4096), 4096)
+        with pytest.raises(eio.AlignmentError, match="multiples of 4096"):
+            fh.read(aligned_empty(4096), 1, 4096)
+        with pytest.raises(eio.AlignmentError, match="not a multiple"):
+            fh.read(aligned_empty(4096), 0, 100)
+
+
+def test_direct_bounces_unaligned_and_counts(data_file):
+    path, data = data_file
+    with DirectBackend().open(path) as fh:
+        buf = bytearray(20000)
+        fh.read(memoryview(buf)[3:], 7, 19997)
+        assert bytes(buf[3:]) == data[7:7 + 19997]
+        assert fh.raw.bounced >= 1
+
+
+def test_bad_reads_are_typed_errors_naming_the_file(data_file):
+    path, data = data_file
+    with get_backend("buffered").open(path) as fh:
+        with pytest.raises(IOUsageError, match="past the end of the file") as e:
+            fh.read(bytearray(10), len(data) - 5)
+        assert e.value.path == path and e.value.fix
+        with pytest.raises(IOUsageError, match="into a buffer of 4 bytes"):
+            fh.read(bytearray(4), 0, 8)
+        with pytest.raises(IOUsageError, match=">= 0"):
+            fh.read(bytearray(4), -1, 4)
+        with pytest.raises(IOUsageError, match="read-only"):
+            fh.read(b"abcd", 0)
+        with pytest.raises(IOUsageError, match="not contiguous"):
+            fh.read(torch.zeros(8, 8, dtype=torch.uint8).t(), 0)
+    with pytest.raises(IOUsageError, match="closed"):
+        fh.read(bytearray(4), 0)
+
+
+def test_device_destination_refused_by_host_backends(data_file):
+    class FakeDevice:
+        __cuda_array_interface__ = {"shape": (16,), "typestr": "|u1", "data": (0, False),
+                                    "version": 3}
+    path, _ = data_file
+    with get_backend("direct").open(path) as fh:
+        with pytest.raises(IOUsageError, match="device memory.*host memory only"):
+            fh.read(FakeDevice(), 0)
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(IOUsageError, match="no such file"):
+        get_backend("buffered").open(tmp_path / "missing.bin")
+    with pytest.raises(IOUsageError, match="is a directory"):
+        get_backend("direct").open(tmp_path)
+    with pytest.raises(IOUsageError, match="expected one of: auto, kvikio, direct, buffered, mmap"):
+        get_backend("posix")
+
+
+def test_direct_unavailable_where_the_file_system_refuses_it(data_file, monkeypatch):
+    """Kernels before 6.6 refuse O_DIRECT on tmpfs with EINVAL; newer ones accept it, so the
+    refusal is simulated here."""
+    import errno
+    from expertfs.runtime.io import protocol
+    path, _ = data_file
+    real_open = os.open
+
+    def refuse(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", p)
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(protocol.os, "open", refuse)
+    with pytest.raises(BackendUnavailable, match="refuses O_DIRECT") as e:
+        get_backend("direct").open(path)
+    assert isinstance(e.value, ExpertfsError) and e.value.fix and e.value.path == path
+
+
+def test_aligned_empty_and_host_slab():
+    for n in (0, 1, 4096, 5000):
+        t = aligned_empty(n)
+        assert t.numel() == n and (n == 0 or t.data_ptr() % 4096 == 0)
+    t = aligned_empty(100, alignment=1 << 16)
+    assert t.data_ptr() % (1 << 16) == 0
+    with pytest.raises(IOUsageError):
+        aligned_empty(10, alignment=3000)
+    with eio.HostSlab(3, 5000, pin="auto") as slab:
+        assert slab.stride == 8192
+        for i in range(3):
+            assert slab.slot(i).data_ptr() % 4096 == 0 and slab.slot(i).numel() == 5000
+        assert not slab.pinned and "CUDA is not available" in slab.pin_note
+        with pytest.raises(IOUsageError, match="outside the slab"):
+            slab.slot(3)
+
+
+def test_pinning_respects_the_budget(monkeypatch, caplog):
+    from expertfs.runtime.io import buffers
+    calls = []
+    monkeypatch.setattr(buffers.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(buffers, "_cuda_host_register", lambda p, n: calls.append((p, n)) or 0)
+    monkeypatch.setattr(buffers, "_cuda_host_unregister", lambda p: 0)
+    budget = eio.PinBudget(3 * 4096)
+    a = eio.HostSlab(2, 4096, budget=budget)
+    assert a.pinned and budget.used == 8192 and calls[0][0] % 4096 == 0
+    with caplog.at_level("WARNING"):
+        b = eio.HostSlab(2, 4096, budget=budget)     # would exceed: falls back, warns
+    assert not b.pinned and "exceed the pin budget" in b.pin_note
+    assert "pin budget" in caplog.text and budget.used == 8192
+    a.close()
+    assert budget.used == 0
+    monkeypatch.setattr(buffers, "_cuda_host_register", lambda p, n: 2)  # cudaErrorMemoryAllocation
+    c = eio.HostSlab(1, 4096, budget=budget)
+    assert not c.pinned and "returned 2" in c.pin_note and budget.used == 0
+
+
+def test_pin_true_without_cuda_warns(caplog):
+    with caplog.at_level("WARNING"):
+        s = eio.HostSlab(1, 4096, pin=True)
+    assert not s.pinned and "CUDA is not available" in caplog.text
+
+
+def test_backend_status_reasons():
+    st = eio.backend_status()
+    assert set(st) == {"kvikio", "direct", "buffered", "mmap"}
+    assert st["buffered"].available and st["direct"].available
+    assert st["kvikio"].reason
