@@ -69,6 +69,9 @@ def target_from_file(path: str | os.PathLike[str], read_size: int, *,
                      alignment: int = PAGE) -> BenchTarget:
     """Non-overlapping ``read_size`` ranges at multiples of ``read_size`` of a plain file."""
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise IOUsageError("no such file (or not a regular file)", path=path,
+                           fix="pass a store folder or a file to read")
     size = os.stat(path).st_size
     if read_size <= 0 or read_size % alignment:
         raise IOUsageError(f"read size {read_size} is not a positive multiple of {alignment}",

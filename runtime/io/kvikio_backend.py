@@ -11,6 +11,7 @@ extra (``pip install expertfs[kvikio]``); it is imported only when this backend 
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib
 import logging
 import os
@@ -59,7 +60,10 @@ class _KvikioFile(RawFile):
 
     def pread_into(self, dest: Any, start: int, end: int, file_offset: int) -> int:
         n = end - start
-        return int(self._f.pread(dest[start:end], size=n, file_offset=file_offset).get())
+        try:
+            return int(self._f.pread(dest[start:end], size=n, file_offset=file_offset).get())
+        except RuntimeError as e:      # kvikio reports failed reads as RuntimeError
+            raise OSError(errno.EIO, f"kvikio: {e}") from e
 
     def close(self) -> None:
         if self._f is not None:
