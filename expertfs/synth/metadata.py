@@ -1,0 +1,165 @@
+"""GGUF metadata of a synthetic model, written through gguf-py's own ``GGUFWriter.add_*``.
+
+The keys, their value types and their order are the ones ``convert_hf_to_gguf`` produces for the
+architecture: ``general.*``, the generic ``TextModel.set_gguf_parameters`` keys, the
+architecture's own keys (LC ``conversion/{qwen,glm,llama,deepseek,gpt_oss}.py``), the tokenizer
+(``_set_vocab_gpt2`` + ``SpecialVocab``), and ``general.quantization_version`` last. Using
+``GGUFWriter`` as the builder means every key has exactly the GGUF type the converter gives it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from gguf import GGML_QUANT_VERSION, ExpertGatingFuncType, GGUFValueType, GGUFWriter, RopeScalingType
+
+from ..formats.gguf_write import encode_kv
+from .config import SynthConfig
+from .quant import file_type
+from .tokenizer import build_vocab
+
+__all__ = ["metadata_kv", "metadata_items"]
+
+_GATING = {1: ExpertGatingFuncType.SOFTMAX, 2: ExpertGatingFuncType.SIGMOID}
+_SCALING = {"yarn": RopeScalingType.YARN, "linear": RopeScalingType.LINEAR}
+
+
+def _generic(w: GGUFWriter, c: SynthConfig) -> None:
+    """``TextModel.set_gguf_parameters`` (LC conversion/base.py), in its order."""
+    w.add_block_count(c.block_count)
+    w.add_context_length(c.n_ctx_train)
+    w.add_embedding_length(c.n_embd)
+    w.add_feed_forward_length(c.n_ff)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head_kv)
+    if c.rope_scaling:
+        w.add_rope_scaling_type(_SCALING[c.rope_scaling])
+        w.add_rope_scaling_factor(c.rope_scaling_factor)
+        if c.rope_scaling == "yarn":
+            w.add_rope_scaling_orig_ctx_len(c.rope_orig_ctx)
+            if c.yarn_beta_fast:
+                w.add_rope_scaling_yarn_beta_fast(c.yarn_beta_fast)
+            if c.yarn_beta_slow:
+                w.add_rope_scaling_yarn_beta_slow(c.yarn_beta_slow)
+    w.add_rope_freq_base(c.rope_freq_base)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_expert_count(c.n_expert)
+    w.add_expert_used_count(c.n_expert_used)
+    if c.expert_group_count:
+        w.add_expert_group_count(c.expert_group_count)
+        w.add_expert_group_used_count(c.expert_group_used_count)
+    if c.arch == "deepseek2" and c.gating:         # HF scoring_func, read by the generic code
+        w.add_expert_gating_func(_GATING[c.gating])
+    if c.arch in ("qwen3moe", "glm4moe", "gpt-oss"):   # HF configs with head_dim
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_file_type(file_type(c.quant_spec))
+
+
+def _arch(w: GGUFWriter, c: SynthConfig) -> None:
+    if c.arch == "qwen3moe":                        # Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(c.n_ff_exp)
+    elif c.arch == "llama":                         # LlamaModel.set_gguf_parameters
+        w.add_vocab_size(c.n_vocab)
+        w.add_rope_dimension_count(c.head_dim)
+    elif c.arch == "glm4moe":                       # Glm4MoeModel.set_gguf_parameters
+        w.add_rope_dimension_count(c.rope_dim or c.head_dim // 2)
+        # (the converter adds expert_count again here; gguf-py keeps the first position)
+        w.add_expert_feed_forward_length(c.n_ff_exp)
+        w.add_expert_shared_count(c.n_expert_shared)
+        w.add_leading_dense_block_count(c.n_dense_lead)
+        w.add_expert_gating_func(_GATING[c.gating or 2])
+        if c.expert_weights_scale:
+            w.add_expert_weights_scale(c.expert_weights_scale)
+        if c.expert_weights_norm is not None:
+            w.add_expert_weights_norm(c.expert_weights_norm)
+        if c.n_nextn:
+            w.add_nextn_predict_layers(c.n_nextn)
+    elif c.arch == "deepseek2":                     # DeepseekV2Model.set_gguf_parameters
+        w.add_leading_dense_block_count(c.n_dense_lead)
+        w.add_vocab_size(c.n_vocab)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_dim + c.qk_rope_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_expert_feed_forward_length(c.n_ff_exp)
+        w.add_expert_shared_count(c.n_expert_shared)
+        if c.expert_weights_scale:
+            w.add_expert_weights_scale(c.expert_weights_scale)
+        if c.expert_weights_norm:
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(c.qk_rope_dim)
+        if c.yarn_log_mul:
+            w.add_rope_scaling_yarn_log_mul(c.yarn_log_mul)
+        if c.n_nextn:
+            w.add_nextn_predict_layers(c.n_nextn)
+    elif c.arch == "gpt-oss":                       # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(c.sliding_window)
+        w.add_expert_feed_forward_length(c.n_ff_exp)
+
+
+def _tokenizer(w: GGUFWriter, c: SynthConfig) -> None:
+    v = build_vocab(c.arch, c.n_vocab)
+    fam = v.family
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(fam.pre)
+    w.add_token_list(list(v.tokens))
+    w.add_token_types(list(v.token_types))
+    w.add_token_merges(list(v.merges))
+    if fam.bos is not None:
+        w.add_bos_token_id(v.id_of(fam.bos))
+    w.add_eos_token_id(v.id_of(fam.eos))
+    if fam.pad is not None:
+        w.add_pad_token_id(v.id_of(fam.pad))
+    if fam.eot is not None:
+        w.add_eot_token_id(v.id_of(fam.eot))
+    if fam.add_bos is not None:
+        w.add_add_bos_token(fam.add_bos)
+    w.add_chat_template(fam.template)
+
+
+def metadata_items(c: SynthConfig) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+    """``(key, value, type, array element type)`` for every key, in file order."""
+    w = GGUFWriter(None, c.arch)
+    w.add_type("model")
+    w.add_name(c.name)
+    _generic(w, c)
+    _arch(w, c)
+    _tokenizer(w, c)
+    w.add_quantization_version(GGML_QUANT_VERSION)
+    out = []
+    for key, v in w.kv_data[0].items():
+        sub = None
+        if v.type == GGUFValueType.ARRAY:
+            sub = v.sub_type or GGUFValueType.get_type(v.value[0])
+        out.append((key, v.value, v.type, sub))
+    return out
+
+
+def metadata_kv(c: SynthConfig) -> list[bytes]:
+    """Every metadata entry as its exact file bytes."""
+    return list(_encoded(c))
+
+
+@lru_cache(maxsize=32)
+def _encoded(c: SynthConfig) -> tuple[bytes, ...]:
+    out = []
+    for k, v, t, s in metadata_items(c):
+        out.append(_vocab_entry(c.arch, c.n_vocab, k) if k in _VOCAB_KEYS else encode_kv(k, v, t, s))
+    return tuple(out)
+
+
+_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+@lru_cache(maxsize=16)
+def _vocab_entry(arch: str, n_vocab: int, key: str) -> bytes:
+    # the vocabulary is most of the header; layer-count searches re-encode only the rest
+    v = build_vocab(arch, n_vocab)
+    if key == "tokenizer.ggml.token_type":
+        return encode_kv(key, list(v.token_types), GGUFValueType.ARRAY, GGUFValueType.INT32)
+    items = v.tokens if key == "tokenizer.ggml.tokens" else v.merges
+    return encode_kv(key, list(items), GGUFValueType.ARRAY, GGUFValueType.STRING)
