@@ -59,6 +59,9 @@ def host_view(buf: Any) -> memoryview:
     Accepts contiguous CPU torch tensors, C-contiguous numpy arrays, bytearray, mmap and any
     writable buffer-protocol object.
     """
+    if type(buf) is torch.Tensor and buf.dtype is torch.uint8 and buf.dim() == 1 \
+            and buf.device.type == "cpu" and not buf.requires_grad and buf.is_contiguous():
+        return memoryview(buf.numpy())             # the common case, fast
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise IOUsageError(f"a {buf.device} tensor is not host memory",

@@ -38,7 +38,8 @@ class ReadFuture(Future):
     """A ``concurrent.futures.Future`` with the read's priority, tag and timestamps
     (``time.perf_counter_ns`` at submit, start and completion; 0 until reached)."""
 
-    def __init__(self, priority: Priority, tag: Any = None) -> None:
+    def __init__(self, priority: Priority, tag: Any = None,
+                 scheduler: ReadScheduler | None = None) -> None:
         super().__init__()
         self.priority = priority
         self.tag = tag
@@ -46,6 +47,15 @@ class ReadFuture(Future):
         self.t_start = 0
         self.t_done = 0
         self._entry: list[Any] | None = None
+        self._scheduler = scheduler
+
+    def cancel(self) -> bool:
+        """Cancel a read that has not started; False once it runs or ran."""
+        if not super().cancel():
+            return False
+        if self._scheduler is not None:
+            self._scheduler._cancelled(self)
+        return True
 
     @property
     def latency_ns(self) -> int:
@@ -64,7 +74,9 @@ class ReadScheduler:
         self._heap: list[list[Any]] = []     # [priority, seq, future, fn]; fn None once removed
         self._live = 0                       # entries whose fn is not None
         self._seq = itertools.count()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)        # workers wait here for reads
+        self._space = threading.Condition(self._lock)     # submitters wait here for room
         self._closed = False
         self.running = 0
         self.max_running = 0
@@ -78,7 +90,7 @@ class ReadScheduler:
     # -- submitting ------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, priority: Priority = Priority.DEMAND,
                tag: Any = None, block: bool = True) -> ReadFuture:
-        fut = ReadFuture(Priority(priority), tag)
+        fut = ReadFuture(priority if type(priority) is Priority else Priority(priority), tag, self)
         with self._cv:
             while True:
                 if self._closed:
@@ -90,14 +102,13 @@ class ReadScheduler:
                 if not block:
                     raise QueueFullError(f"{self._live} reads already wait, none less urgent",
                                          fix="wait for reads to complete or raise max_pending")
-                self._cv.wait()
+                self._space.wait()
             entry = [int(fut.priority), next(self._seq), fut, fn]
             fut._entry = entry
             heapq.heappush(self._heap, entry)
             self._live += 1
             self.stats["submitted"] += 1
             self._cv.notify()
-        fut.add_done_callback(self._on_done)
         return fut
 
     def _displace_for(self, priority: int) -> bool:
@@ -118,15 +129,14 @@ class ReadScheduler:
         if entry[3] is not None:
             entry[3] = None
             self._live -= 1
-            self._cv.notify_all()
+            self._space.notify()
 
-    def _on_done(self, fut: Future) -> None:
-        if fut.cancelled():
-            entry = getattr(fut, "_entry", None)
-            with self._cv:
-                self.stats["cancelled"] += 1
-                if entry is not None:
-                    self._remove(entry)
+    def _cancelled(self, fut: ReadFuture) -> None:
+        with self._lock:
+            self.stats["cancelled"] += 1
+            if fut._entry is not None:
+                self._remove(fut._entry)
+                fut._entry = None
 
     def promote(self, fut: ReadFuture, priority: Priority) -> bool:
         """Move a still-queued read up to ``priority``; False if it already started or finished."""
@@ -172,8 +182,10 @@ class ReadScheduler:
                 entry = heapq.heappop(self._heap)
                 fut, fn = entry[2], entry[3]
                 entry[3] = None
+                entry[2] = fut._entry = None          # no reference cycle left to the collector
                 self._live -= 1
-                self._cv.notify_all()
+                if self.max_pending is not None:
+                    self._space.notify()
                 if not fut.set_running_or_notify_cancel():
                     continue
                 self.running += 1
@@ -202,6 +214,7 @@ class ReadScheduler:
             self._closed = True
             victims = [e[2] for e in self._heap if e[3] is not None] if cancel_pending else []
             self._cv.notify_all()
+            self._space.notify_all()
         for f in victims:
             f.cancel()
         if wait:
