@@ -71,6 +71,9 @@ class Policy(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    def __bool__(self) -> bool:         # an empty cache is still a cache (``if policy:``)
+        return True
+
     def observe(self, key: Key, now: float) -> None:
         """A use of ``key`` served by a faster tier (statistics only; default: ignored)."""
 

@@ -7,7 +7,10 @@ decayed use count (``DecayLFU`` score, history kept for evicted keys too) is evi
 shape of W-TinyLFU (Einziger et al., 2017) with forced admission, since an expert must be
 resident to run. A window of ``n_layers × k`` slots holds exactly one route per layer, so a new
 expert survives until its layer runs again, whatever the layer order; a smaller window makes
-one-off experts fight hot ones before their reuse is seen (measured: far worse on sticky traces).
+one-off experts fight hot ones before their reuse is seen, and an LRU smaller than the loop of
+layers it serves never hits (measured: far worse on sticky traces). So a cache too small for the
+window runs without one (pure decayed LFU), where recency policies score zero hits: a tier that
+holds less than one token's routes sees every key again only after all the others.
 Hits in the frequency region stay there.
 """
 
@@ -24,7 +27,7 @@ __all__ = ["WindowLFU"]
 class WindowLFU(Policy):
     def __init__(self, capacity: int, window: int, half_life: float | None = 256.0) -> None:
         super().__init__(capacity)
-        self.window = max(1, min(window, capacity))
+        self.window = window if window <= capacity else 0
         self.main = DecayLFU(capacity, half_life)       # frequency region + the score history
         self.win: OrderedDict[Key, None] = OrderedDict()
         self.name = "wlfu" if half_life is None else f"wlfu@{half_life:g}"
@@ -42,7 +45,7 @@ class WindowLFU(Policy):
 
     def _leaving(self) -> Key | None:
         """The window's least recent unpinned key, when the window is full."""
-        if len(self.win) < self.window:
+        if not self.window or len(self.win) < self.window:
             return None
         pinned = self.pinned
         return next((k for k in self.win if k not in pinned), None)
@@ -61,6 +64,9 @@ class WindowLFU(Policy):
         return weakest if self.main.score(cand) > self.main.score(weakest) else cand
 
     def on_insert(self, key: Key, now: float) -> None:
+        if not self.window:
+            self.main.on_insert(key, now)
+            return
         win = self.win
         win[key] = None
         while len(win) > self.window:

@@ -153,6 +153,12 @@ def test_window_lfu_key_that_became_frequent_wins_its_duel() -> None:
     assert resident(p, "abcd") == {"b", "d"}
 
 
+def test_window_lfu_without_room_for_its_window_is_plain_decayed_lfu() -> None:
+    p, q = WindowLFU(3, window=4, half_life=8), DecayLFU(3, half_life=8)
+    seq = [i % 5 for i in range(40)] + [0, 0, 1] * 5
+    assert p.window == 0 and replay(p, seq) == replay(q, seq)
+
+
 def test_window_lfu_window_never_exceeds_its_size() -> None:
     p = WindowLFU(10, window=3)
     replay(p, [i % 17 for i in range(200)])
