@@ -47,6 +47,18 @@ def test_llama_cpp_loads_and_evaluates(tmp_path, arch):
     _assert_sane(_eval(path))
 
 
+def test_llama_cpp_chat_uses_the_template_and_special_tokens(tmp_path):
+    path = synthesize(SynthConfig.tiny("qwen3moe"), tmp_path / "chat.gguf")[0]
+    m = llama_cpp.Llama(model_path=path, n_ctx=128, use_extra_bufts=False, verbose=False)
+    try:
+        assert m.tokenize(b"<|im_end|>", add_bos=False, special=True) == [m.token_eos()]
+        out = m.create_chat_completion(messages=[{"role": "user", "content": "Zen?"}],
+                                       max_tokens=4, temperature=0.0)
+        assert out["usage"]["prompt_tokens"] > 3
+    finally:
+        m.close()
+
+
 def test_llama_cpp_computes_with_every_quant_type(tmp_path):
     cfg = SynthConfig.tiny("qwen3moe", n_layer=8, quant="mixed", n_expert=4, n_expert_used=4)
     path = synthesize(cfg, tmp_path / "mixed.gguf")[0]       # top-k = all: every expert runs

@@ -231,6 +231,19 @@ def test_tokenizer_is_valid_byte_level_bpe():
         build_vocab("glm4moe", 260)
 
 
+@pytest.mark.parametrize("arch", ARCHES, ids=ARCH_IDS)
+def test_chat_template_renders(arch):
+    jinja2 = pytest.importorskip("jinja2")
+    v = build_vocab(arch, 1024)
+    fam = v.family
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Zen?"}]
+    text = jinja2.Template(fam.template).render(messages=msgs, add_generation_prompt=True,
+                                                bos_token=fam.bos or "", eos_token=fam.eos)
+    assert "Zen?" in text and "\\n" not in text
+    used = [t for t, _ in fam.specials if t in text]
+    assert used and all(t in v.tokens for t in used)
+
+
 # ---- quant types ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("t", SUPPORTED_TYPES, ids=lambda t: t.name)
@@ -346,6 +359,28 @@ def test_refuses_to_overwrite(tmp_path):
         synthesize(SynthConfig(), p)
     assert synthesize(SynthConfig(seed=1), p, overwrite=True) == [p]
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
+    from expertfs.synth import data
+
+    def broken(self, plan, t):
+        yield np.zeros(16, np.uint8)
+        raise RuntimeError("generator broke")
+
+    monkeypatch.setattr(data.TensorData, "chunks", broken)
+    with pytest.raises(RuntimeError, match="generator broke"):
+        synthesize(SynthConfig(), tmp_path / "x.gguf")
+    monkeypatch.undo()
+    real = data.TensorData.chunks
+
+    def short_output(self, plan, t):                            # shard 1 of 3 fails late
+        return iter([np.zeros(4, np.uint8)]) if plan.name == "output.weight" else real(self, plan, t)
+
+    monkeypatch.setattr(data.TensorData, "chunks", short_output)
+    with pytest.raises(ValueError, match="expected"):
+        synthesize(SynthConfig(), tmp_path / "x.gguf", split_max_bytes=1 << 20)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- --like and --size ---------------------------------------------------------------------

@@ -35,8 +35,8 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5
 _CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
            "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-_GLM = ("[gMASK]<sop>{%- for message in messages %}<|{{ message['role'] }}|>\\n"
-        "{{ message['content'] }}{%- endfor %}{%- if add_generation_prompt %}<|assistant|>\\n"
+_GLM = ("[gMASK]<sop>{%- for message in messages %}{{- '<|' + message['role'] + '|>\\n' + "
+        "message['content'] }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}"
         "{%- endif %}")
 _MISTRAL = ("{{- bos_token }}{%- for message in messages %}{%- if message['role'] == 'user' %}"
             "{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- else %}"

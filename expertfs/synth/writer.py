@@ -9,6 +9,7 @@ shard is written as a plain file, as gguf-py does.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ __all__ = ["synthesize", "estimate_bytes", "layers_for_size", "plan_shards", "ou
 
 log = logging.getLogger(__name__)
 
-_DROP_CACHE_BYTES = 1 << 30      # larger outputs do not fill the page cache
+_DROP_CACHE_BYTES = 256 << 20    # larger outputs: flush as we go, keep the page cache for others
 
 
 def estimate_bytes(cfg: SynthConfig) -> int:
@@ -51,6 +52,9 @@ def layers_for_size(cfg: SynthConfig, target_bytes: int) -> SynthConfig:
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     if cfg.arch == "deepseek2" and cfg.q_lora_rank and lo in (26, 27):
         lo = 25
+    if lo == 1 and not fits(1):
+        log.warning("one layer of %s already takes %d bytes, more than the %d asked for",
+                    cfg.name, estimate_bytes(cfg.with_layers(1)), target_bytes)
     return cfg.with_layers(lo).validate()
 
 
@@ -99,7 +103,7 @@ def synthesize(cfg: SynthConfig, out_path: str | os.PathLike[str], split_max_byt
     """Write ``cfg``'s model to ``out_path`` (or its shards); returns the paths written.
 
     ``progress(done, total)`` is called with bytes of tensor data written so far. An existing
-    output is an error unless ``overwrite``. ``drop_cache`` (default: outputs over 1 GiB) keeps
+    output is an error unless ``overwrite``. ``drop_cache`` (default: outputs over 256 MiB) keeps
     the written pages out of the page cache. ``pool_min_bytes`` is the size from which native
     quant types are tiled from a block pool (see ``data.py``).
     """
@@ -143,14 +147,13 @@ def _write(path: str, kv: list[bytes], specs: list[TensorSpec], chunks, tick, dr
            written: list[str]) -> None:
     try:
         write_gguf(path, kv, specs, chunks, DEFAULT_ALIGNMENT, tick, drop_cache)
-    except OSError as e:
+    except BaseException as e:
         for p in written:       # a partial split is useless: remove the shards already written
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
-        if e.errno == 28:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise DiskFullError("the disk filled up while writing", path=path,
                                 fix="free space or write a smaller model") from None
         raise
-
