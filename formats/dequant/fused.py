@@ -1,3 +1,75 @@
-"""Placeholder replaced below."""
-def linear(*a, **k):
-    raise NotImplementedError
+"""``linear``: ``F.linear(x, W)`` straight from the ggml bytes of W.
+
+On CPU the weight is dequantized in row chunks of about ``chunk_elems`` elements and each
+chunk is multiplied as soon as it exists, so the float weight never exists whole: the chunk's
+temporaries stay in the L2/L3 cache and are recycled by the allocator, instead of several
+matrix-sized float32 temporaries being paged in for every call. On CUDA one chunk is the
+whole matrix (the kernels are bandwidth-bound there and launch count matters more).
+
+The product is computed in ``x.dtype``: float32 activations give the float32 result of
+``F.linear(x, dequantize(raw, ...))`` (up to the summation order of the BLAS); bfloat16 or
+float16 activations multiply bfloat16/float16 weights (rounded from the exact float32
+dequant, as ``dequantize(..., dtype=x.dtype)`` would give).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ggml import GGMLType, row_bytes, type_size
+from .dispatch import KERNELS, check_bytes, dequantize, resolve_type
+from .errors import QuantShapeError
+
+__all__ = ["linear", "DEFAULT_CPU_CHUNK_ELEMS"]
+
+#: Weight elements dequantized per step on CPU (measured best of 2**18 ... 2**23 on the
+#: development machine, see bench/bench_dequant.py): 1 Mi elements = 4 MiB of float32.
+DEFAULT_CPU_CHUNK_ELEMS = 1 << 20
+
+
+def _check(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, dims: tuple[int, ...],
+           bias: torch.Tensor | None) -> None:
+    if len(dims) != 2:
+        raise QuantShapeError(f"{t.name} linear needs a 2-D weight shape (out, in), got {dims}")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise QuantShapeError(f"{t.name} linear needs floating-point activations x")
+    if x.shape[-1] != dims[1]:
+        raise QuantShapeError(
+            f"{t.name} linear: x has {x.shape[-1]} features, the weight {dims} takes {dims[1]}")
+    if x.device != raw.device:
+        raise QuantShapeError(f"{t.name} linear: x is on {x.device}, the weight bytes on {raw.device}")
+    if bias is not None and tuple(bias.shape) != (dims[0],):
+        raise QuantShapeError(f"{t.name} linear: bias shape {tuple(bias.shape)} is not ({dims[0]},)")
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
+           shape: Sequence[int], bias: torch.Tensor | None = None, *,
+           chunk_elems: int | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` where W ``(out, in)`` is given as ggml bytes ``raw``.
+
+    ``shape`` is W's torch shape ``(out, in)`` (ggml ``ne=[in, out]``); ``x`` is ``(..., in)``
+    on ``raw``'s device; the result is ``(..., out)`` in ``x.dtype``. ``chunk_elems`` caps the
+    weight elements dequantized at once (default: ``DEFAULT_CPU_CHUNK_ELEMS`` on CPU, the
+    whole matrix elsewhere; ``0`` also means the whole matrix).
+    """
+    t = resolve_type(ggml_type)
+    dims = check_bytes(raw, t, shape)
+    _check(x, raw, t, dims, bias)
+    rows, cols = dims
+    if chunk_elems is None:
+        chunk_elems = DEFAULT_CPU_CHUNK_ELEMS if raw.device.type == "cpu" else 0
+    step = max(1, chunk_elems // max(cols, 1)) if chunk_elems > 0 else rows
+    if step >= rows or rows == 0 or cols == 0:
+        return F.linear(x, dequantize(raw, t, dims, dtype=x.dtype), bias)
+    kernel, tsize = KERNELS[t], type_size(t)
+    mat = raw.reshape(rows, row_bytes(t, cols))
+    parts = []
+    for r0 in range(0, rows, step):
+        part = mat[r0:r0 + step]
+        w = kernel(part.reshape(-1, tsize)).reshape(part.shape[0], cols)
+        parts.append(F.linear(x, w.to(x.dtype)))
+    y = torch.cat(parts, dim=-1)
+    return y if bias is None else y.add_(bias.to(y.dtype))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import bit_planes, f16_field, nibbles, u16_field
+from .fields import bits_per_byte, f16_field, nibbles, u16_field, word_fields
 from .tables import table
 
 __all__ = ["dequant_iq4_nl", "dequant_iq4_xs", "levels"]
@@ -38,8 +38,8 @@ def dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
 def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
-    high = bit_planes(u16_field(blocks[:, 2:4]), tuple(range(0, 16, 2)), 3).reshape(n, 8)
-    low = nibbles(blocks[:, 4:8]).transpose(-1, -2).reshape(n, 8)
+    high = word_fields(u16_field(blocks[:, 2:4]), tuple(range(0, 16, 2)), 3)
+    low = bits_per_byte(blocks[:, 4:8], (0, 4), 0x0F)
     sc = (low | (high.to(torch.uint8) << 4)).view(torch.int8) - 32
     dl = (d * sc.float()).reshape(n, 8, 1)
     q = nibbles(blocks[:, 8:136].reshape(n, 8, 16)).reshape(n, 8, 32)

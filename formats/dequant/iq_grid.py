@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import bit_planes, f16_field, int32_words, u16_field, nibbles, shifts
+from .fields import bits_per_byte, f16_field, int32_words, u16_field, word_fields
 from .tables import table
 
 __all__ = ["dequant_iq2_xxs", "dequant_iq2_xs", "dequant_iq2_s", "dequant_iq3_xxs",
@@ -34,6 +34,7 @@ __all__ = ["dequant_iq2_xxs", "dequant_iq2_xs", "dequant_iq2_s", "dequant_iq3_xx
 
 _BITS8 = tuple(range(8))
 _SIGN_SHIFTS = (0, 7, 14, 21)
+_NIBBLES = (0, 4)
 
 
 def _lookup(name: str, index: torch.Tensor) -> torch.Tensor:
@@ -43,94 +44,80 @@ def _lookup(name: str, index: torch.Tensor) -> torch.Tensor:
     return rows.reshape(*index.shape, tab.shape[1])
 
 
-def _ksign_rows(words: torch.Tensor) -> torch.Tensor:
-    """int32 words (..., 1) → (..., 4, 8) signs from the four 7-bit ksigns indices in each."""
-    idx = (words >> shifts(_SIGN_SHIFTS, words).reshape(-1)) & 0x7F
-    return _lookup("ksigns", idx)
+def _ksign_index(words: torch.Tensor) -> torch.Tensor:
+    """int32 words ``(n, k)`` → ``(n, k, 4)``: the four 7-bit ksigns indices of each word."""
+    return word_fields(words, _SIGN_SHIFTS, 0x7F).reshape(*words.shape, 4)
 
 
-def _grid_signed(grid: torch.Tensor, scale: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """gguf-py's ``db * grid * signs`` (in that order), in place on the fresh ``grid``."""
-    return grid.mul_(scale).mul_(signs)
 
 
 def dequant_iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
     qs = blocks[:, 2:66].reshape(n, 8, 8)
-    aux = int32_words(qs[:, :, 4:8])                                  # (n, 8, 1)
-    db = (d.reshape(n, 1, 1) * (0.5 + ((aux >> 28) & 0xF).float()) * 0.25).reshape(n, 8, 1, 1)
-    grid = _lookup("iq2xxs", qs[:, :, 0:4])                           # (n, 8, 4, 8)
-    signs = _ksign_rows(aux).reshape(n, 8, 4, 8)
-    return _grid_signed(grid, db, signs).reshape(n, 256)
+    aux = int32_words(qs[:, :, 4:8]).reshape(n, 8)
+    db = (d * (0.5 + ((aux >> 28) & 0xF).float()) * 0.25).reshape(n, 8, 1, 1)
+    index = (qs[:, :, 0:4].to(torch.int32) << 7) | _ksign_index(aux)   # (n, 8, 4)
+    # gguf-py computes (db * grid) * sign; db * (grid * sign) is the same float (sign flip)
+    return _lookup("iq2xxs_signed", index).mul_(db).reshape(n, 256)
 
 
 def dequant_iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
-    qs = blocks[:, 2:66]
-    lo, hi = qs[:, 0::2], qs[:, 1::2]                                 # (n, 32) each
-    sc = nibbles(blocks[:, 66:74]).transpose(-1, -2).reshape(n, 16)
+    sc = bits_per_byte(blocks[:, 66:74], _NIBBLES, 0x0F)
     db = (d * (0.5 + sc.float()) * 0.25).reshape(n, 16, 1, 1)
-    index = lo.to(torch.int32) | ((hi & 1).to(torch.int32) << 8)
-    grid = _lookup("iq2xs", index).reshape(n, 16, 2, 8)
-    signs = _lookup("ksigns", hi >> 1).reshape(n, 16, 2, 8)
-    return _grid_signed(grid, db, signs).reshape(n, 256)
+    words = u16_field(blocks[:, 2:66])                                # (n, 32): sign << 9 | grid
+    return _lookup("iq2xs_signed", words).reshape(n, 16, 2, 8).mul_(db).reshape(n, 256)
 
 
 def dequant_iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
     qs, sign_bytes, qh = blocks[:, 2:34], blocks[:, 34:66], blocks[:, 66:74]
-    sc = nibbles(blocks[:, 74:82]).transpose(-1, -2).reshape(n, 16)
+    sc = bits_per_byte(blocks[:, 74:82], _NIBBLES, 0x0F)
     db = (d * (0.5 + sc.float()) * 0.25).reshape(n, 16, 1, 1)
-    high = bit_planes(qh, (0, 2, 4, 6), 3).transpose(-1, -2).reshape(n, 32)
+    high = bits_per_byte(qh, (0, 2, 4, 6), 3)
     index = qs.to(torch.int32) | (high.to(torch.int32) << 8)
     grid = _lookup("iq2s", index).reshape(n, 16, 2, 8)
     signs = _lookup("signs8", sign_bytes).reshape(n, 16, 2, 8)
-    return _grid_signed(grid, db, signs).reshape(n, 256)
+    return grid.mul_(db).mul_(signs).reshape(n, 256)          # gguf-py: db * grid * signs
 
 
 def dequant_iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
-    qs = blocks[:, 2:66]
-    words = int32_words(blocks[:, 66:98]).reshape(n, 8, 1)
-    db = (d.reshape(n, 1, 1) * (0.5 + ((words >> 28) & 0xF).float()) * 0.5).reshape(n, 8, 1, 1)
-    grid = _lookup("iq3xxs", qs).reshape(n, 8, 4, 8)
-    signs = _ksign_rows(words).reshape(n, 8, 4, 8)
-    return _grid_signed(grid, db, signs).reshape(n, 256)
+    words = int32_words(blocks[:, 66:98]).reshape(n, 8)
+    db = (d * (0.5 + ((words >> 28) & 0xF).float()) * 0.5).reshape(n, 8, 1)
+    # 4 ksigns bytes per 32 weights, one sign nibble per 4-wide grid entry
+    nib = _lookup("ksign_nibbles", _ksign_index(words)).reshape(n, 64)
+    index = (blocks[:, 2:66].to(torch.int32) << 4) | nib.to(torch.int32)
+    # gguf-py's (db * grid) * sign equals db * (grid * sign): a sign flip is exact
+    return _lookup("iq3xxs_signed", index).reshape(n, 8, 32).mul_(db).reshape(n, 256)
 
 
 def dequant_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
     qs, qh, sign_bytes = blocks[:, 2:66], blocks[:, 66:74], blocks[:, 74:106]
-    sc = nibbles(blocks[:, 106:110]).transpose(-1, -2).reshape(n, 8)
-    db = (d * (1 + 2 * sc).float()).reshape(n, 8, 1, 1)
-    high = bit_planes(qh, _BITS8, 1).transpose(-1, -2).reshape(n, 64)
-    index = qs.to(torch.int32) | (high.to(torch.int32) << 8)
-    grid = _lookup("iq3s", index).reshape(n, 8, 4, 8)
-    signs = _lookup("signs8", sign_bytes).reshape(n, 8, 4, 8)
-    return _grid_signed(grid, db, signs).reshape(n, 256)
-
-
-def _delta(negative: torch.Tensor) -> torch.Tensor:
-    """±0.125 (IQ1S_DELTA) as float32: -0.125 where ``negative`` is true."""
-    return torch.where(negative, -0.125, 0.125).to(torch.float32)
+    sc = bits_per_byte(blocks[:, 106:110], _NIBBLES, 0x0F)
+    db = (d * (1 + 2 * sc).float()).reshape(n, 8, 1)
+    high = bits_per_byte(qh, _BITS8, 1)
+    nib = bits_per_byte(sign_bytes, _NIBBLES, 0x0F)                   # (n, 64)
+    index = (qs.to(torch.int32) << 4) | (high.to(torch.int32) << 12) | nib.to(torch.int32)
+    return _lookup("iq3s_signed", index).reshape(n, 8, 32).mul_(db).reshape(n, 256)
 
 
 def dequant_iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
-    qs = blocks[:, 2:34]
     qh = u16_field(blocks[:, 34:50])                                  # (n, 8) int32
-    dl = (d * (2 * ((qh >> 12) & 7) + 1).float()).reshape(n, 8, 1, 1)
-    delta = _delta((qh & 0x8000) != 0).reshape(n, 8, 1, 1)
-    high = bit_planes(qh, (0, 3, 6, 9), 7).transpose(-1, -2).reshape(n, 32)
-    index = qs.to(torch.int32) | (high << 8)
-    grid = _lookup("iq1s", index).reshape(n, 8, 4, 8)
-    return grid.add_(delta).mul_(dl).reshape(n, 256)
+    dl = (d * (2 * ((qh >> 12) & 7) + 1).float()).reshape(n, 8, 1)
+    high = word_fields(qh, (0, 3, 6, 9), 7).reshape(n, 8, 4)
+    index = (blocks[:, 2:34].to(torch.int32).reshape(n, 8, 4) | (high << 8)) << 1
+    index |= ((qh >> 15) & 1).reshape(n, 8, 1)                        # delta sign bit
+    # gguf-py computes dl * (grid + delta); the table holds grid + delta
+    return _lookup("iq1s_delta", index).reshape(n, 8, 32).mul_(dl).reshape(n, 256)
 
 
 def dequant_iq1_m(blocks: torch.Tensor) -> torch.Tensor:
@@ -139,11 +126,8 @@ def dequant_iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     top = sc_bytes[:, 1::2] >> 4                                      # top nibble of each u16
     d_bytes = torch.stack((top[:, 0] | (top[:, 1] << 4), top[:, 2] | (top[:, 3] << 4)), dim=-1)
     d = d_bytes.view(torch.float16).float()                           # (n, 1)
-    words = u16_field(sc_bytes)                                       # (n, 4) int32
-    sc = bit_planes(words, (0, 3, 6, 9), 7).transpose(-1, -2).reshape(n, 16)
-    dl = (d * (2 * sc + 1).float()).reshape(n, 8, 2, 1, 1)
-    halves = nibbles(qh).transpose(-1, -2).reshape(n, 32)             # per 8 weights
-    index = qs.to(torch.int32) | ((halves & 7).to(torch.int32) << 8)
-    delta = _delta((halves & 8) != 0).reshape(n, 8, 2, 2, 1)
-    grid = _lookup("iq1s", index).reshape(n, 8, 2, 2, 8)
-    return grid.add_(delta).mul_(dl).reshape(n, 256)
+    sc = word_fields(u16_field(sc_bytes), (0, 3, 6, 9), 7)            # (n, 16)
+    dl = (d * (2 * sc + 1).float()).reshape(n, 16, 1)
+    halves = bits_per_byte(qh, _NIBBLES, 0x0F).to(torch.int32)        # (n, 32): per 8 weights
+    index = ((qs.to(torch.int32) | ((halves & 7) << 8)) << 1) | (halves >> 3)
+    return _lookup("iq1s_delta", index).reshape(n, 16, 16).mul_(dl).reshape(n, 256)

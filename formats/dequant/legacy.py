@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import bit_planes, f16_field, nibbles
+from .fields import bits_per_byte, f16_field, nibbles
 
 __all__ = ["dequant_q4_0", "dequant_q4_1", "dequant_q5_0", "dequant_q5_1", "dequant_q8_0"]
 
@@ -31,7 +31,7 @@ def _q4(qs: torch.Tensor) -> torch.Tensor:
 
 def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """4 high-bit bytes + 16 nibble bytes → 32 five-bit values (uint8), shape (n, 32)."""
-    high = bit_planes(qh, _BITS8, 1).transpose(-1, -2).reshape(qh.shape[0], 32)
+    high = bits_per_byte(qh, _BITS8, 1)
     return _q4(qs) | (high << 4)
 
 

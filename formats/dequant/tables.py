@@ -43,6 +43,42 @@ def _e8m0_half() -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
+def _signed_grid(grid: str, index_of: str) -> np.ndarray:
+    """A grid fused with the ksigns table: one row per (grid index, 7-bit sign index) pair.
+
+    ``index_of == "xxs"``: row ``g << 7 | s`` (IQ2_XXS builds that index from its bytes);
+    ``"u16"``: row = the raw IQ2_XS word ``s << 9 | g``. A row is ``grid[g] * ksigns[s]``,
+    exact (a sign flip), and saves a second gather and a multiply per 8 weights.
+    """
+    g = _BUILDERS[grid]()
+    rows = g[:, None, :] * _ksigns()[None, :, :]                 # (G, 128, 8)
+    if index_of == "u16":
+        rows = rows.transpose(1, 0, 2)                             # (128, G, 8): s << 9 | g
+    return rows.reshape(-1, 8)
+
+
+def _signed_grid4(grid: str) -> np.ndarray:
+    """A 4-wide grid fused with 4 sign bits: row ``g << 4 | s`` = ``grid[g]`` with element i
+    negated where bit i of s is set (IQ3_XXS, IQ3_S: one sign nibble per grid entry)."""
+    g = _BUILDERS[grid]()
+    signs = _sign_bytes()[:16, :4]                                 # (16, 4)
+    return (g[:, None, :] * signs[None, :, :]).reshape(-1, 4)
+
+
+def _ksign_nibbles() -> np.ndarray:
+    """(128, 2) uint8-valued: the low and high nibble of ``ksigns_iq2xs[k]``."""
+    ks = np.frombuffer(_gq.IQ2_XXS.ksigns, dtype=np.uint8)
+    return np.stack((ks & 0x0F, ks >> 4), axis=-1)
+
+
+def _delta_grid() -> np.ndarray:
+    """IQ1 grid fused with its delta bit: row ``g << 1 | b`` = ``grid[g] + (b ? -1 : 1) * 0.125``
+    (IQ1S_DELTA), the float32 sum gguf-py forms before scaling (exact: grid is in {-1, 0, 1})."""
+    g = _BUILDERS["iq1s"]()
+    delta = np.array([0.125, -0.125], dtype=np.float32).reshape(1, 2, 1)
+    return (g[:, None, :] + delta).astype(np.float32).reshape(-1, 8)
+
+
 _BUILDERS = {
     "iq2xxs": lambda: _grid(_gq.IQ2_XXS),
     "iq2xs": lambda: _grid(_gq.IQ2_XS),
@@ -55,6 +91,12 @@ _BUILDERS = {
     "iq4nl": lambda: np.asarray(_gq.IQ4_NL.kvalues, dtype=np.float32),
     "mxfp4": lambda: np.asarray(_gq.MXFP4.kvalues, dtype=np.float32),
     "e8m0_half": _e8m0_half,
+    "iq2xxs_signed": lambda: _signed_grid("iq2xxs", "xxs"),
+    "iq2xs_signed": lambda: _signed_grid("iq2xs", "u16"),
+    "iq3xxs_signed": lambda: _signed_grid4("iq3xxs"),
+    "iq3s_signed": lambda: _signed_grid4("iq3s"),
+    "ksign_nibbles": _ksign_nibbles,
+    "iq1s_delta": _delta_grid,
 }
 
 #: Expected shapes: a gguf-py whose tables differ is refused rather than silently used.
@@ -62,6 +104,9 @@ _SHAPES = {
     "iq2xxs": (256, 8), "iq2xs": (512, 8), "iq2s": (1024, 8), "iq3xxs": (256, 4),
     "iq3s": (512, 4), "iq1s": (2048, 8), "ksigns": (128, 8), "signs8": (256, 8),
     "iq4nl": (16,), "mxfp4": (16,), "e8m0_half": (256,),
+    "iq2xxs_signed": (256 * 128, 8), "iq2xs_signed": (512 * 128, 8),
+    "iq3xxs_signed": (256 * 16, 4), "iq3s_signed": (512 * 16, 4), "ksign_nibbles": (128, 2),
+    "iq1s_delta": (2048 * 2, 8),
 }
 
 TABLE_NAMES = tuple(_BUILDERS)
@@ -75,11 +120,17 @@ def _host(name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
+#: Tables of small integers, kept as uint8 (they index other tables).
+_BYTE_TABLES = frozenset({"ksign_nibbles"})
+
+
 @functools.lru_cache(maxsize=None)
 def _on(name: str, device: torch.device) -> torch.Tensor:
-    return _host(name).to(device)
+    host = _host(name)
+    return host.to(device, torch.uint8 if name in _BYTE_TABLES else torch.float32)
 
 
 def table(name: str, device: torch.device) -> torch.Tensor:
-    """The float32 table ``name`` (one of ``TABLE_NAMES``) on ``device``, built once."""
+    """The table ``name`` (one of ``TABLE_NAMES``) on ``device``, built once: float32, or
+    uint8 for the index tables in ``_BYTE_TABLES``."""
     return _on(name, torch.device(device))
