@@ -51,9 +51,9 @@ def test_auto_falls_back_without_the_driver_and_says_so(big, tmp_path, caplog):
 
 
 def test_tie_break_prefers_direct_then_the_fastest():
-    assert _pick({"direct": 1.0, "buffered": 1.04}) == "direct"
-    assert _pick({"direct": 1.0, "buffered": 1.2}) == "buffered"
-    assert _pick({"kvikio": 0.97, "direct": 1.0}) == "kvikio"
+    assert _pick({"direct": 1.0, "buffered": 1.12}) == "direct"
+    assert _pick({"direct": 1.0, "buffered": 1.3}) == "buffered"
+    assert _pick({"kvikio": 0.9, "direct": 1.0}) == "kvikio"
 
 
 def test_open_file_auto_and_small_files(big, tmp_path):

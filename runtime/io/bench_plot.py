@@ -27,6 +27,9 @@ def plot_report(report: BenchReport, out: str | os.PathLike[str]) -> None:
         ax.axhline(report.seq.gbps, linestyle="--", color="grey",
                    label=f"sequential ({report.seq.backend})")
     ax.set_xscale("log", base=2)
+    qds = sorted({p.qd for p in report.points})
+    if qds:
+        ax.set_xticks(qds, [str(q) for q in qds])
     ax.set_xlabel("queue depth")
     ax.set_ylabel("GB/s")
     ax.set_title(f"{os.path.basename(report.path)}: random reads of {report.read_size // 1024} KiB, "
