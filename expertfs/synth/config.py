@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from .presets import like_fields, tiny_fields
 from .quant import QuantSpec, parse_quant
 
 __all__ = ["SynthConfig", "ARCHES", "MAX_LAYERS"]
@@ -79,13 +80,11 @@ class SynthConfig:
     @classmethod
     def tiny(cls, arch: str = "qwen3moe", **over: object) -> SynthConfig:
         """A few-MB model of ``arch`` with every tensor kind the architecture has."""
-        from .presets import tiny_fields
         return cls(**{**tiny_fields(arch), **over}).validate()
 
     @classmethod
     def like(cls, name: str, layers: int | None = None, **over: object) -> SynthConfig:
         """A real model's geometry (``presets.PRESETS``), optionally cut to ``layers`` layers."""
-        from .presets import like_fields
         cfg = cls(**{**like_fields(name), **over})
         return (cfg.with_layers(layers) if layers else cfg).validate()
 

@@ -6,7 +6,7 @@ bytes of a tensor do not depend on which other tensors the model has (a 4-layer 
 file share their first layers' bytes).
 
 Small tensors are made directly (``blocks.make_blocks``). Large tensors of a natively quantized
-type are tiled from a pool of ``POOL_BLOCKS`` blocks quantized by gguf-py from Gaussian weights
+type are tiled from a pool of ``POOL_BYTES`` of blocks quantized by gguf-py from Gaussian weights
 (quantizing in numpy runs at 10–120 MB/s, gathering at GB/s); each chunk picks its blocks from
 the pool at random, so every expert gets distinct bytes. Large K/IQ tensors are synthesized
 directly, which already runs at about 1 GB/s.
@@ -24,11 +24,11 @@ from ..formats.ggml import GGMLType, block_size, type_size
 from .archs import Init, TensorPlan
 from .blocks import NATIVE_TYPES, make_blocks, native_blocks
 
-__all__ = ["TensorData", "CHUNK_BYTES", "POOL_MIN_BYTES", "POOL_BLOCKS"]
+__all__ = ["TensorData", "CHUNK_BYTES", "POOL_MIN_BYTES", "POOL_BYTES"]
 
 CHUNK_BYTES = 8 << 20
 POOL_MIN_BYTES = 4 << 20
-POOL_BLOCKS = 16384
+POOL_BYTES = 2 << 20         # per (type, sigma): 62k Q8_0 blocks, 2k rows of 256 F32
 _FLOAT_UNIT = 256            # elements per pool "block" for F32/F16/BF16
 
 
@@ -85,7 +85,7 @@ class TensorData:
             sigma_bits = int(np.float32(sigma).view(np.uint32))
             rng = _rng(self.seed, 0x706F6F6C, int(t), sigma_bits)
             per_unit = unit // block_size(t)
-            blocks = native_blocks(t, POOL_BLOCKS * per_unit, sigma, rng)
-            pool = blocks.reshape(POOL_BLOCKS, per_unit * type_size(t))
+            n = max(1024, POOL_BYTES // (per_unit * type_size(t)))
+            pool = native_blocks(t, n * per_unit, sigma, rng).reshape(n, per_unit * type_size(t))
             self._pools[k] = pool
         return pool
