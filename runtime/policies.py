@@ -143,8 +143,10 @@ class DecayLFU(Policy):
 
     Uses of non-resident keys are remembered too (the history is bounded by the number of
     experts), so an expert evicted and fetched again keeps its frequency. ``half_life`` is in
-    clock units (tokens); ``None`` is plain LFU. Ties go to the least recently used. Because all
-    scores decay at one rate their order only changes on a use, so a lazy min-heap is exact.
+    clock units (tokens); ``None`` is plain LFU. Ties go to the least recently used.
+    All scores decay at one rate, so their order only changes on a use, and a use only raises a
+    score: a heap entry is a lower bound of its key's (score, last use). A hit just updates the
+    score; ``victim`` refreshes outdated entries as they reach the top, which keeps it exact.
     """
 
     name = "lfu"
@@ -159,48 +161,46 @@ class DecayLFU(Policy):
         self.name = "lfu" if half_life is None else f"lfud@{half_life:g}"
         self._rate = 0.0 if half_life is None else 1.0 / half_life
         self._t0 = 0.0                   # scores are in units of 2^((t - t0) / half_life)
+        self._now: float | None = None   # the clock value ``_u`` was computed for
+        self._u = 1.0
         self.prior_tokens = prior_tokens
         self._score: dict[Key, float] = {}
-        self._resident: dict[Key, int] = {}      # key -> sequence number of its heap entry
+        self._last: dict[Key, int] = {}  # key -> sequence number of its last use
+        self._resident: set[Key] = set()
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
 
     def _unit(self, now: float) -> float:
-        if not self._rate:
-            return 1.0
-        e = (now - self._t0) * self._rate
-        if e > self._RENORM:
-            self._rebase(now)
-            e = 0.0
-        return 2.0 ** e
+        if now != self._now:
+            e = (now - self._t0) * self._rate
+            if e > self._RENORM:
+                self._rebase(now)
+                e = 0.0
+            self._now, self._u = now, 2.0 ** e
+        return self._u
 
     def _rebase(self, now: float) -> None:
         f = 2.0 ** (-(now - self._t0) * self._rate)
         self._t0 = now
-        self._score = {k: s * f for k, s in self._score.items() if s * f > 1e-300}
+        self._score = {k: s * f for k, s in self._score.items()}
         self._rebuild()
 
     def _rebuild(self) -> None:
-        sc = self._score
-        self._heap = [(sc.get(k, 0.0), seq, k) for k, seq in self._resident.items()]
+        sc, last = self._score, self._last
+        self._heap = [(sc[k], last[k], k) for k in self._resident]
         heapq.heapify(self._heap)
 
     def bump(self, key: Key, now: float, amount: float = 1.0) -> float:
         """Add ``amount`` uses of ``key`` at ``now`` to its score (resident or not)."""
-        s = self._score.get(key, 0.0) + amount * self._unit(now)
+        s = self._score.get(key, 0.0) + amount * (self._u if now == self._now else self._unit(now))
         self._score[key] = s
+        self._seq += 1
+        self._last[key] = self._seq
         return s
 
     def access(self, key: Key, now: float) -> bool:
-        s = self.bump(key, now)
-        if key not in self._resident:
-            return False
-        self._seq += 1
-        self._resident[key] = self._seq
-        heapq.heappush(self._heap, (s, self._seq, key))
-        if len(self._heap) > 4 * len(self._resident) + 64:
-            self._rebuild()
-        return True
+        self.bump(key, now)
+        return key in self._resident
 
     def observe(self, key: Key, now: float) -> None:
         self.bump(key, now)
@@ -215,13 +215,15 @@ class DecayLFU(Policy):
 
     def lowest(self, pinned: set[Key]) -> Key | None:
         """The resident key with the lowest score that is not in ``pinned`` (None if none)."""
-        heap, res = self._heap, self._resident
+        heap, res, sc, last = self._heap, self._resident, self._score, self._last
         stash = []
         try:
             while heap:
                 s, seq, key = heap[0]
-                if res.get(key) != seq:              # stale: evicted or used again since
+                if key not in res:                   # evicted since
                     heapq.heappop(heap)
+                elif s != sc[key] or seq != last[key]:   # used since: move it to its place
+                    heapq.heapreplace(heap, (sc[key], last[key], key))
                 elif key in pinned:
                     stash.append(heapq.heappop(heap))
                 else:
@@ -238,12 +240,15 @@ class DecayLFU(Policy):
     def on_insert(self, key: Key, now: float) -> None:
         if key not in self._score:
             self._score[key] = 0.0
-        self._seq += 1
-        self._resident[key] = self._seq
-        heapq.heappush(self._heap, (self._score[key], self._seq, key))
+            self._seq += 1
+            self._last[key] = self._seq
+        self._resident.add(key)
+        heapq.heappush(self._heap, (self._score[key], self._last[key], key))
+        if len(self._heap) > 2 * len(self._resident) + 64:
+            self._rebuild()
 
     def on_evict(self, key: Key) -> None:
-        del self._resident[key]
+        self._resident.remove(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._resident

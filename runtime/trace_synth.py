@@ -166,10 +166,11 @@ def _chunk(s: SyntheticSpec, t0: int, experts: np.ndarray, rng: np.random.Genera
                       dw.astype(np.float16))
 
 
-def write_synthetic(path: str | os.PathLike[str], spec: SyntheticSpec) -> TraceHeader:
+def write_synthetic(path: str | os.PathLike[str], spec: SyntheticSpec, *,
+                    chunk_rows: int = 4096) -> TraceHeader:
     """Generate ``spec`` and write it as a trace file; returns its header."""
     h = synthetic_header(spec)
-    with TraceWriter(path, h) as w:
+    with TraceWriter(path, h, chunk_rows=chunk_rows) as w:
         for c in synthetic_chunks(spec):
             w.add_chunk(c)
     return h
