@@ -1,0 +1,85 @@
+"""The contract between the MoE layer and whatever keeps experts resident.
+
+The MoE layer routes, then calls ``provider.get(layer, ids)``: the provider makes those experts
+resident on the compute device (demand reads outrank prefetches) and returns ``ExpertWeights``
+whose ``QWeight`` views stay valid, and are never evicted, until ``provider.release(layer)``.
+``prefetch`` is a non-blocking hint; a provider may ignore it. Weights are the store's bytes,
+unchanged: ``QWeight.raw`` is a uint8 tensor of ``rows × row_bytes`` and ``shape`` is the
+torch (out, in) shape, so ``expertfs.formats.dequant.linear(x, w.raw, w.ggml_type, w.shape)``
+computes ``x @ W.T`` like ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from expertfs.formats.ggml import GGMLType
+from expertfs.formats.moe_names import Role
+from expertfs.layout import Extent
+
+__all__ = ["QWeight", "ExpertWeights", "ExpertProvider", "ProviderStats", "weights_from_buffer"]
+
+
+@dataclass(frozen=True)
+class QWeight:
+    raw: torch.Tensor            # uint8, the part's bytes, on the compute device
+    ggml_type: GGMLType
+    shape: tuple[int, ...]       # torch order: (out, in) for matrices, (n,) for biases
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    layer: int
+    expert: int
+    parts: Mapping[Role, QWeight]
+
+    def get(self, role: Role) -> QWeight | None:
+        return self.parts.get(role)
+
+
+@dataclass
+class ProviderStats:
+    """Counters every provider keeps; the runtime prints them and writes them to --json."""
+
+    requests: int = 0            # experts asked for by get()
+    hits: dict[str, int] = field(default_factory=dict)   # per tier name: already resident
+    misses: int = 0              # demand reads from storage
+    bytes_read: int = 0          # from storage, demand and prefetch
+    prefetch_issued: int = 0
+    prefetch_used: int = 0       # prefetched experts later asked for by get()
+    prefetch_wasted: int = 0     # prefetched experts evicted or dropped unused
+    late_bytes: int = 0          # bytes of prefetches still in flight when get() needed them
+    stall_seconds: float = 0.0   # time get() spent waiting on storage
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    stats: ProviderStats
+
+    def get(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        """Make ``experts`` of ``layer`` resident and return their weights (blocking)."""
+
+    def release(self, layer: int) -> None:
+        """The running layer is done with what ``get`` returned; those may now be evicted."""
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Hint: these will probably be needed soon (never blocks)."""
+
+    def close(self) -> None:
+        ...
+
+
+def weights_from_buffer(extent: Extent, buf: torch.Tensor) -> ExpertWeights:
+    """Views of every part of ``extent`` inside ``buf`` (a uint8 tensor holding the extent)."""
+    flat = buf.reshape(-1)
+    parts = {}
+    for p in extent.parts:
+        shape = tuple(reversed(p.ne))
+        parts[p.role] = QWeight(flat[p.rel_offset:p.rel_offset + p.nbytes], p.ggml_type, shape)
+    return ExpertWeights(extent.layer, extent.expert, parts)
