@@ -61,8 +61,6 @@ def random_blocks(t: T, rows: int, cols: int, rng: np.random.Generator,
 
 
 def reference(raw: np.ndarray, t: T) -> np.ndarray:
-    if t == T.BF16:      # gguf-py's BF16 dequant view, without its row-grouping wrapper
-        return (raw.view(np.int16).astype(np.int32) << 16).view(np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)     # MXFP4 e=255 overflows to inf
         return gq.dequantize(raw, t)
@@ -128,7 +126,8 @@ def test_expert_slice_of_a_3d_tensor_is_its_linear_weight() -> None:
     assert_bit_equal(whole, gq.dequantize(raw, T.Q8_0))
 
 
-@pytest.mark.parametrize("t", [T.F32, T.F16, T.Q8_0, T.Q4_K, T.IQ2_XS, T.IQ1_M], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.F32, T.F16, T.Q8_0, T.Q4_K, T.IQ2_XS, T.IQ1_M],
+                         ids=lambda t: t.name)
 def test_misaligned_and_strided_bytes(t: T) -> None:
     """Bytes at an odd offset of a larger buffer, or a strided row view, still decode."""
     rng = np.random.default_rng(11)
@@ -186,7 +185,7 @@ def test_empty_tensor() -> None:
 
 # --- the fused linear -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.MXFP4, T.IQ2_XXS, T.Q6_K, T.BF16],
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.MXFP4, T.IQ2_XXS, T.Q6_K, T.BF16, T.F32],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 5])
 def test_linear_matches_dequantize_then_linear(t: T, batch: int) -> None:
@@ -210,6 +209,14 @@ def test_linear_bf16_activations_and_leading_dims() -> None:
     want = F.linear(x, dequantize(raw, T.Q4_K, (64, 256), dtype=torch.bfloat16))
     assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 64)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_linear_uses_a_matching_plain_weight_in_place() -> None:
+    w = torch.randn(8, 64).bfloat16()
+    raw = w.view(torch.uint8).reshape(-1)
+    x = torch.randn(3, 64).bfloat16()
+    bias = torch.randn(8)                              # float32 bias follows x's dtype
+    assert torch.equal(linear(x, raw, T.BF16, (8, 64), bias), F.linear(x, w, bias.bfloat16()))
 
 
 def test_linear_rejects_mismatches() -> None:
@@ -241,7 +248,8 @@ def quant_cases(draw):
     rows = draw(st.integers(1, 3))
     n_cols_blocks = draw(st.integers(1, 3 if block_size(t) > 1 else 40))
     cols = n_cols_blocks * block_size(t)
-    payload = draw(st.binary(min_size=rows * row_bytes(t, cols), max_size=rows * row_bytes(t, cols)))
+    size = rows * row_bytes(t, cols)
+    payload = draw(st.binary(min_size=size, max_size=size))
     return t, rows, cols, payload
 
 

@@ -72,10 +72,12 @@ def check_bytes(raw: torch.Tensor, t: GGMLType, shape: Sequence[int]) -> tuple[i
         raise QuantShapeError(f"{t.name} bytes must be a torch.Tensor, got {type(raw).__name__}")
     if raw.dtype != torch.uint8:
         raise QuantShapeError(f"{t.name} bytes must be a uint8 tensor, got {raw.dtype}",
-                              fix="pass the raw ggml bytes, e.g. torch.frombuffer(buf, dtype=torch.uint8)")
+                              fix="pass the raw ggml bytes, "
+                                  "e.g. torch.frombuffer(buf, dtype=torch.uint8)")
     dims = tuple(int(s) for s in shape)
     if not dims or any(s < 0 for s in dims):
-        raise QuantShapeError(f"{t.name} shape {tuple(shape)} must have at least one axis and no negative size")
+        raise QuantShapeError(
+            f"{t.name} shape {tuple(shape)} must have at least one axis and no negative size")
     cols = dims[-1]
     bs = block_size(t)
     if cols % bs:

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from .fields import _reinterpret
+from .fields import reinterpret
 
 __all__ = ["dequant_f32", "dequant_f16", "dequant_bf16"]
 
 
 def dequant_f32(blocks: torch.Tensor) -> torch.Tensor:
-    return _reinterpret(blocks, torch.float32)
+    return reinterpret(blocks, torch.float32)
 
 
 def dequant_f16(blocks: torch.Tensor) -> torch.Tensor:
-    return _reinterpret(blocks, torch.float16)
+    return reinterpret(blocks, torch.float16)
 
 
 def dequant_bf16(blocks: torch.Tensor) -> torch.Tensor:
-    return _reinterpret(blocks, torch.bfloat16)
+    return reinterpret(blocks, torch.bfloat16)
