@@ -20,5 +20,5 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="llama.cpp tests are opt-in: set EXPERTFS_LLAMA_TESTS=1 "
                             "(needs llama-cpp-python, a long build)")
     for item in items:
-        if "llama" in item.keywords:
+        if item.get_closest_marker("llama") is not None:
             item.add_marker(skip)

@@ -50,8 +50,10 @@ def describe(info: dict[str, Any]) -> list[str]:
         lines.append(f"  {info['note']}")
         lines.append(f"  trunk: {fmt_bytes(info['trunk_bytes'])}")
         return lines
-    nextn = f" (+{info['nextn_layers']} NextN)" if info.get("nextn_layers") else ""
-    lines.append(f"  blocks: {info['block_count']}{nextn}; MoE layers: {info['moe_layers']}; "
+    nextn = f" (incl. {info['nextn_layers']} NextN)" if info.get("nextn_layers") else ""
+    n_nextn_moe = sum(1 for lay in info["layers"] if lay["nextn"])
+    moe_nextn = f" (+{n_nextn_moe} NextN)" if n_nextn_moe else ""
+    lines.append(f"  blocks: {info['block_count']}{nextn}; MoE layers: {info['moe_layers']}{moe_nextn}; "
                  f"experts per layer: {info['expert_count']}; used per token: "
                  f"{info['expert_used_count']}; shared: {info.get('expert_shared_count') or 0}; "
                  f"leading dense: {info.get('leading_dense_blocks') or 0}")
