@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""llama.cpp's decode speed on a GGUF, the peer every expertfs speed claim is measured against.
+
+Loads the model with llama-cpp-python as a true mmap baseline (``use_mmap=True``, weight
+repacking off with ``use_extra_bufts=False``: the default repack copies experts into RAM and is
+OOM-killed under a cap), evaluates a prompt (time to first token) and decodes N tokens greedily.
+Prints one JSON line: load_s, ttft_s, decode_tok_s, prompt_n, predicted_n, read_bytes.
+
+    python bench/llama_decode.py MODEL.gguf --prompt-tokens 16 -n 32 -t 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def proc_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--prompt", default=None, help="text prompt (default: token ids 1..N)")
+    ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--ctx", type=int, default=512)
+    a = ap.parse_args()
+    from llama_cpp import Llama
+    t0 = time.perf_counter()
+    llm = Llama(model_path=a.model, n_ctx=a.ctx, n_threads=a.threads, n_threads_batch=a.threads,
+                use_mmap=True, use_extra_bufts=False, verbose=False, logits_all=False)
+    load = time.perf_counter() - t0
+    if a.prompt:
+        toks = llm.tokenize(a.prompt.encode(), add_bos=False)
+    else:
+        toks = [(i * 7 + 3) % (llm.n_vocab() - 1) + 1 for i in range(a.prompt_tokens)]
+    r0 = proc_read_bytes()
+    t1 = time.perf_counter()
+    llm.eval(toks)
+    ttft = time.perf_counter() - t1
+    r1 = proc_read_bytes()
+    out = []
+    t2 = time.perf_counter()
+    for _ in range(a.n):
+        tok = llm.sample(temp=0.0)
+        out.append(int(tok))
+        llm.eval([tok])
+    dec = time.perf_counter() - t2
+    r2 = proc_read_bytes()
+    json.dump({"peer": "llama.cpp", "load_s": load, "ttft_s": ttft, "prompt_n": len(toks),
+               "predicted_n": a.n, "decode_s": dec, "decode_tok_s": a.n / dec,
+               "prefill_read_bytes": r1 - r0, "decode_read_bytes": r2 - r1,
+               "decode_read_bytes_per_token": (r2 - r1) / a.n, "tokens": out}, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
