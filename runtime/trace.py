@@ -249,8 +249,8 @@ def _read_exact(f: BinaryIO, n: int, what: str, path: str) -> bytes:
 class TraceWriter:
     """Streaming writer: ``with TraceWriter(path, header) as w: w.add(...)``; memory is one chunk.
 
-    ``close()`` (or leaving the ``with``) writes the End record; a file without it is reported as
-    unfinished by the reader.
+    ``close()`` (or leaving the ``with`` normally) writes the End record; after an exception the
+    file is left without it, so readers report it as unfinished rather than trust it.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: TraceHeader, *, chunk_rows: int = 4096,
@@ -306,8 +306,17 @@ class TraceWriter:
     def __enter__(self) -> TraceWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def abort(self) -> None:
+        """Close without the End record: readers will report the file as unfinished."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
 def _fields(c: TraceChunk) -> tuple[np.ndarray | None, ...]:

@@ -27,7 +27,8 @@ class AsyncTraceWriter:
     """``async with AsyncTraceWriter(path, header) as w: await w.add(token, layer, ids, weights)``.
 
     Errors from the background task (a full disk, say) are raised by the next ``add`` or by
-    ``close``. Leaving the ``async with`` writes the remaining rows and the End record.
+    ``close``. Leaving the ``async with`` normally writes the remaining rows and the End record;
+    leaving it by an exception leaves the file unfinished (no End record), as readers then say.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: TraceHeader, *, chunk_rows: int = 4096,
@@ -104,5 +105,12 @@ class AsyncTraceWriter:
     async def __aenter__(self) -> AsyncTraceWriter:
         return await self.open()
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            await self.close()
+            return
+        self._closed = True                      # an error in the caller: no End record
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._f.close()

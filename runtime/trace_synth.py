@@ -4,7 +4,8 @@ The process, per token t and layer l (deterministic from ``seed``):
 
 * **skew**: layer l's experts have popularity ∝ rank^-zipf under a per-layer random permutation
   drawn from ``model_seed`` (each layer has its own hot experts, the same in every run of that
-  "model"); fresh picks are drawn without replacement from it;
+  "model"); fresh picks are drawn without replacement from it. ``zipf_spread`` makes layers
+  differ: the exponent runs linearly from zipf·(1-spread) at the first layer to zipf·(1+spread);
 * **temporal locality**: each of the previous token's k experts at layer l is kept with
   probability ``stickiness`` (a sticky Markov chain); the remaining slots are fresh picks;
 * **cross-layer correlation**: with probability ``cross_layer`` a fresh pick follows a fixed random
@@ -44,6 +45,7 @@ class SyntheticSpec:
     n_tokens: int = 2048
     expert_bytes: int = 4 << 20          # every layer's expert size in bytes
     zipf: float = 1.0                    # popularity exponent over ranks (0 = uniform)
+    zipf_spread: float = 0.0             # layers' exponents span zipf·(1 ± spread)
     stickiness: float = 0.5              # P(keep each of the previous token's experts)
     cross_layer: float = 0.0             # P(a fresh pick follows the previous layer's path)
     phase_tokens: int = 0                # hot sets are redrawn every this many tokens (0 = never)
@@ -63,6 +65,9 @@ class SyntheticSpec:
                                  fix=f"give {name} in [0, 1]")
         if self.zipf < 0:
             raise UsageError(f"zipf {self.zipf} < 0", fix="give a skew exponent >= 0 (0 = uniform)")
+        if not 0.0 <= self.zipf_spread <= 1.0:
+            raise UsageError(f"zipf_spread {self.zipf_spread} outside [0, 1]",
+                             fix="give a spread in [0, 1]")
 
 
 #: Named shapes of routing, from none to strong locality. "hot" and "sticky" resemble published
@@ -73,6 +78,7 @@ PRESETS: dict[str, dict[str, float | int]] = {
     "sticky": dict(zipf=0.3, stickiness=0.6, cross_layer=0.2),      # little skew, strong reuse
     "hot": dict(zipf=1.1, stickiness=0.4, cross_layer=0.3),         # skewed and sticky
     "drift": dict(zipf=1.0, stickiness=0.4, cross_layer=0.3, phase_tokens=256),   # topic changes
+    "mixed": dict(zipf=0.9, zipf_spread=0.9, stickiness=0.45, cross_layer=0.3),  # layers differ
 }
 
 
@@ -111,10 +117,11 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256) -> Iterat
     L, E, k = s.n_layers, s.n_experts, s.k
     model = np.random.default_rng([s.model_seed, 0x5EED])
     rng = np.random.default_rng(s.seed)
-    base = -s.zipf * np.log(np.arange(1, E + 1))                 # log-popularity by rank
+    spread = np.linspace(1 - s.zipf_spread, 1 + s.zipf_spread, L) if L > 1 else np.ones(1)
+    base = -s.zipf * spread[:, None] * np.log(np.arange(1, E + 1))   # [L, E] log-popularity by rank
     logp = np.empty((L, E))
     for layer in range(L):
-        logp[layer, model.permutation(E)] = base
+        logp[layer, model.permutation(E)] = base[layer]
     link = np.stack([model.permutation(E) for _ in range(L)])    # [L, E] layer l-1 expert -> l
     prev = None                                                  # [L, k] previous token's route
     for t0 in range(0, s.n_tokens, tokens_per_chunk):
@@ -124,7 +131,7 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256) -> Iterat
             t = t0 + i
             if s.phase_tokens and t and t % s.phase_tokens == 0:    # a new topic: new hot sets
                 for layer in range(L):
-                    logp[layer, rng.permutation(E)] = base
+                    logp[layer, rng.permutation(E)] = base[layer]
             score = logp + rng.gumbel(size=(L, E))               # fresh ranking, Gumbel-top-k
             keep = rng.random((L, k)) < s.stickiness
             follow = rng.random((L, k)) < s.cross_layer

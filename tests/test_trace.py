@@ -198,6 +198,26 @@ def test_async_writer_reports_background_failure(tmp_path, monkeypatch) -> None:
         read_trace(tmp_path / "t")
 
 
+def test_writer_error_leaves_an_unfinished_file(tmp_path) -> None:
+    with pytest.raises(RuntimeError):
+        with TraceWriter(tmp_path / "s", TINY, chunk_rows=1) as w:
+            w.add(0, 0, [1, 2], [0.5, 0.5])
+            raise RuntimeError("producer failed")
+
+    async def record() -> None:
+        async with AsyncTraceWriter(tmp_path / "a", TINY, chunk_rows=1) as w:
+            await w.add(0, 0, [1, 2], [0.5, 0.5])
+            raise RuntimeError("producer failed")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(record())
+    for name in ("s", "a"):
+        with pytest.raises(TraceError, match="truncated"):
+            read_trace(tmp_path / name)
+        _, c = read_trace(tmp_path / name, allow_partial=True)
+        assert len(c) <= 1
+
+
 def test_every_truncation_is_a_clear_error(tmp_path) -> None:
     h = TraceHeader(2, 16, 2, (10, 10))
     p = tmp_path / "full"

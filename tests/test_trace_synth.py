@@ -68,6 +68,11 @@ def test_zipf_sets_skew_with_per_layer_hot_sets() -> None:
     assert set(np.argsort(np.bincount(other_run[:, 0].ravel(), minlength=32))[-4:]) == tops[0]
 
 
+def test_zipf_spread_makes_layers_differ() -> None:
+    r = _routes(SyntheticSpec(**SMALL, zipf=1.0, zipf_spread=0.9, stickiness=0.0))
+    assert _top_share(r, 0, 4) + 0.2 < _top_share(r, 3, 4)
+
+
 def test_cross_layer_correlation_makes_paths() -> None:
     def predictability(rho: float) -> float:
         r = _routes(SyntheticSpec(**SMALL, zipf=0.0, stickiness=0.0, cross_layer=rho))
@@ -114,6 +119,6 @@ def test_parse_spec_errors() -> None:
     assert parse_spec("zipf=0.5,n-tokens=10").n_tokens == 10
     for bad, match in [("nope", "preset"), ("k=2,hot", "preset"), ("zz=1", "field"),
                        ("k=x", "number"), ("stickiness=2", "probability"), ("k=99", "geometry"),
-                       ("zipf=-1", "zipf")]:
+                       ("zipf=-1", "zipf"), ("zipf_spread=2", "spread")]:
         with pytest.raises(UsageError, match=match):
             parse_spec(bad)
