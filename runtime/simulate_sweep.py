@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from .policies import CapacityError
 from .policies_opt import belady_hits
-from .policies_registry import make_factory
+from .policies_registry import DEFAULT_POLICY, make_factory
 from .simulate import Replay, SimResult, simulate
 
 __all__ = ["Point", "PointResult", "Sweep", "run_sweep", "format_sweep", "plot_sweep"]
@@ -72,6 +72,7 @@ class Sweep:
                           "tokens": rp.n_tokens, "accesses": sum(len(r) for r in rp.rows),
                           "meta": dict(h.meta)},
                 "tiers": "inclusive" if self.inclusive else "exclusive", "warm": self.warm,
+                "default_policy": DEFAULT_POLICY,
                 "points": [p.as_dict(self.slot_bytes) for p in self.points]}
 
 
@@ -122,7 +123,8 @@ def format_sweep(s: Sweep) -> str:
     mib = 1 << 20
     lines = [f"trace: {h.n_layers} layers x {h.n_experts} experts, top-{h.k}, "
              f"{s.replay.n_tokens} tokens, slot {sb / mib:.2f} MiB; tiers "
-             f"{'inclusive' if s.inclusive else 'exclusive'}{', warm start' if s.warm else ''}",
+             f"{'inclusive' if s.inclusive else 'exclusive'}{', warm start' if s.warm else ''}; "
+             f"default policy {DEFAULT_POLICY}",
              f"{'policy':<14}{'hit':>7}{'xOPT':>7}{'vram':>7}{'xOPT':>7}{'ram':>7}"
              f"{'NVMe MiB/tok':>14}{'H2D MiB/tok':>13}{'D2H MiB/tok':>13}"]
     for p in s.points:
