@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import nibbles
-from .iq4 import levels
+from .iq4 import level_pairs
 from .tables import table
 
 __all__ = ["dequant_mxfp4"]
@@ -22,5 +21,4 @@ def dequant_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     scale = torch.index_select(table("e8m0_half", blocks.device), 0,
                                blocks[:, 0].to(torch.int32)).reshape(n, 1)
-    q = nibbles(blocks[:, 1:17]).reshape(n, 32)
-    return levels("mxfp4", q).mul_(scale)
+    return level_pairs("mxfp4_pairs", blocks[:, 1:17]).mul_(scale)

@@ -10,6 +10,7 @@ per device so a kernel's table lookup is one ``index_select``.
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -71,6 +72,15 @@ def _ksign_nibbles() -> np.ndarray:
     return np.stack((ks & 0x0F, ks >> 4), axis=-1)
 
 
+def _level_pairs(levels: tuple[int, ...]) -> np.ndarray:
+    """(256,) int64: entry b packs the float32 values of nibbles ``b & 15`` (low word) and
+    ``b >> 4`` (high word), so one 1-D gather yields two weights (read it as float32)."""
+    kv = np.asarray(levels, dtype=np.float32)
+    b = np.arange(256)
+    pairs = np.stack((kv[b & 15], kv[b >> 4]), axis=-1)              # (256, 2) float32
+    return np.ascontiguousarray(pairs).view(np.int64).reshape(256)
+
+
 def _delta_grid() -> np.ndarray:
     """IQ1 grid fused with its delta bit: row ``g << 1 | b`` = ``grid[g] + (b ? -1 : 1) * 0.125``
     (IQ1S_DELTA), the float32 sum gguf-py forms before scaling (exact: grid is in {-1, 0, 1})."""
@@ -88,8 +98,6 @@ _BUILDERS = {
     "iq1s": lambda: _grid(_gq.IQ1_S),
     "ksigns": _ksigns,
     "signs8": _sign_bytes,
-    "iq4nl": lambda: np.asarray(_gq.IQ4_NL.kvalues, dtype=np.float32),
-    "mxfp4": lambda: np.asarray(_gq.MXFP4.kvalues, dtype=np.float32),
     "e8m0_half": _e8m0_half,
     "iq2xxs_signed": lambda: _signed_grid("iq2xxs", "xxs"),
     "iq2xs_signed": lambda: _signed_grid("iq2xs", "u16"),
@@ -97,19 +105,22 @@ _BUILDERS = {
     "iq3s_signed": lambda: _signed_grid4("iq3s"),
     "ksign_nibbles": _ksign_nibbles,
     "iq1s_delta": _delta_grid,
+    "iq4nl_pairs": lambda: _level_pairs(_gq.IQ4_NL.kvalues),
+    "mxfp4_pairs": lambda: _level_pairs(_gq.MXFP4.kvalues),
 }
 
 #: Expected shapes: a gguf-py whose tables differ is refused rather than silently used.
 _SHAPES = {
     "iq2xxs": (256, 8), "iq2xs": (512, 8), "iq2s": (1024, 8), "iq3xxs": (256, 4),
     "iq3s": (512, 4), "iq1s": (2048, 8), "ksigns": (128, 8), "signs8": (256, 8),
-    "iq4nl": (16,), "mxfp4": (16,), "e8m0_half": (256,),
+    "e8m0_half": (256,),
     "iq2xxs_signed": (256 * 128, 8), "iq2xs_signed": (512 * 128, 8),
     "iq3xxs_signed": (256 * 16, 4), "iq3s_signed": (512 * 16, 4), "ksign_nibbles": (128, 2),
-    "iq1s_delta": (2048 * 2, 8),
+    "iq1s_delta": (2048 * 2, 8), "iq4nl_pairs": (256,), "mxfp4_pairs": (256,),
 }
 
 TABLE_NAMES = tuple(_BUILDERS)
+_log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,20 +128,19 @@ def _host(name: str) -> torch.Tensor:
     arr = _BUILDERS[name]()
     if arr.shape != _SHAPES[name]:
         raise RuntimeError(f"gguf-py table {name} has shape {arr.shape}, expected {_SHAPES[name]}")
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-
-
-#: Tables of small integers, kept as uint8 (they index other tables).
-_BYTE_TABLES = frozenset({"ksign_nibbles"})
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(arr))
 
 
 @functools.lru_cache(maxsize=None)
 def _on(name: str, device: torch.device) -> torch.Tensor:
-    host = _host(name)
-    return host.to(device, torch.uint8 if name in _BYTE_TABLES else torch.float32)
+    _log.debug("building dequant table %s on %s", name, device)
+    return _host(name).to(device)
 
 
 def table(name: str, device: torch.device) -> torch.Tensor:
-    """The table ``name`` (one of ``TABLE_NAMES``) on ``device``, built once: float32, or
-    uint8 for the index tables in ``_BYTE_TABLES``."""
+    """The table ``name`` (one of ``TABLE_NAMES``) on ``device``, built once: float32 values,
+    except ``ksign_nibbles`` (uint8 indices) and the ``*_pairs`` tables (int64 words holding
+    two float32 values each)."""
     return _on(name, torch.device(device))
