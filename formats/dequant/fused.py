@@ -4,9 +4,11 @@ On CPU the weight is dequantized in row chunks of about ``chunk_elems`` elements
 chunk is multiplied as soon as it exists, so the float weight never exists whole: the chunk's
 temporaries stay in the L2/L3 cache and are recycled by the allocator, instead of several
 matrix-sized float32 temporaries being paged in for every call. Measured on the 2-core
-development machine (one thread, 1536x4096 and 4096x1536, batch 1 and 16, against
-``F.linear(x, dequantize(...))``): Q8_0 1.1-1.7x faster, Q4_K and Q6_K 1.1-1.5x, MXFP4,
-IQ2_XXS and IQ4_XS 1.0-1.1x (never slower at 2**20 elements; 2**18 and 2**22 were). On other
+development machine (1536x4096 and 4096x1536, batch 1 and 16, against
+``F.linear(x, dequantize(...))``, bench/bench_dequant.py): one thread, CPU time: Q8_0
+1.1-1.4x faster, Q4_K 1.1-1.2x, Q6_K 1.3-1.5x, MXFP4 1.0-1.1x, IQ2_XXS 1.0x; two threads,
+wall clock on the shared machine: 0.93-1.4x across runs, no consistent loss. 2**20 elements
+per chunk was the best or tied-best of 2**18 ... 2**22 for every type measured. On other
 devices the whole matrix is one chunk by default (not measured here: no GPU was available).
 
 A weight stored as F32/F16/BF16 whose dtype equals ``x.dtype`` is used in place (no copy).
