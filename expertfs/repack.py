@@ -215,16 +215,39 @@ def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, window_byte
          resume: bool, progress: Callable[[int, int], None] | None, t0: float) -> RepackResult:
     fp = _fingerprint(model, plan.alignment, window_bytes)
     idx, skip, done_payload = _open_partial(partial, fp, plan, resume)
-    start_payload = done_payload
+    outs: dict[str, tuple[int, bool]] = {}
+    writer = None
+    try:
+        outs[TRUNK_FILE] = open_output(os.path.join(partial, TRUNK_FILE), plan.trunk_size)
+        outs[EXPERTS_FILE] = open_output(os.path.join(partial, EXPERTS_FILE), plan.experts_size)
+        writer = WindowWriter(plan, outs, window_capacity(plan, window_bytes))
+        summary = _write_all(model, plan, idx, outs, writer, fp, window_bytes, skip,
+                             done_payload, progress)
+    finally:
+        if writer is not None:
+            writer.close()
+        for fd, _ in outs.values():
+            os.close(fd)
+        idx.close()
+    for name in (TRUNK_FILE, EXPERTS_FILE, os.path.join(INDEX_DIR, "data.mdb"), INDEX_DIR):
+        _fsync_path(os.path.join(partial, name))
+    os.unlink(os.path.join(partial, _LOCK))
+    _fsync_path(partial)
+    _publish(partial, out)
     total = plan.expert_payload + plan.trunk_payload
-    outs = {TRUNK_FILE: open_output(os.path.join(partial, TRUNK_FILE), plan.trunk_size),
-            EXPERTS_FILE: open_output(os.path.join(partial, EXPERTS_FILE), plan.experts_size)}
-    direct = all(d for _, d in outs.values())
-    writer = WindowWriter(plan, outs, window_capacity(plan, window_bytes))
+    return RepackResult(out, done_payload, total - done_payload, time.perf_counter() - t0,
+                        all(d for _, d in outs.values()), summary)
+
+
+def _write_all(model: GGUFModel, plan: RepackPlan, idx: Index, outs: dict[str, tuple[int, bool]],
+               writer: WindowWriter, fp: str, window_bytes: int, skip: int, done_payload: int,
+               progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    """Write every window after the first ``skip``, checkpointing; returns the summary."""
+    total = plan.expert_payload + plan.trunk_payload
     pending = Completed([], [])
     state = {"windows": skip, "payload": done_payload, "since": 0}
 
-    def checkpoint(final: bool) -> None:
+    def checkpoint() -> None:
         for fd, is_direct in outs.values():
             os.fdatasync(fd)
             if not is_direct:
@@ -245,34 +268,22 @@ def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, window_byte
         if progress:
             progress(state["payload"], total)
         if w.checkpoint and state["since"] >= CHECKPOINT_BYTES:
-            checkpoint(False)
+            checkpoint()
 
-    try:
-        todo = windows(plan, window_bytes)
-        for _ in range(skip):
-            next(todo)
-        if progress:
-            progress(done_payload, total)
-        writer.run(todo, on_window)
-        checkpoint(True)
-        summary = model_summary(model, plan)
-        idx.commit(meta={
-            "format_version": struct.pack("<I", FORMAT_VERSION),
-            "gguf_kv": encode_kv_blob(model),
-            "gguf_version": struct.pack("<I", model.shards[0].version),
-            "summary": json.dumps(summary, sort_keys=True).encode(),
-            "complete": b"1",
-        }, delete_meta=["progress"])
-        idx.env.sync(True)
-    finally:
-        writer.close()
-        for fd, _ in outs.values():
-            os.close(fd)
-        idx.close()
-    for name in (TRUNK_FILE, EXPERTS_FILE, os.path.join(INDEX_DIR, "data.mdb"), INDEX_DIR):
-        _fsync_path(os.path.join(partial, name))
-    os.unlink(os.path.join(partial, _LOCK))
-    _fsync_path(partial)
-    _publish(partial, out)
-    return RepackResult(out, start_payload, total - start_payload, time.perf_counter() - t0,
-                        direct, summary)
+    todo = windows(plan, window_bytes)
+    for _ in range(skip):
+        next(todo)
+    if progress:
+        progress(done_payload, total)
+    writer.run(todo, on_window)
+    checkpoint()
+    summary = model_summary(model, plan)
+    idx.commit(meta={
+        "format_version": struct.pack("<I", FORMAT_VERSION),
+        "gguf_kv": encode_kv_blob(model),
+        "gguf_version": struct.pack("<I", model.shards[0].version),
+        "summary": json.dumps(summary, sort_keys=True).encode(),
+        "complete": b"1",
+    }, delete_meta=["progress"])
+    idx.env.sync(True)
+    return summary
