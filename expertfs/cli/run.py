@@ -1,0 +1,255 @@
+"""``expertfs run STORE -p "..."``: generate from a store, experts streamed through the cache tiers.
+
+Text streams to stdout; a live status line (tokens/s, hit rate per tier, MB read per token,
+stall time) is drawn on stderr when it is a terminal; a summary follows. ``--json`` prints one
+JSON object instead. ``--tokens 1,2,3 --logits-out F.npy`` runs a fixed token sequence and
+writes the float32 logits of every position, ``[positions, n_vocab]``, for comparing with any
+other implementation. ``--trace OUT`` records every routing decision for ``bench cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from ..errors import UsageError
+from ..units import fmt_bytes
+from ._common import size_arg
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger(__name__)
+
+_EPILOG = """\
+examples:
+  expertfs run MODEL.efs -p "The capital of France is" -n 64
+  expertfs run MODEL.efs --chat -p "Write a haiku" --temp 0.7 --top-p 0.9 --seed 1
+  expertfs run MODEL.efs --ram 8G --vram 12G --device cuda -p "..." --trace run.eftrace
+  expertfs run MODEL.efs --tokens 1,2,3 --logits-out logits.npy
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text from a store (experts streamed from disk)",
+                       description="Generate from a store: the trunk resident, the experts "
+                       "streamed NVMe → RAM → VRAM through the cache tiers.",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store", help="a store made by expertfs repack")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="the prompt text")
+    src.add_argument("--tokens", help="run these token ids (comma separated) instead of a prompt")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: torch's)")
+    p.add_argument("--ram", type=size_arg, default=None,
+                   help="RAM tier for experts (default: min(4G, a quarter of RAM))")
+    p.add_argument("--vram", type=size_arg, default=0, help="VRAM tier for experts (default 0)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    p.add_argument("--ctx", type=int, default=4096, help="context length limit (4096)")
+    p.add_argument("--batch", type=int, default=256, help="prefill batch in tokens (256)")
+    p.add_argument("--trunk", choices=("auto", "float", "quant"), default="auto",
+                   help="dequantize trunk matrices at load (float) or keep them quantized")
+    p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
+                   help="keep up to SIZE of experts dequantized in RAM (0 = off)")
+    p.add_argument("--lookahead", action="store_true",
+                   help="prefetch layer L+1's predicted experts while layer L runs")
+    p.add_argument("--lookahead-margin", type=int, default=2, metavar="M",
+                   help="experts beyond top-k prefetched per token (2)")
+    p.add_argument("--provider", choices=("auto", "tiered", "direct"), default="auto",
+                   help="expert provider (auto: the tiered cache when installed)")
+    p.add_argument("--trace", metavar="OUT", help="write the routing trace to OUT")
+    p.add_argument("--logits-out", metavar="FILE.npy",
+                   help="with --tokens: write float32 logits [positions, n_vocab]")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _device(name: str) -> str:
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here", fix="use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UsageError(f"unknown --device {name!r}", fix="use cpu, cuda, cuda:N or auto")
+    return name
+
+
+def _default_ram() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 << 30
+    return min(4 << 30, total // 4)
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(f"--tokens {text!r} is not a list of integers",
+                         fix="write e.g. --tokens 1,2,3") from None
+    if not ids:
+        raise UsageError("--tokens is empty", fix="give at least one token id")
+    return ids
+
+
+def _open(args: argparse.Namespace):
+    import torch
+    from ..runtime.engine import Engine, EngineOptions
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.n_predict < 0 or args.ctx < 1 or args.batch < 1:
+        raise UsageError("-n, --ctx and --batch must be positive", fix="check the numbers")
+    opts = EngineOptions(device=_device(args.device), dtype=args.dtype, n_ctx=args.ctx,
+                         trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
+                         lookahead_margin=args.lookahead_margin, prefill_batch=args.batch)
+    ram = args.ram if args.ram is not None else _default_ram()
+    return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
+                       options=opts)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.logits_out and not args.tokens:
+        raise UsageError("--logits-out needs --tokens", fix="pass --tokens 1,2,3")
+    tokens = _parse_tokens(args.tokens) if args.tokens else None
+    eng = _open(args)
+    try:
+        if args.trace:
+            eng.trace(args.trace)
+        if tokens is not None:
+            return _run_tokens(eng, tokens, args)
+        return _generate(eng, args)
+    finally:
+        eng.close()
+
+
+def _run_tokens(eng, tokens: list[int], args: argparse.Namespace) -> int:
+    import numpy as np
+    t0 = time.perf_counter()
+    logits = eng.logits(tokens).numpy().astype(np.float32)
+    secs = time.perf_counter() - t0
+    if args.logits_out:
+        np.save(args.logits_out, logits)
+    top = logits.argmax(-1).tolist()
+    if args.json:
+        _print_json({"tokens": tokens, "argmax": top, "seconds": secs,
+                     "logits_out": args.logits_out, "shape": list(logits.shape),
+                     "stats": eng.stats()})
+    else:
+        print(" ".join(str(t) for t in top))
+        if args.logits_out:
+            print(f"wrote {args.logits_out}: float32 {logits.shape[0]} x {logits.shape[1]}",
+                  file=sys.stderr)
+    return 0
+
+
+class _Status:
+    """The live status line on stderr (only on a terminal)."""
+
+    def __init__(self, eng, enabled: bool) -> None:
+        self.eng, self.enabled, self.last = eng, enabled and sys.stderr.isatty(), 0.0
+        st = eng.provider.stats
+        self.b0, self.s0 = st.bytes_read, st.stall_seconds
+
+    def line(self, n_decoded: int, decode_s: float) -> str:
+        st = self.eng.provider.stats
+        req = max(1, st.requests)
+        tiers = " ".join(f"{k} {100 * v / req:.0f}%" for k, v in sorted(st.hits.items())) or "-"
+        tps = n_decoded / decode_s if decode_s > 0 else 0.0
+        mb = (st.bytes_read - self.b0) / max(1, n_decoded) / 1e6
+        return (f"{tps:6.2f} tok/s | hit {tiers} | {mb:7.1f} MB/token | "
+                f"stall {st.stall_seconds - self.s0:6.2f} s")
+
+    def draw(self, n: int, decode_s: float, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < 0.25):
+            return
+        self.last = now
+        sys.stderr.write("\r\x1b[2K" + self.line(n, decode_s))
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+def _generate(eng, args: argparse.Namespace) -> int:
+    from ..runtime.generate import generate
+    from ..runtime.sampling import Sampler, SamplingParams
+    from ..runtime.tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer(eng.kv, eng.store.path)
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
+    prompt = tok.encode(text)
+    if not prompt:
+        raise UsageError("the prompt is empty after tokenization", fix="pass some text with -p")
+    sampler = Sampler(SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
+    status = _Status(eng, not args.json)
+    detok = tok.detokenizer()
+    out_ids: list[int] = []
+    ttft = 0.0
+    t_first = None
+    bytes0 = eng.provider.stats.bytes_read
+    for step in generate(eng, prompt, sampler, args.n_predict, tok.stop_ids):
+        if step.index == 0:
+            ttft, t_first = step.seconds, time.perf_counter()
+            bytes_prefill = eng.provider.stats.bytes_read - bytes0
+        if step.stop:
+            break
+        out_ids.append(step.token)
+        piece = detok.push(step.token)
+        if piece and not args.json:
+            status.clear()
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        if t_first is not None:
+            status.draw(len(out_ids) - 1, time.perf_counter() - t_first)
+    status.clear()
+    n_dec = max(0, len(out_ids) - 1)
+    dec_s = eng.times.decode_s
+    st = eng.stats()
+    ps = eng.provider.stats
+    dec_bytes = ps.bytes_read - bytes0 - (bytes_prefill if t_first is not None else 0)
+    summary: dict[str, Any] = {
+        "prompt_tokens": len(prompt), "generated_tokens": len(out_ids),
+        "time_to_first_token_s": ttft,
+        "decode_tokens_per_s": n_dec / dec_s if dec_s > 0 and n_dec else 0.0,
+        "prefill_tokens_per_s": len(prompt) / st["prefill_s"] if st["prefill_s"] else 0.0,
+        "mb_read_per_token": dec_bytes / max(1, n_dec) / 1e6,
+        "hit_rate": {k: v / max(1, ps.requests) for k, v in ps.hits.items()},
+        "stall_s": ps.stall_seconds,
+    }
+    if args.json:
+        _print_json({"text": tok.decode(out_ids), "tokens": out_ids, "prompt": prompt,
+                     **summary, "stats": st})
+        return 0
+    sys.stdout.write("\n")
+    hits = " ".join(f"{k} {100 * v:.0f}%" for k, v in summary["hit_rate"].items()) or "-"
+    print(f"prompt {len(prompt)} tokens, first token after {ttft:.2f} s; "
+          f"{len(out_ids)} generated at {summary['decode_tokens_per_s']:.2f} tok/s; "
+          f"hit {hits}; {summary['mb_read_per_token']:.1f} MB read/token; "
+          f"stall {ps.stall_seconds:.2f} s; trunk {fmt_bytes(eng.trunk.float_bytes)} float",
+          file=sys.stderr)
+    if "lookahead" in st:
+        la = st["lookahead"]
+        print(f"lookahead: coverage {100 * la['coverage']:.0f}%, waste {100 * la['waste']:.0f}%",
+              file=sys.stderr)
+    return 0
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")

@@ -1,0 +1,247 @@
+"""``Engine``: a store opened for inference: config, trunk, expert provider, model, KV cache.
+
+::
+
+    with Engine.open("MODEL.efs", ram_bytes=8 << 30) as eng:
+        logits = eng.prefill([1, 2, 3])         # float32 [n_vocab], last position
+        logits = eng.decode(42)                 # one more position
+        every = eng.logits([1, 2, 3])           # [3, n_vocab], from a fresh context
+
+The provider is any ``ExpertProvider``; ``make_provider`` picks the tiered cache when it is
+installed and falls back to the uncached ``DirectProvider`` with a logged warning. Prefill runs
+in batches of ``prefill_batch`` tokens, each touched expert fetched once per batch and layer.
+``trace(path)`` records every routing decision in the routing-trace format (``runtime.trace``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import UsageError
+from .experts.protocol import ExpertProvider
+from .model import (DequantCache, ExpertRunner, LookaheadStats, Model, ModelConfig, Router,
+                    TrunkReader, load_trunk)
+
+__all__ = ["Engine", "EngineOptions", "make_provider", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise UsageError(f"unknown compute dtype {dtype!r}",
+                         fix="use auto, float32, bfloat16 or float16") from None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: str | torch.dtype = "auto"     # compute dtype of the matrices (auto: f32 CPU, bf16 CUDA)
+    n_ctx: int = 4096                     # KV cache limit in positions
+    trunk: str = "auto"                   # "auto" | "float" | "quant" (see model.weights)
+    trunk_budget: int | None = None       # float trunk bytes allowed under "auto" (None: any)
+    dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
+    lookahead: bool = False               # next-layer gate prefetch
+    lookahead_margin: int = 2             # experts beyond top-k prefetched per token
+    prefill_batch: int = 256              # tokens per prefill forward
+    load_nextn: bool = True               # build the NextN/MTP block (not run here)
+
+    def replace(self, **kw: Any) -> EngineOptions:
+        return replace(self, **kw)
+
+
+def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: int = 0,
+                  vram_bytes: int = 0, kind: str = "auto", **kw: Any) -> ExpertProvider:
+    """The tiered cache provider when available (``kind="auto"``/``"tiered"``), else direct."""
+    from .experts.direct import DirectProvider
+    if kind in ("auto", "tiered"):
+        try:
+            from .experts.tiered import TieredProvider
+        except ImportError as e:
+            if kind == "tiered":
+                raise UsageError("the tiered expert cache is not installed",
+                                 fix="use --provider direct") from e
+            log.warning("tiered expert cache unavailable (%s); reading every expert from the "
+                        "store with the uncached DirectProvider", e)
+        else:
+            return TieredProvider(store, device=str(device), ram_bytes=ram_bytes,
+                                  vram_bytes=vram_bytes, **kw)
+    elif kind != "direct":
+        raise UsageError(f"unknown provider {kind!r}", fix="use auto, tiered or direct")
+    return DirectProvider(store, device)
+
+
+@dataclass
+class StepTimes:
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, store: Any, provider: ExpertProvider,
+                 options: EngineOptions = EngineOptions(), *, own_store: bool = False) -> None:
+        self.store, self.provider, self.options = store, provider, options
+        self._own_store = own_store
+        self.device = torch.device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self.reader = TrunkReader(store)
+        kv = store.gguf_kv()
+        self.kv = kv
+        self.config = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
+        t0 = time.perf_counter()
+        self.trunk = load_trunk(self.reader, self.config, dtype=self.dtype, device=self.device,
+                                trunk_mode=options.trunk, float_budget=options.trunk_budget,
+                                nextn=options.load_nextn)
+        self.load_seconds = time.perf_counter() - t0
+        look = LookaheadStats(options.lookahead_margin) if options.lookahead else None
+        self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
+                                   DequantCache(options.dq_cache), look)
+        self.model = Model(self.config, self.trunk, self.runner, device=self.device,
+                           dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
+                           lookahead_margin=options.lookahead_margin)
+        self.times = StepTimes()
+        self._trace = None
+        self._token_no = 0              # tokens run through the model (trace token index)
+
+    @classmethod
+    def open(cls, path: str, *, provider: ExpertProvider | str = "auto", ram_bytes: int = 0,
+             vram_bytes: int = 0, options: EngineOptions | None = None, **kw: Any) -> Engine:
+        """Open the store at ``path``; ``provider`` is an instance or a kind for ``make_provider``."""
+        from ..store import Store
+        options = options or EngineOptions(**kw)
+        store = Store.open(path)
+        try:
+            if isinstance(provider, str):
+                provider = make_provider(store, device=options.device, ram_bytes=ram_bytes,
+                                         vram_bytes=vram_bytes, kind=provider)
+            return cls(store, provider, options, own_store=True)
+        except BaseException:
+            store.close()
+            raise
+
+    # --- running -------------------------------------------------------------------------
+
+    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        bad = [t for t in tokens if not 0 <= int(t) < self.config.n_vocab]
+        if bad:
+            raise UsageError(f"token id {bad[0]} outside the vocabulary of "
+                             f"{self.config.n_vocab}", fix="pass ids in 0..n_vocab-1")
+        return torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+
+    def _run(self, tokens: Sequence[int], logits: str) -> torch.Tensor | None:
+        if self._trace is not None:
+            self.runner.record = []
+        out = self.model.forward(self._ids(tokens), logits=logits)
+        if self._trace is not None:
+            self._flush_trace(len(tokens))
+        self._token_no += len(tokens)
+        return out
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` in batches; float32 logits ``[n_vocab]`` of the last one."""
+        if not tokens:
+            raise UsageError("nothing to prefill", fix="pass at least one token")
+        t0 = time.perf_counter()
+        step = max(1, self.options.prefill_batch)
+        out = None
+        for a in range(0, len(tokens), step):
+            last = a + step >= len(tokens)
+            out = self._run(tokens[a:a + step], "last" if last else "none")
+        self.times.prefill_s += time.perf_counter() - t0
+        self.times.prefill_tokens += len(tokens)
+        return out[0]
+
+    def decode(self, token: int) -> torch.Tensor:
+        """One position; float32 logits ``[n_vocab]``."""
+        t0 = time.perf_counter()
+        out = self._run([token], "last")
+        self.times.decode_s += time.perf_counter() - t0
+        self.times.decode_tokens += 1
+        return out[0]
+
+    def logits(self, tokens: Sequence[int], *, reset: bool = True) -> torch.Tensor:
+        """Logits of every position of ``tokens``: float32 ``[len(tokens), n_vocab]`` (CPU)."""
+        if reset:
+            self.reset()
+        step = max(1, self.options.prefill_batch)
+        parts = [self._run(tokens[a:a + step], "all").cpu()
+                 for a in range(0, len(tokens), step)]
+        return torch.cat(parts)
+
+    def reset(self, pos: int = 0) -> None:
+        self.model.reset(pos)
+
+    @property
+    def pos(self) -> int:
+        return self.model.pos
+
+    # --- traces and figures --------------------------------------------------------------
+
+    def trace(self, path: str, meta: dict[str, Any] | None = None) -> None:
+        """Record every routing decision from now on into the trace file ``path``."""
+        from .trace import TraceHeader, TraceWriter
+        cfg = self.config
+        sizes = [int(self.store.layer_info(i)["extent_bytes"])
+                 if cfg.is_moe(i) and self.trunk.blocks[i].moe is not None else 0
+                 for i in range(cfg.n_layer)]
+        m = {"model": str(self.kv.get("general.name").value) if "general.name" in self.kv
+             else "", "architecture": cfg.arch, "generator": "expertfs run"}
+        m.update(meta or {})
+        self._trace = TraceWriter(path, TraceHeader(cfg.n_layer, cfg.n_expert, cfg.n_expert_used,
+                                                    tuple(sizes), 0, m))
+
+    def _flush_trace(self, n: int) -> None:
+        rec, self.runner.record = self.runner.record or [], None
+        for layer, ids, wts in rec:
+            ih, wh = ids.cpu().numpy(), wts.float().cpu().numpy()
+            for t in range(n):
+                self._trace.add(self._token_no + t, layer, ih[t], wh[t])
+
+    def stats(self) -> dict[str, Any]:
+        p = self.provider.stats.as_dict() if hasattr(self.provider, "stats") else {}
+        out: dict[str, Any] = {
+            "provider": type(self.provider).__name__, "provider_stats": p,
+            "moe": self.runner.stats.as_dict(), "dq_cache": self.runner.dq.stats(),
+            "trunk_float_bytes": self.trunk.float_bytes,
+            "trunk_quant_bytes": self.trunk.quant_bytes,
+            "kv_cache_bytes": self.model.cache.nbytes, "load_seconds": self.load_seconds,
+            "prefill_tokens": self.times.prefill_tokens, "prefill_s": self.times.prefill_s,
+            "decode_tokens": self.times.decode_tokens, "decode_s": self.times.decode_s,
+        }
+        if self.runner.lookahead is not None:
+            out["lookahead"] = self.runner.lookahead.as_dict()
+        return out
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+        try:
+            self.provider.close()
+        finally:
+            self.reader.close()
+            if self._own_store:
+                self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,42 @@
+"""Generation: prefill the prompt, then decode one token at a time until a stop or the limit.
+
+``generate(engine, prompt_ids, sampler, max_new, stop_ids)`` yields a ``Step`` per generated
+token with timings (time to first token, per-token seconds) so the CLI can stream text and draw
+its status line; the library itself never prints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .engine import Engine
+from .sampling import Sampler
+
+__all__ = ["Step", "generate"]
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int                   # 0 for the first generated token
+    token: int
+    seconds: float               # wall time spent producing this token (prefill for index 0)
+    elapsed: float               # since generate() started
+    stop: bool                   # the token is a stop token (not part of the answer)
+
+
+def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: int,
+             stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[Step]:
+    """Yield each generated token; the first one's ``seconds`` is the time to first token."""
+    t0 = last = time.perf_counter()
+    logits = engine.prefill(list(prompt))
+    for i in range(max_new):
+        tok = sampler(logits)
+        now = time.perf_counter()
+        stop = tok in stop_ids
+        yield Step(i, tok, now - last, now - t0, stop)
+        last = now
+        if stop or i + 1 == max_new:
+            return
+        logits = engine.decode(tok)

@@ -1,0 +1,22 @@
+"""The MoE decoder in torch: config from GGUF metadata, trunk from the store, experts from a
+provider. One concept per module:
+
+``config`` (``ModelConfig``, the arch table), ``weights`` (``trunk.bin`` views, ``Linear``,
+``Embedding``), ``loader`` (per-block weights by llama.cpp tensor name, NextN included),
+``rope`` (RMSNorm, RoPE NEOX/NORM, partial, YaRN), ``attention`` (GQA + KV cache), ``router``
+(llama.cpp's ``build_moe_ffn`` selection), ``ffn`` (SwiGLU dense and routed), ``dqcache``
+(dequantized-expert LRU), ``lookahead`` (next-layer gate prediction scores), ``moe`` (the
+routed layer: one host sync, fetch once per batch, gather/scatter), ``model`` (the forward).
+"""
+
+from .config import ARCHS, ModelConfig
+from .dqcache import DequantCache
+from .loader import TrunkWeights, load_trunk
+from .lookahead import LookaheadStats
+from .model import Model
+from .moe import ExpertRunner, MoEStats
+from .router import Router
+from .weights import TrunkReader
+
+__all__ = ["ARCHS", "ModelConfig", "DequantCache", "TrunkWeights", "load_trunk",
+           "LookaheadStats", "Model", "ExpertRunner", "MoEStats", "Router", "TrunkReader"]

@@ -1,0 +1,109 @@
+"""Grouped-query attention with optional q/k RMSNorm and qkv biases, and its KV cache.
+
+llama.cpp order (qwen3moe, glm4moe, llama): ``q = Wq x (+bq)``, ``k``, ``v`` likewise; reshape
+to heads; q/k RMSNorm per head when the tensors exist; RoPE; softmax(q kᵀ · kq_scale) v over the
+cache; ``Wo``. The cache holds keys after RoPE, ``[n_head_kv, capacity, head_dim]`` per layer in
+the compute dtype, and grows by doubling up to ``n_ctx``.
+
+T=tokens in the batch, S=cached positions, H=heads, K=KV heads, D=head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import UsageError
+from .config import ModelConfig
+from .rope import Rope, rms_norm
+from .weights import Linear
+
+__all__ = ["AttentionWeights", "KVCache", "attention"]
+
+
+@dataclass
+class AttentionWeights:
+    wq: Linear
+    wk: Linear
+    wv: Linear
+    wo: Linear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class KVCache:
+    """Per-layer key/value tensors; ``pos`` is the number of positions already stored."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, n_ctx: int, dtype: torch.dtype,
+                 device: torch.device, initial: int = 256) -> None:
+        self.n_ctx, self.dtype, self.device = n_ctx, dtype, device
+        self.kv_heads, self.kd, self.vd = cfg.n_head_kv, cfg.head_dim, cfg.v_head_dim
+        self.capacity = min(initial, n_ctx)
+        self.k = [self._alloc(self.kd) for _ in range(n_layers)]
+        self.v = [self._alloc(self.vd) for _ in range(n_layers)]
+        self.pos = 0
+
+    def _alloc(self, d: int, n: int | None = None) -> torch.Tensor:
+        return torch.zeros(self.kv_heads, n or self.capacity, d, dtype=self.dtype,
+                           device=self.device)
+
+    def reserve(self, n_new: int) -> None:
+        need = self.pos + n_new
+        if need > self.n_ctx:
+            raise UsageError(f"context of {need} tokens exceeds n_ctx {self.n_ctx}",
+                             fix="pass a larger --ctx or a shorter prompt / fewer tokens")
+        if need <= self.capacity:
+            return
+        cap = min(self.n_ctx, max(need, 2 * self.capacity))
+        for lst, d in ((self.k, self.kd), (self.v, self.vd)):
+            for i, t in enumerate(lst):
+                new = self._alloc(d, cap)
+                new[:, :self.pos] = t[:, :self.pos]
+                lst[i] = new
+        self.capacity = cap
+
+    def reset(self, pos: int = 0) -> None:
+        """Forget positions from ``pos`` on (0: everything)."""
+        self.pos = min(pos, self.pos)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def attention(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rope: Rope,
+              cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+              mask: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, n_embd]`` (normed) → attention output ``[T, n_embd]``; appends T positions."""
+    T = x.shape[0]
+    H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    q = w.wq(x).view(T, H, D)                                  # [T, H, D]
+    k = w.wk(x).view(T, K, D)                                  # [T, K, D]
+    v = w.wv(x).view(T, K, cfg.v_head_dim)                     # [T, K, Dv]
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, cfg.rms_eps)
+    if w.k_norm is not None:
+        k = rms_norm(k, w.k_norm, cfg.rms_eps)
+    q = rope.apply(q, cos, sin)
+    k = rope.apply(k, cos, sin)
+    p0 = cache.pos
+    kc, vc = cache.k[layer], cache.v[layer]
+    kc[:, p0:p0 + T] = k.transpose(0, 1)
+    vc[:, p0:p0 + T] = v.transpose(0, 1)
+    S = p0 + T
+    qh = q.transpose(0, 1)[None]                               # [1, H, T, D]
+    kh, vh = kc[None, :, :S], vc[None, :, :S]                  # [1, K, S, D]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=cfg.kq_scale,
+                                       enable_gqa=H != K)      # [1, H, T, Dv]
+    return w.wo(o[0].transpose(0, 1).reshape(T, H * cfg.v_head_dim))
+
+
+def causal_mask(p0: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean ``[T, p0+T]`` mask (True = attend) for a batch after ``p0`` cached positions."""
+    if T == 1:
+        return None
+    q = torch.arange(T, device=device)[:, None] + p0
+    k = torch.arange(p0 + T, device=device)[None, :]
+    return k <= q

@@ -1,0 +1,198 @@
+"""``ModelConfig``: a model's hyper-parameters, read from GGUF metadata as llama.cpp reads them.
+
+``ModelConfig.from_gguf(kv, tensor_names)`` takes the store's metadata (``Store.gguf_kv()``) and
+the trunk tensor names, applies the architecture's defaults (``ARCHS``) and checks that this
+runtime can run it. Keys are ``"{arch}.<key>"`` (gguf-py ``Keys.LLM``); defaults follow
+llama.cpp's ``llama-model.cpp`` per architecture:
+
+- ``n_layer = block_count - nextn_predict_layers``; the NextN/MTP blocks are loaded, not run.
+- RoPE: NEOX (rotate halves) for qwen3moe / glm4moe, NORM (adjacent pairs) for llama;
+  ``n_rot = rope.dimension_count`` (glm4moe: partial, head_dim / 2), scaling linear or YaRN.
+- Router: qwen3moe and llama are softmax with weight normalisation; glm4moe reads
+  ``expert_gating_func`` (default sigmoid), ``expert_weights_norm`` (default false),
+  ``expert_weights_scale`` (default 0 = none) and the group keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from ...errors import UnsupportedModelError
+
+__all__ = ["ModelConfig", "ArchSpec", "ARCHS", "GATING_SOFTMAX", "GATING_SIGMOID",
+           "GATING_SOFTMAX_WEIGHT", "ROPE_NEOX", "ROPE_NORM"]
+
+GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3   # llama_expert_gating_func_type
+ROPE_NORM, ROPE_NEOX = "norm", "neox"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What llama.cpp hard-wires for one ``general.architecture``."""
+
+    rope: str                      # ROPE_NEOX or ROPE_NORM
+    gating: int | None             # fixed gating; None = read expert_gating_func
+    default_gating: int            # when the key is absent
+    norm_w: bool | None            # fixed weight normalisation; None = read expert_weights_norm
+    read_scale: bool               # expert_weights_scale is honoured
+    post_attn_norm: str            # the FFN input norm's tensor name
+    nextn: bool = False            # may carry NextN blocks
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "qwen3moe": ArchSpec(ROPE_NEOX, GATING_SOFTMAX, GATING_SOFTMAX, True, False, "ffn_norm"),
+    "glm4moe": ArchSpec(ROPE_NEOX, None, GATING_SIGMOID, None, True, "post_attention_norm",
+                        nextn=True),
+    "llama": ArchSpec(ROPE_NORM, GATING_SOFTMAX, GATING_SOFTMAX, True, True, "ffn_norm"),
+}
+
+
+def _get(kv: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    e = kv.get(key)
+    if e is None:
+        return default
+    return getattr(e, "value", e)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layer: int                   # decoder blocks that run (block_count - n_nextn)
+    n_nextn: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int                  # key_length
+    v_head_dim: int                # value_length
+    n_vocab: int
+    n_ff: int                      # dense FFN width (leading dense layers)
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    n_dense_lead: int
+    rms_eps: float
+    rope: str
+    n_rot: int
+    rope_base: float
+    rope_freq_scale: float = 1.0   # 1 / scaling factor (linear and YaRN)
+    rope_yarn: bool = False
+    rope_orig_ctx: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    gating: int = GATING_SOFTMAX
+    norm_w: bool = True
+    w_scale: float = 0.0           # 0 = no scaling (llama.cpp's scale_w false)
+    n_group: int = 1
+    n_group_used: int = 1
+    n_ctx_train: int = 4096
+    spec: ArchSpec = field(default=ARCHS["qwen3moe"], compare=False, repr=False)
+
+    @property
+    def n_block(self) -> int:
+        return self.n_layer + self.n_nextn
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_expert > 0 and layer >= self.n_dense_lead
+
+    @property
+    def kq_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def replace(self, **kw: Any) -> ModelConfig:
+        return replace(self, **kw)
+
+    @classmethod
+    def from_gguf(cls, kv: Mapping[str, Any], tensor_names: set[str] | None = None,
+                  path: str | None = None) -> ModelConfig:
+        """Read the config of the model whose metadata is ``kv`` (name → KVEntry or value)."""
+        arch = _get(kv, "general.architecture")
+        if arch not in ARCHS:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported by the runtime", path=path,
+                fix="supported: " + ", ".join(ARCHS))
+        spec = ARCHS[arch]
+        a = lambda key, default=None: _get(kv, f"{arch}.{key}", default)  # noqa: E731
+        block_count = int(a("block_count", 0))
+        n_nextn = int(a("nextn_predict_layers", 0) or 0)
+        n_embd = int(a("embedding_length", 0))
+        n_head = _scalar(a("attention.head_count", 0), "attention.head_count", path)
+        n_head_kv = _scalar(a("attention.head_count_kv", n_head), "attention.head_count_kv", path)
+        head_dim = int(a("attention.key_length", 0) or (n_embd // max(n_head, 1)))
+        n_expert = int(a("expert_count", 0) or 0)
+        n_used = _scalar(a("expert_used_count", 0) or 0, "expert_used_count", path)
+        if n_expert < 1 or n_used < 1:
+            raise UnsupportedModelError("the model has no routed experts (expert_count is 0)",
+                                        path=path, fix="expertfs runs Mixture-of-Experts models")
+        n_vocab = int(a("vocab_size", 0) or len(_get(kv, "tokenizer.ggml.tokens", []) or []))
+        n_ff = _scalar(a("feed_forward_length", 0) or 0, "feed_forward_length", path)
+        n_ff_exp = int(a("expert_feed_forward_length", 0) or 0)
+        if not n_ff_exp:        # llama (Mixtral): experts are sized by feed_forward_length
+            n_ff_exp = n_ff if arch == "llama" else n_ff // max(n_used, 1)
+        gating = spec.gating or int(a("expert_gating_func", 0) or 0) or spec.default_gating
+        norm_w = spec.norm_w if spec.norm_w is not None else bool(a("expert_weights_norm", False))
+        w_scale = float(a("expert_weights_scale", 0.0) or 0.0) if spec.read_scale else 0.0
+        scaling = str(a("rope.scaling.type", "none") or "none")
+        factor = float(a("rope.scaling.factor", 0.0) or 0.0)
+        cfg = cls(
+            arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=n_embd,
+            n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+            v_head_dim=int(a("attention.value_length", 0) or head_dim),
+            n_vocab=n_vocab, n_ff=n_ff, n_ff_exp=n_ff_exp, n_expert=n_expert,
+            n_expert_used=n_used, n_expert_shared=int(a("expert_shared_count", 0) or 0),
+            n_dense_lead=int(a("leading_dense_block_count", 0) or 0),
+            rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope=spec.rope, n_rot=int(a("rope.dimension_count", 0) or head_dim),
+            rope_base=float(a("rope.freq_base", 10000.0)),
+            rope_freq_scale=1.0 / factor if scaling in ("linear", "yarn") and factor > 0 else 1.0,
+            rope_yarn=scaling == "yarn",
+            rope_orig_ctx=int(a("rope.scaling.original_context_length", 0) or
+                              a("context_length", 4096)),
+            yarn_beta_fast=float(a("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+            yarn_beta_slow=float(a("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+            gating=gating, norm_w=norm_w, w_scale=w_scale,
+            n_group=int(a("expert_group_count", 1) or 1),
+            n_group_used=int(a("expert_group_used_count", 1) or 1),
+            n_ctx_train=int(a("context_length", 4096)), spec=spec)
+        cfg._validate(tensor_names, path)
+        return cfg
+
+    def _validate(self, names: set[str] | None, path: str | None) -> None:
+        def bad(problem: str, fix: str = "the GGUF metadata is inconsistent; reconvert the model"):
+            return UnsupportedModelError(f"{self.arch}: {problem}", path=path, fix=fix)
+
+        if self.n_layer < 1 or self.n_embd < 1 or self.n_head < 1 or self.n_head_kv < 1:
+            raise bad(f"{self.n_layer} layers, n_embd {self.n_embd}, {self.n_head}/{self.n_head_kv}"
+                      " heads")
+        if self.n_head % self.n_head_kv:
+            raise bad(f"{self.n_head} heads is not a multiple of {self.n_head_kv} KV heads")
+        if self.n_rot % 2 or not 0 < self.n_rot <= self.head_dim:
+            raise bad(f"rope dimension {self.n_rot} for head_dim {self.head_dim}")
+        if not 1 <= self.n_expert_used <= self.n_expert:
+            raise bad(f"top-{self.n_expert_used} of {self.n_expert} experts")
+        if self.n_group > 1 and (self.n_expert % self.n_group or
+                                 not 0 < self.n_group_used <= self.n_group):
+            raise bad(f"expert groups {self.n_group_used}/{self.n_group} for {self.n_expert} experts")
+        if self.n_nextn and not self.spec.nextn:
+            raise bad("NextN blocks on an architecture that has none")
+        if self.n_vocab < 1:
+            raise bad("no vocabulary size (no tokenizer.ggml.tokens)")
+        if names is not None:
+            need = ["token_embd.weight", "output_norm.weight"]
+            missing = [n for n in need if n not in names]
+            if missing:
+                raise bad("tensor " + ", ".join(missing) + " is missing",
+                          "the store is not a complete model; repack it from the full GGUF")
+
+
+def _scalar(v: Any, key: str, path: str | None) -> int:
+    """A per-layer array key that is the same for every layer, or a scalar."""
+    if isinstance(v, (list, tuple)) or hasattr(v, "tolist"):
+        vals = set(int(x) for x in (v.tolist() if hasattr(v, "tolist") else v))
+        if len(vals) != 1:
+            raise UnsupportedModelError(f"{key} differs between layers", path=path,
+                                        fix="per-layer head/expert counts are not supported")
+        return vals.pop()
+    return int(v)

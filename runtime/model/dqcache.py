@@ -1,0 +1,64 @@
+"""A byte-budgeted LRU of experts already dequantized into the compute dtype.
+
+On CPU, dequantizing an expert's ggml bytes costs far more than multiplying by it (see
+bench/bench_decode.py), so when RAM allows, experts are kept as float ``[out, in]`` matrices
+keyed by ``(layer, expert)``: a hit skips both the provider and the dequantization. The cache
+is an extra, opt-in tier above the provider's quantized tiers; its budget counts float bytes
+(bf16: ~3.6× the Q4_K size, float32: ~7×). ``budget=0`` disables it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .ffn import FloatExpert
+
+__all__ = ["DequantCache"]
+
+
+class DequantCache:
+    def __init__(self, budget: int) -> None:
+        self.budget = max(0, int(budget))
+        self.used = 0
+        self.hits = self.misses = self.evictions = 0
+        self._d: OrderedDict[tuple[int, int], FloatExpert] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def get(self, layer: int, expert: int) -> FloatExpert | None:
+        e = self._d.get((layer, expert))
+        if e is None:
+            self.misses += 1
+            return None
+        self._d.move_to_end((layer, expert))
+        self.hits += 1
+        return e
+
+    def put(self, layer: int, expert: int, e: FloatExpert) -> bool:
+        """Insert ``e``, evicting least recently used experts; False if it can never fit."""
+        if e.nbytes > self.budget:
+            return False
+        key = (layer, expert)
+        old = self._d.pop(key, None)
+        if old is not None:
+            self.used -= old.nbytes
+        while self._d and self.used + e.nbytes > self.budget:
+            _, ev = self._d.popitem(last=False)
+            self.used -= ev.nbytes
+            self.evictions += 1
+        self._d[key] = e
+        self.used += e.nbytes
+        return True
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def clear(self) -> None:
+        self._d.clear()
+        self.used = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"budget": self.budget, "used": self.used, "experts": len(self._d),
+                "hits": self.hits, "misses": self.misses, "evictions": self.evictions}

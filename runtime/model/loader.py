@@ -1,0 +1,159 @@
+"""Build the trunk of a model from a store: per-block weights under llama.cpp's tensor names.
+
+Names (``blk.N.`` prefix): ``attn_norm``, ``attn_{q,k,v}`` (+ ``.bias``), ``attn_output``,
+``attn_{q,k}_norm`` (optional), the FFN norm (``ffn_norm``; glm4moe ``post_attention_norm``),
+a router ``ffn_gate_inp`` (+ ``exp_probs_b.bias``) and shared expert ``ffn_*_shexp`` on MoE
+blocks, ``ffn_{gate,up,down}`` on dense ones; globals ``token_embd``, ``output_norm`` and
+``output`` (absent: tied to ``token_embd``). A block is MoE when it has a router. NextN blocks
+(``blk.{n_layer}...``) are loaded the same way plus their ``nextn.*`` tensors; they are kept
+for the MTP draft and never run by ``Model.forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...errors import StoreError
+from .attention import AttentionWeights
+from .config import ModelConfig
+from .ffn import DenseFFN
+from .moe import MoEWeights
+from .router import RouterWeights
+from .weights import Embedding, Linear, RawTensor, TrunkReader, plan_float
+
+__all__ = ["BlockWeights", "TrunkWeights", "load_trunk"]
+
+_NEXTN = ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
+
+
+@dataclass
+class BlockWeights:
+    layer: int
+    attn_norm: torch.Tensor
+    attn: AttentionWeights
+    ffn_norm: torch.Tensor
+    moe: MoEWeights | None = None
+    dense: DenseFFN | None = None
+    nextn: dict[str, torch.Tensor | Linear] = field(default_factory=dict)
+
+
+@dataclass
+class TrunkWeights:
+    embed: Embedding
+    blocks: list[BlockWeights]          # the n_layer decoder blocks, in order
+    nextn: list[BlockWeights]           # NextN/MTP blocks (loaded, not run)
+    output_norm: torch.Tensor
+    output: Linear
+    float_bytes: int = 0                # trunk bytes held dequantized
+    quant_bytes: int = 0                # trunk bytes kept as ggml blocks (incl. the embedding)
+
+
+class _Builder:
+    def __init__(self, reader: TrunkReader, cfg: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, float_names: set[str]) -> None:
+        self.r, self.cfg, self.dtype, self.device = reader, cfg, dtype, device
+        self.float_names = float_names
+        self.float_bytes = self.quant_bytes = 0
+
+    def vec(self, name: str, *, f32: bool = True) -> torch.Tensor:
+        t = self.r.get(name).to_float(torch.float32 if f32 else self.dtype, self.device)
+        self.float_bytes += t.numel() * t.element_size()
+        return t
+
+    def opt_vec(self, name: str) -> torch.Tensor | None:
+        return self.vec(name) if name in self.r else None
+
+    def lin(self, base: str, *, bias: bool = True) -> Linear:
+        w = self.r.get(base + ".weight")
+        b = self.r.opt(base + ".bias") if bias else None
+        lin = Linear.load(w, b, dtype=self.dtype, device=self.device,
+                          quantized=w.name not in self.float_names)
+        if lin.weight is None:
+            self.quant_bytes += lin.nbytes
+        else:
+            self.float_bytes += lin.nbytes
+        return lin
+
+    def block(self, i: int) -> BlockWeights:
+        p, cfg = f"blk.{i}.", self.cfg
+        attn = AttentionWeights(self.lin(p + "attn_q"), self.lin(p + "attn_k"),
+                                self.lin(p + "attn_v"), self.lin(p + "attn_output"),
+                                self.opt_vec(p + "attn_q_norm.weight"),
+                                self.opt_vec(p + "attn_k_norm.weight"))
+        blk = BlockWeights(i, self.vec(p + "attn_norm.weight"), attn,
+                           self.vec(p + cfg.spec.post_attn_norm + ".weight"))
+        if p + "ffn_gate_inp.weight" in self.r:
+            router = RouterWeights(self.vec(p + "ffn_gate_inp.weight"),
+                                   self.opt_vec(p + "exp_probs_b.bias"))
+            if router.weight.shape != (cfg.n_expert, cfg.n_embd):
+                raise StoreError(f"blk.{i}.ffn_gate_inp has shape {tuple(router.weight.shape)}, "
+                                 f"expected ({cfg.n_expert}, {cfg.n_embd})", path=self.r.path,
+                                 fix="the metadata and the tensors disagree; reconvert")
+            shared = None
+            if p + "ffn_gate_shexp.weight" in self.r:
+                shared = DenseFFN(self.lin(p + "ffn_gate_shexp"), self.lin(p + "ffn_up_shexp"),
+                                  self.lin(p + "ffn_down_shexp"))
+            blk.moe = MoEWeights(router, shared)
+        else:
+            blk.dense = DenseFFN(self.lin(p + "ffn_gate"), self.lin(p + "ffn_up"),
+                                 self.lin(p + "ffn_down"))
+        return blk
+
+    def nextn_extras(self, blk: BlockWeights) -> None:
+        p = f"blk.{blk.layer}.nextn."
+        for n in _NEXTN:
+            name = p + n + ".weight"
+            if name not in self.r:
+                continue
+            raw = self.r.get(name)
+            blk.nextn[n] = self.vec(name) if len(raw.shape) == 1 else self.lin(p + n, bias=False)
+
+
+def _matrices(reader: TrunkReader, cfg: ModelConfig, nextn: bool) -> list[RawTensor]:
+    """Every 2-D trunk tensor the forward multiplies by (routers and the embedding excluded)."""
+    out = []
+    last = cfg.n_block if nextn else cfg.n_layer
+    tied = "output.weight" not in reader
+    for name in sorted(reader.names()):
+        raw = reader.get(name)
+        if len(raw.shape) != 2 or "ffn_gate_inp" in name:
+            continue
+        if name == "token_embd.weight" and not tied:
+            continue
+        if name.startswith("blk."):
+            if int(name.split(".")[1]) >= last:
+                continue
+        out.append(raw)
+    return out
+
+
+def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
+               device: torch.device, trunk_mode: str = "auto",
+               float_budget: int | None = None, nextn: bool = True) -> TrunkWeights:
+    """Dequantize (or keep) every trunk tensor of ``cfg``'s model from ``reader``."""
+    float_names = plan_float(_matrices(reader, cfg, nextn), trunk_mode, dtype, float_budget)
+    b = _Builder(reader, cfg, dtype, device, float_names)
+    embed = Embedding(reader.get("token_embd.weight"), device)
+    if embed.shape != (cfg.n_vocab, cfg.n_embd):
+        if embed.shape[1] != cfg.n_embd:
+            raise StoreError(f"token_embd has shape {embed.shape}, n_embd is {cfg.n_embd}",
+                             path=reader.path, fix="reconvert the model")
+    blocks = [b.block(i) for i in range(cfg.n_layer)]
+    extra = []
+    if nextn:
+        for i in range(cfg.n_layer, cfg.n_block):
+            if f"blk.{i}.attn_norm.weight" not in reader:     # a trunk-only GGUF
+                continue
+            blk = b.block(i)
+            b.nextn_extras(blk)
+            extra.append(blk)
+    out_norm = b.vec("output_norm.weight")
+    if "output.weight" in reader:
+        output = b.lin("output", bias=False)
+    else:                                   # tied embeddings (llama.cpp falls back the same way)
+        output = Linear.load(reader.get("token_embd.weight"), None, dtype=dtype, device=device,
+                             quantized="token_embd.weight" not in float_names)
+    return TrunkWeights(embed, blocks, extra, out_norm, output,
+                        b.float_bytes, b.quant_bytes + embed.raw.nbytes)

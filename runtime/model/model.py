@@ -1,0 +1,85 @@
+"""The decoder: embedding → blocks (attention, dense or routed FFN) → output norm → logits.
+
+Every architecture in ``config.ARCHS`` is one pre-norm residual stack; what differs (rope
+pairing and extent, q/k norm, biases, router semantics, shared experts, dense leading layers)
+is carried by the config and by which tensors the store holds. The residual stream stays in
+float32 (as ggml keeps activations); matrices are applied in the compute dtype.
+
+``forward(ids)`` appends ``len(ids)`` positions to the KV cache and returns float32 logits of
+the last position (``logits="last"``), of every position (``"all"``) or none (``"none"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import KVCache, attention, causal_mask
+from .config import ModelConfig
+from .loader import TrunkWeights
+from .moe import ExpertRunner
+from .rope import Rope, rms_norm
+
+__all__ = ["Model"]
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, trunk: TrunkWeights, runner: ExpertRunner, *,
+                 device: torch.device, dtype: torch.dtype, n_ctx: int,
+                 lookahead: bool = False, lookahead_margin: int = 2) -> None:
+        self.cfg, self.trunk, self.runner = cfg, trunk, runner
+        self.device, self.dtype = device, dtype
+        self.rope = Rope(cfg, device)
+        self.cache = KVCache(cfg, cfg.n_layer, n_ctx, dtype, device)
+        self.lookahead = lookahead
+        self.lookahead_k = cfg.n_expert_used + max(0, lookahead_margin)
+
+    @property
+    def pos(self) -> int:
+        return self.cache.pos
+
+    def reset(self, pos: int = 0) -> None:
+        self.cache.reset(pos)
+        if self.runner.lookahead is not None:
+            self.runner.lookahead.reset_pending()
+
+    def _predict(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """Layer ``layer+1``'s router on this layer's residual stream (its own FFN norm)."""
+        nxt = layer + 1
+        if not self.lookahead or nxt >= self.cfg.n_layer:
+            return None
+        blk = self.trunk.blocks[nxt]
+        if blk.moe is None:
+            return None
+        r = self.runner.router
+        xp = rms_norm(x, blk.ffn_norm, self.cfg.rms_eps)
+        return nxt, r.select(r.probs(xp, blk.moe.router), blk.moe.router, self.lookahead_k)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, logits: str = "last") -> torch.Tensor | None:
+        """``ids [T]`` (int64, on the device) → float32 logits ``[T or 1, n_vocab]``."""
+        cfg, T = self.cfg, ids.shape[0]
+        self.cache.reserve(T)
+        p0 = self.cache.pos
+        x = self.trunk.embed.lookup(ids, torch.float32)                # [T, D] residual
+        cos, sin = self.rope.tables(p0, T)
+        mask = causal_mask(p0, T, self.device)
+        for blk in self.trunk.blocks:
+            L = blk.layer
+            h = rms_norm(x, blk.attn_norm, cfg.rms_eps).to(self.dtype)
+            x = x + attention(h, blk.attn, cfg, self.rope, cos, sin, self.cache, L, mask).float()
+            h = rms_norm(x, blk.ffn_norm, cfg.rms_eps).to(self.dtype)
+            pred = self._predict(L, x)
+            if blk.moe is not None:
+                y = self.runner.forward(L, h, blk.moe, pred)
+            else:
+                if pred is not None:
+                    self.runner.prefetch(*pred)
+                y = blk.dense(h)
+            x = x + y.float()
+        self.cache.pos = p0 + T
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        h = rms_norm(x, self.trunk.output_norm, cfg.rms_eps).to(self.dtype)
+        return self.trunk.output(h).float()

@@ -1,0 +1,150 @@
+"""The routed-expert FFN of one layer: route → one host sync → provider.get → compute → combine.
+
+Per layer and batch, the router runs on the device; the only host synchronisation is one copy
+of the expert ids needed to ask the provider (for a batch: per-expert token counts), together
+with the next layer's lookahead prediction when that is on. Each touched expert is fetched once
+per batch and computed on all of its tokens (gather, SwiGLU, weight, ``index_add`` scatter);
+a decode step (T=1) skips the gather. The provider's weights are released after the layer.
+
+T=tokens, k=experts per token, E=experts, D=n_embd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..experts.protocol import ExpertProvider
+from .dqcache import DequantCache
+from .ffn import DenseFFN, expert_ffn, to_float_expert
+from .lookahead import LookaheadStats
+from .router import Router, RouterWeights
+
+__all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
+
+
+@dataclass
+class MoEWeights:
+    router: RouterWeights
+    shared: DenseFFN | None = None
+
+
+@dataclass
+class MoEStats:
+    tokens: int = 0              # token × layer routings
+    pairs: int = 0               # token × expert products computed
+    fetches: int = 0             # experts asked of the provider (once per batch and layer)
+    dq_hits: int = 0             # experts served by the dequantized cache
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ExpertRunner:
+    """What the MoE layers share: provider, dequant cache, routing and lookahead state."""
+
+    provider: ExpertProvider
+    router: Router
+    dtype: torch.dtype
+    dq: DequantCache = field(default_factory=lambda: DequantCache(0))
+    lookahead: LookaheadStats | None = None
+    stats: MoEStats = field(default_factory=MoEStats)
+    record: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None   # trace rows
+
+    def _weights(self, layer: int, experts: list[int]) -> dict[int, Any]:
+        """Weights of ``experts`` of ``layer``: dequant-cache hits first, the rest fetched."""
+        out: dict[int, Any] = {}
+        need = experts
+        if self.dq.enabled:
+            need = []
+            for e in experts:
+                f = self.dq.get(layer, e)
+                if f is None:
+                    need.append(e)
+                else:
+                    out[e] = f
+            self.stats.dq_hits += len(experts) - len(need)
+        if need:
+            got = self.provider.get(layer, need)
+            self.stats.fetches += len(need)
+            for e in need:
+                w = got[e]
+                if self.dq.enabled:
+                    f = to_float_expert(w, self.dtype)
+                    self.dq.put(layer, e, f)
+                    out[e] = f
+                else:
+                    out[e] = w
+        return out
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""
+        nxt = set(ids.flatten().tolist())
+        self.provider.prefetch(layer, sorted(nxt))
+        if self.lookahead is not None:
+            self.lookahead.predict(layer, nxt)
+
+    def forward(self, layer: int, x: torch.Tensor, w: MoEWeights,
+                predict: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [T, D]`` (normed FFN input) → routed (+ shared) expert output ``[T, D]``.
+
+        ``predict = (next_layer, ids [T, k+m])`` is the lookahead prediction to prefetch.
+        """
+        T = x.shape[0]
+        ids, wts, _ = self.router(x, w.router)                         # [T, k], [T, k]
+        k = ids.shape[1]
+        if self.record is not None:
+            self.record.append((layer, ids, wts))
+        if T == 1:
+            host = ids[0] if predict is None else torch.cat((ids[0], predict[1][0]))
+            hv = host.tolist()                                           # the one sync
+            experts, pred = hv[:k], hv[k:]
+        else:
+            E = w.router.weight.shape[0]
+            counts = torch.bincount(ids.flatten(), minlength=E)
+            host = counts if predict is None else torch.cat((counts, predict[1].flatten()))
+            hv = host.tolist()                                           # the one sync
+            counts_h, pred = hv[:E], hv[E:]
+            experts = [e for e in range(E) if counts_h[e]]
+        if predict is not None:
+            nxt = set(pred)
+            self.provider.prefetch(predict[0], sorted(nxt))
+            if self.lookahead is not None:
+                self.lookahead.predict(predict[0], nxt)
+        if self.lookahead is not None:
+            self.lookahead.score(layer, set(experts))
+        self.stats.tokens += T
+        self.stats.pairs += T * k
+        try:
+            weights = self._weights(layer, experts)
+            if T == 1:
+                out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+                for j, e in enumerate(experts):
+                    out.add_(expert_ffn(x, weights[e]).float() * wts[0, j])
+            else:
+                out = self._batched(x, ids, wts, experts, counts_h, weights)
+        finally:
+            self.provider.release(layer)
+        if w.shared is not None:
+            out.add_(w.shared(x).float())
+        return out.to(x.dtype)
+
+    def _batched(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+                 experts: list[int], counts: list[int], weights: dict[int, Any]) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)                        # [T*k], by expert
+        tok = order // k                                                 # token of each pair
+        wsorted = wts.flatten().index_select(0, order)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        a = 0
+        for e in experts:
+            b = a + counts[e]
+            t = tok[a:b]
+            y = expert_ffn(x.index_select(0, t), weights[e]).float()
+            out.index_add_(0, t, y * wsorted[a:b, None])
+            a = b
+        return out

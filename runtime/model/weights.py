@@ -1,0 +1,165 @@
+"""Trunk weights from a store: ``trunk.bin`` mapped once, tensors made ready for compute.
+
+Every non-expert tensor (attention, norms, routers, shared experts, dense FFNs, embeddings,
+the NextN block) lives in ``STORE/trunk.bin``. ``TrunkReader`` maps the file privately
+(copy-on-write, so tensors can view it without a copy) and hands out ``RawTensor`` views.
+
+A matrix becomes a ``Linear``: either dequantized once into the compute dtype, ``[out, in]``
+contiguous for ``F.linear`` (fast), or kept as its ggml bytes and multiplied through
+``dequant.linear`` on every call (a fraction of the RAM, far slower on CPU; measured in
+bench/bench_decode.py). ``trunk_mode`` chooses: ``"float"``, ``"quant"`` or ``"auto"`` (float
+unless the float trunk would exceed ``float_budget`` bytes, then the largest matrices stay
+quantized). The token embedding is always kept as bytes: a lookup dequantizes only its rows.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import StoreError
+from ...formats.dequant import dequantize, linear as qlinear
+from ...formats.ggml import GGMLType, row_bytes
+
+__all__ = ["RawTensor", "TrunkReader", "Linear", "Embedding", "plan_float"]
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    name: str
+    raw: torch.Tensor            # uint8 view of the ggml bytes (CPU, mapped)
+    ggml_type: GGMLType
+    shape: tuple[int, ...]       # torch order (reversed ne)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.numel())
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_float(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Dequantized ``[out, in]`` (or 1-D) tensor, contiguous, on ``device``."""
+        src = self.raw.to(device) if device.type != "cpu" else self.raw
+        return dequantize(src, self.ggml_type, self.shape, dtype=dtype).contiguous()
+
+
+class TrunkReader:
+    """``trunk.bin`` of a store, mapped copy-on-write; ``get(name)`` is a zero-copy view."""
+
+    def __init__(self, store) -> None:
+        self.path = store.trunk_path
+        self.records = store.trunk_tensors()
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self._buf = (torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None
+                     else torch.empty(0, dtype=torch.uint8))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.records
+
+    def names(self) -> set[str]:
+        return set(self.records)
+
+    def get(self, name: str) -> RawTensor:
+        r = self.records.get(name)
+        if r is None:
+            raise StoreError(f"trunk tensor {name!r} is missing", path=self.path,
+                             fix="the store is not a complete model; repack it from the GGUF")
+        if r.offset + r.nbytes > self._buf.numel():
+            raise StoreError(f"trunk tensor {name!r} [{r.offset}, {r.offset + r.nbytes}) lies "
+                             f"past the end of trunk.bin", path=self.path, fix="repack the model")
+        return RawTensor(name, self._buf[r.offset:r.offset + r.nbytes], r.ggml_type,
+                         tuple(reversed(r.ne)))
+
+    def opt(self, name: str) -> RawTensor | None:
+        return self.get(name) if name in self.records else None
+
+    def close(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        # the map is released when the last view is garbage collected
+
+
+class Linear:
+    """``y = x @ W.T (+ b)`` with W either a float ``[out, in]`` tensor or ggml bytes."""
+
+    __slots__ = ("weight", "q", "bias", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor | None, q: RawTensor | None,
+                 bias: torch.Tensor | None, shape: tuple[int, int]) -> None:
+        self.weight, self.q, self.bias = weight, q, bias
+        self.out_features, self.in_features = shape
+
+    @classmethod
+    def load(cls, w: RawTensor, b: RawTensor | None, *, dtype: torch.dtype,
+             device: torch.device, quantized: bool) -> Linear:
+        bias = b.to_float(dtype, device) if b is not None else None
+        if len(w.shape) != 2:
+            raise StoreError(f"{w.name}: a matrix of shape {w.shape} was expected",
+                             fix="the store's tensor shapes do not match the architecture")
+        if quantized and w.ggml_type not in (GGMLType.F32,):
+            raw = w.raw.to(device) if device.type != "cpu" else w.raw
+            return cls(None, RawTensor(w.name, raw, w.ggml_type, w.shape), bias, w.shape)
+        return cls(w.to_float(dtype, device), None, bias, w.shape)
+
+    @property
+    def nbytes(self) -> int:
+        t = self.weight if self.weight is not None else self.q.raw
+        return t.numel() * t.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        q = self.q
+        return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias)
+
+
+class Embedding:
+    """Token embedding kept as ggml bytes; ``lookup(ids)`` dequantizes only those rows."""
+
+    def __init__(self, w: RawTensor, device: torch.device) -> None:
+        n_vocab, n_embd = w.shape
+        self.shape = (n_vocab, n_embd)
+        self.ggml_type = w.ggml_type
+        raw = w.raw.to(device) if device.type != "cpu" else w.raw
+        self.rows = raw.reshape(n_vocab, row_bytes(w.ggml_type, n_embd))
+        self.raw = w
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[T] int64`` on the device → ``[T, n_embd]`` in ``dtype``."""
+        rows = self.rows.index_select(0, ids)
+        return dequantize(rows, self.ggml_type, (ids.numel(), self.shape[1]), dtype=dtype)
+
+
+def plan_float(mats: Iterable[RawTensor], mode: str, dtype: torch.dtype,
+               float_budget: int | None) -> set[str]:
+    """Names of the matrices to dequantize at load (the rest stay quantized).
+
+    ``float``: all; ``quant``: none (F32 matrices are always used as they are); ``auto``: all
+    unless their float size passes ``float_budget``, then the largest stay quantized until the
+    rest fits.
+    """
+    mats = list(mats)
+    if mode == "float" or (mode == "auto" and float_budget is None):
+        return {m.name for m in mats}
+    if mode == "quant":
+        return set()
+    el = torch.empty(0, dtype=dtype).element_size()
+    chosen = {m.name for m in mats}
+    total = sum(m.numel * el for m in mats)
+    for m in sorted(mats, key=lambda m: -m.numel):
+        if total <= float_budget:
+            break
+        chosen.discard(m.name)
+        total -= m.numel * el
+    return chosen

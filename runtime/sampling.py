@@ -1,0 +1,64 @@
+"""Choosing the next token from logits: greedy, or temperature → top-k → top-p sampling.
+
+``temperature <= 0`` is greedy (argmax; ties go to the lowest id). Otherwise the logits are
+divided by the temperature, cut to the ``top_k`` largest (0 = all), then to the smallest set
+whose probability reaches ``top_p`` (1 = all; the most likely token always survives), and one
+token is drawn with a ``torch.Generator`` seeded from ``seed``: the same seed, logits and
+parameters give the same tokens. Sampling runs on the CPU on a float32 copy of the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UsageError
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> SamplingParams:
+        if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"sampling: temperature {self.temperature}, top-k {self.top_k}, "
+                             f"top-p {self.top_p}",
+                             fix="use --temp >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams = SamplingParams()) -> None:
+        self.params = params.validate()
+        self.gen = torch.Generator(device="cpu")
+        self.gen.manual_seed(int(params.seed))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """``logits [n_vocab]`` (any device) → the chosen token id."""
+        p = self.params
+        lg = logits.detach().float().cpu()
+        if p.greedy:
+            return int(torch.argmax(lg))
+        lg = lg / p.temperature
+        if p.top_k and p.top_k < lg.numel():
+            vals, idx = torch.topk(lg, p.top_k)
+        else:
+            vals, idx = torch.sort(lg, descending=True)
+        probs = torch.softmax(vals, dim=-1)
+        if p.top_p < 1.0:
+            cum = torch.cumsum(probs, dim=-1)
+            keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
+            probs = probs[:keep]
+            idx = idx[:keep]
+        choice = torch.multinomial(probs / probs.sum(), 1, generator=self.gen)
+        return int(idx[choice])
