@@ -1,0 +1,97 @@
+"""Slot geometry from a store, and byte budgets turned into slots.
+
+A slot holds the store's largest extent rounded up to the page, so the number of experts a
+budget holds is ``budget // stride`` whatever their layer. Keys are the simulator's integer keys,
+``layer_index * n_experts + expert`` (``layer_index``: position in ``store.layers``, so a store
+whose routed layers are 0..L-1 has exactly the keys of a routing trace of it).
+
+With a device tier, misses are read into *staging* host slots and uploaded from there (tiers
+are exclusive: the host tier keeps what the device tier does not). Staging slots come out of the
+RAM budget, so the host tier's policy capacity is ``host slots - staging``; nothing is ever
+allocated beyond the budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from expertfs.errors import UsageError
+
+from ..io import PAGE
+
+__all__ = ["Geometry", "Slots", "plan_slots"]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: tuple[int, ...]              # store layers with routed experts, ascending
+    experts: tuple[int, ...]             # experts of each of them
+    n_experts: int                       # the widest layer: the key stride
+    k: int                               # experts used per token (1 when the store does not say)
+    slot_bytes: int                      # the largest extent
+    stride: int                          # slot_bytes rounded up to the page
+
+    @classmethod
+    def from_store(cls, store: Any) -> Geometry:
+        layers = tuple(store.layers)
+        if not layers:
+            raise UsageError("the store has no routed experts", path=getattr(store, "path", None),
+                             fix="a cache of experts needs an MoE model")
+        experts = tuple(store.n_experts(la) for la in layers)
+        summary = getattr(store, "summary", {}) or {}
+        largest = 0
+        for la in layers:
+            info = store.layer_info(la) if hasattr(store, "layer_info") else {}
+            largest = max(largest, int(info.get("extent_bytes") or 0))
+        if not largest:
+            largest = max(store.extent(la, e).length for la, n in zip(layers, experts)
+                          for e in range(n))
+        k = int(summary.get("expert_used_count") or 1)
+        return cls(layers, experts, max(experts), max(1, k), largest, -(-largest // PAGE) * PAGE)
+
+    def index_of(self) -> dict[int, int]:
+        return {la: i for i, la in enumerate(self.layers)}
+
+    def layer_of(self, key: int) -> int:
+        """The layer *index* of a key (what per-layer policies are given)."""
+        return key // self.n_experts
+
+
+@dataclass(frozen=True)
+class Slots:
+    host: int            # host slots in the slab (the RAM budget)
+    staging: int         # of which staging for demand reads (device tier only)
+    ram: int             # host tier capacity given to its policy: host - staging
+    vram: int            # device tier slots (0: no device tier)
+
+    @property
+    def compute(self) -> int:
+        """Experts the tier the forward pass reads can hold at once."""
+        return self.vram or self.ram
+
+
+def plan_slots(geo: Geometry, ram_bytes: int, vram_bytes: int, *, queue_depth: int,
+               staging: int | None = None) -> Slots:
+    """Slots for the budgets. ``staging`` (device tier only) defaults to min(queue depth, k) + 1."""
+    if ram_bytes < 0 or vram_bytes < 0:
+        raise UsageError(f"negative cache budget (ram {ram_bytes}, vram {vram_bytes} bytes)",
+                         fix="give budgets >= 0")
+    host = ram_bytes // geo.stride
+    vram = vram_bytes // geo.stride
+    if vram_bytes and not vram:
+        raise UsageError(f"a VRAM budget of {vram_bytes} bytes holds no expert (one slot is "
+                         f"{geo.stride} bytes)", fix=f"give at least {geo.stride} bytes, or 0")
+    if not host:
+        raise UsageError(f"a RAM budget of {ram_bytes} bytes holds no expert (one slot is "
+                         f"{geo.stride} bytes)",
+                         fix=f"give at least {geo.stride} bytes"
+                             + (" (reads are staged in RAM on their way to the device)" if vram else ""))
+    if not vram:
+        return Slots(host, 0, host, 0)
+    s = staging if staging is not None else min(queue_depth, geo.k) + 1
+    s = max(1, min(s, host))
+    ram = host - s
+    if ram < geo.k:             # too small to be a tier: all of it stages reads
+        s, ram = host, 0
+    return Slots(host, s, ram, vram)

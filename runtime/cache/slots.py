@@ -1,0 +1,93 @@
+"""Fixed-size expert slots carved from one slab, with a free list and a fence per slot.
+
+Every slot holds one expert whatever its size: the slot is the store's largest extent, rounded
+up to the page, so any expert fits any slot and a tier is a plain array of slots (no
+fragmentation, no allocator in the hot path). The host slab comes from
+:class:`expertfs.runtime.io.HostSlab` (page-aligned for O_DIRECT, pinned with cudaHostRegister
+when CUDA is present, within the :class:`PinBudget`, pageable with a warning otherwise); the
+device slab is one ``torch.empty`` on the CUDA device, or a page-aligned CPU slab when the
+"device" is the CPU.
+
+``fence[i]`` is what the next *writer* of slot ``i`` must wait for. Host slots: the last
+asynchronous copy that read or wrote them (storage reads sync on it; copies on the copy stream
+are ordered anyway). Device slots: the compute stream's mark at the release of the last layer
+that read them (copies wait on it on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from expertfs.errors import UsageError
+
+from ..io import PAGE, HostSlab, PinBudget, aligned_empty
+from .copier import Fence, host_wait
+
+__all__ = ["SlotPool"]
+
+
+class SlotPool:
+    def __init__(self, name: str, n_slots: int, slot_bytes: int, *, device: torch.device,
+                 host: bool, pin: bool | str = "auto", pin_budget: PinBudget | None = None,
+                 alignment: int = PAGE) -> None:
+        if n_slots < 1 or slot_bytes < 1:
+            raise UsageError(f"{name} tier: {n_slots} slots of {slot_bytes} bytes",
+                             fix="give the tier a budget of at least one slot")
+        self.name = name
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self.stride = -(-slot_bytes // alignment) * alignment
+        self.device = device
+        self._slab: HostSlab | None = None
+        if host:
+            self._slab = HostSlab(n_slots, slot_bytes, pin=pin, budget=pin_budget,
+                                  alignment=alignment)
+            self.tensor = self._slab.tensor
+            self.pinned, self.pin_note = self._slab.pinned, self._slab.pin_note
+        else:
+            n = n_slots * self.stride
+            self.tensor = (torch.empty(n, dtype=torch.uint8, device=device)
+                           if device.type == "cuda" else aligned_empty(n, alignment=alignment))
+            self.pinned, self.pin_note = False, "device memory"
+        st = self.stride
+        self._views = [self.tensor[i * st:i * st + slot_bytes] for i in range(n_slots)]
+        self._free = list(range(n_slots - 1, -1, -1))          # pop() hands out slot 0 first
+        self.fence: list[Fence] = [None] * n_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.stride
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def view(self, i: int) -> torch.Tensor:
+        """Slot ``i`` as a flat uint8 tensor of ``slot_bytes`` (a view into the slab)."""
+        return self._views[i]
+
+    def rows(self) -> torch.Tensor:
+        """The slab as ``[n_slots, stride]`` uint8, for kernels that gather by slot id."""
+        return self.tensor[:self.n_slots * self.stride].view(self.n_slots, self.stride)
+
+    def alloc(self, *, host_write: bool) -> int | None:
+        """A free slot, or None. ``host_write``: the caller writes it from the host (a storage
+        read), so any asynchronous copy still touching it is waited for first."""
+        if not self._free:
+            return None
+        i = self._free.pop()
+        if host_write and self.fence[i] is not None:
+            host_wait(self.fence[i])
+            self.fence[i] = None
+        return i
+
+    def free(self, i: int, fence: Fence = None) -> None:
+        if fence is not None:
+            self.fence[i] = fence
+        self._free.append(i)
+
+    def close(self) -> None:
+        if self._slab is not None:
+            self._slab.close()
+        self._free = []
+        self._views = []

@@ -1,0 +1,544 @@
+"""The cache mechanism: slots, residency and the moves between storage, RAM and VRAM.
+
+``TierCache`` executes what the policies decide (``expertfs.runtime.policies``); it decides
+nothing itself. Its semantics are the replay simulator's (``expertfs.runtime.simulate``), call
+for call, so hit rates measured on the real thing equal the simulated ones for the same trace:
+
+* one tier (no VRAM budget): a miss evicts the policy's victim and is read into its slot;
+* two exclusive tiers: a device hit is served from VRAM (and observed by the RAM policy); a RAM
+  hit moves the expert up and frees its RAM slot; a miss is read into a staging slot and
+  uploaded; the device victim is demoted to RAM (a device → host copy), whose own victim is
+  dropped.
+
+Every key of a ``acquire`` is pinned until ``release`` of its layer, in both tiers, so the
+running layer's slots are never a victim. Prefetches (``start_prefetch``) are *soft* pins until
+their target layer runs: they cannot be evicted by one another, and if a demand finds every slot
+pinned, soft pins are dropped first. A prefetch whose layer has passed unused is cancelled if
+its read has not started (never waited for). Reads, uploads and demotions are asynchronous
+(futures, copy-stream events); see ``entry``, ``copier``, ``loader``.
+
+Single-threaded: one caller (the forward pass) drives it; I/O workers only append to a deque.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from expertfs.errors import UsageError
+
+from ..experts.protocol import ExpertWeights, weights_from_buffer
+from ..io import ExpertReader, PinBudget, Priority
+from ..policies import CapacityError, Policy
+from ..policies_registry import DEFAULT_POLICY, make_factory
+from .copier import Copier, fence_done
+from .entry import Entry, State, TieredStats
+from .loader import Loader
+from .sizing import Geometry, plan_slots
+from .slots import SlotPool
+from .table import SlotTable
+
+__all__ = ["TierCache", "NullListener"]
+
+log = logging.getLogger(__name__)
+
+
+class NullListener:
+    """What the mechanism tells about prefetches (the ``Prefetcher`` implements it)."""
+
+    def on_used(self, source: str, nbytes: int) -> None: ...
+    def on_late(self, source: str, nbytes: int) -> None: ...
+    def on_wasted(self, source: str, nbytes: int, cancelled: bool) -> None: ...
+
+
+class TierCache:
+    def __init__(self, store: Any, reader: ExpertReader, *, device: str | torch.device = "cpu",
+                 ram_bytes: int, vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
+                 queue_depth: int = 16, staging_slots: int | None = None, pin: bool | str = "auto",
+                 pin_budget: PinBudget | None = None, stats: TieredStats | None = None) -> None:
+        self.geo = geo = Geometry.from_store(store)
+        self.store = store
+        self.device = torch.device(device)
+        self.copier = Copier(self.device)
+        self.slots = plan_slots(geo, int(ram_bytes), int(vram_bytes), queue_depth=queue_depth,
+                                staging=staging_slots)
+        self._index = geo.index_of()
+        self._E = geo.n_experts
+        if callable(policy):
+            factory = policy
+        else:
+            spec = DEFAULT_POLICY if policy in ("default", "", None) else policy
+            factory = make_factory(spec, n_layers=len(geo.layers), route_width=geo.k,
+                                   layer_of=geo.layer_of)
+        cpu = torch.device("cpu")
+        self.host = SlotPool("ram", self.slots.host, geo.slot_bytes, device=cpu, host=True,
+                             pin=pin if self.copier.cuda else False, pin_budget=pin_budget)
+        self.dev = (SlotPool("vram", self.slots.vram, geo.slot_bytes, device=self.device, host=False)
+                    if self.slots.vram else None)
+        self.R: Policy | None = factory(self.slots.ram) if self.slots.ram else None
+        self.V: Policy | None = factory(self.slots.vram) if self.dev is not None else None
+        self.pinned: set[int] = set()
+        for p in (self.R, self.V):
+            if p is not None:
+                p.pinned = self.pinned
+        self.policy_name = (self.V or self.R).name  # type: ignore[union-attr]
+        # the slot table maps the tier the forward pass reads (none: per-get device copies)
+        self.table = (SlotTable(len(geo.layers), self._E, self.device, self.copier)
+                      if self.dev is not None or not self.copier.cuda else None)
+        self._host_table = self.dev is None and self.table is not None
+        self.loader = Loader(reader, self.host.view, warm_depth=max(1, queue_depth // 2))
+        self.stats = stats if stats is not None else TieredStats()
+        self.listener: Any = NullListener()
+        self.entries: dict[int, Entry] = {}
+        self.held: dict[int, list[Entry]] = {}
+        self.soft: dict[int, Entry] = {}
+        self._pins: dict[int, int] = {}
+        self.now = 0
+        self.cursor = -1                    # layer index of the last acquire
+        self.widest = geo.k
+
+    # -- keys -------------------------------------------------------------------------------
+    def key(self, layer: int, expert: int) -> int:
+        li = self._index.get(layer)
+        if li is None:
+            raise UsageError(f"layer {layer} has no routed experts in this store",
+                             fix=f"routed layers are {list(self.geo.layers)}")
+        if not 0 <= expert < self.geo.experts[li]:
+            raise UsageError(f"expert {expert} is outside layer {layer}'s {self.geo.experts[li]}",
+                             fix="check the router's ids")
+        return li * self._E + int(expert)
+
+    def state_of(self, key: int) -> State:
+        e = self.entries.get(key)
+        if e is None:
+            return State.ABSENT
+        if e.state is State.LOADING and e.future is not None and e.future.done():
+            return State.HOST
+        return e.state
+
+    # -- pins -------------------------------------------------------------------------------
+    def _pin(self, key: int) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+        self.pinned.add(key)
+
+    def _unpin(self, key: int) -> None:
+        n = self._pins.get(key, 0) - 1
+        if n > 0:
+            self._pins[key] = n
+            return
+        self._pins.pop(key, None)
+        if key not in self.soft:
+            self.pinned.discard(key)
+
+    def _unsoft(self, key: int) -> None:
+        if self.soft.pop(key, None) is not None and key not in self._pins:
+            self.pinned.discard(key)
+
+    def _victim(self, p: Policy, key: int) -> int | None:
+        try:
+            return p.victim(key)
+        except CapacityError:
+            if not self.soft:
+                raise
+            for k in list(self.soft):       # demand before prefetch: give up the soft pins
+                self._unsoft(k)
+            return p.victim(key)
+
+    # -- the get path -------------------------------------------------------------------------
+    def acquire(self, layer: int, experts: Sequence[int]) -> list[Entry]:
+        """Make ``experts`` of ``layer`` resident in the compute tier, pinned until release."""
+        self.drain()
+        keys = list(dict.fromkeys(self.key(layer, e) for e in experts))
+        li = keys[0] // self._E if keys else self._index.get(layer, 0)
+        cap = self.slots.compute
+        pins = self._pins
+        if len(keys) + len(pins) > cap and sum(k not in pins for k in keys) + len(pins) > cap:
+            raise CapacityError(f"{len(keys)} experts of layer {layer} asked for with "
+                                f"{len(pins)} still held, but the compute tier has {cap} "
+                                "slots", fix="release layers before the next get, or ask for "
+                                "fewer experts per get (prefill: split the batch)")
+        if li <= self.cursor:
+            self.now += 1
+        self.widest = max(self.widest, len(keys))
+        if self.soft:
+            self._expire(li, keys)
+        self.cursor = li
+        for k in keys:
+            self._pin(k)
+        try:
+            out = self._acquire_device(keys) if self.V is not None else self._acquire_host(keys)
+        except BaseException:
+            self._abort(keys)
+            raise
+        self.held.setdefault(layer, []).extend(out)
+        self.stats.requests += len(keys)
+        return out
+
+    def _touch(self, e: Entry) -> None:
+        if e.source is not None:
+            self.stats.prefetch_used += 1
+            self.listener.on_used(e.source, e.nbytes)
+            e.source = None
+            self._unsoft(e.key)
+
+    def _acquire_host(self, keys: list[int]) -> list[Entry]:
+        R, now, entries = self.R, self.now, self.entries
+        assert R is not None
+        out, loading, hits = [], [], 0
+        for key in keys:
+            if R.access(key, now):
+                e = entries[key]
+                hits += 1
+                if e.state is State.LOADING:
+                    self._join(e)
+                    loading.append(e)
+                if e.source is not None:
+                    self._touch(e)
+            else:
+                self.stats.misses += 1
+                self._admit_host(key)
+                e = self._new(key, self.host.alloc(host_write=True))
+                self.loader.issue(e, Priority.DEMAND)
+                loading.append(e)
+            out.append(e)
+        if hits:
+            self.stats.hits["ram"] = self.stats.hits.get("ram", 0) + hits
+        for e in loading:
+            self._wait(e)
+        if self.table is None:              # CUDA without a device tier: copies for this get
+            for e in out:
+                n = e.nbytes
+                t, ev = self.copier.transient(self.host.view(e.host_slot)[:n],
+                                              after=(self.host.fence[e.host_slot],))
+                self.host.fence[e.host_slot] = ev
+                self.copier.compute_wait(ev)
+                e.transient = t
+                e.weights = weights_from_buffer(e.extent, t)
+                self.stats.uploads += 1
+                self.stats.bytes_h2d += n
+        return out
+
+    def _acquire_device(self, keys: list[int]) -> list[Entry]:
+        V, R, now, entries, st = self.V, self.R, self.now, self.entries, self.stats
+        assert V is not None
+        reserve = 1 if R is not None else 0     # a demotion's slot while a RAM hit moves up
+        for key in keys:                        # reads first, so misses overlap one another
+            if key in entries or self.host.n_free <= reserve:
+                continue
+            self._staging_read(key)
+        vh = rh = 0
+        for key in keys:
+            e = entries.get(key)
+            if V.access(key, now):
+                vh += 1
+                if R is not None:
+                    R.observe(key, now)
+                if e.source is not None:
+                    self._touch(e)
+                if e.state is State.UPLOADING:
+                    if fence_done(e.fence):
+                        e.state, e.fence = State.DEVICE, None
+                    else:
+                        self.copier.compute_wait(e.fence)
+                continue
+            if R is not None and R.access(key, now):
+                rh += 1
+                if e.state is State.LOADING:
+                    self._join(e)
+                    self._wait(e)
+                if e.source is not None:
+                    self._touch(e)
+                R.on_evict(key)                  # moves up: exclusive tiers
+            else:
+                st.misses += 1
+                if e is None:
+                    e = self._staging_read(key)
+                self._wait(e)
+            self._upload(e)
+        if vh:
+            st.hits["vram"] = st.hits.get("vram", 0) + vh
+        if rh:
+            st.hits["ram"] = st.hits.get("ram", 0) + rh
+        return [entries[k] for k in keys]
+
+    def _new(self, key: int, host_slot: int | None) -> Entry:
+        if host_slot is None:
+            raise CapacityError("no free host slot for a read", fix="raise the RAM budget")
+        li, ex = divmod(key, self._E)
+        e = Entry(key, self.geo.layers[li], ex, self.store.extent(self.geo.layers[li], ex),
+                  host_slot=host_slot)
+        self.entries[key] = e
+        return e
+
+    def _staging_read(self, key: int) -> Entry:
+        e = self._new(key, self.host.alloc(host_write=True))
+        e.staging = True
+        self.loader.issue(e, Priority.DEMAND)
+        return e
+
+    def _admit_host(self, key: int) -> None:
+        R = self.R
+        assert R is not None
+        v = self._victim(R, key)
+        if v is not None:
+            R.on_evict(v)
+            self._drop_host(v)
+        R.on_insert(key, self.now)
+
+    def _upload(self, e: Entry) -> None:
+        """Host slot → a device slot (after demoting the device victim); frees the host slot."""
+        V, dev, host = self.V, self.dev, self.host
+        assert V is not None and dev is not None
+        d = self._device_slot_for(e.key)
+        hs, n = e.host_slot, e.nbytes
+        li, ex = divmod(e.key, self._E)
+        table = self.table
+        assert table is not None
+        ev = self.copier.copy(dev.view(d)[:n], host.view(hs)[:n], after=(dev.fence[d],),
+                              then=lambda: table.set_now(li, ex, d))
+        dev.fence[d] = None                      # later copies queue behind this one
+        host.free(hs, ev)
+        e.host_slot, e.dev_slot, e.staging, e.weights = -1, d, False, None
+        e.state, e.fence = (State.UPLOADING, ev) if ev is not None else (State.DEVICE, None)
+        V.on_insert(e.key, self.now)
+        self.copier.compute_wait(ev)
+        self.stats.uploads += 1
+        self.stats.bytes_h2d += n
+
+    def _device_slot_for(self, key: int) -> int:
+        V, R, dev = self.V, self.R, self.dev
+        assert V is not None and dev is not None
+        v = self._victim(V, key)
+        if v is None:
+            d = dev.alloc(host_write=False)
+            assert d is not None, "device policy and slots disagree"
+            return d
+        V.on_evict(v)
+        ve = self.entries[v]
+        d = ve.dev_slot
+        self._count_eviction("vram")
+        assert self.table is not None
+        self.table.clear(*divmod(v, self._E))
+        ve.dev_slot, ve.weights, ve.fence = -1, None, None
+        if R is None:
+            self._forget(ve)
+            return d
+        self._admit_host(v)                      # demote: device -> host
+        hv = self.host.alloc(host_write=False)
+        assert hv is not None, "host slots and policy disagree"
+        n = ve.nbytes
+        self.host.fence[hv] = self.copier.copy(self.host.view(hv)[:n], dev.view(d)[:n])
+        ve.host_slot, ve.state = hv, State.HOST
+        self.stats.demotions += 1
+        self.stats.bytes_d2h += n
+        return d
+
+    # -- reads --------------------------------------------------------------------------------
+    def _join(self, e: Entry) -> None:
+        """A demand found ``e`` still loading (a prefetch or warm read): promote it, count it."""
+        fut = self.loader.resolve(e)
+        if not fut.done():
+            self.stats.joined += 1
+            self.stats.late_bytes += e.nbytes
+            self.listener.on_late(e.source or "warm", e.nbytes)
+
+    def _wait(self, e: Entry) -> None:
+        """Block until ``e``'s read is done; raise what it raised."""
+        fut = self.loader.resolve(e)
+        if not fut.done():
+            t0 = time.perf_counter()
+            try:
+                fut.exception()
+            finally:
+                self.stats.stall_seconds += time.perf_counter() - t0
+        exc = self._complete(e, fut)
+        if exc is not None:
+            raise exc
+
+    def _complete(self, e: Entry, fut: Any) -> BaseException | None:
+        if e.future is not fut or e.state is not State.LOADING:
+            return None
+        e.future = None
+        e.warm = False
+        exc = fut.exception() if not fut.cancelled() else UsageError("read cancelled")
+        if exc is not None:
+            self.stats.read_errors += 1
+            self._discard(e)
+            return exc
+        self.stats.bytes_read += e.nbytes
+        e.state = State.HOST
+        if self._host_table:
+            li, ex = divmod(e.key, self._E)
+            self.table.set_now(li, ex, e.host_slot)  # type: ignore[union-attr]
+        return None
+
+    def drain(self) -> None:
+        """Take note of reads completed since the last call (prefetches, warm start)."""
+        for e, fut in self.loader.drain():
+            exc = self._complete(e, fut)
+            if exc is not None:
+                log.debug("a background read of layer %d expert %d failed: %s", e.layer, e.expert, exc)
+
+    # -- dropping -------------------------------------------------------------------------------
+    def _stop_read(self, e: Entry, *, wait: bool) -> bool:
+        """Stop ``e``'s read before dropping it: True if it never ran (cancelled or still in the
+        warm queue), False once it ran (waited for when ``wait``, else left running)."""
+        if self.loader.unqueue(e):
+            e.future = None
+            return True
+        fut = e.future
+        if fut is None:
+            return True
+        if fut.cancel():
+            e.future = None
+            return True
+        if wait:
+            exc = fut.exception()
+            e.future = None
+            if exc is None:
+                self.stats.bytes_read += e.nbytes
+            else:
+                self.stats.read_errors += 1
+        return False
+
+    def _drop_host(self, key: int) -> None:
+        """The RAM policy evicted ``key``: let its slot go (cancel or finish its read first)."""
+        e = self.entries[key]
+        self._count_eviction("ram")
+        self._unsoft(key)
+        cancelled = e.state is State.LOADING and self._stop_read(e, wait=True)
+        self._forget(e, cancelled=cancelled)
+
+    def _forget(self, e: Entry, *, cancelled: bool = False) -> None:
+        if e.source is not None:
+            self.stats.prefetch_wasted += 1
+            self.stats.prefetch_cancelled += cancelled
+            self.listener.on_wasted(e.source, 0 if cancelled else e.nbytes, cancelled)
+            e.source = None
+        self._discard(e)
+
+    def _discard(self, e: Entry) -> None:
+        """Remove ``e`` from everything (its policy entry is the caller's business, except for
+        a failed read, which never counts as resident)."""
+        if self.entries.get(e.key) is e:
+            del self.entries[e.key]
+        if e.state is State.LOADING and not e.staging and self.R is not None and e.key in self.R:
+            self.R.on_evict(e.key)
+        if self._host_table:
+            self.table.clear(*divmod(e.key, self._E))  # type: ignore[union-attr]
+        if e.host_slot >= 0:
+            self.host.free(e.host_slot)
+        self._unsoft(e.key)
+        e.host_slot, e.state, e.weights = -1, State.ABSENT, None
+
+    def _abort(self, keys: list[int]) -> None:
+        """A failed acquire: unpin its keys, stop its staging reads."""
+        for k in keys:
+            self._unpin(k)
+            e = self.entries.get(k)
+            if e is not None and e.staging:
+                self._stop_read(e, wait=True)
+                self._discard(e)
+
+    def _count_eviction(self, tier: str) -> None:
+        ev = self.stats.evictions
+        ev[tier] = ev.get(tier, 0) + 1
+
+    # -- release, weights -------------------------------------------------------------------------
+    def release(self, layer: int) -> None:
+        held = self.held.pop(layer, None)
+        if not held:
+            return
+        mark = self.copier.compute_mark()
+        dev = self.dev
+        for e in held:
+            if mark is not None and dev is not None and e.dev_slot >= 0:
+                dev.fence[e.dev_slot] = mark
+            if e.transient is not None:
+                e.transient = e.weights = None
+            self._unpin(e.key)
+
+    def weights(self, e: Entry) -> ExpertWeights:
+        w = e.weights
+        if w is None:
+            buf = self.dev.view(e.dev_slot) if e.dev_slot >= 0 else self.host.view(e.host_slot)  # type: ignore[union-attr]
+            w = e.weights = weights_from_buffer(e.extent, buf)
+        return w
+
+    # -- prefetch and warm start ----------------------------------------------------------------
+    def start_prefetch(self, layer: int, expert: int, source: str) -> str:
+        """Read one expert into the RAM tier ahead of need: "issued", "resident" (already there
+        or on its way) or "refused" (no slot to spare)."""
+        key = self.key(layer, expert)
+        if key in self.entries:
+            return "resident"
+        R = self.R
+        if R is None or len(self.soft) + self.widest >= R.capacity:
+            return "refused"
+        try:
+            v = R.victim(key)
+        except CapacityError:
+            return "refused"
+        if v is not None:
+            R.on_evict(v)
+            self._drop_host(v)
+        R.on_insert(key, self.now)
+        e = self._new(key, self.host.alloc(host_write=True))
+        e.source, e.target = source, (key // self._E, self.cursor)
+        self.soft[key] = e
+        self.pinned.add(key)
+        self.loader.issue(e, Priority.PREFETCH)
+        self.stats.prefetch_issued += 1
+        return "issued"
+
+    def prefetch_in_flight(self) -> int:
+        return sum(1 for e in self.soft.values()
+                   if e.state is State.LOADING and not (e.future is not None and e.future.done()))
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return int(self.store.extent(layer, expert).length)
+
+    def _expire(self, li: int, keys: list[int]) -> None:
+        """Cancel prefetches whose target layer has been reached without asking for them."""
+        n = len(self.geo.layers)
+        wanted = set(keys)
+        for key, e in list(self.soft.items()):
+            tli, c = e.target  # type: ignore[misc]
+            if key in wanted or ((li - c) % n or n) < ((tli - c) % n or n):
+                continue
+            self._unsoft(key)
+            if e.state is State.LOADING and self._stop_read(e, wait=False):
+                if self.R is not None and key in self.R:
+                    self.R.on_evict(key)
+                self._forget(e, cancelled=True)
+
+    def warm(self, rates: Mapping[tuple[int, int], float]) -> int:
+        """Fill the RAM tier with the experts of highest learned rate, read at prefetch priority
+        in the background. Returns how many reads were queued."""
+        R = self.R
+        if R is None or not rates:
+            return 0
+        keyed = {}
+        for (layer, ex), r in rates.items():
+            li = self._index.get(layer)
+            if li is not None and 0 <= ex < self.geo.experts[li]:
+                keyed[li * self._E + ex] = r
+        todo = []
+        for key in R.seed(keyed, self.now):
+            e = self._new(key, self.host.alloc(host_write=True))
+            todo.append(e)
+        self.loader.queue_warm(todo)
+        self.stats.warm_issued += len(todo)
+        self.stats.warm_bytes += sum(e.nbytes for e in todo)
+        return len(todo)
+
+    def close(self) -> None:
+        self.loader.close()
+        self.copier.synchronize()
+        self.held.clear()
+        self.host.close()
+        self.dev = None

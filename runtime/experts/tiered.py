@@ -1,0 +1,171 @@
+"""The tiered provider: experts cached in VRAM and pinned RAM, read from the store on a miss,
+prefetched ahead of need, warmed from what earlier runs used.
+
+::
+
+    p = TieredProvider(store, device="cuda", ram_bytes=16 << 30, vram_bytes=20 << 30)
+    w = p.get(layer, ids)          # {id: ExpertWeights} on the device; blocking
+    ...                            # compute layer
+    p.release(layer)               # its slots may be evicted again
+    p.prefetch(layer + 1, ids2)    # gate lookahead; never blocks
+    p.close()                      # records usage in the store for the next warm start
+
+The mechanism is :class:`expertfs.runtime.cache.TierCache` (exclusive tiers, the replay
+simulator's semantics, policy by name from ``expertfs.runtime.policies_registry``). On top of it:
+
+* **prefetch**: ``prefetch(layer, ids, source="gate")`` and, with ``history=True``, the
+  :class:`~expertfs.runtime.prefetch.HistoryPredictor` (fed by every ``get``, predicting the next
+  layer) go through one :class:`~expertfs.runtime.prefetch.Prefetcher`, with coverage, waste
+  and late bytes per source (``prefetch_report()``);
+* **learned usage**: every routed expert is counted and added to the store's usage table on
+  ``close`` (one transaction, merged with earlier runs); with ``warm_start`` the RAM tier is
+  filled at start with the most used experts, in the background at prefetch priority.
+
+Budgets are explicit and never exceeded: ``ram_bytes`` is the whole host slab (staging
+included), ``vram_bytes`` the device slab. ``device="cuda"`` with no VRAM budget copies each
+get's experts to the device (freed at release). Tiers are named ``vram`` and ``ram`` in stats.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from expertfs.errors import StoreError
+
+from ..cache import State, TierCache, TieredStats, UsageRecorder, load_rates, persist_usage
+from ..io import ExpertReader, PinBudget
+from ..policies import Policy
+from ..prefetch import HistoryPredictor, Prefetcher
+from .protocol import ExpertWeights
+
+__all__ = ["TieredProvider"]
+
+log = logging.getLogger(__name__)
+
+_IN_TIME = (State.HOST, State.UPLOADING, State.DEVICE)
+
+
+class TieredProvider:
+    def __init__(self, store: Any, *, device: str | torch.device = "cpu", ram_bytes: int,
+                 vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
+                 backend: str = "auto", queue_depth: int = 16, warm_start: bool = True,
+                 history: bool = False, history_budget: int | None = None,
+                 max_in_flight: int | None = None, staging_slots: int | None = None,
+                 pin: bool | str = "auto", pin_budget: PinBudget | None = None,
+                 record_usage: bool = True, verify: str = "first",
+                 reader: ExpertReader | None = None) -> None:
+        self.store = store
+        self.stats = TieredStats()
+        self.reader = reader or ExpertReader(store, backend=backend, queue_depth=queue_depth,
+                                             verify=verify)
+        try:
+            self.cache = TierCache(store, self.reader, device=device, ram_bytes=ram_bytes,
+                                   vram_bytes=vram_bytes, policy=policy, queue_depth=queue_depth,
+                                   staging_slots=staging_slots, pin=pin, pin_budget=pin_budget,
+                                   stats=self.stats)
+        except BaseException:
+            if reader is None:
+                self.reader.close()
+            raise
+        geo = self.cache.geo
+        self.device = self.cache.device
+        self.prefetcher = Prefetcher(self.cache, max_in_flight=max_in_flight or queue_depth)
+        self.cache.listener = self.prefetcher
+        self.history = HistoryPredictor(len(geo.layers), geo.n_experts) if history else None
+        self.history_budget = history_budget or geo.k
+        self.usage = UsageRecorder() if record_usage else None
+        layers = geo.layers
+        self._index = geo.index_of()
+        self._next = {la: layers[(i + 1) % len(layers)] for i, la in enumerate(layers)}
+        self._closed = False
+        if warm_start:
+            self.cache.warm(load_rates(store, geo.k))
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def get(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        cache = self.cache
+        cache.drain()
+        if self.prefetcher.active(layer):
+            ids = [int(e) for e in experts]
+            self.prefetcher.on_route(layer, ids, [cache.state_of(cache.key(layer, e)) in _IN_TIME
+                                                  for e in ids])
+        entries = cache.acquire(layer, experts)
+        if self.usage is not None:
+            self.usage.add(layer, [e.expert for e in entries])
+        if self.history is not None and entries:
+            li = self._index[layer]
+            self.history.observe(li, [e.expert for e in entries])
+            nxt = self._next[layer]
+            pred = self.history.predict(self._index[nxt], self.history_budget)
+            if pred:
+                self.prefetcher.submit("history", nxt, pred)
+        weights = cache.weights
+        return {e.expert: weights(e) for e in entries}
+
+    def release(self, layer: int) -> None:
+        self.cache.release(layer)
+
+    def prefetch(self, layer: int, experts: Sequence[int], source: str = "gate") -> None:
+        """Start reads of ``experts`` of ``layer`` into RAM if there is room; never blocks on
+        storage. ``source`` names the predictor in ``prefetch_report()``."""
+        if self._closed:
+            return
+        self.cache.drain()
+        self.prefetcher.submit(source, layer, experts)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.usage is not None:
+                try:
+                    persist_usage(self.store, self.usage.take())
+                except StoreError as e:
+                    log.warning("%s", e)
+        finally:
+            self.reader.close()          # reads in flight finish before their slots go away
+            self.cache.close()
+
+    def __enter__(self) -> TieredProvider:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- for the forward pass and the status line ---------------------------------------------------
+    @property
+    def slot_table(self) -> torch.Tensor | None:
+        """``[layer_index, expert] -> slot`` (int32, on the compute device; -1: not resident)
+        of the tier ``get`` serves from; None when each get is copied to the device."""
+        t = self.cache.table
+        return None if t is None else t.device
+
+    @property
+    def compute_slab(self) -> torch.Tensor | None:
+        """The slab ``slot_table`` indexes, as ``[slots, stride]`` uint8."""
+        if self.cache.table is None:
+            return None
+        pool = self.cache.dev if self.cache.dev is not None else self.cache.host
+        return pool.rows()
+
+    def layer_index(self, layer: int) -> int:
+        return self._index[layer]
+
+    def prefetch_report(self) -> dict[str, dict[str, Any]]:
+        return self.prefetcher.report()
+
+    def describe(self) -> dict[str, Any]:
+        c = self.cache
+        s = c.slots
+        return {
+            "policy": c.policy_name, "device": str(c.device), "slot_bytes": c.geo.stride,
+            "ram_slots": s.ram, "staging_slots": s.staging, "vram_slots": s.vram,
+            "ram_bytes": c.host.nbytes, "vram_bytes": c.dev.nbytes if c.dev is not None else 0,
+            "pinned": c.host.pinned, "pin_note": c.host.pin_note,
+            "backend": self.reader.backend_name, "history": self.history is not None,
+        }
