@@ -55,8 +55,9 @@ def tiny_config(kind: str, **over):
         cls = tf.MixtralConfig
     else:
         raise ValueError(f"unknown kind {kind!r}; use one of {KINDS}")
+    scaling = over.pop("rope_scaling", None)
     cfg.update(over)
-    rope = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"}
+    rope = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default", **(scaling or {})}
     if "partial_rotary_factor" in cfg:
         rope["partial_rotary_factor"] = cfg.pop("partial_rotary_factor")
     return cls(rope_parameters=rope, **cfg)
@@ -144,7 +145,15 @@ def _metadata(w: GGUFWriter, kind: str, c, n_vocab: int) -> None:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    rp = c.rope_parameters
+    if rp.get("rope_type", "default") in ("yarn", "linear"):      # TextModel.set_gguf_parameters
+        from gguf import RopeScalingType
+        w.add_rope_scaling_type(RopeScalingType.YARN if rp["rope_type"] == "yarn"
+                                else RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        if rp["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+    w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     n_exp = {"qwen3moe": "num_experts", "glm4moe": "n_routed_experts",
              "mixtral": "num_local_experts"}[kind]
