@@ -1,0 +1,71 @@
+"""``expertfs serve STORE``: an OpenAI-compatible server (chat and text completions, streaming)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..errors import UsageError
+from ._common import size_arg
+
+__all__ = ["register", "run"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a store",
+                       description="Serve a store over HTTP: /v1/chat/completions, "
+                       "/v1/completions (streaming with \"stream\": true), /v1/models, /health. "
+                       "Responses carry llama.cpp-style timings plus expert hit rates and MB read.")
+    p.add_argument("store")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (8080)")
+    p.add_argument("--api-key", default=os.environ.get("EXPERTFS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ (or EXPERTFS_API_KEY)")
+    p.add_argument("--model-id", help="the model name clients see (default: the store's name)")
+    p.add_argument("--max-waiting", type=int, default=8,
+                   help="requests that may queue behind the running one (8); more get 503")
+    p.add_argument("--queue-timeout", type=float, default=300.0,
+                   help="seconds a request may wait for the model (300)")
+    p.add_argument("--ram", type=size_arg, default=None, help="RAM tier for experts")
+    p.add_argument("--vram", type=size_arg, default=0, help="VRAM tier for experts")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--ctx", type=int, default=4096, help="context length (4096)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from aiohttp import web
+
+    from ..runtime.engine import Engine, EngineOptions
+    from ..runtime.server import ServerConfig, build_app
+    from ..runtime.server.session import Session
+    from ..runtime.tokenizer import GGUFTokenizer
+    from .run import _default_ram, _device
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port", fix="use 1..65535")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"expertfs serve: warning: listening on {args.host} without --api-key",
+              file=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx)
+    ram = args.ram if args.ram is not None else _default_ram()
+    eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
+    try:
+        tok = GGUFTokenizer(eng.kv, args.store)
+        name = args.model_id or os.path.basename(os.path.normpath(args.store))
+        cfg = ServerConfig(name, api_key=args.api_key, max_waiting=args.max_waiting,
+                           queue_timeout=args.queue_timeout)
+        app = build_app(Session(eng, tok), cfg)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+        print(f"expertfs serve: {name} on http://{args.host}:{args.port} "
+              f"(OpenAI API under /v1; Ctrl-C stops)", file=sys.stderr)
+        web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)
+    finally:
+        eng.close()
+    return 0

@@ -1,0 +1,257 @@
+"""The aiohttp application: OpenAI routes, auth, a bounded queue, JSON errors for everything.
+
+One generation runs at a time (the engine and its expert caches are one machine's resources);
+``max_waiting`` more may queue, in arrival order, for up to ``queue_timeout`` seconds; beyond
+that a request is refused at once with 503 and ``Retry-After``. Generation runs on one worker
+thread; streamed tokens reach the event loop through ``call_soon_threadsafe``, so the loop never
+blocks on the model. A client that disconnects mid-stream stops its generation at the next
+token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from ...errors import ExpertfsError
+from .schema import CompletionRequest, RequestError, parse_chat, parse_completion
+from .session import Outcome, Session
+
+__all__ = ["ServerConfig", "build_app"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    api_key: str | None = None
+    max_waiting: int = 8
+    queue_timeout: float = 300.0
+    max_body: int = 4 << 20
+
+
+class _Gate:
+    """FIFO admission: one running, at most ``max_waiting`` waiting; counted synchronously on
+    arrival so a burst cannot slip past the bound before the lock is taken."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.lock = asyncio.Lock()
+        self.max_waiting = max_waiting
+        self.admitted = 0                       # running + waiting
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self.admitted - 1)
+
+    async def acquire(self, timeout: float) -> None:
+        if self.admitted >= 1 + self.max_waiting:
+            raise RequestError(503, f"the server is busy ({self.waiting} requests waiting)",
+                               code="server_busy", kind="server_error")
+        self.admitted += 1
+        try:
+            await asyncio.wait_for(self.lock.acquire(), timeout)
+        except BaseException:
+            self.admitted -= 1
+            if isinstance(sys.exc_info()[1], asyncio.TimeoutError):
+                raise RequestError(503, f"waited {timeout:.0f} s for the model",
+                                   code="queue_timeout", kind="server_error") from None
+            raise
+
+    def release(self) -> None:
+        self.admitted -= 1
+        self.lock.release()
+
+
+def _error(status: int, message: str, **kw: Any) -> web.Response:
+    err = RequestError(status, message, **kw)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return web.json_response(err.body(), status=status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return web.json_response(e.body(), status=e.status,
+                                 headers={"Retry-After": "1"} if e.status == 503 else None)
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, "the request body is too large", code="body_too_large")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason or "error", code=str(e.status))
+    except ExpertfsError as e:
+        log.error("request failed: %s", e)
+        return _error(500, str(e), kind="server_error", code="engine_error")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:                     # a bug: report it, keep serving
+        log.exception("unexpected error")
+        return _error(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+
+
+def build_app(session: Session, config: ServerConfig) -> web.Application:
+    gate = _Gate(config.max_waiting)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertfs-generate")
+    created = int(time.time())
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+        if config.api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if given != f"Bearer {config.api_key}":
+                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                              code="invalid_api_key", kind="authentication_error")
+        return await handler(request)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": config.model_id,
+                                  "busy": gate.lock.locked(), "waiting": gate.waiting})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": config.model_id, "object": "model", "created": created, "owned_by": "expertfs"}]})
+
+    async def body_of(request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+            return json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+    async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await body_of(request)
+        req = parse_chat(body) if chat else parse_completion(body)
+        if req.model not in (None, "", config.model_id):
+            raise RequestError(404, f"model {req.model!r} is not served here; this server serves "
+                               f"{config.model_id!r}", param="model", code="model_not_found")
+        ids = session.prompt_ids(req)
+        await gate.acquire(config.queue_timeout)
+        try:
+            if req.stream:
+                return await _stream(request, req, ids)
+            return await _whole(req, ids)
+        finally:
+            gate.release()
+
+    async def _generate(req: CompletionRequest, ids: list[int], emit: Callable[[str], None],
+                        cancelled: Callable[[], bool]) -> Outcome:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool, session.run, req, ids, emit, cancelled)
+
+    async def _whole(req: CompletionRequest, ids: list[int]) -> web.Response:
+        out = await _generate(req, ids, lambda s: None, lambda: False)
+        return web.json_response(_final(req, out, config.model_id))
+
+    async def _stream(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[str | None] = asyncio.Queue()
+        gone = {"flag": False}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        rid = _id(req)
+        task = asyncio.ensure_future(_generate(
+            req, ids, lambda s: loop.call_soon_threadsafe(q.put_nowait, s), lambda: gone["flag"]))
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
+        try:
+            if req.chat:
+                await _send(resp, _chunk(req, rid, config.model_id, {"role": "assistant", "content": ""}))
+            while True:
+                piece = await q.get()
+                if piece is None:
+                    break
+                delta = {"content": piece} if req.chat else piece
+                await _send(resp, _chunk(req, rid, config.model_id, delta))
+            try:
+                out = await task
+            except Exception as e:             # headers are sent: report in-band, end the stream
+                log.error("generation failed mid-stream: %s", e)
+                err = e if isinstance(e, RequestError) else RequestError(
+                    500, str(e), kind="server_error", code="engine_error")
+                await _send(resp, err.body())
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            last = _chunk(req, rid, config.model_id, {} if req.chat else "", out.finish_reason)
+            last["timings"] = out.timings
+            if req.include_usage:
+                last["usage"] = _usage(out)
+            await _send(resp, last)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            gone["flag"] = True
+            await asyncio.shield(task)         # the engine must finish before the next request
+            raise
+        return resp
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await completion(request, True)
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        return await completion(request, False)
+
+    async def not_found(request: web.Request) -> web.Response:
+        return _error(404, f"no route {request.method} {request.path}", code="not_found")
+
+    app = web.Application(middlewares=[_errors, auth], client_max_size=config.max_body)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+
+    async def close_pool(app: web.Application) -> None:
+        pool.shutdown(wait=True)
+    app.on_cleanup.append(close_pool)
+    return app
+
+
+async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def _id(req: CompletionRequest) -> str:
+    return ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def _usage(out: Outcome) -> dict[str, int]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def _chunk(req: CompletionRequest, rid: str, model: str, delta: Any,
+           finish: str | None = None) -> dict[str, Any]:
+    if req.chat:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [choice]}
+
+
+def _final(req: CompletionRequest, out: Outcome, model: str) -> dict[str, Any]:
+    finish = "stop" if out.finish_reason == "stop" else "length"
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": _id(req), "object": obj, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": _usage(out), "timings": out.timings}
