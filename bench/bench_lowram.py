@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""expertfs against llama.cpp on a box with less RAM than the model (issue 5's headline target).
+
+One run, same GGUF, same threads, same prompt and token count, caches dropped before each:
+
+- llama.cpp (llama-cpp-python, mmap, ``use_extra_bufts=False``) under a memory cgroup that caps
+  the whole process, page cache included, at ``--cap`` of the model's size; with the device's
+  default readahead and with readahead lowered to 128 KB (its best setting here);
+- ``expertfs run`` on the repacked store under the same cap, its RAM tier sized to fit;
+- a disk roofline: the disk's random-read bandwidth at the expert size (``expertfs bench io``
+  in the same run) ÷ the expert bytes expertfs missed per token;
+- optionally (``--resident``) both without a cap and with everything in the page cache.
+
+Prints a table and ratios; ``--json`` the raw figures. Needs root (cgroups, drop_caches,
+readahead) and llama-cpp-python.
+
+    sudo .venv/bin/python bench/bench_lowram.py --model /work/scratch/low.gguf --size 6G --cap 0.33
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lowram import block_device_of, readahead, run_capped  # noqa: E402
+
+from expertfs.units import fmt_bytes, parse_size  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun"
+
+
+def last_json(text: str) -> dict:
+    start = text.rfind("\n{")
+    return json.loads(text[start + 1 if start >= 0 else text.find("{"):])
+
+
+def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Namespace) -> dict:
+    with readahead(dev, ra) as kb:
+        r = run_capped([sys.executable, os.path.join(os.path.dirname(__file__), "llama_decode.py"),
+                        model, "--prompt", PROMPT, "-n", str(a.n), "-t", str(a.threads)],
+                       cap, dev, timeout=a.timeout)
+    if r.returncode != 0:
+        return {"peer": "llama.cpp", "failed": r.returncode, "stderr": r.stderr[-400:],
+                "readahead_kb": kb, "peak": r.peak_bytes}
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    d.update(readahead_kb=kb, wall_s=r.seconds, peak=r.peak_bytes, disk_read=r.disk_read,
+             mb_read_per_token=d["decode_read_bytes_per_token"] / 1e6)
+    return d
+
+
+def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace) -> dict:
+    argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
+            "-t", str(a.threads), "--ram", str(ram), "--json"] + a.expertfs_args.split()
+    r = run_capped(argv, cap, dev, timeout=a.timeout)
+    if r.returncode != 0:
+        return {"peer": "expertfs", "failed": r.returncode, "stderr": r.stderr[-600:], "peak": r.peak_bytes}
+    d = last_json(r.stdout)
+    d.pop("stats", None)
+    d.update(peer="expertfs", ram_tier=ram, wall_s=r.seconds, peak=r.peak_bytes, disk_read=r.disk_read)
+    return d
+
+
+def disk_bandwidth(store: str) -> float:
+    """Random whole-expert read bandwidth (bytes/s), the best backend at QD 8, cold."""
+    out = subprocess.run([os.path.join(BIN, "expertfs"), "bench", "io", store, "--qd", "8",
+                          "--backend", "direct,buffered", "--cold", "--json", "--no-auto"],
+                         capture_output=True, text=True, check=True).stdout
+    return max(float(p["gbps"]) for p in json.loads(out)["points"]) * 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF path (synthesised if missing)")
+    ap.add_argument("--size", default="6G", help="size to synthesise (default 6G)")
+    ap.add_argument("--like", default="Qwen3-30B-A3B")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--quant", default="experts=Q4_0,down=Q4_0")
+    ap.add_argument("--cap", type=float, default=1 / 3, help="cgroup cap as a fraction of the model")
+    ap.add_argument("--headroom", default="600M", help="cap minus RAM tier: trunk, KV, Python")
+    ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--resident", action="store_true", help="also compare with no cap, warm")
+    ap.add_argument("--expertfs-args", default="", help="extra flags for expertfs run")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if not os.path.exists(a.model):
+        subprocess.run([os.path.join(BIN, "expertfs"), "synth", "--like", a.like, "--experts",
+                        str(a.experts), "--size", a.size, "--quant", a.quant, "-o", a.model],
+                       check=True)
+    store = a.model[:-5] + ".efs" if a.model.endswith(".gguf") else a.model + ".efs"
+    if not os.path.exists(store):
+        subprocess.run([os.path.join(BIN, "expertfs"), "repack", a.model, "-o", store], check=True,
+                       stdout=subprocess.DEVNULL)
+    size = os.path.getsize(a.model)
+    cap = int(size * a.cap)
+    ram = max(64 << 20, cap - parse_size(a.headroom))
+    dev = block_device_of(a.model)
+    info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
+                                     capture_output=True, text=True, check=True).stdout)
+    res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
+                 "expert_bytes_per_token": info.get("expert_bytes_per_token")}
+    res["llama_default"] = llama(a.model, cap, dev, None, a)
+    res["llama_ra128"] = llama(a.model, cap, dev, 128, a)
+    res["expertfs"] = expertfs_run(store, cap, dev, ram, a)
+    bw = disk_bandwidth(store)
+    res["disk_bytes_per_s"] = bw
+    e = res["expertfs"]
+    if "failed" not in e and e.get("mb_read_per_token"):
+        res["roofline_tok_s"] = bw / (e["mb_read_per_token"] * 1e6)
+    if a.resident:
+        res["llama_resident"] = llama(a.model, None, dev, None, a)
+        res["expertfs_resident"] = expertfs_run(store, None, dev, 2 * size, a)
+    if a.json:
+        print(json.dumps(res, indent=2, default=str))
+        return 0
+    print(f"model {fmt_bytes(size)}, cap {fmt_bytes(cap)} ({a.cap:.2f}), expertfs RAM tier "
+          f"{fmt_bytes(ram)}, disk {bw / 1e9:.2f} GB/s (random expert reads, QD8)")
+    print(f"{'run':<18} {'decode tok/s':>12} {'TTFT s':>8} {'MB/token':>9} {'peak':>10}")
+    for k in ("llama_default", "llama_ra128", "expertfs", "llama_resident", "expertfs_resident"):
+        r = res.get(k)
+        if not r:
+            continue
+        if "failed" in r:
+            print(f"{k:<18} failed ({r['failed']}): {r.get('stderr', '')[-120:]!r}")
+            continue
+        tps = r.get("decode_tok_s", r.get("decode_tokens_per_s", 0))
+        ttft = r.get("ttft_s", r.get("time_to_first_token_s", 0))
+        print(f"{k:<18} {tps:12.3f} {ttft:8.2f} {r.get('mb_read_per_token', 0):9.1f} "
+              f"{fmt_bytes(r.get('peak', 0)):>10}")
+    e, l0, l1 = res["expertfs"], res["llama_default"], res["llama_ra128"]
+    if all("failed" not in x for x in (e, l0, l1)):
+        et = e["decode_tokens_per_s"]
+        print(f"expertfs / llama.cpp default readahead: {et / l0['decode_tok_s']:.2f}x")
+        print(f"expertfs / llama.cpp readahead 128 KB:  {et / l1['decode_tok_s']:.2f}x")
+        if res.get("roofline_tok_s"):
+            print(f"expertfs / disk roofline ({res['roofline_tok_s']:.2f} tok/s): "
+                  f"{et / res['roofline_tok_s']:.2f}")
+    if a.resident and "failed" not in res["llama_resident"] and "failed" not in res["expertfs_resident"]:
+        print(f"resident: expertfs / llama.cpp: "
+              f"{res['expertfs_resident']['decode_tokens_per_s'] / res['llama_resident']['decode_tok_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
