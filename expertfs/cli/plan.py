@@ -1,0 +1,111 @@
+"""``expertfs plan STORE|MODEL.gguf|--like MODEL --ram 32G --vram 24G``: a memory budget and a
+predicted decode tokens/s range for a box, with what limits it and what to change."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import UsageError
+from ..units import parse_size
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+The budget sets aside OS headroom (max(3 GiB, RAM/8) unless --headroom), the runtime, the
+trunk and KV cache (on the GPU when they fit, else in RAM), workspace and I/O staging, then
+sizes the expert tiers (a pinned RAM tier at most --pinned-cap of RAM). The prediction replays
+routing through the cache simulator at those tier sizes and adds the per-token terms: storage
+(NVMe bytes / measured GB/s), PCIe copies, dequant+matmul of experts and trunk, attention over
+the KV cache, dispatch. slow end = their sum; fast end = reads fully overlapped with compute.
+
+Inputs, each reported with its source: --io-profile (from `expertfs bench io STORE --json`),
+else a short probe of the store or GGUF, else a stated default; --trace (a recorded routing
+trace), else synthetic routing (slow end 'diffuse', fast end 'mixed'), labelled as such.
+Exit status: 0 it fits, 1 it cannot run at all, 2 bad input.
+
+  expertfs plan --like GLM-4.5-Air --ram 32G --vram 24G
+  expertfs plan model.efs --ram 32G --vram 24G --io-profile io.json --trace run.eftrace --json
+  expertfs plan model.gguf            (this machine's RAM and GPU)
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..runtime.plan_routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS
+
+    p = subparsers.add_parser("plan", help="memory budget and predicted decode tokens/s for a box",
+                              description="Plan a model on a box: where everything goes and how "
+                                          "fast decode will be.",
+                              epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", nargs="?", metavar="STORE|MODEL.gguf",
+                   help="a store folder or a GGUF (first shard of a split one)")
+    p.add_argument("--like", metavar="MODEL", help="plan a known model's geometry instead (e.g. "
+                   "GLM-4.5-Air, Qwen3-235B-A22B; see `expertfs synth --help`)")
+    p.add_argument("--quant", default="default", help="with --like: the quant mix (synth --quant)")
+    p.add_argument("--ram", metavar="SIZE", help="RAM of the box, e.g. 32G (default: this machine)")
+    p.add_argument("--vram", metavar="SIZE", help="VRAM of the GPU, e.g. 24G; 0 for CPU only "
+                                                  "(default: this machine's first CUDA device, else 0)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length of the KV cache (8192, or the model's if shorter)")
+    p.add_argument("--kv-type", default="f16", help="KV cache element type: f16, bf16, f32, q8_0")
+    p.add_argument("--headroom", metavar="SIZE", help="RAM left to the OS (default max(3G, RAM/8))")
+    p.add_argument("--pinned-cap", type=float, default=0.5,
+                   help="largest share of RAM a pinned RAM tier may take (0.5)")
+    p.add_argument("--io-profile", metavar="P.json", help="storage rates from `expertfs bench io --json`")
+    p.add_argument("--trace", metavar="T", help="a routing trace recorded with this model")
+    p.add_argument("--synthetic", default=",".join(DEFAULT_SYNTHETIC), metavar="SLOW[,FAST]",
+                   help="synthetic routing presets without --trace (default: %(default)s)")
+    p.add_argument("--policy", default=None, help="cache policy to simulate (default: the runtime's)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                   help="tokens of synthetic routing to simulate (%(default)s)")
+    p.add_argument("--pcie", type=int, default=4, metavar="GEN",
+                   help="PCIe generation for the stated H2D rate without CUDA (4)")
+    p.add_argument("--gpu-bw", type=float, metavar="GB/s",
+                   help="GPU memory bandwidth to assume instead of the stated default")
+    p.add_argument("--no-probe", dest="probe", action="store_false",
+                   help="measure nothing: stated defaults for storage, CPU and GPU")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def _size(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}", fix=f"write {flag} as e.g. 32G") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime.plan import plan_to_dict
+    from ..runtime.plan_report import format_plan
+    from ..runtime.plan_run import PlanRequest, run_plan
+    from ..runtime.policies_registry import DEFAULT_POLICY, parse_policies
+
+    policy = args.policy or DEFAULT_POLICY
+    if len(parse_policies(policy)) != 1:
+        raise UsageError(f"--policy {policy!r}: give one policy", fix="e.g. --policy wlfu")
+    synthetic = tuple(s.strip() for s in args.synthetic.split(",") if s.strip())
+    if any("=" in s for s in synthetic):
+        raise UsageError("--synthetic takes preset names", fix="e.g. --synthetic diffuse,mixed")
+    req = PlanRequest(target=args.target, like=args.like, quant=args.quant,
+                      ram=_size(args.ram, "--ram"), vram=_size(args.vram, "--vram"), ctx=args.ctx,
+                      kv_type=args.kv_type, headroom=_size(args.headroom, "--headroom"),
+                      pinned_cap=args.pinned_cap, io_profile=args.io_profile, trace=args.trace,
+                      synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
+                      pcie_gen=args.pcie, gpu_gbps=args.gpu_bw)
+
+    def progress(msg: str) -> None:
+        if not args.json and sys.stderr.isatty():
+            print(f"\r\033[K{msg}...", end="", file=sys.stderr, flush=True)
+
+    plan = run_plan(req, progress)
+    if not args.json and sys.stderr.isatty():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(plan_to_dict(plan), indent=1, default=str))
+    else:
+        print(format_plan(plan))
+    return plan.exit_code

@@ -1,0 +1,132 @@
+"""``expertfs plan``: exit status, JSON and text reports, inputs (store, GGUF, --like, profile,
+trace) and clear errors. No timing assertions; the store probe test only checks the report's
+shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from expertfs.cli import main
+from expertfs.runtime.trace_synth import parse_spec, write_synthetic
+
+FAST = ["--no-probe", "--tokens", "24"]
+
+
+def run_json(capsys, *argv: str, code: int = 0) -> dict:
+    assert main(["plan", *argv, "--json"]) == code
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory) -> Path:
+    from expertfs.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+
+    d = tmp_path_factory.mktemp("plan")
+    cfg = SynthConfig.tiny("qwen3moe", n_layer=3, n_expert=16, n_expert_used=4, n_embd=256,
+                           n_ff_exp=256)
+    gguf = synthesize(cfg, str(d / "tiny.gguf"))[0]
+    repack(str(gguf), str(d / "tiny.efs"))
+    return d / "tiny.efs"
+
+
+def test_like_json_fits(capsys) -> None:
+    d = run_json(capsys, "--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "24G", *FAST)
+    assert d["status"] == "fits" and d["exit_code"] == 0
+    assert d["box"] == {"ram_bytes": 32 << 30, "vram_bytes": 24 << 30, "ctx": 8192, "kv_type": "f16",
+                        "label": "as given", "pinned_cap": 0.5}
+    assert d["placement"]["trunk"] == "gpu" and d["budget"]["vram"]["tier_experts"] > 0
+    assert d["prediction"]["tok_s_low"] <= d["prediction"]["tok_s_high"]
+    assert d["routing"]["slow"]["label"] == "synthetic 'diffuse'"
+
+
+def test_like_text_report(capsys) -> None:
+    assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "32G", "--vram", "24G", *FAST]) == 0
+    out = capsys.readouterr().out
+    for s in ("memory budget", "os_headroom", "expert tier", "kv_cache", "per token", "storage",
+              "predicted decode:", "SYNTHETIC", "storage was not measured"):
+        assert s in out, s
+
+
+def test_cannot_run_exits_1(capsys) -> None:
+    d = run_json(capsys, "--like", "Qwen3-235B-A22B", "--ram", "6G", "--vram", "0", *FAST, code=1)
+    assert d["status"] == "cannot_run" and d["prediction"] is None
+    assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "6G", "--vram", "0", *FAST]) == 1
+    assert "CANNOT RUN" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--like", "NoSuchModel", "--ram", "32G"], "not a known model"),
+    (["--like", "GLM-4.5-Air", "--ram", "lots"], "--ram"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--kv-type", "q3"], "KV cache type"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--ctx", "0"], "context length"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--synthetic", "spiky"], "preset"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--policy", "nope"], "policy"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--pcie", "7"], "PCIe"),
+    (["--ram", "32G"], "nothing to plan"),
+    (["/no/such/model.gguf", "--ram", "32G"], "no such file"),
+])
+def test_bad_input_exits_2(capsys, argv, msg) -> None:
+    assert main(["plan", *argv, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_both_store_and_like_is_bad_input(capsys, tiny_store) -> None:
+    assert main(["plan", str(tiny_store), "--like", "GLM-4.5-Air", "--ram", "32G", *FAST]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_io_profile(tmp_path, capsys) -> None:
+    prof = {"points": [{"backend": "direct", "qd": 8, "gbps": 5.0},
+                       {"backend": "direct", "qd": 16, "gbps": 6.0}], "auto": {"backend": "direct"}}
+    p = tmp_path / "io.json"
+    p.write_text(json.dumps(prof))
+    d = run_json(capsys, "--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "24G",
+                 "--io-profile", str(p), *FAST)
+    s = d["rates"]["storage_gbps"]
+    assert (s["slow"], s["fast"]) == (5.0, 6.0) and s["source"].startswith(f"profile {p}")
+    assert "storage_default" not in {n["code"] for n in d["notes"]}
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert main(["plan", "--like", "GLM-4.5-Air", "--ram", "32G", "--io-profile", str(bad), *FAST]) == 2
+    assert main(["plan", "--like", "GLM-4.5-Air", "--ram", "32G", "--io-profile",
+                 str(tmp_path / "none.json"), *FAST]) == 2
+
+
+def test_store_and_gguf_give_the_same_geometry(capsys, tiny_store) -> None:
+    a = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", *FAST)
+    b = run_json(capsys, str(tiny_store.parent / "tiny.gguf"), "--ram", "16G", "--vram", "0", *FAST)
+    assert a["model"]["source"].startswith("store") and b["model"]["source"].startswith("gguf")
+    for key in ("n_layer", "n_expert", "k", "slot_bytes", "trunk_bytes", "decode_expert_bytes"):
+        assert a["model"][key] == b["model"][key], key
+    assert a["budget"] == b["budget"]
+
+
+def test_trace_replaces_synthetic_routing(tmp_path, capsys, tiny_store) -> None:
+    t = tmp_path / "run.eftrace"
+    write_synthetic(t, parse_spec("hot,n_tokens=40,n_layers=3,n_experts=16,k=4"))
+    d = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", "--trace", str(t), *FAST)
+    assert d["routing"]["slow"] == d["routing"]["fast"]
+    assert d["routing"]["slow"]["synthetic"] is False and d["routing"]["slow"]["tokens"] == 30
+    assert "routing_synthetic" not in {n["code"] for n in d["notes"]}
+    other = tmp_path / "other.eftrace"
+    write_synthetic(other, parse_spec("hot,n_tokens=8,n_layers=3,n_experts=8,k=2"))
+    assert main(["plan", str(tiny_store), "--ram", "16G", "--trace", str(other), *FAST]) == 2
+
+
+def test_store_probe_measures_storage_and_cpu(capsys, tiny_store) -> None:
+    d = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", "--tokens", "16")
+    assert d["rates"]["storage_gbps"]["source"].startswith("measured now")
+    assert d["rates"]["storage_gbps"]["slow"] > 0
+    assert d["measurements"]["storage"]["points"]
+    assert d["rates"]["cpu"]["mem_gbps"]["source"].startswith("measured now")
+    assert d["measurements"]["cpu"]["linear"]
+
+
+def test_this_machine_defaults(capsys) -> None:
+    d = run_json(capsys, "--like", "Qwen3-30B-A3B", *FAST)
+    assert d["box"]["label"].startswith("this machine") and d["box"]["ram_bytes"] > 0
