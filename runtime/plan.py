@@ -7,14 +7,23 @@ stated default, each carrying its source) and ``RoutingRange`` (hit rates from t
 simulator at the planned tier sizes, ``plan_routing``) — and every number that comes out is
 named, so a measured run can later be set against each term.
 
+**Placements** are what ``expertfs run`` executes: ``gpu`` (trunk, KV cache and experts
+computed on the GPU; a VRAM tier above a RAM tier) or ``cpu`` (everything on the CPU, one RAM
+tier); ``hybrid`` (trunk and KV cache on the CPU, experts on the GPU) is planned too but only
+reported as an alternative, since the runtime runs trunk and experts on one device. The trunk
+is either ``float`` (dequantized at load into the compute dtype: bfloat16 on CUDA, float32 on
+CPU — the runtime's default) or ``quant`` (ggml bytes, dequantized on every call). ``layout``
+budgets one (placement, trunk mode); ``candidates`` all of them; ``choose`` keeps the fastest
+predicted one the runtime supports.
+
 **Budget.** RAM: OS headroom (max(3 GiB, 1/8 of RAM), explicit), the runtime itself, the trunk
-and KV cache when they are not on the GPU, compute workspace, I/O staging (2 layers of expert
-reads in flight), then the expert tier. A pinned RAM tier (GPU runs) is capped at
-``PINNED_CAP`` of RAM: pinned pages cannot be reclaimed, and peers measured oversized
-pinned/mlocked caches failing or starving the OS. VRAM: a reserve (CUDA context, allocator
-slack), the trunk and KV cache when they fit (else both stay in RAM and run on the CPU),
-workspace, device staging, then the VRAM tier. A tier smaller than one layer's route (k
-experts) is no tier: it becomes 0 and misses go straight through the staging buffers.
+and KV cache when they live on the CPU, CPU workspace, on GPU runs the staging slots the
+runtime carves from its RAM budget (min(16, k) + 1), then the RAM tier. The tier is pinned when
+the host slab fits the pin budget (``EXPERTFS_PIN_BUDGET``, default RAM/4, as the runtime
+does): a larger one stays pageable and uploads run at ``PAGEABLE_FACTOR`` of the pinned rate.
+VRAM: a reserve (CUDA context, allocator slack), the trunk and KV cache, workspace with one
+layer's experts in flight, then the VRAM tier. A tier smaller than one layer's route (k
+experts) is no tier.
 
 **Prediction.** Per token, each term in seconds, at a *slow* and a *fast* end:
 
@@ -25,7 +34,7 @@ experts) is no tier: it becomes 0 and misses go straight through the staging buf
 - ``experts``: the k routed experts of every MoE layer through dequant+matmul, each call
   ``overhead + bytes / GB/s`` of the device computing them;
 - ``trunk``: every trunk matrix read per token (attention, shared experts, dense FFNs, router,
-  output head; not the embedding lookup, not the NextN block) the same way;
+  output head; not the embedding lookup, not the NextN block), float or quantized;
 - ``attention``: reading the KV cache at the context length (slow end: a full ``ctx``; fast
   end: a quarter of it) at the device's memory bandwidth;
 - ``dispatch``: per-layer small torch ops (norms, RoPE, softmax, top-k, residuals) and
@@ -49,12 +58,13 @@ from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["SCHEMA", "GiB", "Range", "Matrix", "Geometry", "Box", "Item", "Pool", "Placement",
-           "Memory", "LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange", "Term",
-           "Prediction", "Note", "Plan", "KV_TYPES", "ASSUMPTIONS", "kv_bytes_per_token",
-           "kv_cache_bytes", "os_headroom", "workspace_bytes", "plan_memory", "predict",
-           "advise", "make_plan", "plan_to_dict", "stated_storage", "stated_pcie", "stated_cpu",
-           "stated_gpu", "storage_from_profile", "max_ctx_on_gpu", "PCIE_GENS"]
+__all__ = ["SCHEMA", "GiB", "MiB", "Range", "Matrix", "Geometry", "Box", "Item", "Pool",
+           "Placement", "Memory", "LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange",
+           "Term", "Prediction", "Note", "Option", "Plan", "KV_TYPES", "PLACEMENTS", "TRUNK_MODES",
+           "ASSUMPTIONS", "kv_bytes_per_token", "kv_cache_bytes", "os_headroom", "workspace_bytes",
+           "layout", "candidates", "predict", "predict_option", "choose", "advise", "make_plan",
+           "plan_to_dict", "stated_storage", "stated_pcie", "stated_cpu", "stated_gpu",
+           "storage_from_profile", "max_ctx_on_gpu", "PCIE_GENS"]
 
 SCHEMA = "expertfs.plan/1"
 GiB = 1 << 30
@@ -70,29 +80,36 @@ RUNTIME_HOST = 768 * MiB           # python, torch, numpy, lmdb, the store index
 RUNTIME_HOST_CUDA = 1 * GiB        # plus the CUDA libraries' host side on a GPU run
 VRAM_RESERVE_MIN = 1 * GiB         # CUDA context, allocator slack, a display
 VRAM_RESERVE_FRACTION = 0.05
-PINNED_CAP = 0.5                   # pinned RAM tier at most this share of RAM
-STAGING_LAYERS = 2                 # expert reads in flight: this layer's misses + next layer's prefetch
+PIN_BUDGET_FRACTION = 0.25         # runtime default pin budget: a quarter of RAM
+PAGEABLE_FACTOR = 0.5              # uploads from pageable memory run at about half the pinned rate
+QUEUE_DEPTH = 16                   # the runtime's read queue depth; staging = min(qd, k) + 1 slots
 CPU_DEQUANT_CHUNK = 1 << 20        # formats.dequant.linear's CPU chunk (elements)
 GPU_DEQUANT_CHUNK = 1 << 26        # assumed chunk on the GPU (linear dequantizes whole matrices today)
 DEQUANT_BYTES_PER_ELEMENT = 6      # float32 dequant + a float16/bfloat16 copy per chunk element
 GPU_TRAFFIC_PER_ELEMENT = 6        # GPU dequant-then-matmul memory traffic beyond the quantized bytes
 OPS_PER_LAYER = 60                 # small torch ops per decoder layer (norms, rope, softmax, top-k, ...)
 ATTENTION_FAST_FRACTION = 0.25     # fast end reads the KV cache at this share of ctx
+DTYPE_BYTES = {"gpu": 2, "cpu": 4}                 # the runtime's compute dtype: bf16 CUDA, f32 CPU
+FLOAT_TYPE = {"gpu": "BF16", "cpu": "F32"}
+PLACEMENTS = ("gpu", "hybrid", "cpu")
+TRUNK_MODES = ("float", "quant")
 
 ASSUMPTIONS: dict[str, Any] = {
     "os_headroom": f"max({OS_HEADROOM_MIN // GiB} GiB, {OS_HEADROOM_FRACTION:g} x RAM) unless --headroom",
     "runtime_host_bytes": RUNTIME_HOST, "runtime_host_cuda_bytes": RUNTIME_HOST_CUDA,
     "vram_reserve": f"max({VRAM_RESERVE_MIN // GiB} GiB, {VRAM_RESERVE_FRACTION:g} x VRAM)",
-    "pinned_cap_fraction": PINNED_CAP, "staging_layers": STAGING_LAYERS,
+    "pin_budget": f"{PIN_BUDGET_FRACTION:g} x RAM unless --pin-budget (EXPERTFS_PIN_BUDGET)",
+    "pageable_upload_factor": PAGEABLE_FACTOR, "staging_slots": f"min({QUEUE_DEPTH}, k) + 1 on GPU runs",
+    "compute_dtype": "bfloat16 on the GPU, float32 on the CPU (the runtime's auto dtype)",
     "cpu_dequant_chunk_elements": CPU_DEQUANT_CHUNK, "gpu_dequant_chunk_elements": GPU_DEQUANT_CHUNK,
     "dequant_bytes_per_element": DEQUANT_BYTES_PER_ELEMENT,
     "gpu_traffic_bytes_per_element": GPU_TRAFFIC_PER_ELEMENT,
     "ops_per_layer": OPS_PER_LAYER, "attention_fast_fraction_of_ctx": ATTENTION_FAST_FRACTION,
     "tiers": "exclusive (an expert is in VRAM or in RAM), slots of the largest extent",
-    "placement": "trunk and KV cache on the GPU when both fit with the reserve, workspace and "
-                 "staging; else both in RAM, computed on the CPU, with experts still on the GPU",
     "kv_cache": "decoder layers only (not NextN); MLA caches the latent (kv_lora_rank + rope dims); "
-                "sliding-window layers hold min(ctx, window) positions",
+                "sliding-window layers hold min(ctx, window) positions; auto type = compute dtype",
+    "choice": "the placement and trunk mode with the highest predicted sqrt(low x high) tok/s "
+              "among those expert run supports",
     "not_modelled": "prefill, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",
 }
 
@@ -125,6 +142,7 @@ class Matrix:
     cols: int
     nbytes: int
     count: int = 1                 # how many such matrices (trunk matrices are grouped)
+    tied: bool = False             # the output head reading token_embd: its bytes are the embedding's
 
     @property
     def elements(self) -> int:
@@ -152,6 +170,7 @@ class Geometry:
     extent_bytes: tuple[int, ...]          # padded extent (what one read moves), per MoE layer
     expert_parts: tuple[tuple[Matrix, ...], ...]   # one expert's matrices, per MoE layer
     trunk_matrices: tuple[Matrix, ...]     # computed per token (no embedding lookup, no NextN)
+    nextn_matrices: tuple[Matrix, ...]     # of the NextN blocks (loaded, not run in decode)
     trunk_bytes: int                       # every tensor that is not a routed expert
     embd_bytes: int
     nextn_trunk_bytes: int
@@ -201,6 +220,23 @@ class Geometry:
     def trunk_active_bytes(self) -> int:
         return sum(m.nbytes * m.count for m in self.trunk_matrices)
 
+    def trunk_resident(self, mode: str, dtype_bytes: int) -> int:
+        """Bytes the loaded trunk takes: ggml bytes, with every matrix (NextN's included) in
+        the compute dtype when ``mode`` is "float"; the embedding always stays quantized."""
+        if mode == "quant":
+            return self.trunk_bytes
+        extra = 0
+        for m in (*self.trunk_matrices, *self.nextn_matrices):
+            extra += m.count * (m.elements * dtype_bytes - (0 if m.tied else m.nbytes))
+        return self.trunk_bytes + extra
+
+    def trunk_compute(self, mode: str, device: str) -> tuple[Matrix, ...]:
+        """The trunk matrices one token multiplies by, as the device holds them."""
+        if mode == "quant":
+            return self.trunk_matrices
+        t, b = FLOAT_TYPE[device], DTYPE_BYTES[device]
+        return tuple(Matrix(t, m.rows, m.cols, m.elements * b, m.count) for m in self.trunk_matrices)
+
     @property
     def largest_matrix_elements(self) -> int:
         parts = [m.elements for layer in self.expert_parts for m in layer]
@@ -221,6 +257,7 @@ class Geometry:
             "nextn_expert_bytes": self.nextn_expert_bytes,
             "token_expert_bytes": self.token_expert_bytes,
             "trunk_bytes": self.trunk_bytes, "trunk_active_bytes": self.trunk_active_bytes,
+            "trunk_float_bytes": {d: self.trunk_resident("float", DTYPE_BYTES[d]) for d in DTYPE_BYTES},
             "embd_bytes": self.embd_bytes, "nextn_trunk_bytes": self.nextn_trunk_bytes,
             "expert_types": dict(self.expert_types), "notes": list(self.notes),
         }
@@ -274,10 +311,10 @@ class Box:
     ram: int                       # bytes of RAM the run may plan with
     vram: int = 0                  # bytes of VRAM (0: CPU-only)
     ctx: int = 8192
-    kv_type: str = "f16"
+    kv_type: str = "auto"          # "auto": the compute dtype of the device holding the cache
     headroom: int | None = None    # OS headroom override
-    pinned_cap: float = PINNED_CAP
-    label: str = ""                # "this machine", "--ram 32G --vram 24G"
+    pin_budget: int | None = None  # pinned-memory limit (None: the runtime's RAM/4)
+    label: str = ""                # "this machine's RAM and VRAM", "as given"
 
     def __post_init__(self) -> None:
         if self.ram <= 0:
@@ -286,14 +323,18 @@ class Box:
             raise UsageError(f"VRAM {self.vram} bytes", fix="give --vram a size such as 24G, or 0")
         if self.ctx < 1:
             raise UsageError(f"context length {self.ctx}", fix="give --ctx 1 or more")
-        if self.kv_type not in KV_TYPES:
+        if self.kv_type != "auto" and self.kv_type not in KV_TYPES:
             raise UsageError(f"KV cache type {self.kv_type!r} is not known",
-                             fix=f"use one of {', '.join(KV_TYPES)}")
+                             fix=f"use auto or one of {', '.join(KV_TYPES)}")
         if self.headroom is not None and not 0 <= self.headroom < self.ram:
             raise UsageError(f"headroom {self.headroom} bytes of {self.ram} of RAM",
                              fix="give --headroom below --ram")
-        if not 0.0 < self.pinned_cap <= 1.0:
-            raise UsageError(f"pinned cap {self.pinned_cap}", fix="give --pinned-cap in (0, 1]")
+        if self.pin_budget is not None and self.pin_budget < 0:
+            raise UsageError(f"pin budget {self.pin_budget}", fix="give --pin-budget >= 0")
+
+    @property
+    def pin_limit(self) -> int:
+        return self.pin_budget if self.pin_budget is not None else int(self.ram * PIN_BUDGET_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -335,13 +376,37 @@ class Pool:
 
 @dataclass(frozen=True)
 class Placement:
-    gpu: bool                          # a GPU takes part
-    trunk: str                         # "gpu" | "cpu": where the trunk and KV cache live and run
-    experts: str                       # "gpu" | "cpu": where routed experts are computed
-    pinned: bool                       # the RAM tier is pinned memory
+    where: str                         # "gpu" | "hybrid" | "cpu"
+    trunk_mode: str                    # "float" | "quant"
+
+    def __post_init__(self) -> None:
+        if self.where not in PLACEMENTS or self.trunk_mode not in TRUNK_MODES:
+            raise UsageError(f"placement {self.where}/{self.trunk_mode}",
+                             fix=f"use one of {', '.join(PLACEMENTS)} and {', '.join(TRUNK_MODES)}")
+
+    @property
+    def trunk(self) -> str:            # device holding and running the trunk and KV cache
+        return "gpu" if self.where == "gpu" else "cpu"
+
+    @property
+    def experts(self) -> str:          # device computing the routed experts
+        return "cpu" if self.where == "cpu" else "gpu"
+
+    @property
+    def gpu(self) -> bool:
+        return self.where != "cpu"
+
+    @property
+    def supported(self) -> bool:       # expertfs run runs trunk and experts on one device
+        return self.where != "hybrid"
+
+    @property
+    def name(self) -> str:
+        return f"{self.where}/{self.trunk_mode}"
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"where": self.where, "trunk_mode": self.trunk_mode, "trunk": self.trunk,
+                "experts": self.experts, "gpu": self.gpu, "supported": self.supported}
 
 
 @dataclass(frozen=True)
@@ -360,23 +425,26 @@ class Memory:
     ram: Pool
     vram: Pool | None
     kv_bytes: int
+    kv_type: str
+    trunk_bytes: int                   # resident trunk (float or quant) on its device
     runnable: bool
+    pinned: bool = False               # the host slab (RAM tier + staging) is pinned
+    staging_slots: int = 0
     notes: tuple[Note, ...] = ()
-    capped_bytes: int = 0              # RAM the pinned cap kept out of the tier
 
     @property
     def tier_slots(self) -> tuple[int, int]:
         """(VRAM slots, RAM slots) for the simulator."""
         return (self.vram.tier_slots if self.vram is not None else 0, self.ram.tier_slots)
 
+    @property
+    def host_slab(self) -> int:
+        """What ``expertfs run --ram`` gets: the RAM tier plus the staging slots."""
+        return self.ram.tier_bytes + self.ram.item("staging")
+
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
-
-
-def _slots(avail: int, slot: int, k: int) -> int:
-    n = max(0, avail) // slot
-    return n if n >= k else 0
 
 
 def max_ctx_on_gpu(g: Geometry, vram_free_for_kv: int, kv_type: str) -> int:
@@ -393,134 +461,144 @@ def max_ctx_on_gpu(g: Geometry, vram_free_for_kv: int, kv_type: str) -> int:
     return lo
 
 
-def plan_memory(g: Geometry, box: Box) -> Memory:
-    """Place the trunk, the KV cache and the two expert tiers in ``box``'s RAM and VRAM."""
+def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
+    """Budget ``box`` for one placement and trunk mode; ``runnable`` False (with an error note
+    saying what is missing) when it cannot hold it."""
+    pl = Placement(where, trunk_mode)
     notes: list[Note] = []
     slot, k = g.slot_bytes, g.k
-    kv = kv_cache_bytes(g, box.ctx, box.kv_type)
-    ws_cpu = workspace_bytes(g, box.ctx, "cpu")
-    ws_gpu = workspace_bytes(g, box.ctx, "gpu")
-    staging = STAGING_LAYERS * k * slot
-    kv_note = (f"{box.ctx} positions x {kv_bytes_per_token(g, box.kv_type) / 1024:.0f} KiB "
-               f"({box.kv_type}{', MLA latent' if g.mla_latent else ''})")
+    dev = pl.trunk
+    kv_type = box.kv_type if box.kv_type != "auto" else ("bf16" if dev == "gpu" else "f32")
+    kv = kv_cache_bytes(g, box.ctx, kv_type)
+    trunk = g.trunk_resident(trunk_mode, DTYPE_BYTES[dev])
+    kv_note = (f"{box.ctx} positions x {kv_bytes_per_token(g, kv_type) / 1024:.0f} KiB "
+               f"({kv_type}{', MLA latent' if g.mla_latent else ''})")
+    t_note = (f"{trunk_mode}: " + ("dequantized at load to " + ("bfloat16" if dev == "gpu" else "float32")
+                                   if trunk_mode == "float" else "ggml bytes, dequantized per call"))
+    runnable = True
 
-    gpu = box.vram > 0
-    vram_items: list[Item] = []
-    trunk_dev = "cpu"
-    if gpu:
+    vram_pool = None
+    vslots = 0
+    if pl.gpu:
+        if box.vram <= 0:
+            raise UsageError(f"placement {where} needs a GPU", fix="give --vram")
         reserve = max(VRAM_RESERVE_MIN, int(box.vram * VRAM_RESERVE_FRACTION))
-        base = [Item("reserve", reserve, "CUDA context, allocator slack, display"),
-                Item("workspace", ws_gpu, "activations, logits, dequant chunk"),
-                Item("staging", staging, f"{STAGING_LAYERS} layers x {k} experts being uploaded")]
-        fixed_dev = sum(i.nbytes for i in base)
-        if fixed_dev + k * slot > box.vram:
-            notes.append(Note("warning", "vram_too_small",
-                              f"--vram {_gib(box.vram)} cannot hold the reserve, workspace and one "
-                              f"layer's {k} experts ({_gib(fixed_dev + k * slot)}): the GPU is left "
-                              "out and everything runs on the CPU"))
-            gpu = False
-        else:
-            vram_items = base
-            if g.trunk_bytes + kv + fixed_dev <= box.vram:
-                trunk_dev = "gpu"
-                vram_items = [base[0], Item("trunk", g.trunk_bytes, "attention, shared experts, "
-                                            "dense FFNs, embeddings, output head"),
-                              Item("kv_cache", kv, kv_note), *base[1:]]
-            elif g.trunk_bytes + fixed_dev <= box.vram:
-                ctx_max = max_ctx_on_gpu(g, box.vram - fixed_dev - g.trunk_bytes, box.kv_type)
-                notes.append(Note("warning", "kv_not_in_vram",
-                                  f"the trunk ({_gib(g.trunk_bytes)}) fits in VRAM but not with the "
-                                  f"KV cache at --ctx {box.ctx} ({_gib(kv)}): both stay in RAM and "
-                                  f"the trunk runs on the CPU; with --ctx {ctx_max} or less they "
-                                  "would fit on the GPU" if ctx_max else
-                                  f"the trunk ({_gib(g.trunk_bytes)}) leaves no VRAM for a KV cache"))
-            else:
-                notes.append(Note("warning", "trunk_not_in_vram",
-                                  f"the trunk alone needs {_gib(g.trunk_bytes)} of {_gib(box.vram)} "
-                                  f"VRAM ({_gib(box.vram - fixed_dev)} after the reserve, workspace "
-                                  "and staging): it stays in RAM and runs on the CPU, and --vram "
-                                  f"holds experts only; a GPU with "
-                                  f"{_gib(g.trunk_bytes + kv + fixed_dev + k * slot)} or more "
+        items = [Item("reserve", reserve, "CUDA context, allocator slack, display")]
+        if where == "gpu":
+            items += [Item("trunk", trunk, t_note), Item("kv_cache", kv, kv_note)]
+        items.append(Item("workspace", workspace_bytes(g, box.ctx, "gpu") + k * slot,
+                          f"activations, logits, dequant chunk, {k} experts in flight"))
+        fixed_dev = sum(i.nbytes for i in items)
+        if fixed_dev > box.vram:
+            runnable = False
+            base = reserve + workspace_bytes(g, box.ctx, "gpu") + k * slot
+            if where == "hybrid" or base > box.vram:
+                notes.append(Note("error", "vram_too_small",
+                                  f"--vram {_gib(box.vram)} cannot hold the reserve, workspace and "
+                                  f"one layer's {k} experts ({_gib(base)})"))
+            elif base + trunk > box.vram:
+                notes.append(Note("error", "trunk_not_in_vram",
+                                  f"the trunk alone needs {_gib(trunk)} ({trunk_mode}) of "
+                                  f"{_gib(box.vram)} VRAM ({_gib(box.vram - base)} after the reserve "
+                                  "and workspace): keep the trunk in RAM and give --vram to "
+                                  f"experts only; a GPU with {_gib(fixed_dev + k * slot)} or more "
                                   "would hold the trunk and KV cache too"))
-    experts_dev = "gpu" if gpu else "cpu"
-    pinned = gpu
-    placement = Placement(gpu, trunk_dev, experts_dev, pinned)
+            else:
+                ctx_max = max_ctx_on_gpu(g, box.vram - base - trunk, kv_type)
+                notes.append(Note("error", "kv_not_in_vram",
+                                  f"the trunk ({_gib(trunk)}, {trunk_mode}) fits in VRAM but not with "
+                                  f"the KV cache at --ctx {box.ctx} ({_gib(kv)})"
+                                  + (f"; with --ctx {ctx_max} or less both fit" if ctx_max else "")))
+        else:
+            vslots = min(_tier_slots(box.vram - fixed_dev, slot, k), g.n_decode_experts)
+        tnote = ("every expert fits in VRAM" if vslots == g.n_decode_experts else
+                 "" if vslots else "below one layer's experts: no VRAM tier")
+        vram_pool = Pool("vram", box.vram, tuple(items), vslots * slot, vslots, tnote)
 
     headroom = box.headroom if box.headroom is not None else os_headroom(box.ram)
     h_note = "--headroom" if box.headroom is not None else (
         f"max({OS_HEADROOM_MIN // GiB} GiB, {OS_HEADROOM_FRACTION:g} x RAM)")
     ram_items = [Item("os_headroom", headroom, h_note),
-                 Item("runtime", RUNTIME_HOST + (RUNTIME_HOST_CUDA if gpu else 0),
-                      "python, torch" + (", CUDA host side" if gpu else ""))]
-    if trunk_dev == "cpu":
-        ram_items += [Item("trunk", g.trunk_bytes, "computed on the CPU"), Item("kv_cache", kv, kv_note)]
-    if trunk_dev == "cpu" or experts_dev == "cpu":
-        ram_items.append(Item("workspace", ws_cpu, "CPU activations, logits, dequant chunk"))
-    ram_items.append(Item("staging", staging, f"{STAGING_LAYERS} layers x {k} expert reads in flight"
-                          + (" (pinned)" if pinned else "")))
+                 Item("runtime", RUNTIME_HOST + (RUNTIME_HOST_CUDA if pl.gpu else 0),
+                      "python, torch" + (", CUDA host side" if pl.gpu else ""))]
+    if dev == "cpu":
+        ram_items += [Item("trunk", trunk, t_note), Item("kv_cache", kv, kv_note)]
+    if "cpu" in (pl.trunk, pl.experts):
+        ram_items.append(Item("workspace", workspace_bytes(g, box.ctx, "cpu"),
+                              "CPU activations, logits, dequant chunk"))
+    staging = min(QUEUE_DEPTH, k) + 1 if pl.gpu else 0
+    if staging:
+        ram_items.append(Item("staging", staging * slot,
+                              f"{staging} slots: reads on their way to the GPU"))
     fixed_host = sum(i.nbytes for i in ram_items)
-    runnable = fixed_host <= box.ram
-    if not runnable:
-        need = fixed_host + k * slot
-        fix = f"a box with {_gib(need)} of RAM or more"
-        if trunk_dev == "cpu" and g.trunk_bytes > GiB:
-            fix += (f", or a GPU with {_gib(g.trunk_bytes + kv + 2 * GiB + staging)} or more of VRAM "
-                    "to hold the trunk")
-        if kv > GiB:
-            fix += f", or a shorter --ctx (the KV cache is {_gib(kv)})"
-        notes.append(Note("error", "ram_too_small",
-                          f"RAM {_gib(box.ram)} cannot hold the fixed uses ({_gib(fixed_host)}: "
-                          + ", ".join(f"{i.name} {_gib(i.nbytes)}" for i in ram_items)
-                          + f"): it cannot run; it needs {fix}"))
-
-    vram_pool = None
-    vslots = 0
-    if gpu:
-        avail_dev = box.vram - sum(i.nbytes for i in vram_items)
-        vslots = min(_slots(avail_dev, slot, k), g.n_decode_experts)
-        note = ("" if vslots else "below one layer's experts: no VRAM tier")
-        if vslots == g.n_decode_experts:
-            note = "every expert fits in VRAM"
-        vram_pool = Pool("vram", box.vram, tuple(vram_items), vslots * slot, vslots, note)
-
     avail = box.ram - fixed_host
-    cap_note = ""
-    capped = 0
-    if pinned:
-        cap = int(box.ram * box.pinned_cap)
-        if avail > cap:
-            cap_note = (f"pinned cap {box.pinned_cap:.0%} of RAM leaves {_gib(avail - cap)} unused "
-                        "(pinned pages cannot be reclaimed)")
-            capped = avail - cap
-            avail = cap
-    ram_slots = _slots(avail, slot, k) if runnable else 0
+    need_tier = 0 if pl.gpu else k            # a CPU run computes from its RAM tier
+    if avail < need_tier * slot:
+        runnable = False
+        need = fixed_host + need_tier * slot
+        notes.append(Note("error", "ram_too_small",
+                          f"RAM {_gib(box.ram)} cannot hold "
+                          + ", ".join(f"{i.name} {_gib(i.nbytes)}" for i in ram_items)
+                          + (f" and one layer's {k} experts" if need_tier else "")
+                          + f": {_gib(need)} needed"))
+    rslots = _tier_slots(avail, slot, k) if runnable else 0
     left = g.n_decode_experts - vslots                  # exclusive tiers: no expert twice
-    if ram_slots > left:
-        ram_slots = max(left, k) if left > 0 else 0
-        cap_note = "every expert fits in the tiers: no reads from NVMe once they are warm"
-        capped = 0
-    if runnable and 0 < avail // slot < k:
+    rnote = ""
+    if rslots > left:
+        rslots = max(left, k) if left > 0 else 0
+        rnote = "every expert fits in the tiers"
+    if runnable and pl.gpu and 0 < avail // slot < k:
         notes.append(Note("warning", "ram_tier_below_layer",
                           f"the RAM left for experts ({_gib(avail)}) is below one layer's {k} "
-                          f"experts ({_gib(k * slot)}): no RAM tier"
-                          + (", every expert is read from NVMe each time it is used"
-                             if not gpu else "")))
-    ram_pool = Pool("ram", box.ram, tuple(ram_items), ram_slots * slot, ram_slots, cap_note)
-
-    tiers = ram_pool.tier_bytes + (vram_pool.tier_bytes if vram_pool else 0)
-    if runnable and tiers < g.token_expert_bytes:
-        notes.append(Note("warning", "tiers_below_token",
-                          f"the expert tiers ({_gib(tiers)}) hold less than one token's experts "
-                          f"({_gib(g.token_expert_bytes)} = {g.k} x {len(g.moe_layers)} layers x "
-                          f"{g.slot_bytes / MiB:.1f} MiB): expect disk-bound decode"))
+                          f"experts: no RAM tier, every VRAM miss is read from NVMe"))
+    pinned = pl.gpu and rslots * slot + staging * slot <= box.pin_limit
+    if runnable and pl.gpu and not pinned:
+        rnote = (rnote + "; " if rnote else "") + "pageable: above the pin budget"
+    ram_pool = Pool("ram", box.ram, tuple(ram_items), rslots * slot, rslots, rnote)
+    if runnable:
+        tiers = rslots * slot + vslots * slot
+        if tiers < g.token_expert_bytes:
+            notes.append(Note("warning", "tiers_below_token",
+                              f"the expert tiers ({_gib(tiers)}) hold less than one token's experts "
+                              f"({_gib(g.token_expert_bytes)} = {k} x {len(g.moe_layers)} layers x "
+                              f"{slot / MiB:.1f} MiB): expect disk-bound decode"))
+        if rslots + vslots >= g.n_decode_experts:
+            notes.append(Note("info", "all_experts_fit",
+                              f"every expert ({_gib(g.decode_expert_bytes)}) fits in the tiers: "
+                              "after warm-up nothing is read from NVMe"))
+        if pl.gpu and not pinned and rslots:
+            notes.append(Note("info", "not_pinned",
+                              f"the host slab ({_gib(rslots * slot + staging * slot)}: RAM tier + "
+                              f"staging) is above the pin budget ({_gib(box.pin_limit)}): the runtime "
+                              f"leaves it pageable and uploads run at about {PAGEABLE_FACTOR:.0%} "
+                              "speed; EXPERTFS_PIN_BUDGET (plan: --pin-budget) pins it, on a box "
+                              "that runs nothing else"))
     if box.ctx > g.n_ctx_train > 0:
         notes.append(Note("warning", "ctx_beyond_training",
                           f"--ctx {box.ctx} is beyond the model's training context {g.n_ctx_train}"))
-    if runnable and ram_pool.tier_slots + vslots >= g.n_decode_experts:
-        notes.append(Note("info", "all_experts_fit",
-                          f"every expert ({_gib(g.decode_expert_bytes)}) fits in the tiers: after "
-                          "warm-up nothing is read from NVMe"))
-    return Memory(placement, ram_pool, vram_pool, kv, runnable, tuple(notes), capped)
+    return Memory(pl, ram_pool, vram_pool, kv, kv_type, trunk, runnable, pinned, staging,
+                  tuple(notes))
+
+
+def _tier_slots(avail: int, slot: int, k: int) -> int:
+    n = max(0, avail) // slot
+    return n if n >= k else 0
+
+
+def candidates(g: Geometry, box: Box, where: str = "auto", trunk_mode: str = "auto") -> list[Memory]:
+    """Every (placement, trunk mode) allowed by ``where``/``trunk_mode`` ("auto": all) for
+    ``box``, most preferred first (GPU before CPU, float before quant)."""
+    wheres = [w for w in PLACEMENTS if (w == "cpu" or box.vram > 0)] if where == "auto" else [where]
+    modes = list(TRUNK_MODES) if trunk_mode == "auto" else [trunk_mode]
+    for w in wheres:
+        if w not in PLACEMENTS:
+            raise UsageError(f"placement {w!r}", fix=f"use auto or one of {', '.join(PLACEMENTS)}")
+        if w != "cpu" and box.vram <= 0:
+            raise UsageError(f"placement {w} needs a GPU", fix="give --vram, or --placement cpu")
+    for m in modes:
+        if m not in TRUNK_MODES:
+            raise UsageError(f"trunk mode {m!r}", fix=f"use auto or one of {', '.join(TRUNK_MODES)}")
+    return [layout(g, box, w, m) for w in wheres for m in modes]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -630,7 +708,7 @@ def stated_gpu(types: Sequence[str], mem: Range | None = None) -> DeviceRates:
         return LinearCost(over, Range(mem.slow * eff, mem.fast * eff,
                                       f"{mem.source}; x {eff:.3f} for dequant traffic"))
 
-    linear = {t: cost(t) for t in types if t != "*"}
+    linear = {t: cost(t) for t in (*types, *_FLOAT_TYPES) if t != "*"}
     linear["*"] = cost("Q4_K")
     return DeviceRates("gpu", linear, mem,
                        Range(15e-6, 6e-6, "stated default: CUDA launch from torch eager"),
@@ -781,21 +859,24 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{g.token_expert_bytes / MiB:.0f} MiB) at {rates.storage.slow:.2f}-"
                       f"{rates.storage.fast:.2f} GB/s"))
     if pl.experts == "gpu":
+        f = 1.0 if mem.pinned else PAGEABLE_FACTOR
         p = both(lambda e: max(routing.at(e).h2d_bytes_per_token, routing.at(e).d2h_bytes_per_token)
-                 / (rates.pcie.at(e) * 1e9))
+                 / (rates.pcie.at(e) * f * 1e9))
         terms.append(Term("pcie", *p,
                           f"{r.h2d_bytes_per_token / MiB:.0f} MiB/token up, "
                           f"{r.d2h_bytes_per_token / MiB:.0f} MiB demoted (full duplex: the larger "
-                          f"counts) at {rates.pcie.slow:.0f}-{rates.pcie.fast:.0f} GB/s"))
+                          f"counts) at {rates.pcie.slow * f:.1f}-{rates.pcie.fast * f:.1f} GB/s"
+                          + ("" if mem.pinned else " (pageable)")))
     ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e) for parts in g.expert_parts))
     terms.append(Term("experts", *ex,
                       f"{g.k} x {len(g.moe_layers)} experts ({g.token_expert_bytes / MiB:.0f} MiB "
                       f"incl. padding) dequant+matmul on the {pl.experts.upper()}"))
-    tr = both(lambda e: _compute_cost(trunk_rates, g.trunk_matrices, e))
-    terms.append(Term("trunk", *tr, f"{g.trunk_active_bytes / MiB:.0f} MiB of trunk matrices on "
-                                    f"the {pl.trunk.upper()}"))
-    kv_slow = kv_cache_bytes(g, box.ctx, box.kv_type)
-    kv_fast = kv_cache_bytes(g, max(1, int(box.ctx * ATTENTION_FAST_FRACTION)), box.kv_type)
+    mats = g.trunk_compute(pl.trunk_mode, pl.trunk)
+    tr = both(lambda e: _compute_cost(trunk_rates, mats, e))
+    terms.append(Term("trunk", *tr, f"{sum(m.nbytes * m.count for m in mats) / MiB:.0f} MiB of "
+                                    f"trunk matrices ({pl.trunk_mode}) on the {pl.trunk.upper()}"))
+    kv_slow = kv_cache_bytes(g, box.ctx, mem.kv_type)
+    kv_fast = kv_cache_bytes(g, max(1, int(box.ctx * ATTENTION_FAST_FRACTION)), mem.kv_type)
     at = (kv_slow / (trunk_rates.mem_gbps.slow * 1e9), kv_fast / (trunk_rates.mem_gbps.fast * 1e9))
     terms.append(Term("attention", *at, f"KV cache {kv_slow / MiB:.0f} MiB at ctx {box.ctx} "
                                         f"({kv_fast / MiB:.0f} MiB at the fast end) read at "
@@ -816,7 +897,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
 
 
 # ------------------------------------------------------------------------------------------------
-# advice and the whole plan
+# advice, the choice between placements, and the whole plan
 
 
 def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRange | None,
@@ -829,6 +910,8 @@ def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRa
     t = pred.term(dom)
     share = t.slow_s / pred.slow_s if t and pred.slow_s else 0.0
     tiers = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0)
+    where = {"experts": mem.placement.experts, "trunk": mem.placement.trunk,
+             "dispatch": mem.placement.trunk, "attention": mem.placement.trunk}.get(dom, "")
     if dom == "storage":
         more = ""
         if tiers < g.decode_expert_bytes:
@@ -838,39 +921,74 @@ def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRa
         out.append(Note("info", "storage_bound",
                         f"decode is storage-bound ({share:.0%} of the slow-end time): a faster "
                         f"drive or backend lifts it in proportion{more}"))
-    elif dom == "experts" and mem.placement.experts == "cpu":
+    elif dom in ("experts", "trunk") and where == "cpu":
         out.append(Note("info", "cpu_bound",
-                        f"decode is bound by dequant+matmul on the CPU ({share:.0%}): a GPU (--vram) "
-                        "computes experts far faster; more cores help in proportion"))
+                        f"decode is bound by {dom} dequant+matmul on the CPU ({share:.0%} of the "
+                        "slow-end time): a GPU (--vram) computes it far faster; more cores help"))
     elif dom in ("experts", "trunk", "dispatch"):
         out.append(Note("info", "compute_bound",
                         f"decode is compute-bound ({dom}, {share:.0%} of the slow-end time) on the "
-                        f"{(mem.placement.experts if dom == 'experts' else mem.placement.trunk).upper()}"
-                        ": more cache would not help much"))
+                        f"{where.upper()}: a larger cache would not help much"))
     elif dom == "pcie":
         out.append(Note("info", "pcie_bound",
-                        f"decode is bound by host->device copies ({share:.0%}): a larger VRAM tier "
-                        "or a faster PCIe link helps"))
+                        f"decode is bound by host->device copies ({share:.0%}): a larger VRAM tier"
+                        + (", a pinned RAM tier (--pin-budget)" if not mem.pinned else "")
+                        + " or a faster PCIe link helps"))
     elif dom == "attention":
         out.append(Note("info", "attention_bound",
                         f"reading the KV cache dominates ({share:.0%}) at --ctx {box.ctx}: a "
                         "shorter context or a quantized KV cache (--kv-type q8_0) helps"))
-    if mem.capped_bytes and dom == "storage":
-        out.append(Note("info", "pinned_cap",
-                        f"the pinned cap ({box.pinned_cap:.0%} of RAM) keeps {_gib(mem.capped_bytes)} "
-                        "out of the RAM tier; raise --pinned-cap only on a box that runs nothing else"))
     if routing is not None and routing.slow.synthetic:
         out.append(Note("info", "routing_synthetic",
                         "hit rates come from synthetic routing ("
                         + (routing.slow.label if routing.slow.label == routing.fast.label else
                            f"slow end {routing.slow.label}, fast end {routing.fast.label}")
-                        + "), not from this model: record a trace of a real run and pass --trace"))
+                        + "), not from this model: record a trace of a real run "
+                          "(expertfs run STORE --trace T) and pass --trace"))
     if rates is not None and rates.storage.source.startswith("stated"):
         out.append(Note("info", "storage_default",
                         "storage was not measured (stated default used): run `expertfs bench io "
                         "STORE --json > io.json` on the drive that holds the store and pass "
                         "--io-profile io.json"))
     return out
+
+
+@dataclass(frozen=True)
+class Option:
+    """One budgeted placement with its prediction (None when it cannot run)."""
+
+    memory: Memory
+    routing: RoutingRange | None = None
+    prediction: Prediction | None = None
+
+    @property
+    def score(self) -> float:
+        p = self.prediction
+        return math.sqrt(p.tok_s_low * p.tok_s_high) if p else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        m, p = self.memory, self.prediction
+        return {"placement": m.placement.name, "supported": m.placement.supported,
+                "runnable": m.runnable, "tok_s_low": p.tok_s_low if p else None,
+                "tok_s_high": p.tok_s_high if p else None,
+                "vram_tier_experts": m.vram.tier_slots if m.vram else 0,
+                "ram_tier_experts": m.ram.tier_slots,
+                "why_not": [n.text for n in m.notes if n.level == "error"]}
+
+
+def choose(options: Sequence[Option], forced: bool = False) -> Option:
+    """The runnable option ``expertfs run`` supports with the best predicted tokens/s (geometric
+    mean of the range); ``forced`` keeps the only option given. With nothing runnable, the one
+    needing the least RAM (its error says what is missing)."""
+    if not options:
+        raise UsageError("no placement to plan", fix="check --placement and --trunk")
+    if forced and len(options) == 1:
+        return options[0]
+    ok = [o for o in options if o.memory.runnable and o.prediction is not None]
+    pool = [o for o in ok if o.memory.placement.supported] or ok
+    if pool:
+        return max(pool, key=lambda o: o.score)
+    return min(options, key=lambda o: o.memory.ram.fixed)
 
 
 @dataclass(frozen=True)
@@ -882,19 +1000,68 @@ class Plan:
     routing: RoutingRange | None
     prediction: Prediction | None
     notes: tuple[Note, ...]
+    alternatives: tuple[Option, ...] = ()
     probes: Mapping[str, Any] = field(default_factory=dict)     # raw measurements, for --json
 
     @property
     def exit_code(self) -> int:
         return 0 if self.memory.runnable else 1
 
+    def run_args(self, store: str | None = None) -> str | None:
+        """The ``expertfs run`` flags that execute this plan (the store's path when the plan was
+        made from a store, else STORE)."""
+        m = self.memory
+        if store is None:
+            src = self.geometry.source
+            store = src.split(" ", 1)[1] if src.startswith("store ") else "STORE"
+        if not m.runnable or not m.placement.supported:
+            return None
 
-def make_plan(g: Geometry, box: Box, mem: Memory, rates: Rates | None,
-              routing: RoutingRange | None, probes: Mapping[str, Any] | None = None) -> Plan:
-    """Put the pieces together: the prediction only for a box that can run the model."""
+        def size(n: int) -> str:
+            return f"{n / GiB:.2f}G" if n >= GiB else f"{max(1, n // MiB)}M"
+
+        args = [f"expertfs run {store}", f"--device {'cuda' if m.placement.gpu else 'cpu'}",
+                f"--ram {size(m.host_slab)}"]
+        if m.vram is not None:
+            args.append(f"--vram {size(m.vram.tier_bytes)}")
+        args += [f"--trunk {m.placement.trunk_mode}", f"--ctx {self.box.ctx}"]
+        return " ".join(args)
+
+
+def predict_option(g: Geometry, box: Box, mem: Memory, rates: Rates | None,
+                   routing: RoutingRange | None) -> Option:
     pred = predict(g, mem, routing, rates, box) if (mem.runnable and rates and routing) else None
-    notes = list(mem.notes) + advise(g, mem, pred, routing, rates, box)
-    return Plan(g, box, mem, rates, routing, pred, tuple(notes), dict(probes or {}))
+    return Option(mem, routing, pred)
+
+
+def make_plan(g: Geometry, box: Box, options: Sequence[Option], rates: Rates | None,
+              probes: Mapping[str, Any] | None = None, forced: bool = False) -> Plan:
+    """The chosen option as a plan, with notes on the others (why a preferred placement did not
+    fit; a faster one the runtime cannot run yet)."""
+    best = choose(options, forced)
+    mem = best.memory
+    notes = list(mem.notes)
+    if mem.runnable:
+        # why the GPU placement (or float trunk) was not taken, when it was not
+        for w in ("gpu", "hybrid"):
+            tried = [o for o in options if o.memory.placement.where == w]
+            if tried and not any(o.memory.runnable for o in tried) and mem.placement.where != w:
+                err = next((n for o in reversed(tried) for n in o.memory.notes if n.level == "error"),
+                           None)
+                if err is not None and not any(n.code == err.code for n in notes):
+                    notes.append(Note("warning", err.code, err.text))
+        faster = [o for o in options if o is not best and o.prediction is not None
+                  and o.score > best.score * 1.1]
+        for o in sorted(faster, key=lambda o: -o.score)[:1]:
+            p = o.prediction
+            why = ("not in expertfs run yet: it runs trunk and experts on one device"
+                   if not o.memory.placement.supported else "")
+            notes.append(Note("info", "alternative",
+                              f"{o.memory.placement.name} would predict {p.tok_s_low:.2f}-"
+                              f"{p.tok_s_high:.2f} tokens/s" + (f" ({why})" if why else "")))
+    notes += advise(g, mem, best.prediction, best.routing, rates, box)
+    return Plan(g, box, mem, rates, best.routing, best.prediction, tuple(notes),
+                tuple(o for o in options if o is not best), dict(probes or {}))
 
 
 def plan_to_dict(p: Plan) -> dict[str, Any]:
@@ -905,18 +1072,22 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "exit_code": p.exit_code,
         "model": p.geometry.as_dict(),
         "box": {"ram_bytes": p.box.ram, "vram_bytes": p.box.vram, "ctx": p.box.ctx,
-                "kv_type": p.box.kv_type, "label": p.box.label, "pinned_cap": p.box.pinned_cap},
+                "kv_type": p.box.kv_type, "label": p.box.label, "pin_budget": p.box.pin_limit},
         "placement": m.placement.as_dict(),
         "budget": {"ram": m.ram.as_dict(), "vram": m.vram.as_dict() if m.vram else None,
-                   "kv_cache_bytes": m.kv_bytes,
-                   "kv_bytes_per_token": kv_bytes_per_token(p.geometry, p.box.kv_type),
-                   "slot_bytes": p.geometry.slot_bytes,
+                   "kv_cache_bytes": m.kv_bytes, "kv_type": m.kv_type,
+                   "kv_bytes_per_token": kv_bytes_per_token(p.geometry, m.kv_type),
+                   "trunk_resident_bytes": m.trunk_bytes,
+                   "slot_bytes": p.geometry.slot_bytes, "staging_slots": m.staging_slots,
+                   "pinned": m.pinned, "host_slab_bytes": m.host_slab,
                    "tier_experts": m.ram.tier_slots + (m.vram.tier_slots if m.vram else 0),
                    "decode_experts": p.geometry.n_decode_experts},
         "rates": p.rates.as_dict() if p.rates else None,
         "routing": ({"slow": p.routing.slow.as_dict(), "fast": p.routing.fast.as_dict()}
                     if p.routing else None),
         "prediction": p.prediction.as_dict() if p.prediction else None,
+        "run": p.run_args(),
+        "alternatives": [o.as_dict() for o in p.alternatives],
         "notes": [n.as_dict() for n in p.notes],
         "assumptions": dict(ASSUMPTIONS),
         "measurements": dict(p.probes),

@@ -113,18 +113,22 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
     embd = by_name.get("token_embd.weight")
     tied = "output.weight" not in by_name
     groups: Counter[tuple[str, int, int, int]] = Counter()
+    nextn_groups: Counter[tuple[str, int, int, int]] = Counter()
     nextn_trunk = 0
     for t in tensors:
         if t.expert:
             continue
         layer = _layer_of(t.name)
-        if layer is not None and layer >= n_layer:
+        is_nextn = layer is not None and layer >= n_layer
+        if is_nextn:
             nextn_trunk += t.nbytes
+        if len(t.ne) < 2 or t.name == "token_embd.weight":
             continue
-        if len(t.ne) < 2 or (t.name == "token_embd.weight" and not tied):
-            continue
-        groups[(t.ggml_type, t.ne[1], t.ne[0], t.nbytes)] += 1
-    trunk_mats = tuple(Matrix(ty, r, c, b, n) for (ty, r, c, b), n in sorted(groups.items()))
+        (nextn_groups if is_nextn else groups)[(t.ggml_type, t.ne[1], t.ne[0], t.nbytes)] += 1
+    trunk_mats = [Matrix(ty, r, c, b, n) for (ty, r, c, b), n in sorted(groups.items())]
+    if tied and embd is not None and len(embd.ne) >= 2:     # the output head reads token_embd
+        trunk_mats.append(Matrix(embd.ggml_type, embd.ne[1], embd.ne[0], embd.nbytes, 1, tied=True))
+    nextn_mats = tuple(Matrix(ty, r, c, b, n) for (ty, r, c, b), n in sorted(nextn_groups.items()))
     n_vocab = (embd.ne[1] if embd is not None and len(embd.ne) > 1
                else _int(a("vocab_size")) or len(_val(kv, "tokenizer.ggml.tokens", []) or []))
     notes = []
@@ -142,7 +146,7 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
         expert_bytes=tuple(int(lay["expert_bytes"]) for lay in decode),
         extent_bytes=tuple(int(lay["extent_bytes"]) for lay in decode),
         expert_parts=tuple(parts(lay) for lay in decode),
-        trunk_matrices=trunk_mats,
+        trunk_matrices=tuple(trunk_mats), nextn_matrices=nextn_mats,
         trunk_bytes=int(summary.get("trunk_bytes") or sum(t.nbytes for t in tensors if not t.expert)),
         embd_bytes=embd.nbytes if embd is not None else 0,
         nextn_trunk_bytes=nextn_trunk, nextn_expert_bytes=nextn_experts,

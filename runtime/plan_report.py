@@ -30,20 +30,23 @@ def format_plan(p: Plan) -> str:
     g, box, m = p.geometry, p.box, p.memory
     lines = [f"plan: {g.name} ({g.arch}) from {g.source}",
              f"box: RAM {box.ram / GiB:.2f} GiB, VRAM {box.vram / GiB:.2f} GiB ({box.label}), "
-             f"ctx {box.ctx}, KV {box.kv_type}"]
+             f"ctx {box.ctx}, KV {m.kv_type}"]
     extra = f" + {g.n_nextn} NextN" if g.n_nextn else ""
     lines.append(f"model: {g.n_layer} layers{extra}, {len(g.moe_layers)} MoE x {g.n_expert} experts, "
                  f"top-{g.k}; expert extent {g.slot_bytes / MiB:.2f} MiB; experts "
                  f"{g.total_expert_bytes / GiB:.1f} GiB, trunk {g.trunk_bytes / GiB:.2f} GiB")
     lines.append(f"       one token routes to {g.k} x {len(g.moe_layers)} x "
                  f"{g.slot_bytes / MiB:.2f} MiB = {g.token_expert_bytes / GiB:.2f} GiB of experts; "
-                 f"KV cache {kv_bytes_per_token(g, box.kv_type) / 1024:.0f} KiB per position")
+                 f"KV cache {kv_bytes_per_token(g, m.kv_type) / 1024:.0f} KiB per position")
     for n in g.notes:
         lines.append(f"       ({n})")
     pl = m.placement
     lines.append("")
-    lines.append(f"memory budget (trunk + KV cache on the {pl.trunk.upper()}, experts computed on "
-                 f"the {pl.experts.upper()}{', pinned RAM tier' if pl.pinned else ''}):")
+    lines.append(f"placement {pl.name}: trunk ({pl.trunk_mode}) + KV cache ({m.kv_type}) on the "
+                 f"{pl.trunk.upper()}, experts computed on the {pl.experts.upper()}"
+                 + ((", RAM tier pinned" if m.pinned else ", RAM tier pageable") if pl.gpu else "")
+                 + ("" if pl.supported else "  [not supported by expertfs run yet]"))
+    lines.append("memory budget:")
     lines += _pool_lines(m.ram, g.slot_bytes)
     if m.vram is not None:
         lines += _pool_lines(m.vram, g.slot_bytes)
@@ -96,6 +99,16 @@ def format_plan(p: Plan) -> str:
     else:
         lines.append("")
         lines.append("predicted decode: none (the model cannot run on this box)")
+    run = p.run_args()
+    if run:
+        lines.append(f"run it: {run}")
+    alts = [o for o in p.alternatives]
+    if alts:
+        lines.append("other placements: " + "; ".join(
+            f"{o.memory.placement.name} "
+            + (f"{o.prediction.tok_s_low:.2f}-{o.prediction.tok_s_high:.2f} tok/s" if o.prediction
+               else "does not fit")
+            + ("" if o.memory.placement.supported else " (not in expertfs run)") for o in alts))
     if p.notes:
         lines.append("")
         for n in p.notes:

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from .plan import (Box, Plan, Range, Rates, RoutingRange, make_plan, plan_memory, stated_cpu,
-                   stated_gpu, stated_pcie, stated_storage, storage_from_profile)
+from .plan import (Box, Geometry, Memory, Option, Plan, Range, Rates, RoutingRange, candidates,
+                   make_plan, predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
+                   storage_from_profile)
 from .plan_model import load_geometry
 from .plan_routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
 from .policies_registry import DEFAULT_POLICY
 
-__all__ = ["PlanRequest", "run_plan", "read_io_profile"]
+__all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,11 @@ class PlanRequest:
     ram: int | None = None                 # None: this machine's
     vram: int | None = None                # None: this machine's first CUDA device, else 0
     ctx: int | None = None                 # None: 8192, or the training context if shorter
-    kv_type: str = "f16"
+    kv_type: str = "auto"
     headroom: int | None = None
-    pinned_cap: float = 0.5
+    pin_budget: int | None = None
+    placement: str = "auto"                # auto | gpu | hybrid | cpu
+    trunk: str = "auto"                    # auto | float | quant
     io_profile: str | None = None
     trace: str | None = None
     synthetic: tuple[str, ...] = DEFAULT_SYNTHETIC
@@ -75,7 +78,56 @@ def _box(req: PlanRequest, n_ctx_train: int) -> Box:
         here.append("VRAM")
     label = ("this machine's " + " and ".join(here)) if here else "as given"
     ctx = req.ctx if req.ctx is not None else min(8192, n_ctx_train or 8192)
-    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pinned_cap, label)
+    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label)
+
+
+RoutingFor = Callable[[Memory], RoutingRange]
+
+
+def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *,
+                 where: str = "auto", trunk_mode: str = "auto",
+                 mems: list[Memory] | None = None) -> list[Option]:
+    """Every candidate placement budgeted, routed and predicted (``routing_for(memory)`` gives
+    the hit rates at its tier sizes)."""
+    out = []
+    for mem in mems if mems is not None else candidates(g, box, where, trunk_mode):
+        out.append(predict_option(g, box, mem, rates, routing_for(mem)) if mem.runnable
+                   else Option(mem))
+    return out
+
+
+def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None]) -> RoutingFor:
+    """Hit rates from the cache simulator on the trace (or the synthetic presets), cached per
+    tier sizes so placements with the same tiers replay once."""
+    replays: dict[str, Any] = {}
+    done: dict[tuple, RoutingRange] = {}
+    if req.trace:
+        say("reading the trace")
+        replays["trace"] = trace_replay(g, req.trace)
+        specs = ["trace", "trace"]
+    else:
+        specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
+
+    def replay(spec: str):
+        if spec not in replays:
+            replays[spec] = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
+        return replays[spec]
+
+    def routing_for(mem: Memory) -> RoutingRange:
+        v, r = mem.tier_slots
+        on_gpu = mem.placement.experts == "gpu"
+        key = (v, r, on_gpu)
+        if key not in done:
+            ends = {}
+            for spec in dict.fromkeys(specs):
+                say(f"simulating the cache ({spec}) at {v} VRAM + {r} RAM experts")
+                label = f"trace {req.trace}" if spec == "trace" else f"synthetic '{spec}'"
+                ends[spec] = route(g, replay(spec), v, r, experts_on_gpu=on_gpu, label=label,
+                                   synthetic=spec != "trace", policy=req.policy)
+            done[key] = RoutingRange(ends[specs[0]], ends[specs[1]])
+        return done[key]
+
+    return routing_for
 
 
 def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
@@ -87,10 +139,10 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     say("reading the model")
     g, data_path = load_geometry(req.target, req.like, req.quant)
     box = _box(req, g.n_ctx_train)
-    mem = plan_memory(g, box)
-    if not mem.runnable:
-        return make_plan(g, box, mem, None, None)
-    pl = mem.placement
+    mems = candidates(g, box, req.placement, req.trunk)
+    forced = req.placement != "auto" and req.trunk != "auto"
+    if not any(m.runnable for m in mems):
+        return make_plan(g, box, [Option(m) for m in mems], None, forced=forced)
 
     # --- rates -----------------------------------------------------------------------------
     detail: dict[str, Any] = {}
@@ -103,14 +155,22 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
         storage, detail["storage"] = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
     else:
         storage = stated_storage()
-    mats = [m for layer in g.expert_parts for m in layer] + list(g.trunk_matrices)
-    types = sorted({m.ggml_type for m in mats})
+    runnable = [m for m in mems if m.runnable]
+    expert_mats = [m for layer in g.expert_parts for m in layer]
+
+    def mats_on(dev: str) -> list:
+        out = list(expert_mats) if any(m.placement.experts == dev for m in runnable) else []
+        for m in runnable:
+            if m.placement.trunk == dev:
+                out += g.trunk_compute(m.placement.trunk_mode, dev)
+        return out
+
+    types = sorted({m.ggml_type for m in expert_mats} | {m.ggml_type for m in g.trunk_matrices})
     cpu = stated_cpu()
-    if req.probe and "cpu" in (pl.trunk, pl.experts):
+    cpu_mats = mats_on("cpu")
+    if req.probe and cpu_mats:
         from .plan_probe import probe_cpu
         say("measuring CPU dequant+matmul")
-        cpu_mats = ([m for layer in g.expert_parts for m in layer] if pl.experts == "cpu" else []) \
-            + (list(g.trunk_matrices) if pl.trunk == "cpu" else [])
         cpu, detail["cpu"] = probe_cpu(cpu_mats)
     gpu_mem = None
     if req.gpu_gbps is not None:
@@ -120,34 +180,19 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
                         "(slow end 0.6x)")
     gpu = stated_gpu(types, gpu_mem)
     pcie = stated_pcie(req.pcie_gen)
-    if req.probe and pl.gpu and req.gpu_gbps is None:
+    gpu_mats = mats_on("gpu")
+    if req.probe and gpu_mats and req.gpu_gbps is None and _cuda():
         from .plan_probe import probe_cuda
-        got = probe_cuda(mats) if _cuda() else None
+        say("measuring the GPU")
+        got = probe_cuda(gpu_mats)
         if got is not None:
-            say("measuring the GPU")
             gpu, pcie, detail["gpu"] = got
     rates = Rates(storage, pcie, cpu, gpu)
 
-    # --- routing ---------------------------------------------------------------------------
-    vslots, rslots = mem.tier_slots
-    on_gpu = pl.experts == "gpu"
-    if req.trace:
-        say("replaying the trace")
-        rp = trace_replay(g, req.trace)
-        r = route(g, rp, vslots, rslots, experts_on_gpu=on_gpu, label=f"trace {req.trace}",
-                  synthetic=False, policy=req.policy)
-        routing = RoutingRange(r, r)
-    else:
-        specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
-        done: dict[str, Any] = {}
-        for spec in specs:
-            if spec not in done:
-                say(f"simulating the cache on synthetic routing {spec!r}")
-                rp = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
-                done[spec] = route(g, rp, vslots, rslots, experts_on_gpu=on_gpu,
-                                   label=f"synthetic '{spec}'", synthetic=True, policy=req.policy)
-        routing = RoutingRange(done[specs[0]], done[specs[1]])
-    return make_plan(g, box, mem, rates, routing, probes=detail)
+    # --- routing and the choice ------------------------------------------------------------
+    routing_for = simulator_routing(g, req, say)
+    options = plan_options(g, box, rates, routing_for, mems=mems)
+    return make_plan(g, box, options, rates, probes=detail, forced=forced)
 
 
 def _cuda() -> bool:

@@ -12,12 +12,14 @@ import math
 import pytest
 
 from expertfs.errors import UsageError
-from expertfs.runtime.plan import (GiB, Box, Geometry, Matrix, Range, Rates, Routing, RoutingRange,
-                                   kv_bytes_per_token, kv_cache_bytes, make_plan, max_ctx_on_gpu,
-                                   os_headroom, plan_memory, plan_to_dict, predict, stated_cpu,
-                                   stated_gpu, stated_pcie, stated_storage, storage_from_profile)
+from expertfs.runtime.plan import (GiB, Box, Geometry, Option, Range, Rates, Routing, RoutingRange,
+                                   candidates, choose, kv_bytes_per_token, kv_cache_bytes, layout,
+                                   make_plan, max_ctx_on_gpu, os_headroom, plan_to_dict, predict,
+                                   stated_cpu, stated_gpu, stated_pcie, stated_storage,
+                                   storage_from_profile)
 from expertfs.runtime.plan_model import geometry_from_like, geometry_from_synth
 from expertfs.runtime.plan_routing import route, synthetic_replay, trace_replay
+from expertfs.runtime.plan_run import plan_options
 from expertfs.runtime.trace_synth import parse_spec, write_synthetic
 from expertfs.synth import SynthConfig, preset_names
 
@@ -36,15 +38,20 @@ def rates_for(g: Geometry) -> Rates:
     return Rates(stated_storage(), stated_pcie(4), stated_cpu(), stated_gpu(types))
 
 
-def plan_for(g: Geometry, box: Box, tokens: int = 32, replays=None):
-    mem = plan_memory(g, box)
-    if not mem.runnable:
-        return make_plan(g, box, mem, None, None)
-    v, r = mem.tier_slots
+def plan_for(g: Geometry, box: Box, tokens: int = 32, replays=None, where: str = "auto",
+             trunk: str = "auto"):
+    """What ``expertfs plan --no-probe`` does, with a short synthetic routing."""
     replays = replays or {s: synthetic_replay(g, s, tokens=tokens) for s in ("diffuse", "mixed")}
-    ends = [route(g, replays[s], v, r, experts_on_gpu=mem.placement.experts == "gpu",
-                  label=f"synthetic '{s}'", synthetic=True) for s in ("diffuse", "mixed")]
-    return make_plan(g, box, mem, rates_for(g), RoutingRange(*ends))
+    rates = rates_for(g)
+
+    def routing_for(mem):
+        v, r = mem.tier_slots
+        ends = [route(g, replays[s], v, r, experts_on_gpu=mem.placement.experts == "gpu",
+                      label=f"synthetic '{s}'", synthetic=True) for s in ("diffuse", "mixed")]
+        return RoutingRange(*ends)
+
+    opts = plan_options(g, box, rates, routing_for, where=where, trunk_mode=trunk)
+    return make_plan(g, box, opts, rates, forced=where != "auto" and trunk != "auto")
 
 
 # --- KV cache against hand-computed values ---------------------------------------------------------
@@ -95,7 +102,7 @@ def test_like_every_preset_plans(name: str) -> None:
     assert g.slot_bytes % 4096 == 0 and g.token_expert_bytes == g.k * sum(g.extent_bytes)
     assert g.trunk_active_bytes <= g.trunk_bytes + g.embd_bytes
     p = plan_for(g, Box(32 * GiB, 24 * GiB), tokens=16)
-    assert p.exit_code == 0 and p.prediction is not None
+    assert p.exit_code == 0 and p.prediction is not None and p.memory.placement.supported
     pr = p.prediction
     assert 0 < pr.tok_s_low <= pr.tok_s_high < math.inf
     assert {t.name for t in pr.terms} == {"storage", "pcie", "experts", "trunk", "attention", "dispatch"}
@@ -118,63 +125,93 @@ def test_unknown_like_is_a_usage_error() -> None:
 
 def test_budget_glm_air_32g_24g_by_hand() -> None:
     g = like("GLM-4.5-Air")
-    m = plan_memory(g, Box(32 * GiB, 24 * GiB, ctx=8192))
+    m = layout(g, Box(32 * GiB, 24 * GiB, ctx=8192), "gpu", "quant")
     pl = m.placement
-    assert (pl.gpu, pl.trunk, pl.experts, pl.pinned) == (True, "gpu", "gpu", True)
+    assert (pl.gpu, pl.trunk, pl.experts, pl.supported) == (True, "gpu", "gpu", True)
     slot, k = g.slot_bytes, g.k
     ram, vram = m.ram, m.vram
     assert ram.item("os_headroom") == 4 * GiB                       # 32 GiB / 8 > 3 GiB
     assert ram.item("runtime") == 768 * 2**20 + GiB
-    assert ram.item("staging") == 2 * k * slot
+    assert ram.item("staging") == (k + 1) * slot and m.staging_slots == 9   # min(16, k) + 1
     assert ram.item("trunk") == 0 and vram.item("trunk") == g.trunk_bytes
-    assert vram.item("kv_cache") == 1_543_503_872
+    assert m.kv_type == "bf16" and vram.item("kv_cache") == 1_543_503_872
     assert vram.item("reserve") == int(24 * GiB * 0.05)
-    assert ram.tier_slots == (16 * GiB) // slot                       # pinned cap: half of RAM
-    assert m.capped_bytes == 32 * GiB - ram.fixed - 16 * GiB
-    free_dev = 24 * GiB - vram.fixed
-    assert vram.tier_slots == free_dev // slot
+    assert ram.tier_slots == (32 * GiB - ram.fixed) // slot
+    assert not m.pinned                                             # above RAM/4
+    assert m.host_slab == ram.tier_bytes + (k + 1) * slot
+    assert vram.tier_slots == (24 * GiB - vram.fixed) // slot
     for pool in (ram, vram):
-        assert pool.fixed + pool.tier_bytes + pool.unused == pool.total and pool.unused >= 0
+        assert pool.fixed + pool.tier_bytes + pool.unused == pool.total and 0 <= pool.unused < slot
 
 
-def test_budget_cpu_only_not_capped() -> None:
+def test_pin_budget_decides_pinning() -> None:
     g = like("GLM-4.5-Air")
-    m = plan_memory(g, Box(64 * GiB, 0))
-    assert m.vram is None and m.placement.trunk == "cpu" and not m.placement.pinned
+    m = layout(g, Box(32 * GiB, 24 * GiB, pin_budget=28 * GiB), "gpu", "quant")
+    assert m.pinned and not any(n.code == "not_pinned" for n in m.notes)
+    m = layout(g, Box(32 * GiB, 24 * GiB), "gpu", "quant")
+    assert any(n.code == "not_pinned" for n in m.notes)
+
+
+def test_float_trunk_sizes() -> None:
+    g = geometry_from_synth(SynthConfig.tiny("qwen3moe", quant="F32"))
+    mats = g.trunk_matrices + g.nextn_matrices
+    mat_bytes = sum(m.nbytes * m.count for m in mats)
+    assert g.trunk_resident("float", 4) == g.trunk_bytes             # F32 stays F32 on the CPU
+    assert g.trunk_resident("float", 2) == g.trunk_bytes - mat_bytes // 2      # bf16 on the GPU
+    assert g.trunk_resident("quant", 2) == g.trunk_bytes
+    air = like("GLM-4.5-Air")
+    el = sum(m.elements * m.count for m in air.trunk_matrices + air.nextn_matrices)
+    q = sum(m.nbytes * m.count for m in air.trunk_matrices + air.nextn_matrices)
+    assert air.trunk_resident("float", 2) == air.trunk_bytes - q + 2 * el
+    m = layout(air, Box(64 * GiB, 0), "cpu", "float")
+    assert m.ram.item("trunk") == air.trunk_bytes - q + 4 * el and m.kv_type == "f32"
+
+
+def test_budget_cpu_only() -> None:
+    g = like("GLM-4.5-Air")
+    m = layout(g, Box(64 * GiB, 0), "cpu", "quant")
+    assert m.vram is None and m.placement.trunk == "cpu" and not m.pinned and m.staging_slots == 0
     assert m.ram.item("trunk") == g.trunk_bytes and m.ram.item("kv_cache") == m.kv_bytes
+    assert m.kv_bytes == 2 * 1_543_503_872                          # float32 KV on the CPU
     assert m.ram.tier_slots == (64 * GiB - m.ram.fixed) // g.slot_bytes
-    assert m.ram.unused < g.slot_bytes
+    assert [c.placement.name for c in candidates(g, Box(64 * GiB, 0))] == ["cpu/float", "cpu/quant"]
+    assert len(candidates(g, Box(64 * GiB, 8 * GiB))) == 6
 
 
 def test_headroom_rule_and_override() -> None:
     assert os_headroom(16 * GiB) == 3 * GiB and os_headroom(64 * GiB) == 8 * GiB
     g = like("Qwen3-30B-A3B")
-    m = plan_memory(g, Box(32 * GiB, 0, headroom=GiB))
+    m = layout(g, Box(32 * GiB, 0, headroom=GiB), "cpu", "quant")
     assert m.ram.item("os_headroom") == GiB
 
 
 def test_trunk_too_big_for_vram_stays_in_ram() -> None:
-    g = like("DeepSeek-V3")                            # trunk ~16.8 GiB
-    m = plan_memory(g, Box(64 * GiB, 12 * GiB))
-    assert m.placement.trunk == "cpu" and m.placement.experts == "gpu"
-    assert m.ram.item("trunk") == g.trunk_bytes and m.vram.item("trunk") == 0
+    g = like("DeepSeek-V3")                            # trunk ~16.8 GiB quantized
+    box = Box(64 * GiB, 12 * GiB)
+    m = layout(g, box, "gpu", "quant")
+    assert not m.runnable
     note = next(n for n in m.notes if n.code == "trunk_not_in_vram")
-    assert "the trunk alone needs 16.8 GiB of 12.0 GiB VRAM" in note.text
-    assert "holds experts only" in note.text
+    assert "the trunk alone needs 16.8 GiB (quant) of 12.0 GiB VRAM" in note.text
+    assert "keep the trunk in RAM" in note.text
+    h = layout(g, box, "hybrid", "quant")
+    assert h.runnable and h.placement.trunk == "cpu" and h.placement.experts == "gpu"
+    assert h.ram.item("trunk") == g.trunk_bytes and h.vram.item("trunk") == 0
+    p = plan_for(g, box, tokens=16)
+    assert p.memory.placement.where == "cpu"           # what expert run can do
+    assert any(n.code == "trunk_not_in_vram" for n in p.notes)
 
 
 def test_kv_too_big_names_the_context_that_fits() -> None:
     g = like("GLM-4.5-Air")
-    box = Box(64 * GiB, 12 * GiB, ctx=131072)
-    m = plan_memory(g, box)
-    assert m.placement.trunk == "cpu"
+    m = layout(g, Box(64 * GiB, 12 * GiB, ctx=131072), "gpu", "quant")
+    assert not m.runnable
     note = next(n for n in m.notes if n.code == "kv_not_in_vram")
     ctx = int(note.text.split("with --ctx ")[1].split()[0])
-    fixed = sum(i.nbytes for i in m.vram.items)
-    free = 12 * GiB - fixed - g.trunk_bytes
-    assert ctx == max_ctx_on_gpu(g, free, "f16")
-    assert kv_cache_bytes(g, ctx) <= free < kv_cache_bytes(g, ctx + 1)
-    assert plan_memory(g, Box(64 * GiB, 12 * GiB, ctx=ctx)).placement.trunk == "gpu"
+    base = m.vram.item("reserve") + m.vram.item("workspace")
+    free = 12 * GiB - base - g.trunk_bytes
+    assert ctx == max_ctx_on_gpu(g, free, "bf16")
+    assert kv_cache_bytes(g, ctx, "bf16") <= free < kv_cache_bytes(g, ctx + 1, "bf16")
+    assert layout(g, Box(64 * GiB, 12 * GiB, ctx=ctx), "gpu", "quant").runnable
 
 
 def test_cannot_run_exit_1_with_what_it_needs() -> None:
@@ -182,35 +219,54 @@ def test_cannot_run_exit_1_with_what_it_needs() -> None:
     p = plan_for(g, Box(8 * GiB, 0))
     assert p.exit_code == 1 and p.prediction is None and not p.memory.runnable
     err = [n for n in p.notes if n.level == "error"]
-    assert len(err) == 1 and "cannot run" in err[0].text and "RAM or more" in err[0].text
+    assert len(err) == 1 and "cannot hold" in err[0].text and "needed" in err[0].text
     d = plan_to_dict(p)
     assert d["status"] == "cannot_run" and d["exit_code"] == 1 and d["prediction"] is None
+    assert d["run"] is None
 
 
 def test_small_ram_tier_warns_disk_bound() -> None:
     g = like("Qwen3-235B-A22B")
-    m = plan_memory(g, Box(16 * GiB, 0))
+    m = layout(g, Box(16 * GiB, 0), "cpu", "quant")
     assert m.runnable
     assert any(n.code == "tiers_below_token" and "disk-bound" in n.text for n in m.notes)
 
 
-def test_tiny_vram_is_left_out() -> None:
+def test_tiny_vram_cannot_host_the_gpu_placements() -> None:
     g = like("Mixtral-8x7B")                           # 109 MiB extents
-    m = plan_memory(g, Box(64 * GiB, GiB))
-    assert not m.placement.gpu and m.vram is None
-    assert any(n.code == "vram_too_small" for n in m.notes)
+    box = Box(64 * GiB, GiB)
+    for where in ("gpu", "hybrid"):
+        m = layout(g, box, where, "quant")
+        assert not m.runnable and any(n.code == "vram_too_small" for n in m.notes)
+    p = plan_for(g, box, tokens=16)
+    assert p.memory.placement.where == "cpu" and p.exit_code == 0
 
 
 def test_tiers_never_exceed_the_experts() -> None:
     g = like("Qwen3-30B-A3B")
-    m = plan_memory(g, Box(256 * GiB, 80 * GiB))
+    m = layout(g, Box(256 * GiB, 80 * GiB), "gpu", "quant")
     v, r = m.tier_slots
-    assert v + r == g.n_decode_experts
+    assert v == g.n_decode_experts and r == 0
+    m = layout(g, Box(256 * GiB, 8 * GiB), "gpu", "quant")
+    assert sum(m.tier_slots) == g.n_decode_experts
     assert any(n.code == "all_experts_fit" for n in m.notes)
 
 
+def test_choose_prefers_supported_and_fastest() -> None:
+    def opt(where: str, lo: float, hi: float, runnable: bool = True):
+        mem = layout(like("Qwen3-30B-A3B"), Box(64 * GiB, 24 * GiB), where, "quant")
+        from dataclasses import replace
+        mem = replace(mem, runnable=runnable)
+        pred = type("P", (), {"tok_s_low": lo, "tok_s_high": hi})()
+        return Option(mem, None, pred if runnable else None)
+    a, b, c = opt("gpu", 1, 4), opt("cpu", 2, 3), opt("hybrid", 5, 9)
+    assert choose([a, b, c]) is b                      # sqrt(6) > sqrt(4); hybrid unsupported
+    assert choose([a, c]) is a
+    assert choose([c]) is c and choose([c], forced=True) is c
+
+
 @pytest.mark.parametrize("field, value", [("ram", 0), ("vram", -1), ("ctx", 0), ("kv_type", "x"),
-                                          ("pinned_cap", 0.0), ("headroom", 64 * GiB)])
+                                          ("pin_budget", -1), ("headroom", 64 * GiB)])
 def test_box_rejects_bad_values(field: str, value) -> None:
     kw = dict(ram=32 * GiB, vram=0)
     kw[field] = value
@@ -222,8 +278,9 @@ def test_box_rejects_bad_values(field: str, value) -> None:
 
 def test_prediction_arithmetic() -> None:
     g = like("GLM-4.5-Air")
-    box = Box(32 * GiB, 24 * GiB)
-    mem = plan_memory(g, box)
+    box = Box(32 * GiB, 24 * GiB, pin_budget=32 * GiB)
+    mem = layout(g, box, "gpu", "quant")
+    assert mem.pinned
     mib = 2**20
     slow = Routing("a", True, "wlfu", 100, 0.5, 0.2, 0.3, 1000 * mib, 2000 * mib, 500 * mib)
     fast = Routing("b", True, "wlfu", 100, 0.7, 0.2, 0.1, 400 * mib, 900 * mib, 900 * mib)
@@ -239,45 +296,57 @@ def test_prediction_arithmetic() -> None:
     assert pr.fast_s == pytest.approx(max(compute, t["storage"].fast_s, t["pcie"].fast_s))
     assert pr.tok_s_low == pytest.approx(1 / pr.slow_s) and pr.tok_s_low < pr.tok_s_high
     assert pr.dominant_slow == "storage"
-    # every term is slower (or equal) at the slow end
     assert all(x.slow_s >= x.fast_s for x in pr.terms)
+    kv = kv_cache_bytes(g, 8192, "bf16")
+    assert t["attention"].slow_s == pytest.approx(kv / (rates.gpu.mem_gbps.slow * 1e9))
+    # a pageable RAM tier halves the upload rate
+    pageable = predict(g, layout(g, Box(32 * GiB, 24 * GiB), "gpu", "quant"),
+                       RoutingRange(slow, fast), rates, box)
+    assert pageable.term("pcie").slow_s == pytest.approx(2 * t["pcie"].slow_s)
 
 
 def test_cpu_run_has_no_pcie_term_and_is_cpu_bound() -> None:
     g = like("Qwen3-30B-A3B")
-    p = plan_for(g, Box(64 * GiB, 0))
+    p = plan_for(g, Box(64 * GiB, 0), where="cpu", trunk="quant")
     names = [t.name for t in p.prediction.terms]
     assert "pcie" not in names
     assert any(n.code == "cpu_bound" for n in p.notes)
 
 
-@pytest.mark.parametrize("vram", [0, 24])
-def test_more_ram_never_predicts_fewer_tokens(vram: int) -> None:
-    g = like("GLM-4.5-Air")
-    replays = {s: synthetic_replay(g, s, tokens=48) for s in ("diffuse", "mixed")}
-    prev = (0.0, 0.0)
-    seen = 0
-    for ram in (12, 16, 24, 32, 48, 64, 96, 128):
-        p = plan_for(g, Box(ram * GiB, vram * GiB), replays=replays)
+def _grid_check(g, boxes, replays, where="auto", trunk="auto") -> int:
+    """Both ends monotone for a fixed placement; the chosen figure (geometric mean) for auto."""
+    prev, seen = (0.0, 0.0), 0
+    for box in boxes:
+        p = plan_for(g, box, replays=replays, where=where, trunk=trunk)
         if p.prediction is None:
             assert p.exit_code == 1 and seen == 0      # only the smallest boxes cannot run
             continue
         seen += 1
         lo, hi = p.prediction.tok_s_low, p.prediction.tok_s_high
-        assert lo >= prev[0] - 1e-12 and hi >= prev[1] - 1e-12, (ram, lo, hi, prev)
-        prev = (lo, hi)
-    assert seen >= 6
+        if where == "auto":
+            cur = (math.sqrt(lo * hi),) * 2
+        else:
+            cur = (lo, hi)
+        assert cur[0] >= prev[0] * (1 - 1e-9) and cur[1] >= prev[1] * (1 - 1e-9), (box, cur, prev)
+        prev = cur
+    return seen
+
+
+@pytest.mark.parametrize("vram, where", [(0, "cpu"), (24, "gpu"), (24, "auto")])
+def test_more_ram_never_predicts_fewer_tokens(vram: int, where: str) -> None:
+    g = like("GLM-4.5-Air")
+    replays = {s: synthetic_replay(g, s, tokens=40) for s in ("diffuse", "mixed")}
+    boxes = [Box(r * GiB, vram * GiB) for r in (12, 16, 24, 32, 48, 64, 96, 128)]
+    trunk = "auto" if where == "auto" else "quant"
+    assert _grid_check(g, boxes, replays, where, trunk) >= 6
 
 
 def test_more_vram_never_predicts_fewer_tokens() -> None:
     g = like("Qwen3-235B-A22B")
     replays = {s: synthetic_replay(g, s, tokens=24) for s in ("diffuse", "mixed")}
-    prev = (0.0, 0.0)
-    for vram in (0, 8, 16, 24, 48):
-        p = plan_for(g, Box(32 * GiB, vram * GiB), replays=replays)
-        lo, hi = p.prediction.tok_s_low, p.prediction.tok_s_high
-        assert lo >= prev[0] - 1e-12 and hi >= prev[1] - 1e-12, (vram, lo, hi, prev)
-        prev = (lo, hi)
+    boxes = [Box(32 * GiB, v * GiB) for v in (12, 16, 24, 48)]
+    assert _grid_check(g, boxes, replays, "gpu", "quant") == 4
+    assert _grid_check(g, [Box(32 * GiB, 0)] + boxes, replays) == 5
 
 
 def test_json_schema() -> None:
@@ -286,7 +355,11 @@ def test_json_schema() -> None:
     assert d["schema"] == "expertfs.plan/1" and d["status"] == "fits" and d["exit_code"] == 0
     assert set(d) >= {"model", "box", "placement", "budget", "rates", "routing", "prediction",
                       "notes", "assumptions", "measurements"}
-    assert set(d["placement"]) == {"gpu", "trunk", "experts", "pinned"}
+    assert set(d["placement"]) == {"where", "trunk_mode", "trunk", "experts", "gpu", "supported"}
+    assert d["run"].startswith("expertfs run STORE --device cuda --ram ")
+    assert {a["placement"] for a in d["alternatives"]} | {d["placement"]["where"] + "/"
+                                                          + d["placement"]["trunk_mode"]} == {
+        "gpu/float", "gpu/quant", "hybrid/float", "hybrid/quant", "cpu/float", "cpu/quant"}
     for pool in ("ram", "vram"):
         b = d["budget"][pool]
         assert b["fixed_bytes"] + b["tier_bytes"] + b["unused_bytes"] == b["total_bytes"]

@@ -36,9 +36,11 @@ def tiny_store(tmp_path_factory) -> Path:
 def test_like_json_fits(capsys) -> None:
     d = run_json(capsys, "--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "24G", *FAST)
     assert d["status"] == "fits" and d["exit_code"] == 0
-    assert d["box"] == {"ram_bytes": 32 << 30, "vram_bytes": 24 << 30, "ctx": 8192, "kv_type": "f16",
-                        "label": "as given", "pinned_cap": 0.5}
-    assert d["placement"]["trunk"] == "gpu" and d["budget"]["vram"]["tier_experts"] > 0
+    assert d["box"] == {"ram_bytes": 32 << 30, "vram_bytes": 24 << 30, "ctx": 8192, "kv_type": "auto",
+                        "label": "as given", "pin_budget": 8 << 30}
+    assert d["placement"]["where"] == "gpu" and d["budget"]["vram"]["tier_experts"] > 0
+    assert d["budget"]["kv_type"] == "bf16"
+    assert d["run"].startswith("expertfs run STORE --device cuda")
     assert d["prediction"]["tok_s_low"] <= d["prediction"]["tok_s_high"]
     assert d["routing"]["slow"]["label"] == "synthetic 'diffuse'"
 
@@ -47,7 +49,8 @@ def test_like_text_report(capsys) -> None:
     assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "32G", "--vram", "24G", *FAST]) == 0
     out = capsys.readouterr().out
     for s in ("memory budget", "os_headroom", "expert tier", "kv_cache", "per token", "storage",
-              "predicted decode:", "SYNTHETIC", "storage was not measured"):
+              "predicted decode:", "SYNTHETIC", "storage was not measured", "run it: expertfs run",
+              "other placements:"):
         assert s in out, s
 
 
@@ -104,6 +107,16 @@ def test_store_and_gguf_give_the_same_geometry(capsys, tiny_store) -> None:
     for key in ("n_layer", "n_expert", "k", "slot_bytes", "trunk_bytes", "decode_expert_bytes"):
         assert a["model"][key] == b["model"][key], key
     assert a["budget"] == b["budget"]
+    assert a["run"].startswith(f"expertfs run {tiny_store} --device cpu --ram ")
+
+
+def test_forced_placement_and_trunk(capsys) -> None:
+    d = run_json(capsys, "--like", "Qwen3-30B-A3B", "--ram", "32G", "--vram", "24G",
+                 "--placement", "cpu", "--trunk", "quant", *FAST)
+    assert (d["placement"]["where"], d["placement"]["trunk_mode"]) == ("cpu", "quant")
+    assert d["alternatives"] == [] and "--device cpu" in d["run"] and "--trunk quant" in d["run"]
+    assert main(["plan", "--like", "Qwen3-30B-A3B", "--ram", "32G", "--vram", "0",
+                 "--placement", "gpu", *FAST]) == 2
 
 
 def test_trace_replaces_synthetic_routing(tmp_path, capsys, tiny_store) -> None:

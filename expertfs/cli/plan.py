@@ -13,12 +13,15 @@ from ..units import parse_size
 __all__ = ["register", "run"]
 
 _EPILOG = """\
-The budget sets aside OS headroom (max(3 GiB, RAM/8) unless --headroom), the runtime, the
-trunk and KV cache (on the GPU when they fit, else in RAM), workspace and I/O staging, then
-sizes the expert tiers (a pinned RAM tier at most --pinned-cap of RAM). The prediction replays
-routing through the cache simulator at those tier sizes and adds the per-token terms: storage
-(NVMe bytes / measured GB/s), PCIe copies, dequant+matmul of experts and trunk, attention over
-the KV cache, dispatch. slow end = their sum; fast end = reads fully overlapped with compute.
+Each placement expert run can execute (gpu: trunk, KV cache and experts on the GPU with a VRAM
+tier above a RAM tier; cpu: everything on the CPU) with the trunk float or quantized is
+budgeted: OS headroom (max(3 GiB, RAM/8) unless --headroom), the runtime, trunk and KV cache,
+workspace and staging, then the expert tiers (the RAM tier pinned when it fits the pin budget,
+RAM/4 by default). The prediction replays routing through the cache simulator at those tier
+sizes and adds the per-token terms: storage (NVMe bytes / measured GB/s), PCIe copies,
+dequant+matmul of experts and trunk, attention over the KV cache, dispatch. slow end = their
+sum; fast end = reads fully overlapped with compute. The fastest placement is chosen and the
+`expertfs run` flags that execute it are printed.
 
 Inputs, each reported with its source: --io-profile (from `expertfs bench io STORE --json`),
 else a short probe of the store or GGUF, else a stated default; --trace (a recorded routing
@@ -48,10 +51,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                   "(default: this machine's first CUDA device, else 0)")
     p.add_argument("--ctx", type=int, default=None,
                    help="context length of the KV cache (8192, or the model's if shorter)")
-    p.add_argument("--kv-type", default="f16", help="KV cache element type: f16, bf16, f32, q8_0")
+    p.add_argument("--kv-type", default="auto",
+                   help="KV cache element type: auto (the compute dtype: bf16 GPU, f32 CPU), f16, "
+                        "bf16, f32, q8_0")
     p.add_argument("--headroom", metavar="SIZE", help="RAM left to the OS (default max(3G, RAM/8))")
-    p.add_argument("--pinned-cap", type=float, default=0.5,
-                   help="largest share of RAM a pinned RAM tier may take (0.5)")
+    p.add_argument("--pin-budget", metavar="SIZE",
+                   help="pinned-memory limit, as EXPERTFS_PIN_BUDGET (default: RAM/4)")
+    p.add_argument("--placement", default="auto", choices=("auto", "gpu", "hybrid", "cpu"),
+                   help="where trunk and experts run (auto: the fastest expert run supports)")
+    p.add_argument("--trunk", default="auto", choices=("auto", "float", "quant"),
+                   help="trunk dequantized at load (float) or per call (quant); auto: the faster")
     p.add_argument("--io-profile", metavar="P.json", help="storage rates from `expertfs bench io --json`")
     p.add_argument("--trace", metavar="T", help="a routing trace recorded with this model")
     p.add_argument("--synthetic", default=",".join(DEFAULT_SYNTHETIC), metavar="SLOW[,FAST]",
@@ -93,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     req = PlanRequest(target=args.target, like=args.like, quant=args.quant,
                       ram=_size(args.ram, "--ram"), vram=_size(args.vram, "--vram"), ctx=args.ctx,
                       kv_type=args.kv_type, headroom=_size(args.headroom, "--headroom"),
-                      pinned_cap=args.pinned_cap, io_profile=args.io_profile, trace=args.trace,
+                      pin_budget=_size(args.pin_budget, "--pin-budget"), placement=args.placement,
+                      trunk=args.trunk, io_profile=args.io_profile, trace=args.trace,
                       synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
                       pcie_gen=args.pcie, gpu_gbps=args.gpu_bw)
 
