@@ -27,7 +27,7 @@ from .ggml import FILE_TYPES, MAX_DIMS, GGMLType, block_size, tensor_nbytes
 
 __all__ = ["KVEntry", "TensorInfo", "GGUFFile", "GGUFModel", "read_gguf", "read_model",
            "GGUF_MAGIC", "DEFAULT_ALIGNMENT", "MAX_NAME", "shard_paths", "SPLIT_KEYS",
-           "parse_kv_entries"]
+           "parse_kv_entries", "SCALAR_FORMATS", "NP_DTYPES"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32       # GGUF_DEFAULT_ALIGNMENT
@@ -39,13 +39,14 @@ SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 _SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _INT64_MAX = (1 << 63) - 1
 
-_SCALAR = {
+#: struct format and numpy dtype of each scalar value type (little-endian)
+SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
     GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
-_NP = {
+NP_DTYPES = {
     GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
     GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
     GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "<u1", GGUFValueType.UINT64: "<u8",
@@ -192,10 +193,10 @@ def _read_array(cur: _Cursor, key: str) -> tuple[Any, GGUFValueType]:
         if n > cur.remaining() // 8:
             raise _bad(cur.path, f"key {key!r} claims {n} strings, more than the file can hold")
         return [cur.string(f"element {i} of {key!r}") for i in range(n)], sub
-    width = struct.calcsize(_SCALAR[sub])
+    width = struct.calcsize(SCALAR_FORMATS[sub])
     if n > cur.remaining() // width:
         raise _bad(cur.path, f"key {key!r} claims {n} elements, more than the file can hold")
-    arr = np.frombuffer(cur.take(n * width, f"elements of {key!r}"), dtype=_NP[sub]).copy()
+    arr = np.frombuffer(cur.take(n * width, f"elements of {key!r}"), dtype=NP_DTYPES[sub]).copy()
     return (arr.astype(bool) if sub == GGUFValueType.BOOL else arr), sub
 
 
@@ -209,7 +210,7 @@ def _read_kv(cur: _Cursor, seen: dict[str, KVEntry]) -> KVEntry:
     elif vtype == GGUFValueType.ARRAY:
         value, sub = _read_array(cur, key)
     else:
-        value = cur.unpack(_SCALAR[vtype], f"value of {key!r}")
+        value = cur.unpack(SCALAR_FORMATS[vtype], f"value of {key!r}")
     if key in seen:
         raise _bad(cur.path, f"metadata key {key!r} appears twice, which llama.cpp rejects")
     return KVEntry(key, vtype, value, bytes(cur.buf[start:cur.pos]), sub)

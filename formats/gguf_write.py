@@ -17,24 +17,10 @@ import numpy as np
 from gguf.constants import GGUFValueType
 
 from .ggml import GGMLType, tensor_nbytes
-from .gguf_read import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_NAME
+from .gguf_read import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_NAME, NP_DTYPES as _NP, SCALAR_FORMATS as _FMT
 
 __all__ = ["TensorSpec", "encode_kv", "encode_string", "header_bytes", "write_gguf", "pad_to",
            "shard_name"]
-
-_FMT = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-_NP = {
-    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
-    GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
-    GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "<u1", GGUFValueType.UINT64: "<u8",
-    GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
-}
-
 
 def pad_to(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
