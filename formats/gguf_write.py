@@ -22,6 +22,7 @@ from .gguf_read import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_NAME, NP_DTYPES as _NP
 __all__ = ["TensorSpec", "encode_kv", "encode_string", "header_bytes", "write_gguf", "pad_to",
            "shard_name"]
 
+
 def pad_to(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
