@@ -22,9 +22,10 @@ from .loader import Loader
 from .sizing import Geometry, Slots, plan_slots
 from .slots import SlotPool
 from .table import SlotTable
-from .tiers import NullListener, TierCache
+from .residency import NullListener, Residency
+from .tiers import TierCache
 from .usage import UsageRecorder, load_rates, persist_usage
 
 __all__ = ["Copier", "fence_done", "host_wait", "Entry", "State", "TieredStats", "Loader",
-           "Geometry", "Slots", "plan_slots", "SlotPool", "SlotTable", "NullListener",
+           "Geometry", "Slots", "plan_slots", "SlotPool", "SlotTable", "NullListener", "Residency",
            "TierCache", "UsageRecorder", "load_rates", "persist_usage"]

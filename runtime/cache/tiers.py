@@ -22,14 +22,11 @@ Single-threaded: one caller (the forward pass) drives it; I/O workers only appen
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from expertfs.errors import UsageError
 
 from ..experts.protocol import ExpertWeights, weights_from_buffer
 from ..io import ExpertReader, PinBudget, Priority
@@ -38,24 +35,15 @@ from ..policies_registry import DEFAULT_POLICY, make_factory
 from .copier import Copier, fence_done
 from .entry import Entry, State, TieredStats
 from .loader import Loader
+from .residency import NullListener, Residency
 from .sizing import Geometry, plan_slots
 from .slots import SlotPool
 from .table import SlotTable
 
-__all__ = ["TierCache", "NullListener"]
-
-log = logging.getLogger(__name__)
+__all__ = ["TierCache"]
 
 
-class NullListener:
-    """What the mechanism tells about prefetches (the ``Prefetcher`` implements it)."""
-
-    def on_used(self, source: str, nbytes: int) -> None: ...
-    def on_late(self, source: str, nbytes: int) -> None: ...
-    def on_wasted(self, source: str, nbytes: int, cancelled: bool) -> None: ...
-
-
-class TierCache:
+class TierCache(Residency):
     def __init__(self, store: Any, reader: ExpertReader, *, device: str | torch.device = "cpu",
                  ram_bytes: int, vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
                  queue_depth: int = 16, staging_slots: int | None = None, pin: bool | str = "auto",
@@ -101,53 +89,6 @@ class TierCache:
         self.cursor = -1                    # layer index of the last acquire
         self.widest = geo.k
 
-    # -- keys -------------------------------------------------------------------------------
-    def key(self, layer: int, expert: int) -> int:
-        li = self._index.get(layer)
-        if li is None:
-            raise UsageError(f"layer {layer} has no routed experts in this store",
-                             fix=f"routed layers are {list(self.geo.layers)}")
-        if not 0 <= expert < self.geo.experts[li]:
-            raise UsageError(f"expert {expert} is outside layer {layer}'s {self.geo.experts[li]}",
-                             fix="check the router's ids")
-        return li * self._E + int(expert)
-
-    def state_of(self, key: int) -> State:
-        e = self.entries.get(key)
-        if e is None:
-            return State.ABSENT
-        if e.state is State.LOADING and e.future is not None and e.future.done():
-            return State.HOST
-        return e.state
-
-    # -- pins -------------------------------------------------------------------------------
-    def _pin(self, key: int) -> None:
-        self._pins[key] = self._pins.get(key, 0) + 1
-        self.pinned.add(key)
-
-    def _unpin(self, key: int) -> None:
-        n = self._pins.get(key, 0) - 1
-        if n > 0:
-            self._pins[key] = n
-            return
-        self._pins.pop(key, None)
-        if key not in self.soft:
-            self.pinned.discard(key)
-
-    def _unsoft(self, key: int) -> None:
-        if self.soft.pop(key, None) is not None and key not in self._pins:
-            self.pinned.discard(key)
-
-    def _victim(self, p: Policy, key: int) -> int | None:
-        try:
-            return p.victim(key)
-        except CapacityError:
-            if not self.soft:
-                raise
-            for k in list(self.soft):       # demand before prefetch: give up the soft pins
-                self._unsoft(k)
-            return p.victim(key)
-
     # -- the get path -------------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int]) -> list[Entry]:
         """Make ``experts`` of ``layer`` resident in the compute tier, pinned until release."""
@@ -179,14 +120,15 @@ class TierCache:
         return out
 
     def _touch(self, e: Entry) -> None:
+        """A get uses ``e``: a prefetch served its purpose (its soft pin becomes a hard one)."""
         if e.source is not None:
             self.stats.prefetch_used += 1
             self.listener.on_used(e.source, e.nbytes)
             e.source = None
-            self._unsoft(e.key)
+        self._unsoft(e.key)
 
     def _acquire_host(self, keys: list[int]) -> list[Entry]:
-        R, now, entries = self.R, self.now, self.entries
+        R, now, entries, soft = self.R, self.now, self.entries, self.soft
         assert R is not None
         out, loading, hits = [], [], 0
         for key in keys:
@@ -196,7 +138,7 @@ class TierCache:
                 if e.state is State.LOADING:
                     self._join(e)
                     loading.append(e)
-                if e.source is not None:
+                if key in soft or e.source is not None:
                     self._touch(e)
             else:
                 self.stats.misses += 1
@@ -223,7 +165,7 @@ class TierCache:
         return out
 
     def _acquire_device(self, keys: list[int]) -> list[Entry]:
-        V, R, now, entries, st = self.V, self.R, self.now, self.entries, self.stats
+        V, R, now, entries, st, soft = self.V, self.R, self.now, self.entries, self.stats, self.soft
         assert V is not None
         reserve = 1 if R is not None else 0     # a demotion's slot while a RAM hit moves up
         for key in keys:                        # reads first, so misses overlap one another
@@ -237,7 +179,7 @@ class TierCache:
                 vh += 1
                 if R is not None:
                     R.observe(key, now)
-                if e.source is not None:
+                if key in soft or e.source is not None:
                     self._touch(e)
                 if e.state is State.UPLOADING:
                     if fence_done(e.fence):
@@ -250,7 +192,7 @@ class TierCache:
                 if e.state is State.LOADING:
                     self._join(e)
                     self._wait(e)
-                if e.source is not None:
+                if key in soft or e.source is not None:
                     self._touch(e)
                 R.on_evict(key)                  # moves up: exclusive tiers
             else:
@@ -264,30 +206,6 @@ class TierCache:
         if rh:
             st.hits["ram"] = st.hits.get("ram", 0) + rh
         return [entries[k] for k in keys]
-
-    def _new(self, key: int, host_slot: int | None) -> Entry:
-        if host_slot is None:
-            raise CapacityError("no free host slot for a read", fix="raise the RAM budget")
-        li, ex = divmod(key, self._E)
-        e = Entry(key, self.geo.layers[li], ex, self.store.extent(self.geo.layers[li], ex),
-                  host_slot=host_slot)
-        self.entries[key] = e
-        return e
-
-    def _staging_read(self, key: int) -> Entry:
-        e = self._new(key, self.host.alloc(host_write=True))
-        e.staging = True
-        self.loader.issue(e, Priority.DEMAND)
-        return e
-
-    def _admit_host(self, key: int) -> None:
-        R = self.R
-        assert R is not None
-        v = self._victim(R, key)
-        if v is not None:
-            R.on_evict(v)
-            self._drop_host(v)
-        R.on_insert(key, self.now)
 
     def _upload(self, e: Entry) -> None:
         """Host slot → a device slot (after demoting the device victim); frees the host slot."""
@@ -337,104 +255,6 @@ class TierCache:
         self.stats.bytes_d2h += n
         return d
 
-    # -- reads --------------------------------------------------------------------------------
-    def _join(self, e: Entry) -> None:
-        """A demand found ``e`` still loading (a prefetch or warm read): promote it, count it."""
-        fut = self.loader.resolve(e)
-        if not fut.done():
-            self.stats.joined += 1
-            self.stats.late_bytes += e.nbytes
-            self.listener.on_late(e.source or "warm", e.nbytes)
-
-    def _wait(self, e: Entry) -> None:
-        """Block until ``e``'s read is done; raise what it raised."""
-        fut = self.loader.resolve(e)
-        if not fut.done():
-            t0 = time.perf_counter()
-            try:
-                fut.exception()
-            finally:
-                self.stats.stall_seconds += time.perf_counter() - t0
-        exc = self._complete(e, fut)
-        if exc is not None:
-            raise exc
-
-    def _complete(self, e: Entry, fut: Any) -> BaseException | None:
-        if e.future is not fut or e.state is not State.LOADING:
-            return None
-        e.future = None
-        e.warm = False
-        exc = fut.exception() if not fut.cancelled() else UsageError("read cancelled")
-        if exc is not None:
-            self.stats.read_errors += 1
-            self._discard(e)
-            return exc
-        self.stats.bytes_read += e.nbytes
-        e.state = State.HOST
-        if self._host_table:
-            li, ex = divmod(e.key, self._E)
-            self.table.set_now(li, ex, e.host_slot)  # type: ignore[union-attr]
-        return None
-
-    def drain(self) -> None:
-        """Take note of reads completed since the last call (prefetches, warm start)."""
-        for e, fut in self.loader.drain():
-            exc = self._complete(e, fut)
-            if exc is not None:
-                log.debug("a background read of layer %d expert %d failed: %s", e.layer, e.expert, exc)
-
-    # -- dropping -------------------------------------------------------------------------------
-    def _stop_read(self, e: Entry, *, wait: bool) -> bool:
-        """Stop ``e``'s read before dropping it: True if it never ran (cancelled or still in the
-        warm queue), False once it ran (waited for when ``wait``, else left running)."""
-        if self.loader.unqueue(e):
-            e.future = None
-            return True
-        fut = e.future
-        if fut is None:
-            return True
-        if fut.cancel():
-            e.future = None
-            return True
-        if wait:
-            exc = fut.exception()
-            e.future = None
-            if exc is None:
-                self.stats.bytes_read += e.nbytes
-            else:
-                self.stats.read_errors += 1
-        return False
-
-    def _drop_host(self, key: int) -> None:
-        """The RAM policy evicted ``key``: let its slot go (cancel or finish its read first)."""
-        e = self.entries[key]
-        self._count_eviction("ram")
-        self._unsoft(key)
-        cancelled = e.state is State.LOADING and self._stop_read(e, wait=True)
-        self._forget(e, cancelled=cancelled)
-
-    def _forget(self, e: Entry, *, cancelled: bool = False) -> None:
-        if e.source is not None:
-            self.stats.prefetch_wasted += 1
-            self.stats.prefetch_cancelled += cancelled
-            self.listener.on_wasted(e.source, 0 if cancelled else e.nbytes, cancelled)
-            e.source = None
-        self._discard(e)
-
-    def _discard(self, e: Entry) -> None:
-        """Remove ``e`` from everything (its policy entry is the caller's business, except for
-        a failed read, which never counts as resident)."""
-        if self.entries.get(e.key) is e:
-            del self.entries[e.key]
-        if e.state is State.LOADING and not e.staging and self.R is not None and e.key in self.R:
-            self.R.on_evict(e.key)
-        if self._host_table:
-            self.table.clear(*divmod(e.key, self._E))  # type: ignore[union-attr]
-        if e.host_slot >= 0:
-            self.host.free(e.host_slot)
-        self._unsoft(e.key)
-        e.host_slot, e.state, e.weights = -1, State.ABSENT, None
-
     def _abort(self, keys: list[int]) -> None:
         """A failed acquire: unpin its keys, stop its staging reads."""
         for k in keys:
@@ -443,10 +263,6 @@ class TierCache:
             if e is not None and e.staging:
                 self._stop_read(e, wait=True)
                 self._discard(e)
-
-    def _count_eviction(self, tier: str) -> None:
-        ev = self.stats.evictions
-        ev[tier] = ev.get(tier, 0) + 1
 
     # -- release, weights -------------------------------------------------------------------------
     def release(self, layer: int) -> None:
@@ -474,11 +290,18 @@ class TierCache:
         """Read one expert into the RAM tier ahead of need: "issued", "resident" (already there
         or on its way) or "refused" (no slot to spare)."""
         key = self.key(layer, expert)
-        if key in self.entries:
-            return "resident"
         R = self.R
-        if R is None or len(self.soft) + self.widest >= R.capacity:
+        room = R is not None and len(self.soft) + self.widest < R.capacity
+        e = self.entries.get(key)
+        if e is not None:                   # keep it until its layer runs, if there is room
+            if room and key not in self.soft:
+                e.target = (key // self._E, self.cursor)
+                self.soft[key] = e
+                self.pinned.add(key)
+            return "resident"
+        if not room:
             return "refused"
+        assert R is not None
         try:
             v = R.victim(key)
         except CapacityError:
@@ -511,7 +334,7 @@ class TierCache:
             if key in wanted or ((li - c) % n or n) < ((tli - c) % n or n):
                 continue
             self._unsoft(key)
-            if e.state is State.LOADING and self._stop_read(e, wait=False):
+            if e.source is not None and e.state is State.LOADING and self._stop_read(e, wait=False):
                 if self.R is not None and key in self.R:
                     self.R.on_evict(key)
                 self._forget(e, cancelled=True)

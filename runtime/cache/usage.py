@@ -6,9 +6,9 @@ one write transaction (atomic: all of a run's counts or none; merged: added to w
 left). The next run reads it back (``load_rates``) to warm its cache.
 
 The runtime holds the store's index open read-only, and py-lmdb allows one environment per file
-per process, so the write happens in a short child process (``python -m
-expertfs.runtime.cache.usage``, counts as JSON on stdin). LMDB serialises writers across
-processes, so concurrent runs on one store merge correctly too.
+per process, so the write happens in a short child process (``_CHILD``: imports only the index,
+not torch; counts as JSON on stdin; about 0.3 s). LMDB serialises writers across processes, so
+concurrent runs on one store merge correctly too.
 """
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ __all__ = ["UsageRecorder", "persist_usage", "load_rates"]
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 60
+_CHILD = """
+import json, sys
+from expertfs.errors import StoreError
+from expertfs.index import Index
+rows = json.loads(sys.stdin.read())
+idx = Index.open(sys.argv[1], write=True)
+try:
+    if idx.env.flags()["readonly"]:
+        raise StoreError("the index is read-only", path=sys.argv[1], fix="make the store writable")
+    idx.add_usage({(int(la), int(e)): int(n) for la, e, n in rows})
+finally:
+    idx.close()
+"""
 
 
 class UsageRecorder:
@@ -62,7 +75,7 @@ def persist_usage(store: Any, counts: Mapping[tuple[int, int], int]) -> None:
         return
     payload = json.dumps([[la, e, int(n)] for (la, e), n in counts.items()])
     try:
-        r = subprocess.run([sys.executable, "-m", __name__, _index_path(store)], input=payload,
+        r = subprocess.run([sys.executable, "-c", _CHILD, _index_path(store)], input=payload,
                            capture_output=True, text=True, timeout=_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise StoreError(f"could not record expert usage: {e}", path=store.path,
@@ -77,21 +90,3 @@ def load_rates(store: Any, k: int) -> dict[tuple[int, int], float]:
     """The usage table as per-token access rates (``policies.usage_rates``); {} when empty."""
     usage = store.index.usage()
     return usage_rates(usage, k) if usage else {}
-
-
-def _main(argv: list[str]) -> int:
-    from expertfs.index import Index
-
-    rows = json.loads(sys.stdin.read())
-    idx = Index.open(argv[0], write=True)
-    try:
-        if idx.env.flags()["readonly"]:
-            raise StoreError("the index is read-only", path=argv[0], fix="make the store writable")
-        idx.add_usage({(int(la), int(e)): int(n) for la, e, n in rows})
-    finally:
-        idx.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -37,7 +37,7 @@ import torch
 from expertfs.errors import StoreError
 
 from ..cache import State, TierCache, TieredStats, UsageRecorder, load_rates, persist_usage
-from ..io import ExpertReader, PinBudget
+from ..io import ExpertReader, IOBackend, PinBudget
 from ..policies import Policy
 from ..prefetch import HistoryPredictor, Prefetcher
 from .protocol import ExpertWeights
@@ -52,13 +52,14 @@ _IN_TIME = (State.HOST, State.UPLOADING, State.DEVICE)
 class TieredProvider:
     def __init__(self, store: Any, *, device: str | torch.device = "cpu", ram_bytes: int,
                  vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
-                 backend: str = "auto", queue_depth: int = 16, warm_start: bool = True,
+                 backend: str | IOBackend = "auto", queue_depth: int = 16, warm_start: bool = True,
                  history: bool = False, history_budget: int | None = None,
                  max_in_flight: int | None = None, staging_slots: int | None = None,
                  pin: bool | str = "auto", pin_budget: PinBudget | None = None,
                  record_usage: bool = True, verify: str = "first",
                  reader: ExpertReader | None = None) -> None:
         self.store = store
+        self.ram_bytes, self.vram_bytes = int(ram_bytes), int(vram_bytes)
         self.stats = TieredStats()
         self.reader = reader or ExpertReader(store, backend=backend, queue_depth=queue_depth,
                                              verify=verify)

@@ -1,20 +1,23 @@
 """A history-based expert predictor: which experts will layer L use, from the routes seen so far.
 
 Pure (numpy only; no I/O, no clock). Fed every route as it happens (``observe(layer, experts)``
-in execution order: token-major, layers in order), it ranks the experts of the next layer
-(``predict(layer, budget)``) by a mixture of three estimates, each an expected count over the
-layer's experts that sums to about one route:
+with layer *indices* 0..n_layers-1, in execution order: token-major, layers in order), it ranks
+the experts of a layer (``predict(layer, budget)``) by the probability that the layer's next
+route uses them, from three estimates, each a calibrated probability per expert:
 
-* **recency**: the previous token's route at that layer (consecutive tokens reuse experts);
-* **transition**: from the route just seen at the layer before, how often each expert followed
-  each of those experts in earlier tokens (routing paths run across layers; the last layer
-  links to the first layer of the next token);
-* **frequency**: each expert's decayed use count at that layer (a few experts are hot).
+* **recency**: an expert of the previous token's route at that layer is used again with the
+  layer's measured reuse rate (consecutive tokens reuse experts);
+* **transition**: ``P(e at L | f at L-1)`` = decayed co-occurrences ÷ decayed occurrences of
+  ``f``, combined over the route just seen at L-1 by noisy-OR (routing paths run across layers;
+  the last layer links to the first layer of the next token);
+* **frequency**: the decayed share of the layer's tokens that used the expert (hot experts).
 
-Counts decay with a half-life in tokens. The mixture weights are learnt online, per predictor:
-each component's hit rate on the routes it predicted (its top-``k`` against the actual route),
-exponentially averaged, so a sticky model leans on recency and a path-structured one on
-transitions. Memory: ``n_layers × n_experts²`` float32 for the transitions (31 MB for 94 × 288).
+They are mixed by an online logistic regression (one small weight vector for all layers,
+updated on every route against what was predicted for it), so a sticky model leans on recency,
+a path-structured one on transitions and a skewed one on frequency, and the ranking is never
+worse than the best single estimate by more than noise (``tests/test_prefetch_history.py``).
+Counts decay with a half-life in tokens. Memory: ``n_layers × n_experts²`` float32 for the
+transitions (31 MB for 94 layers × 288 experts).
 """
 
 from __future__ import annotations
@@ -35,97 +38,113 @@ class HistoryPredictor:
     name = "history"
 
     def __init__(self, n_layers: int, n_experts: int, *, half_life: float = 128.0,
-                 learn_rate: float = 0.05, prior: Sequence[float] = (0.5, 0.3, 0.2)) -> None:
+                 learn_rate: float = 0.05) -> None:
         if n_layers < 1 or n_experts < 1:
             raise UsageError(f"history predictor for {n_layers} layers × {n_experts} experts",
                              fix="give at least one layer and one expert")
         if half_life <= 0:
             raise UsageError(f"half-life {half_life}", fix="give a half-life > 0 tokens")
-        self.n_layers, self.n_experts = n_layers, n_experts
-        self.trans = np.zeros((n_layers, n_experts, n_experts), np.float32)  # [l, from, to(l+1)]
-        self.freq = np.zeros((n_layers, n_experts), np.float64)
-        self.prev: list[np.ndarray | None] = [None] * n_layers   # last route per layer
-        self.skill = np.asarray(prior, np.float64)               # components' recent hit rates
+        L, E = n_layers, n_experts
+        self.n_layers, self.n_experts = L, E
+        self.trans = np.zeros((L, E, E), np.float32)     # [l, f at l, e at l+1] co-occurrences
+        self.occ = np.zeros((L, E), np.float64)          # [l, f]: uses of f followed by layer l+1
+        self.freq = np.zeros((L, E), np.float64)         # [l, e]: uses
+        self.tokens = np.zeros(L, np.float64)            # [l]: routes seen
+        self.reuse = np.full(L, 0.5)                     # [l]: share of a route used again next
+        self.prev: list[np.ndarray | None] = [None] * L
+        self._prev_ids: list[set[int]] = [set() for _ in range(L)]
+        self.coef = np.array([2.0, 2.0, 2.0, -3.0])       # recency, transition, frequency, bias
         self.learn_rate = learn_rate
-        self._growth = 2.0 ** (1.0 / half_life)     # increments grow instead of counts decaying
+        self._growth = 2.0 ** (1.0 / half_life)          # increments grow instead of decaying
         self._unit = 1.0
-        self._last: tuple[int, np.ndarray] | None = None        # the route just observed
-        self._pending: dict[int, tuple[np.ndarray, ...]] = {}   # layer -> components' top-k
+        self._last: tuple[int, np.ndarray] | None = None
+        self._pending: dict[int, np.ndarray] = {}        # layer -> features it was predicted with
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, layer: int, experts: Sequence[int]) -> None:
-        """The route of ``layer`` (an index 0..n_layers-1) for the current token."""
-        route = np.asarray(experts, dtype=np.int64)
-        if route.size == 0:
+        """The route of ``layer`` (an index) for the current token."""
+        ids = sorted({int(e) for e in experts})
+        if not ids:
             return
-        self._score(layer, route)
+        route = np.array(ids, dtype=np.int64)
+        self._learn(layer, route)
         last = self._last
-        if last is None or layer <= last[0]:           # a new token
+        if last is None or layer <= last[0]:                   # a new token
             self._unit *= self._growth
             if self._unit > _RENORM:
-                self.trans /= np.float32(self._unit)
-                self.freq /= self._unit
-                self._unit = 1.0
+                self._rebase()
+        u = self._unit
         if last is not None and last[0] == (layer - 1) % self.n_layers:
-            self.trans[last[0]][np.ix_(last[1], route)] += np.float32(self._unit)
-        self.freq[layer, route] += self._unit
+            self.trans[last[0]][np.ix_(last[1], route)] += np.float32(u)
+            self.occ[last[0], last[1]] += u
+        prev = self.prev[layer]
+        if prev is not None:
+            kept = len(self._prev_ids[layer].intersection(ids)) / len(ids)
+            self.reuse[layer] += self.learn_rate * (kept - self.reuse[layer])
+        self._prev_ids[layer] = set(ids)
+        self.freq[layer, route] += u
+        self.tokens[layer] += u
         self.prev[layer] = route
         self._last = (layer, route)
 
-    def _score(self, layer: int, route: np.ndarray) -> None:
-        """Update the mixture weights from what each component predicted for this route."""
-        tops = self._pending.pop(layer, None)
-        if tops is None:
+    def _rebase(self) -> None:
+        u = self._unit
+        self.trans /= np.float32(u)
+        self.occ /= u
+        self.freq /= u
+        self.tokens /= u
+        self._unit = 1.0
+
+    def _learn(self, layer: int, route: np.ndarray) -> None:
+        """One logistic-regression step on what was predicted for this layer."""
+        X = self._pending.pop(layer, None)
+        if X is None:
             return
-        actual = set(route.tolist())
-        rate = self.learn_rate
-        for i, top in enumerate(tops):
-            if top.size:
-                hit = sum(1 for x in top.tolist() if x in actual) / min(top.size, len(actual))
-                self.skill[i] += rate * (hit - self.skill[i])
+        y = np.zeros(self.n_experts)
+        y[route] = 1.0
+        p = 1.0 / (1.0 + np.exp(-(X @ self.coef)))
+        self.coef -= self.learn_rate * (X.T @ (p - y)) / route.size
 
     # -- predicting ---------------------------------------------------------------------------
     def components(self, layer: int) -> np.ndarray:
-        """``[3, n_experts]``: recency, transition and frequency estimates for ``layer``."""
+        """``[3, n_experts]`` probabilities: recency, transition and frequency estimates."""
         E = self.n_experts
         out = np.zeros((3, E))
         prev = self.prev[layer]
         if prev is not None:
-            out[0, prev] = 1.0
+            out[0, prev] = self.reuse[layer]
         last = self._last
         src = (layer - 1) % self.n_layers
         if last is not None and last[0] == src:
-            rows = self.trans[src][last[1]].astype(np.float64)       # [k, E]
-            tot = rows.sum(axis=1, keepdims=True)
-            np.divide(rows, tot, out=rows, where=tot > 0)
-            out[1] = rows.sum(axis=0)
-        f = self.freq[layer]
-        s = f.sum()
-        if s > 0:
-            width = prev.size if prev is not None else 1
-            out[2] = f * (width / s)
+            f = last[1]
+            occ = self.occ[src, f][:, None]
+            p = np.zeros((f.size, E))
+            np.divide(self.trans[src][f], occ, out=p, where=occ > 0)
+            np.minimum(p, 1.0, out=p)
+            out[1] = 1.0 - np.prod(1.0 - p, axis=0)
+        if self.tokens[layer] > 0:
+            out[2] = np.minimum(self.freq[layer] / self.tokens[layer], 1.0)
         return out
 
     def predict(self, layer: int, budget: int) -> list[int]:
-        """Up to ``budget`` experts of ``layer``, most likely first (fewer when nothing is
-        known yet)."""
+        """Up to ``budget`` experts of ``layer``, most likely first; only experts some estimate
+        gives a chance (so fewer, or none, before anything is known)."""
         comps = self.components(layer)
-        w = np.maximum(self.skill, 1e-3)
-        score = w @ comps
-        k = max(1, min(budget, self.n_experts))
-        tops = []
-        width = self.prev[layer].size if self.prev[layer] is not None else k
-        for c in comps:
-            nz = np.flatnonzero(c)
-            tops.append(nz[np.argsort(-c[nz], kind="stable")][:width] if nz.size else nz)
-        self._pending[layer] = tuple(tops)
-        nz = np.flatnonzero(score > 0)
-        if nz.size == 0:
+        X = np.empty((self.n_experts, 4))
+        X[:, :3] = comps.T
+        X[:, 3] = 1.0
+        self._pending[layer] = X
+        cand = np.flatnonzero(comps.max(axis=0) > 0)
+        if cand.size == 0 or budget < 1:
             return []
-        order = nz[np.argsort(-score[nz], kind="stable")]
-        return order[:k].tolist()
+        score = X[cand] @ self.coef
+        if cand.size > budget:
+            top = np.argpartition(-score, budget - 1)[:budget]
+            cand, score = cand[top], score[top]
+        return cand[np.argsort(-score, kind="stable")].tolist()
 
     @property
     def weights(self) -> dict[str, float]:
-        w = np.maximum(self.skill, 1e-3)
-        return dict(zip(COMPONENTS, (w / w.sum()).tolist()))
+        """The mixture's coefficient of each estimate (they are all probabilities, so the
+        coefficients compare)."""
+        return dict(zip(COMPONENTS, self.coef[:3].tolist()))

@@ -1,0 +1,257 @@
+"""TieredProvider on a real (tiny) store: the bytes of every path equal the store's (miss, RAM hit,
+VRAM hit on a CPU device tier, prefetched, joined), budgets and invariants hold under pressure,
+held experts are never evicted, stale prefetches are cancelled, failures leave it consistent,
+usage round-trips through the store into a warm start, and hit counts equal the simulator's."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from expertfs.errors import UsageError
+from expertfs.runtime.cache import State
+from expertfs.runtime.experts import ExpertProvider
+from expertfs.runtime.experts.tiered import TieredProvider
+from expertfs.runtime.io import Fault, FaultInjectingBackend, IOFaultError, get_backend
+from expertfs.runtime.policies import CapacityError
+from expertfs.store import Store
+
+from test_cache_support import (K, N_EXPERTS, GatedBackend, assert_weights, check_invariants,
+                                make_store, store_bytes)
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("tiered"))
+
+
+@pytest.fixture
+def store(store_path):
+    s = Store.open(str(store_path))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def data(store):
+    return store_bytes(store)
+
+
+def wait_for(cond, limit_s=30.0):
+    """Poll until ``cond()`` (a worker thread has to get there); fails after ``limit_s``."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.001)
+
+
+def slot(store):
+    return max(store.extent(la, 0).length for la in store.layers)
+
+
+def provider(store, ram, vram=0, **kw):
+    kw.setdefault("backend", "buffered")
+    kw.setdefault("warm_start", False)
+    kw.setdefault("record_usage", False)
+    return TieredProvider(store, ram_bytes=ram * slot(store), vram_bytes=vram * slot(store), **kw)
+
+
+def test_is_an_expert_provider(store):
+    with provider(store, 8) as p:
+        assert isinstance(p, ExpertProvider)
+        d = p.describe()
+        assert d["ram_slots"] == 8 and d["vram_slots"] == 0 and not d["pinned"]
+
+
+def test_host_tier_miss_then_hit_bytes_equal(store, data):
+    with provider(store, 8) as p:
+        w = p.get(1, [0, 5, 9])
+        assert_weights(store, data, 1, w)
+        p.release(1)
+        assert p.stats.misses == 3 and p.stats.hits.get("ram", 0) == 0
+        w = p.get(1, [5, 9, 2])
+        assert_weights(store, data, 1, w)
+        p.release(1)
+        assert p.stats.hits["ram"] == 2 and p.stats.misses == 4
+        assert p.stats.bytes_read == sum(store.extent(1, e).length for e in (0, 5, 9, 2))
+        check_invariants(p)
+        # the forward pass may gather by slot: the CPU slot table maps the host slab
+        li = p.layer_index(1)
+        row = p.slot_table[li]
+        for e in (0, 5, 9, 2):
+            s = int(row[e])
+            n = store.extent(1, e).length
+            off = store.extent(1, e).offset
+            assert bytes(p.compute_slab[s, :n].numpy()) == data[off:off + n]
+
+
+def test_cpu_device_tier_every_path(store, data):
+    with provider(store, 10, vram=4, staging_slots=3) as p:
+        assert p.describe()["vram_slots"] == 4 and p.describe()["ram_slots"] == 7
+        rng = random.Random(1)
+        for _ in range(40):
+            layer = rng.choice(store.layers)
+            ids = rng.sample(range(N_EXPERTS), K)
+            assert_weights(store, data, layer, p.get(layer, ids))
+            p.release(layer)
+            check_invariants(p)
+        st = p.stats
+        assert st.hits.get("vram", 0) > 0 and st.hits.get("ram", 0) > 0 and st.misses > 0
+        assert st.demotions > 0 and st.bytes_d2h > 0
+        assert st.uploads == st.hits["ram"] + st.misses
+        # device hit: the same experts again come from VRAM
+        ids = [e for e in range(N_EXPERTS) if p.cache.table.lookup(0, e) >= 0][:K]
+        before = st.hits["vram"]
+        assert_weights(store, data, 1, p.get(1, ids))
+        p.release(1)
+        assert st.hits["vram"] == before + len(ids)
+
+
+def test_budgets_hold_and_held_experts_survive_pressure(store, data):
+    with provider(store, 10, vram=6, staging_slots=2) as p:
+        held = p.get(2, [1, 2, 3, 4])                  # layer 2 runs ... and is not released
+        rng = random.Random(7)
+        for _ in range(30):
+            layer = rng.choice([1, 3])
+            p.get(layer, rng.sample(range(N_EXPERTS), 2))
+            p.release(layer)
+            check_invariants(p)
+        assert_weights(store, data, 2, held)           # views still hold layer 2's bytes
+        p.release(2)
+    with provider(store, 6) as p:
+        held = p.get(3, [0, 1, 2, 3])
+        for i in range(12):
+            p.get(1, [i % N_EXPERTS, (i + 7) % N_EXPERTS])
+            p.release(1)
+        assert_weights(store, data, 3, held)
+        p.release(3)
+        check_invariants(p)
+
+
+def test_more_than_the_tier_holds_is_refused(store):
+    with provider(store, 4) as p:
+        with pytest.raises(CapacityError, match="compute tier has 4 slots"):
+            p.get(1, list(range(5)))
+        p.get(1, [0, 1])
+        with pytest.raises(CapacityError):
+            p.get(2, [0, 1, 2])                          # 2 of layer 1 are still held
+        p.release(1)
+        p.get(2, [0, 1, 2])
+        p.release(2)
+        with pytest.raises(UsageError, match="no routed experts"):
+            p.get(0, [0])
+        with pytest.raises(UsageError, match="outside layer"):
+            p.get(1, [N_EXPERTS])
+        check_invariants(p)
+
+
+def test_prefetched_expert_is_a_hit(store, data):
+    with provider(store, 10) as p:
+        p.prefetch(2, [3, 7])
+        for e in (3, 7):
+            key = p.cache.key(2, e)
+            fut = p.cache.entries[key].future
+            if fut is not None:
+                fut.result()
+        p.get(1, [0])                                    # drains completions
+        p.release(1)
+        assert_weights(store, data, 2, p.get(2, [3, 7, 8]))
+        p.release(2)
+        st = p.stats
+        assert st.prefetch_issued == 2 and st.prefetch_used == 2 and st.hits["ram"] == 2
+        rep = p.prefetch_report()["gate"]
+        assert rep["covered"] == 2 and rep["requested"] == 3 and rep["coverage"] == pytest.approx(2 / 3)
+        check_invariants(p)
+
+
+def test_demand_joins_an_in_flight_prefetch(store, data):
+    gate = GatedBackend()
+    with provider(store, 10, backend=gate, queue_depth=1) as p:
+        p.prefetch(2, [3])
+        resolve = p.cache.loader.resolve
+        calls = []
+
+        def resolve_then_open(e):
+            calls.append(e.key)
+            fut = resolve(e)
+            if len(calls) == 2:                          # joined (1st), now waiting (2nd)
+                gate.release.set()
+            return fut
+        p.cache.loader.resolve = resolve_then_open
+        assert_weights(store, data, 2, p.get(2, [3]))
+        p.release(2)
+        n = store.extent(2, 3).length
+        assert p.stats.joined == 1 and p.stats.late_bytes == n and p.stats.misses == 0
+        rep = p.prefetch_report()["gate"]
+        assert rep["late"] == 1 and rep["late_bytes"] == n and rep["covered"] == 0
+        check_invariants(p)
+
+
+def test_stale_prefetches_are_cancelled_not_waited_for(store, data):
+    gate = GatedBackend()
+    with provider(store, 12, backend=gate, queue_depth=1, max_in_flight=4) as p:
+        gate.release.set()
+        p.get(1, [0])                                    # the cursor is at layer 1
+        p.release(1)
+        gate.release.clear()
+        gate.started.clear()
+        p.prefetch(2, [4, 5, 6])                         # 4 runs (held by the gate); 5, 6 queue
+        wait_for(lambda: gate.started)
+        wasted = p.prefetcher.on_wasted
+
+        def on_wasted(source, nbytes, cancelled):
+            wasted(source, nbytes, cancelled)
+            gate.release.set()                              # free the worker once cancelled
+        p.prefetcher.on_wasted = on_wasted
+        p.cache.listener = p.prefetcher
+        assert_weights(store, data, 2, p.get(2, [9]))    # layer 2 runs without 4, 5, 6
+        p.release(2)
+        st = p.stats
+        assert st.prefetch_cancelled == 2 and st.prefetch_wasted == 2
+        assert p.prefetch_report()["gate"]["cancelled"] == 2
+        assert not any(p.cache.state_of(p.cache.key(2, e)) is not State.ABSENT for e in (5, 6))
+        check_invariants(p)
+
+
+def test_failed_read_raises_and_leaves_it_consistent(store, data):
+    ext = store.extent(3, 2)
+    backend = FaultInjectingBackend(get_backend("buffered"),
+                                    [Fault("eio", times=-1, offset=ext.offset)])
+    with provider(store, 6, backend=backend) as p:
+        from expertfs.runtime.io import RetryPolicy
+        p.reader.handle.retry = RetryPolicy(attempts=1)
+        with pytest.raises(IOFaultError):
+            p.get(3, [1, 2])
+        check_invariants(p)
+        assert not p.cache._pins and p.cache.state_of(p.cache.key(3, 2)) is State.ABSENT
+        backend.faults.clear()
+        assert_weights(store, data, 3, p.get(3, [1, 2]))
+        p.release(3)
+        check_invariants(p)
+
+
+def test_usage_round_trip_and_warm_start(store_path, data):
+    s = Store.open(str(store_path))
+    try:
+        with provider(s, 6, record_usage=True) as p:
+            for _ in range(5):
+                p.get(1, [2, 3])
+                p.release(1)
+            p.get(2, [7])
+            p.release(2)
+        assert s.index.usage() == {(1, 2): 5, (1, 3): 5, (2, 7): 1}
+        with provider(s, 6, warm_start=True) as p:
+            assert p.stats.warm_issued == 3
+            for key in list(p.cache.entries):
+                e = p.cache.entries[key]
+                if e.state is State.LOADING:
+                    p.cache.loader.resolve(e).result()
+            got = p.get(1, [2, 3])
+            assert_weights(s, data, 1, got)
+            p.release(1)
+            assert p.stats.hits["ram"] == 2 and p.stats.misses == 0
+            check_invariants(p)
+    finally:
+        s.close()
