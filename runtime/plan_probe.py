@@ -134,8 +134,9 @@ def _weight_bytes(ggml_type: str, rows: int, cols: int, seed: int = 0):
     return torch.from_numpy(raw)
 
 
-def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None) -> tuple[LinearCost, dict] | None:
-    """Time ``formats.dequant.linear`` on a matrix like ``m`` and on a small one: overhead and rate."""
+def _linear_times(m: Matrix, device: str, budget_s: float, sync=None):
+    """Time ``formats.dequant.linear`` on a matrix like ``m`` (capped in size) and on a small
+    one: (big times, small times, big bytes, small bytes, shape), or None when it cannot run."""
     import torch
 
     from ..formats.dequant import linear
@@ -147,7 +148,8 @@ def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None) -> tuple[Li
     except (KeyError, ValueError):
         return None
     cols = m.cols
-    rows = max(1, min(m.rows, (4 << 20) // max(1, cols)))       # at most 4 Mi elements
+    cap = (16 << 20) if m.ggml_type in _FLOAT else (4 << 20)    # float GEMV must leave the caches
+    rows = max(1, min(m.rows, cap // max(1, cols)))
     small_cols = max(bs, 256 // bs * bs) if cols % bs == 0 else cols
     small_rows = 32
     try:
@@ -155,25 +157,57 @@ def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None) -> tuple[Li
         small = _weight_bytes(m.ggml_type, small_rows, small_cols).to(device)
         x = torch.randn(1, cols, device=device)
         xs = torch.randn(1, small_cols, device=device)
-        tb = _times(lambda: linear(x, big, t, (rows, cols)), 9, budget_s * 0.7, sync)
-        ts = _times(lambda: linear(xs, small, t, (small_rows, small_cols)), 15, budget_s * 0.3, sync)
+        tb = _times(lambda: linear(x, big, t, (rows, cols)), 7, budget_s * 0.7, sync)
+        ts = _times(lambda: linear(xs, small, t, (small_rows, small_cols)), 11, budget_s * 0.3, sync)
     except Exception:                                      # unsupported type or shape: no figure
         return None
-    nb, ns = rows * row_bytes(t, cols), small_rows * row_bytes(t, small_cols)
-    src = (f"measured now: formats.dequant.linear {m.ggml_type} {rows}x{cols} on {device} "
-           f"(best / 30th percentile of {len(tb)})")
-    tb_min, ts_min = min(tb), min(ts)
-    if tb_min > ts_min and nb > ns:               # two points: fixed cost + bytes / rate
-        rate = (nb - ns) / (tb_min - ts_min)
-        over = max(0.0, ts_min - ns / rate)
+    return tb, ts, rows * row_bytes(t, cols), small_rows * row_bytes(t, small_cols), [rows, cols]
+
+
+def _fit(tb: float, ts: float, nb: int, ns: int) -> tuple[float, float]:
+    """(overhead s, bytes/s) through two points: a call costs overhead + bytes / rate."""
+    if tb > ts and nb > ns:
+        rate = (nb - ns) / (tb - ts)
+        return max(0.0, ts - ns / rate), rate
+    return 0.0, nb / tb
+
+
+def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None,
+                 threads: Sequence[int] = ()) -> tuple[LinearCost, dict] | None:
+    """Overhead and rate of dequant+matmul for ``m``'s type. On the CPU it is timed with one
+    thread (the slow end: its typical run) and with each of ``threads`` (the fast end: the best
+    of all), since a busy machine makes multi-threaded torch calls erratic."""
+    import torch
+
+    runs = []
+    if device == "cpu":
+        old = torch.get_num_threads()
+        try:
+            for n in dict.fromkeys([1, *threads]):
+                torch.set_num_threads(n)
+                got = _linear_times(m, device, budget_s / (1 + len(threads)), sync)
+                if got is None:
+                    return None
+                runs.append((n, got))
+        finally:
+            torch.set_num_threads(old)
     else:
-        rate, over = nb / tb_min, 0.0
-    # the slow end: the same fit scaled by how much slower a typical run was than the best
-    noise_b = _typical(tb) / tb_min
-    noise_s = _typical(ts) / ts_min
-    cost = LinearCost(Range(over * noise_s, over, src),
-                      Range(rate / noise_b / 1e9, rate / 1e9, src))
-    return cost, {"type": m.ggml_type, "shape": [rows, cols], "big_s": tb, "small_s": ts}
+        got = _linear_times(m, device, budget_s, sync)
+        if got is None:
+            return None
+        runs.append((0, got))
+    _, (tb, ts, nb, ns, shape) = runs[0]
+    over, rate = _fit(min(tb), min(ts), nb, ns)
+    noise_b, noise_s = _typical(tb) / min(tb), _typical(ts) / min(ts)
+    fast = [_fit(min(r[0]), min(r[1]), nb, ns) for _, r in runs]
+    f_over = min(o for o, _ in fast)
+    f_rate = max(r for _, r in fast)
+    desc = (f"measured now: formats.dequant.linear {m.ggml_type} {shape[0]}x{shape[1]} on {device}"
+            + (f", 1 thread typical / best of {', '.join(str(n) for n, _ in runs)} threads"
+               if device == "cpu" else f", 30th percentile / best of {len(tb)}"))
+    cost = LinearCost(Range(over * noise_s, f_over, desc), Range(rate / noise_b / 1e9, f_rate / 1e9, desc))
+    return cost, {"type": m.ggml_type, "shape": shape,
+                  "runs": {str(n): {"big_s": r[0], "small_s": r[1]} for n, r in runs}}
 
 
 def host_memory() -> int:
@@ -192,35 +226,51 @@ def host_memory() -> int:
     return total
 
 
-def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.0) -> tuple[DeviceRates, dict[str, Any]]:
+def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5) -> tuple[DeviceRates, dict[str, Any]]:
     """CPU dequant+matmul per ggml type (the ones carrying most bytes), memory read bandwidth and
-    small-op dispatch, on this machine with torch's default thread count."""
+    small-op dispatch on this machine: the slow end single-threaded (its typical run), the fast
+    end the best of one thread and torch's thread count."""
     import torch
 
     base = stated_cpu()
-    types = linear_types(mats)
+    types = linear_types(mats, limit=4)
     linear = dict(base.linear)
-    detail: dict[str, Any] = {"threads": torch.get_num_threads(), "linear": []}
+    n = torch.get_num_threads()
+    threads = [n] if n > 1 else []
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    detail: dict[str, Any] = {"threads": n, "cpus": os.cpu_count(), "load_average": load,
+                              "linear": []}
     per = budget_s * 0.8 / max(1, len(types))
     for m in types:
-        got = _linear_cost(m, "cpu", per)
+        got = _linear_cost(m, "cpu", per, threads=threads)
         if got is not None:
             linear[m.ggml_type] = got[0]
             detail["linear"].append(got[1])
-    measured = [c for t, c in linear.items() if t not in ("*", *_FLOAT) and t in {m.ggml_type for m in types}]
+    measured = [linear[m.ggml_type] for m in types
+                if m.ggml_type not in _FLOAT and m.ggml_type in linear and linear[m.ggml_type] is not base.linear.get("*")]
     if measured:                            # any other quantized type: the slowest one measured
         linear["*"] = min(measured, key=lambda c: c.gbps.slow)
     buf = torch.ones(32 << 20, dtype=torch.float32)          # 128 MiB
-    mem = _range(_times(lambda: buf.sum(), 5, budget_s * 0.1), buf.numel() * 4 / 1e9,
-                 "measured now: torch sum over 128 MiB (read bandwidth)")
     a, b = torch.ones(2048), torch.ones(2048)
 
     def ops() -> None:
         for _ in range(200):
             torch.add(a, b)
 
-    t = _times(ops, 7, budget_s * 0.1)
-    op = Range(_typical(t) / 200, min(t) / 200, "measured now: torch.add on 2048 floats")
+    old = torch.get_num_threads()
+    mem_t, op_t = {}, {}
+    try:
+        for k in dict.fromkeys([1, *threads]):
+            torch.set_num_threads(k)
+            mem_t[k] = _times(lambda: buf.sum(), 5, budget_s * 0.05)
+            op_t[k] = _times(ops, 7, budget_s * 0.05)
+    finally:
+        torch.set_num_threads(old)
+    gb = buf.numel() * 4 / 1e9
+    mem = Range(gb / _typical(mem_t[1]), max(gb / min(t) for t in mem_t.values()),
+                "measured now: torch sum over 128 MiB (1 thread typical / best)")
+    op = Range(_typical(op_t[1]) / 200, min(min(t) for t in op_t.values()) / 200,
+               "measured now: torch.add on 2048 floats")
     del buf
     return DeviceRates("cpu", linear, mem, op, base.sync_s), detail
 
@@ -275,7 +325,7 @@ def probe_cuda(mats: Sequence[Matrix], *, budget_s: float = 3.0
     detail: dict[str, Any] = {"device": name, "linear": []}
     types = linear_types(mats)
     for m in types:
-        got = _linear_cost(m, "cuda", budget_s * 0.5 / max(1, len(types)), sync)
+        got = _linear_cost(m, "cuda", budget_s * 0.5 / max(1, len(types)), sync=sync)
         if got is not None:
             linear[m.ggml_type] = got[0]
             detail["linear"].append(got[1])
