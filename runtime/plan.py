@@ -62,7 +62,7 @@ __all__ = ["SCHEMA", "GiB", "MiB", "Range", "Matrix", "Geometry", "Box", "Item",
            "Placement", "Memory", "LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange",
            "Term", "Prediction", "Note", "Option", "Plan", "KV_TYPES", "PLACEMENTS", "TRUNK_MODES",
            "ASSUMPTIONS", "kv_bytes_per_token", "kv_cache_bytes", "os_headroom", "workspace_bytes",
-           "layout", "candidates", "predict", "predict_option", "choose", "advise", "make_plan",
+           "layout", "candidates", "predict", "predict_option", "ideal_routing", "choose", "advise", "make_plan",
            "plan_to_dict", "stated_storage", "stated_pcie", "stated_cpu", "stated_gpu",
            "storage_from_profile", "max_ctx_on_gpu", "PCIE_GENS"]
 
@@ -960,6 +960,7 @@ class Option:
     memory: Memory
     routing: RoutingRange | None = None
     prediction: Prediction | None = None
+    bound: float | None = None         # not simulated: tok/s it could not beat (every expert cached)
 
     @property
     def score(self) -> float:
@@ -970,7 +971,7 @@ class Option:
         m, p = self.memory, self.prediction
         return {"placement": m.placement.name, "supported": m.placement.supported,
                 "runnable": m.runnable, "tok_s_low": p.tok_s_low if p else None,
-                "tok_s_high": p.tok_s_high if p else None,
+                "tok_s_high": p.tok_s_high if p else None, "at_most_tok_s": self.bound,
                 "vram_tier_experts": m.vram.tier_slots if m.vram else 0,
                 "ram_tier_experts": m.ram.tier_slots,
                 "why_not": [n.text for n in m.notes if n.level == "error"]}
@@ -1028,6 +1029,12 @@ class Plan:
         return " ".join(args)
 
 
+def ideal_routing(policy: str = "") -> RoutingRange:
+    """Every expert already in VRAM: no NVMe or PCIe bytes (an upper bound on tokens/s)."""
+    r = Routing("every expert cached", False, policy, 1, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return RoutingRange(r, r)
+
+
 def predict_option(g: Geometry, box: Box, mem: Memory, rates: Rates | None,
                    routing: RoutingRange | None) -> Option:
     pred = predict(g, mem, routing, rates, box) if (mem.runnable and rates and routing) else None
@@ -1060,6 +1067,12 @@ def make_plan(g: Geometry, box: Box, options: Sequence[Option], rates: Rates | N
                               f"{o.memory.placement.name} would predict {p.tok_s_low:.2f}-"
                               f"{p.tok_s_high:.2f} tokens/s" + (f" ({why})" if why else "")))
     notes += advise(g, mem, best.prediction, best.routing, rates, box)
+    cpu = (probes or {}).get("cpu") or {}
+    if cpu.get("busy") and "cpu" in (mem.placement.trunk, mem.placement.experts):
+        notes.append(Note("info", "busy_machine",
+                          f"this machine was busy while measuring (load {cpu.get('load_average', 0):.1f} "
+                          f"on {cpu.get('cpus')} CPUs): CPU figures are single-threaded, so the "
+                          "CPU terms are pessimistic"))
     return Plan(g, box, mem, rates, best.routing, best.prediction, tuple(notes),
                 tuple(o for o in options if o is not best), dict(probes or {}))
 

@@ -34,7 +34,7 @@ def _times(fn: Callable[[], Any], reps: int, budget_s: float, sync: Callable[[],
         sync()
     out: list[float] = []
     t_end = time.perf_counter() + budget_s
-    while len(out) < reps and (len(out) < 2 or time.perf_counter() < t_end):
+    while len(out) < reps and (not out or time.perf_counter() < t_end):
         t0 = time.perf_counter()
         fn()
         if sync:
@@ -236,10 +236,11 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5) -> tuple[DeviceR
     types = linear_types(mats, limit=4)
     linear = dict(base.linear)
     n = torch.get_num_threads()
-    threads = [n] if n > 1 else []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    busy = load is not None and load > (os.cpu_count() or 1) - 0.5
+    threads = [n] if n > 1 and not busy else []      # a busy box: threads only measure contention
     detail: dict[str, Any] = {"threads": n, "cpus": os.cpu_count(), "load_average": load,
-                              "linear": []}
+                              "busy": busy, "linear": []}
     per = budget_s * 0.8 / max(1, len(types))
     for m in types:
         got = _linear_cost(m, "cpu", per, threads=threads)

@@ -80,7 +80,9 @@ def format_plan(p: Plan) -> str:
             costs = ", ".join(f"{t} {r.cost(t).gbps.slow:.2f}-{r.cost(t).gbps.fast:.2f} GB/s "
                               f"+{r.cost(t).overhead_s.fast * 1e6:.0f}-"
                               f"{r.cost(t).overhead_s.slow * 1e6:.0f} us/call" for t in sorted(used))
-            src = r.cost(sorted(used)[0]).gbps.source if used else ""
+            main = max(used, key=lambda t: sum(m_.nbytes * m_.count for layer in g.expert_parts
+                                                for m_ in layer if m_.ggml_type == t)) if used else ""
+            src = r.cost(main).gbps.source if used else ""
             lines.append(f"  {dev.upper()} dequant+matmul: {costs}  [{src}]")
             lines.append(f"  {dev.upper()} memory {r.mem_gbps.slow:.0f}-{r.mem_gbps.fast:.0f} GB/s, "
                          f"{r.op_s.fast * 1e6:.1f}-{r.op_s.slow * 1e6:.1f} us per small op  "
@@ -107,6 +109,7 @@ def format_plan(p: Plan) -> str:
         lines.append("other placements: " + "; ".join(
             f"{o.memory.placement.name} "
             + (f"{o.prediction.tok_s_low:.2f}-{o.prediction.tok_s_high:.2f} tok/s" if o.prediction
+               else f"at most {o.bound:.2f} tok/s (not simulated)" if o.bound is not None
                else "does not fit")
             + ("" if o.memory.placement.supported else " (not in expertfs run)") for o in alts))
     if p.notes:

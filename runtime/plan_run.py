@@ -16,8 +16,8 @@ from typing import Any
 
 from ..errors import UsageError
 from .plan import (Box, Geometry, Memory, Option, Plan, Range, Rates, RoutingRange, candidates,
-                   make_plan, predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
-                   storage_from_profile)
+                   ideal_routing, make_plan, predict_option, stated_cpu, stated_gpu, stated_pcie,
+                   stated_storage, storage_from_profile)
 from .plan_model import load_geometry
 from .plan_routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
 from .policies_registry import DEFAULT_POLICY
@@ -88,12 +88,25 @@ def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *
                  where: str = "auto", trunk_mode: str = "auto",
                  mems: list[Memory] | None = None) -> list[Option]:
     """Every candidate placement budgeted, routed and predicted (``routing_for(memory)`` gives
-    the hit rates at its tier sizes)."""
-    out = []
-    for mem in mems if mems is not None else candidates(g, box, where, trunk_mode):
-        out.append(predict_option(g, box, mem, rates, routing_for(mem)) if mem.runnable
-                   else Option(mem))
-    return out
+    the hit rates at its tier sizes). Branch and bound: an option's prediction with every
+    expert cached bounds it from above, so options whose bound cannot beat the best supported
+    one found so far are not simulated (``Option.bound`` says what they could not beat)."""
+    mems = mems if mems is not None else candidates(g, box, where, trunk_mode)
+    ideal = ideal_routing()
+    bounds = {id(m): predict_option(g, box, m, rates, ideal).score for m in mems if m.runnable}
+    order = sorted((m for m in mems if m.runnable), key=lambda m: (not m.placement.supported,
+                                                                     -bounds[id(m)]))
+    best = 0.0
+    done: dict[int, Option] = {}
+    for m in order:
+        if bounds[id(m)] < best * (1.0 if m.placement.supported else 1.1):   # cannot matter
+            done[id(m)] = Option(m, bound=bounds[id(m)])
+            continue
+        o = predict_option(g, box, m, rates, routing_for(m))
+        done[id(m)] = o
+        if m.placement.supported:
+            best = max(best, o.score)
+    return [done.get(id(m), Option(m)) for m in mems]
 
 
 def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None]) -> RoutingFor:
@@ -184,7 +197,11 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if req.probe and gpu_mats and req.gpu_gbps is None and _cuda():
         from .plan_probe import probe_cuda
         say("measuring the GPU")
-        got = probe_cuda(gpu_mats)
+        try:
+            got = probe_cuda(gpu_mats)
+        except Exception as e:                 # out of memory, a driver error: stated figures
+            got = None
+            detail["gpu"] = {"error": f"{type(e).__name__}: {e}", "used": "stated defaults"}
         if got is not None:
             gpu, pcie, detail["gpu"] = got
     rates = Rates(storage, pcie, cpu, gpu)

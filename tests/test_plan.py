@@ -447,3 +447,31 @@ def test_trace_of_another_model_is_refused(tmp_path) -> None:
 def test_unknown_synthetic_preset() -> None:
     with pytest.raises(UsageError, match="preset"):
         synthetic_replay(_tiny(), "spiky")
+
+
+def test_bound_prunes_without_changing_the_choice() -> None:
+    g = like("Qwen3-235B-A22B")
+    box = Box(32 * GiB, 24 * GiB)
+    replays = {s: synthetic_replay(g, s, tokens=16) for s in ("diffuse", "mixed")}
+    calls = []
+
+    def routing_for(mem):
+        calls.append(mem.placement.name)
+        v, r = mem.tier_slots
+        return RoutingRange(*[route(g, replays[s], v, r, experts_on_gpu=mem.placement.gpu,
+                                    label=s, synthetic=True) for s in ("diffuse", "mixed")])
+
+    rates = rates_for(g)
+    opts = plan_options(g, box, rates, routing_for)
+    full = [predict_option_full(g, box, o.memory, rates, routing_for) for o in opts]
+    assert choose(opts).memory.placement.name == choose(full).memory.placement.name
+    pruned = [o for o in opts if o.bound is not None]
+    assert pruned and all(o.prediction is None for o in pruned)
+    for o in pruned:                                   # the bound really bounds
+        f = next(x for x in full if x.memory is o.memory)
+        assert f.score <= o.bound * (1 + 1e-9)
+
+
+def predict_option_full(g, box, mem, rates, routing_for):
+    from expertfs.runtime.plan import Option, predict_option
+    return predict_option(g, box, mem, rates, routing_for(mem)) if mem.runnable else Option(mem)
