@@ -16,7 +16,7 @@ CPU — the runtime's default) or ``quant`` (ggml bytes, dequantized on every ca
 budgets one (placement, trunk mode); ``candidates`` all of them; ``choose`` keeps the fastest
 predicted one the runtime supports.
 
-**Budget.** RAM: OS headroom (max(3 GiB, 1/8 of RAM), explicit), the runtime itself, the trunk
+**Budget.** RAM: OS headroom (1/8 of RAM, at least 3 GiB or a quarter of a smaller box), the runtime itself, the trunk
 and KV cache when they live on the CPU, CPU workspace, on GPU runs the staging slots the
 runtime carves from its RAM budget (min(16, k) + 1), then the RAM tier. The tier is pinned when
 the host slab fits the pin budget (``EXPERTFS_PIN_BUDGET``, default RAM/4, as the runtime
@@ -95,7 +95,8 @@ PLACEMENTS = ("gpu", "hybrid", "cpu")
 TRUNK_MODES = ("float", "quant")
 
 ASSUMPTIONS: dict[str, Any] = {
-    "os_headroom": f"max({OS_HEADROOM_MIN // GiB} GiB, {OS_HEADROOM_FRACTION:g} x RAM) unless --headroom",
+    "os_headroom": f"max({OS_HEADROOM_FRACTION:g} x RAM, min({OS_HEADROOM_MIN // GiB} GiB, RAM / 4)) "
+                   "unless --headroom",
     "runtime_host_bytes": RUNTIME_HOST, "runtime_host_cuda_bytes": RUNTIME_HOST_CUDA,
     "vram_reserve": f"max({VRAM_RESERVE_MIN // GiB} GiB, {VRAM_RESERVE_FRACTION:g} x VRAM)",
     "pin_budget": f"{PIN_BUDGET_FRACTION:g} x RAM unless --pin-budget (EXPERTFS_PIN_BUDGET)",
@@ -288,7 +289,8 @@ def kv_cache_bytes(g: Geometry, ctx: int, kv_type: str = "f16") -> int:
 
 
 def os_headroom(ram: int) -> int:
-    return max(OS_HEADROOM_MIN, int(ram * OS_HEADROOM_FRACTION))
+    """RAM left to the OS: an eighth of RAM, at least 3 GiB (a quarter on boxes under 12 GiB)."""
+    return max(int(ram * OS_HEADROOM_FRACTION), min(OS_HEADROOM_MIN, ram // 4))
 
 
 def workspace_bytes(g: Geometry, ctx: int, device: str) -> int:
@@ -517,7 +519,7 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
 
     headroom = box.headroom if box.headroom is not None else os_headroom(box.ram)
     h_note = "--headroom" if box.headroom is not None else (
-        f"max({OS_HEADROOM_MIN // GiB} GiB, {OS_HEADROOM_FRACTION:g} x RAM)")
+        f"RAM/8, at least min({OS_HEADROOM_MIN // GiB} GiB, RAM/4)")
     ram_items = [Item("os_headroom", headroom, h_note),
                  Item("runtime", RUNTIME_HOST + (RUNTIME_HOST_CUDA if pl.gpu else 0),
                       "python, torch" + (", CUDA host side" if pl.gpu else ""))]

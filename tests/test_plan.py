@@ -180,6 +180,7 @@ def test_budget_cpu_only() -> None:
 
 def test_headroom_rule_and_override() -> None:
     assert os_headroom(16 * GiB) == 3 * GiB and os_headroom(64 * GiB) == 8 * GiB
+    assert os_headroom(8 * GiB) == 2 * GiB and os_headroom(2 * GiB) == GiB // 2
     g = like("Qwen3-30B-A3B")
     m = layout(g, Box(32 * GiB, 0, headroom=GiB), "cpu", "quant")
     assert m.ram.item("os_headroom") == GiB

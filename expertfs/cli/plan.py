@@ -15,7 +15,7 @@ __all__ = ["register", "run"]
 _EPILOG = """\
 Each placement expert run can execute (gpu: trunk, KV cache and experts on the GPU with a VRAM
 tier above a RAM tier; cpu: everything on the CPU) with the trunk float or quantized is
-budgeted: OS headroom (max(3 GiB, RAM/8) unless --headroom), the runtime, trunk and KV cache,
+budgeted: OS headroom (RAM/8, at least 3 GiB or RAM/4; --headroom), the runtime, trunk and KV cache,
 workspace and staging, then the expert tiers (the RAM tier pinned when it fits the pin budget,
 RAM/4 by default). The prediction replays routing through the cache simulator at those tier
 sizes and adds the per-token terms: storage (NVMe bytes / measured GB/s), PCIe copies,
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-type", default="auto",
                    help="KV cache element type: auto (the compute dtype: bf16 GPU, f32 CPU), f16, "
                         "bf16, f32, q8_0")
-    p.add_argument("--headroom", metavar="SIZE", help="RAM left to the OS (default max(3G, RAM/8))")
+    p.add_argument("--headroom", metavar="SIZE", help="RAM left to the OS (default RAM/8, at least 3G or RAM/4)")
     p.add_argument("--pin-budget", metavar="SIZE",
                    help="pinned-memory limit, as EXPERTFS_PIN_BUDGET (default: RAM/4)")
     p.add_argument("--placement", default="auto", choices=("auto", "gpu", "hybrid", "cpu"),
