@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .plan import DeviceRates, LinearCost, Matrix, Range, stated_cpu, storage_from_profile
+from .plan import Matrix, Range
+from .plan_predict import DeviceRates, LinearCost, stated_cpu, storage_from_profile
 
 __all__ = ["probe_storage", "probe_cpu", "probe_cuda", "linear_types", "host_memory",
            "cuda_memory"]
@@ -263,7 +263,7 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5) -> tuple[DeviceR
     try:
         for k in dict.fromkeys([1, *threads]):
             torch.set_num_threads(k)
-            mem_t[k] = _times(lambda: buf.sum(), 5, budget_s * 0.05)
+            mem_t[k] = _times(lambda b=buf: b.sum(), 5, budget_s * 0.05)
             op_t[k] = _times(ops, 7, budget_s * 0.05)
     finally:
         torch.set_num_threads(old)
@@ -303,11 +303,12 @@ def probe_cuda(mats: Sequence[Matrix], *, budget_s: float = 3.0
     n = 256 << 20
     host = torch.empty(n, dtype=torch.uint8).pin_memory()
     dbuf = torch.empty(n, dtype=torch.uint8, device=dev)
-    h2d = _range(_times(lambda: dbuf.copy_(host, non_blocking=True), 5, budget_s * 0.15, sync),
+    h2d = _range(_times(lambda d=dbuf, h=host: d.copy_(h, non_blocking=True), 5, budget_s * 0.15,
+                        sync),
                  n / 1e9, f"measured now: pinned 256 MiB host->device copies to {name}")
     big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     big2 = torch.empty_like(big)
-    mem = _range(_times(lambda: big2.copy_(big), 5, budget_s * 0.15, sync), 2 * big.numel() / 1e9,
+    mem = _range(_times(lambda a=big, b=big2: b.copy_(a), 5, budget_s * 0.15, sync), 2 * big.numel() / 1e9,
                  f"measured now: 1 GiB device copy on {name} (read + write)")
     del big, big2, dbuf, host
     a, b = torch.ones(2048, device=dev), torch.ones(2048, device=dev)
@@ -320,7 +321,7 @@ def probe_cuda(mats: Sequence[Matrix], *, budget_s: float = 3.0
     op = Range(_typical(t) / 200, min(t) / 200, f"measured now: torch.add launches on {name}")
     s = _times(lambda: a.sum().item(), 21, budget_s * 0.1)
     sync_r = Range(_typical(s), min(s), f"measured now: a device->host .item() on {name}")
-    from .plan import stated_gpu
+    from .plan_predict import stated_gpu
     base = stated_gpu([m.ggml_type for m in mats], mem)
     linear = dict(base.linear)
     detail: dict[str, Any] = {"device": name, "linear": []}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .plan import GiB, MiB, Plan, Pool, kv_bytes_per_token
+from .plan import GiB, MiB, Pool, kv_bytes_per_token
+from .plan_predict import Plan
 
 __all__ = ["format_plan"]
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from .plan import (Box, Geometry, Memory, Option, Plan, Range, Rates, RoutingRange, candidates,
-                   ideal_routing, make_plan, predict_option, stated_cpu, stated_gpu, stated_pcie,
-                   stated_storage, storage_from_profile)
+from .plan import Box, Geometry, Memory, Range, candidates
+from .plan_predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_plan,
+                           predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
+                           storage_from_profile)
 from .plan_model import load_geometry
 from .plan_routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
 from .policies_registry import DEFAULT_POLICY

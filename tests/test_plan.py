@@ -12,11 +12,12 @@ import math
 import pytest
 
 from expertfs.errors import UsageError
-from expertfs.runtime.plan import (GiB, Box, Geometry, Option, Range, Rates, Routing, RoutingRange,
-                                   candidates, choose, kv_bytes_per_token, kv_cache_bytes, layout,
-                                   make_plan, max_ctx_on_gpu, os_headroom, plan_to_dict, predict,
-                                   stated_cpu, stated_gpu, stated_pcie, stated_storage,
-                                   storage_from_profile)
+from expertfs.runtime.plan import (GiB, Box, Geometry, candidates, kv_bytes_per_token,
+                                   kv_cache_bytes, layout, max_ctx_on_gpu, os_headroom)
+from expertfs.runtime.plan_predict import (Option, Range, Rates, Routing, RoutingRange, choose,
+                                           make_plan, plan_to_dict, predict, stated_cpu,
+                                           stated_gpu, stated_pcie, stated_storage,
+                                           storage_from_profile)
 from expertfs.runtime.plan_model import geometry_from_like, geometry_from_synth
 from expertfs.runtime.plan_routing import route, synthetic_replay, trace_replay
 from expertfs.runtime.plan_run import plan_options
@@ -474,5 +475,5 @@ def test_bound_prunes_without_changing_the_choice() -> None:
 
 
 def predict_option_full(g, box, mem, rates, routing_for):
-    from expertfs.runtime.plan import Option, predict_option
+    from expertfs.runtime.plan_predict import Option, predict_option
     return predict_option(g, box, mem, rates, routing_for(mem)) if mem.runnable else Option(mem)

@@ -88,7 +88,7 @@ def _size(text: str | None, flag: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.plan import plan_to_dict
+    from ..runtime.plan_predict import plan_to_dict
     from ..runtime.plan_report import format_plan
     from ..runtime.plan_run import PlanRequest, run_plan
     from ..runtime.policies_registry import DEFAULT_POLICY, parse_policies

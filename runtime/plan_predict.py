@@ -1,0 +1,533 @@
+"""``expertfs plan``'s prediction: rates, per-token terms, advice, the choice of placement.
+
+Pure arithmetic on ``plan``'s budget (see ``plan``'s docstring for the model): ``predict``
+turns a ``Memory`` (one placement's budget), a ``RoutingRange`` (hit rates at its tiers) and
+``Rates`` (storage, PCIe, per-device dequant+matmul, memory bandwidth, dispatch) into named
+terms in seconds per token at a slow and a fast end; ``make_plan`` chooses among the options
+and writes the advice; ``plan_to_dict`` is the ``--json`` schema (``SCHEMA``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import UsageError
+from .plan import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, GPU_TRAFFIC_PER_ELEMENT, OPS_PER_LAYER,
+                   PAGEABLE_FACTOR, SCHEMA, Box, Geometry, GiB, Matrix, Memory, MiB, Note, Range,
+                   _gib, kv_bytes_per_token, kv_cache_bytes)
+
+__all__ = ["LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange", "Term", "Prediction",
+           "Option", "Plan", "PCIE_GENS", "predict", "predict_option", "ideal_routing", "choose",
+           "advise", "make_plan", "plan_to_dict", "stated_storage", "stated_pcie", "stated_cpu",
+           "stated_gpu", "storage_from_profile"]
+
+
+# ------------------------------------------------------------------------------------------------
+# rates
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """A dequant+matmul call on one device: ``overhead + bytes / (GB/s)``."""
+
+    overhead_s: Range
+    gbps: Range
+
+    def seconds(self, nbytes: float, end: str, count: int = 1) -> float:
+        return count * (self.overhead_s.at(end) + nbytes / (self.gbps.at(end) * 1e9))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"overhead_s": self.overhead_s.as_dict(), "gbps": self.gbps.as_dict()}
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What a device does per second: dequant+matmul per ggml type (``"*"``: any other type),
+    memory bandwidth (attention over the KV cache), small-op dispatch, synchronisation."""
+
+    device: str
+    linear: Mapping[str, LinearCost]
+    mem_gbps: Range
+    op_s: Range
+    sync_s: Range
+
+    def cost(self, ggml_type: str) -> LinearCost:
+        c = self.linear.get(ggml_type) or self.linear.get("*")
+        if c is None:
+            raise UsageError(f"no {self.device} rate for {ggml_type}", fix="probe or give a default")
+        return c
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"linear": {t: c.as_dict() for t, c in self.linear.items()},
+                "mem_gbps": self.mem_gbps.as_dict(), "op_s": self.op_s.as_dict(),
+                "sync_s": self.sync_s.as_dict()}
+
+
+@dataclass(frozen=True)
+class Rates:
+    storage: Range                     # GB/s of whole-extent random reads
+    pcie: Range                        # GB/s host -> device (pinned)
+    cpu: DeviceRates
+    gpu: DeviceRates
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"storage_gbps": self.storage.as_dict(), "pcie_gbps": self.pcie.as_dict(),
+                "cpu": self.cpu.as_dict(), "gpu": self.gpu.as_dict()}
+
+
+#: pinned host->device GB/s by PCIe generation (x16): what cudaMemcpy reaches, not the line rate
+PCIE_GENS: dict[int, tuple[float, float]] = {3: (10.0, 12.5), 4: (20.0, 25.0), 5: (40.0, 50.0)}
+
+
+def stated_storage() -> Range:
+    return Range(2.0, 4.0, "stated default: a PCIe 4.0 NVMe at expert-sized random reads (peers "
+                           "measured 3-6 GB/s O_DIRECT on Gen4, 1-2.7 on VM/WSL disks); measure it: "
+                           "expertfs bench io STORE --json > io.json, then --io-profile io.json")
+
+
+def stated_pcie(gen: int = 4) -> Range:
+    if gen not in PCIE_GENS:
+        raise UsageError(f"PCIe generation {gen} is not known", fix="give --pcie 3, 4 or 5")
+    lo, hi = PCIE_GENS[gen]
+    return Range(lo, hi, f"stated default: PCIe {gen}.0 x16 pinned host->device copies")
+
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def stated_cpu() -> DeviceRates:
+    src = ("stated default: torch dequant+matmul at batch 1 on 2 AVX2 cores "
+           "(formats.dequant.linear; measure with a store or GGUF, or drop --no-probe)")
+    quant = LinearCost(Range(200e-6, 60e-6, src), Range(0.3, 0.8, src))
+    plain = LinearCost(Range(50e-6, 10e-6, src), Range(5.0, 15.0, src))
+    linear = {"*": quant, **{t: plain for t in _FLOAT_TYPES}}
+    return DeviceRates("cpu", linear, Range(10.0, 20.0, "stated default: DDR4/DDR5 dual channel, one "
+                                                        "process"),
+                       Range(5e-6, 2e-6, "stated default: torch eager CPU op"), Range(0.0, 0.0, "none"))
+
+
+def _bytes_per_element(ggml_type: str) -> float:
+    from ..formats.ggml import GGMLType, block_size, type_size
+    try:
+        t = GGMLType[ggml_type]
+        return type_size(t) / block_size(t)
+    except (KeyError, ValueError, ZeroDivisionError):
+        return 0.5625
+
+
+def stated_gpu(types: Sequence[str], mem: Range | None = None) -> DeviceRates:
+    """GPU costs from memory bandwidth: a dequant-then-matmul moves the quantized bytes plus
+    ``GPU_TRAFFIC_PER_ELEMENT`` bytes per weight (float dequant written and read back), and
+    every call pays launch overhead for its ~10-20 kernels."""
+    mem = mem or Range(500.0, 900.0, "stated default: a 24 GB consumer GPU (RTX 3090/4090 class, "
+                                     "~0.94-1.0 TB/s peak)")
+    over = Range(120e-6, 40e-6, "stated default: torch eager dequant kernels, 10-20 launches per call")
+
+    def cost(t: str) -> LinearCost:
+        bpe = _bytes_per_element(t)
+        eff = 1.0 if t in _FLOAT_TYPES else bpe / (bpe + GPU_TRAFFIC_PER_ELEMENT)
+        return LinearCost(over, Range(mem.slow * eff, mem.fast * eff,
+                                      f"{mem.source}; x {eff:.3f} for dequant traffic"))
+
+    linear = {t: cost(t) for t in (*types, *_FLOAT_TYPES) if t != "*"}
+    linear["*"] = cost("Q4_K")
+    return DeviceRates("gpu", linear, mem,
+                       Range(15e-6, 6e-6, "stated default: CUDA launch from torch eager"),
+                       Range(60e-6, 20e-6, "stated default: device->host sync (router read-back)"))
+
+
+def storage_from_profile(profile: Mapping[str, Any], k: int, *, label: str = "") -> tuple[Range, dict[str, Any]]:
+    """Storage GB/s from an ``expertfs bench io --json`` report.
+
+    The engine reads whole extents at random; demand reads of one layer keep about k in flight,
+    prefetch more. Backend: what ``auto`` picked in the report, else the one fastest at the slow
+    end's depth. Slow end: that backend at the deepest measured queue depth <= k (its shallowest
+    if none); fast end: its best point at any depth.
+    """
+    where = label or "io profile"
+    points = profile.get("points") if isinstance(profile, Mapping) else None
+    if not isinstance(points, list) or not points:
+        raise UsageError(f"{where}: no measured points", fix="pass the JSON of `expertfs bench io "
+                         "STORE --json`")
+    by: dict[str, list[tuple[int, float, Mapping[str, Any]]]] = {}
+    for p in points:
+        try:
+            b, qd, g = str(p["backend"]), int(p["qd"]), float(p["gbps"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"{where}: a point lacks backend/qd/gbps",
+                             fix="pass the JSON of `expertfs bench io STORE --json`") from None
+        if g > 0 and qd > 0:
+            by.setdefault(b, []).append((qd, g, p))
+    if not by:
+        raise UsageError(f"{where}: every point has 0 GB/s", fix="measure again with bench io")
+    def shallow(b: str) -> tuple[int, float, Mapping[str, Any]]:
+        pts = sorted(by[b], key=lambda p: p[0])
+        return ([p for p in pts if p[0] <= k] or pts[:1])[-1]
+
+    auto = profile.get("auto") or {}
+    chosen = auto.get("backend") if isinstance(auto, Mapping) else None
+    if chosen not in by:                  # no auto choice: the best at the demand-read depth
+        chosen = max(by, key=lambda b: shallow(b)[1])
+    pts = sorted(by[chosen], key=lambda p: p[0])
+    slow_qd, slow, slow_p = shallow(chosen)
+    fast_qd, fast, _ = max(pts, key=lambda p: p[1])
+    fast = max(fast, slow)
+    read = profile.get("read_size")
+    src = (f"{where}: {chosen} backend, {slow:.2f} GB/s at qd {slow_qd} (demand reads of one layer) "
+           f"to {fast:.2f} GB/s at qd {fast_qd}"
+           + (f", reads of {read / MiB:.1f} MiB" if isinstance(read, (int, float)) and read else ""))
+    detail = {"backend": chosen, "slow_qd": slow_qd, "fast_qd": fast_qd,
+              "read_size": read, "p99_latency_us_at_slow_qd": (slow_p.get("lat_us") or {}).get("p99"),
+              "cold": profile.get("cold")}
+    return Range(slow, fast, src), detail
+
+
+# ------------------------------------------------------------------------------------------------
+# routing (from the simulator) and the prediction
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Cache behaviour at the planned tiers, per token, from replaying a trace."""
+
+    label: str
+    synthetic: bool
+    policy: str
+    tokens: int
+    vram_hit_rate: float
+    ram_hit_rate: float
+    miss_rate: float
+    nvme_bytes_per_token: float
+    h2d_bytes_per_token: float
+    d2h_bytes_per_token: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoutingRange:
+    slow: Routing
+    fast: Routing
+
+    def at(self, end: str) -> Routing:
+        return self.slow if end == "slow" else self.fast
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    slow_s: float
+    fast_s: float
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    terms: tuple[Term, ...]
+    slow_s: float                      # seconds per token at the slow end (all terms summed)
+    fast_s: float                      # at the fast end (overlapped)
+    dominant_slow: str
+    dominant_fast: str
+
+    @property
+    def tok_s_low(self) -> float:
+        return 1.0 / self.slow_s if self.slow_s > 0 else math.inf
+
+    @property
+    def tok_s_high(self) -> float:
+        return 1.0 / self.fast_s if self.fast_s > 0 else math.inf
+
+    def term(self, name: str) -> Term | None:
+        return next((t for t in self.terms if t.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        total_slow = self.slow_s or 1.0
+        return {"tok_s_low": self.tok_s_low, "tok_s_high": self.tok_s_high,
+                "s_per_token_slow": self.slow_s, "s_per_token_fast": self.fast_s,
+                "dominant_slow": self.dominant_slow, "dominant_fast": self.dominant_fast,
+                "terms": {t.name: {**t.as_dict(), "share_slow": t.slow_s / total_slow}
+                          for t in self.terms},
+                "combine": "slow = sum of the terms at pessimistic rates; fast = max(storage, "
+                           "pcie, compute) at optimistic rates, compute = experts + trunk + "
+                           "attention + dispatch"}
+
+
+_IO_TERMS = ("storage", "pcie")
+
+
+def _compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, times: int = 1) -> float:
+    return times * sum(rates.cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
+
+
+def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
+    """Seconds per token, term by term, at the slow and the fast end (see the module docstring)."""
+    pl = mem.placement
+    trunk_rates = rates.gpu if pl.trunk == "gpu" else rates.cpu
+    exp_rates = rates.gpu if pl.experts == "gpu" else rates.cpu
+    terms: list[Term] = []
+
+    def both(fn) -> tuple[float, float]:
+        return fn("slow"), fn("fast")
+
+    s = both(lambda e: routing.at(e).nvme_bytes_per_token / (rates.storage.at(e) * 1e9))
+    r = routing.slow
+    terms.append(Term("storage", *s,
+                      f"{r.nvme_bytes_per_token / MiB:.0f} MiB/token read (miss {r.miss_rate:.1%} of "
+                      f"{g.token_expert_bytes / MiB:.0f} MiB) at {rates.storage.slow:.2f}-"
+                      f"{rates.storage.fast:.2f} GB/s"))
+    if pl.experts == "gpu":
+        f = 1.0 if mem.pinned else PAGEABLE_FACTOR
+        p = both(lambda e: max(routing.at(e).h2d_bytes_per_token, routing.at(e).d2h_bytes_per_token)
+                 / (rates.pcie.at(e) * f * 1e9))
+        terms.append(Term("pcie", *p,
+                          f"{r.h2d_bytes_per_token / MiB:.0f} MiB/token up, "
+                          f"{r.d2h_bytes_per_token / MiB:.0f} MiB demoted (full duplex: the larger "
+                          f"counts) at {rates.pcie.slow * f:.1f}-{rates.pcie.fast * f:.1f} GB/s"
+                          + ("" if mem.pinned else " (pageable)")))
+    ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e) for parts in g.expert_parts))
+    terms.append(Term("experts", *ex,
+                      f"{g.k} x {len(g.moe_layers)} experts ({g.token_expert_bytes / MiB:.0f} MiB "
+                      f"incl. padding) dequant+matmul on the {pl.experts.upper()}"))
+    mats = g.trunk_compute(pl.trunk_mode, pl.trunk)
+    tr = both(lambda e: _compute_cost(trunk_rates, mats, e))
+    terms.append(Term("trunk", *tr, f"{sum(m.nbytes * m.count for m in mats) / MiB:.0f} MiB of "
+                                    f"trunk matrices ({pl.trunk_mode}) on the {pl.trunk.upper()}"))
+    kv_slow = kv_cache_bytes(g, box.ctx, mem.kv_type)
+    kv_fast = kv_cache_bytes(g, max(1, int(box.ctx * ATTENTION_FAST_FRACTION)), mem.kv_type)
+    at = (kv_slow / (trunk_rates.mem_gbps.slow * 1e9), kv_fast / (trunk_rates.mem_gbps.fast * 1e9))
+    terms.append(Term("attention", *at, f"KV cache {kv_slow / MiB:.0f} MiB at ctx {box.ctx} "
+                                        f"({kv_fast / MiB:.0f} MiB at the fast end) read at "
+                                        f"{trunk_rates.mem_gbps.slow:.0f}-"
+                                        f"{trunk_rates.mem_gbps.fast:.0f} GB/s"))
+    syncs = (1 if pl.experts == "gpu" else 0) + (2 if pl.experts != pl.trunk else 0)
+    dp = both(lambda e: g.n_layer * (OPS_PER_LAYER * trunk_rates.op_s.at(e)
+                                     + syncs * rates.gpu.sync_s.at(e)))
+    terms.append(Term("dispatch", *dp, f"{g.n_layer} layers x ({OPS_PER_LAYER} small ops"
+                                       + (f" + {syncs} device syncs" if syncs else "") + ")"))
+    slow = sum(t.slow_s for t in terms)
+    compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS)
+    fast = max([compute_fast] + [t.fast_s for t in terms if t.name in _IO_TERMS])
+    dom_slow = max(terms, key=lambda t: t.slow_s).name
+    io_fast = max((t for t in terms if t.name in _IO_TERMS), key=lambda t: t.fast_s)
+    dom_fast = io_fast.name if io_fast.fast_s >= compute_fast else "compute"
+    return Prediction(tuple(terms), slow, fast, dom_slow, dom_fast)
+
+
+# ------------------------------------------------------------------------------------------------
+# advice, the choice between placements, and the whole plan
+
+
+def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRange | None,
+           rates: Rates | None, box: Box) -> list[Note]:
+    """Plain words about what limits decode and what to change."""
+    out: list[Note] = []
+    if pred is None:
+        return out
+    dom = pred.dominant_slow
+    t = pred.term(dom)
+    share = t.slow_s / pred.slow_s if t and pred.slow_s else 0.0
+    tiers = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0)
+    where = {"experts": mem.placement.experts, "trunk": mem.placement.trunk,
+             "dispatch": mem.placement.trunk, "attention": mem.placement.trunk}.get(dom, "")
+    if dom == "storage":
+        more = ""
+        if tiers < g.decode_expert_bytes:
+            more = (f"; the tiers hold {tiers / max(1, g.decode_expert_bytes):.0%} of the experts "
+                    f"({_gib(tiers)} of {_gib(g.decode_expert_bytes)}): more RAM or VRAM raises the "
+                    "hit rate")
+        out.append(Note("info", "storage_bound",
+                        f"decode is storage-bound ({share:.0%} of the slow-end time): a faster "
+                        f"drive or backend lifts it in proportion{more}"))
+    elif dom in ("experts", "trunk") and where == "cpu":
+        gpu = ("a GPU that holds the trunk (see above)" if box.vram > 0 and dom == "trunk"
+               else "a GPU (--vram)")
+        out.append(Note("info", "cpu_bound",
+                        f"decode is bound by {dom} dequant+matmul on the CPU ({share:.0%} of the "
+                        f"slow-end time): {gpu} computes it far faster; more cores help"))
+    elif dom in ("experts", "trunk", "dispatch"):
+        out.append(Note("info", "compute_bound",
+                        f"decode is compute-bound ({dom}, {share:.0%} of the slow-end time) on the "
+                        f"{where.upper()}: a larger cache would not help much"))
+    elif dom == "pcie":
+        out.append(Note("info", "pcie_bound",
+                        f"decode is bound by host->device copies ({share:.0%}): a larger VRAM tier"
+                        + (", a pinned RAM tier (--pin-budget)" if not mem.pinned else "")
+                        + " or a faster PCIe link helps"))
+    elif dom == "attention":
+        out.append(Note("info", "attention_bound",
+                        f"reading the KV cache dominates ({share:.0%}) at --ctx {box.ctx}: a "
+                        "shorter context or a quantized KV cache (--kv-type q8_0) helps"))
+    if routing is not None and routing.slow.synthetic:
+        out.append(Note("info", "routing_synthetic",
+                        "hit rates come from synthetic routing ("
+                        + (routing.slow.label if routing.slow.label == routing.fast.label else
+                           f"slow end {routing.slow.label}, fast end {routing.fast.label}")
+                        + "), not from this model: record a trace of a real run "
+                          "(expertfs run STORE --trace T) and pass --trace"))
+    if rates is not None and rates.storage.source.startswith("stated"):
+        out.append(Note("info", "storage_default",
+                        "storage was not measured (stated default used): run `expertfs bench io "
+                        "STORE --json > io.json` on the drive that holds the store and pass "
+                        "--io-profile io.json"))
+    return out
+
+
+@dataclass(frozen=True)
+class Option:
+    """One budgeted placement with its prediction (None when it cannot run)."""
+
+    memory: Memory
+    routing: RoutingRange | None = None
+    prediction: Prediction | None = None
+    bound: float | None = None         # not simulated: tok/s it could not beat (every expert cached)
+
+    @property
+    def score(self) -> float:
+        p = self.prediction
+        return math.sqrt(p.tok_s_low * p.tok_s_high) if p else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        m, p = self.memory, self.prediction
+        return {"placement": m.placement.name, "supported": m.placement.supported,
+                "runnable": m.runnable, "tok_s_low": p.tok_s_low if p else None,
+                "tok_s_high": p.tok_s_high if p else None, "at_most_tok_s": self.bound,
+                "vram_tier_experts": m.vram.tier_slots if m.vram else 0,
+                "ram_tier_experts": m.ram.tier_slots,
+                "why_not": [n.text for n in m.notes if n.level == "error"]}
+
+
+def choose(options: Sequence[Option], forced: bool = False) -> Option:
+    """The runnable option ``expertfs run`` supports with the best predicted tokens/s (geometric
+    mean of the range); ``forced`` keeps the only option given. With nothing runnable, the one
+    needing the least RAM (its error says what is missing)."""
+    if not options:
+        raise UsageError("no placement to plan", fix="check --placement and --trunk")
+    if forced and len(options) == 1:
+        return options[0]
+    ok = [o for o in options if o.memory.runnable and o.prediction is not None]
+    pool = [o for o in ok if o.memory.placement.supported] or ok
+    if pool:
+        return max(pool, key=lambda o: o.score)
+    return min(options, key=lambda o: o.memory.ram.fixed)
+
+
+@dataclass(frozen=True)
+class Plan:
+    geometry: Geometry
+    box: Box
+    memory: Memory
+    rates: Rates | None
+    routing: RoutingRange | None
+    prediction: Prediction | None
+    notes: tuple[Note, ...]
+    alternatives: tuple[Option, ...] = ()
+    probes: Mapping[str, Any] = field(default_factory=dict)     # raw measurements, for --json
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.memory.runnable else 1
+
+    def run_args(self, store: str | None = None) -> str | None:
+        """The ``expertfs run`` flags that execute this plan (the store's path when the plan was
+        made from a store, else STORE)."""
+        m = self.memory
+        if store is None:
+            src = self.geometry.source
+            store = src.split(" ", 1)[1] if src.startswith("store ") else "STORE"
+        if not m.runnable or not m.placement.supported:
+            return None
+
+        def size(n: int) -> str:
+            return f"{n / GiB:.2f}G" if n >= GiB else f"{max(1, n // MiB)}M"
+
+        args = [f"expertfs run {store}", f"--device {'cuda' if m.placement.gpu else 'cpu'}",
+                f"--ram {size(m.host_slab)}"]
+        if m.vram is not None:
+            args.append(f"--vram {size(m.vram.tier_bytes)}")
+        args += [f"--trunk {m.placement.trunk_mode}", f"--ctx {self.box.ctx}"]
+        return " ".join(args)
+
+
+def ideal_routing(policy: str = "") -> RoutingRange:
+    """Every expert already in VRAM: no NVMe or PCIe bytes (an upper bound on tokens/s)."""
+    r = Routing("every expert cached", False, policy, 1, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return RoutingRange(r, r)
+
+
+def predict_option(g: Geometry, box: Box, mem: Memory, rates: Rates | None,
+                   routing: RoutingRange | None) -> Option:
+    pred = predict(g, mem, routing, rates, box) if (mem.runnable and rates and routing) else None
+    return Option(mem, routing, pred)
+
+
+def make_plan(g: Geometry, box: Box, options: Sequence[Option], rates: Rates | None,
+              probes: Mapping[str, Any] | None = None, forced: bool = False) -> Plan:
+    """The chosen option as a plan, with notes on the others (why a preferred placement did not
+    fit; a faster one the runtime cannot run yet)."""
+    best = choose(options, forced)
+    mem = best.memory
+    notes = list(mem.notes)
+    if mem.runnable:
+        # why the GPU placement (or float trunk) was not taken, when it was not
+        for w in ("gpu", "hybrid"):
+            tried = [o for o in options if o.memory.placement.where == w]
+            if tried and not any(o.memory.runnable for o in tried) and mem.placement.where != w:
+                err = next((n for o in reversed(tried) for n in o.memory.notes if n.level == "error"),
+                           None)
+                if err is not None and not any(n.code == err.code for n in notes):
+                    notes.append(Note("warning", err.code, err.text))
+        faster = [o for o in options if o is not best and o.prediction is not None
+                  and o.score > best.score * 1.1]
+        for o in sorted(faster, key=lambda o: -o.score)[:1]:
+            p = o.prediction
+            why = ("not in expertfs run yet: it runs trunk and experts on one device"
+                   if not o.memory.placement.supported else "")
+            notes.append(Note("info", "alternative",
+                              f"{o.memory.placement.name} would predict {p.tok_s_low:.2f}-"
+                              f"{p.tok_s_high:.2f} tokens/s" + (f" ({why})" if why else "")))
+    notes += advise(g, mem, best.prediction, best.routing, rates, box)
+    cpu = (probes or {}).get("cpu") or {}
+    if cpu.get("busy") and "cpu" in (mem.placement.trunk, mem.placement.experts):
+        notes.append(Note("info", "busy_machine",
+                          f"this machine was busy while measuring (load {cpu.get('load_average', 0):.1f} "
+                          f"on {cpu.get('cpus')} CPUs): CPU figures are single-threaded, so the "
+                          "CPU terms are pessimistic"))
+    return Plan(g, box, mem, rates, best.routing, best.prediction, tuple(notes),
+                tuple(o for o in options if o is not best), dict(probes or {}))
+
+
+def plan_to_dict(p: Plan) -> dict[str, Any]:
+    m = p.memory
+    return {
+        "schema": SCHEMA,
+        "status": "fits" if m.runnable else "cannot_run",
+        "exit_code": p.exit_code,
+        "model": p.geometry.as_dict(),
+        "box": {"ram_bytes": p.box.ram, "vram_bytes": p.box.vram, "ctx": p.box.ctx,
+                "kv_type": p.box.kv_type, "label": p.box.label, "pin_budget": p.box.pin_limit},
+        "placement": m.placement.as_dict(),
+        "budget": {"ram": m.ram.as_dict(), "vram": m.vram.as_dict() if m.vram else None,
+                   "kv_cache_bytes": m.kv_bytes, "kv_type": m.kv_type,
+                   "kv_bytes_per_token": kv_bytes_per_token(p.geometry, m.kv_type),
+                   "trunk_resident_bytes": m.trunk_bytes,
+                   "slot_bytes": p.geometry.slot_bytes, "staging_slots": m.staging_slots,
+                   "pinned": m.pinned, "host_slab_bytes": m.host_slab,
+                   "tier_experts": m.ram.tier_slots + (m.vram.tier_slots if m.vram else 0),
+                   "decode_experts": p.geometry.n_decode_experts},
+        "rates": p.rates.as_dict() if p.rates else None,
+        "routing": ({"slow": p.routing.slow.as_dict(), "fast": p.routing.fast.as_dict()}
+                    if p.routing else None),
+        "prediction": p.prediction.as_dict() if p.prediction else None,
+        "run": p.run_args(),
+        "alternatives": [o.as_dict() for o in p.alternatives],
+        "notes": [n.as_dict() for n in p.notes],
+        "assumptions": dict(ASSUMPTIONS),
+        "measurements": dict(p.probes),
+    }
