@@ -69,11 +69,15 @@ def test_cannot_run_exits_1(capsys) -> None:
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--synthetic", "spiky"], "preset"),
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--policy", "nope"], "policy"),
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--pcie", "7"], "PCIe"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--synthetic", "hot,mixed,diffuse"], "one or two"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--quant", "q9_z"], "--quant"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "0", "--placement", "hybrid"], "needs a GPU"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--tokens", "4"], "--tokens"),
     (["--ram", "32G"], "nothing to plan"),
     (["/no/such/model.gguf", "--ram", "32G"], "no such file"),
 ])
 def test_bad_input_exits_2(capsys, argv, msg) -> None:
-    assert main(["plan", *argv, *FAST]) == 2
+    assert main(["plan", *FAST, *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
 
@@ -81,6 +85,10 @@ def test_bad_input_exits_2(capsys, argv, msg) -> None:
 def test_both_store_and_like_is_bad_input(capsys, tiny_store) -> None:
     assert main(["plan", str(tiny_store), "--like", "GLM-4.5-Air", "--ram", "32G", *FAST]) == 2
     assert "not both" in capsys.readouterr().err
+    assert main(["plan", str(tiny_store), "--quant", "q4_k_m", "--ram", "32G", *FAST]) == 2
+    assert "--like only" in capsys.readouterr().err
+    assert main(["plan", str(tiny_store.parent), "--ram", "32G", *FAST]) == 2
+    assert "not an expertfs store" in capsys.readouterr().err
 
 
 def test_io_profile(tmp_path, capsys) -> None:
