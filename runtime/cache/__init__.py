@@ -16,7 +16,7 @@ only executes it, with real buffers, reads and copies:
 ``expertfs.runtime.experts.tiered.TieredProvider`` puts it behind the ``ExpertProvider`` protocol.
 """
 
-from .copier import Copier, fence_done, host_wait
+from .copier import Copier, cpu_copy, fence_done, host_wait
 from .entry import Entry, State, TieredStats
 from .loader import Loader
 from .sizing import Geometry, Slots, plan_slots
@@ -26,6 +26,6 @@ from .residency import NullListener, Residency
 from .tiers import TierCache
 from .usage import UsageRecorder, load_rates, persist_usage
 
-__all__ = ["Copier", "fence_done", "host_wait", "Entry", "State", "TieredStats", "Loader",
+__all__ = ["Copier", "cpu_copy", "fence_done", "host_wait", "Entry", "State", "TieredStats", "Loader",
            "Geometry", "Slots", "plan_slots", "SlotPool", "SlotTable", "NullListener", "Residency",
            "TierCache", "UsageRecorder", "load_rates", "persist_usage"]

@@ -88,6 +88,8 @@ class TierCache(Residency):
         self.now = 0
         self.cursor = -1                    # layer index of the last acquire
         self.widest = geo.k
+        self._layouts: list[int | None] = [None] * len(geo.layers)
+        self._layout_ids: dict[tuple, int] = {}
 
     # -- the get path -------------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int]) -> list[Entry]:
@@ -216,8 +218,8 @@ class TierCache(Residency):
         li, ex = divmod(e.key, self._E)
         table = self.table
         assert table is not None
-        ev = self.copier.copy(dev.view(d)[:n], host.view(hs)[:n], after=(dev.fence[d],),
-                              then=lambda: table.set_now(li, ex, d))
+        ev = self.copier.copy_slots(dev, d, host, hs, n, after=(dev.fence[d],),
+                                    then=lambda: table.set_now(li, ex, d))
         dev.fence[d] = None                      # later copies queue behind this one
         host.free(hs, ev)
         e.host_slot, e.dev_slot, e.staging, e.weights = -1, d, False, None
@@ -249,7 +251,7 @@ class TierCache(Residency):
         hv = self.host.alloc(host_write=False)
         assert hv is not None, "host slots and policy disagree"
         n = ve.nbytes
-        self.host.fence[hv] = self.copier.copy(self.host.view(hv)[:n], dev.view(d)[:n])
+        self.host.fence[hv] = self.copier.copy_slots(self.host, hv, dev, d, n)
         ve.host_slot, ve.state = hv, State.HOST
         self.stats.demotions += 1
         self.stats.bytes_d2h += n
@@ -281,9 +283,21 @@ class TierCache(Residency):
     def weights(self, e: Entry) -> ExpertWeights:
         w = e.weights
         if w is None:
-            buf = self.dev.view(e.dev_slot) if e.dev_slot >= 0 else self.host.view(e.host_slot)  # type: ignore[union-attr]
-            w = e.weights = weights_from_buffer(e.extent, buf)
+            li = e.key // self._E
+            lay = self._layouts[li]
+            if lay is None:
+                lay = self._layouts[li] = self._layout_id(e.extent)
+            if e.dev_slot >= 0:
+                parts = self.dev.parts(e.dev_slot, lay, e.extent)  # type: ignore[union-attr]
+            else:
+                parts = self.host.parts(e.host_slot, lay, e.extent)
+            w = e.weights = ExpertWeights(e.layer, e.expert, parts)
         return w
+
+    def _layout_id(self, extent: Any) -> int:
+        """One id per distinct part layout (every expert of a layer shares its layer's)."""
+        sig = tuple((p.role, p.ggml_type, p.ne, p.rel_offset, p.nbytes) for p in extent.parts)
+        return self._layout_ids.setdefault(sig, len(self._layout_ids))
 
     # -- prefetch and warm start ----------------------------------------------------------------
     def start_prefetch(self, layer: int, expert: int, source: str) -> str:

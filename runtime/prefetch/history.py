@@ -106,38 +106,44 @@ class HistoryPredictor:
         self.coef -= self.learn_rate * (X.T @ (p - y)) / route.size
 
     # -- predicting ---------------------------------------------------------------------------
-    def components(self, layer: int) -> np.ndarray:
-        """``[3, n_experts]`` probabilities: recency, transition and frequency estimates."""
-        E = self.n_experts
-        out = np.zeros((3, E))
+    def features(self, layer: int) -> np.ndarray:
+        """``[n_experts, 4]``: the recency, transition and frequency probabilities of each expert
+        of ``layer``, and a constant 1 (the regression's bias)."""
+        X = np.zeros((self.n_experts, 4))
+        X[:, 3] = 1.0
         prev = self.prev[layer]
         if prev is not None:
-            out[0, prev] = self.reuse[layer]
+            X[prev, 0] = self.reuse[layer]
         last = self._last
         src = (layer - 1) % self.n_layers
         if last is not None and last[0] == src:
             f = last[1]
-            occ = self.occ[src, f][:, None]
-            p = np.zeros((f.size, E))
-            np.divide(self.trans[src][f], occ, out=p, where=occ > 0)
-            np.minimum(p, 1.0, out=p)
-            out[1] = 1.0 - np.prod(1.0 - p, axis=0)
-        if self.tokens[layer] > 0:
-            out[2] = np.minimum(self.freq[layer] / self.tokens[layer], 1.0)
-        return out
+            occ = self.occ[src, f]
+            seen = occ > 0
+            if seen.any():
+                p = self.trans[src][f[seen]] * (1.0 / occ[seen])[:, None]   # P(e | f)
+                np.minimum(p, 1.0, out=p)
+                X[:, 1] = 1.0 - np.prod(1.0 - p, axis=0)
+        t = self.tokens[layer]
+        if t > 0:
+            np.minimum(self.freq[layer] * (1.0 / t), 1.0, out=X[:, 2])
+        return X
+
+    def components(self, layer: int) -> np.ndarray:
+        """``[3, n_experts]``: recency, transition and frequency estimates for ``layer``."""
+        return self.features(layer)[:, :3].T.copy()
 
     def predict(self, layer: int, budget: int) -> list[int]:
         """Up to ``budget`` experts of ``layer``, most likely first; only experts some estimate
         gives a chance (so fewer, or none, before anything is known)."""
-        comps = self.components(layer)
-        X = np.empty((self.n_experts, 4))
-        X[:, :3] = comps.T
-        X[:, 3] = 1.0
+        X = self.features(layer)
         self._pending[layer] = X
-        cand = np.flatnonzero(comps.max(axis=0) > 0)
-        if cand.size == 0 or budget < 1:
+        if budget < 1:
             return []
-        score = X[cand] @ self.coef
+        cand = np.flatnonzero(X[:, :3].any(axis=1))
+        if cand.size == 0:
+            return []
+        score = (X @ self.coef)[cand]
         if cand.size > budget:
             top = np.argpartition(-score, budget - 1)[:budget]
             cand, score = cand[top], score[top]
