@@ -444,8 +444,9 @@ class Plan:
         if not m.runnable or not m.placement.supported:
             return None
 
-        def size(n: int) -> str:
-            return f"{n / GiB:.2f}G" if n >= GiB else f"{max(1, n // MiB)}M"
+        def size(n: int) -> str:             # rounded up: the runtime floors budgets to slots
+            return (f"{math.ceil(n / GiB * 100) / 100:.2f}G" if n >= GiB
+                    else f"{max(1, math.ceil(n / MiB))}M")
 
         args = [f"expertfs run {store}", f"--device {'cuda' if m.placement.gpu else 'cpu'}",
                 f"--ram {size(m.host_slab)}"]

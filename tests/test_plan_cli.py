@@ -151,3 +151,28 @@ def test_store_probe_measures_storage_and_cpu(capsys, tiny_store) -> None:
 def test_this_machine_defaults(capsys) -> None:
     d = run_json(capsys, "--like", "Qwen3-30B-A3B", *FAST)
     assert d["box"]["label"].startswith("this machine") and d["box"]["ram_bytes"] > 0
+
+
+@pytest.mark.parametrize("vram", ["0", "2G"])
+def test_run_flags_give_the_planned_tiers_in_the_runtime(capsys, tiny_store, vram) -> None:
+    """The --ram/--vram the plan prints, sized by the runtime's own slot planner, give the
+    planned tiers (sizes are rounded up to 0.01 GiB / 1 MiB, so a few more slots at most)."""
+    from expertfs.runtime.cache.sizing import Geometry as SlotGeometry, plan_slots
+    from expertfs.store import Store
+    from expertfs.units import parse_size
+
+    d = run_json(capsys, str(tiny_store), "--ram", "4G", "--vram", vram, *FAST)
+    flags = dict(zip(d["run"].split()[3::2], d["run"].split()[4::2]))
+    with Store.open(str(tiny_store)) as s:
+        geo = SlotGeometry.from_store(s)
+    assert geo.stride == d["budget"]["slot_bytes"]
+    slots = plan_slots(geo, parse_size(flags["--ram"]), parse_size(flags.get("--vram", "0")),
+                       queue_depth=16)
+    slack = (1 << 20) // geo.stride + 1
+    b = d["budget"]
+    assert b["ram"]["tier_experts"] <= slots.ram <= b["ram"]["tier_experts"] + slack
+    # the runtime turns a RAM remainder below k slots into staging, as the plan leaves it no tier
+    assert slots.staging >= b["staging_slots"] and slots.staging + slots.ram == slots.host
+    vt = b["vram"]["tier_experts"] if b["vram"] else 0
+    assert vt <= slots.vram <= vt + slack
+    assert flags["--device"] == ("cuda" if vram != "0" else "cpu")
