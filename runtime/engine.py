@@ -16,6 +16,7 @@ in batches of ``prefill_batch`` tokens, each touched expert fetched once per bat
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -27,7 +28,7 @@ from .experts.protocol import ExpertProvider
 from .model import (DequantCache, ExpertRunner, LookaheadStats, Model, ModelConfig, Router,
                     TrunkReader, load_trunk)
 
-__all__ = ["Engine", "EngineOptions", "make_provider", "resolve_dtype"]
+__all__ = ["Engine", "EngineOptions", "make_provider", "resolve_dtype", "memory_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,14 @@ class EngineOptions:
     dtype: str | torch.dtype = "auto"     # compute dtype of the matrices (auto: f32 CPU, bf16 CUDA)
     n_ctx: int = 4096                     # KV cache limit in positions
     trunk: str = "auto"                   # "auto" | "float" | "quant" (see model.weights)
-    trunk_budget: int | None = None       # float trunk bytes allowed under "auto" (None: any)
+    trunk_budget: int | None = None       # float trunk bytes under "auto" (None: a quarter of
+                                          # the memory limit, cgroup included)
     dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = 2             # experts beyond top-k prefetched per token
     prefill_batch: int = 256              # tokens per prefill forward
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
+    fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
@@ -86,6 +89,47 @@ def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: 
     return DirectProvider(store, device)
 
 
+def memory_limit() -> int:
+    """Bytes this process may use: physical RAM, or its memory cgroup's limit when lower."""
+    try:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        limit = 16 << 30
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, ctrl, path = line.split(":", 2)
+        if ctrl == "":                                             # cgroup v2
+            cands = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in ctrl.split(","):
+            cands = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for c in cands:
+            try:
+                with open(c) as f:
+                    v = f.read().strip()
+            except OSError:
+                continue
+            if v.isdigit():
+                limit = min(limit, int(v))
+    return limit
+
+
+def _use_fused(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if mode not in ("auto", "on", "off"):
+        raise UsageError(f"unknown fused mode {mode!r}", fix="use auto, on or off")
+    if mode == "off" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if mode == "on":
+        return True
+    import shutil
+    return shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
 @dataclass
 class StepTimes:
     prefill_s: float = 0.0
@@ -106,13 +150,18 @@ class Engine:
         self.kv = kv
         self.config = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
         t0 = time.perf_counter()
+        fused = _use_fused(options.fused, self.device, self.dtype)
+        budget = options.trunk_budget
+        if budget is None and self.device.type == "cpu":
+            budget = memory_limit() // 4
         self.trunk = load_trunk(self.reader, self.config, dtype=self.dtype, device=self.device,
-                                trunk_mode=options.trunk, float_budget=options.trunk_budget,
-                                nextn=options.load_nextn)
+                                trunk_mode=options.trunk, float_budget=budget,
+                                nextn=options.load_nextn, fused=fused)
         self.load_seconds = time.perf_counter() - t0
         look = LookaheadStats(options.lookahead_margin) if options.lookahead else None
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
                                    DequantCache(options.dq_cache), look)
+        self.runner.fused = fused
         self.model = Model(self.config, self.trunk, self.runner, device=self.device,
                            dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
                            lookahead_margin=options.lookahead_margin)
@@ -184,6 +233,19 @@ class Engine:
         parts = [self._run(tokens[a:a + step], "all").cpu()
                  for a in range(0, len(tokens), step)]
         return torch.cat(parts)
+
+    def warm(self, chunk: int = 16) -> None:
+        """Ask for every expert of every layer once (fills the provider's tiers as far as they
+        go, and the dequantized-expert cache when it is on); for benchmarks of resident runs."""
+        for blk in self.trunk.blocks:
+            if blk.moe is None:
+                continue
+            n = self.store.n_experts(blk.layer)
+            for a in range(0, n, chunk):
+                try:
+                    self.runner._weights(blk.layer, list(range(a, min(n, a + chunk))))
+                finally:
+                    self.provider.release(blk.layer)
 
     def reset(self, pos: int = 0) -> None:
         self.model.reset(pos)

@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--tokens", help="run these token ids (comma separated) instead of a prompt")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at end-of-text tokens (always generate -n tokens)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -59,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=256, help="prefill batch in tokens (256)")
     p.add_argument("--trunk", choices=("auto", "float", "quant"), default="auto",
                    help="dequantize trunk matrices at load (float) or keep them quantized")
+    p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
+                   help="compiled one-token products from quantized bytes (auto: on CPU)")
     p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
                    help="keep up to SIZE of experts dequantized in RAM (0 = off)")
     p.add_argument("--lookahead", action="store_true",
@@ -113,6 +117,7 @@ def _open(args: argparse.Namespace):
         raise UsageError("-n, --ctx and --batch must be positive", fix="check the numbers")
     opts = EngineOptions(device=_device(args.device), dtype=args.dtype, n_ctx=args.ctx,
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
+                         fused=args.fused,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch)
     ram = args.ram if args.ram is not None else _default_ram()
     return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
@@ -203,7 +208,8 @@ def _generate(eng, args: argparse.Namespace) -> int:
     ttft = 0.0
     t_first = None
     bytes0 = eng.provider.stats.bytes_read
-    for step in generate(eng, prompt, sampler, args.n_predict, tok.stop_ids):
+    stops = set() if args.ignore_eos else tok.stop_ids
+    for step in generate(eng, prompt, sampler, args.n_predict, stops):
         if step.index == 0:
             ttft, t_first = step.seconds, time.perf_counter()
             bytes_prefill = eng.provider.stats.bytes_read - bytes0

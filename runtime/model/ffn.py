@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights, QWeight
+from .qmatvec import fused_matvec
 from .weights import Linear
 
 __all__ = ["DenseFFN", "FloatExpert", "expert_ffn", "to_float_expert"]
@@ -44,10 +45,17 @@ def _q(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return qlinear(x, w.raw, w.ggml_type, w.shape)
 
 
-def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert) -> torch.Tensor:
-    """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert."""
+def _qf(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    y = fused_matvec(x, w.raw, w.ggml_type, w.shape)
+    return qlinear(x, w.raw, w.ggml_type, w.shape) if y is None else y
+
+
+def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = False
+               ) -> torch.Tensor:
+    """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: decode steps
+    use the compiled matvec of ``qmatvec`` where the type has one."""
     p = e.parts
-    lin = F.linear if isinstance(e, FloatExpert) else _q
+    lin = F.linear if isinstance(e, FloatExpert) else (_qf if fused else _q)
     gu = p.get(Role.GATE_UP)
     if gu is not None:
         g, u = lin(x, gu).chunk(2, dim=-1)

@@ -20,6 +20,7 @@ from .attention import AttentionWeights
 from .config import ModelConfig
 from .ffn import DenseFFN
 from .moe import MoEWeights
+from .qmatvec import SUPPORTED
 from .router import RouterWeights
 from .weights import Embedding, Linear, RawTensor, TrunkReader, plan_float
 
@@ -52,9 +53,9 @@ class TrunkWeights:
 
 class _Builder:
     def __init__(self, reader: TrunkReader, cfg: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, float_names: set[str]) -> None:
+                 device: torch.device, float_names: set[str], fused: bool) -> None:
         self.r, self.cfg, self.dtype, self.device = reader, cfg, dtype, device
-        self.float_names = float_names
+        self.float_names, self.fused = float_names, fused
         self.float_bytes = self.quant_bytes = 0
 
     def vec(self, name: str, *, f32: bool = True) -> torch.Tensor:
@@ -70,6 +71,7 @@ class _Builder:
         b = self.r.opt(base + ".bias") if bias else None
         lin = Linear.load(w, b, dtype=self.dtype, device=self.device,
                           quantized=w.name not in self.float_names)
+        lin.fused = self.fused
         if lin.weight is None:
             self.quant_bytes += lin.nbytes
         else:
@@ -131,10 +133,15 @@ def _matrices(reader: TrunkReader, cfg: ModelConfig, nextn: bool) -> list[RawTen
 
 def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
                device: torch.device, trunk_mode: str = "auto",
-               float_budget: int | None = None, nextn: bool = True) -> TrunkWeights:
-    """Dequantize (or keep) every trunk tensor of ``cfg``'s model from ``reader``."""
-    float_names = plan_float(_matrices(reader, cfg, nextn), trunk_mode, dtype, float_budget)
-    b = _Builder(reader, cfg, dtype, device, float_names)
+               float_budget: int | None = None, nextn: bool = True,
+               fused: bool = False) -> TrunkWeights:
+    """Dequantize (or keep) every trunk tensor of ``cfg``'s model from ``reader``.
+
+    ``fused``: one-token products of quantized matrices go through ``qmatvec`` (and under
+    ``trunk_mode="auto"`` the types it supports stay quantized)."""
+    float_names = plan_float(_matrices(reader, cfg, nextn), trunk_mode, dtype, float_budget,
+                             SUPPORTED if fused else frozenset())
+    b = _Builder(reader, cfg, dtype, device, float_names, fused)
     embed = Embedding(reader.get("token_embd.weight"), device)
     if embed.shape != (cfg.n_vocab, cfg.n_embd):
         if embed.shape[1] != cfg.n_embd:
@@ -155,5 +162,6 @@ def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
     else:                                   # tied embeddings (llama.cpp falls back the same way)
         output = Linear.load(reader.get("token_embd.weight"), None, dtype=dtype, device=device,
                              quantized="token_embd.weight" not in float_names)
+        output.fused = fused
     return TrunkWeights(embed, blocks, extra, out_norm, output,
                         b.float_bytes, b.quant_bytes + embed.raw.nbytes)

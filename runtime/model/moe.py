@@ -20,6 +20,7 @@ from ..experts.protocol import ExpertProvider
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
 from .lookahead import LookaheadStats
+from .qmatvec import fused_experts
 from .router import Router, RouterWeights
 
 __all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
@@ -53,6 +54,7 @@ class ExpertRunner:
     lookahead: LookaheadStats | None = None
     stats: MoEStats = field(default_factory=MoEStats)
     record: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None   # trace rows
+    fused: bool = False          # decode matvecs through qmatvec (compiled, CPU)
 
     def _weights(self, layer: int, experts: list[int]) -> dict[int, Any]:
         """Weights of ``experts`` of ``layer``: dequant-cache hits first, the rest fetched."""
@@ -121,9 +123,13 @@ class ExpertRunner:
         try:
             weights = self._weights(layer, experts)
             if T == 1:
-                out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
-                for j, e in enumerate(experts):
-                    out.add_(expert_ffn(x, weights[e]).float() * wts[0, j])
+                out = None
+                if self.fused:
+                    out = fused_experts(x, wts[0], [weights[e] for e in experts])
+                if out is None:
+                    out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+                    for j, e in enumerate(experts):
+                        out.add_(expert_ffn(x, weights[e], self.fused).float() * wts[0, j])
             else:
                 out = self._batched(x, ids, wts, experts, counts_h, weights)
         finally:

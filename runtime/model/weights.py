@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ...errors import StoreError
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType, row_bytes
+from .qmatvec import fused_matvec
 
 __all__ = ["RawTensor", "TrunkReader", "Linear", "Embedding", "plan_float"]
 
@@ -93,12 +94,13 @@ class TrunkReader:
 class Linear:
     """``y = x @ W.T (+ b)`` with W either a float ``[out, in]`` tensor or ggml bytes."""
 
-    __slots__ = ("weight", "q", "bias", "out_features", "in_features")
+    __slots__ = ("weight", "q", "bias", "out_features", "in_features", "fused")
 
     def __init__(self, weight: torch.Tensor | None, q: RawTensor | None,
                  bias: torch.Tensor | None, shape: tuple[int, int]) -> None:
         self.weight, self.q, self.bias = weight, q, bias
         self.out_features, self.in_features = shape
+        self.fused = False           # one-token products through qmatvec (set by the loader)
 
     @classmethod
     def load(cls, w: RawTensor, b: RawTensor | None, *, dtype: torch.dtype,
@@ -121,6 +123,10 @@ class Linear:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         q = self.q
+        if self.fused and x.dim() == 2 and x.shape[0] == 1:
+            y = fused_matvec(x, q.raw, q.ggml_type, q.shape)
+            if y is not None:
+                return y if self.bias is None else y + self.bias
         return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias)
 
 
@@ -142,18 +148,22 @@ class Embedding:
 
 
 def plan_float(mats: Iterable[RawTensor], mode: str, dtype: torch.dtype,
-               float_budget: int | None) -> set[str]:
+               float_budget: int | None, fused_types: frozenset = frozenset()) -> set[str]:
     """Names of the matrices to dequantize at load (the rest stay quantized).
 
-    ``float``: all; ``quant``: none (F32 matrices are always used as they are); ``auto``: all
-    unless their float size passes ``float_budget``, then the largest stay quantized until the
-    rest fits.
+    ``float``: all; ``quant``: none (F32 matrices are always used as they are); ``auto``: the
+    types with a fused one-token product (``fused_types``) stay quantized, the others are
+    dequantized unless their float size passes ``float_budget``, then the largest stay
+    quantized until the rest fits.
     """
     mats = list(mats)
-    if mode == "float" or (mode == "auto" and float_budget is None):
+    if mode == "float":
         return {m.name for m in mats}
     if mode == "quant":
         return set()
+    mats = [m for m in mats if m.ggml_type not in fused_types]
+    if float_budget is None:
+        return {m.name for m in mats}
     el = torch.empty(0, dtype=dtype).element_size()
     chosen = {m.name for m in mats}
     total = sum(m.numel * el for m in mats)
