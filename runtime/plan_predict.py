@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import UsageError
-from .plan import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, GPU_TRAFFIC_PER_ELEMENT, OPS_PER_LAYER,
+from .plan import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, EXPERT_OVERHEAD_S, GPU_TRAFFIC_PER_ELEMENT,
+                   OPS_PER_LAYER,
                    PAGEABLE_FACTOR, SCHEMA, Box, Geometry, GiB, Matrix, Memory, MiB, Note, Range,
                    _gib, kv_bytes_per_token, kv_cache_bytes)
 
@@ -53,6 +54,7 @@ class DeviceRates:
     mem_gbps: Range
     op_s: Range
     sync_s: Range
+    experts: Mapping[str, LinearCost] = field(default_factory=dict)   # expert kernels, if faster
 
     def cost(self, ggml_type: str) -> LinearCost:
         c = self.linear.get(ggml_type) or self.linear.get("*")
@@ -60,8 +62,12 @@ class DeviceRates:
             raise UsageError(f"no {self.device} rate for {ggml_type}", fix="probe or give a default")
         return c
 
+    def expert_cost(self, ggml_type: str) -> LinearCost:
+        return self.experts.get(ggml_type) or self.cost(ggml_type)
+
     def as_dict(self) -> dict[str, Any]:
         return {"linear": {t: c.as_dict() for t, c in self.linear.items()},
+                "experts": {t: c.as_dict() for t, c in self.experts.items()},
                 "mem_gbps": self.mem_gbps.as_dict(), "op_s": self.op_s.as_dict(),
                 "sync_s": self.sync_s.as_dict()}
 
@@ -262,8 +268,10 @@ class Prediction:
 _IO_TERMS = ("storage", "pcie")
 
 
-def _compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, times: int = 1) -> float:
-    return times * sum(rates.cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
+def _compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, experts: bool = False
+                  ) -> float:
+    cost = rates.expert_cost if experts else rates.cost
+    return sum(cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
 
 
 def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
@@ -291,10 +299,16 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                           f"{r.d2h_bytes_per_token / MiB:.0f} MiB demoted (full duplex: the larger "
                           f"counts) at {rates.pcie.slow * f:.1f}-{rates.pcie.fast * f:.1f} GB/s"
                           + ("" if mem.pinned else " (pageable)")))
-    ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e) for parts in g.expert_parts))
+    ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e, experts=True)
+                                  for parts in g.expert_parts))
     terms.append(Term("experts", *ex,
                       f"{g.k} x {len(g.moe_layers)} experts ({g.token_expert_bytes / MiB:.0f} MiB "
                       f"incl. padding) dequant+matmul on the {pl.experts.upper()}"))
+    n_exp = g.k * len(g.moe_layers)
+    terms.append(Term("expert_overhead", n_exp * EXPERT_OVERHEAD_S[0], n_exp * EXPERT_OVERHEAD_S[1],
+                      f"{n_exp} experts x {EXPERT_OVERHEAD_S[1] * 1e6:.0f}-"
+                      f"{EXPERT_OVERHEAD_S[0] * 1e6:.0f} us of runtime work each (stated, "
+                      "calibrated once)"))
     mats = g.trunk_compute(pl.trunk_mode, pl.trunk)
     tr = both(lambda e: _compute_cost(trunk_rates, mats, e))
     terms.append(Term("trunk", *tr, f"{sum(m.nbytes * m.count for m in mats) / MiB:.0f} MiB of "

@@ -134,9 +134,23 @@ def _weight_bytes(ggml_type: str, rows: int, cols: int, seed: int = 0):
     return torch.from_numpy(raw)
 
 
-def _linear_times(m: Matrix, device: str, budget_s: float, sync=None):
-    """Time ``formats.dequant.linear`` on a matrix like ``m`` (capped in size) and on a small
-    one: (big times, small times, big bytes, small bytes, shape), or None when it cannot run."""
+def _fused_kernel(ggml_type: Any) -> Callable | None:
+    """The runtime's compiled decode matvec for this type (``runtime.model.qmatvec``), if it is
+    there and supports it; None otherwise (any import or API mismatch included)."""
+    try:
+        from .model import qmatvec
+        if qmatvec.available() and ggml_type in qmatvec.SUPPORTED:
+            return qmatvec.fused_matvec
+    except Exception:
+        pass
+    return None
+
+
+def _linear_times(m: Matrix, device: str, budget_s: float, sync=None, fused: bool = False):
+    """Time ``formats.dequant.linear`` (or, with ``fused``, the runtime's compiled matvec: then
+    on ``m``'s own shape only, compiling once outside the timing) on a matrix like ``m``
+    (capped in size) and on a small one: (big times, small times or None, big bytes, small
+    bytes, shape, kernel name), or None when it cannot run."""
     import torch
 
     from ..formats.dequant import linear
@@ -148,6 +162,17 @@ def _linear_times(m: Matrix, device: str, budget_s: float, sync=None):
     except (KeyError, ValueError):
         return None
     cols = m.cols
+    kernel = _fused_kernel(t) if fused and device == "cpu" else None
+    if kernel is not None:
+        rows = max(1, min(m.rows, (16 << 20) // max(1, cols)))
+        try:
+            big = _weight_bytes(m.ggml_type, rows, cols)
+            x = torch.randn(1, cols)
+            if kernel(x, big, t, (rows, cols)) is not None:          # compiles (seconds, once)
+                tb = _times(lambda: kernel(x, big, t, (rows, cols)), 7, budget_s, sync)
+                return tb, None, rows * row_bytes(t, cols), 0, [rows, cols], "runtime.model.qmatvec"
+        except Exception:
+            pass                                                 # fall back to dequant.linear
     cap = (16 << 20) if m.ggml_type in _FLOAT else (4 << 20)    # float GEMV must leave the caches
     rows = max(1, min(m.rows, cap // max(1, cols)))
     small_cols = max(bs, 256 // bs * bs) if cols % bs == 0 else cols
@@ -161,19 +186,20 @@ def _linear_times(m: Matrix, device: str, budget_s: float, sync=None):
         ts = _times(lambda: linear(xs, small, t, (small_rows, small_cols)), 11, budget_s * 0.3, sync)
     except Exception:                                      # unsupported type or shape: no figure
         return None
-    return tb, ts, rows * row_bytes(t, cols), small_rows * row_bytes(t, small_cols), [rows, cols]
+    return (tb, ts, rows * row_bytes(t, cols), small_rows * row_bytes(t, small_cols), [rows, cols],
+            "formats.dequant.linear")
 
 
-def _fit(tb: float, ts: float, nb: int, ns: int) -> tuple[float, float]:
+def _fit(tb: float, ts: float | None, nb: int, ns: int) -> tuple[float, float]:
     """(overhead s, bytes/s) through two points: a call costs overhead + bytes / rate."""
-    if tb > ts and nb > ns:
+    if ts is not None and tb > ts and nb > ns:
         rate = (nb - ns) / (tb - ts)
         return max(0.0, ts - ns / rate), rate
     return 0.0, nb / tb
 
 
 def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None,
-                 threads: Sequence[int] = ()) -> tuple[LinearCost, dict] | None:
+                 threads: Sequence[int] = (), fused: bool = False) -> tuple[LinearCost, dict] | None:
     """Overhead and rate of dequant+matmul for ``m``'s type. On the CPU it is timed with one
     thread (the slow end: its typical run) and with each of ``threads`` (the fast end: the best
     of all), since a busy machine makes multi-threaded torch calls erratic."""
@@ -185,7 +211,7 @@ def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None,
         try:
             for n in dict.fromkeys([1, *threads]):
                 torch.set_num_threads(n)
-                got = _linear_times(m, device, budget_s / (1 + len(threads)), sync)
+                got = _linear_times(m, device, budget_s / (1 + len(threads)), sync, fused)
                 if got is None:
                     return None
                 runs.append((n, got))
@@ -196,17 +222,21 @@ def _linear_cost(m: Matrix, device: str, budget_s: float, sync=None,
         if got is None:
             return None
         runs.append((0, got))
-    _, (tb, ts, nb, ns, shape) = runs[0]
-    over, rate = _fit(min(tb), min(ts), nb, ns)
-    noise_b, noise_s = _typical(tb) / min(tb), _typical(ts) / min(ts)
-    fast = [_fit(min(r[0]), min(r[1]), nb, ns) for _, r in runs]
+    _, (tb, ts, nb, ns, shape, kname) = runs[0]
+
+    def lo(xs: list[float] | None) -> float | None:
+        return min(xs) if xs else None
+
+    over, rate = _fit(min(tb), lo(ts), nb, ns)
+    noise_b, noise_s = _typical(tb) / min(tb), (_typical(ts) / min(ts) if ts else 1.0)
+    fast = [_fit(min(r[0]), lo(r[1]), nb, ns) for _, r in runs]
     f_over = min(o for o, _ in fast)
     f_rate = max(r for _, r in fast)
-    desc = (f"measured now: formats.dequant.linear {m.ggml_type} {shape[0]}x{shape[1]} on {device}"
+    desc = (f"measured now: {kname} {m.ggml_type} {shape[0]}x{shape[1]} on {device}"
             + (f", 1 thread typical / best of {', '.join(str(n) for n, _ in runs)} threads"
                if device == "cpu" else f", 30th percentile / best of {len(tb)}"))
     cost = LinearCost(Range(over * noise_s, f_over, desc), Range(rate / noise_b / 1e9, f_rate / 1e9, desc))
-    return cost, {"type": m.ggml_type, "shape": shape,
+    return cost, {"type": m.ggml_type, "shape": shape, "kernel": kname,
                   "runs": {str(n): {"big_s": r[0], "small_s": r[1]} for n, r in runs}}
 
 
@@ -226,10 +256,13 @@ def host_memory() -> int:
     return total
 
 
-def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5) -> tuple[DeviceRates, dict[str, Any]]:
+def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5,
+              expert_mats: Sequence[Matrix] = ()) -> tuple[DeviceRates, dict[str, Any]]:
     """CPU dequant+matmul per ggml type (the ones carrying most bytes), memory read bandwidth and
     small-op dispatch on this machine: the slow end single-threaded (its typical run), the fast
-    end the best of one thread and torch's thread count."""
+    end the best of one thread and torch's thread count. ``expert_mats``: also time the expert
+    matrices through the runtime's compiled decode matvec (``runtime.model.qmatvec``, the path
+    its CPU decode takes; compiling costs seconds the first time in a process)."""
     import torch
 
     base = stated_cpu()
@@ -251,6 +284,12 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5) -> tuple[DeviceR
                 if m.ggml_type not in _FLOAT and m.ggml_type in linear and linear[m.ggml_type] is not base.linear.get("*")]
     if measured:                            # any other quantized type: the slowest one measured
         linear["*"] = min(measured, key=lambda c: c.gbps.slow)
+    experts: dict[str, LinearCost] = {}
+    for m in linear_types(expert_mats, limit=3):
+        got = _linear_cost(m, "cpu", per, threads=threads, fused=True)
+        if got is not None and got[1]["kernel"] != "formats.dequant.linear":
+            experts[m.ggml_type] = got[0]
+            detail["linear"].append(got[1])
     buf = torch.ones(32 << 20, dtype=torch.float32)          # 128 MiB
     a, b = torch.ones(2048), torch.ones(2048)
 
@@ -273,7 +312,7 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5) -> tuple[DeviceR
     op = Range(_typical(op_t[1]) / 200, min(min(t) for t in op_t.values()) / 200,
                "measured now: torch.add on 2048 floats")
     del buf
-    return DeviceRates("cpu", linear, mem, op, base.sync_s), detail
+    return DeviceRates("cpu", linear, mem, op, base.sync_s, experts), detail
 
 
 # ------------------------------------------------------------------------------------------------

@@ -185,7 +185,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if req.probe and cpu_mats:
         from .plan_probe import probe_cpu
         say("measuring CPU dequant+matmul")
-        cpu, detail["cpu"] = probe_cpu(cpu_mats)
+        cpu_only = not any(m.placement.gpu for m in runnable)      # the CPU decides the answer
+        cpu, detail["cpu"] = probe_cpu(cpu_mats, expert_mats=expert_mats if cpu_only else ())
     gpu_mem = None
     if req.gpu_gbps is not None:
         if req.gpu_gbps <= 0:
