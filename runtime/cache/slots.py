@@ -16,6 +16,7 @@ that read them (copies wait on it on the GPU).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ class SlotPool:
             self.pinned, self.pin_note = False, "device memory"
         st = self.stride
         self._views = [self.tensor[i * st:i * st + slot_bytes] for i in range(n_slots)]
-        self._free = list(range(n_slots - 1, -1, -1))          # pop() hands out slot 0 first
+        self._free = deque(range(n_slots))      # FIFO: the longest free, whose copies are done
         self.fence: list[Fence] = [None] * n_slots
         self.base = self.tensor.data_ptr()
         self._parts: dict[tuple[int, int], dict[Any, QWeight]] = {}
@@ -95,7 +96,7 @@ class SlotPool:
         read), so any asynchronous copy still touching it is waited for first."""
         if not self._free:
             return None
-        i = self._free.pop()
+        i = self._free.popleft()
         if host_write and self.fence[i] is not None:
             host_wait(self.fence[i])
             self.fence[i] = None
@@ -109,6 +110,6 @@ class SlotPool:
     def close(self) -> None:
         if self._slab is not None:
             self._slab.close()
-        self._free = []
+        self._free = deque()
         self._views = []
         self._parts = {}

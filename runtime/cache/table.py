@@ -26,6 +26,8 @@ class SlotTable:
         self.copier = copier
         if device.type == "cuda":
             self.device = torch.full((n_layers, n_experts), -1, dtype=torch.int32, device=device)
+            # the fill above runs on the current stream; later writes run on the copy stream
+            copier.stream.wait_stream(torch.cuda.current_stream(device))
             self._shared = False
         else:
             self.device = torch.from_numpy(self.host)
