@@ -54,7 +54,9 @@ class DeviceRates:
     mem_gbps: Range
     op_s: Range
     sync_s: Range
-    experts: Mapping[str, LinearCost] = field(default_factory=dict)   # expert kernels, if faster
+    #: the runtime's compiled one-token kernels for quantized matrices (experts, and a quantized
+    #: trunk), where measured: they replace ``linear`` for those types
+    fused: Mapping[str, LinearCost] = field(default_factory=dict)
 
     def cost(self, ggml_type: str) -> LinearCost:
         c = self.linear.get(ggml_type) or self.linear.get("*")
@@ -62,12 +64,13 @@ class DeviceRates:
             raise UsageError(f"no {self.device} rate for {ggml_type}", fix="probe or give a default")
         return c
 
-    def expert_cost(self, ggml_type: str) -> LinearCost:
-        return self.experts.get(ggml_type) or self.cost(ggml_type)
+    def quant_cost(self, ggml_type: str) -> LinearCost:
+        """A quantized matrix's product: the fused kernel when there is one, else ``cost``."""
+        return self.fused.get(ggml_type) or self.cost(ggml_type)
 
     def as_dict(self) -> dict[str, Any]:
         return {"linear": {t: c.as_dict() for t, c in self.linear.items()},
-                "experts": {t: c.as_dict() for t, c in self.experts.items()},
+                "fused": {t: c.as_dict() for t, c in self.fused.items()},
                 "mem_gbps": self.mem_gbps.as_dict(), "op_s": self.op_s.as_dict(),
                 "sync_s": self.sync_s.as_dict()}
 
@@ -268,9 +271,9 @@ class Prediction:
 _IO_TERMS = ("storage", "pcie")
 
 
-def _compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, experts: bool = False
+def _compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, quantized: bool = False
                   ) -> float:
-    cost = rates.expert_cost if experts else rates.cost
+    cost = rates.quant_cost if quantized else rates.cost
     return sum(cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
 
 
@@ -299,7 +302,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                           f"{r.d2h_bytes_per_token / MiB:.0f} MiB demoted (full duplex: the larger "
                           f"counts) at {rates.pcie.slow * f:.1f}-{rates.pcie.fast * f:.1f} GB/s"
                           + ("" if mem.pinned else " (pageable)")))
-    ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e, experts=True)
+    ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e, quantized=True)
                                   for parts in g.expert_parts))
     terms.append(Term("experts", *ex,
                       f"{g.k} x {len(g.moe_layers)} experts ({g.token_expert_bytes / MiB:.0f} MiB "
@@ -310,7 +313,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{EXPERT_OVERHEAD_S[0] * 1e6:.0f} us of runtime work each (stated, "
                       "calibrated once)"))
     mats = g.trunk_compute(pl.trunk_mode, pl.trunk)
-    tr = both(lambda e: _compute_cost(trunk_rates, mats, e))
+    tr = both(lambda e: _compute_cost(trunk_rates, mats, e, quantized=pl.trunk_mode == "quant"))
     terms.append(Term("trunk", *tr, f"{sum(m.nbytes * m.count for m in mats) / MiB:.0f} MiB of "
                                     f"trunk matrices ({pl.trunk_mode}) on the {pl.trunk.upper()}"))
     kv_slow = kv_cache_bytes(g, box.ctx, mem.kv_type)

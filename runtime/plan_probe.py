@@ -257,12 +257,13 @@ def host_memory() -> int:
 
 
 def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5,
-              expert_mats: Sequence[Matrix] = ()) -> tuple[DeviceRates, dict[str, Any]]:
+              fused_mats: Sequence[Matrix] = ()) -> tuple[DeviceRates, dict[str, Any]]:
     """CPU dequant+matmul per ggml type (the ones carrying most bytes), memory read bandwidth and
     small-op dispatch on this machine: the slow end single-threaded (its typical run), the fast
-    end the best of one thread and torch's thread count. ``expert_mats``: also time the expert
-    matrices through the runtime's compiled decode matvec (``runtime.model.qmatvec``, the path
-    its CPU decode takes; compiling costs seconds the first time in a process)."""
+    end the best of one thread and torch's thread count. ``fused_mats``: also time these
+    quantized matrices (experts, a quantized trunk) through the runtime's compiled one-token
+    matvec (``runtime.model.qmatvec``, what ``expertfs run --fused`` uses on the CPU; compiling
+    costs seconds the first time in a process)."""
     import torch
 
     base = stated_cpu()
@@ -284,11 +285,11 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5,
                 if m.ggml_type not in _FLOAT and m.ggml_type in linear and linear[m.ggml_type] is not base.linear.get("*")]
     if measured:                            # any other quantized type: the slowest one measured
         linear["*"] = min(measured, key=lambda c: c.gbps.slow)
-    experts: dict[str, LinearCost] = {}
-    for m in linear_types(expert_mats, limit=3):
+    fused: dict[str, LinearCost] = {}
+    for m in linear_types(fused_mats, limit=3):
         got = _linear_cost(m, "cpu", per, threads=threads, fused=True)
         if got is not None and got[1]["kernel"] != "formats.dequant.linear":
-            experts[m.ggml_type] = got[0]
+            fused[m.ggml_type] = got[0]
             detail["linear"].append(got[1])
     buf = torch.ones(32 << 20, dtype=torch.float32)          # 128 MiB
     a, b = torch.ones(2048), torch.ones(2048)
@@ -312,7 +313,7 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5,
     op = Range(_typical(op_t[1]) / 200, min(min(t) for t in op_t.values()) / 200,
                "measured now: torch.add on 2048 floats")
     del buf
-    return DeviceRates("cpu", linear, mem, op, base.sync_s, experts), detail
+    return DeviceRates("cpu", linear, mem, op, base.sync_s, fused), detail
 
 
 # ------------------------------------------------------------------------------------------------

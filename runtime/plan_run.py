@@ -186,7 +186,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
         from .plan_probe import probe_cpu
         say("measuring CPU dequant+matmul")
         cpu_only = not any(m.placement.gpu for m in runnable)      # the CPU decides the answer
-        cpu, detail["cpu"] = probe_cpu(cpu_mats, expert_mats=expert_mats if cpu_only else ())
+        quant = expert_mats + [m for m in g.trunk_matrices if not m.tied]
+        cpu, detail["cpu"] = probe_cpu(cpu_mats, fused_mats=quant if cpu_only else ())
     gpu_mem = None
     if req.gpu_gbps is not None:
         if req.gpu_gbps <= 0:
