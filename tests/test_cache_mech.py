@@ -41,7 +41,8 @@ def test_host_pool_slots_aligned_disjoint_and_within_budget():
     budget = PinBudget(1 << 30)
     pool = SlotPool("ram", 5, 3 * PAGE + 100, device=CPU, host=True, pin="auto", pin_budget=budget)
     try:
-        assert not pool.pinned and budget.used == 0        # no CUDA here: never pinned
+        cuda = torch.cuda.is_available()                    # pinned with CUDA only, in budget
+        assert pool.pinned == cuda and budget.used == (pool.nbytes if cuda else 0)
         assert pool.stride == 4 * PAGE and pool.nbytes == 5 * 4 * PAGE
         ptrs = [pool.view(i).data_ptr() for i in range(5)]
         assert all(p % PAGE == 0 for p in ptrs)
