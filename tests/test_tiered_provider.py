@@ -255,3 +255,23 @@ def test_usage_round_trip_and_warm_start(store_path, data):
             check_invariants(p)
     finally:
         s.close()
+
+
+def test_demotion_into_a_ram_tier_pinned_full_drops_instead(store, data):
+    """A get whose own experts fill the RAM tier (a prefill batch's union): the device victim
+    cannot be demoted (every RAM slot pinned), so it is dropped; bytes and invariants hold."""
+    with provider(store, 7, vram=14, staging_slots=3, policy="lru") as p:
+        assert p.describe()["ram_slots"] == 4
+        for layer, ids in ((2, [0, 1, 2, 3]), (1, list(range(10))), (1, [10, 11, 12, 13])):
+            p.get(layer, ids)
+            p.release(layer)
+        ram = [e.expert for e in p.cache.entries.values() if e.dev_slot < 0]
+        assert sorted(ram) == [0, 1, 2, 3]                    # layer 2's four were demoted
+        assert_weights(store, data, 2, p.get(2, [8, 0, 1, 2, 3]))
+        p.release(2)
+        st = p.stats
+        assert st.evictions["vram"] - st.demotions == 1       # one victim dropped, not demoted
+        check_invariants(p)
+        assert_weights(store, data, 3, p.get(3, list(range(14))))
+        p.release(3)
+        check_invariants(p)

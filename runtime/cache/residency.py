@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import CancelledError
 from typing import Any
 
 from expertfs.errors import UsageError
@@ -140,15 +141,22 @@ class Residency:
             self.stats.late_bytes += e.nbytes
             self.listener.on_late(e.source or "warm", e.nbytes)
 
+    def _block(self, fut: Any) -> None:
+        """Wait for a read (time counted as stall); its outcome is the caller's to look at."""
+        if fut.done():
+            return
+        t0 = time.perf_counter()
+        try:
+            fut.exception()
+        except CancelledError:
+            pass
+        finally:
+            self.stats.stall_seconds += time.perf_counter() - t0
+
     def _wait(self, e: Entry) -> None:
         """Block until ``e``'s read is done; raise what it raised."""
         fut = self.loader.resolve(e)
-        if not fut.done():
-            t0 = time.perf_counter()
-            try:
-                fut.exception()
-            finally:
-                self.stats.stall_seconds += time.perf_counter() - t0
+        self._block(fut)
         exc = self._complete(e, fut)
         if exc is not None:
             raise exc
@@ -191,7 +199,8 @@ class Residency:
             e.future = None
             return True
         if wait:
-            exc = fut.exception()
+            self._block(fut)
+            exc = fut.exception() if not fut.cancelled() else None
             e.future = None
             if exc is None:
                 self.stats.bytes_read += e.nbytes

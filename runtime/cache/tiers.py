@@ -247,7 +247,11 @@ class TierCache(Residency):
         if R is None:
             self._forget(ve)
             return d
-        self._admit_host(v)                      # demote: device -> host
+        try:
+            self._admit_host(v)                  # demote: device -> host
+        except CapacityError:                    # every RAM key is pinned (a huge get): drop it
+            self._forget(ve)
+            return d
         hv = self.host.alloc(host_write=False)
         assert hv is not None, "host slots and policy disagree"
         n = ve.nbytes
