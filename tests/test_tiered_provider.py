@@ -275,3 +275,15 @@ def test_demotion_into_a_ram_tier_pinned_full_drops_instead(store, data):
         assert_weights(store, data, 3, p.get(3, list(range(14))))
         p.release(3)
         check_invariants(p)
+
+
+def test_prefetch_hints_never_raise_for_layers_without_experts(store):
+    with provider(store, 8) as p:
+        p.prefetch(0, [1, 2])                    # the leading dense block: nothing to do
+        assert p.stats.prefetch_issued == 0
+        assert p.max_experts_per_get == 8
+        p.get(1, [0, 1])
+        assert p.max_experts_per_get == 6
+        p.release(1)
+        p.close()
+        p.prefetch(1, [3])                       # after close: ignored

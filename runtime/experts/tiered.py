@@ -113,7 +113,7 @@ class TieredProvider:
     def prefetch(self, layer: int, experts: Sequence[int], source: str = "gate") -> None:
         """Start reads of ``experts`` of ``layer`` into RAM if there is room; never blocks on
         storage. ``source`` names the predictor in ``prefetch_report()``."""
-        if self._closed:
+        if self._closed or layer not in self._index:
             return
         self.cache.drain()
         self.prefetcher.submit(source, layer, experts)
@@ -154,6 +154,12 @@ class TieredProvider:
         pool = self.cache.dev if self.cache.dev is not None else self.cache.host
         return pool.rows()
 
+    @property
+    def max_experts_per_get(self) -> int:
+        """How many experts one ``get`` may ask for now (the compute tier's slots less those
+        held by layers not yet released): split wider requests (prefill batches)."""
+        return self.cache.slots.compute - len(self.cache._pins)
+
     def layer_index(self, layer: int) -> int:
         return self._index[layer]
 
@@ -166,6 +172,7 @@ class TieredProvider:
         return {
             "policy": c.policy_name, "device": str(c.device), "slot_bytes": c.geo.stride,
             "ram_slots": s.ram, "staging_slots": s.staging, "vram_slots": s.vram,
+            "compute_slots": s.compute,
             "ram_bytes": c.host.nbytes, "vram_bytes": c.dev.nbytes if c.dev is not None else 0,
             "pinned": c.host.pinned, "pin_note": c.host.pin_note,
             "backend": self.reader.backend_name, "history": self.history is not None,
