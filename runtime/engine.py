@@ -162,12 +162,40 @@ class Engine:
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
                                    DequantCache(options.dq_cache), look)
         self.runner.fused = fused
+        if fused:
+            t1 = time.perf_counter()
+            self._precompile()
+            self.compile_seconds = time.perf_counter() - t1
         self.model = Model(self.config, self.trunk, self.runner, device=self.device,
                            dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
                            lookahead_margin=options.lookahead_margin)
         self.times = StepTimes()
+        self.compile_seconds = getattr(self, "compile_seconds", 0.0)
         self._trace = None
         self._token_no = 0              # tokens run through the model (trace token index)
+
+    def _precompile(self) -> None:
+        """Compile the fused one-token products this model uses, before the first token."""
+        from .model import qmatvec
+        from ..formats.moe_names import Role
+        t = self.trunk
+        lins = [t.output] + [x for b in t.blocks for x in (b.attn.wq, b.attn.wk, b.attn.wv,
+                                                           b.attn.wo)]
+        for b in t.blocks:
+            for ffn in (b.dense, b.moe.shared if b.moe else None):
+                if ffn is not None:
+                    lins += [ffn.gate, ffn.up, ffn.down]
+        mats = {(x.q.ggml_type, x.q.shape) for x in lins if x.q is not None and x.fused}
+        layers = set()
+        for b in t.blocks:
+            if b.moe is None:
+                continue
+            parts = {p.role: p for p in self.store.extent(b.layer, 0).parts}
+            if all(r in parts for r in (Role.GATE, Role.UP, Role.DOWN)):
+                ps = [parts[r] for r in (Role.GATE, Role.UP, Role.DOWN)]
+                layers.add((tuple(p.ggml_type for p in ps),
+                            tuple(tuple(reversed(p.ne)) for p in ps), self.config.n_expert_used))
+        qmatvec.precompile(mats, layers)
 
     @classmethod
     def open(cls, path: str, *, provider: ExpertProvider | str = "auto", ram_bytes: int = 0,
@@ -284,6 +312,7 @@ class Engine:
             "trunk_float_bytes": self.trunk.float_bytes,
             "trunk_quant_bytes": self.trunk.quant_bytes,
             "kv_cache_bytes": self.model.cache.nbytes, "load_seconds": self.load_seconds,
+            "compile_seconds": self.compile_seconds, "fused": self.runner.fused,
             "prefill_tokens": self.times.prefill_tokens, "prefill_s": self.times.prefill_s,
             "decode_tokens": self.times.decode_tokens, "decode_s": self.times.decode_s,
         }

@@ -253,7 +253,7 @@ def test_synth_archs_run(tmp_path):
         g, s = tmp_path / f"{arch}.gguf", tmp_path / f"{arch}.efs"
         synthesize(cfg, str(g))
         repack([str(g)], str(s))
-        with Engine.open(str(s), provider="direct", trunk="quant") as e:
+        with Engine.open(str(s), provider="direct", trunk="quant", fused="off") as e:
             lg = e.logits([1, 2, 3, 4])
             assert lg.shape == (4, cfg.n_vocab) and torch.isfinite(lg).all()
             assert len(e.trunk.nextn) == cfg.n_nextn

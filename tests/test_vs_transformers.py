@@ -9,6 +9,7 @@ weights against the original float model: close, with the same argmax almost eve
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from expertfs.store import Store  # noqa: E402
 
 TOKENS = [5, 100, 200, 37, 400, 12, 7, 300, 255, 1, 2, 3, 77, 500, 9, 64]
 F32_TOL = 1e-4
+#: bench/gpu_check.sh runs this file with EXPERTFS_TEST_DEVICE=cuda
+DEVICE = os.environ.get("EXPERTFS_TEST_DEVICE", "cpu")
 
 
 def _ref(model, tokens=TOKENS) -> np.ndarray:
@@ -35,8 +38,9 @@ def _ref(model, tokens=TOKENS) -> np.ndarray:
 
 
 def _ours(store: str, tokens=TOKENS, **opts) -> np.ndarray:
+    opts = {"device": DEVICE, "dtype": "float32", "fused": "off", **opts}
     with Store.open(store) as st:
-        eng = Engine(st, DirectProvider(st), EngineOptions(**opts))
+        eng = Engine(st, DirectProvider(st, opts["device"]), EngineOptions(**opts))
         try:
             return eng.logits(tokens).numpy()
         finally:
@@ -64,12 +68,13 @@ def test_incremental_decode_equals_one_batch(f32_models, kind):
     model, _, store = f32_models[kind]
     ref = _ref(model)
     with Store.open(store) as st:
-        eng = Engine(st, DirectProvider(st), EngineOptions(prefill_batch=5))
+        eng = Engine(st, DirectProvider(st, DEVICE),
+                     EngineOptions(prefill_batch=5, device=DEVICE, dtype="float32"))
         try:
             last = eng.prefill(TOKENS[:11])
-            rows = [last.numpy()]
+            rows = [last.cpu().numpy()]
             for t in TOKENS[11:]:
-                rows.append(eng.decode(t).numpy())
+                rows.append(eng.decode(t).cpu().numpy())
         finally:
             eng.close()
     got = np.stack(rows)
@@ -97,7 +102,7 @@ def test_quantized_experts_close_to_the_float_model(tmp_path, kind):
 
 def test_glm4moe_nextn_block_is_loaded_not_run(tmp_path):
     model, _, store = convert("glm4moe", str(tmp_path), seed=4, nextn=True)
-    with Engine.open(store, provider="direct") as eng:
+    with Engine.open(store, provider="direct", device=DEVICE, dtype="float32") as eng:
         assert eng.config.n_nextn == 1 and eng.config.n_layer == model.config.num_hidden_layers
         (blk,) = eng.trunk.nextn
         assert blk.layer == eng.config.n_layer and blk.moe is not None

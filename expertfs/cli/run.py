@@ -115,9 +115,12 @@ def _open(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     if args.n_predict < 0 or args.ctx < 1 or args.batch < 1:
         raise UsageError("-n, --ctx and --batch must be positive", fix="check the numbers")
+    fused = args.fused
+    if args.tokens and fused == "auto":
+        fused = "off"            # --tokens runs batches only: nothing to compile for
     opts = EngineOptions(device=_device(args.device), dtype=args.dtype, n_ctx=args.ctx,
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
-                         fused=args.fused,
+                         fused=fused,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch)
     ram = args.ram if args.ram is not None else _default_ram()
     return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,

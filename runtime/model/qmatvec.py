@@ -34,7 +34,7 @@ import torch
 
 from ...formats.ggml import GGMLType
 
-__all__ = ["fused_matvec", "fused_experts", "available", "SUPPORTED", "disable"]
+__all__ = ["fused_matvec", "fused_experts", "available", "SUPPORTED", "disable", "precompile"]
 
 log = logging.getLogger(__name__)
 
@@ -229,3 +229,37 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list) -> torch.Tens
         return None
     _state["ok"] = True
     return y.reshape(1, -1)
+
+
+def precompile(matrices: set[tuple[GGMLType, tuple[int, int]]],
+               layers: set[tuple[tuple[GGMLType, ...], tuple[tuple[int, int], ...], int]]) -> None:
+    """Compile ahead of time (at model load, not inside the first token): one-token products
+    of ``matrices`` ``(type, (rows, cols))`` and expert layers ``((tg, tu, td), shapes, n)``.
+
+    The dummy inputs are ordinary tensors and the calls run under inference mode, as in the
+    forward pass, so the compiled graphs' guards match the real calls (no recompiles)."""
+    from ...formats.ggml import row_bytes
+    from ...formats.moe_names import Role
+    from ..experts.protocol import ExpertWeights, QWeight
+
+    def zeros(t: GGMLType, shape: tuple[int, int]) -> torch.Tensor:
+        return torch.zeros(shape[0] * row_bytes(t, shape[1]), dtype=torch.uint8)
+
+    calls = []                  # weights: ordinary tensors; activations: made in inference mode
+    for t, shape in sorted(matrices, key=str):
+        if t in _KERNELS:
+            raw = zeros(t, shape)
+            calls.append(lambda raw=raw, t=t, shape=shape: fused_matvec(
+                torch.zeros(1, shape[1]), raw, t, shape))
+    for types, shapes, n in sorted(layers, key=str):
+        if any(t not in _KERNELS for t in types):
+            continue
+        parts = {r: QWeight(zeros(t, sh), t, sh)
+                 for r, t, sh in zip((Role.GATE, Role.UP, Role.DOWN), types, shapes)}
+        experts = [ExpertWeights(0, j, parts) for j in range(n)]
+        calls.append(lambda experts=experts, n=n, d=shapes[0][1]: fused_experts(
+            torch.zeros(1, d), torch.zeros(n), experts))
+    with torch.inference_mode():
+        for call in calls:
+            if call() is None:
+                return
