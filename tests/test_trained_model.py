@@ -204,3 +204,11 @@ def test_llama_cpp_agrees(built: dict) -> None:
                          n_gen=16)
     assert res["top1_agreement"] >= 0.95, res
     assert res["tokenization_identical"] == "2/2", res
+
+
+@pytest.mark.llama
+def test_llama_cpp_nextn_agrees(built: dict) -> None:
+    """llama.cpp's own MTP graph on the exported NextN tensors drafts what torch drafts."""
+    pytest.importorskip("llama_cpp")
+    res = ex.check_llama_mtp(str(built["out"] / "run"), built["gguf"]["path"], n_tokens=48)
+    assert res["top1_agreement"] >= 0.95 and res["max_abs_dlogit"] < 0.05, res

@@ -18,7 +18,9 @@ BPE (``tokenizer.ggml.model = gpt2``, ``pre = glm4``) with GLM's special-token i
 (``llama_model_quantize``), the only way to get real K-quant blocks here (gguf-py cannot quantize
 K-quants). ``--check-llama`` loads the GGUF in llama.cpp (llama-cpp-python) and compares with the
 torch model holding the same (dequantized) weights: tokenization of held-out text, top-1 of
-every position of greedy continuations, and the greedy continuations themselves.
+every position of greedy continuations, and the greedy continuations themselves; and the NextN
+block, run by llama.cpp's own MTP graph (``LLAMA_CONTEXT_TYPE_MTP``) on the same token and
+hidden-state inputs, against the torch NextN block's draft logits.
 """
 
 from __future__ import annotations
@@ -291,6 +293,74 @@ def check_llama(run_dir: str, gguf_path: str, *, n_prompts: int = 4, prompt_len:
             "n_gen": n_gen, "tokenization_identical": f"{tok_ok}/{tok_n}"}
 
 
+def _set_embeddings_nextn(ctx, value: bool, masked: bool) -> None:
+    """``llama_set_embeddings_nextn`` (llama-ext.h; exported by libllama but not bound by
+    llama-cpp-python): what llama.cpp's draft-mtp driver calls on its MTP context."""
+    import ctypes
+
+    from llama_cpp import llama_cpp as raw
+    f = getattr(raw._lib, "_Z26llama_set_embeddings_nextnP13llama_contextbb", None)
+    if f is not None:
+        f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
+        f(ctx, value, masked)
+
+
+@torch.no_grad()
+def check_llama_mtp(run_dir: str, gguf_path: str, *, n_tokens: int = 64, threads: int = 1) -> dict:
+    """llama.cpp's NextN graph (an MTP context, ``load_mtp``) against the torch NextN block.
+
+    Both get the same inputs: at position p the token t_p and the trunk's normed hidden state
+    h_{p-1} (computed by torch), as llama.cpp's draft-mtp catch-up pairs them; a legacy
+    ``llama_batch`` carries token ids and state rows together. Compared: the draft logits."""
+    import ctypes
+
+    import llama_cpp as L
+    model, _ = load_checkpoint(os.path.join(run_dir, "model.pt"))
+    model.set_experts("eager")
+    load_gguf_weights(model, gguf_path)
+    held = np.load(os.path.join(run_dir, "held_out.npy")).astype(np.int64)[:n_tokens]
+    ids = torch.from_numpy(held)[None]
+    S = ids.shape[1]
+    h = model.trunk(ids)[0]
+    want = model.logits(model.nextn(ids[:, 1:], h[None, :-1], torch.arange(1, S)[None]))[0].numpy()
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.load_mtp, mp.use_extra_bufts = True, False
+    m = L.llama_model_load_from_file(gguf_path.encode(), mp)
+    if not m:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path} with load_mtp")
+    cp = L.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = max(256, S)
+    cp.ctx_type, cp.type_k, cp.type_v = L.LLAMA_CONTEXT_TYPE_MTP, 0, 0
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(m, cp)
+    n, H = S - 1, h.shape[1]
+    b = L.llama_batch_init(n, H, 1)                   # allocates embd; MTP batches carry both
+    try:
+        _set_embeddings_nextn(ctx, True, True)
+        toks = (L.llama_token * n)(*[int(t) for t in held[1:S]])
+        b.token = ctypes.cast(toks, ctypes.POINTER(L.llama_token))
+        rows = np.ascontiguousarray(h.numpy()[:-1], dtype=np.float32)
+        ctypes.memmove(b.embd, rows.ctypes.data, rows.nbytes)
+        b.n_tokens = n
+        for i in range(n):
+            b.pos[i], b.n_seq_id[i], b.logits[i] = i + 1, 1, 1
+            b.seq_id[i][0] = 0
+        rc = L.llama_decode(ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode on the MTP context returned {rc}")
+        V = want.shape[1]
+        got = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(V,)).copy()
+                        for i in range(n)])
+    finally:
+        b.token = None                                # ours, not llama_batch_free's
+        L.llama_batch_free(b)
+        L.llama_free(ctx)
+        L.llama_model_free(m)
+    return {"positions": n, "top1_agreement": float((got.argmax(1) == want.argmax(1)).mean()),
+            "max_abs_dlogit": float(np.abs(got - want).max())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="a train_tiny_moe.py output directory")
@@ -317,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(q)
     if a.check_llama:
         info["llama_check"] = {p: check_llama(a.run_dir, p, threads=a.threads) for p in paths}
+        info["llama_nextn_check"] = {p: check_llama_mtp(a.run_dir, p, threads=a.threads)
+                                     for p in paths}
     print(json.dumps(info, indent=1))
     return 0
 

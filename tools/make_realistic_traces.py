@@ -7,7 +7,8 @@ Stages, each into OUT_DIR (nothing is cached between runs; a fixed seed gives th
 
 1. ``tools/train_tiny_moe.py``       → OUT/run/ (tokenizer.json, model.pt, metrics.json, logs)
 2. ``tools/export_glm4moe_gguf.py``  → OUT/model-<experts>.gguf (NextN included); with
-   ``--check-llama`` llama.cpp's greedy top-1 against torch on the same weights
+   ``--check-llama`` llama.cpp against torch on the same weights: greedy top-1 of the trunk, and
+   the NextN block's draft logits through llama.cpp's MTP graph
 3. ``expertfs repack`` + ``expertfs verify --source`` → OUT/model-<experts>.efs
 4. ``tools/trace_trained_moe.py``    → OUT/traces/{decode,mtp}.efstrace, trace_stats.json
    (bytes per expert from the store's extents)
@@ -77,10 +78,14 @@ def pipeline(out: str, *, preset: str = "small", seed: int = 0, steps: int | Non
     if check_llama:
         t = time.time()
         summary["llama_check"] = ex.check_llama(run_dir, gguf, threads=threads)
+        summary["llama_nextn_check"] = ex.check_llama_mtp(run_dir, gguf, threads=threads)
         if llama_quantize:
             summary["llama_check_quantized"] = ex.check_llama(run_dir, q, threads=threads)
+            summary["llama_nextn_check_quantized"] = ex.check_llama_mtp(run_dir, q,
+                                                                        threads=threads)
         times["llama_check_s"] = round(time.time() - t, 1)
-        log(f"llama.cpp vs torch: {json.dumps(summary['llama_check'])}")
+        log(f"llama.cpp vs torch: {json.dumps(summary['llama_check'])}; NextN "
+            f"{json.dumps(summary['llama_nextn_check'])}")
 
     t = time.time()
     store = gguf[:-5] + ".efs"
