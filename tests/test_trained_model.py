@@ -212,3 +212,23 @@ def test_llama_cpp_nextn_agrees(built: dict) -> None:
     pytest.importorskip("llama_cpp")
     res = ex.check_llama_mtp(str(built["out"] / "run"), built["gguf"]["path"], n_tokens=48)
     assert res["top1_agreement"] >= 0.95 and res["max_abs_dlogit"] < 0.05, res
+
+
+def test_trunk_tensors_equal_hf_to_gguf(built: dict, tmp_path: Path) -> None:
+    """tools/hf_to_gguf.py (the project's transformers → GGUF converter) writes the trained
+    trunk with the same names, types, shapes and bytes as this exporter (which adds the NextN
+    block and the trained tokenizer, which that converter has no hook for)."""
+    hf = pytest.importorskip("hf_to_gguf")
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
+    model, _ = load_checkpoint(str(built["out"] / "run" / "model.pt"))
+    theirs = tmp_path / "hf.gguf"
+    hf.write_gguf(model.lm, "glm4moe", str(theirs), expert_type=T.F16, matrix_type=T.F16)
+    a = {t.name: t for t in GGUFReader(built["gguf"]["path"]).tensors}
+    b = {t.name: t for t in GGUFReader(str(theirs)).tensors}
+    trunk = {n for n in a if not n.startswith(f"blk.{TINY.layers}.")}
+    assert trunk == set(b)
+    for n in trunk:
+        assert a[n].tensor_type == b[n].tensor_type, n
+        assert list(a[n].shape) == list(b[n].shape), n
+        assert np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data)), n
