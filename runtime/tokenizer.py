@@ -5,7 +5,8 @@ Byte-level BPE (``tokenizer.ggml.model = "gpt2"``): the vocabulary is ``tokenize
 the regex llama.cpp uses for ``tokenizer.ggml.pre`` (``PRE_SPLITS``, from LC
 ``src/llama-vocab.cpp``: several regexes split in turn), then the byte-level mapping. Token
 types follow llama.cpp: CONTROL (3) tokens are special (matched in text only when
-``parse_special``, dropped when decoding), USER_DEFINED (4) tokens always match whole. BOS is
+``parse_special``, dropped when decoding), USER_DEFINED (4) tokens always match whole, UNUSED
+(5) padding tokens decode to nothing. BOS is
 prepended when ``tokenizer.ggml.add_bos_token`` says so (default per pre-tokenizer, as in
 llama.cpp). ``ignore_merges`` (llama3, glm4, tekken): a word that is itself a token is not
 split. Chat templates (``tokenizer.chat_template``) render in a Jinja sandbox.
@@ -21,7 +22,7 @@ from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["GGUFTokenizer", "PRE_SPLITS", "render_chat"]
 
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 2, 3, 4, 5
 
 _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -111,7 +112,8 @@ class GGUFTokenizer:
         self.stop_ids |= {i for i, (t, ty) in enumerate(zip(tokens, types))
                           if ty == CONTROL and t in ("<|im_end|>", "<|endoftext|>", "<|user|>",
                                                      "<|observation|>", "<|return|>", "<|call|>")}
-        self._control = {i for i, ty in enumerate(types) if ty == CONTROL}
+        self._special = {i for i, ty in enumerate(types) if ty in (UNKNOWN, CONTROL)}
+        self._unused = {i for i, ty in enumerate(types) if ty == UNUSED}
 
     def encode(self, text: str, *, add_bos: bool | None = None,
                parse_special: bool = True) -> list[int]:
@@ -124,8 +126,10 @@ class GGUFTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], *, special: bool = False) -> str:
-        """Text of ``ids``; control tokens are dropped unless ``special``."""
-        keep = [int(i) for i in ids if special or int(i) not in self._control]
+        """Text of ``ids`` as llama.cpp renders it: control and unknown tokens only when
+        ``special``, unused (padding) tokens never."""
+        keep = [int(i) for i in ids
+                if int(i) not in self._unused and (special or int(i) not in self._special)]
         return self._tok.decode(keep, skip_special_tokens=False)
 
     def detokenizer(self) -> Detokenizer:

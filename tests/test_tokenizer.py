@@ -140,3 +140,11 @@ def test_same_ids_as_llama_cpp(tmp_path, arch):
             assert tok.encode(text) == ref, text
     finally:
         m.close()
+
+
+def test_unused_padding_tokens_decode_to_nothing():
+    tok = GGUFTokenizer(_kv("qwen3moe"))
+    pad = next(i for i, t in enumerate(tok.tokens) if t.startswith("[PAD"))
+    hi = tok.encode("hi")
+    assert tok.decode(hi + [pad] + hi) == "hihi"
+    assert tok.decode([pad], special=True) == ""

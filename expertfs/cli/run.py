@@ -163,12 +163,26 @@ def _run_tokens(eng, tokens: list[int], args: argparse.Namespace) -> int:
 
 
 class _Status:
-    """The live status line on stderr (only on a terminal)."""
+    """The live status line on stderr (only on a terminal).
+
+    When the generated text goes to the same terminal, the line is drawn only while the text
+    cursor is at the start of a line (``at_line_start``), in the line the next text will
+    take, and cleared before that text is written: streamed text is never overwritten."""
 
     def __init__(self, eng, enabled: bool) -> None:
         self.eng, self.enabled, self.last = eng, enabled and sys.stderr.isatty(), 0.0
+        self.shared = sys.stdout.isatty()
+        self.at_line_start = True
+        self.shown = False
         st = eng.provider.stats
         self.b0, self.s0 = st.bytes_read, st.stall_seconds
+
+    def text(self, piece: str) -> None:
+        """Write generated text to stdout (clearing the status line first when shown)."""
+        self.clear()
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        self.at_line_start = piece.endswith("\n")
 
     def line(self, n_decoded: int, decode_s: float) -> str:
         st = self.eng.provider.stats
@@ -179,18 +193,21 @@ class _Status:
         return (f"{tps:6.2f} tok/s | hit {tiers} | {mb:7.1f} MB/token | "
                 f"stall {st.stall_seconds - self.s0:6.2f} s")
 
-    def draw(self, n: int, decode_s: float, force: bool = False) -> None:
+    def draw(self, n: int, decode_s: float) -> None:
         now = time.perf_counter()
-        if not self.enabled or (not force and now - self.last < 0.25):
+        if (not self.enabled or now - self.last < 0.25
+                or (self.shared and not self.at_line_start)):
             return
         self.last = now
         sys.stderr.write("\r\x1b[2K" + self.line(n, decode_s))
         sys.stderr.flush()
+        self.shown = True
 
     def clear(self) -> None:
-        if self.enabled:
+        if self.enabled and self.shown:
             sys.stderr.write("\r\x1b[2K")
             sys.stderr.flush()
+            self.shown = False
 
 
 def _generate(eng, args: argparse.Namespace) -> int:
@@ -221,9 +238,7 @@ def _generate(eng, args: argparse.Namespace) -> int:
         out_ids.append(step.token)
         piece = detok.push(step.token)
         if piece and not args.json:
-            status.clear()
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+            status.text(piece)
         if t_first is not None:
             status.draw(len(out_ids) - 1, time.perf_counter() - t_first)
     status.clear()
