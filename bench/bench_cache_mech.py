@@ -19,11 +19,12 @@ Stores: a tiny one (8 layers × 64 experts, top-8, ~28 KiB experts) for hits and
 ``--store`` (default: a synthesised 4 × 32 × ~1.1 MB one) for misses. Ratios matter, not
 absolute times (2 shared cores, a virtio disk whose runs vary by ±40%).
 
-Measured on the 2-core dev VM (2026-11-30), medians of 5: a hit costs 1.5-3 µs per expert
-(host tier or CPU device tier) and 13-28 µs with the history predictor on; a miss of a 1.67 MB
-expert took 1.07-1.17× the wall time of a raw read of the same experts with the page cache warm
-and 1.15-1.26× cold (runs vary by ±30% here), the caller spending 15-25 µs more CPU per expert
-than the raw loop; real hits equal the simulator's in every case.
+Measured on the 2-core dev VM (2026-11-30), three runs, medians of 5 each: a hit costs 1.4-2.2
+µs per expert (host tier), 1.5-3.2 µs (CPU device tier), 12-14 µs with the history predictor
+on; a miss of a 1.67 MB expert took 1.07-1.23× the wall time of a raw read of the same experts
+with the page cache warm and 1.04-1.26× cold (single runs here vary by ±30%), the caller
+spending about 25 µs more CPU per expert than the raw loop (55-61 against 30-36 µs); real hits
+equal the simulator's in every case.
 """
 
 from __future__ import annotations

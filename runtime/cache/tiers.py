@@ -10,7 +10,7 @@ for call, so hit rates measured on the real thing equal the simulated ones for t
   uploaded; the device victim is demoted to RAM (a device → host copy), whose own victim is
   dropped.
 
-Every key of a ``acquire`` is pinned until ``release`` of its layer, in both tiers, so the
+Every expert of an ``acquire`` is pinned until ``release`` of its layer, in both tiers, so the
 running layer's slots are never a victim. Prefetches (``start_prefetch``) are *soft* pins until
 their target layer runs: they cannot be evicted by one another, and if a demand finds every slot
 pinned, soft pins are dropped first. A prefetch whose layer has passed unused is cancelled if
@@ -88,7 +88,7 @@ class TierCache(Residency):
         self.now = 0
         self.cursor = -1                    # layer index of the last acquire
         self.widest = geo.k
-        self._layouts: list[int | None] = [None] * len(geo.layers)
+        self._layouts: dict[int, int] = {}           # key -> layout id
         self._layout_ids: dict[tuple, int] = {}
 
     # -- the get path -------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class TierCache(Residency):
                     R.observe(key, now)
                 if key in soft or e.source is not None:
                     self._touch(e)
-                if e.state is State.UPLOADING:
+                if e.state is State.UPLOADING:      # (its get already made compute wait)
                     if fence_done(e.fence):
                         e.state, e.fence = State.DEVICE, None
                     else:
@@ -287,10 +287,9 @@ class TierCache(Residency):
     def weights(self, e: Entry) -> ExpertWeights:
         w = e.weights
         if w is None:
-            li = e.key // self._E
-            lay = self._layouts[li]
+            lay = self._layouts.get(e.key)
             if lay is None:
-                lay = self._layouts[li] = self._layout_id(e.extent)
+                lay = self._layouts[e.key] = self._layout_id(e.extent)
             if e.dev_slot >= 0:
                 parts = self.dev.parts(e.dev_slot, lay, e.extent)  # type: ignore[union-attr]
             else:
@@ -299,7 +298,8 @@ class TierCache(Residency):
         return w
 
     def _layout_id(self, extent: Any) -> int:
-        """One id per distinct part layout (every expert of a layer shares its layer's)."""
+        """One id per distinct part layout (in practice one per quant mix: a layer's experts are
+        slices of the same tensors, so they share their layer's)."""
         sig = tuple((p.role, p.ggml_type, p.ne, p.rel_offset, p.nbytes) for p in extent.parts)
         return self._layout_ids.setdefault(sig, len(self._layout_ids))
 
