@@ -17,6 +17,8 @@ that read them (copies wait on it on the GPU).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -59,7 +61,7 @@ class SlotPool:
         self._free = deque(range(n_slots))      # FIFO: the longest free, whose copies are done
         self.fence: list[Fence] = [None] * n_slots
         self.base = self.tensor.data_ptr()
-        self._parts: dict[tuple[int, int], dict[Any, QWeight]] = {}
+        self._parts: dict[tuple[int, int], Mapping[Any, QWeight]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +78,7 @@ class SlotPool:
     def address(self, i: int) -> int:
         return self.base + i * self.stride
 
-    def parts(self, i: int, layout: int, extent: Extent) -> dict[Any, QWeight]:
+    def parts(self, i: int, layout: int, extent: Extent) -> Mapping[Any, QWeight]:
         """``QWeight`` views of an expert with ``extent``'s layout (``layout`` names it) in slot
         ``i``, made once per slot and layout and kept: creating and freeing tensor views is
         cheap alone but cost ~0.1 ms each while I/O threads were busy (measured), so the hot
@@ -84,7 +86,8 @@ class SlotPool:
         key = (i, layout)
         parts = self._parts.get(key)
         if parts is None:
-            parts = self._parts[key] = dict(weights_from_buffer(extent, self._views[i]).parts)
+            parts = self._parts[key] = MappingProxyType(
+                dict(weights_from_buffer(extent, self._views[i]).parts))
         return parts
 
     def rows(self) -> torch.Tensor:
