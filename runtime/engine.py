@@ -178,14 +178,9 @@ class Engine:
         """Compile the fused one-token products this model uses, before the first token."""
         from .model import qmatvec
         from ..formats.moe_names import Role
+        from .model.loader import linears
         t = self.trunk
-        lins = [t.output] + [x for b in t.blocks for x in (b.attn.wq, b.attn.wk, b.attn.wv,
-                                                           b.attn.wo)]
-        for b in t.blocks:
-            for ffn in (b.dense, b.moe.shared if b.moe else None):
-                if ffn is not None:
-                    lins += [ffn.gate, ffn.up, ffn.down]
-        mats = {(x.q.ggml_type, x.q.shape) for x in lins if x.q is not None and x.fused}
+        mats = {(x.q.ggml_type, x.q.shape) for x in linears(t) if x.q is not None and x.fused}
         layers = set()
         for b in t.blocks:
             if b.moe is None:

@@ -215,18 +215,21 @@ def test_kv_cache_grows_and_refuses_overflow(tmp_path):
     assert np.abs(got - ref).max() < 2e-4
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-    {"rope_type": "linear", "factor": 2.0},
+@pytest.mark.parametrize("kind,scaling", [
+    ("qwen3moe", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    ("mixtral", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    ("qwen3moe", {"rope_type": "linear", "factor": 2.0}),
+    ("mixtral", {"rope_type": "linear", "factor": 2.0}),
+    ("deepseek2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                   "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
 ])
-@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
 def test_rope_scaling_matches_transformers(tmp_path, kind, scaling):
     model, _, store = convert(kind, str(tmp_path), seed=15, rope_scaling=scaling,
                               max_position_embeddings=128)
     toks = list(range(3, 300, 11))
     with torch.no_grad():
         ref = model(torch.tensor([toks])).logits[0].numpy()
-    with Engine.open(store, provider="direct") as e:
+    with Engine.open(store, provider="direct", fused="off") as e:
         got = e.logits(toks).numpy()
     assert np.abs(got - ref).max() < 1e-4
 
@@ -245,10 +248,11 @@ def test_dense_model_is_refused():
 
 
 def test_synth_archs_run(tmp_path):
-    """Synth's qwen3moe, glm4moe (+NextN) and llama GGUFs in mixed K-quants load and run."""
+    """Synth's qwen3moe, glm4moe (+NextN), llama and deepseek2 (MLA, groups) GGUFs in mixed
+    K-quants load and run."""
     from expertfs.repack import repack
     from expertfs.synth import SynthConfig, synthesize
-    for arch in ("qwen3moe", "glm4moe", "llama"):
+    for arch in ("qwen3moe", "glm4moe", "llama", "deepseek2"):
         cfg = SynthConfig.tiny(arch).replace(quant="q4_k_m")
         g, s = tmp_path / f"{arch}.gguf", tmp_path / f"{arch}.efs"
         synthesize(cfg, str(g))

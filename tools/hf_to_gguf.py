@@ -26,8 +26,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 
-KINDS = ("qwen3moe", "glm4moe", "mixtral")
-ARCH = {"qwen3moe": "qwen3moe", "glm4moe": "glm4moe", "mixtral": "llama"}
+KINDS = ("qwen3moe", "glm4moe", "mixtral", "deepseek2")
+ARCH = {"qwen3moe": "qwen3moe", "glm4moe": "glm4moe", "mixtral": "llama", "deepseek2": "deepseek2"}
 _FLOAT = {T.F32: np.float32, T.F16: np.float16}
 
 
@@ -53,6 +53,15 @@ def tiny_config(kind: str, **over):
         cfg = dict(common, intermediate_size=32, num_local_experts=4, rms_norm_eps=1e-5,
                    rope_theta=1_000_000.0)
         cls = tf.MixtralConfig
+    elif kind == "deepseek2":                       # DeepSeek-V3 layout, MLA, written as deepseek2
+        cfg = dict(common, num_key_value_heads=4, intermediate_size=128,
+                   moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                   first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2,
+                   topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   rms_norm_eps=1e-6, rope_theta=10000.0)
+        cfg.pop("head_dim")
+        cls = tf.DeepseekV3Config
     else:
         raise ValueError(f"unknown kind {kind!r}; use one of {KINDS}")
     scaling = over.pop("rope_scaling", None)
@@ -68,7 +77,7 @@ def tiny_model(kind: str, seed: int = 0, **over):
     import transformers as tf
     cfg = tiny_config(kind, **over)
     cls = {"qwen3moe": tf.Qwen3MoeForCausalLM, "glm4moe": tf.Glm4MoeForCausalLM,
-           "mixtral": tf.MixtralForCausalLM}[kind]
+           "mixtral": tf.MixtralForCausalLM, "deepseek2": tf.DeepseekV3ForCausalLM}[kind]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     g = torch.Generator().manual_seed(seed)
@@ -135,7 +144,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _metadata(w: GGUFWriter, kind: str, c, n_vocab: int) -> None:
-    arch = ARCH[kind]
+    rp = c.rope_parameters
     w.add_type("model")
     w.add_name(f"tiny {kind} from transformers")
     n_nextn = int(getattr(c, "num_nextn_predict_layers", 0) or 0) if kind == "glm4moe" else 0
@@ -144,7 +153,7 @@ def _metadata(w: GGUFWriter, kind: str, c, n_vocab: int) -> None:
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_head_count_kv(1 if kind == "deepseek2" else c.num_key_value_heads)  # MLA: MQA
     rp = c.rope_parameters
     if rp.get("rope_type", "default") in ("yarn", "linear"):      # TextModel.set_gguf_parameters
         from gguf import RopeScalingType
@@ -156,13 +165,13 @@ def _metadata(w: GGUFWriter, kind: str, c, n_vocab: int) -> None:
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     n_exp = {"qwen3moe": "num_experts", "glm4moe": "n_routed_experts",
-             "mixtral": "num_local_experts"}[kind]
+             "mixtral": "num_local_experts", "deepseek2": "n_routed_experts"}[kind]
     w.add_expert_count(getattr(c, n_exp))
     w.add_expert_used_count(c.num_experts_per_tok)
     if kind in ("qwen3moe", "glm4moe"):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-    if kind == "glm4moe" and c.n_group > 1:
+    if kind in ("glm4moe", "deepseek2") and c.n_group > 1:
         w.add_expert_group_count(c.n_group)
         w.add_expert_group_used_count(c.topk_group)
     w.add_file_type(0)
@@ -183,6 +192,25 @@ def _metadata(w: GGUFWriter, kind: str, c, n_vocab: int) -> None:
         w.add_expert_weights_norm(bool(c.norm_topk_prob))
         if n_nextn:
             w.add_nextn_predict_layers(n_nextn)
+    elif kind == "deepseek2":                      # DeepseekV2Model.set_gguf_parameters
+        from gguf import ExpertGatingFuncType
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_vocab_size(n_vocab)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_expert_weights_scale(float(c.routed_scaling_factor))
+        w.add_expert_weights_norm(bool(c.norm_topk_prob))
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        if rp.get("rope_type") == "yarn" and rp.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * float(rp["mscale_all_dim"]))
 
 
 def _tokenizer(w: GGUFWriter, kind: str, n_vocab: int) -> None:
@@ -240,6 +268,24 @@ def write_gguf(model, kind: str, path: str, *, expert_type: T = T.F32,
     return Written(path, arch, o.n)
 
 
+def _mla(o: _Out, sd, a: str, p: str, c, back) -> None:
+    """DeepseekV2Model.modify_tensors: kv_b_proj split into k_b (transposed) and v_b."""
+    for x, hx in (("q_a", "q_a_proj"), ("q_b", "q_b_proj"), ("q", "q_proj"),
+                  ("kv_a_mqa", "kv_a_proj_with_mqa"), ("output", "o_proj")):
+        if f"{a}{hx}.weight" in sd:
+            o.mat(f"{p}attn_{x}.weight", _np(sd[f"{a}{hx}.weight"]))
+            back[f"{a}{hx}.weight"] = (f"{p}attn_{x}.weight",)
+    for x, hx in (("q_a_norm", "q_a_layernorm"), ("kv_a_norm", "kv_a_layernorm")):
+        if f"{a}{hx}.weight" in sd:
+            o.add(f"{p}attn_{x}.weight", _np(sd[f"{a}{hx}.weight"]))
+            back[f"{a}{hx}.weight"] = (f"{p}attn_{x}.weight",)
+    H, N, V = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+    kv_b = _np(sd[a + "kv_b_proj.weight"]).reshape(H, N + V, c.kv_lora_rank)
+    o.add(p + "attn_k_b.weight", kv_b[:, :N].transpose(0, 2, 1))        # [H, L, N]
+    o.add(p + "attn_v_b.weight", kv_b[:, N:])                           # [H, V, L]
+    back[a + "kv_b_proj.weight"] = (p + "attn_k_b.weight", p + "attn_v_b.weight")
+
+
 def _block(o: _Out, sd, hf: str, p: str, kind: str, c, H: int, K: int, back) -> None:
     a = hf + "self_attn."
     o.add(p + "attn_norm.weight", _np(sd[hf + "input_layernorm.weight"]))
@@ -247,7 +293,11 @@ def _block(o: _Out, sd, hf: str, p: str, kind: str, c, H: int, K: int, back) -> 
     post = "post_attention_norm" if kind == "glm4moe" else "ffn_norm"
     o.add(p + post + ".weight", _np(sd[hf + "post_attention_layernorm.weight"]))
     back[hf + "post_attention_layernorm.weight"] = (p + post + ".weight",)
+    if kind == "deepseek2":
+        _mla(o, sd, a, p, c, back)
     for x, hx in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+        if kind == "deepseek2":
+            break
         wt = _np(sd[f"{a}{hx}.weight"])
         if kind == "mixtral" and x in ("q", "k"):
             wt = _permute(wt, H if x == "q" else K)
@@ -319,7 +369,13 @@ def _sync(model, deq: dict[str, np.ndarray], back, kind: str, H: int, K: int) ->
         params = dict(model.named_parameters()) | dict(model.named_buffers())
         for hf_name, names in back.items():
             vals = [deq[n] for n in names]
-            v = np.concatenate(vals, axis=1) if len(vals) == 2 else vals[0]
+            if hf_name.endswith("kv_b_proj.weight"):            # k_b [H, L, N], v_b [H, V, L]
+                v = np.concatenate((vals[0].transpose(0, 2, 1), vals[1]), axis=1)
+                v = v.reshape(-1, v.shape[-1])
+            elif len(vals) == 2:
+                v = np.concatenate(vals, axis=1)
+            else:
+                v = vals[0]
             if kind == "mixtral" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 n_head = H if "q_proj" in hf_name else K
                 v = _unpermute(v, n_head)

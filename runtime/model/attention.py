@@ -34,15 +34,21 @@ class AttentionWeights:
 
 
 class KVCache:
-    """Per-layer key/value tensors; ``pos`` is the number of positions already stored."""
+    """Per-layer key/value tensors; ``pos`` is the number of positions already stored.
+
+    MLA (deepseek2) keeps one latent "head" per position, ``[kv_lora + rope]``, whose first
+    ``kv_lora`` values are also the values: no separate value tensors."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int, n_ctx: int, dtype: torch.dtype,
                  device: torch.device, initial: int = 256) -> None:
         self.n_ctx, self.dtype, self.device = n_ctx, dtype, device
-        self.kv_heads, self.kd, self.vd = cfg.n_head_kv, cfg.head_dim, cfg.v_head_dim
+        if cfg.mla:
+            self.kv_heads, self.kd, self.vd = 1, cfg.kv_lora_rank + cfg.n_rot, 0
+        else:
+            self.kv_heads, self.kd, self.vd = cfg.n_head_kv, cfg.head_dim, cfg.v_head_dim
         self.capacity = min(initial, n_ctx)
         self.k = [self._alloc(self.kd) for _ in range(n_layers)]
-        self.v = [self._alloc(self.vd) for _ in range(n_layers)]
+        self.v = [self._alloc(self.vd) for _ in range(n_layers)] if self.vd else []
         self.pos = 0
 
     def _alloc(self, d: int, n: int | None = None) -> torch.Tensor:

@@ -10,7 +10,12 @@ llama.cpp's ``llama-model.cpp`` per architecture:
   ``n_rot = rope.dimension_count`` (glm4moe: partial, head_dim / 2), scaling linear or YaRN.
 - Router: qwen3moe and llama are softmax with weight normalisation; glm4moe reads
   ``expert_gating_func`` (default sigmoid), ``expert_weights_norm`` (default false),
-  ``expert_weights_scale`` (default 0 = none) and the group keys.
+  ``expert_weights_scale`` (default 0 = none) and the group keys; deepseek2 the same keys with
+  gating defaulting to softmax (sigmoid for GLM-4.7-Flash's shape, as llama.cpp guesses).
+- deepseek2 attention is MLA (``attention.kv_lora_rank``, ``key_length_mla``,
+  ``value_length_mla``, optional ``q_lora_rank``); YaRN's magnitude correction goes into the
+  attention scale (``mscale² / sqrt(key_length_mla)``, ``rope.scaling.yarn_log_multiplier``
+  stored ×0.1), not into cos/sin.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class ArchSpec:
     read_scale: bool               # expert_weights_scale is honoured
     post_attn_norm: str            # the FFN input norm's tensor name
     nextn: bool = False            # may carry NextN blocks
+    mla: bool = False              # DeepSeek multi-head latent attention
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -46,6 +52,8 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4moe": ArchSpec(ROPE_NEOX, None, GATING_SIGMOID, None, True, "post_attention_norm",
                         nextn=True),
     "llama": ArchSpec(ROPE_NORM, GATING_SOFTMAX, GATING_SOFTMAX, True, True, "ffn_norm"),
+    "deepseek2": ArchSpec(ROPE_NORM, None, GATING_SOFTMAX, None, True, "ffn_norm", nextn=True,
+                          mla=True),
 }
 
 
@@ -88,6 +96,12 @@ class ModelConfig:
     n_group: int = 1
     n_group_used: int = 1
     n_ctx_train: int = 4096
+    # MLA (deepseek2); kv_lora_rank 0 = not MLA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    k_head_mla: int = 0            # qk_nope + qk_rope per head
+    v_head_mla: int = 0
+    yarn_log_mul: float = 0.0
     spec: ArchSpec = field(default=ARCHS["qwen3moe"], compare=False, repr=False)
 
     @property
@@ -98,7 +112,25 @@ class ModelConfig:
         return self.n_expert > 0 and layer >= self.n_dense_lead
 
     @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope(self) -> int:
+        return self.k_head_mla - self.n_rot
+
+    @property
+    def rope_mscale_in_attention(self) -> bool:
+        """deepseek2: YaRN's magnitude correction scales the scores, not cos/sin."""
+        return self.mla
+
+    @property
     def kq_scale(self) -> float:
+        if self.mla:
+            m = 1.0
+            if self.rope_yarn and self.rope_freq_scale != 1.0:
+                m = 1.0 + 0.1 * self.yarn_log_mul * math.log(1.0 / self.rope_freq_scale)
+            return m * m / math.sqrt(self.k_head_mla)
         return 1.0 / math.sqrt(self.head_dim)
 
     def replace(self, **kw: Any) -> ModelConfig:
@@ -132,6 +164,9 @@ class ModelConfig:
         if not n_ff_exp:        # llama (Mixtral): experts are sized by feed_forward_length
             n_ff_exp = n_ff if arch == "llama" else n_ff // max(n_used, 1)
         gating = spec.gating or int(a("expert_gating_func", 0) or 0) or spec.default_gating
+        if arch == "deepseek2" and not a("expert_gating_func") and \
+                block_count - n_nextn in (47, 48) and n_vocab == 154880:
+            gating = GATING_SIGMOID                  # GLM-4.7-Flash, as llama.cpp guesses
         norm_w = spec.norm_w if spec.norm_w is not None else bool(a("expert_weights_norm", False))
         w_scale = float(a("expert_weights_scale", 0.0) or 0.0) if spec.read_scale else 0.0
         scaling = str(a("rope.scaling.type", "none") or "none")
@@ -155,7 +190,13 @@ class ModelConfig:
             gating=gating, norm_w=norm_w, w_scale=w_scale,
             n_group=int(a("expert_group_count", 1) or 1),
             n_group_used=int(a("expert_group_used_count", 1) or 1),
-            n_ctx_train=int(a("context_length", 4096)), spec=spec)
+            n_ctx_train=int(a("context_length", 4096)),
+            q_lora_rank=int(a("attention.q_lora_rank", 0) or 0) if spec.mla else 0,
+            kv_lora_rank=int(a("attention.kv_lora_rank", 0) or 0) if spec.mla else 0,
+            k_head_mla=int(a("attention.key_length_mla", 0) or 0) if spec.mla else 0,
+            v_head_mla=int(a("attention.value_length_mla", 0) or 0) if spec.mla else 0,
+            yarn_log_mul=float(a("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1,
+            spec=spec)
         cfg._validate(tensor_names, path)
         return cfg
 
@@ -175,6 +216,10 @@ class ModelConfig:
         if self.n_group > 1 and (self.n_expert % self.n_group or
                                  not 0 < self.n_group_used <= self.n_group):
             raise bad(f"expert groups {self.n_group_used}/{self.n_group} for {self.n_expert} experts")
+        if self.spec.mla and not (self.kv_lora_rank and self.k_head_mla > self.n_rot
+                                  and self.v_head_mla):
+            raise bad("MLA without kv_lora_rank / key_length_mla / value_length_mla",
+                      "reconvert the model with a current convert_hf_to_gguf.py")
         if self.n_nextn and not self.spec.nextn:
             raise bad("NextN blocks on an architecture that has none")
         if self.n_vocab < 1:

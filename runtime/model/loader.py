@@ -17,6 +17,7 @@ import torch
 
 from ...errors import StoreError
 from .attention import AttentionWeights
+from .mla import MLAWeights
 from .config import ModelConfig
 from .ffn import DenseFFN
 from .moe import MoEWeights
@@ -24,7 +25,7 @@ from .qmatvec import SUPPORTED
 from .router import RouterWeights
 from .weights import Embedding, Linear, RawTensor, TrunkReader, plan_float
 
-__all__ = ["BlockWeights", "TrunkWeights", "load_trunk"]
+__all__ = ["BlockWeights", "TrunkWeights", "load_trunk", "linears"]
 
 _NEXTN = ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
 
@@ -33,7 +34,7 @@ _NEXTN = ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shar
 class BlockWeights:
     layer: int
     attn_norm: torch.Tensor
-    attn: AttentionWeights
+    attn: AttentionWeights | MLAWeights
     ffn_norm: torch.Tensor
     moe: MoEWeights | None = None
     dense: DenseFFN | None = None
@@ -78,12 +79,29 @@ class _Builder:
             self.float_bytes += lin.nbytes
         return lin
 
+    def mla(self, p: str) -> MLAWeights:
+        r = self.r
+        k_b = r.get(p + "attn_k_b.weight").to_float(self.dtype, self.device)    # [H, L, N]
+        v_b = r.get(p + "attn_v_b.weight").to_float(self.dtype, self.device)    # [H, V, L]
+        self.float_bytes += (k_b.numel() + v_b.numel()) * k_b.element_size()
+        w = MLAWeights(self.lin(p + "attn_kv_a_mqa"), self.vec(p + "attn_kv_a_norm.weight"),
+                       k_b, v_b, self.lin(p + "attn_output"))
+        if p + "attn_q.weight" in r:
+            w.wq = self.lin(p + "attn_q")
+        else:
+            w.wq_a, w.wq_b = self.lin(p + "attn_q_a"), self.lin(p + "attn_q_b")
+            w.q_a_norm = self.vec(p + "attn_q_a_norm.weight")
+        return w
+
     def block(self, i: int) -> BlockWeights:
         p, cfg = f"blk.{i}.", self.cfg
-        attn = AttentionWeights(self.lin(p + "attn_q"), self.lin(p + "attn_k"),
-                                self.lin(p + "attn_v"), self.lin(p + "attn_output"),
-                                self.opt_vec(p + "attn_q_norm.weight"),
-                                self.opt_vec(p + "attn_k_norm.weight"))
+        if cfg.mla:
+            attn: AttentionWeights | MLAWeights = self.mla(p)
+        else:
+            attn = AttentionWeights(self.lin(p + "attn_q"), self.lin(p + "attn_k"),
+                                    self.lin(p + "attn_v"), self.lin(p + "attn_output"),
+                                    self.opt_vec(p + "attn_q_norm.weight"),
+                                    self.opt_vec(p + "attn_k_norm.weight"))
         blk = BlockWeights(i, self.vec(p + "attn_norm.weight"), attn,
                            self.vec(p + cfg.spec.post_attn_norm + ".weight"))
         if p + "ffn_gate_inp.weight" in self.r:
@@ -165,3 +183,13 @@ def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
         output.fused = fused
     return TrunkWeights(embed, blocks, extra, out_norm, output,
                         b.float_bytes, b.quant_bytes + embed.raw.nbytes)
+
+
+def linears(t: TrunkWeights) -> list[Linear]:
+    """Every ``Linear`` the decoder blocks and the output head multiply by."""
+    out = [t.output]
+    for b in t.blocks:
+        for obj in (b.attn, b.dense, b.moe.shared if b.moe else None):
+            if obj is not None:
+                out += [v for v in vars(obj).values() if isinstance(v, Linear)]
+    return out

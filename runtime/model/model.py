@@ -16,6 +16,7 @@ import torch
 from .attention import KVCache, attention, causal_mask
 from .config import ModelConfig
 from .loader import TrunkWeights
+from .mla import mla_attention
 from .moe import ExpertRunner
 from .rope import Rope, rms_norm
 
@@ -63,10 +64,11 @@ class Model:
         x = self.trunk.embed.lookup(ids, torch.float32)                # [T, D] residual
         cos, sin = self.rope.tables(p0, T)
         mask = causal_mask(p0, T, self.device)
+        attend = mla_attention if cfg.mla else attention
         for blk in self.trunk.blocks:
             L = blk.layer
             h = rms_norm(x, blk.attn_norm, cfg.rms_eps).to(self.dtype)
-            x = x + attention(h, blk.attn, cfg, self.rope, cos, sin, self.cache, L, mask).float()
+            x = x + attend(h, blk.attn, cfg, self.rope, cos, sin, self.cache, L, mask).float()
             h = rms_norm(x, blk.ffn_norm, cfg.rms_eps).to(self.dtype)
             pred = self._predict(L, x)
             if blk.moe is not None:

@@ -52,7 +52,8 @@ class Rope:
             y = (i - lo) / max(0.001, hi - lo)                         # ggml: i0/2 == i
             ramp = 1.0 - y.clamp(0.0, 1.0)                             # ext_factor = 1
             self.freq = theta * fs * (1.0 - ramp) + theta * ramp
-            self.mscale = 1.0 + 0.1 * math.log(1.0 / fs)
+            if not cfg.rope_mscale_in_attention:
+                self.mscale = 1.0 + 0.1 * math.log(1.0 / fs)
         else:
             self.freq = theta * fs
         self._cos = self._sin = torch.empty(0, half, device=device)

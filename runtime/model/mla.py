@@ -1,0 +1,68 @@
+"""DeepSeek multi-head latent attention (deepseek2), in llama.cpp's absorbed form.
+
+Per token: ``q = Wq x`` (or ``Wq_b RMSNorm(Wq_a x)``) split per head into ``q_nope`` and
+``q_pe``; ``[c ; k_pe] = Wkv_a x`` with ``c = RMSNorm(c)`` the latent of ``kv_lora`` values and
+``k_pe`` one shared RoPE key. The key projection is absorbed into the query
+(``q_abs[h] = Wk_b[h] q_nope[h]``), so attention is MQA over the cached latents:
+``Q = [q_abs ; rope(q_pe)]``, ``K = [c ; rope(k_pe)]``, ``V = c``, scale
+``mscale² / sqrt(nope + rope)``; each head's output latent is expanded by ``Wv_b[h]`` and
+projected by ``Wo``. Tensors: ``attn_q`` or ``attn_q_a``/``attn_q_a_norm``/``attn_q_b``,
+``attn_kv_a_mqa``, ``attn_kv_a_norm``, ``attn_k_b`` [H, kv_lora, nope], ``attn_v_b``
+[H, v, kv_lora], ``attn_output``.
+
+T=tokens, H=heads, L=kv_lora, R=rope dims, N=nope dims, V=value dims, S=cached positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import KVCache
+from .config import ModelConfig
+from .rope import Rope, rms_norm
+from .weights import Linear
+
+__all__ = ["MLAWeights", "mla_attention"]
+
+
+@dataclass
+class MLAWeights:
+    wkv_a: Linear                   # [L + R, D]
+    kv_a_norm: torch.Tensor         # [L]
+    k_b: torch.Tensor               # [H, L, N] compute dtype
+    v_b: torch.Tensor               # [H, V, L]
+    wo: Linear
+    wq: Linear | None = None        # [H (N + R), D]  (V2-Lite)
+    wq_a: Linear | None = None
+    q_a_norm: torch.Tensor | None = None
+    wq_b: Linear | None = None
+
+
+def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
+                  cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, D]`` (normed) → ``[T, D]``; appends T latent positions to the cache."""
+    T, H, N, R, L = x.shape[0], cfg.n_head, cfg.qk_nope, cfg.n_rot, cfg.kv_lora_rank
+    if w.wq is not None:
+        q = w.wq(x)
+    else:
+        q = w.wq_b(rms_norm(w.wq_a(x), w.q_a_norm, cfg.rms_eps))
+    q = q.view(T, H, N + R)
+    kv = w.wkv_a(x)                                                    # [T, L + R]
+    c = rms_norm(kv[:, :L], w.kv_a_norm, cfg.rms_eps)                  # [T, L]
+    k_pe = rope.apply(kv[:, L:].reshape(T, 1, R), cos, sin)            # [T, 1, R]
+    q_pe = rope.apply(q[..., N:], cos, sin)                            # [T, H, R]
+    q_abs = torch.einsum("thn,hln->thl", q[..., :N], w.k_b)            # [T, H, L]
+    Q = torch.cat((q_abs, q_pe), dim=-1)                               # [T, H, L + R]
+    p0 = cache.pos
+    kc = cache.k[layer]                                                # [1, cap, L + R]
+    kc[0, p0:p0 + T] = torch.cat((c, k_pe[:, 0]), dim=-1)
+    S = p0 + T
+    k = kc[None, :, :S]                                                # [1, 1, S, L + R]
+    o = F.scaled_dot_product_attention(Q.transpose(0, 1)[None], k, k[..., :L], attn_mask=mask,
+                                       scale=cfg.kq_scale, enable_gqa=True)   # [1, H, T, L]
+    o = torch.einsum("htl,hvl->thv", o[0], w.v_b)                      # [T, H, V]
+    return w.wo(o.reshape(T, H * cfg.v_head_mla))
