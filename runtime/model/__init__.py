@@ -3,10 +3,12 @@ provider. One concept per module:
 
 ``config`` (``ModelConfig``, the arch table), ``weights`` (``trunk.bin`` views, ``Linear``,
 ``Embedding``), ``loader`` (per-block weights by llama.cpp tensor name, NextN included),
-``rope`` (RMSNorm, RoPE NEOX/NORM, partial, YaRN), ``attention`` (GQA + KV cache), ``router``
-(llama.cpp's ``build_moe_ffn`` selection), ``ffn`` (SwiGLU dense and routed), ``dqcache``
-(dequantized-expert LRU), ``lookahead`` (next-layer gate prediction scores), ``moe`` (the
-routed layer: one host sync, fetch once per batch, gather/scatter), ``model`` (the forward).
+``rope`` (RMSNorm, RoPE NEOX/NORM, partial, YaRN), ``attention`` (GQA + KV cache), ``mla``
+(DeepSeek latent attention), ``router`` (llama.cpp's ``build_moe_ffn`` selection), ``ffn``
+(SwiGLU dense and routed), ``qmatvec`` (compiled one-token products from ggml bytes),
+``dqcache`` (dequantized-expert LRU), ``lookahead`` (next-layer gate prediction scores),
+``moe`` (the routed layer: one host sync, fetch once per batch, gather/scatter), ``model``
+(the forward). Architectures: qwen3moe, glm4moe, llama (Mixtral), deepseek2.
 """
 
 from .config import ARCHS, ModelConfig
