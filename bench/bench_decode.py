@@ -8,8 +8,9 @@ processes on a shared box only ever slow a round down):
 
 - ``llama.cpp``: llama-cpp-python, mmap, weight repacking off (``use_extra_bufts=False``, the
   baseline the low-RAM comparison uses) and, with ``--llama-repack``, on (its fastest CPU path);
-- ``expertfs quant``: experts multiplied from their ggml bytes every step (``dequant.linear``),
-  the tiered provider holding all of them in RAM;
+- ``expertfs quant``: experts (and the quantized trunk) multiplied from their ggml bytes every
+  step by the compiled one-token products (``runtime.model.qmatvec``), the tiered provider
+  holding all experts in RAM; ``quant-eager`` the same through eager ``dequant.linear``;
 - ``expertfs dq-f32`` / ``dq-bf16``: the same with the dequantized-expert cache holding every
   expert in float32 / bfloat16 (``--dq-cache``; RAM ~7x / ~3.6x the Q4 bytes).
 
@@ -32,6 +33,7 @@ import torch
 from expertfs.units import fmt_bytes, parse_size
 
 PEERS = ("llama", "quant", "dq-f32", "dq-bf16")
+EXTRA = ("quant-eager",)
 
 
 def synth(size: int, d: str, quant: str) -> str:
@@ -88,11 +90,11 @@ class Llama:
 
 
 class Ours:
-    def __init__(self, store: str, dq: int, dtype: str) -> None:
+    def __init__(self, store: str, dq: int, dtype: str, fused: str = "auto") -> None:
         from expertfs.runtime.engine import Engine
         size = sum(os.path.getsize(os.path.join(store, f)) for f in ("experts.bin",))
         self.e = Engine.open(store, provider="tiered", ram_bytes=size + (64 << 20), dq_cache=dq,
-                             dtype=dtype)
+                             dtype=dtype, fused=fused)
         self.e.warm()
 
     def run(self, prompt: list[int], steps: list[int]) -> float:
@@ -117,7 +119,8 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=32, help="decode steps timed per round")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--peers", default=",".join(PEERS), help="subset of " + ",".join(PEERS))
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="subset of " + ",".join(PEERS + EXTRA))
     ap.add_argument("--llama-repack", action="store_true", help="also llama.cpp with repacking")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -143,6 +146,8 @@ def main() -> int:
             made[p] = Llama(gguf, a.threads, True)
         elif p == "quant":
             made[p] = Ours(store, 0, "float32")
+        elif p == "quant-eager":
+            made[p] = Ours(store, 0, "float32", fused="off")
         elif p == "dq-f32":
             made[p] = Ours(store, 8 * expert_bytes, "float32")
         elif p == "dq-bf16":
