@@ -258,6 +258,7 @@ def check_llama(run_dir: str, gguf_path: str, *, n_prompts: int = 4, prompt_len:
     stride = max(prompt_len + n_gen, (len(held) - prompt_len) // max(1, n_prompts))
     agree = total = same_cont = 0
     max_dlogit = 0.0
+    dlogits: list[float] = []
     prefix = []
     tok_ok = tok_n = 0
     for j in range(n_prompts):
@@ -269,7 +270,9 @@ def check_llama(run_dir: str, gguf_path: str, *, n_prompts: int = 4, prompt_len:
         a, b = tl[prompt_len - 1:-1].argmax(-1), ll[prompt_len - 1:-1].argmax(-1)
         agree += int((a == b).sum())
         total += len(a)
-        max_dlogit = max(max_dlogit, float(np.abs(tl - ll).max()))
+        per_pos = np.abs(tl - ll).max(-1)
+        max_dlogit = max(max_dlogit, float(per_pos.max()))
+        dlogits.extend(per_pos.tolist())
         llm.reset()                                    # llama.cpp's own greedy continuation
         llm.eval(prompt)
         out = []
@@ -289,6 +292,7 @@ def check_llama(run_dir: str, gguf_path: str, *, n_prompts: int = 4, prompt_len:
         tok_n += 1
     del llm
     return {"top1_agreement": agree / total, "positions": total, "max_abs_dlogit": max_dlogit,
+            "median_max_abs_dlogit": float(np.median(dlogits)),
             "greedy_identical": f"{same_cont}/{n_prompts}", "greedy_common_prefix": prefix,
             "n_gen": n_gen, "tokenization_identical": f"{tok_ok}/{tok_n}"}
 

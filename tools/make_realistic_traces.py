@@ -16,7 +16,8 @@ Stages, each into OUT_DIR (nothing is cached between runs; a fixed seed gives th
    the trace's MoE experts (given as slot counts: the CLI's N% counts dense layers too; never
    below two routes), the mtp trace with ``--drafts`` → OUT/bench_{decode,mtp}.json and .txt
 
-``OUT/summary.json`` records every stage's wall time and headline numbers.
+``OUT/summary.json`` records every stage's wall time and headline numbers. ``--reuse`` keeps a
+finished ``OUT/run`` of the same preset, seed and steps instead of training again.
 """
 
 from __future__ import annotations
@@ -42,11 +43,27 @@ def _run(cmd: list[str], log, capture: bool = False) -> str:
     return r.stdout if capture else ""
 
 
+def _reusable(run_dir: str, p, seed: int) -> dict | None:
+    """The metrics of a finished training run of exactly this preset and seed, else None."""
+    import dataclasses
+
+    import torch
+    path = os.path.join(run_dir, "model.pt")
+    if not os.path.exists(os.path.join(run_dir, "metrics.json")) or not os.path.exists(path):
+        return None
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    if ck.get("preset") != dataclasses.asdict(p) or ck.get("meta", {}).get("seed") != seed:
+        return None
+    with open(os.path.join(run_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
 def pipeline(out: str, *, preset: str = "small", seed: int = 0, steps: int | None = None,
              experts: str = "F16", matrices: str = "F16", tokens: int | None = None,
              segment: int | None = None, drafts: int = 2, threads: int = 1,
              check_llama: bool = False, llama_quantize: str | None = None, bench: bool = False,
-             capacities: tuple[float, ...] = (0.125, 0.25, 0.5), log=print) -> dict:
+             capacities: tuple[float, ...] = (0.125, 0.25, 0.5), reuse: bool = False,
+             log=print) -> dict:
     import export_glm4moe_gguf as ex
     import trace_trained_moe as tr
     import train_tiny_moe as train
@@ -58,8 +75,13 @@ def pipeline(out: str, *, preset: str = "small", seed: int = 0, steps: int | Non
     run_dir = os.path.join(out, "run")
 
     t = time.time()
-    m = train.train(run_dir, p, seed, threads, "padded_bmm", log=log)
-    times["train_total_s"] = round(time.time() - t, 1)
+    m = _reusable(run_dir, p, seed) if reuse else None
+    if m is None:
+        m = train.train(run_dir, p, seed, threads, "padded_bmm", log=log)
+        times["train_total_s"] = round(time.time() - t, 1)
+    else:
+        log(f"reusing the trained model in {run_dir} (trained in {m['train_s']} s)")
+        summary["reused_run"] = True
     summary["train"] = {k: m[k] for k in ("params", "tokens_seen", "initial_held_out_loss",
                                           "final_train_loss_ema", "held_out_loss", "held_out_top1",
                                           "held_out_mtp_loss", "mtp_next_next_top1",
@@ -149,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-llama", action="store_true")
     ap.add_argument("--llama-quantize", metavar="FTYPE")
     ap.add_argument("--bench", action="store_true", help="run expertfs bench cache on the traces")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep OUT/run if it holds a finished run of this preset and seed")
     a = ap.parse_args(argv)
     s = pipeline(a.out_dir, preset=a.preset, seed=a.seed, steps=a.steps, experts=a.experts,
                  matrices=a.matrices, tokens=a.tokens, segment=a.segment, drafts=a.drafts,
                  threads=a.threads, check_llama=a.check_llama, llama_quantize=a.llama_quantize,
-                 bench=a.bench, log=lambda x: print(x, flush=True))
+                 bench=a.bench, reuse=a.reuse, log=lambda x: print(x, flush=True))
     print(json.dumps(s, indent=1))
     return 0
 

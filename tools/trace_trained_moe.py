@@ -5,7 +5,10 @@
 
 The model reads the run's held-out text (stdlib files it never trained on) in segments of
 ``--segment`` tokens, each a fresh context, teacher-forced: the token stream is the text, as a
-decode over that text would see it. Two traces are written (``expertfs.runtime.trace``):
+decode over that text would see it. With ``--generate N`` the last N tokens of each segment are
+instead sampled by the model itself after the held-out prompt (``--temperature``, seeded), so
+the stream is a real decode and "the next token" is the model's own. Two traces are written
+(``expertfs.runtime.trace``):
 
 ``decode.efstrace``
     ``n_layers`` = the trunk's layers; per token, one row per MoE layer (dense layers have
@@ -219,9 +222,22 @@ class Stats:
         return out
 
 
+@torch.no_grad()
+def sample(model: TinyGlmMoe, prompt: np.ndarray, n: int, temperature: float,
+           seed: int) -> np.ndarray:
+    """``prompt`` followed by ``n`` tokens the model samples (greedy at temperature 0)."""
+    torch.manual_seed(seed)
+    out = model.lm.generate(input_ids=torch.from_numpy(prompt)[None], max_new_tokens=n,
+                            min_new_tokens=n, do_sample=temperature > 0,
+                            temperature=temperature if temperature > 0 else None, top_k=0,
+                            top_p=1.0, pad_token_id=0, eos_token_id=None)
+    return out[0].numpy().astype(np.int64)
+
+
 def write_traces(run_dir: str, out_dir: str, *, gguf: str | None = None, store: str | None = None,
                  tokens: int = 8192, segment: int = 256, drafts: int = 2, sync: bool = True,
-                 threads: int = 1, log=print) -> dict:
+                 threads: int = 1, generate: int = 0, temperature: float = 0.8, seed: int = 0,
+                 log=print) -> dict:
     from expertfs.runtime.trace import TraceHeader, TraceWriter
     torch.set_num_threads(threads)
     model, meta = load_checkpoint(os.path.join(run_dir, "model.pt"))
@@ -240,16 +256,25 @@ def write_traces(run_dir: str, out_dir: str, *, gguf: str | None = None, store: 
     n_seg = min(tokens // segment, len(held) // segment)
     if n_seg < 1:
         raise SystemExit(f"held-out text has {len(held)} tokens, fewer than one segment")
+    if not 0 <= generate < segment:
+        raise SystemExit(f"--generate {generate} must be below --segment {segment}")
+    text = "python stdlib held-out files, teacher-forced"
+    if generate:
+        text = (f"a {segment - generate}-token held-out prompt, then {generate} tokens sampled by "
+                f"the model (temperature {temperature}, seed {seed} + segment)")
     os.makedirs(out_dir, exist_ok=True)
     base_meta = {"model": f"expertfs tiny glm4moe {model.preset.name}",
                  "architecture": "glm4moe", "generator": "tools/trace_trained_moe.py",
-                 "seed": meta.get("seed"), "text": "python stdlib held-out files, teacher-forced",
+                 "seed": meta.get("seed"), "text": text, "generated_tokens": generate,
                  "segment_tokens": segment, "routed_scaling_factor": model.config.routed_scaling_factor,
                  "weights": "top-k router weights renormalised to sum 1, descending",
                  "expert_bytes_source": "store extent" if store else "gguf gate+up+down"}
-    dec_h = TraceHeader(L, E, k, tuple(eb[:L]), 0, dict(base_meta, mode="decode"))
+    n_moe = sum(1 for b in eb[:L] if b)
+    dec_h = TraceHeader(L, E, k, tuple(eb[:L]), 0,
+                        dict(base_meta, mode="decode", n_moe_layers=n_moe))
     mtp_h = TraceHeader(L + 1, E, k, tuple(eb), drafts,
-                        dict(base_meta, mode="mtp", mtp_layer=L, draft="greedy NextN chain",
+                        dict(base_meta, mode="mtp", mtp_layer=L, n_moe_layers=n_moe + 1,
+                             draft="greedy NextN chain",
                              rows="layer L: NextN drafting (draft step 0; chained steps as "
                                   "drafts); trunk layers: token route + the drafts' verify routes"))
     dec_p, mtp_p = os.path.join(out_dir, "decode.efstrace"), os.path.join(out_dir, "mtp.efstrace")
@@ -258,6 +283,8 @@ def write_traces(run_dir: str, out_dir: str, *, gguf: str | None = None, store: 
     with TraceWriter(dec_p, dec_h) as wd, TraceWriter(mtp_p, mtp_h) as wm:
         for s in range(n_seg):
             ids = held[s * segment:(s + 1) * segment]
+            if generate:
+                ids = sample(model, ids[:segment - generate], generate, temperature, seed + s)
             seg = trace_segment(model, torch.from_numpy(ids), drafts)
             st.add(ids, seg)
             t_base = s * segment
@@ -319,12 +346,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--segment", type=int, default=256)
     ap.add_argument("--drafts", type=int, default=2, help="NextN draft depth (chain length)")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="trace a decode: per segment, the model samples the last N tokens "
+                         "after a held-out prompt (default 0: all held-out text)")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sync", action="store_true",
                     help="route with the checkpoint's float weights, not the GGUF's")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     st = write_traces(a.run_dir, a.out_dir, gguf=a.gguf, store=a.store, tokens=a.tokens,
                       segment=a.segment, drafts=a.drafts, sync=not a.no_sync, threads=a.threads,
+                      generate=a.generate, temperature=a.temperature, seed=a.seed,
                       log=lambda s: print(s, flush=True))
     print(json.dumps({k: v for k, v in st.items() if k != "layers"}, indent=1))
     return 0

@@ -70,10 +70,11 @@ PRESETS: dict[str, Preset] = {
     "small": Preset("small", vocab=2048, hidden=128, layers=6, experts=64, top_k=4, moe_ff=64,
                     dense_ff=512, heads=4, kv_heads=2, head_dim=32, seq=256, batch=8, steps=500,
                     lr=3e-3, corpus_chars=8_000_000),
-    # a deeper, wider variant: 12 layers (1 dense + 11 MoE) x 64 experts, top-8, + NextN
-    "large": Preset("large", vocab=4096, hidden=256, layers=12, experts=64, top_k=8, moe_ff=128,
-                    dense_ff=1024, heads=8, kv_heads=4, head_dim=32, seq=256, batch=4, steps=1200,
-                    lr=2e-3, corpus_chars=14_000_000),
+    # the larger geometry: 12 layers (1 dense + 11 MoE) x 64 experts, top-8, + NextN; same
+    # width and vocabulary as small, so the cost goes into depth and routing (~2.5x small/step)
+    "large": Preset("large", vocab=2048, hidden=128, layers=12, experts=64, top_k=8, moe_ff=64,
+                    dense_ff=512, heads=4, kv_heads=2, head_dim=32, seq=256, batch=8, steps=600,
+                    lr=3e-3, corpus_chars=8_000_000),
 }
 
 
