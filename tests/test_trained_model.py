@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers")
+_layers = pytest.importorskip("transformers.modeling_layers")
+if not hasattr(_layers, "MtpLayer"):
+    pytest.skip("this transformers has no MtpLayer (5.24 has)", allow_module_level=True)
 pytest.importorskip("tokenizers")
 torch = pytest.importorskip("torch")
 
