@@ -11,6 +11,13 @@ The provider is any ``ExpertProvider``; ``make_provider`` picks the tiered cache
 installed and falls back to the uncached ``DirectProvider`` with a logged warning. Prefill runs
 in batches of ``prefill_batch`` tokens, each touched expert fetched once per batch and layer.
 ``trace(path)`` records every routing decision in the routing-trace format (``runtime.trace``).
+
+With ``mtp`` (a draft depth or ``"auto"``) and a NextN block in the store, ``Engine.spec`` is a
+``runtime.mtp.Speculator`` (speculative decoding; ``runtime.generate`` and the server use it):
+every forward then keeps the trunk's last hidden states for the block's catch-up.
+``draft_prefetch`` prefetches the verify pass's predicted experts of every layer from the
+drafts; ``route_tail_skip`` N (opt-in, lossy) skips non-resident experts ranked past N for every
+token of a decode or verify window (``runtime.mtp.routing``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ class EngineOptions:
     prefill_batch: int = 256              # tokens per prefill forward
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
+    mtp: int | str = 0                    # MTP draft depth (0 = off) or "auto" (utility gate)
+    mtp_max: int = 4                      # deepest draft "auto" may choose
+    draft_prefetch: bool = False          # prefetch every layer's predicted verify experts
+    route_tail_skip: int = 0              # opt-in lossy: skip cold experts ranked past N
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
@@ -173,6 +184,11 @@ class Engine:
         self.compile_seconds = getattr(self, "compile_seconds", 0.0)
         self._trace = None
         self._token_no = 0              # tokens run through the model (trace token index)
+        self.spec = None                # runtime.mtp.Speculator when MTP is on
+        self.routing = None             # runtime.mtp.RouterHook (taps, route tail skip)
+        if options.mtp or options.route_tail_skip or options.draft_prefetch:
+            from .mtp import attach
+            attach(self)
 
     def _precompile(self) -> None:
         """Compile the fused one-token products this model uses, before the first token."""
@@ -220,7 +236,10 @@ class Engine:
     def _run(self, tokens: Sequence[int], logits: str) -> torch.Tensor | None:
         if self._trace is not None:
             self.runner.record = []
-        out = self.model.forward(self._ids(tokens), logits=logits)
+        spec = self.spec
+        out = self.model.forward(self._ids(tokens), logits=logits, hidden=spec is not None)
+        if spec is not None:
+            spec.observe(list(tokens), self.model.hidden)
         if self._trace is not None:
             self._flush_trace(len(tokens))
         self._token_no += len(tokens)
@@ -243,7 +262,11 @@ class Engine:
     def decode(self, token: int) -> torch.Tensor:
         """One position; float32 logits ``[n_vocab]``."""
         t0 = time.perf_counter()
-        out = self._run([token], "last")
+        if self.routing is not None:
+            with self.routing.window():
+                out = self._run([token], "last")
+        else:
+            out = self._run([token], "last")
         self.times.decode_s += time.perf_counter() - t0
         self.times.decode_tokens += 1
         return out[0]
@@ -272,6 +295,8 @@ class Engine:
 
     def reset(self, pos: int = 0) -> None:
         self.model.reset(pos)
+        if self.spec is not None:
+            self.spec.reset(pos)
 
     @property
     def pos(self) -> int:
@@ -313,6 +338,9 @@ class Engine:
         }
         if self.runner.lookahead is not None:
             out["lookahead"] = self.runner.lookahead.as_dict()
+        if self.spec is not None or self.routing is not None:
+            from .mtp import report
+            out.update(report(self))
         return out
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ a router ``ffn_gate_inp`` (+ ``exp_probs_b.bias``) and shared expert ``ffn_*_she
 blocks, ``ffn_{gate,up,down}`` on dense ones; globals ``token_embd``, ``output_norm`` and
 ``output`` (absent: tied to ``token_embd``). A block is MoE when it has a router. NextN blocks
 (``blk.{n_layer}...``) are loaded the same way plus their ``nextn.*`` tensors; they are kept
-for the MTP draft and never run by ``Model.forward``.
+for the MTP draft (``expertfs.runtime.mtp``) and never run by ``Model.forward``; a NextN
+``embed_tokens`` is an ``Embedding`` (row lookups), the other NextN matrices are ``Linear``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class BlockWeights:
     ffn_norm: torch.Tensor
     moe: MoEWeights | None = None
     dense: DenseFFN | None = None
-    nextn: dict[str, torch.Tensor | Linear] = field(default_factory=dict)
+    nextn: dict[str, torch.Tensor | Linear | Embedding] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,7 +129,11 @@ class _Builder:
             if name not in self.r:
                 continue
             raw = self.r.get(name)
-            blk.nextn[n] = self.vec(name) if len(raw.shape) == 1 else self.lin(p + n, bias=False)
+            if n == "embed_tokens":             # looked up by row, like token_embd
+                blk.nextn[n] = Embedding(raw, self.device)
+                self.quant_bytes += raw.nbytes
+            else:
+                blk.nextn[n] = self.vec(name) if len(raw.shape) == 1 else self.lin(p + n, bias=False)
 
 
 def _matrices(reader: TrunkReader, cfg: ModelConfig, nextn: bool) -> list[RawTensor]:
@@ -138,7 +143,7 @@ def _matrices(reader: TrunkReader, cfg: ModelConfig, nextn: bool) -> list[RawTen
     tied = "output.weight" not in reader
     for name in sorted(reader.names()):
         raw = reader.get(name)
-        if len(raw.shape) != 2 or "ffn_gate_inp" in name:
+        if len(raw.shape) != 2 or "ffn_gate_inp" in name or name.endswith("nextn.embed_tokens.weight"):
             continue
         if name == "token_embd.weight" and not tied:
             continue

@@ -7,6 +7,8 @@ float32 (as ggml keeps activations); matrices are applied in the compute dtype.
 
 ``forward(ids)`` appends ``len(ids)`` positions to the KV cache and returns float32 logits of
 the last position (``logits="last"``), of every position (``"all"``) or none (``"none"``).
+``hidden=True`` also keeps every position's last hidden state after the output norm (float32
+``[T, n_embd]``, llama.cpp's ``t_h_nextn``) in ``Model.hidden``: the NextN/MTP block's input.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Model:
         self.cache = KVCache(cfg, cfg.n_layer, n_ctx, dtype, device)
         self.lookahead = lookahead
         self.lookahead_k = cfg.n_expert_used + max(0, lookahead_margin)
+        self.hidden: torch.Tensor | None = None      # t_h_nextn of the last hidden=True forward
 
     @property
     def pos(self) -> int:
@@ -56,7 +59,8 @@ class Model:
         return nxt, r.select(r.probs(xp, blk.moe.router), blk.moe.router, self.lookahead_k)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, logits: str = "last") -> torch.Tensor | None:
+    def forward(self, ids: torch.Tensor, logits: str = "last",
+                hidden: bool = False) -> torch.Tensor | None:
         """``ids [T]`` (int64, on the device) → float32 logits ``[T or 1, n_vocab]``."""
         cfg, T = self.cfg, ids.shape[0]
         self.cache.reserve(T)
@@ -79,9 +83,12 @@ class Model:
                 y = blk.dense(h)
             x = x + y.float()
         self.cache.pos = p0 + T
+        if hidden:
+            self.hidden = rms_norm(x, self.trunk.output_norm, cfg.rms_eps)   # row-wise: the
+            x = self.hidden                                   # same rows as normed below
         if logits == "none":
             return None
         if logits == "last":
             x = x[-1:]
-        h = rms_norm(x, self.trunk.output_norm, cfg.rms_eps).to(self.dtype)
+        h = (x if hidden else rms_norm(x, self.trunk.output_norm, cfg.rms_eps)).to(self.dtype)
         return self.trunk.output(h).float()
