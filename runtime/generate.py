@@ -2,7 +2,9 @@
 
 ``generate(engine, prompt_ids, sampler, max_new, stop_ids)`` yields a ``Step`` per generated
 token with timings (time to first token, per-token seconds) so the CLI can stream text and draw
-its status line; the library itself never prints.
+its status line; the library itself never prints. With MTP on (``engine.spec``) each decode
+step is a speculative step (``runtime.mtp.Speculator``) that may yield several tokens; their
+``seconds`` share the step's time. The tokens (and, sampled, their distribution) are the same.
 """
 
 from __future__ import annotations
@@ -39,4 +41,22 @@ def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: i
         last = now
         if stop or i + 1 == max_new:
             return
+        if engine.spec is not None:
+            yield from _speculative(engine, sampler, tok, i + 1, max_new, stop_ids, t0, last)
+            return
         logits = engine.decode(tok)
+
+
+def _speculative(engine: Engine, sampler: Sampler, tok: int, i: int, max_new: int,
+                 stop_ids: set[int] | frozenset[int], t0: float, last: float) -> Iterator[Step]:
+    while i < max_new:
+        toks = engine.spec.step(tok, sampler, max_new - i)
+        now = time.perf_counter()
+        share = (now - last) / len(toks)
+        for tok in toks:
+            stop = tok in stop_ids
+            yield Step(i, tok, share, now - t0, stop)
+            i += 1
+            if stop or i == max_new:
+                return
+        last = now

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_mtp_support import build_model, engine
+from test_mtp_support import build_model, engine, one_thread  # noqa: F401
 
 torch = pytest.importorskip("torch")
 

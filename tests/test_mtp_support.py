@@ -25,6 +25,15 @@ if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread while a module runs (two spin against each other on a shared box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def build_model(out: Path, *, seed: int = 0, dtype: str = "F32", **over):
     """(torch model, gguf path, store path) of a random tiny glm4moe + NextN under ``out``."""
     import export_glm4moe_gguf as ex

@@ -93,6 +93,7 @@ class Speculator:
         self.route_hooks: list[Callable[[DraftState], None]] = []     # before verification
         self.verify_hooks: list[Callable[[DraftState, int], None]] = []   # after acceptance
         self.stats = SpecStats()
+        self.draft_fn = draft                     # (logits, params, gen) -> (token, q, q(token))
         d = engine.config.n_embd
         self._hist = torch.zeros(64, d, dtype=torch.float32, device=engine.device)
         self.tokens: list[int] = []               # token at every trunk position
@@ -147,7 +148,8 @@ class Speculator:
         return max(0, min(k, limit - 1, room))
 
     def step(self, last: int, sampler: Sampler, limit: int = 1 << 30) -> list[int]:
-        """Tokens after ``last`` (accepted drafts, then one chosen by the target)."""
+        """Tokens after ``last`` (accepted drafts, then one chosen by the target), at most
+        ``limit`` of them."""
         eng, nx, st = self.engine, self.nextn, self.stats
         P = eng.model.pos
         kmax = self.depth(limit)
@@ -169,7 +171,7 @@ class Speculator:
         hns: list[torch.Tensor] = []
         chain = 1.0
         while True:
-            d, q, c = draft(logits[0], params, gen)
+            d, q, c = self.draft_fn(logits[0], params, gen)
             drafts.append(d)
             qs.append(q)
             conf.append(c)
