@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def llama_logits(gguf: str, tokens: list[int]) -> np.ndarray:
-    from llama_cpp import Llama
-    m = Llama(gguf, n_ctx=max(128, len(tokens)), n_threads=2, use_extra_bufts=False, type_k=0,
-              type_v=0, logits_all=True, verbose=False)
+    from llama_peer import open_llama
+    m = open_llama(gguf, n_ctx=max(128, len(tokens)), n_threads=2, type_k=0, type_v=0,
+                   logits_all=True)
     try:
         m.eval(tokens)
         return np.array(m.scores[:len(tokens)], dtype=np.float32)

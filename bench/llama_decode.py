@@ -2,7 +2,7 @@
 """llama.cpp's decode speed on a GGUF, the peer every expertfs speed claim is measured against.
 
 Loads the model with llama-cpp-python as a true mmap baseline (``use_mmap=True``, weight
-repacking off with ``use_extra_bufts=False``: the default repack copies experts into RAM and is
+repacking really off, see tools/llama_peer.py: the default repack copies experts into RAM and is
 OOM-killed under a cap), evaluates a prompt (time to first token) and decodes N tokens greedily.
 Prints one JSON line: load_s, ttft_s, decode_tok_s, prompt_n, predicted_n, read_bytes.
 
@@ -34,11 +34,14 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--repack", action="store_true",
+                    help="llama.cpp's default weight repacking (copies experts into RAM)")
     a = ap.parse_args()
-    from llama_cpp import Llama
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    from llama_peer import open_llama
     t0 = time.perf_counter()
-    llm = Llama(model_path=a.model, n_ctx=a.ctx, n_threads=a.threads, n_threads_batch=a.threads,
-                use_mmap=True, use_extra_bufts=False, verbose=False, logits_all=False)
+    llm = open_llama(a.model, repack=a.repack, n_ctx=a.ctx, n_threads=a.threads,
+                     n_threads_batch=a.threads, use_mmap=True, logits_all=False)
     load = time.perf_counter() - t0
     if a.prompt:
         toks = llm.tokenize(a.prompt.encode(), add_bos=False)

@@ -9,11 +9,16 @@ count, name, shape, type or metadata key.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from expertfs.synth import ARCHES, SynthConfig, synthesize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from llama_peer import open_llama  # noqa: E402
 
 pytestmark = pytest.mark.llama
 
@@ -23,8 +28,7 @@ PROMPT = b"Beautiful is better than ugly. Explicit is better than implicit."
 
 
 def _eval(path: str) -> np.ndarray:
-    m = llama_cpp.Llama(model_path=path, n_ctx=64, use_extra_bufts=False, verbose=False,
-                        logits_all=True)
+    m = open_llama(path, n_ctx=64, logits_all=True)
     try:
         toks = m.tokenize(PROMPT, add_bos=True)
         assert len(toks) < len(PROMPT) // 2, "the BPE merges should shorten the prompt"
@@ -49,7 +53,7 @@ def test_llama_cpp_loads_and_evaluates(tmp_path, arch):
 
 def test_llama_cpp_chat_uses_the_template_and_special_tokens(tmp_path):
     path = synthesize(SynthConfig.tiny("qwen3moe"), tmp_path / "chat.gguf")[0]
-    m = llama_cpp.Llama(model_path=path, n_ctx=128, use_extra_bufts=False, verbose=False)
+    m = open_llama(path, n_ctx=128)
     try:
         assert m.tokenize(b"<|im_end|>", add_bos=False, special=True) == [m.token_eos()]
         out = m.create_chat_completion(messages=[{"role": "user", "content": "Zen?"}],
