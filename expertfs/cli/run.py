@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--ram", type=size_arg, default=None,
-                   help="RAM tier for experts (default: min(4G, a quarter of RAM))")
+                   help="RAM tier for experts (default: up to 4G, a quarter of RAM, and what "
+                   "the memory limit leaves beside the trunk)")
     p.add_argument("--vram", type=size_arg, default=0, help="VRAM tier for experts (default 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
@@ -89,12 +90,18 @@ def _device(name: str) -> str:
     return name
 
 
-def _default_ram() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 16 << 30
-    return min(4 << 30, total // 4)
+def _ram_tier(args: argparse.Namespace) -> int:
+    """``--ram``, or a default that fits beside the trunk in this process's memory limit (a
+    cgroup cap counts); a budget that would push the trunk out of memory is warned about."""
+    from ..runtime.memory import check_budget, default_ram_tier
+    from ..store import Store
+    with Store.open(args.store) as s:
+        trunk = int(s.summary.get("trunk_file_bytes", 0))
+    ram = args.ram if args.ram is not None else default_ram_tier(trunk)
+    warning = check_budget(ram, trunk)
+    if warning:
+        print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
+    return ram
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -122,7 +129,7 @@ def _open(args: argparse.Namespace):
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
                          fused=fused,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch)
-    ram = args.ram if args.ram is not None else _default_ram()
+    ram = _ram_tier(args)
     return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
                        options=opts)
 

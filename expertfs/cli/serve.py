@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.server import ServerConfig, build_app
     from ..runtime.server.session import Session
     from ..runtime.tokenizer import GGUFTokenizer
-    from .run import _default_ram, _device
+    from .run import _device, _ram_tier
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port", fix="use 1..65535")
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx)
-    ram = args.ram if args.ram is not None else _default_ram()
+    ram = _ram_tier(args)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     try:
         tok = GGUFTokenizer(eng.kv, args.store)

@@ -87,11 +87,15 @@ def plan_slots(geo: Geometry, ram_bytes: int, vram_bytes: int, *, queue_depth: i
                          f"{geo.stride} bytes)",
                          fix=f"give at least {geo.stride} bytes"
                              + (" (reads are staged in RAM on their way to the device)" if vram else ""))
+    total = sum(geo.experts)              # more slots than experts would never be used
+    vram = min(vram, total)
     if not vram:
+        host = min(host, total)
         return Slots(host, 0, host, 0)
     s = staging if staging is not None else min(queue_depth, geo.k) + 1
     s = max(1, min(s, host))
-    ram = host - s
+    ram = min(host - s, max(0, total - vram))
+    host = ram + s
     if ram < geo.k:             # too small to be a tier: all of it stages reads
         s, ram = host, 0
     return Slots(host, s, ram, vram)

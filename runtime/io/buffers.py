@@ -40,7 +40,11 @@ def aligned_empty(nbytes: int, *, alignment: int = PAGE) -> torch.Tensor:
         raise IOUsageError(f"aligned_empty({nbytes}, alignment={alignment}): size must be >= 0 and "
                            "alignment a power of two", fix="pass a valid size and alignment")
     extra = alignment if alignment > PAGE else 0
-    mm = mmap.mmap(-1, max(nbytes + extra, PAGE))
+    try:
+        mm = mmap.mmap(-1, max(nbytes + extra, PAGE))
+    except OSError as e:
+        raise IOUsageError(f"cannot allocate {nbytes >> 20} MiB of page-aligned memory: "
+                           f"{e.strerror}", fix="give a smaller --ram / --vram budget") from None
     t = torch.frombuffer(mm, dtype=torch.uint8)
     skip = (-t.data_ptr()) % alignment
     return t[skip:skip + nbytes]

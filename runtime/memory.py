@@ -1,0 +1,92 @@
+"""How much memory this process may really use, and a RAM tier that fits in it.
+
+The limit is the smallest of physical RAM and the memory cgroup's cap (v2 ``memory.max`` or
+v1 ``memory.limit_in_bytes``), because a container or a ``systemd-run -p MemoryMax=`` box
+counts the page cache too: a RAM tier sized from physical RAM inside a small cgroup pushes the
+memory-mapped trunk out, and every token then re-reads it from disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["physical_memory", "cgroup_limit", "memory_limit", "default_ram_tier",
+           "RUNTIME_OVERHEAD", "check_budget"]
+
+log = logging.getLogger(__name__)
+
+#: Python, torch, the KV cache at a few thousand tokens, staging buffers: measured 300-450 MB
+#: on the CPU runtime; 512 MiB leaves a margin.
+RUNTIME_OVERHEAD = 512 << 20
+_UNLIMITED = 1 << 60
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def cgroup_limit() -> int | None:
+    """This process's memory cgroup cap in bytes, or None when there is none."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hid, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and ctrls == "":                      # cgroup v2
+            v = _read_int(f"/sys/fs/cgroup{path}/memory.max")
+        elif "memory" in ctrls.split(","):                  # cgroup v1
+            v = _read_int(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+        else:
+            continue
+        if v is not None and v < _UNLIMITED // 2:
+            limits.append(v)
+    return min(limits) if limits else None
+
+
+def memory_limit() -> int:
+    cg = cgroup_limit()
+    phys = physical_memory()
+    return min(phys, cg) if cg else phys
+
+
+def default_ram_tier(trunk_bytes: int, limit: int | None = None, cap: int = 4 << 30) -> int:
+    """A RAM tier that leaves room for the trunk, the runtime and the OS: at most ``cap``, at
+    most a quarter of physical RAM, and at most what the memory limit leaves after the trunk
+    and the runtime (never below 64 MiB: the caller says when that is too small)."""
+    limit = memory_limit() if limit is None else limit
+    room = limit - trunk_bytes - RUNTIME_OVERHEAD
+    return max(64 << 20, min(cap, physical_memory() // 4, room))
+
+
+def check_budget(ram_bytes: int, trunk_bytes: int, limit: int | None = None) -> str | None:
+    """A warning when the RAM tier, the trunk and the runtime exceed the memory limit."""
+    limit = memory_limit() if limit is None else limit
+    need = ram_bytes + trunk_bytes + RUNTIME_OVERHEAD
+    if need <= limit:
+        return None
+    fit = max(0, limit - trunk_bytes - RUNTIME_OVERHEAD)
+    return (f"RAM tier {ram_bytes >> 20} MiB + trunk {trunk_bytes >> 20} MiB + runtime "
+            f"{RUNTIME_OVERHEAD >> 20} MiB exceed this process's memory limit of {limit >> 20} MiB: "
+            f"the trunk would be evicted and re-read from disk every token; use --ram "
+            f"{fit >> 20}M or less")

@@ -1,0 +1,32 @@
+"""Memory limits and the default RAM tier (cgroup caps count; the trunk is left room)."""
+
+from __future__ import annotations
+
+from expertfs.runtime import memory
+from expertfs.runtime.cache.sizing import Geometry, plan_slots
+
+
+def test_default_tier_leaves_room_for_trunk_and_runtime(monkeypatch):
+    monkeypatch.setattr(memory, "physical_memory", lambda: 32 << 30)
+    assert memory.default_ram_tier(1 << 30, limit=32 << 30) == 4 << 30          # capped at 4G
+    small = memory.default_ram_tier(1 << 30, limit=2 << 30)                       # a 2 GiB cgroup
+    assert small == (2 << 30) - (1 << 30) - memory.RUNTIME_OVERHEAD
+    assert memory.default_ram_tier(3 << 30, limit=2 << 30) == 64 << 20            # floor
+
+
+def test_budget_warning_names_a_fitting_size():
+    assert memory.check_budget(1 << 30, 1 << 30, limit=4 << 30) is None
+    w = memory.check_budget(2 << 30, 1 << 30, limit=2 << 30)
+    assert w and "--ram 512M" in w
+
+
+def test_limit_is_never_above_physical():
+    assert 0 < memory.memory_limit() <= memory.physical_memory()
+
+
+def test_slots_never_exceed_the_experts_there_are():
+    geo = Geometry(layers=(0, 1), experts=(4, 4), n_experts=4, k=2, slot_bytes=4096, stride=4096)
+    s = plan_slots(geo, 1 << 30, 0, queue_depth=8)
+    assert s.host == s.ram == 8
+    s = plan_slots(geo, 1 << 30, 1 << 30, queue_depth=8)
+    assert s.vram == 8 and s.ram == 0
