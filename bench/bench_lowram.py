@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lowram import block_device_of, readahead, run_capped  # noqa: E402
 
-from expertfs.units import fmt_bytes, parse_size  # noqa: E402
+from expertfs.runtime.memory import default_ram_tier  # noqa: E402
+from expertfs.units import fmt_bytes  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun"
@@ -56,7 +57,7 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
 
 def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace) -> dict:
     argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
-            "-t", str(a.threads), "--ram", str(ram), "--json"] + a.expertfs_args.split()
+            "-t", str(a.threads), "--ram", str(ram), "--ignore-eos", "--json"] + a.expertfs_args.split()
     r = run_capped(argv, cap, dev, timeout=a.timeout)
     if r.returncode != 0:
         return {"peer": "expertfs", "failed": r.returncode, "stderr": r.stderr[-600:], "peak": r.peak_bytes}
@@ -81,8 +82,9 @@ def main() -> int:
     ap.add_argument("--like", default="Qwen3-30B-A3B")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--quant", default="experts=Q4_0,down=Q4_0")
+    ap.add_argument("--vocab", type=int, default=32768,
+                    help="synthesised vocabulary (the presets' 150k one makes a 1 GB trunk)")
     ap.add_argument("--cap", type=float, default=1 / 3, help="cgroup cap as a fraction of the model")
-    ap.add_argument("--headroom", default="600M", help="cap minus RAM tier: trunk, KV, Python")
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -92,18 +94,18 @@ def main() -> int:
     a = ap.parse_args()
     if not os.path.exists(a.model):
         subprocess.run([os.path.join(BIN, "expertfs"), "synth", "--like", a.like, "--experts",
-                        str(a.experts), "--size", a.size, "--quant", a.quant, "-o", a.model],
-                       check=True)
+                        str(a.experts), "--size", a.size, "--quant", a.quant, "--vocab",
+                        str(a.vocab), "-o", a.model], check=True)
     store = a.model[:-5] + ".efs" if a.model.endswith(".gguf") else a.model + ".efs"
     if not os.path.exists(store):
         subprocess.run([os.path.join(BIN, "expertfs"), "repack", a.model, "-o", store], check=True,
                        stdout=subprocess.DEVNULL)
     size = os.path.getsize(a.model)
     cap = int(size * a.cap)
-    ram = max(64 << 20, cap - parse_size(a.headroom))
     dev = block_device_of(a.model)
     info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
                                      capture_output=True, text=True, check=True).stdout)
+    ram = default_ram_tier(info["trunk_file_bytes"], limit=cap)     # what expertfs run picks
     res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
                  "expert_bytes_per_token": info.get("expert_bytes_per_token")}
     res["llama_default"] = llama(a.model, cap, dev, None, a)

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="pick the layer count that makes the file about SIZE (e.g. 4G)")
     p.add_argument("--experts", type=int, metavar="N", help="routed experts per layer")
     p.add_argument("--top-k", type=int, metavar="K", help="experts used per token")
+    p.add_argument("--vocab", type=int, metavar="N",
+                   help="vocabulary size (smaller shrinks the embedding and output matrices)")
     p.add_argument("--quant", metavar="SPEC",
                    help="types per tensor role, e.g. experts=Q4_K,down=Q6_K,attn=Q8_0,embd=Q6_K,"
                         "output=Q6_K; or a preset (default, q4_k_m, q3_k_m, iq2_m, mxfp4_moe, "
@@ -58,6 +60,8 @@ def build_config(args: argparse.Namespace):
         changes["n_expert"] = args.experts
     if args.top_k is not None:
         changes["n_expert_used"] = args.top_k
+    if args.vocab is not None:
+        changes["n_vocab"] = args.vocab
     if args.quant:
         changes["quant"] = f"{cfg.quant},{args.quant}"
     if args.fuse_gate_up:
