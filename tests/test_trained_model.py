@@ -234,3 +234,29 @@ def test_trunk_tensors_equal_hf_to_gguf(built: dict, tmp_path: Path) -> None:
         assert a[n].tensor_type == b[n].tensor_type, n
         assert list(a[n].shape) == list(b[n].shape), n
         assert np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data)), n
+
+
+def test_padded_bmm_experts_equal_eager() -> None:
+    """The training kernel computes transformers' Glm4MoeExperts (eager loop), grads too."""
+    from train_tiny_moe_model import TinyGlmMoe, preset
+    m = TinyGlmMoe(preset("tiny"), seed=5)
+    ex_mod = m.lm.model.layers[1].mlp.experts
+    with torch.no_grad():
+        ex_mod.gate_up_proj.normal_(0, 0.2)
+        ex_mod.down_proj.normal_(0, 0.2)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, TINY.hidden, generator=g)
+    idx = torch.stack([torch.randperm(TINY.experts, generator=g)[:TINY.top_k] for _ in range(37)])
+    w = torch.rand(37, TINY.top_k, generator=g)
+    outs = []
+    for impl in ("eager", "padded_bmm"):
+        m.set_experts(impl)
+        ex_mod.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        y = ex_mod(xi, idx, wi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append((y.detach(), xi.grad, wi.grad, ex_mod.gate_up_proj.grad.clone(),
+                     ex_mod.down_proj.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
