@@ -31,6 +31,7 @@ examples:
   expertfs run MODEL.efs --chat -p "Write a haiku" --temp 0.7 --top-p 0.9 --seed 1
   expertfs run MODEL.efs --ram 8G --vram 12G --device cuda -p "..." --trace run.eftrace
   expertfs run MODEL.efs --tokens 1,2,3 --logits-out logits.npy
+  expertfs run MODEL.efs --mtp auto --draft-prefetch --ram 2G -p "..."   (GLM-4.5-class stores)
 """
 
 
@@ -70,6 +71,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefetch layer L+1's predicted experts while layer L runs")
     p.add_argument("--lookahead-margin", type=int, default=2, metavar="M",
                    help="experts beyond top-k prefetched per token (2)")
+    p.add_argument("--mtp", default="0", metavar="K|auto",
+                   help="speculative decoding with the store's NextN/MTP block: K drafts per "
+                   "step, or auto (a utility gate picks the depth); 0 = off (default). Greedy "
+                   "output is unchanged; sampled output keeps its distribution")
+    p.add_argument("--mtp-max", type=int, default=4, metavar="K",
+                   help="deepest draft --mtp auto may choose (4)")
+    p.add_argument("--draft-prefetch", action="store_true",
+                   help="with --mtp: prefetch every layer's predicted verify experts from the "
+                   "drafts, for the whole step")
+    p.add_argument("--route-tail-skip", type=int, default=0, metavar="N",
+                   help="LOSSY, opt-in: in each decode/verify window skip experts that are not "
+                   "resident and rank past N for every token (0 = off, the default)")
     p.add_argument("--provider", choices=("auto", "tiered", "direct"), default="auto",
                    help="expert provider (auto: the tiered cache when installed)")
     p.add_argument("--trace", metavar="OUT", help="write the routing trace to OUT")
@@ -115,6 +128,19 @@ def _parse_tokens(text: str) -> list[int]:
     return ids
 
 
+def _mtp_arg(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        raise UsageError(f"--mtp {text!r}", fix="give a draft depth (e.g. 2), 0 (off) or auto") \
+            from None
+    if k < 0:
+        raise UsageError(f"--mtp {k}", fix="give a draft depth >= 1, 0 (off) or auto")
+    return k
+
+
 def _open(args: argparse.Namespace):
     import torch
     from ..runtime.engine import Engine, EngineOptions
@@ -128,7 +154,9 @@ def _open(args: argparse.Namespace):
     opts = EngineOptions(device=_device(args.device), dtype=args.dtype, n_ctx=args.ctx,
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
                          fused=fused,
-                         lookahead_margin=args.lookahead_margin, prefill_batch=args.batch)
+                         lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
+                         mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
+                         draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     ram = _ram_tier(args)
     return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
                        options=opts)
@@ -277,6 +305,20 @@ def _generate(eng, args: argparse.Namespace) -> int:
     if "lookahead" in st:
         la = st["lookahead"]
         print(f"lookahead: coverage {100 * la['coverage']:.0f}%, waste {100 * la['waste']:.0f}%",
+              file=sys.stderr)
+    if "mtp" in st:
+        m = st["mtp"]
+        line = (f"mtp: {m['tokens_per_step']:.2f} tokens/step, acceptance "
+                f"{100 * m['acceptance']:.0f}% ({m['accepted']}/{m['drafted']} drafts)")
+        dp = m.get("draft_prefetch")
+        if dp:
+            line += (f"; draft prefetch coverage {100 * dp['coverage']:.0f}%, waste "
+                     f"{100 * dp['waste']:.0f}%")
+        print(line, file=sys.stderr)
+    if "route_tail_skip" in st:
+        rs = st["route_tail_skip"]
+        print(f"route tail skip (lossy, N={rs['n']}): {rs['skipped_experts']} expert reads "
+              f"skipped, {100 * rs['skipped_pair_share']:.1f}% of routed pairs",
               file=sys.stderr)
     return 0
 

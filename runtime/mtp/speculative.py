@@ -77,7 +77,8 @@ class DraftState:
 
     pos: int                                  # position of ``tokens[0]``
     tokens: list[int]                         # [last, d_1 .. d_k]: the verify rows
-    mtp_hidden: list[torch.Tensor]            # hn of the NextN rows that drafted d_1..d_k
+    mtp_hidden: list[torch.Tensor]            # hn of the NextN row of each verify row (its
+                                              # input token); the last row's only with tail_hidden
     h_prev: torch.Tensor                      # the trunk's h_{P-1}
     confidence: list[float]                   # q(d_i) of each draft
 
@@ -92,6 +93,9 @@ class Speculator:
         self.fixed = depth if isinstance(depth, int) else 0
         self.route_hooks: list[Callable[[DraftState], None]] = []     # before verification
         self.verify_hooks: list[Callable[[DraftState, int], None]] = []   # after acceptance
+        self.observe_hooks: list[Callable[[list[int]], None]] = []    # after any trunk forward
+        self.tail_hidden = False                  # also run the NextN block on the last draft
+        self.draft_prefetcher: Any = None         # (hn for its route prediction)
         self.stats = SpecStats()
         self.draft_fn = draft                     # (logits, params, gen) -> (token, q, q(token))
         d = engine.config.n_embd
@@ -111,6 +115,8 @@ class Speculator:
             new[:a] = self._hist[:a]
             self._hist = new
         self._hist[a:end] = hidden.float()
+        for hook in self.observe_hooks:
+            hook(self.tokens[a:end])
 
     def reset(self, pos: int) -> None:
         del self.tokens[pos:]
@@ -163,6 +169,7 @@ class Speculator:
                 self.gate.update(0, 0, 0.0, time.perf_counter() - t0)
             return [tok]
         t0 = time.perf_counter()
+        stall0 = getattr(getattr(eng.provider, "stats", None), "stall_seconds", 0.0)
         params, gen = sampler.params, sampler.gen
         logits = self._draft0(last, P)
         drafts: list[int] = []
@@ -178,9 +185,15 @@ class Speculator:
             hns.append(nx.hidden[-1:])
             chain *= c
             i = len(drafts)
+            if i == 1 and self.gate is not None:
+                self.gate.note_confidence(c)
             if i >= kmax or (self.gate is not None and not self.gate.more(i, chain, conf)):
                 break
             logits = nx.forward(self._ids([d]), nx.hidden[-1:], logits="last")
+            st.mtp_rows += 1
+        if self.tail_hidden:
+            nx.forward(self._ids([drafts[-1]]), nx.hidden[-1:], logits="none")
+            hns.append(nx.hidden[-1:])
             st.mtp_rows += 1
         t1 = time.perf_counter()
         ds = DraftState(P, [last] + drafts, hns, self.h_at(P - 1, P), conf)
@@ -213,5 +226,8 @@ class Speculator:
         eng.times.decode_s += t3 - t0
         eng.times.decode_tokens += n + 1
         if self.gate is not None:
-            self.gate.update(k, n, t1 - t0, t3 - t2)
+            self.gate.update(k, n, t1 - t0, t3 - t1)
+            stats = getattr(eng.provider, "stats", None)
+            if stats is not None:
+                self.gate.note_stall(stats.stall_seconds - stall0, t3 - t0)
         return drafts[:n] + [nxt]
