@@ -4,7 +4,9 @@
 cache keeps the previous request's tokens; a new prompt that starts with them (a chat that
 grows turn by turn) only prefills the new part. Figures follow llama.cpp's server ``timings``
 (prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms, predicted_per_second,
-cache_n) plus the expert hit rates and bytes read for this request.
+cache_n) plus the expert hit rates and bytes read for this request. When the engine runs MTP
+speculative decoding (``Engine.spec``), tokens come from speculative steps (same greedy tokens,
+same sampled distribution) and the timings add the drafts accepted and verified.
 """
 
 from __future__ import annotations
@@ -102,12 +104,24 @@ class Session:
         sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed))
         stop = StopMatcher(req.stop)
         detok = tok.detokenizer()
+        spec = getattr(eng, "spec", None)
+        m0 = (spec.stats.drafted, spec.stats.accepted) if spec is not None else (0, 0)
+        seq: list[int] = []                    # tokens taken, in order
+        queue: list[int] = []                  # a speculative step's tokens not taken yet
         n, finish = 0, "length"
         while n < req.max_tokens:
             if cancelled():
                 finish = "cancelled"
                 break
-            t = sampler(logits)
+            if not seq:
+                t = sampler(logits)
+            elif spec is not None:
+                if not queue:
+                    queue = spec.step(seq[-1], sampler, req.max_tokens - n)
+                t = queue.pop(0)
+            else:
+                t = sampler(eng.decode(seq[-1]))
+            seq.append(t)
             if t in tok.stop_ids:
                 finish = "stop"
                 break
@@ -118,9 +132,7 @@ class Session:
             if hit:
                 finish = "stop"
                 break
-            if n < req.max_tokens:
-                logits = eng.decode(t)
-                self.cached.append(t)
+        self.cached = (ids + seq + queue)[:eng.pos]     # what the KV cache holds
         rest = stop.flush() if finish != "stop" else ""
         if rest:
             emit(rest)
@@ -138,4 +150,7 @@ class Session:
             "expert_hit_rate": hits, "expert_requests": stats.requests - r0,
             "mb_read": (stats.bytes_read - b0) / 1e6,
         }
+        if spec is not None:
+            timings["draft_n"] = spec.stats.drafted - m0[0]
+            timings["draft_n_accepted"] = spec.stats.accepted - m0[1]
         return Outcome(stop.text, len(ids), n, finish, timings)
