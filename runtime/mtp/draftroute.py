@@ -75,7 +75,9 @@ class TokenRouteMemory:
         for r, t in enumerate(tokens):
             for routes in self._m.get(t, ()):
                 ok = routes >= 0
-                np.add.at(out[r], (np.broadcast_to(li, routes.shape)[ok], routes[ok]), 1)
+                used = np.zeros((self.n, self.E), np.uint8)
+                used[np.broadcast_to(li, routes.shape)[ok], routes[ok]] = 1   # once per route
+                out[r] += used
         return out
 
     def __len__(self) -> int:

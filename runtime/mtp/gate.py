@@ -35,8 +35,9 @@ class UtilityGate:
         self.explore, self.alpha = max(2, explore), ema
         self.min_threshold = min_threshold
         n = self.max_depth + 1
-        self.reached = [2.0] * n                  # pseudo-counts: prior_accept
-        self.taken = [2.0 * prior_accept] * n
+        self.prior_accept = prior_accept
+        self.reached = [0.0] * n                  # drafts i verified after 1..i-1 passed
+        self.taken = [0.0] * n                    # ... and accepted
         self.cost: list[float | None] = [None] * n    # seconds per step with k drafts
         self.steps = 0
         self.last_depth = 1
@@ -45,8 +46,10 @@ class UtilityGate:
 
     # --- estimates -------------------------------------------------------------------------
     def accept(self, i: int) -> float:
-        """a_i: P(draft i accepted | drafts before it accepted), i = 1..max_depth."""
-        return self.taken[i] / self.reached[i]
+        """a_i: P(draft i accepted | drafts before it accepted), i = 1..max_depth; shrunk (two
+        pseudo-counts) toward a_{i-1}, so an unmeasured depth looks like the one before."""
+        prior = self.prior_accept if i <= 1 else self.accept(i - 1)
+        return (self.taken[i] + 2.0 * prior) / (self.reached[i] + 2.0)
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
