@@ -1,0 +1,109 @@
+"""Native CPU kernels: matrix-vector products straight from ggml blocks (C++, AVX2+FMA+F16C
+with a portable fallback, the CPU checked at load).
+
+Two numerics, chosen per call by ``act_quant``:
+
+- ``"off"`` (the default, *exact*): float32 activations and float32 accumulation. The result
+  equals ``F.linear(x, dequantize(W))`` up to float rounding (weights enter as scale × integer,
+  factored per sub-block: ``Σ_s d·sc_s·Σ q·x − dmin·m_s·Σ x``).
+- ``"q8"`` (opt-in, lossy): activations quantized the way llama.cpp quantizes them (Q8_K for
+  the K-quants and IQ4_XS, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1, fp16/bf16
+  rounding for F16/BF16) and integer dot products per block: llama.cpp's own numerics. Its
+  quality cost against the exact mode is measured by ``bench/bench_decode_actquant.py``.
+
+Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1, BF16, F16.
+
+``matvec(x, raw, type, shape)`` is ``x [T, in] @ W.T`` for a weight of torch shape
+``(out, in)`` given as its ggml bytes; ``moe(x, w, gate, up, down, ...)`` is one decode step
+through a layer's selected experts in one call (every expert's gate and up rows, SiLU·up, then
+each output row summed over the experts' down rows, weighted), parallel over rows and experts
+on torch's intra-op threads. Both return None when the kernels are unavailable (no compiler,
+``EXPERTFS_NATIVE=0``, a failed build: logged once) or do not apply (type, device, dtype), so
+callers fall back to their torch paths.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...formats.ggml import GGMLType
+from .build import load, status
+
+__all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe",
+           "act_quant_mode"]
+
+#: Activation-quantization modes: name → kernel mode.
+ACT_QUANT = {"off": 0, "q8": 1}
+
+#: ggml types with native kernels (both modes).
+TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0, GGMLType.Q4_0,
+                   GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.MXFP4,
+                   GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_1, GGMLType.BF16, GGMLType.F16})
+
+_K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                GGMLType.IQ4_XS})
+
+
+def act_quant_mode(name: str | None) -> int:
+    """Kernel mode of an ``act_quant`` name (None = "off"); ValueError for unknown names."""
+    if name is None:
+        return 0
+    try:
+        return ACT_QUANT[name]
+    except KeyError:
+        raise ValueError(f"unknown activation quantization {name!r}; "
+                         f"known: {', '.join(ACT_QUANT)}") from None
+
+
+def available() -> bool:
+    """True when the native kernels are built and loaded (builds them on first call)."""
+    return load() is not None
+
+
+def _applies(t: GGMLType, cols: int, mode: int) -> bool:
+    if t not in TYPES:
+        return False
+    if mode == 1 and t in _K and cols % 256:
+        return False
+    return True
+
+
+def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],
+           act_quant: str | None = None) -> torch.Tensor | None:
+    """``x [T, in]`` float32 CPU → ``[T, out]`` for W of torch ``shape (out, in)`` as ggml bytes
+    ``raw``; None when not applicable or the kernels are unavailable."""
+    mode = act_quant_mode(act_quant)
+    rows, cols = int(shape[0]), int(shape[1])
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or raw.device.type != "cpu" or not _applies(ggml_type, cols, mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.matvec(x, raw.reshape(-1), int(ggml_type), rows, cols, mode)
+
+
+def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
+        up: Sequence[torch.Tensor] | None, down: Sequence[torch.Tensor],
+        types: tuple[GGMLType, GGMLType, GGMLType], n_ff: int,
+        act_quant: str | None = None) -> torch.Tensor | None:
+    """One token through n experts: ``Σ_j w[j] · down_j(silu(gate_j x) · up_j x)``.
+
+    ``x [1, n_embd]`` float32 CPU; ``w [n]``; ``gate``/``up``/``down`` the experts' ggml bytes
+    (``up`` None or empty: each ``gate`` is a fused gate_up, gate rows first); ``types`` the
+    (gate, up, down) ggml types. Returns ``[1, n_embd]`` float32, or None when not applicable.
+    """
+    mode = act_quant_mode(act_quant)
+    D = int(x.shape[-1])
+    tg, tu, td = types
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
+            or not gate or not _applies(tg, D, mode) or not _applies(tu, D, mode)
+            or not _applies(td, n_ff, mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.moe(x, w, list(gate), list(up or ()), list(down), int(tg), int(tu), int(td),
+                   int(n_ff), mode)

@@ -1,0 +1,126 @@
+"""Compile (once) and load the native kernels: a torch C++ extension built from ``csrc/``.
+
+The sources are compiled at first use with ``torch.utils.cpp_extension.load`` into a per-user
+cache folder (``$EXPERTFS_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/expertfs/kernels``, else
+``~/.cache/expertfs/kernels``), one sub-folder per hash of the sources, the torch version and
+the flags: a later process (or test session) loads the built module in milliseconds, and an
+edited source or another torch gets its own build. The build needs a C++ compiler (``$CXX`` or
+``c++``) and ninja; without them, or when ``EXPERTFS_NATIVE=0``, or when the build fails,
+``load()`` returns None, the reason is logged once (warning) and kept in ``status()``, and the
+runtime uses its torch paths.
+
+The code is portable C++ plus an AVX2+FMA+F16C unit whose functions carry the target
+attribute, so one build runs on any x86-64 CPU; the CPU is checked when the module loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["load", "status", "cache_dir", "SOURCES"]
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp")
+HEADERS = ("kern.h",)
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"module": None, "tried": False, "reason": None, "seconds": None,
+                          "build_dir": None}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("EXPERTFS_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "expertfs" / "kernels"
+
+
+def _build_name() -> str:
+    import torch
+    h = hashlib.sha256()
+    for f in SOURCES + HEADERS:
+        h.update(f.encode())
+        h.update((CSRC / f).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    return "expertfs_kernels_" + h.hexdigest()[:16]
+
+
+def _why_not() -> str | None:
+    """Why the extension cannot be built here, or None."""
+    if os.environ.get("EXPERTFS_NATIVE", "1").strip().lower() in ("0", "off", "no", "false"):
+        return "disabled by EXPERTFS_NATIVE=0"
+    missing = [f for f in SOURCES + HEADERS if not (CSRC / f).is_file()]
+    if missing:
+        return f"kernel sources missing from the installation: {', '.join(missing)}"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found; install g++ or set CXX)"
+    from torch.utils import cpp_extension
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if "error" in ln.lower()] or text.splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it on first use; None when unavailable (reason logged
+    once, see ``status()``)."""
+    if _state["tried"]:
+        return _state["module"]
+    with _lock:
+        if _state["tried"]:
+            return _state["module"]
+        mod, reason = None, _why_not()
+        if reason is None:
+            t0 = time.perf_counter()
+            try:
+                from torch.utils import cpp_extension
+                name = _build_name()
+                bdir = cache_dir() / name
+                bdir.mkdir(parents=True, exist_ok=True)
+                _state["build_dir"] = str(bdir)
+                mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
+                                         extra_cflags=list(CFLAGS), build_directory=str(bdir),
+                                         verbose=False)
+            except Exception as e:  # noqa: BLE001 - any toolchain failure means "use torch"
+                mod, reason = None, f"build failed ({_short(e)})"
+            _state["seconds"] = time.perf_counter() - t0
+        _state["module"], _state["reason"] = mod, reason
+        _state["tried"] = True
+        if mod is None:
+            log.warning("native CPU kernels unavailable: %s; using the torch paths", reason)
+        else:
+            info = mod.info()
+            log.info("native CPU kernels loaded (%s, %.1f s) from %s", info["isa"],
+                     _state["seconds"], _state["build_dir"])
+        return mod
+
+
+def status() -> dict[str, Any]:
+    """Whether the kernels are loaded, why not, the ISA in use, the build folder and time."""
+    mod = _state["module"]
+    out = {"available": mod is not None, "tried": _state["tried"], "reason": _state["reason"],
+           "build_dir": _state["build_dir"], "build_seconds": _state["seconds"]}
+    if mod is not None:
+        out.update(mod.info())
+    return out

@@ -1,0 +1,99 @@
+// expertfs native CPU kernels: matrix-vector products straight from ggml blocks.
+//
+// The interface between the torch binding (ops.cpp) and the kernel translation units
+// (kern_scalar.cpp: portable C++; kern_avx2.cpp: AVX2+FMA+F16C, compiled for that target by a
+// pragma and only called when the CPU has it). Everything here is plain C++: no torch, no
+// standard-library templates, so the AVX2 unit cannot leak AVX2 code into shared inline symbols.
+//
+// A "row kernel" computes, for weight rows [r0, r1) of a (rows x cols) ggml matrix and nt
+// activation vectors,  y[t*ys + r] = alpha * dot(W[r], x_t)  (+ y[t*ys + r] when accumulate).
+//
+// Two numerics:
+//  - exact: float32 activations, float32 accumulation; equals F.linear(x, dequantize(W)) up to
+//    float rounding (weights enter as scale * integer, factored per sub-block).
+//  - q8: activations quantized the way llama.cpp does (Q8_K for K-quants and IQ4_XS, Q8_0 for
+//    Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1, fp16 / bf16 rounding for F16 / BF16) and integer
+//    dot products per block: llama.cpp's own numerics.
+#pragma once
+
+#include <stdint.h>
+#include <stddef.h>
+
+namespace efs {
+
+// ggml type ids (ggml.h enum ggml_type)
+enum : int {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_XS = 23,
+    T_BF16 = 30, T_MXFP4 = 39,
+};
+
+// Activation formats a kernel consumes.
+enum XFmt : int {
+    X_EXACT = 0,   // float32: natural order, 32-chunk permuted order, sums per 16 elements
+    X_Q8K = 1,     // llama.cpp block_q8_K layout (d:f32, qs:i8[256], bsums:i16[16])
+    X_Q8_0 = 2,    // QX8 blocks of 32 (d rounded through fp16)
+    X_Q8_1 = 3,    // QX8 blocks of 32 with s = d * sum(qs), rounded through fp16
+    X_F16R = 4,    // float32 rounded through fp16 (natural order)
+    X_BF16R = 5,   // float32 rounded through bf16 (natural order)
+};
+
+struct Q8K {           // 292 bytes, as ggml's block_q8_K
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+};
+
+struct QX8 {           // 40 bytes: ggml's block_q8_0 / block_q8_1 with the fp16 fields widened
+    float d;           // fp16-rounded scale
+    float s;           // fp16-rounded d * sum(qs) (Q8_1 only)
+    int8_t qs[32];
+};
+
+// One prepared activation vector.
+struct XPrep {
+    const float* x;    // natural order (exact mode; F16R/BF16R rounded copies in q8 mode)
+    const float* xp;   // exact: each 32-chunk permuted to the AVX2 unpack order (see kern_avx2)
+    const float* s16;  // exact: sums of x over each 16 elements (cols / 16)
+    const float* s32;  // exact: sums of x over each 32 elements (cols / 32)
+    const void* q;     // q8 mode: Q8K or QX8 blocks
+};
+
+typedef void (*RowsFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
+                       int64_t cols, const XPrep* xs, int nt, float* y, int64_t ys,
+                       float alpha, int accumulate);
+
+struct TypeInfo {
+    int type;
+    int block;         // elements per block
+    int bytes;         // bytes per block
+};
+
+// Block geometry of a supported type (nullptr when not supported).
+const TypeInfo* type_info(int type);
+
+// Which activation format the q8 mode uses for a weight type.
+int q8_format(int type);
+
+// Kernel tables. `mode`: 0 exact, 1 q8. nullptr when the type/mode is not implemented.
+RowsFn scalar_rows(int type, int mode);
+RowsFn avx2_rows(int type, int mode);
+bool avx2_compiled();
+
+// Activation preparation (scalar; the AVX2 unit provides faster versions of the same).
+void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order
+void sums16(const float* x, float* s16, float* s32, int64_t n);
+void quantize_q8k(const float* x, Q8K* y, int64_t n);      // llama.cpp quantize_row_q8_K_ref
+void quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum);  // llama.cpp x86 q8_0/q8_1
+void round_f16(const float* x, float* y, int64_t n);
+void round_bf16(const float* x, float* y, int64_t n);
+void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n);
+void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum);
+
+// Scalar helpers shared by the units.
+float fp16_to_fp32(uint16_t h);
+uint16_t fp32_to_fp16(float f);          // round to nearest even, as F16C / ggml
+float bf16_round(float f);               // round to nearest even, as ggml_compute_fp32_to_bf16
+float e8m0_half(uint8_t e);              // ggml_e8m0_to_fp32_half: 2^(e-128)
+
+}  // namespace efs

@@ -1,0 +1,935 @@
+// AVX2 + FMA + F16C kernels. Every function carries the target attribute (GCC and clang), so
+// the unit builds with the default flags and its code runs only after ops.cpp has checked the
+// CPU. Only <immintrin.h> and C headers are included: no inline symbol from a shared header is
+// compiled for AVX2 here (which the linker could otherwise pick for the portable units).
+//
+// Exact mode (float32 activations). A group of 32 weights is turned into 32 unsigned bytes q
+// (0..255) and a per-type offset o, then into floats exactly: the byte is placed in the
+// mantissa of 2^23 (bits 0x4B0000qq) and 2^23 + o is subtracted, giving q - o with no rounding
+// and no int->float conversion. The unpack (u8f) is in-lane, so the 32 floats come out in a
+// fixed permuted order; the activations are permuted the same way once per call (perm32), as
+// they are shared by every row. Per sub-block: scale * sum(q * x); mins as min * sum(x).
+//
+// q8 mode: llama.cpp's integer dot products (maddubs / madd), per block combined in float with
+// the activation block's scale, as ggml-cpu's AVX2 ggml_vec_dot_*.
+#include "kern.h"
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define EFS_T __attribute__((target("avx2,fma,f16c")))
+#define EFS_TI __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+namespace efs {
+namespace {
+
+EFS_TI float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+EFS_TI int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+EFS_TI float f16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+EFS_TI __m256i loadu256(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+EFS_TI __m128i loadu128(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+
+// 16 bytes -> 32 nibbles: low nibbles in the low lane (elements 0..15), high in the high lane.
+EFS_TI __m256i nibbles(__m128i q) {
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i <-> bit i).
+EFS_TI __m256i bytes_from_bits_32(const uint8_t* x) {
+    uint32_t x32;
+    memcpy(&x32, x, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+EFS_TI __m256 magic(float off) { return _mm256_set1_ps(8388608.f + off); }
+
+// 32 unsigned bytes -> 4 x 8 floats (q - off), permuted: vector k, element j holds byte
+// 4k+j (j < 4) or 16+4k+j-4 (j >= 4). perm32() orders the activations to match.
+EFS_TI void u8f(__m256i v, __m256 moff, __m256* w) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i mg = _mm256_set1_epi16(0x4B00);
+    const __m256i lo = _mm256_unpacklo_epi8(v, z), hi = _mm256_unpackhi_epi8(v, z);
+    w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(lo, mg)), moff);
+    w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(lo, mg)), moff);
+    w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(hi, mg)), moff);
+    w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(hi, mg)), moff);
+}
+
+// acc[t] += scale * sum_i (q_i - off) * x_t[i] over one group of 32 (x_t at xp[t] + off).
+template <int NT>
+EFS_TI void grp(__m256i v, __m256 moff, const float* const* xp, int64_t o, __m256 scale,
+                __m256* acc) {
+    __m256 w[4];
+    u8f(v, moff, w);
+    for (int t = 0; t < NT; ++t) {
+        const float* x = xp[t] + o;
+        __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a);
+        a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), a);
+        acc[t] = _mm256_fmadd_ps(a, scale, acc[t]);
+    }
+}
+
+// Scale vector for a 32-group split in two 16-element sub-blocks: the low lane of the unpack
+// holds bytes 0..15, the high lane bytes 16..31. `s` holds 8 scales; pair p = (2p, 2p+1).
+EFS_TI __m256 pair_scale(__m256 s, int p) {
+    const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p,
+                                          2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+    return _mm256_permutevar8x32_ps(s, idx);
+}
+
+// Software prefetch of a row about 2 KiB ahead of the one being read: every expert matrix
+// spans many 4 KiB pages and hardware prefetchers stop at page boundaries.
+EFS_TI int64_t pf_ahead(int64_t rb) { return rb >= 2048 ? 1 : (2048 + rb - 1) / rb; }
+EFS_TI void pf_row(const uint8_t* p, int64_t rb) {
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
+struct Out {
+    float* y;
+    int64_t ys;
+    float alpha;
+    int accumulate;
+    EFS_TI void put(int t, int64_t r, float v) const {
+        float* o = y + (int64_t)t * ys + r;
+        *o = accumulate ? *o + alpha * v : alpha * v;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// exact mode
+// ---------------------------------------------------------------------------------------------
+
+// Q4_K: d, dmin, scales[12] (6-bit scale/min pairs), qs[128]; sub-block 2j+h = nibble h of
+// qs[32j..32j+31].
+EFS_TI void k4_scales(const uint8_t* s12, uint32_t* u) {
+    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+    const uint32_t ua = u[1] & km1;
+    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+    u[2] = ua;
+    u[0] &= km1;                      // bytes of u[0..1]: 8 scales; of u[2..3]: 8 mins
+}
+
+EFS_TI __m256 u8x8_ps(const void* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+EFS_TI __m256 i8x8_ps(const void* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+template <int NT, bool FIVE>
+EFS_T void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const float* xp[NT];
+    const float* s32[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    const __m256 moff = magic(0.f);
+    alignas(32) float scs[8];
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT], am[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            uint32_t u[4];
+            k4_scales(b + 4, u);
+            _mm256_store_ps(scs, _mm256_mul_ps(_mm256_set1_ps(f16(b)), u8x8_ps(&u[0])));
+            const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), u8x8_ps(&u[2]));
+            for (int t = 0; t < NT; ++t)
+                am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
+            const uint8_t* q = b + (FIVE ? 48 : 16);
+            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = loadu256(q + 32 * j);
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (FIVE) {   // bit 2j / 2j+1 of qh[l] is the fifth bit of sub-block 2j / 2j+1
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+                    hb = _mm256_srli_epi16(hb, 2);
+                }
+                const int64_t o = 256 * i + 64 * j;
+                grp<NT>(lo, moff, xp, o, _mm256_broadcast_ss(scs + 2 * j), a0);
+                grp<NT>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs + 2 * j + 1), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t)
+            out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) - hsum(am[t]));
+    }
+}
+
+// Q6_K: ql[128], qh[64], scales:i8[16], d. Half h, vector k (elements 128h + 32k + l):
+// q = nibble (k>=2) of ql[64h + 32(k&1) + l] | ((qh[32h + l] >> 2k) & 3) << 4, minus 32;
+// scale 8h + 2k + (l >= 16).
+template <int NT>
+EFS_T void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256 moff = magic(32.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 210) {
+            const __m256 d = _mm256_set1_ps(f16(b + 208));
+            const __m256 S[2] = {_mm256_mul_ps(d, i8x8_ps(b + 192)),
+                                 _mm256_mul_ps(d, i8x8_ps(b + 200))};
+            for (int h = 0; h < 2; ++h) {
+                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+                const __m256i QH = loadu256(b + 128 + 32 * h);
+                const __m256i q0 = _mm256_or_si256(_mm256_and_si256(A, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
+                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(B, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
+                const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                    _mm256_and_si256(QH, m30));
+                const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+                const int64_t o = 256 * i + 128 * h;
+                grp<NT>(q0, moff, xp, o, pair_scale(S[h], 0), a0);
+                grp<NT>(q1, moff, xp, o + 32, pair_scale(S[h], 1), a1);
+                grp<NT>(q2, moff, xp, o + 64, pair_scale(S[h], 2), a0);
+                grp<NT>(q3, moff, xp, o + 96, pair_scale(S[h], 3), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
+    }
+}
+
+// Q2_K: scales[16] (lo nibble scale, hi nibble min), qs[64], d, dmin. Half n, vector j
+// (elements 128n + 32j + l): q = (qs[32n + l] >> 2j) & 3; scale/min 8n + 2j + (l >= 16).
+template <int NT>
+EFS_T void ex_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    const float* s16[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s16[t] = xs[t].s16; }
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256 moff = magic(0.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT], am[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 84) {
+            const __m128i sc = loadu128(b);
+            alignas(16) uint8_t sl[16], sh[16];
+            _mm_store_si128((__m128i*)sl, _mm_and_si128(sc, m4));
+            _mm_store_si128((__m128i*)sh, _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
+            const __m256 d = _mm256_set1_ps(f16(b + 80)), dm = _mm256_set1_ps(f16(b + 82));
+            const __m256 S[2] = {_mm256_mul_ps(d, u8x8_ps(sl)), _mm256_mul_ps(d, u8x8_ps(sl + 8))};
+            const __m256 M0 = _mm256_mul_ps(dm, u8x8_ps(sh)), M1 = _mm256_mul_ps(dm, u8x8_ps(sh + 8));
+            for (int t = 0; t < NT; ++t) {
+                am[t] = _mm256_fmadd_ps(M0, _mm256_loadu_ps(s16[t] + 16 * i), am[t]);
+                am[t] = _mm256_fmadd_ps(M1, _mm256_loadu_ps(s16[t] + 16 * i + 8), am[t]);
+            }
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 16 + 32 * n);
+                const int64_t o = 256 * i + 128 * n;
+                grp<NT>(_mm256_and_si256(Q, m3), moff, xp, o, pair_scale(S[n], 0), a0);
+                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 2), m3), moff, xp, o + 32,
+                        pair_scale(S[n], 1), a1);
+                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 4), m3), moff, xp, o + 64,
+                        pair_scale(S[n], 2), a0);
+                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 6), m3), moff, xp, o + 96,
+                        pair_scale(S[n], 3), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t)
+            out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) - hsum(am[t]));
+    }
+}
+
+EFS_TI void q3k_scales(const uint8_t* s12, int8_t* out) {
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t aux[4];
+    memcpy(aux, s12, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    memcpy(out, aux, 16);
+}
+
+// Q3_K: hmask[32], qs[64], scales[12] (6-bit, minus 32), d. Half n, vector j (elements
+// 128n + 32j + l): q = ((qs[32n + l] >> 2j) & 3) + 4 * bit(4n + j) of hmask[l] - 4.
+template <int NT>
+EFS_T void ex_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
+    const __m256 moff = magic(4.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 110) {
+            alignas(16) int8_t sc[16];
+            q3k_scales(b + 96, sc);
+            _mm_store_si128((__m128i*)sc, _mm_sub_epi8(_mm_load_si128((const __m128i*)sc),
+                                                        _mm_set1_epi8(32)));
+            const __m256 d = _mm256_set1_ps(f16(b + 108));
+            const __m256 S[2] = {_mm256_mul_ps(d, i8x8_ps(sc)), _mm256_mul_ps(d, i8x8_ps(sc + 8))};
+            __m256i hb = loadu256(b);
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 32 + 32 * n);
+                const int64_t o = 256 * i + 128 * n;
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
+                    hb = _mm256_srli_epi16(hb, 1);
+                    grp<NT>(q, moff, xp, o + 32 * j, pair_scale(S[n], j), (j & 1) ? a1 : a0);
+                }
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
+    }
+}
+
+// IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group ib of 32: 6-bit scale ls, values
+// kvalues_iq4nl[nibble] (lo nibbles = elements 0..15 of the group, hi = 16..31).
+EFS_TI __m256i tbl_iq4nl_u() {   // kvalues_iq4nl + 128
+    return _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                            (char)166, (char)181, (char)197, (char)217, (char)241,
+                            1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                            (char)166, (char)181, (char)197, (char)217, (char)241);
+}
+EFS_TI __m256i tbl_mxfp4_u() {   // kvalues_mxfp4 + 128
+    return _mm256_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132, (char)134,
+                            (char)136, (char)140, (char)128, 127, 126, 125, 124, 122, 120, 116,
+                            (char)128, (char)129, (char)130, (char)131, (char)132, (char)134,
+                            (char)136, (char)140, (char)128, 127, 126, 125, 124, 122, 120, 116);
+}
+EFS_TI __m256i tbl_iq4nl_s() {
+    return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                            113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                            89, 113);
+}
+EFS_TI __m256i tbl_mxfp4_s() {
+    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+EFS_TI int iq4xs_ls(const uint8_t* b, int ib) {
+    uint16_t sh;
+    memcpy(&sh, b + 2, 2);
+    return ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xf) | (((sh >> 2 * ib) & 3) << 4);
+}
+
+template <int NT>
+EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m256i tbl = tbl_iq4nl_u();
+    const __m256 moff = magic(128.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 136) {
+            const float d = f16(b);
+            for (int ib = 0; ib < 8; ib += 2) {
+                const __m256i v0 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
+                const __m256i v1 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 24 + 16 * ib)));
+                grp<NT>(v0, moff, xp, 256 * i + 32 * ib,
+                        _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib) - 32)), a0);
+                grp<NT>(v1, moff, xp, 256 * i + 32 * ib + 32,
+                        _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib + 1) - 32)), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
+    }
+}
+
+// Blocks of 32: one group per block, w = d * (q - OFF) (+ m).
+struct DQ4_0 {
+    static constexpr int BYTES = 18;
+    static constexpr float OFF = 8.f;
+    static constexpr bool MIN = false;
+    EFS_TI static __m256i q(const uint8_t* b) { return nibbles(loadu128(b + 2)); }
+    EFS_TI static float d(const uint8_t* b) { return f16(b); }
+    EFS_TI static float m(const uint8_t*) { return 0.f; }
+};
+struct DQ4_1 {
+    static constexpr int BYTES = 20;
+    static constexpr float OFF = 0.f;
+    static constexpr bool MIN = true;
+    EFS_TI static __m256i q(const uint8_t* b) { return nibbles(loadu128(b + 4)); }
+    EFS_TI static float d(const uint8_t* b) { return f16(b); }
+    EFS_TI static float m(const uint8_t* b) { return f16(b + 2); }
+};
+struct DQ5_0 {
+    static constexpr int BYTES = 22;
+    static constexpr float OFF = 16.f;
+    static constexpr bool MIN = false;
+    EFS_TI static __m256i q(const uint8_t* b) {
+        return _mm256_or_si256(nibbles(loadu128(b + 6)),
+                               _mm256_and_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8(0x10)));
+    }
+    EFS_TI static float d(const uint8_t* b) { return f16(b); }
+    EFS_TI static float m(const uint8_t*) { return 0.f; }
+};
+struct DQ5_1 {
+    static constexpr int BYTES = 24;
+    static constexpr float OFF = 0.f;
+    static constexpr bool MIN = true;
+    EFS_TI static __m256i q(const uint8_t* b) {
+        return _mm256_or_si256(nibbles(loadu128(b + 8)),
+                               _mm256_and_si256(bytes_from_bits_32(b + 4), _mm256_set1_epi8(0x10)));
+    }
+    EFS_TI static float d(const uint8_t* b) { return f16(b); }
+    EFS_TI static float m(const uint8_t* b) { return f16(b + 2); }
+};
+struct DQ8_0 {
+    static constexpr int BYTES = 34;
+    static constexpr float OFF = 128.f;
+    static constexpr bool MIN = false;
+    EFS_TI static __m256i q(const uint8_t* b) {
+        return _mm256_xor_si256(loadu256(b + 2), _mm256_set1_epi8((char)0x80));
+    }
+    EFS_TI static float d(const uint8_t* b) { return f16(b); }
+    EFS_TI static float m(const uint8_t*) { return 0.f; }
+};
+struct DMXFP4 {
+    static constexpr int BYTES = 17;
+    static constexpr float OFF = 128.f;
+    static constexpr bool MIN = false;
+    EFS_TI static __m256i q(const uint8_t* b) {
+        return _mm256_shuffle_epi8(tbl_mxfp4_u(), nibbles(loadu128(b + 1)));
+    }
+    EFS_TI static float d(const uint8_t* b) { return e8m0_half(b[0]); }
+    EFS_TI static float m(const uint8_t*) { return 0.f; }
+};
+
+template <int NT, class D>
+EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                  const XPrep* xs, Out out) {
+    const int64_t nb = cols / 32;
+    const float* xp[NT];
+    const float* s32[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
+    const __m256 moff = magic(D::OFF);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        float mm[NT];
+        for (int t = 0; t < NT; ++t) { a0[t] = a1[t] = _mm256_setzero_ps(); mm[t] = 0.f; }
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2, b += 2 * D::BYTES) {
+            grp<NT>(D::q(b), moff, xp, 32 * i, _mm256_set1_ps(D::d(b)), a0);
+            grp<NT>(D::q(b + D::BYTES), moff, xp, 32 * i + 32,
+                    _mm256_set1_ps(D::d(b + D::BYTES)), a1);
+            if (D::MIN)
+                for (int t = 0; t < NT; ++t)
+                    mm[t] += D::m(b) * s32[t][i] + D::m(b + D::BYTES) * s32[t][i + 1];
+        }
+        if (i < nb) {
+            grp<NT>(D::q(b), moff, xp, 32 * i, _mm256_set1_ps(D::d(b)), a0);
+            if (D::MIN)
+                for (int t = 0; t < NT; ++t) mm[t] += D::m(b) * s32[t][i];
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) + mm[t]);
+    }
+}
+
+template <int NT> EFS_T void ex_q4_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_b32<NT, DQ4_0>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_q4_1(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_b32<NT, DQ4_1>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_q5_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_b32<NT, DQ5_0>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_q5_1(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_b32<NT, DQ5_1>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_q8_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_b32<NT, DQ8_0>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_mxfp4(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_b32<NT, DMXFP4>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_q4_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_q45_k<NT, false>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_q5_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_q45_k<NT, true>(W, rb, r0, r1, cols, xs, out); }
+
+// F16 / BF16 rows: natural order activations.
+template <bool BF>
+EFS_TI __m256 h8(const uint8_t* p) {
+    if (BF)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(loadu128(p)), 16));
+    return _mm256_cvtph_ps(loadu128(p));
+}
+
+template <int NT, bool BF>
+EFS_T void ex_half(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const float* x[NT];
+    for (int t = 0; t < NT; ++t) x[t] = xs[t].x;
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* p = W + r * rb;
+        pf_row(p + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m256 w0 = h8<BF>(p + 2 * c), w1 = h8<BF>(p + 2 * c + 16);
+            for (int t = 0; t < NT; ++t) {
+                a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + c), a0[t]);
+                a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[t] + c + 8), a1[t]);
+            }
+        }
+        for (; c + 8 <= cols; c += 8) {
+            const __m256 w0 = h8<BF>(p + 2 * c);
+            for (int t = 0; t < NT; ++t)
+                a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + c), a0[t]);
+        }
+        float tail[NT];
+        for (int t = 0; t < NT; ++t) tail[t] = 0.f;
+        for (; c < cols; ++c) {
+            uint16_t h;
+            memcpy(&h, p + 2 * c, 2);
+            float w;
+            if (BF) {
+                const uint32_t u = (uint32_t)h << 16;
+                memcpy(&w, &u, 4);
+            } else {
+                w = _cvtsh_ss(h);
+            }
+            for (int t = 0; t < NT; ++t) tail[t] += w * x[t][c];
+        }
+        for (int t = 0; t < NT; ++t)
+            out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) + tail[t]);
+    }
+}
+template <int NT> EFS_T void ex_f16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_half<NT, false>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void ex_bf16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { ex_half<NT, true>(W, rb, r0, r1, cols, xs, out); }
+
+// Tokens in chunks of up to 4 (each weight group is unpacked once per chunk).
+#define EFS_EX_ROWS(name)                                                                      \
+    EFS_T void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
+                           const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
+                           int accumulate) {                                                    \
+        for (int t0 = 0; t0 < nt; t0 += 4) {                                                    \
+            const Out o{y + (int64_t)t0 * ys, ys, alpha, accumulate};                           \
+            switch (nt - t0 < 4 ? nt - t0 : 4) {                                                \
+                case 1: name<1>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 2: name<2>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 3: name<3>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                default: name<4>(W, rb, r0, r1, cols, xs + t0, o); break;                       \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+EFS_EX_ROWS(ex_q4_0) EFS_EX_ROWS(ex_q4_1) EFS_EX_ROWS(ex_q5_0) EFS_EX_ROWS(ex_q5_1)
+EFS_EX_ROWS(ex_q8_0) EFS_EX_ROWS(ex_mxfp4) EFS_EX_ROWS(ex_q2_k) EFS_EX_ROWS(ex_q3_k)
+EFS_EX_ROWS(ex_q4_k) EFS_EX_ROWS(ex_q5_k) EFS_EX_ROWS(ex_q6_k) EFS_EX_ROWS(ex_iq4_xs)
+EFS_EX_ROWS(ex_f16) EFS_EX_ROWS(ex_bf16)
+
+// ---------------------------------------------------------------------------------------------
+// q8 mode: integer dot products (ggml-cpu AVX2 ggml_vec_dot_*)
+// ---------------------------------------------------------------------------------------------
+
+EFS_TI __m256i sum_pairs16(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+
+// unsigned x signed bytes -> 8 int32 sums of 4 products
+EFS_TI __m256i dot_us(__m256i ax, __m256i sy) { return sum_pairs16(_mm256_maddubs_epi16(ax, sy)); }
+// signed x signed
+EFS_TI __m256i dot_ss(__m256i x, __m256i y) {
+    return dot_us(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+
+EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in the high 128
+    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
+}
+
+template <class D, bool SIGNED>
+EFS_T float vd_b32(const uint8_t* row, int64_t nb, const QX8* y) {
+    __m256 acc = _mm256_setzero_ps();
+    float summ = 0.f;
+    for (int64_t i = 0; i < nb; ++i, row += D::BYTES) {
+        const __m256i qy = loadu256((const uint8_t*)y[i].qs);
+        const __m256i p = SIGNED ? dot_ss(D::qs(row), qy) : dot_us(D::qs(row), qy);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(D::d(row) * y[i].d), _mm256_cvtepi32_ps(p), acc);
+        if (D::MIN) summ += D::m(row) * y[i].s;
+    }
+    return hsum(acc) + summ;
+}
+
+struct IQ4_0 : DQ4_0 {          // q - 8, signed
+    EFS_TI static __m256i qs(const uint8_t* b) {
+        return _mm256_sub_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(8));
+    }
+};
+struct IQ4_1 : DQ4_1 {
+    EFS_TI static __m256i qs(const uint8_t* b) { return nibbles(loadu128(b + 4)); }
+};
+struct IQ5_0 : DQ5_0 {          // (q | h << 4) - 16 = q | (h ? 0 : 0xF0), signed
+    EFS_TI static __m256i qs(const uint8_t* b) {
+        return _mm256_or_si256(nibbles(loadu128(b + 6)),
+            _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char)0xF0)));
+    }
+};
+struct IQ5_1 : DQ5_1 {
+    EFS_TI static __m256i qs(const uint8_t* b) { return DQ5_1::q(b); }
+};
+struct IQ8_0 : DQ8_0 {
+    EFS_TI static __m256i qs(const uint8_t* b) { return loadu256(b + 2); }
+};
+struct IMXFP4 : DMXFP4 {
+    EFS_TI static __m256i qs(const uint8_t* b) {
+        return _mm256_shuffle_epi8(tbl_mxfp4_s(), nibbles(loadu128(b + 1)));
+    }
+};
+
+EFS_T float vd_q4_0(const uint8_t* r, int64_t c, const void* y) {
+    return vd_b32<IQ4_0, true>(r, c / 32, (const QX8*)y);
+}
+EFS_T float vd_q4_1(const uint8_t* r, int64_t c, const void* y) {
+    return vd_b32<IQ4_1, false>(r, c / 32, (const QX8*)y);
+}
+EFS_T float vd_q5_0(const uint8_t* r, int64_t c, const void* y) {
+    return vd_b32<IQ5_0, true>(r, c / 32, (const QX8*)y);
+}
+EFS_T float vd_q5_1(const uint8_t* r, int64_t c, const void* y) {
+    return vd_b32<IQ5_1, false>(r, c / 32, (const QX8*)y);
+}
+EFS_T float vd_q8_0(const uint8_t* r, int64_t c, const void* y) {
+    return vd_b32<IQ8_0, true>(r, c / 32, (const QX8*)y);
+}
+EFS_T float vd_mxfp4(const uint8_t* r, int64_t c, const void* y) {
+    return vd_b32<IMXFP4, true>(r, c / 32, (const QX8*)y);
+}
+
+template <bool FIVE>
+EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv) {
+    const Q8K* y = (const Q8K*)yv;
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.f;
+    for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+        uint32_t u[4];
+        k4_scales(b + 4, u);
+        const uint8_t* sc = (const uint8_t*)&u[0];
+        const uint8_t* mn = (const uint8_t*)&u[2];
+        int msum = 0;
+        for (int s = 0; s < 8; ++s) msum += mn[s] * (y[i].bsums[2 * s] + y[i].bsums[2 * s + 1]);
+        accm += y[i].d * f16(b + 2) * (float)msum;
+        const uint8_t* q = b + (FIVE ? 48 : 16);
+        const int8_t* q8 = y[i].qs;
+        __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i v = loadu256(q + 32 * j);
+            __m256i lo = _mm256_and_si256(v, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (FIVE) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+                hb = _mm256_srli_epi16(hb, 2);
+            }
+            const __m256i pl = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]),
+                _mm256_maddubs_epi16(lo, loadu256((const uint8_t*)(q8 + 64 * j))));
+            const __m256i ph = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]),
+                _mm256_maddubs_epi16(hi, loadu256((const uint8_t*)(q8 + 64 * j + 32))));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc) - accm;
+}
+EFS_T float vd_q4_k(const uint8_t* r, int64_t c, const void* y) { return vd_q45_k<false>(r, c, y); }
+EFS_T float vd_q5_k(const uint8_t* r, int64_t c, const void* y) { return vd_q45_k<true>(r, c, y); }
+
+EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv) {
+    const Q8K* y = (const Q8K*)yv;
+    const int64_t nb = cols / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i m32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, b += 210) {
+        const int8_t* sc = (const int8_t*)(b + 192);
+        const int8_t* q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {
+            const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+            const __m256i QH = loadu256(b + 128 + 32 * h);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(A, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                   _mm256_and_si256(QH, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+            for (int k = 0; k < 4; ++k) {
+                const __m256i yv8 = loadu256((const uint8_t*)(q8 + 128 * h + 32 * k));
+                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
+                                                   _mm256_maddubs_epi16(m32, yv8));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                    pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]), p));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b + 208)), _mm256_cvtepi32_ps(sumi),
+                              acc);
+    }
+    return hsum(acc);
+}
+
+EFS_T float vd_q2_k(const uint8_t* b, int64_t cols, const void* yv) {
+    const Q8K* y = (const Q8K*)yv;
+    const int64_t nb = cols / 256;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.f;
+    for (int64_t i = 0; i < nb; ++i, b += 84) {
+        const uint8_t* sc = b;
+        const int8_t* q8 = y[i].qs;
+        int summs = 0;
+        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * (sc[j] >> 4);
+        accm += y[i].d * f16(b + 82) * (float)summs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int n = 0; n < 2; ++n) {
+            const __m256i Q = loadu256(b + 16 + 32 * n);
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
+                const __m256i p = _mm256_maddubs_epi16(
+                    v, loadu256((const uint8_t*)(q8 + 128 * n + 32 * j)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                    pair16(sc[8 * n + 2 * j] & 0xF, sc[8 * n + 2 * j + 1] & 0xF), p));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b + 80)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc) - accm;
+}
+
+EFS_T float vd_q3_k(const uint8_t* b, int64_t cols, const void* yv) {
+    const Q8K* y = (const Q8K*)yv;
+    const int64_t nb = cols / 256;
+    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, b += 110) {
+        int8_t sc[16];
+        q3k_scales(b + 96, sc);
+        const int8_t* q8 = y[i].qs;
+        __m256i hb = loadu256(b);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int n = 0; n < 2; ++n) {
+            const __m256i Q = loadu256(b + 32 + 32 * n);
+            for (int j = 0; j < 4; ++j) {
+                const __m256i q = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                    _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
+                hb = _mm256_srli_epi16(hb, 1);
+                const __m256i yv8 = loadu256((const uint8_t*)(q8 + 128 * n + 32 * j));
+                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv8),
+                                                   _mm256_maddubs_epi16(m04, yv8));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                    pair16(sc[8 * n + 2 * j] - 32, sc[8 * n + 2 * j + 1] - 32), p));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b + 108)), _mm256_cvtepi32_ps(sumi),
+                              acc);
+    }
+    return hsum(acc);
+}
+
+EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv) {
+    const Q8K* y = (const Q8K*)yv;
+    const int64_t nb = cols / 256;
+    const __m256i tbl = tbl_iq4nl_s();
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, b += 136) {
+        const int8_t* q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ++ib) {
+            const __m256i v = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
+            const __m256i yv8 = loadu256((const uint8_t*)(q8 + 32 * ib));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v),
+                                                   _mm256_sign_epi8(yv8, v));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                _mm256_set1_epi16((short)(iq4xs_ls(b, ib) - 32)), p));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc);
+}
+
+#define EFS_Q8_ROWS(name)                                                                      \
+    EFS_T void rows_q8_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,            \
+                              int64_t cols, const XPrep* xs, int nt, float* y, int64_t ys,     \
+                              float alpha, int accumulate) {                                    \
+        const Out o{y, ys, alpha, accumulate};                                                  \
+        const int64_t ahead = pf_ahead(rb);                                                     \
+        for (int64_t r = r0; r < r1; ++r) {                                                     \
+            pf_row(W + (r + ahead) * rb, rb);                                                   \
+            for (int t = 0; t < nt; ++t) o.put(t, r, vd_##name(W + r * rb, cols, xs[t].q));     \
+        }                                                                                       \
+    }
+
+EFS_Q8_ROWS(q4_0) EFS_Q8_ROWS(q4_1) EFS_Q8_ROWS(q5_0) EFS_Q8_ROWS(q5_1) EFS_Q8_ROWS(q8_0)
+EFS_Q8_ROWS(mxfp4) EFS_Q8_ROWS(q2_k) EFS_Q8_ROWS(q3_k) EFS_Q8_ROWS(q4_k) EFS_Q8_ROWS(q5_k)
+EFS_Q8_ROWS(q6_k) EFS_Q8_ROWS(iq4_xs)
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// activation quantization
+// ---------------------------------------------------------------------------------------------
+
+EFS_T void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n / 256; ++i, x += 256) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        if (!(amax > 0.f)) {
+            y[i].d = 0.f;
+            memset(y[i].qs, 0, 256);
+            memset(y[i].bsums, 0, sizeof y[i].bsums);
+            continue;
+        }
+        float max = 0.f;                    // the first element of largest magnitude, signed
+        for (int j = 0; j < 256; ++j)
+            if (fabsf(x[j]) == amax) { max = x[j]; break; }
+        const float iscale = -127.f / max;
+        const __m256 mul = _mm256_set1_ps(iscale);
+        const __m256i c127 = _mm256_set1_epi32(127);
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i v[4];
+            for (int k = 0; k < 4; ++k)
+                v[k] = _mm256_min_epi32(c127, _mm256_cvtps_epi32(_mm256_round_ps(
+                    _mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * k), mul),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                           _mm256_packs_epi32(v[2], v[3]));
+            p = _mm256_permutevar8x32_epi32(p, perm);
+            _mm256_storeu_si256((__m256i*)(y[i].qs + j), p);
+            // bsums: sum of 16 signed bytes = sad(q ^ 0x80, 0) over both 8-byte halves - 2048
+            const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(p, _mm256_set1_epi8((char)0x80)),
+                                              _mm256_setzero_si256());
+            alignas(32) int64_t sv[4];
+            _mm256_store_si256((__m256i*)sv, s);
+            y[i].bsums[j / 16] = (int16_t)(sv[0] + sv[1] - 2048);
+            y[i].bsums[j / 16 + 1] = (int16_t)(sv[2] + sv[3] - 2048);
+        }
+        y[i].d = 1.f / iscale;
+    }
+}
+
+EFS_T void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < n / 32; ++i, x += 32) {
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm256_loadu_ps(x + 8 * k);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        const __m256 mul = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int k = 0; k < 4; ++k)
+            q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], mul),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                                  _mm256_add_epi32(q[2], q[3])));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i*)y[i].qs, _mm256_permutevar8x32_epi32(p, perm));
+        y[i].d = _cvtsh_ss(_cvtss_sh(d, 0));
+        y[i].s = with_sum ? _cvtsh_ss(_cvtss_sh(d * (float)sum, 0)) : 0.f;
+    }
+}
+
+RowsFn avx2_rows(int type, int mode) {
+#define EFS_CASE(T, name) case T: return mode == 0 ? rows_ex_##name : rows_q8_##name;
+    switch (type) {
+        EFS_CASE(T_Q4_0, q4_0) EFS_CASE(T_Q4_1, q4_1) EFS_CASE(T_Q5_0, q5_0)
+        EFS_CASE(T_Q5_1, q5_1) EFS_CASE(T_Q8_0, q8_0) EFS_CASE(T_MXFP4, mxfp4)
+        EFS_CASE(T_Q2_K, q2_k) EFS_CASE(T_Q3_K, q3_k) EFS_CASE(T_Q4_K, q4_k)
+        EFS_CASE(T_Q5_K, q5_k) EFS_CASE(T_Q6_K, q6_k) EFS_CASE(T_IQ4_XS, iq4_xs)
+        case T_F16: return rows_ex_f16;       // q8 mode: fp16-rounded activations (X_F16R)
+        case T_BF16: return rows_ex_bf16;     // q8 mode: bf16-rounded activations (X_BF16R)
+        default: return nullptr;
+    }
+#undef EFS_CASE
+}
+
+bool avx2_compiled() { return true; }
+
+}  // namespace efs
+
+#else  // not x86: the portable kernels only
+
+namespace efs {
+RowsFn avx2_rows(int, int) { return nullptr; }
+bool avx2_compiled() { return false; }
+void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n) { quantize_q8k(x, y, n); }
+void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int s) { quantize_qx8(x, y, n, s); }
+}  // namespace efs
+
+#endif

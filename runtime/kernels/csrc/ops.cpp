@@ -1,0 +1,346 @@
+// Torch binding of the native kernels: activation preparation, the parallel row drivers and
+// the one-call MoE layer (all selected experts' gate+up, SiLU*up, and the weighted down sum).
+//
+// Threads: at::parallel_for (torch's intra-op pool, so torch.set_num_threads applies and no
+// second pool competes with torch's), one task per thread pulling row chunks from an atomic
+// counter (a thread delayed by another process does not hold the others up). Every output row
+// is computed by one thread in a fixed order, so results do not depend on the thread count.
+// The GIL is released while computing.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kern.h"
+
+namespace efs {
+namespace {
+
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+
+int detect_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+const int g_best = detect_isa();
+int g_isa = g_best;
+
+RowsFn rows_fn(int type, int mode) {
+    RowsFn f = g_isa >= ISA_AVX2 ? avx2_rows(type, mode) : nullptr;
+    return f ? f : scalar_rows(type, mode);
+}
+
+// Prepared activations for `nt` vectors of `cols` floats in one format; owns its memory.
+struct Prep {
+    std::vector<float> f;
+    std::vector<Q8K> q8k;
+    std::vector<QX8> qx8;
+    std::vector<XPrep> xs;
+
+    void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt) {
+        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr});
+        if (fmt == X_EXACT) {
+            const int64_t per = cols + cols / 16 + cols / 32;
+            f.resize((size_t)(per * nt));
+            for (int t = 0; t < nt; ++t) {
+                const float* xt = x + t * xstride;
+                float* base = f.data() + t * per;
+                xs[t].x = xt;
+                if (cols % 32 == 0) {
+                    perm32(xt, base, cols);
+                    xs[t].xp = base;
+                }
+                sums16(xt, base + cols, base + cols + cols / 16, cols);
+                xs[t].s16 = base + cols;
+                xs[t].s32 = base + cols + cols / 16;
+            }
+        } else if (fmt == X_Q8K) {
+            const int64_t nb = cols / 256;
+            q8k.resize((size_t)(nb * nt));
+            for (int t = 0; t < nt; ++t) {
+                if (g_isa >= ISA_AVX2)
+                    avx2_quantize_q8k(x + t * xstride, q8k.data() + t * nb, cols);
+                else
+                    quantize_q8k(x + t * xstride, q8k.data() + t * nb, cols);
+                xs[t].q = q8k.data() + t * nb;
+            }
+        } else if (fmt == X_Q8_0 || fmt == X_Q8_1) {
+            const int64_t nb = cols / 32;
+            qx8.resize((size_t)(nb * nt));
+            for (int t = 0; t < nt; ++t) {
+                if (g_isa >= ISA_AVX2)
+                    avx2_quantize_qx8(x + t * xstride, qx8.data() + t * nb, cols, fmt == X_Q8_1);
+                else
+                    quantize_qx8(x + t * xstride, qx8.data() + t * nb, cols, fmt == X_Q8_1);
+                xs[t].q = qx8.data() + t * nb;
+            }
+        } else {                                        // X_F16R / X_BF16R
+            f.resize((size_t)(cols * nt));
+            for (int t = 0; t < nt; ++t) {
+                float* o = f.data() + t * cols;
+                if (fmt == X_F16R)
+                    round_f16(x + t * xstride, o, cols);
+                else
+                    round_bf16(x + t * xstride, o, cols);
+                xs[t].x = o;
+            }
+        }
+    }
+};
+
+int act_format(int type, int mode) { return mode == 0 ? (int)X_EXACT : q8_format(type); }
+
+// Runs f(chunk) for chunk in [0, n) on torch's intra-op threads, chunks handed out in order.
+template <class F>
+void par_chunks(int64_t n, const F& f) {
+    const int nth = at::get_num_threads();
+    if (nth <= 1 || n <= 1 || at::in_parallel_region()) {
+        for (int64_t c = 0; c < n; ++c) f(c);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, nth < n ? nth : n, 1, [&](int64_t, int64_t) {
+        for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(c);
+    });
+}
+
+// Rows per chunk: about `target` weights per chunk, at least 4 chunks per thread when possible.
+int64_t rows_per_chunk(int64_t rows, int64_t cols, int64_t target = 16384) {
+    int64_t r = target / (cols > 0 ? cols : 1);
+    const int64_t nth = at::get_num_threads();
+    const int64_t cap = rows / (4 * nth);
+    if (cap >= 1 && r > cap) r = cap;
+    if (r < 1) r = 1;
+    return r;
+}
+
+const TypeInfo* check_type(int64_t type, int64_t cols, int64_t mode) {
+    const TypeInfo* ti = type_info((int)type);
+    TORCH_CHECK(ti != nullptr, "expertfs kernels: unsupported ggml type ", type);
+    TORCH_CHECK(mode == 0 || mode == 1, "expertfs kernels: mode must be 0 (exact) or 1 (q8)");
+    TORCH_CHECK(cols > 0 && cols % ti->block == 0, "expertfs kernels: ", cols,
+                " columns are not a whole number of blocks of ", ti->block);
+    if (mode == 1 && q8_format((int)type) == X_Q8K)
+        TORCH_CHECK(cols % 256 == 0, "expertfs kernels: q8 mode needs 256-element rows");
+    return ti;
+}
+
+void check_raw(const at::Tensor& raw, int64_t rows, int64_t row_bytes, const char* what) {
+    TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
+                "expertfs kernels: ", what, " must be a contiguous uint8 CPU tensor");
+    TORCH_CHECK(raw.numel() == rows * row_bytes, "expertfs kernels: ", what, " has ",
+                raw.numel(), " bytes, expected ", rows, " x ", row_bytes);
+}
+
+at::Tensor check_x(const at::Tensor& x, int64_t cols) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                x.size(1) == cols, "expertfs kernels: x must be a float32 CPU [T, ", cols, "]");
+    return x.contiguous();
+}
+
+// y [T, rows] = x [T, cols] @ W.T with W the ggml bytes `raw` (rows x row_bytes).
+at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
+                  int64_t cols, int64_t mode) {
+    const TypeInfo* ti = check_type(type, cols, mode);
+    const int64_t rb = cols / ti->block * ti->bytes;
+    check_raw(raw, rows, rb, "weight");
+    const at::Tensor x = check_x(x_, cols);
+    const int nt = (int)x.size(0);
+    at::Tensor y = at::empty({nt, rows}, x.options());
+    if (nt == 0 || rows == 0) return y;
+    const RowsFn fn = rows_fn((int)type, (int)mode);
+    TORCH_CHECK(fn != nullptr, "expertfs kernels: no kernel for type ", type);
+    Prep p;
+    p.make(x.data_ptr<float>(), cols, nt, cols, act_format((int)type, (int)mode));
+    const uint8_t* W = raw.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    const int64_t rc = rows_per_chunk(rows, cols * nt);
+    const XPrep* xs = p.xs.data();
+    {
+        pybind11::gil_scoped_release nogil;
+        par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
+            const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
+            fn(W, rb, r0, r1, cols, xs, nt, yp, rows, 1.f, 0);
+        });
+    }
+    return y;
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// One decode step through n experts: sum_j w[j] * down_j(silu(gate_j x) * up_j x).
+// `up` empty: each gate tensor is a fused gate_up (rows [0, ff) gate, [ff, 2 ff) up).
+at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at::Tensor>& gate,
+               const std::vector<at::Tensor>& up, const std::vector<at::Tensor>& down,
+               int64_t tg, int64_t tu, int64_t td, int64_t ff, int64_t mode) {
+    const int64_t n = (int64_t)gate.size();
+    TORCH_CHECK(n > 0 && (int64_t)down.size() == n && (up.empty() || (int64_t)up.size() == n),
+                "expertfs kernels: gate, up and down must list the same experts");
+    TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe takes one token");
+    const int64_t D = x_.size(1);
+    const at::Tensor x = check_x(x_, D);
+    const bool fused = up.empty();
+    if (fused) tu = tg;
+    const TypeInfo* gi = check_type(tg, D, mode);
+    const TypeInfo* ui = check_type(tu, D, mode);
+    const TypeInfo* di = check_type(td, ff, mode);
+    const int64_t rbg = D / gi->block * gi->bytes, rbu = D / ui->block * ui->bytes;
+    const int64_t rbd = ff / di->block * di->bytes;
+    for (int64_t e = 0; e < n; ++e) {
+        check_raw(gate[e], fused ? 2 * ff : ff, rbg, fused ? "gate_up" : "gate");
+        if (!fused) check_raw(up[e], ff, rbu, "up");
+        check_raw(down[e], D, rbd, "down");
+    }
+    TORCH_CHECK(w_.numel() == n, "expertfs kernels: one weight per expert expected");
+    const at::Tensor w = w_.to(at::kFloat).contiguous();
+    const float* wp = w.data_ptr<float>();
+    const RowsFn fg = rows_fn((int)tg, (int)mode), fu = rows_fn((int)tu, (int)mode);
+    const RowsFn fd = rows_fn((int)td, (int)mode);
+    TORCH_CHECK(fg && fu && fd, "expertfs kernels: no kernel for these types");
+
+    std::vector<const uint8_t*> G(n), U(n), Dn(n);
+    for (int64_t e = 0; e < n; ++e) {
+        G[e] = gate[e].data_ptr<uint8_t>();
+        U[e] = fused ? G[e] + ff * rbg : up[e].data_ptr<uint8_t>();
+        Dn[e] = down[e].data_ptr<uint8_t>();
+    }
+    at::Tensor y = at::empty({1, D}, x.options());   // the first expert writes, the rest add
+    float* yp = y.data_ptr<float>();
+    const float* xp = x.data_ptr<float>();
+    {
+        pybind11::gil_scoped_release nogil;
+        Prep px, pxu;
+        const int fmt_g = act_format((int)tg, (int)mode), fmt_u = act_format((int)tu, (int)mode);
+        px.make(xp, D, 1, D, fmt_g);
+        const XPrep* xg = px.xs.data();
+        const XPrep* xu = xg;
+        if (fmt_u != fmt_g) {
+            pxu.make(xp, D, 1, D, fmt_u);
+            xu = pxu.xs.data();
+        }
+        // gate and up rows of every expert, then h = silu(g) * u in place
+        std::vector<float> g((size_t)(n * ff)), u((size_t)(n * ff));
+        const int64_t rc = rows_per_chunk(n * ff, 2 * D);
+        const int64_t per_e = (ff + rc - 1) / rc;
+        par_chunks(n * per_e, [&](int64_t c) {
+            const int64_t e = c / per_e, r0 = (c % per_e) * rc;
+            const int64_t r1 = r0 + rc < ff ? r0 + rc : ff;
+            float* ge = g.data() + e * ff;
+            float* ue = u.data() + e * ff;
+            fg(G[e], rbg, r0, r1, D, xg, 1, ge, 0, 1.f, 0);
+            fu(U[e], rbu, r0, r1, D, xu, 1, ue, 0, 1.f, 0);
+            for (int64_t r = r0; r < r1; ++r) ge[r] = silu(ge[r]) * ue[r];
+        });
+        // the down projections' activations, then every output row summed over the experts
+        std::vector<Prep> ph((size_t)n);
+        const int fmt_d = act_format((int)td, (int)mode);
+        for (int64_t e = 0; e < n; ++e) ph[e].make(g.data() + e * ff, ff, 1, ff, fmt_d);
+        const int64_t rd = rows_per_chunk(D, n * ff);
+        par_chunks((D + rd - 1) / rd, [&](int64_t c) {
+            const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
+            for (int64_t e = 0; e < n; ++e)
+                fd(Dn[e], rbd, r0, r1, ff, ph[e].xs.data(), 1, yp, 0, wp[e], e > 0);
+        });
+    }
+    return y;
+}
+
+// The activations as the q8 mode sees them, dequantized (for tests): [T, cols] float32.
+at::Tensor act_dequant(const at::Tensor& x_, int64_t type) {
+    const int64_t cols = x_.size(1);
+    check_type(type, cols, 1);
+    const at::Tensor x = check_x(x_, cols);
+    const int nt = (int)x.size(0);
+    const int fmt = q8_format((int)type);
+    Prep p;
+    p.make(x.data_ptr<float>(), cols, nt, cols, fmt);
+    at::Tensor y = at::empty({nt, cols}, x.options());
+    float* o = y.data_ptr<float>();
+    for (int t = 0; t < nt; ++t, o += cols) {
+        if (fmt == X_Q8K) {
+            const Q8K* q = (const Q8K*)p.xs[t].q;
+            for (int64_t i = 0; i < cols; ++i) o[i] = q[i / 256].d * q[i / 256].qs[i % 256];
+        } else if (fmt == X_Q8_0 || fmt == X_Q8_1) {
+            const QX8* q = (const QX8*)p.xs[t].q;
+            for (int64_t i = 0; i < cols; ++i) o[i] = q[i / 32].d * q[i / 32].qs[i % 32];
+        } else {
+            std::memcpy(o, p.xs[t].x, sizeof(float) * cols);
+        }
+    }
+    return y;
+}
+
+// Q8_K blocks as bytes (llama.cpp's block_q8_K), for tests against an independent quantizer.
+at::Tensor quantize_q8k_bytes(const at::Tensor& x_) {
+    const int64_t cols = x_.size(1);
+    TORCH_CHECK(cols % 256 == 0, "expertfs kernels: Q8_K needs 256-element rows");
+    const at::Tensor x = check_x(x_, cols);
+    const int64_t nb = cols / 256, nt = x.size(0);
+    at::Tensor y = at::empty({nt, nb * (int64_t)sizeof(Q8K)}, x.options().dtype(at::kByte));
+    for (int64_t t = 0; t < nt; ++t) {
+        Q8K* o = (Q8K*)(y.data_ptr<uint8_t>() + t * nb * sizeof(Q8K));
+        if (g_isa >= ISA_AVX2)
+            avx2_quantize_q8k(x.data_ptr<float>() + t * cols, o, cols);
+        else
+            quantize_q8k(x.data_ptr<float>() + t * cols, o, cols);
+    }
+    return y;
+}
+
+std::string isa_name(int isa) { return isa == ISA_AVX2 ? "avx2" : "scalar"; }
+
+std::string set_isa(const std::string& name) {
+    if (name == "scalar") {
+        g_isa = ISA_SCALAR;
+    } else if (name == "avx2" || name == "best") {
+        TORCH_CHECK(name == "best" || g_best >= ISA_AVX2,
+                    "expertfs kernels: this CPU (or build) has no AVX2+FMA+F16C");
+        g_isa = name == "best" ? g_best : ISA_AVX2;
+    } else {
+        TORCH_CHECK(false, "expertfs kernels: unknown isa '", name, "' (scalar, avx2, best)");
+    }
+    return isa_name(g_isa);
+}
+
+pybind11::dict info() {
+    pybind11::dict d;
+    d["isa"] = isa_name(g_isa);
+    d["best_isa"] = isa_name(g_best);
+    d["avx2_compiled"] = avx2_compiled();
+    pybind11::list types;
+    static const int all[] = {T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q2_K,
+                              T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS, T_MXFP4};
+    for (int t : all) types.append(t);
+    d["types"] = types;
+    return d;
+}
+
+}  // namespace
+}  // namespace efs
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "expertfs native CPU matrix-vector kernels over ggml blocks";
+    m.def("matvec", &efs::matvec, "y[T, rows] = x[T, cols] @ W.T from ggml bytes",
+          pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
+          pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode"));
+    m.def("moe", &efs::moe, "one decode step through a layer's selected experts",
+          pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("gate"), pybind11::arg("up"),
+          pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"),
+          pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"));
+    m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
+    m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
+    m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2 or best");
+    m.def("info", &efs::info, "ISA in use, best ISA, supported type ids");
+}

@@ -1,0 +1,282 @@
+"""Native CPU kernels (runtime.kernels): exact mode equals F.linear on gguf-py's dequantized
+weights; q8 mode equals llama.cpp's numerics, rebuilt here independently in numpy (ggml's
+quantize_row_q8_K_ref, its x86 quantize_row_q8_0/q8_1, fp16/bf16 rounding); the one-call MoE
+layer equals the expert loop; the portable and AVX2 code agree; results do not depend on the
+thread count. The extension is compiled once per user (cached); the module is skipped with the
+loader's reason when no C++ toolchain is present.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from expertfs.formats.dequant import dequantize
+from expertfs.formats.ggml import type_size
+from expertfs.runtime import kernels
+
+MOD = kernels.load()
+pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
+                                f"{kernels.status()['reason']}")
+
+ALL = [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4, T.Q5_0,
+       T.Q5_1, T.Q4_1, T.BF16, T.F16]
+_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+               T.IQ4_XS: (0,)}
+_Q8_1 = (T.Q4_1, T.Q5_1)
+_K = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
+
+
+def isas() -> list[str]:
+    return ["scalar", "avx2"] if MOD is not None and MOD.info()["best_isa"] == "avx2" \
+        else ["scalar"]
+
+
+@pytest.fixture
+def isa(request):
+    MOD.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        MOD.set_isa("best")
+
+
+def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Valid ggml bytes of a ``rows × cols`` matrix: gguf-py's quantization of random floats,
+    or random blocks with small finite fp16 scales for the types gguf-py cannot quantize."""
+    rng = np.random.default_rng(seed)
+    if t in _F16_FIELDS:
+        b = rng.integers(0, 256, (rows, cols // 256, type_size(t)), dtype=np.uint8)
+        for off in _F16_FIELDS[t]:
+            b[..., off:off + 2] = (rng.standard_normal(b.shape[:2]) * 0.01).astype(
+                np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+        return torch.from_numpy(b.reshape(-1))
+    q = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1).copy())
+
+
+def cols_for(t: T) -> list[int]:
+    if t in _K:
+        return [256, 768]
+    if t in (T.F16, T.BF16):
+        return [100, 512]                     # 100: a tail that is not a whole vector
+    return [96, 512]
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float rounding allowance: a few ulps of sum |x| |w| per output."""
+    return 4e-6 * (x.double().abs() @ w.double().abs().T).float() + 1e-30
+
+
+# --- llama.cpp's activation quantizers, written independently in numpy -----------------------
+
+def q8k_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml quantize_row_q8_K_ref: d (f32), qs (i8) and bsums (i16) per 256 elements."""
+    xb = x.astype(np.float32).reshape(-1, 256)
+    idx = np.abs(xb).argmax(1)                     # the first element of largest magnitude
+    mx = xb[np.arange(len(xb)), idx]
+    d = np.zeros(len(xb), np.float32)
+    q = np.zeros(xb.shape, np.int8)
+    nz = mx != 0
+    iscale = (np.float32(-127.0) / mx[nz]).astype(np.float32)
+    v = np.rint((iscale[:, None] * xb[nz]).astype(np.float32))     # nearest_int: half to even
+    q[nz] = np.minimum(127, v).astype(np.int8)
+    d[nz] = (np.float32(1.0) / iscale).astype(np.float32)
+    bs = q.reshape(len(xb), 16, 16).astype(np.int32).sum(-1).astype(np.int16)
+    return d, q, bs
+
+
+def qx8_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml-cpu x86 quantize_row_q8_0 / q8_1: fp16-rounded d, qs, fp16-rounded s = d·Σqs."""
+    xb = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(xb).max(1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    idv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    q = np.rint((xb * idv[:, None]).astype(np.float32)).astype(np.int32)
+    s = (d * q.sum(1).astype(np.float32)).astype(np.float16).astype(np.float32)
+    return d.astype(np.float16).astype(np.float32), q, s
+
+
+def llama_q8(x: torch.Tensor, raw: torch.Tensor, t: T, rows: int, cols: int) -> torch.Tensor:
+    """``x @ W.T`` with llama.cpp's activation quantization, from dequantized weights."""
+    W = dequantize(raw, t, (rows, cols)).double()
+    out = []
+    for xr in x.numpy():
+        if t in _K:
+            d, q, _ = q8k_numpy(xr)
+            xq = (d[:, None] * q).reshape(-1)
+            y = W @ torch.from_numpy(xq.astype(np.float64))
+        elif t == T.F16:
+            y = W @ torch.from_numpy(xr.astype(np.float16).astype(np.float64))
+        elif t == T.BF16:
+            y = W @ torch.from_numpy(xr).to(torch.bfloat16).double()
+        else:
+            d, q, s = qx8_numpy(xr)
+            xq = (d[:, None].astype(np.float64) * q).reshape(-1)
+            y = W @ torch.from_numpy(xq)
+            if t in _Q8_1:        # the m·s term uses s, not d·Σq: m_w · (s - d·Σq) per block
+                m = raw.numpy().reshape(rows, cols // 32, type_size(t))[..., 2:4].copy()
+                m = m.view(np.float16).astype(np.float64)[..., 0]      # [rows, blocks]
+                y = y + torch.from_numpy(m @ (s.astype(np.float64) - d * q.sum(1)))
+        out.append(y)
+    return torch.stack(out).float()
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_exact_equals_dequant_linear(t, isa):
+    for k, cols in enumerate(cols_for(t)):
+        rows = 37 + 8 * k
+        raw = weight(t, rows, cols, int(t) * 7 + k)
+        W = dequantize(raw, t, (rows, cols))
+        for nt in (1, 3, 6):
+            x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt + k))
+            got = kernels.matvec(x, raw, t, (rows, cols))
+            ref = F.linear(x, W)
+            assert got.shape == (nt, rows)
+            assert ((got - ref).abs() <= bound(x, W)).all(), (t.name, isa, cols, nt)
+
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_q8_equals_llama_numerics(t, isa):
+    cols = 512
+    rows = 29
+    raw = weight(t, rows, cols, int(t) + 100)
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(int(t)))
+    x[1, 5] = 0.0
+    x[1, 256:288] = 0.0                               # an all-zero block
+    got = kernels.matvec(x, raw, t, (rows, cols), act_quant="q8")
+    ref = llama_q8(x, raw, t, rows, cols)
+    W = dequantize(raw, t, (rows, cols))
+    assert ((got - ref).abs() <= bound(x, W) + 1e-6 * ref.abs()).all(), (t.name, isa)
+    exact = kernels.matvec(x, raw, t, (rows, cols))
+    assert not torch.equal(got, exact) or t in (T.F16, T.BF16)   # the mode is really on
+
+
+def test_q8k_quantizer_bytes_equal_ggml_reference():
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)) * 3
+    x[1, :256] = 0.0                                   # amax == 0: d = 0, qs = 0
+    x[2, 7], x[2, 9] = 4.0, -4.0                       # a tie: the first one sets the sign
+    for isa in isas():
+        MOD.set_isa(isa)
+        try:
+            b = MOD.quantize_q8k_bytes(x).numpy().reshape(3, 2, 292)
+        finally:
+            MOD.set_isa("best")
+        for r in range(3):
+            d, q, bs = q8k_numpy(x[r].numpy())
+            assert np.array_equal(b[r, :, :4].copy().view(np.float32)[:, 0], d), isa
+            assert np.array_equal(b[r, :, 4:260].view(np.int8), q), isa
+            assert np.array_equal(b[r, :, 260:].copy().view(np.int16), bs), isa
+
+
+def test_act_dequant_is_what_q8_multiplies():
+    raw = weight(T.Q4_K, 16, 256, 3)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(8))
+    xq = MOD.act_dequant(x, int(T.Q4_K))
+    d, q, _ = q8k_numpy(x[0].numpy())
+    assert torch.equal(xq[0], torch.from_numpy((d[:, None] * q).reshape(-1).astype(np.float32)))
+    got = kernels.matvec(x, raw, T.Q4_K, (16, 256), act_quant="q8")
+    ref = F.linear(xq, dequantize(raw, T.Q4_K, (16, 256)))
+    assert torch.allclose(got, ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
+
+
+def _experts(types, n, D, ff, fused, seed):
+    tg, tu, td = types
+    gate = [weight(tg, 2 * ff if fused else ff, D, seed + j) for j in range(n)]
+    up = None if fused else [weight(tu, ff, D, seed + 50 + j) for j in range(n)]
+    down = [weight(td, D, ff, seed + 100 + j) for j in range(n)]
+    return gate, up, down
+
+
+def _loop(x, w, gate, up, down, types, D, ff, act_quant):
+    tg, tu, td = types
+    out = torch.zeros(1, D)
+    for j in range(len(gate)):
+        if up is None:
+            g, u = kernels.matvec(x, gate[j], tg, (2 * ff, D), act_quant).chunk(2, -1)
+        else:
+            g = kernels.matvec(x, gate[j], tg, (ff, D), act_quant)
+            u = kernels.matvec(x, up[j], tu, (ff, D), act_quant)
+        h = F.silu(g) * u
+        out += w[j] * kernels.matvec(h, down[j], td, (D, ff), act_quant)
+    return out
+
+
+@pytest.mark.parametrize("types,fused", [((T.Q4_K, T.Q4_K, T.Q6_K), False),
+                                         ((T.Q8_0, T.Q8_0, T.Q4_0), False),
+                                         ((T.MXFP4, T.MXFP4, T.MXFP4), True),
+                                         ((T.Q5_K, T.Q4_K, T.Q8_0), False)],
+                         ids=["q4k-q6k", "q8_0-q4_0", "mxfp4-fused", "mixed"])
+def test_moe_equals_expert_loop(types, fused):
+    D, ff, n = 512, 256, 5
+    gate, up, down = _experts(types, n, D, ff, fused, 11)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(4))
+    w = torch.tensor([0.4, 0.25, 0.15, 0.12, 0.08])
+    for aq in ("off", "q8"):
+        got = kernels.moe(x, w, gate, up, down, types, ff, aq)
+        ref = _loop(x, w, gate, up, down, types, D, ff, aq)
+        assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0), aq
+    # exact mode against float weights, independently of the kernels
+    tg, tu, td = types
+    ref = torch.zeros(1, D)
+    for j in range(n):
+        if fused:
+            g, u = F.linear(x, dequantize(gate[j], tg, (2 * ff, D))).chunk(2, -1)
+        else:
+            g = F.linear(x, dequantize(gate[j], tg, (ff, D)))
+            u = F.linear(x, dequantize(up[j], tu, (ff, D)))
+        ref += w[j] * F.linear(F.silu(g) * u, dequantize(down[j], td, (D, ff)))
+    got = kernels.moe(x, w, gate, up, down, types, ff)
+    assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
+
+
+def test_results_do_not_depend_on_threads():
+    D, ff, n = 512, 256, 4
+    types = (T.Q4_K, T.Q4_K, T.Q6_K)
+    gate, up, down = _experts(types, n, D, ff, False, 3)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(1))
+    w = torch.rand(n, generator=torch.Generator().manual_seed(2))
+    raw = weight(T.Q4_K, 300, D, 9)
+    old = torch.get_num_threads()
+    out = {}
+    try:
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            out[th] = [kernels.moe(x, w, gate, up, down, types, ff, aq) for aq in ("off", "q8")]
+            out[th] += [kernels.matvec(x.expand(3, D).contiguous(), raw, T.Q4_K, (300, D))]
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(out[1], out[2]):
+        assert torch.equal(a, b)
+
+
+def test_not_applicable_and_bad_input():
+    raw = weight(T.Q4_K, 8, 256, 1)
+    x = torch.randn(1, 256)
+    assert kernels.matvec(x.double(), raw, T.Q4_K, (8, 256)) is None
+    assert kernels.matvec(x, raw, T.IQ2_XXS, (8, 256)) is None          # no native kernel
+    assert kernels.matvec(x[:, :128], weight(T.Q4_0, 8, 128, 2), T.Q4_0, (8, 128),
+                          act_quant="q8") is not None
+    with pytest.raises(ValueError, match="unknown activation quantization"):
+        kernels.matvec(x, raw, T.Q4_K, (8, 256), act_quant="q4")
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        kernels.matvec(x, raw[:-1], T.Q4_K, (8, 256))
+    with pytest.raises(RuntimeError, match="x must be"):
+        MOD.matvec(torch.randn(1, 255), raw, int(T.Q4_K), 8, 256, 0)
+
+
+def test_disabled_by_environment(monkeypatch):
+    from expertfs.runtime.kernels import build
+    monkeypatch.setenv("EXPERTFS_NATIVE", "0")
+    assert build._why_not() == "disabled by EXPERTFS_NATIVE=0"
+    monkeypatch.setenv("EXPERTFS_NATIVE", "1")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert "no C++ compiler" in build._why_not()
