@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights, QWeight
-from .qmatvec import fused_matvec
+from .qmatvec import decode_matvec
 from .weights import Linear
 
 __all__ = ["DenseFFN", "FloatExpert", "expert_ffn", "to_float_expert"]
@@ -45,17 +45,24 @@ def _q(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return qlinear(x, w.raw, w.ggml_type, w.shape)
 
 
-def _qf(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    y = fused_matvec(x, w.raw, w.ggml_type, w.shape)
+def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tensor:
+    y = decode_matvec(x, w.raw, w.ggml_type, w.shape, act_quant)
     return qlinear(x, w.raw, w.ggml_type, w.shape) if y is None else y
 
 
-def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = False
-               ) -> torch.Tensor:
-    """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: decode steps
-    use the compiled matvec of ``qmatvec`` where the type has one."""
+def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = False,
+               act_quant: str | None = None) -> torch.Tensor:
+    """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: products of
+    one token (a few with the native kernels) go through ``qmatvec`` where the type has one;
+    ``act_quant="q8"`` there uses llama.cpp's 8-bit activations (native kernels only)."""
     p = e.parts
-    lin = F.linear if isinstance(e, FloatExpert) else (_qf if fused else _q)
+    if isinstance(e, FloatExpert):
+        lin = F.linear
+    elif fused:
+        def lin(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+            return _qf(x, w, act_quant)
+    else:
+        lin = _q
     gu = p.get(Role.GATE_UP)
     if gu is not None:
         g, u = lin(x, gu).chunk(2, dim=-1)

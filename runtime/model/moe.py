@@ -11,11 +11,13 @@ T=tokens, k=experts per token, E=experts, D=n_embd.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...errors import UsageError
 from ..experts.protocol import ExpertProvider
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
@@ -24,6 +26,8 @@ from .qmatvec import fused_experts
 from .router import Router, RouterWeights
 
 __all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +58,22 @@ class ExpertRunner:
     lookahead: LookaheadStats | None = None
     stats: MoEStats = field(default_factory=MoEStats)
     record: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None   # trace rows
-    fused: bool = False          # decode matvecs through qmatvec (compiled, CPU)
+    fused: bool = False          # decode matvecs through qmatvec (native or compiled, CPU)
+    act_quant: str = "off"       # "q8": llama.cpp's 8-bit activations (lossy, opt-in; native)
+
+    def set_act_quant(self, mode: str) -> None:
+        """``"off"`` (exact, the default) or ``"q8"``: the native expert products quantize
+        their activations as llama.cpp does (lossy, opt-in; see ``runtime.kernels``). Without
+        the native kernels or the fused path the products stay exact (logged)."""
+        from .. import kernels
+        try:
+            kernels.act_quant_mode(mode)
+        except ValueError as e:
+            raise UsageError(str(e), fix="use --act-quant off or q8") from None
+        self.act_quant = mode
+        if mode != "off" and not (self.fused and kernels.available()):
+            log.warning("--act-quant %s needs the native CPU kernels and the fused path; "
+                        "expert products stay exact", mode)
 
     def _weights(self, layer: int, experts: list[int]) -> dict[int, Any]:
         """Weights of ``experts`` of ``layer``: dequant-cache hits first, the rest fetched."""
@@ -125,11 +144,13 @@ class ExpertRunner:
             if T == 1:
                 out = None
                 if self.fused:
-                    out = fused_experts(x, wts[0], [weights[e] for e in experts])
+                    out = fused_experts(x, wts[0], [weights[e] for e in experts],
+                                        self.act_quant)
                 if out is None:
                     out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
                     for j, e in enumerate(experts):
-                        out.add_(expert_ffn(x, weights[e], self.fused).float() * wts[0, j])
+                        out.add_(expert_ffn(x, weights[e], self.fused, self.act_quant)
+                                 .float() * wts[0, j])
             else:
                 out = self._batched(x, ids, wts, experts, counts_h, weights)
         finally:
@@ -150,7 +171,7 @@ class ExpertRunner:
         for e in experts:
             b = a + counts[e]
             t = tok[a:b]
-            y = expert_ffn(x.index_select(0, t), weights[e]).float()
+            y = expert_ffn(x.index_select(0, t), weights[e], self.fused, self.act_quant).float()
             out.index_add_(0, t, y * wsorted[a:b, None])
             a = b
         return out

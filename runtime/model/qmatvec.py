@@ -22,6 +22,11 @@ Types: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (the others fall back to ``dequant.linear``)
 One graph is compiled per (type, rows, cols) the first time it is seen (seconds; inductor's
 on-disk cache makes later runs fast). ``available()`` says whether compilation works here; any
 compile failure disables the fused path for the process with one logged warning.
+
+When the native kernels (``runtime.kernels``: C++, AVX2) are built, ``fused_matvec`` and
+``fused_experts`` use them first (a whole layer's experts in one call, and the opt-in
+``act_quant="q8"`` numerics), and ``decode_matvec`` takes every native type and a few tokens at
+once; the compiled graphs above are the fallback where no C++ toolchain is present.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from typing import Callable
 import torch
 
 from ...formats.ggml import GGMLType
+from .. import kernels as native
 
-__all__ = ["fused_matvec", "fused_experts", "available", "SUPPORTED", "disable", "precompile"]
+__all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
+           "precompile", "NATIVE_MAX_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +140,9 @@ _KERNELS: dict[GGMLType, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 SUPPORTED = frozenset(_KERNELS)
 
+#: Most tokens a native product takes (more: dequantize once and multiply as a matrix).
+NATIVE_MAX_TOKENS = 8
+
 _lock = threading.Lock()
 _compiled: dict[tuple[GGMLType, int, int], Callable] = {}
 _state = {"ok": None}          # None: untested, True: works, False: disabled
@@ -155,9 +165,26 @@ def reference(raw: torch.Tensor, t: GGMLType, shape: tuple[int, int],
     return _KERNELS[t](raw.reshape(shape[0], -1), x.reshape(-1).float()).reshape(1, -1)
 
 
+def decode_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[int, int],
+                  act_quant: str | None = None) -> torch.Tensor | None:
+    """``x [T, cols]`` float32 on CPU → ``[T, rows]`` through the native kernels (any of their
+    types, up to ``NATIVE_MAX_TOKENS`` tokens, ``act_quant`` honoured), else ``fused_matvec``;
+    None when neither applies."""
+    if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_TOKENS:
+        y = native.matvec(x, raw, t, shape, act_quant)
+        if y is not None:
+            return y
+    return fused_matvec(x, raw, t, shape)
+
+
 def fused_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType,
                  shape: tuple[int, int]) -> torch.Tensor | None:
-    """``x [1, cols]`` float32 on CPU → ``[1, rows]``, or None when not applicable."""
+    """``x [1, cols]`` float32 on CPU → ``[1, rows]`` for the types in ``SUPPORTED`` (native
+    kernels when built, else the compiled graph), or None when not applicable."""
+    if t in _KERNELS and x.dim() == 2 and x.shape[0] == 1:
+        y = native.matvec(x, raw, t, shape)
+        if y is not None:
+            return y
     if (_state["ok"] is False or t not in _KERNELS or x.device.type != "cpu"
             or x.dtype != torch.float32 or x.shape[0] != 1):
         return None
@@ -193,10 +220,37 @@ def _layer_fn(tg: GGMLType, tu: GGMLType, td: GGMLType, n: int) -> Callable:
     return layer
 
 
-def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list) -> torch.Tensor | None:
-    """One decode step through ``experts`` (``ExpertWeights`` with GATE, UP and DOWN parts):
-    ``Σ_j w[j] · expert_j(x)`` as ``[1, n_embd]`` float32, or None when not applicable."""
+def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
+                    act_quant: str | None) -> torch.Tensor | None:
     from ...formats.moe_names import Role
+    p0 = experts[0].parts
+    fused_gu = Role.GATE_UP in p0
+    roles = (Role.GATE_UP, Role.DOWN) if fused_gu else (Role.GATE, Role.UP, Role.DOWN)
+    parts = [[e.parts.get(r) for e in experts] for r in roles]
+    if any(q is None or q.ggml_type != p[0].ggml_type or q.shape != p[0].shape
+           for p in parts for q in p):
+        return None
+    g, d = parts[0][0], parts[-1][0]
+    n_ff = g.shape[0] // 2 if fused_gu else g.shape[0]
+    if d.shape != (x.shape[1], n_ff) or g.shape[1] != x.shape[1]:
+        return None
+    up = None if fused_gu else [q.raw for q in parts[1]]
+    tu = g.ggml_type if fused_gu else parts[1][0].ggml_type
+    return native.moe(x, w, [q.raw for q in parts[0]], up, [q.raw for q in parts[-1]],
+                      (g.ggml_type, tu, d.ggml_type), n_ff, act_quant)
+
+
+def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
+                  act_quant: str | None = None) -> torch.Tensor | None:
+    """One decode step through ``experts`` (``ExpertWeights`` with GATE, UP and DOWN parts, or
+    GATE_UP and DOWN for the native kernels): ``Σ_j w[j] · expert_j(x)`` as ``[1, n_embd]``
+    float32, or None when not applicable. ``act_quant="q8"``: llama.cpp's activation
+    quantization (native kernels only)."""
+    from ...formats.moe_names import Role
+    if experts and x.dim() == 2 and x.shape[0] == 1:
+        y = _native_experts(x, w, experts, act_quant)
+        if y is not None:
+            return y
     if (_state["ok"] is False or x.device.type != "cpu" or x.dtype != torch.float32
             or x.shape[0] != 1 or not experts):
         return None
@@ -237,7 +291,10 @@ def precompile(matrices: set[tuple[GGMLType, tuple[int, int]]],
     of ``matrices`` ``(type, (rows, cols))`` and expert layers ``((tg, tu, td), shapes, n)``.
 
     The dummy inputs are ordinary tensors and the calls run under inference mode, as in the
-    forward pass, so the compiled graphs' guards match the real calls (no recompiles)."""
+    forward pass, so the compiled graphs' guards match the real calls (no recompiles). With the
+    native kernels there is nothing to compile per shape: they are built (or loaded) here."""
+    if native.available():
+        return
     from ...formats.ggml import row_bytes
     from ...formats.moe_names import Role
     from ..experts.protocol import ExpertWeights, QWeight
