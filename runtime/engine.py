@@ -70,6 +70,8 @@ class EngineOptions:
     prefill_batch: int = 256              # tokens per prefill forward
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
+    act_quant: str = "off"                # "q8": llama.cpp's 8-bit activations in the native
+                                          # expert products (lossy, opt-in, measured)
     mtp: int | str = 0                    # MTP draft depth (0 = off) or "auto" (utility gate)
     mtp_max: int = 4                      # deepest draft "auto" may choose
     draft_prefetch: bool = False          # prefetch every layer's predicted verify experts
@@ -173,6 +175,7 @@ class Engine:
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
                                    DequantCache(options.dq_cache), look)
         self.runner.fused = fused
+        self.runner.set_act_quant(options.act_quant)
         if fused:
             t1 = time.perf_counter()
             self._precompile()

@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dequantize trunk matrices at load (float) or keep them quantized")
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="compiled one-token products from quantized bytes (auto: on CPU)")
+    p.add_argument("--act-quant", choices=("off", "q8"), default="off",
+                   help="LOSSY, opt-in: q8 quantizes the expert products' activations to 8 bits "
+                   "as llama.cpp does (its numerics, faster on CPU); off = exact (default)")
     p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
                    help="keep up to SIZE of experts dequantized in RAM (0 = off)")
     p.add_argument("--lookahead", action="store_true",
@@ -153,7 +156,7 @@ def _open(args: argparse.Namespace):
         fused = "off"            # --tokens runs batches only: nothing to compile for
     opts = EngineOptions(device=_device(args.device), dtype=args.dtype, n_ctx=args.ctx,
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
-                         fused=fused,
+                         fused=fused, act_quant=args.act_quant,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
                          mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                          draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)

@@ -1,0 +1,70 @@
+"""The native kernels inside the engine: exact decode equals the eager torch path; the opt-in
+``act_quant="q8"`` mode is really on, stays close to exact, and is validated; ``expertfs run
+--act-quant q8`` reaches the runner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from expertfs.errors import UsageError
+from expertfs.runtime import kernels
+from expertfs.runtime.engine import Engine
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable: "
+                                f"{kernels.status()['reason']}")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from expertfs.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    d = tmp_path_factory.mktemp("kern")
+    g, s = d / "m.gguf", d / "m.efs"
+    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m", n_layer=3), str(g))
+    repack([str(g)], str(s))
+    return str(s)
+
+
+def decode_logits(store: str, steps: list[int], **kw) -> torch.Tensor:
+    with Engine.open(store, provider="direct", **kw) as e:
+        out = [e.prefill(steps[:1])]
+        out += [e.decode(t) for t in steps[1:]]
+        return torch.stack(out)
+
+
+def test_native_decode_equals_eager_and_q8_is_close(store):
+    steps = [5, 17, 300, 42, 7, 99, 512, 3]
+    eager = decode_logits(store, steps, fused="off")
+    exact = decode_logits(store, steps)
+    q8 = decode_logits(store, steps, act_quant="q8")
+    scale = float(eager.abs().max())
+    assert torch.allclose(exact, eager, atol=1e-4 * scale, rtol=0)
+    d = float((q8 - exact).abs().max())
+    # on (far beyond float rounding) and a perturbation, not garbage (its size on real models
+    # is measured by bench/bench_decode_actquant.py)
+    assert 100 * float((exact - eager).abs().max()) < d < 0.25 * scale
+
+
+def test_act_quant_is_validated(store):
+    with pytest.raises(UsageError, match="unknown activation quantization"):
+        Engine.open(store, provider="direct", act_quant="q4")
+    with Engine.open(store, provider="direct", act_quant="q8") as e:
+        assert e.runner.act_quant == "q8" and e.runner.fused
+
+
+def test_cli_flag_reaches_the_runner(store, capsys, monkeypatch):
+    from expertfs.cli import main
+    seen = {}
+    orig = Engine.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        seen["act_quant"] = self.runner.act_quant
+    monkeypatch.setattr(Engine, "__init__", spy)
+    assert main(["run", store, "-p", "hello", "-n", "2", "--ignore-eos", "--json",
+                 "--provider", "direct", "--act-quant", "q8"]) == 0
+    assert seen["act_quant"] == "q8"
+    assert isinstance(json.loads(capsys.readouterr().out), dict)
