@@ -122,3 +122,23 @@ def test_gate_fetch_threshold_follows_the_disk():
         g.note_stall(0.0, 1.0)
     idle = g.fetch_threshold()
     assert 0.1 <= idle < first < busy <= 0.5
+
+
+def test_offline_evaluations_run_and_are_consistent(store):
+    from expertfs.runtime.mtp.evaluate import acceptance, route_predictors, tail_skip_quality
+    from expertfs.runtime.sampling import SamplingParams
+    text = (PROMPT * 8)[:40]
+    with engine(store, mtp=2, lookahead=True) as eng:
+        r = route_predictors(eng, text, segment=40, warm=6, segments=1)
+        a = acceptance(eng, [PROMPT], SamplingParams(), 8)
+    assert r["steps"] == 40 - 6 - 3
+    names = set(r["predictors"])
+    assert any(n.startswith("draft (calibrated") for n in names)
+    assert any(n.startswith("next-layer lookahead") for n in names)
+    assert any(n.startswith("history") for n in names)
+    for v in r["predictors"].values():
+        assert 0.0 <= v["coverage"] <= 1.0 and 0.0 <= v["waste"] <= 1.0
+    assert a["emitted"] == 7 and 0.0 <= a["acceptance"] <= 1.0
+    with engine(store) as ex, engine(store, route_tail_skip=4) as lo:   # N >= k: exact
+        q = tail_skip_quality(ex, lo, text, segment=20, warm=6, segments=2)
+    assert q["positions"] == 28 and q["top1_agreement"] == 1.0 and q["mean_kl"] < 1e-9

@@ -18,12 +18,17 @@ step). The predictor (``DraftRoutePredictor``), per row and trunk MoE layer l:
   from every verify pass (a prior until then); rows combine by noisy-OR into the probability
   that the pass needs ``e``.
 
-``DraftRoutePrefetcher`` fetches every expert whose probability clears the threshold (the
-utility gate's when it has one: expected stall saved against bytes read in vain), best first,
-layer by layer, through ``provider.prefetch(layer, ids, source="draft")``; it scores itself
-against what the pass then routed (coverage = needed experts predicted; waste = predicted
-experts not needed; bytes), while the provider's ``prefetch_report()["draft"]`` adds timing
-(in time, late bytes, reads wasted).
+``DraftRoutePrefetcher`` takes every expert whose probability clears the threshold (the
+utility gate's when it has one: expected stall saved against bytes read in vain) for the whole
+step, through ``provider.prefetch(layer, ids, source="draft")``: the predicted experts already
+resident are claimed at once (soft-pinned until their layer runs: no read, and no eviction by
+this step's other reads); the others are read in layer order, best first, keeping at most
+``max_in_flight`` prefetch reads in flight and topping up as the verify pass reaches each
+layer (a deep queue of prefetches would hold demand reads behind it, and a small RAM tier
+would evict what the pass is about to use). Predictions for a layer the pass has reached are
+dropped (its demand read takes over). It scores itself against what the pass then routed
+(coverage = needed experts predicted; waste = predicted experts not needed; bytes), while the
+provider's ``prefetch_report()["draft"]`` adds timing (in time, late bytes, reads wasted).
 """
 
 from __future__ import annotations
@@ -172,15 +177,22 @@ class RouteScore:
 
 class DraftRoutePrefetcher:
     def __init__(self, engine: Any, *, threshold: float | None = None,
-                 max_per_layer: int | None = None) -> None:
+                 max_per_layer: int | None = None, max_in_flight: int = 16) -> None:
         self.engine = engine
         self.predictor = DraftRoutePredictor(engine)
         self.threshold = threshold
         self.max_per_layer = max_per_layer or 4 * self.predictor.k * 2
+        self.max_in_flight = max_in_flight
         self.score = RouteScore()
         self._routes: dict[int, np.ndarray] = {}
         self._pred: dict[int, list[int]] = {}
+        self._queue: list[tuple[int, int]] = []      # (layer, expert) still to read, in order
         self._verify = False
+        self.claimed = self.issued = self.dropped = 0
+        cache = getattr(engine.provider, "cache", None)
+        self._in_flight = getattr(cache, "prefetch_in_flight", None)
+        from .routing import resident_fn
+        self._resident = resident_fn(engine.provider, engine.runner.dq)
         store = engine.store
         self._bytes = {la: int(store.extent(la, 0).length) for la in self.predictor.layers}
 
@@ -191,10 +203,6 @@ class DraftRoutePrefetcher:
         spec.observe_hooks.append(self.on_forward)
         spec.draft_prefetcher = self
         self.engine.routing.taps.append(self.tap)
-        pf = getattr(self.engine.provider, "prefetcher", None)
-        if pf is not None:                     # room for a whole step's reads, not one layer's
-            want = len(self.predictor.layers) * self.max_per_layer
-            pf.max_in_flight = max(pf.max_in_flight, want)
         self.spec = spec
         return self
 
@@ -210,6 +218,32 @@ class DraftRoutePrefetcher:
     def tap(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
         if layer in self._bytes:
             self._routes[layer] = ids.cpu().numpy()
+            if self._verify and self._queue:
+                self._pump(layer)
+
+    def _pump(self, reached: int) -> None:
+        """Drop predictions for layers the pass has reached; read the next ones while fewer
+        than ``max_in_flight`` prefetch reads are in flight."""
+        q = self._queue
+        i = 0
+        while i < len(q) and q[i][0] <= reached:
+            i += 1
+        self.dropped += i
+        del q[:i]
+        room = (self.max_in_flight - self._in_flight()) if self._in_flight else len(q)
+        if room <= 0 or not q:
+            return
+        take, self._queue = q[:room], q[room:]
+        prov = self.engine.provider
+        j = 0
+        while j < len(take):
+            la = take[j][0]
+            ids = []
+            while j < len(take) and take[j][0] == la:
+                ids.append(take[j][1])
+                j += 1
+            prefetch_to(prov, la, ids, "draft")
+            self.issued += len(ids)
 
     def on_forward(self, tokens: list[int]) -> None:
         """A trunk forward finished: outside verify passes, its rows are committed."""
@@ -232,18 +266,25 @@ class DraftRoutePrefetcher:
         th = self.current_threshold()
         prov = self.engine.provider
         self._pred = {}
+        self._queue = []
         for i, la in enumerate(self.predictor.layers):
             row = p[i]
             ids = np.nonzero(row >= th)[0]
             ids = ids[np.argsort(-row[ids], kind="stable")][:self.max_per_layer].tolist()
             self._pred[la] = ids
-            if ids:
-                prefetch_to(prov, la, ids, "draft")
+            have = [e for e in ids if self._resident(la, e)]
+            if have:                           # claim: soft-pinned until the layer runs
+                prefetch_to(prov, la, have, "draft")
+                self.claimed += len(have)
+            self._queue += [(la, e) for e in ids if e not in have]
         self._verify = True
         self._routes = {}
+        self._pump(-1)
 
     def after_verify(self, ds: DraftState, n_accepted: int) -> None:
         self._verify = False
+        self.dropped += len(self._queue)
+        self._queue = []
         routes, self._routes = self._routes, {}
         if len(routes) != len(self.predictor.layers):
             return
@@ -269,6 +310,8 @@ class DraftRoutePrefetcher:
     def as_dict(self) -> dict[str, Any]:
         d = self.score.as_dict()
         d["threshold"] = round(self.current_threshold(), 4)
+        d.update(claimed=self.claimed, issued=self.issued, dropped=self.dropped,
+                 max_in_flight=self.max_in_flight)
         d["memory_tokens"] = len(self.predictor.memory)
         rep = getattr(self.engine.provider, "prefetch_report", None)
         if rep is not None:
