@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
+
+# Before any command imports torch: passive OpenMP waits (see expertfs/runtime/__init__.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .. import __version__
 from ..errors import ExpertfsError
