@@ -14,7 +14,8 @@ Stages, each into OUT_DIR (nothing is cached between runs; a fixed seed gives th
    (bytes per expert from the store's extents)
 5. with ``--bench``: ``expertfs bench cache --policies all`` on both traces at 12.5/25/50% of
    the trace's MoE experts (given as slot counts: the CLI's N% counts dense layers too; never
-   below two routes), the mtp trace with ``--drafts`` → OUT/bench_{decode,mtp}.json and .txt
+   below two routes), the mtp trace with ``--drafts`` → OUT/bench_{decode,mtp}.json and .md
+   (hit rate / ×Belady per policy, ``trace_bench_table.py``)
 
 ``OUT/summary.json`` records every stage's wall time and headline numbers. ``--reuse`` keeps a
 finished ``OUT/run`` of the same preset, seed and steps instead of training again.
@@ -65,6 +66,7 @@ def pipeline(out: str, *, preset: str = "small", seed: int = 0, steps: int | Non
              capacities: tuple[float, ...] = (0.125, 0.25, 0.5), reuse: bool = False,
              log=print) -> dict:
     import export_glm4moe_gguf as ex
+    import trace_bench_table as bench_table
     import trace_trained_moe as tr
     import train_tiny_moe as train
     from train_tiny_moe_model import preset as get_preset
@@ -141,13 +143,13 @@ def pipeline(out: str, *, preset: str = "small", seed: int = 0, steps: int | Non
             summary["bench"][name] = {"capacity_slots": caps, "moe_experts": n_moe}
             cmd = _expertfs() + ["bench", "cache", "--trace", trace, "--policies", "all",
                                  "--capacity", caps] + extra
-            txt = _run(cmd, log, capture=True)
             js = _run(cmd + ["--json"], log, capture=True)
-            with open(os.path.join(out, f"bench_{name}.txt"), "w") as f:
-                f.write(txt)
             with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
                 f.write(js)
-            log(txt)
+            table = "\n".join(bench_table.rows(name, json.loads(js)))
+            with open(os.path.join(out, f"bench_{name}.md"), "w") as f:
+                f.write(bench_table.HEADER + table + "\n")
+            log(bench_table.HEADER + table)
         times["bench_s"] = round(time.time() - t, 1)
     summary["times"] = times
     summary["total_s"] = round(sum(times.values()), 1)

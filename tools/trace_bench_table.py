@@ -41,10 +41,13 @@ def rows(name: str, report: dict) -> list[str]:
     return out
 
 
+HEADER = ("| trace | RAM slots (of MoE experts) | Belady | " + " | ".join(ORDER) + " |\n"
+          "|---|---|---|" + "---|" * len(ORDER) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    print("| trace | RAM slots (of MoE experts) | Belady | " + " | ".join(ORDER) + " |")
-    print("|---|---|---|" + "---|" * len(ORDER))
+    print(HEADER, end="")
     for a in args:
         name, _, path = a.partition("=")
         with open(path or name) as f:
