@@ -63,7 +63,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # test fixture: the whole train → export → store → trace pipeline in well under a minute
     "tiny": Preset("tiny", vocab=512, hidden=64, layers=3, experts=16, top_k=4, moe_ff=32,
-                   dense_ff=128, heads=4, kv_heads=2, head_dim=16, seq=64, batch=8, steps=250,
+                   dense_ff=128, heads=4, kv_heads=2, head_dim=16, seq=64, batch=8, steps=200,
                    lr=4e-3, corpus_chars=1_000_000, held_chars=150_000, eval_every=50,
                    warmup=20),
     # the default: 6 layers (1 dense + 5 MoE) x 64 experts, top-4, + NextN; a few minutes
