@@ -62,27 +62,30 @@ def available() -> bool:
     return load() is not None
 
 
-def _applies(t: GGMLType, cols: int, mode: int) -> bool:
-    if t not in TYPES:
-        return False
-    if mode == 1 and t in _K and cols % 256:
-        return False
-    return True
+_TYPE_IDS = frozenset(int(t) for t in TYPES)
+_K_IDS = frozenset(int(t) for t in _K)
+
+
+def _applies(t: int, cols: int, mode: int) -> bool:
+    """Native kernels take type id ``t`` for rows of ``cols`` in ``mode`` (ids, not the enum:
+    hashing an IntEnum runs Python code and this is on the per-layer path)."""
+    return t in _TYPE_IDS and not (mode == 1 and t in _K_IDS and cols % 256)
 
 
 def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],
            act_quant: str | None = None) -> torch.Tensor | None:
     """``x [T, in]`` float32 CPU → ``[T, out]`` for W of torch ``shape (out, in)`` as ggml bytes
     ``raw``; None when not applicable or the kernels are unavailable."""
-    mode = act_quant_mode(act_quant)
+    mode = 0 if act_quant is None or act_quant == "off" else act_quant_mode(act_quant)
     rows, cols = int(shape[0]), int(shape[1])
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
-            or raw.device.type != "cpu" or not _applies(ggml_type, cols, mode)):
+    t = int(ggml_type)
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or not raw.is_cpu
+            or not _applies(t, cols, mode)):
         return None
     mod = load()
     if mod is None:
         return None
-    return mod.matvec(x, raw.reshape(-1), int(ggml_type), rows, cols, mode)
+    return mod.matvec(x, raw.reshape(-1), t, rows, cols, mode)
 
 
 def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
@@ -95,15 +98,14 @@ def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
     (``up`` None or empty: each ``gate`` is a fused gate_up, gate rows first); ``types`` the
     (gate, up, down) ggml types. Returns ``[1, n_embd]`` float32, or None when not applicable.
     """
-    mode = act_quant_mode(act_quant)
+    mode = 0 if act_quant is None or act_quant == "off" else act_quant_mode(act_quant)
     D = int(x.shape[-1])
-    tg, tu, td = types
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
+    tg, tu, td = int(types[0]), int(types[1]), int(types[2])
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
             or not gate or not _applies(tg, D, mode) or not _applies(tu, D, mode)
             or not _applies(td, n_ff, mode)):
         return None
     mod = load()
     if mod is None:
         return None
-    return mod.moe(x, w, list(gate), list(up or ()), list(down), int(tg), int(tu), int(td),
-                   int(n_ff), mode)
+    return mod.moe(x, w, list(gate), list(up or ()), list(down), tg, tu, td, int(n_ff), mode)

@@ -38,7 +38,11 @@ from typing import Callable
 import torch
 
 from ...formats.ggml import GGMLType
+from ...formats.moe_names import Role
 from .. import kernels as native
+from ..experts.protocol import QWeight as _QWeight
+
+_R_GATE, _R_UP, _R_GATE_UP, _R_DOWN = Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN
 
 __all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
            "precompile", "NATIVE_MAX_TOKENS"]
@@ -222,22 +226,40 @@ def _layer_fn(tg: GGMLType, tu: GGMLType, td: GGMLType, n: int) -> Callable:
 
 def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
                     act_quant: str | None) -> torch.Tensor | None:
-    from ...formats.moe_names import Role
+    """One native call for the layer, or None when an expert is not plain ggml bytes (one
+    served dequantized by the dequant cache) or has other parts. Parts are matched by identity
+    while iterating (Enum hashing costs microseconds here); the experts of a layer come from
+    one GGUF tensor per role, so the first expert's types and shapes are the layer's (the
+    kernels check every expert's byte count)."""
+    G: list = []
+    U: list = []
+    Dn: list = []
+    for e in experts:
+        for r, q in e.parts.items():
+            if type(q) is not _QWeight:
+                return None
+            if r is _R_GATE or r is _R_GATE_UP:
+                G.append(q.raw)
+            elif r is _R_UP:
+                U.append(q.raw)
+            elif r is _R_DOWN:
+                Dn.append(q.raw)
+            else:
+                return None
     p0 = experts[0].parts
-    fused_gu = Role.GATE_UP in p0
-    roles = (Role.GATE_UP, Role.DOWN) if fused_gu else (Role.GATE, Role.UP, Role.DOWN)
-    parts = [[e.parts.get(r) for e in experts] for r in roles]
-    if any(q is None or q.ggml_type != p[0].ggml_type or q.shape != p[0].shape
-           for p in parts for q in p):
+    n = len(experts)
+    fused = not U
+    g = p0.get(_R_GATE_UP) if fused else p0.get(_R_GATE)
+    u = g if fused else p0.get(_R_UP)
+    d = p0.get(_R_DOWN)
+    if g is None or len(G) != n or len(Dn) != n or len(U) not in (0, n):
         return None
-    g, d = parts[0][0], parts[-1][0]
-    n_ff = g.shape[0] // 2 if fused_gu else g.shape[0]
-    if d.shape != (x.shape[1], n_ff) or g.shape[1] != x.shape[1]:
+    n_ff = g.shape[0] // 2 if fused else g.shape[0]
+    D = x.shape[1]
+    if d.shape != (D, n_ff) or g.shape[1] != D or u.shape[1] != D:
         return None
-    up = None if fused_gu else [q.raw for q in parts[1]]
-    tu = g.ggml_type if fused_gu else parts[1][0].ggml_type
-    return native.moe(x, w, [q.raw for q in parts[0]], up, [q.raw for q in parts[-1]],
-                      (g.ggml_type, tu, d.ggml_type), n_ff, act_quant)
+    return native.moe(x, w, G, None if fused else U, Dn,
+                      (g.ggml_type, u.ggml_type, d.ggml_type), n_ff, act_quant)
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
@@ -246,7 +268,6 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
     GATE_UP and DOWN for the native kernels): ``Σ_j w[j] · expert_j(x)`` as ``[1, n_embd]``
     float32, or None when not applicable. ``act_quant="q8"``: llama.cpp's activation
     quantization (native kernels only)."""
-    from ...formats.moe_names import Role
     if experts and x.dim() == 2 and x.shape[0] == 1:
         y = _native_experts(x, w, experts, act_quant)
         if y is not None:

@@ -90,6 +90,10 @@ void round_bf16(const float* x, float* y, int64_t n);
 void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n);
 void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum);
 
+// g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
+void silu_mul(float* g, const float* u, int64_t n);
+void avx2_silu_mul(float* g, const float* u, int64_t n);
+
 // Scalar helpers shared by the units.
 float fp16_to_fp32(uint16_t h);
 uint16_t fp32_to_fp16(float f);          // round to nearest even, as F16C / ggml

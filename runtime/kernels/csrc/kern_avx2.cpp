@@ -137,6 +137,23 @@ EFS_TI void k4_scales(const uint8_t* s12, uint32_t* u) {
     u[0] &= km1;                      // bytes of u[0..1]: 8 scales; of u[2..3]: 8 mins
 }
 
+// The 12 scale bytes of a Q4_K/Q5_K block -> bytes 0..7: the 8 6-bit scales, bytes 8..15: the
+// 8 6-bit mins (ggml get_scale_min_k4), in vector registers. Reads 16 bytes (the 4 after the
+// scales are the block's own).
+EFS_TI __m128i k4_scales_v(const uint8_t* s12) {
+    const __m128i v = loadu128(s12);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11,
+                                                        4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3,
+                                                        -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i lo = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15,
+                                                      63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i hi4 = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(3)), 4);
+    return _mm_or_si128(_mm_or_si128(lo, hi4), top);
+}
+
 EFS_TI __m256 u8x8_ps(const void* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
@@ -163,10 +180,15 @@ EFS_T void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         __m256 a0[NT], a1[NT], am[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += BYTES) {
-            uint32_t u[4];
-            k4_scales(b + 4, u);
-            _mm256_store_ps(scs, _mm256_mul_ps(_mm256_set1_ps(f16(b)), u8x8_ps(&u[0])));
-            const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), u8x8_ps(&u[2]));
+            const __m128i sm = k4_scales_v(b + 4);
+            uint32_t dd;
+            memcpy(&dd, b, 4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));       // d, dmin
+            _mm256_store_ps(scs, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
+                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+            const __m256 mn = _mm256_mul_ps(
+                _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
             for (int t = 0; t < NT; ++t)
                 am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
             const uint8_t* q = b + (FIVE ? 48 : 16);
@@ -905,6 +927,37 @@ EFS_T void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum) {
     }
 }
 
+// exp(x) to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes
+// expf coefficients), 2^n by the exponent field.
+EFS_TI __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+EFS_T void avx2_silu_mul(float* g, const float* u, int64_t n) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
 RowsFn avx2_rows(int type, int mode) {
 #define EFS_CASE(T, name) case T: return mode == 0 ? rows_ex_##name : rows_q8_##name;
     switch (type) {
@@ -930,6 +983,7 @@ RowsFn avx2_rows(int, int) { return nullptr; }
 bool avx2_compiled() { return false; }
 void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n) { quantize_q8k(x, y, n); }
 void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int s) { quantize_qx8(x, y, n, s); }
+void avx2_silu_mul(float* g, const float* u, int64_t n) { silu_mul(g, u, n); }
 }  // namespace efs
 
 #endif

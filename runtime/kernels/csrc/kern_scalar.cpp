@@ -179,6 +179,10 @@ void quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum) {
     }
 }
 
+void silu_mul(float* g, const float* u, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
 void round_f16(const float* x, float* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
 }

@@ -178,8 +178,6 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
     return y;
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
 // One decode step through n experts: sum_j w[j] * down_j(silu(gate_j x) * up_j x).
 // `up` empty: each gate tensor is a fused gate_up (rows [0, ff) gate, [ff, 2 ff) up).
 at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at::Tensor>& gate,
@@ -241,7 +239,10 @@ at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at:
             float* ue = u.data() + e * ff;
             fg(G[e], rbg, r0, r1, D, xg, 1, ge, 0, 1.f, 0);
             fu(U[e], rbu, r0, r1, D, xu, 1, ue, 0, 1.f, 0);
-            for (int64_t r = r0; r < r1; ++r) ge[r] = silu(ge[r]) * ue[r];
+            if (g_isa >= ISA_AVX2)
+                avx2_silu_mul(ge + r0, ue + r0, r1 - r0);
+            else
+                silu_mul(ge + r0, ue + r0, r1 - r0);
         });
         // the down projections' activations, then every output row summed over the experts
         std::vector<Prep> ph((size_t)n);
