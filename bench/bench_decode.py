@@ -6,11 +6,14 @@ Peers, each warmed up first, then timed over ``-n`` single-token decode steps af
 ``--prompt-tokens`` prefill, ``--rounds`` times interleaved (best round kept, since other
 processes on a shared box only ever slow a round down):
 
-- ``llama.cpp``: llama-cpp-python, mmap, weight repacking off (``use_extra_bufts=False``, the
-  baseline the low-RAM comparison uses) and, with ``--llama-repack``, on (its fastest CPU path);
+- ``llama.cpp``: llama-cpp-python, mmap, weight repacking off (``tools/llama_peer.py``: the
+  real ``use_extra_bufts=False``, the baseline the low-RAM comparison uses) and, with
+  ``--llama-repack`` (peer ``llama-repack``), on: its default and fastest CPU path;
 - ``expertfs quant``: experts (and the quantized trunk) multiplied from their ggml bytes every
-  step by the compiled one-token products (``runtime.model.qmatvec``), the tiered provider
-  holding all experts in RAM; ``quant-eager`` the same through eager ``dequant.linear``;
+  step (``runtime.model.qmatvec``: the native kernels of ``runtime.kernels`` when built, in
+  their exact mode; else the compiled one-token products), the tiered provider holding all
+  experts in RAM; ``quant-q8`` the same with the opt-in ``act_quant="q8"`` (llama.cpp's 8-bit
+  activations, lossy); ``quant-eager`` the same through eager ``dequant.linear``;
 - ``expertfs dq-f32`` / ``dq-bf16``: the same with the dequantized-expert cache holding every
   expert in float32 / bfloat16 (``--dq-cache``; RAM ~7x / ~3.6x the Q4 bytes).
 
@@ -33,7 +36,9 @@ import torch
 from expertfs.units import fmt_bytes, parse_size
 
 PEERS = ("llama", "quant", "dq-f32", "dq-bf16")
-EXTRA = ("quant-eager",)
+EXTRA = ("quant-q8", "quant-eager", "llama-repack")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synth(size: int, d: str, quant: str) -> str:
@@ -73,9 +78,10 @@ def tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 class Llama:
     def __init__(self, gguf: str, threads: int, repack: bool) -> None:
-        from llama_cpp import Llama as L
-        self.m = L(gguf, n_ctx=512, n_threads=threads, n_threads_batch=threads, use_mmap=True,
-                   use_extra_bufts=repack, verbose=False, logits_all=False)
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        from llama_peer import open_llama        # sets use_extra_bufts for real
+        self.m = open_llama(gguf, repack=repack, n_ctx=512, n_threads=threads,
+                            n_threads_batch=threads, use_mmap=True, logits_all=False)
 
     def run(self, prompt: list[int], steps: list[int]) -> float:
         self.m.reset()
@@ -90,11 +96,12 @@ class Llama:
 
 
 class Ours:
-    def __init__(self, store: str, dq: int, dtype: str, fused: str = "auto") -> None:
+    def __init__(self, store: str, dq: int, dtype: str, fused: str = "auto",
+                 act_quant: str = "off") -> None:
         from expertfs.runtime.engine import Engine
         size = sum(os.path.getsize(os.path.join(store, f)) for f in ("experts.bin",))
         self.e = Engine.open(store, provider="tiered", ram_bytes=size + (64 << 20), dq_cache=dq,
-                             dtype=dtype, fused=fused)
+                             dtype=dtype, fused=fused, act_quant=act_quant)
         self.e.warm()
 
     def run(self, prompt: list[int], steps: list[int]) -> float:
@@ -129,7 +136,7 @@ def main() -> int:
     store = store_for(gguf)
     page_in(gguf, store)
     peers = [p for p in a.peers.split(",") if p]
-    if a.llama_repack:
+    if a.llama_repack and "llama-repack" not in peers:
         peers.append("llama-repack")
     from expertfs.store import Store
     with Store.open(store) as st:
@@ -146,6 +153,8 @@ def main() -> int:
             made[p] = Llama(gguf, a.threads, True)
         elif p == "quant":
             made[p] = Ours(store, 0, "float32")
+        elif p == "quant-q8":
+            made[p] = Ours(store, 0, "float32", act_quant="q8")
         elif p == "quant-eager":
             made[p] = Ours(store, 0, "float32", fused="off")
         elif p == "dq-f32":
@@ -166,9 +175,16 @@ def main() -> int:
     for m in made.values():
         m.close()
     base = best.get("llama")
+    rbase = best.get("llama-repack")
     res = {"gguf": gguf, "gguf_bytes": os.path.getsize(gguf), "threads": a.threads, "n": a.n,
            "load_avg": os.getloadavg(), "best_tok_s": best, "rounds_tok_s": rounds,
-           "ratio_to_llama": {p: v / base for p, v in best.items()} if base else {}}
+           "ratio_to_llama": {p: v / base for p, v in best.items()} if base else {},
+           "ratio_to_llama_repack": {p: v / rbase for p, v in best.items()} if rbase else {}}
+    try:
+        from expertfs.runtime import kernels
+        res["native_kernels"] = kernels.status()
+    except ImportError:
+        pass
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -176,6 +192,7 @@ def main() -> int:
           f"{a.n} decode steps, best of {a.rounds} rounds; load average {res['load_avg'][0]:.1f}")
     for p, v in best.items():
         r = f"  {v / base:5.2f}x llama.cpp" if base else ""
+        r += f"  {v / rbase:5.2f}x llama.cpp-repack" if rbase else ""
         print(f"  {p:14s} {v:7.2f} tok/s{r}   rounds: " + " ".join(f"{x:.2f}" for x in rounds[p]))
     return 0
 

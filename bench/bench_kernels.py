@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Per-expert cost of the decode matrix-vector products: the native kernels (exact and q8)
+against the torch paths, for expert-shaped matrices of each ggml type.
+
+For each type, one expert's matrices (gate and up ``n_ff × n_embd``, down ``n_embd × n_ff``) are
+multiplied by one token through:
+
+- ``native``: ``runtime.kernels`` in its exact mode (the default); ``native-q8``: the opt-in
+  llama.cpp activation quantization;
+- ``compiled``: the ``torch.compile`` expression of ``runtime.model.qmatvec`` (the fallback
+  without a C++ toolchain; its types only);
+- ``eager``: ``dequant.linear`` (dequantize in chunks, then ``F.linear``);
+- ``f32``: ``F.linear`` on the already dequantized float32 weight (what the dequant cache buys
+  with ~7x the RAM of Q4).
+
+Then the per-layer call: ``--experts`` experts through ``kernels.moe`` in one call, each time a
+different random selection out of ``--pool`` experts per layer (weights cold in the caches, as in
+decode), reported per expert. One thread: CPU time of the thread (robust on a shared machine);
+more threads: wall time, best of ``--rounds``.
+
+    .venv/bin/python bench/bench_kernels.py [-t 1] [--types q4_k,q6_k] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+from expertfs.formats.ggml import GGMLType, type_size
+
+DEFAULT_TYPES = ("q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "q2_k", "q3_k", "iq4_xs", "mxfp4",
+                 "q5_0", "q5_1", "q4_1", "bf16", "f16")
+_F16_FIELDS = {GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
+               GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.IQ4_XS: (0,)}
+
+
+def weight(t: GGMLType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    from gguf import quants
+    rng = np.random.default_rng(seed)
+    if t in _F16_FIELDS:
+        b = rng.integers(0, 256, (rows, cols // 256, type_size(t)), dtype=np.uint8)
+        for off in _F16_FIELDS[t]:
+            b[..., off:off + 2] = (rng.standard_normal(b.shape[:2]) * 0.01).astype(
+                np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+        return torch.from_numpy(b.reshape(-1))
+    q = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1).copy())
+
+
+def timer(threads: int):
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def best_us(f, threads: int, n: int, rounds: int) -> float:
+    clk = timer(threads)
+    f()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = clk()
+        for _ in range(n):
+            f()
+        best = min(best, (clk() - t0) / n)
+    return best * 1e6
+
+
+def per_type(t: GGMLType, D: int, ff: int, threads: int, rounds: int) -> dict:
+    from expertfs.formats.dequant import dequantize, linear
+    from expertfs.runtime import kernels
+    from expertfs.runtime.model import qmatvec
+    mats = [(weight(t, ff, D, 1), (ff, D)), (weight(t, ff, D, 2), (ff, D)),
+            (weight(t, D, ff, 3), (D, ff))]
+    xs = {D: torch.randn(1, D), ff: torch.randn(1, ff)}
+    n = max(5, int(2e7 / (3 * D * ff)))
+    out: dict = {}
+
+    def expert(fn):
+        return lambda: [fn(xs[sh[1]], raw, sh) for raw, sh in mats]
+
+    out["native"] = best_us(expert(lambda x, r, s: kernels.matvec(x, r, t, s)), threads, n,
+                            rounds)
+    out["native-q8"] = best_us(expert(lambda x, r, s: kernels.matvec(x, r, t, s, "q8")),
+                               threads, n, rounds)
+    if t in qmatvec.SUPPORTED:
+        try:
+            comp = {s: torch.compile(qmatvec._KERNELS[t], dynamic=False, fullgraph=True)
+                    for _, s in mats}
+            with torch.inference_mode():
+                out["compiled"] = best_us(expert(lambda x, r, s: comp[s](
+                    r.reshape(s[0], -1), x.reshape(-1))), threads, n, rounds)
+        except Exception as e:  # noqa: BLE001 - no toolchain: the row says so
+            out["compiled"] = f"unavailable ({type(e).__name__})"
+    out["eager"] = best_us(expert(lambda x, r, s: linear(x, r, t, s)), threads,
+                           max(2, n // 10), rounds)
+    fw = {id(r): dequantize(r, t, s) for r, s in mats}
+    out["f32"] = best_us(expert(lambda x, r, s: torch.nn.functional.linear(x, fw[id(r)])),
+                         threads, n, rounds)
+    return out
+
+
+def layer(types: tuple[GGMLType, GGMLType, GGMLType], D: int, ff: int, k: int, pool: int,
+          threads: int, rounds: int) -> dict:
+    from expertfs.runtime import kernels
+    tg, tu, td = types
+    base = [weight(tg, ff, D, 11), weight(tu, ff, D, 12), weight(td, D, ff, 13)]
+    experts = [[b.clone() for b in base] for _ in range(pool)]
+    x, w = torch.randn(1, D), torch.rand(k)
+    rng = random.Random(0)
+    sel = [rng.sample(range(pool), k) for _ in range(64)]
+    out = {}
+    for aq in ("off", "q8"):
+        i = [0]
+
+        def step() -> None:
+            s = sel[i[0] % len(sel)]
+            i[0] += 1
+            kernels.moe(x, w, [experts[j][0] for j in s], [experts[j][1] for j in s],
+                        [experts[j][2] for j in s], types, ff, aq)
+        out["exact" if aq == "off" else "q8"] = best_us(step, threads, len(sel), rounds) / k
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--types", default=",".join(DEFAULT_TYPES))
+    ap.add_argument("--n-embd", type=int, default=1024)
+    ap.add_argument("--n-ff", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=8, help="experts per layer call (8)")
+    ap.add_argument("--pool", type=int, default=128, help="experts to pick from (128)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from expertfs.runtime import kernels
+    if not kernels.available():
+        raise SystemExit(f"native kernels unavailable: {kernels.status()['reason']}")
+    D, ff = a.n_embd, a.n_ff
+    rows = {}
+    for name in a.types.split(","):
+        t = GGMLType[name.upper()]
+        rows[t.name] = per_type(t, D, ff, a.threads, a.rounds)
+    lay = layer((GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q6_K), D, ff, a.experts, a.pool,
+                a.threads, a.rounds)
+    res = {"threads": a.threads, "n_embd": D, "n_ff": ff, "kernels": kernels.status(),
+           "load_avg": os.getloadavg(), "us_per_expert": rows,
+           "layer_q4k_q4k_q6k_us_per_expert": lay}
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    weights = 3 * D * ff
+    print(f"one expert = gate+up {ff}x{D} and down {D}x{ff} ({weights / 1e6:.2f} M weights), "
+          f"1 token, {a.threads} thread(s), {kernels.status()['isa']}; µs per expert "
+          f"(Gweights/s); load average {res['load_avg'][0]:.1f}")
+    cols = ("native", "native-q8", "compiled", "eager", "f32")
+    print(f"  {'type':8s}" + "".join(f"{c:>18s}" for c in cols))
+    for name, r in rows.items():
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{'-':>18s}" if v is None else f"{v:>18s}" if isinstance(v, str)
+                         else f"{v:9.1f} ({weights / v / 1e3:5.1f})")
+        print(f"  {name:8s}" + "".join(cells))
+    print(f"layer call, {a.experts} of {a.pool} experts (Q4_K gate/up, Q6_K down), cold: "
+          f"exact {lay['exact']:.1f} µs/expert, q8 {lay['q8']:.1f} µs/expert")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
