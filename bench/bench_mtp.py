@@ -15,9 +15,10 @@ C. **decode speed under a memory cgroup** on a store larger than its RAM budget:
    model with every routed and shared expert zero-padded ``--inflate``× wider (the same
    function, checked here: same greedy tokens; experts as many bytes as a big model's). Cold
    page cache, the whole process (page cache included) capped at ``--cap`` of the store, the
-   RAM tier a quarter of the experts; configurations run round-robin ``--rounds`` times, the
-   median kept: plain, next-layer lookahead, MTP, MTP + draft-route prefetch (with and without
-   lookahead), MTP auto + draft prefetch, route tail skip.
+   RAM tier a quarter of the experts, every run from the same learned-usage state;
+   configurations run round-robin ``--rounds`` times, the median kept: plain, next-layer
+   lookahead, MTP, MTP + draft-route prefetch (with and without lookahead), MTP auto + draft
+   prefetch, route tail skip (alone and with MTP).
 D. **route tail skip** quality against exact decoding: teacher-forced next-token distributions
    (top-1 agreement, mean KL) beside C's speed-up.
 
@@ -180,7 +181,11 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
     cap = int(size * a.cap)
     dev = block_device_of(store)
     prompts = [_text(run, held[i * 500 + 100:i * 500 + 100 + 40]) for i in range(a.speed_prompts)]
-    d = str(a.depth)
+    d = str(a.speed_depth)
+    index = os.path.join(store, "index.lmdb")
+    pristine = index + ".pristine"                 # every run starts from the same learned
+    if not os.path.exists(pristine):               # usage (runs record theirs on close)
+        shutil.copytree(index, pristine)
     half = max(1, k // 2)
     configs = {
         "plain": [],
@@ -201,6 +206,8 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
                         str(a.speed_tokens), "-t", str(a.threads), "--ram", str(ram),
                         "--ignore-eos", "--json", "--fused", "off", "--temp", str(a.temp),
                         "--top-p", "0.95", "--seed", str(pi)] + extra
+                shutil.rmtree(index)
+                shutil.copytree(pristine, index)
                 r = run_capped(argv, cap, dev, timeout=a.timeout)
                 if r.returncode != 0:
                     res[name].append({"failed": r.returncode, "stderr": r.stderr[-500:]})
@@ -332,7 +339,8 @@ def main() -> int:
     ap.add_argument("--run", required=True, help="a tools/train_tiny_moe.py run directory")
     ap.add_argument("--work", required=True, help="scratch directory for stores and results")
     ap.add_argument("--traces", help="the run's traces directory (history baseline on it)")
-    ap.add_argument("--depth", type=int, default=3, help="drafts per step for A and C (3)")
+    ap.add_argument("--depth", type=int, default=3, help="drafts per step for A (3)")
+    ap.add_argument("--speed-depth", type=int, default=2, help="drafts per step for C (2)")
     ap.add_argument("--pred-depths", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 3])
     ap.add_argument("--prompts", type=int, default=6)
@@ -343,7 +351,7 @@ def main() -> int:
     ap.add_argument("--ram-frac", type=float, default=0.25, help="RAM tier, fraction of experts")
     ap.add_argument("--speed-prompts", type=int, default=2)
     ap.add_argument("--speed-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temp", type=float, default=0.6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900)
@@ -372,8 +380,11 @@ def main() -> int:
     if "D" not in skip:
         res["tailskip"] = part_tailskip_quality(store, held, expert_bytes // 4, ns, a)
     if "C" not in skip:
-        big_run = inflate_run(a.run, a.work, a.inflate)
-        big = export_store(big_run, a.work, f"trained-x{a.inflate}")
+        big = os.path.join(a.work, f"trained-x{a.inflate}.efs")
+        if not os.path.exists(big):
+            big_run = inflate_run(a.run, a.work, a.inflate)
+            export_store(big_run, a.work, f"trained-x{a.inflate}")
+            shutil.rmtree(big_run)                  # the float32 checkpoint is large
         res["inflated_same_tokens"] = check_inflated(store, big, held)
         res["speed"] = part_speed(big, a.run, held, a, k)
     res["seconds"] = time.time() - t0

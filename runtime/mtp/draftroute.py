@@ -18,8 +18,9 @@ step). The predictor (``DraftRoutePredictor``), per row and trunk MoE layer l:
   from every verify pass (a prior until then); rows combine by noisy-OR into the probability
   that the pass needs ``e``.
 
-``DraftRoutePrefetcher`` takes every expert whose probability clears the threshold (the
-utility gate's when it has one: expected stall saved against bytes read in vain) for the whole
+``DraftRoutePrefetcher`` takes every expert whose probability clears the threshold (expected
+stall saved against bytes read in vain: ``p > ρ/(1+ρ)``, ρ the measured share of the verify
+pass spent waiting on storage, clipped to [0.1, 0.5]; 0.15 until measured) for the whole
 step, through ``provider.prefetch(layer, ids, source="draft")``: the predicted experts already
 resident are claimed at once (soft-pinned until their layer runs: no read, and no eviction by
 this step's other reads); the others are read in layer order, best first, keeping at most
@@ -33,6 +34,7 @@ provider's ``prefetch_report()["draft"]`` adds timing (in time, late bytes, read
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +49,7 @@ from .speculative import DraftState
 __all__ = ["DraftRoutePredictor", "DraftRoutePrefetcher", "RouteScore", "TokenRouteMemory",
            "prefetch_to"]
 
-DEFAULT_THRESHOLD = 0.15        # measured operating point on the trained model (bench_mtp)
+DEFAULT_THRESHOLD = 0.15        # until the disk wait is measured (bench_mtp: coverage >= 0.9 there)
 
 
 def prefetch_to(provider: Any, layer: int, ids: list[int], source: str) -> None:
@@ -189,6 +191,8 @@ class DraftRoutePrefetcher:
         self._queue: list[tuple[int, int]] = []      # (layer, expert) still to read, in order
         self._verify = False
         self.claimed = self.issued = self.dropped = 0
+        self.rho: float | None = None          # share of a step spent waiting on storage
+        self._t0 = self._stall0 = 0.0
         cache = getattr(engine.provider, "cache", None)
         self._in_flight = getattr(cache, "prefetch_in_flight", None)
         from .routing import resident_fn
@@ -207,12 +211,17 @@ class DraftRoutePrefetcher:
         return self
 
     def current_threshold(self) -> float:
+        """A fixed threshold if given; else the utility rule p > ρ/(1+ρ) (ρ: the share of a
+        step spent waiting on storage; a wasted read costs bandwidth in proportion to it),
+        clipped to [0.1, 0.5], from the gate's ρ or this prefetcher's own."""
         if self.threshold is not None:
             return self.threshold
         gate = self.spec.gate
         if gate is not None and hasattr(gate, "fetch_threshold"):
             return gate.fetch_threshold()
-        return DEFAULT_THRESHOLD
+        if self.rho is None:
+            return DEFAULT_THRESHOLD
+        return min(0.5, max(0.1, self.rho / (1.0 + self.rho)))
 
     # --- the hooks ---------------------------------------------------------------------------
     def tap(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
@@ -280,9 +289,16 @@ class DraftRoutePrefetcher:
         self._verify = True
         self._routes = {}
         self._pump(-1)
+        self._t0 = time.perf_counter()
+        self._stall0 = getattr(getattr(prov, "stats", None), "stall_seconds", 0.0)
 
     def after_verify(self, ds: DraftState, n_accepted: int) -> None:
         self._verify = False
+        st = getattr(self.engine.provider, "stats", None)
+        dt = time.perf_counter() - self._t0
+        if st is not None and dt > 0:
+            r = min(1.0, max(0.0, (st.stall_seconds - self._stall0) / dt))
+            self.rho = r if self.rho is None else 0.8 * self.rho + 0.2 * r
         self.dropped += len(self._queue)
         self._queue = []
         routes, self._routes = self._routes, {}
@@ -310,6 +326,7 @@ class DraftRoutePrefetcher:
     def as_dict(self) -> dict[str, Any]:
         d = self.score.as_dict()
         d["threshold"] = round(self.current_threshold(), 4)
+        d["disk_wait_share"] = None if self.rho is None else round(self.rho, 4)
         d.update(claimed=self.claimed, issued=self.issued, dropped=self.dropped,
                  max_in_flight=self.max_in_flight)
         d["memory_tokens"] = len(self.predictor.memory)
