@@ -32,8 +32,9 @@ _K = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
 
 
 def isas() -> list[str]:
-    return ["scalar", "avx2"] if MOD is not None and MOD.info()["best_isa"] == "avx2" \
-        else ["scalar"]
+    best = MOD.info()["best_isa"] if MOD is not None else "scalar"
+    return {"scalar": ["scalar"], "avx2": ["scalar", "avx2"],
+            "avx512": ["scalar", "avx2", "avx512"]}[best]
 
 
 @pytest.fixture

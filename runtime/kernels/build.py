@@ -9,8 +9,10 @@ edited source or another torch gets its own build. The build needs a C++ compile
 ``load()`` returns None, the reason is logged once (warning) and kept in ``status()``, and the
 runtime uses its torch paths.
 
-The code is portable C++ plus an AVX2+FMA+F16C unit whose functions carry the target
-attribute, so one build runs on any x86-64 CPU; the CPU is checked when the module loads.
+The code is portable C++ plus an AVX2+FMA+F16C unit and an AVX-512 (F+VL) unit whose
+functions carry target attributes, so one build runs on any x86-64 CPU; the CPU is checked
+when the module loads and the best tier it supports is used (a tier falls back to the one
+below for the types it has no kernel of).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ __all__ = ["load", "status", "cache_dir", "SOURCES"]
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp")
+SOURCES = ("ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp")
 HEADERS = ("kern.h",)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function")
 
@@ -77,9 +79,11 @@ def _why_not() -> str | None:
 
 
 def _short(e: BaseException) -> str:
+    """The first compiler diagnostic of a failed build (else the exception's first line)."""
     text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if "error" in ln.lower()] or text.splitlines()
-    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+    lines = text.splitlines()
+    diag = [ln for ln in lines if ": error:" in ln or ": fatal error:" in ln]
+    return f"{type(e).__name__}: {(diag or lines or [''])[0][:300]}"
 
 
 def load() -> ModuleType | None:

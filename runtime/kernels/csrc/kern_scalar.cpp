@@ -118,6 +118,14 @@ void perm32(const float* x, float* xp, int64_t n) {
                 xp[c + 8 * k + j] = x[c + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4)];
 }
 
+void perm128(const float* x, float* xz, int64_t n) {
+    // Vector k (nibble k of each dword of 64 packed Q4_K bytes), lane l (kern_avx512.cpp).
+    for (int64_t c = 0; c + 128 <= n; c += 128)
+        for (int k = 0; k < 8; ++k)
+            for (int l = 0; l < 16; ++l)
+                xz[c + 16 * k + l] = x[c + (l >= 8 ? 64 : 0) + (k & 1) * 32 + 4 * (l & 7) + k / 2];
+}
+
 void sums16(const float* x, float* s16, float* s32, int64_t n) {
     for (int64_t g = 0; g < n / 16; ++g) {
         float a = 0.f;

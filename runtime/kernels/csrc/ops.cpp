@@ -22,14 +22,19 @@
 namespace efs {
 namespace {
 
-enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+// ISA tiers: each uses its own kernels where it has them and the tier below otherwise.
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 int detect_isa() {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     if (avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+        __builtin_cpu_supports("f16c")) {
+        if (avx512_compiled() && __builtin_cpu_supports("avx512f") &&
+            __builtin_cpu_supports("avx512vl"))
+            return ISA_AVX512;
         return ISA_AVX2;
+    }
 #endif
     return ISA_SCALAR;
 }
@@ -38,7 +43,8 @@ const int g_best = detect_isa();
 int g_isa = g_best;
 
 RowsFn rows_fn(int type, int mode) {
-    RowsFn f = g_isa >= ISA_AVX2 ? avx2_rows(type, mode) : nullptr;
+    RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
+    if (!f && g_isa >= ISA_AVX2) f = avx2_rows(type, mode);
     return f ? f : scalar_rows(type, mode);
 }
 
@@ -50,9 +56,10 @@ struct Prep {
     std::vector<XPrep> xs;
 
     void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt) {
-        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr});
+        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
         if (fmt == X_EXACT) {
-            const int64_t per = cols + cols / 16 + cols / 32;
+            const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
+            const int64_t per = cols + cols / 16 + cols / 32 + (z ? cols : 0);
             f.resize((size_t)(per * nt));
             for (int t = 0; t < nt; ++t) {
                 const float* xt = x + t * xstride;
@@ -65,6 +72,11 @@ struct Prep {
                 sums16(xt, base + cols, base + cols + cols / 16, cols);
                 xs[t].s16 = base + cols;
                 xs[t].s32 = base + cols + cols / 16;
+                if (z) {
+                    float* zb = base + cols + cols / 16 + cols / 32;
+                    perm128(xt, zb, cols);
+                    xs[t].xz = zb;
+                }
             }
         } else if (fmt == X_Q8K) {
             const int64_t nb = cols / 256;
@@ -116,8 +128,9 @@ void par_chunks(int64_t n, const F& f) {
     });
 }
 
-// Rows per chunk: about `target` weights per chunk, at least 4 chunks per thread when possible.
-int64_t rows_per_chunk(int64_t rows, int64_t cols, int64_t target = 16384) {
+// Rows per chunk: about `target` weights (~5 us) per chunk, so the shared counter costs little,
+// and at least 4 chunks per thread when possible, so a delayed thread is made up for.
+int64_t rows_per_chunk(int64_t rows, int64_t cols, int64_t target = 65536) {
     int64_t r = target / (cols > 0 ? cols : 1);
     const int64_t nth = at::get_num_threads();
     const int64_t cap = rows / (4 * nth);
@@ -300,17 +313,26 @@ at::Tensor quantize_q8k_bytes(const at::Tensor& x_) {
     return y;
 }
 
-std::string isa_name(int isa) { return isa == ISA_AVX2 ? "avx2" : "scalar"; }
+std::string isa_name(int isa) {
+    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : "scalar";
+}
 
 std::string set_isa(const std::string& name) {
-    if (name == "scalar") {
+    if (name == "best") {
+        g_isa = g_best;
+    } else if (name == "scalar") {
         g_isa = ISA_SCALAR;
-    } else if (name == "avx2" || name == "best") {
-        TORCH_CHECK(name == "best" || g_best >= ISA_AVX2,
-                    "expertfs kernels: this CPU (or build) has no AVX2+FMA+F16C");
-        g_isa = name == "best" ? g_best : ISA_AVX2;
+    } else if (name == "avx2") {
+        TORCH_CHECK(g_best >= ISA_AVX2, "expertfs kernels: this CPU (or build) has no "
+                    "AVX2+FMA+F16C");
+        g_isa = ISA_AVX2;
+    } else if (name == "avx512") {
+        TORCH_CHECK(g_best >= ISA_AVX512, "expertfs kernels: this CPU (or build) has no "
+                    "AVX-512 F+VL");
+        g_isa = ISA_AVX512;
     } else {
-        TORCH_CHECK(false, "expertfs kernels: unknown isa '", name, "' (scalar, avx2, best)");
+        TORCH_CHECK(false, "expertfs kernels: unknown isa '", name,
+                    "' (scalar, avx2, avx512, best)");
     }
     return isa_name(g_isa);
 }
@@ -320,6 +342,7 @@ pybind11::dict info() {
     d["isa"] = isa_name(g_isa);
     d["best_isa"] = isa_name(g_best);
     d["avx2_compiled"] = avx2_compiled();
+    d["avx512_compiled"] = avx512_compiled();
     pybind11::list types;
     static const int all[] = {T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q2_K,
                               T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS, T_MXFP4};
@@ -342,6 +365,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"));
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
-    m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2 or best");
+    m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids");
 }
