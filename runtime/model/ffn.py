@@ -53,7 +53,8 @@ def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tens
 def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = False,
                act_quant: str | None = None) -> torch.Tensor:
     """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: products of
-    one token (a few with the native kernels) go through ``qmatvec`` where the type has one;
+    one token (up to ``qmatvec.NATIVE_MAX_TOKENS`` with the native kernels) go through
+    ``qmatvec`` where the type has one;
     ``act_quant="q8"`` there uses llama.cpp's 8-bit activations (native kernels only)."""
     p = e.parts
     if isinstance(e, FloatExpert):
