@@ -91,3 +91,16 @@ def test_verify_windows_skip_with_mtp(store):
         toks = [s.token for s in generate(eng, PROMPT, Sampler(), 10)]
         rs = eng.stats()["route_tail_skip"]
     assert len(toks) == 10 and rs["windows"] > 0 and rs["skipped_pairs"] > 0
+
+
+def test_tail_skip_with_draft_prefetch_and_plain_steps(store):
+    """One-token windows drop pairs (narrower routes) next to verify windows: both recorded."""
+    from expertfs.runtime.generate import generate
+    from expertfs.runtime.sampling import Sampler
+    with engine(store, mtp=2, draft_prefetch=True, route_tail_skip=2, provider="tiered",
+                ram_bytes=2 << 20) as eng:
+        toks = [s.token for s in generate(eng, PROMPT, Sampler(), 9)]
+        eng.decode(toks[-1])                                    # a plain one-token window
+        eng.spec.step(toks[-1], Sampler(), 3)
+        d = eng.stats()["mtp"]["draft_prefetch"]
+    assert len(toks) == 9 and d["steps"] > 0

@@ -226,7 +226,11 @@ class DraftRoutePrefetcher:
     # --- the hooks ---------------------------------------------------------------------------
     def tap(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
         if layer in self._bytes:
-            self._routes[layer] = ids.cpu().numpy()
+            r = ids.cpu().numpy()
+            k = self.predictor.k
+            if r.shape[1] < k:                 # a one-token window under the tail skip
+                r = np.concatenate((r, np.full((r.shape[0], k - r.shape[1]), -1, r.dtype)), 1)
+            self._routes[layer] = r
             if self._verify and self._queue:
                 self._pump(layer)
 
@@ -311,8 +315,9 @@ class DraftRoutePrefetcher:
         sc.steps += 1
         for i, la in enumerate(self.predictor.layers):
             r = routes[la][:rows]
-            np.put_along_axis(used[:, i], r, True, axis=1)
-            need = set(r.ravel().tolist())
+            rr, cc = np.nonzero(r >= 0)
+            used[rr, i, r[rr, cc]] = True
+            need = set(r[r >= 0].tolist())
             pred = set(self._pred.get(la, ()))
             h = len(need & pred)
             sc.predicted += len(pred)
