@@ -93,3 +93,23 @@ def test_no_nextn_block_is_a_usage_error(tmp_path: Path) -> None:
         engine(Path(store), mtp=2)
     with pytest.raises(UsageError):
         engine(Path(store), draft_prefetch=True)
+
+
+def test_catch_up_rows_fill_the_kv_without_experts(tiny) -> None:
+    """K/V come from the block's input: a catch-up without FFN, then the last row, equals the
+    full forward's last row, and the catch-up reads no expert."""
+    _, _, store = tiny
+    with engine(store, mtp=1) as eng:
+        eng.prefill(PROMPT)
+        spec, nx = eng.spec, eng.spec.nextn
+        T = len(PROMPT)
+        full = nx.forward(torch.tensor(PROMPT), spec.h_at(-1, T - 1), logits="all")
+        nx.reset(0)
+        before = eng.provider.stats.requests
+        assert nx.forward(torch.tensor(PROMPT[:-1]), spec.h_at(-1, T - 2), logits="none") is None
+        assert eng.provider.stats.requests == before and nx.pos == T - 1
+        last = nx.forward(torch.tensor(PROMPT[-1:]), spec.h_at(T - 2, T - 1), logits="last")
+        assert torch.allclose(last[0], full[-1], atol=1e-5, rtol=1e-5)
+        nx.reset(T - 1)
+        assert nx.forward(torch.tensor(PROMPT[-1:]), spec.h_at(T - 2, T - 1), "hidden") is None
+        assert nx.hidden.shape[0] == 1

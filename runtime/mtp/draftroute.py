@@ -5,7 +5,8 @@ The verify pass runs rows ``[last, d_1 .. d_k]``. Each row's state at every laye
 until the pass reaches it, but the NextN block has already computed, for every row, a hidden
 state that predicts the row's next token exactly as the trunk's final state does (``hn``: row
 0's from (last, h_{P-1}), row i's from (d_i, hn_{i-1}); the last row's from one more NextN
-step). The predictor (``DraftRoutePredictor``), per row and trunk MoE layer l:
+step taken only up to its attention, so no expert is read for it: the same coverage within a
+point, measured). The predictor (``DraftRoutePredictor``), per row and trunk MoE layer l:
 
 * **proxy routing**: layer l's router (its own FFN norm, selection bias) on ``rms(hn)``; an
   expert's rank there is the main feature (measured on the trained model: 82% of the verify
@@ -202,6 +203,7 @@ class DraftRoutePrefetcher:
 
     def install(self, spec: Any) -> DraftRoutePrefetcher:
         spec.tail_hidden = True
+        spec.tail_mode = "attn"
         spec.route_hooks.append(self.before_verify)
         spec.verify_hooks.append(self.after_verify)
         spec.observe_hooks.append(self.on_forward)

@@ -98,9 +98,11 @@ class _Cooccur:
 
 def route_predictors(engine: Any, text: Sequence[int], *, segment: int = 128, warm: int = 8,
                      segments: int = 8, thresholds: Sequence[float] = (0.1, 0.15, 0.2, 0.3),
-                     margins: Sequence[int] = (0, 2, 4)) -> dict[str, Any]:
+                     margins: Sequence[int] = (0, 2, 4), tail: str = "attn") -> dict[str, Any]:
     """Coverage and waste of each route predictor on teacher-forced verify passes.
-    ``engine`` must run MTP (``mtp=K``) with next-layer lookahead on (``lookahead=True``)."""
+    ``engine`` must run MTP (``mtp=K``) with next-layer lookahead on (``lookahead=True``);
+    ``tail``: how the last row's NextN state is made (``"attn"``, as the runtime does, or
+    ``"hidden"``: the full block)."""
     spec, hook, cfg = engine.spec, engine.routing, engine.config
     K = spec.fixed or 2
     pred = DraftRoutePredictor(engine)
@@ -137,10 +139,11 @@ def route_predictors(engine: Any, text: Sequence[int], *, segment: int = 128, wa
                 for i in range(K):
                     d = int(logits[0].argmax())
                     drafts.append(d)
+                    mode = "last" if i + 1 < K else tail        # the last row: as the runtime
                     logits = spec.nextn.forward(torch.tensor([d], device=engine.device),
-                                                spec.nextn.hidden[-1:], logits="last")
+                                                spec.nextn.hidden[-1:], logits=mode)
                     hns.append(spec.nextn.hidden[-1:])
-                    mtp_ids.append(taps[L][-1][-1])
+                    mtp_ids.append(taps[L][-1][-1] if mode != "attn" else mtp_ids[-1])
                 rows = [last] + drafts
                 h = torch.cat(hns)
                 named: dict[str, list[set[int]]] = {}

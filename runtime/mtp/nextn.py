@@ -16,6 +16,13 @@ block's own previous output) and predicts ``t_{p+1}``::
 the model's RoPE tables, expert runner (so the block's experts go through the same provider
 and tiers) and compute dtype. Pure tensor code: pairing tokens with hidden states, catch-up and
 rollback are the caller's (``expertfs.runtime.mtp.speculative``).
+
+A row's K/V come from the block's input (before its FFN), and a row's FFN output is used only
+by that row's ``hn`` and logits: so the FFN (the routed experts) runs only on the rows whose
+output is asked for — the last (``"last"``, ``"hidden"``), every row (``"all"``) or none
+(``"none"``: a catch-up that only fills the KV cache). The rows returned are exactly what a
+full forward gives (llama.cpp prunes to its output rows the same way before the last FFN of
+its main graph); the catch-up of accepted tokens and of the prompt reads no experts.
 """
 
 from __future__ import annotations
@@ -68,8 +75,10 @@ class NextN:
     def forward(self, ids: torch.Tensor, h: torch.Tensor, logits: str = "last"
                 ) -> torch.Tensor | None:
         """``ids [T]`` at positions ``pos .. pos+T-1`` paired row by row with ``h [T, n_embd]``
-        → float32 logits of the last row (``"last"``), every row (``"all"``) or none;
-        ``self.hidden`` holds every row's ``hn`` (float32)."""
+        → float32 logits of the last row (``"last"``), every row (``"all"``) or none
+        (``"none"``: K/V only; ``"hidden"``: the last row's ``hn`` but no logits; ``"attn"``:
+        the last row's state before the FFN, normed like ``hn`` — no experts read);
+        ``self.hidden`` holds ``hn`` (float32) of the rows that were output."""
         cfg, m, blk = self.cfg, self.model, self.blk
         T = ids.shape[0]
         self.cache.reserve(T)
@@ -82,16 +91,21 @@ class NextN:
         mask = causal_mask(p0, T, m.device)
         a = rms_norm(x, blk.attn_norm, eps).to(m.dtype)
         x = x + self.attend(a, blk.attn, cfg, m.rope, cos, sin, self.cache, 0, mask).float()
+        self.cache.pos = p0 + T
+        if logits == "none":
+            return None
+        if logits != "all":
+            x = x[-1:]                                   # the rows whose output is used
+        if logits == "attn":
+            self.hidden = rms_norm(x, self.head_norm, eps)
+            return None
         f = rms_norm(x, blk.ffn_norm, eps).to(m.dtype)
         y = m.runner.forward(self.layer, f, blk.moe) if blk.moe is not None else blk.dense(f)
         x = x + y.float()
-        self.cache.pos = p0 + T
         hn = rms_norm(x, self.head_norm, eps)
         self.hidden = hn
-        if logits == "none":
+        if logits == "hidden":
             return None
-        if logits == "last":
-            hn = hn[-1:]
         return self.head(hn.to(m.dtype)).float()
 
     @property

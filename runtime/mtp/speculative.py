@@ -95,6 +95,7 @@ class Speculator:
         self.verify_hooks: list[Callable[[DraftState, int], None]] = []   # after acceptance
         self.observe_hooks: list[Callable[[list[int]], None]] = []    # after any trunk forward
         self.tail_hidden = False                  # also run the NextN block on the last draft
+        self.tail_mode = "hidden"                 # its FFN too ("hidden") or not ("attn")
         self.draft_prefetcher: Any = None         # (hn for its route prediction)
         self.stats = SpecStats()
         self.draft_fn = draft                     # (logits, params, gen) -> (token, q, q(token))
@@ -192,7 +193,7 @@ class Speculator:
             logits = nx.forward(self._ids([d]), nx.hidden[-1:], logits="last")
             st.mtp_rows += 1
         if self.tail_hidden:
-            nx.forward(self._ids([drafts[-1]]), nx.hidden[-1:], logits="none")
+            nx.forward(self._ids([drafts[-1]]), nx.hidden[-1:], logits=self.tail_mode)
             hns.append(nx.hidden[-1:])
             st.mtp_rows += 1
         t1 = time.perf_counter()
