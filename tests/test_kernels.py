@@ -281,3 +281,46 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("EXPERTFS_NATIVE", "1")
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert "no C++ compiler" in build._why_not()
+
+
+def test_pool_concurrent_callers_thread_changes_and_fork():
+    """Two Python threads calling at once (one runs serially), the thread count changing
+    between calls, and a forked child (a new pool) all give the single-thread results."""
+    import multiprocessing as mp
+    import threading
+    D, ff, n = 512, 256, 4
+    types = (T.Q4_K, T.Q4_K, T.Q6_K)
+    gate, up, down = _experts(types, n, D, ff, False, 21)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(5))
+    w = torch.rand(n, generator=torch.Generator().manual_seed(6))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = kernels.moe(x, w, gate, up, down, types, ff)
+        bad = []
+
+        def caller():
+            for _ in range(20):
+                if not torch.equal(kernels.moe(x, w, gate, up, down, types, ff), ref):
+                    bad.append(1)
+        for th in (2, 3, 2):
+            torch.set_num_threads(th)
+            ts = [threading.Thread(target=caller) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        assert not bad
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child, args=(q, x, w, gate, up, down, types, ff, ref))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0 and q.get(timeout=5) is True
+    finally:
+        torch.set_num_threads(old)
+
+
+def _child(q, x, w, gate, up, down, types, ff, ref):
+    torch.set_num_threads(2)
+    q.put(bool(torch.equal(kernels.moe(x, w, gate, up, down, types, ff), ref)))

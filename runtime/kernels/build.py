@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp")
-HEADERS = ("kern.h",)
+HEADERS = ("kern.h", "pool.h")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function")
 
 _lock = threading.Lock()

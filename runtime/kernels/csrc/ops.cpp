@@ -1,23 +1,28 @@
 // Torch binding of the native kernels: activation preparation, the parallel row drivers and
 // the one-call MoE layer (all selected experts' gate+up, SiLU*up, and the weighted down sum).
 //
-// Threads: at::parallel_for (torch's intra-op pool, so torch.set_num_threads applies and no
-// second pool competes with torch's), one task per thread pulling row chunks from an atomic
-// counter (a thread delayed by another process does not hold the others up). Every output row
-// is computed by one thread in a fixed order, so results do not depend on the thread count.
-// The GIL is released while computing.
+// Threads: the kernels' own pool (pool.h), as many threads as torch.get_num_threads(), row
+// chunks pulled from an atomic counter; the caller never waits for a worker that has not
+// claimed work (robust on shared, oversubscribed CPUs, where torch's OpenMP barriers were
+// slower with 2 threads than 1). Every output row is computed by one thread in a fixed order,
+// so results do not depend on the thread count. The GIL is released while computing.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <pthread.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "kern.h"
+#include "pool.h"
 
 namespace efs {
 namespace {
@@ -114,25 +119,49 @@ struct Prep {
 
 int act_format(int type, int mode) { return mode == 0 ? (int)X_EXACT : q8_format(type); }
 
-// Runs f(chunk) for chunk in [0, n) on torch's intra-op threads, chunks handed out in order.
+// The kernels' worker pool (pool.h), sized from torch's thread count (torch.set_num_threads)
+// and replaced when that changes; a caller holds its pool while using it. After fork() the
+// child starts afresh: the parent's pool (whose threads do not exist in the child) is leaked
+// and the lock re-made.
+std::mutex g_pool_m;
+std::shared_ptr<Pool> g_pool;
+int64_t g_spin_us = 50;
+int g_threads = 0;                      // 0: torch.get_num_threads()
+
+void after_fork_child() {
+    new (&g_pool_m) std::mutex();
+    auto* leak = new std::shared_ptr<Pool>();
+    leak->swap(g_pool);
+}
+
+std::shared_ptr<Pool> pool_for(int nth) {
+    static const bool hooked = [] {
+        pthread_atfork(nullptr, nullptr, after_fork_child);
+        return true;
+    }();
+    (void)hooked;
+    std::lock_guard<std::mutex> g(g_pool_m);
+    if (!g_pool || g_pool->workers() != nth - 1) g_pool = std::make_shared<Pool>(nth - 1, g_spin_us);
+    return g_pool;
+}
+
+// Runs f(chunk) for chunk in [0, n) on the calling thread and the pool's workers.
 template <class F>
 void par_chunks(int64_t n, const F& f) {
-    const int nth = at::get_num_threads();
-    if (nth <= 1 || n <= 1 || at::in_parallel_region()) {
+    const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
+    if (nth <= 1 || n <= 1) {
         for (int64_t c = 0; c < n; ++c) f(c);
         return;
     }
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, nth < n ? nth : n, 1, [&](int64_t, int64_t) {
-        for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(c);
-    });
+    pool_for(nth)->run(n, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
+                       const_cast<void*>(static_cast<const void*>(&f)));
 }
 
 // Rows per chunk: about `target` weights (~5 us) per chunk, so the shared counter costs little,
 // and at least 4 chunks per thread when possible, so a delayed thread is made up for.
 int64_t rows_per_chunk(int64_t rows, int64_t cols, int64_t target = 65536) {
     int64_t r = target / (cols > 0 ? cols : 1);
-    const int64_t nth = at::get_num_threads();
+    const int64_t nth = g_threads > 0 ? g_threads : at::get_num_threads();
     const int64_t cap = rows / (4 * nth);
     if (cap >= 1 && r > cap) r = cap;
     if (r < 1) r = 1;
@@ -337,12 +366,33 @@ std::string set_isa(const std::string& name) {
     return isa_name(g_isa);
 }
 
+int64_t set_spin_us(int64_t us) {
+    TORCH_CHECK(us >= 0, "expertfs kernels: spin time must be >= 0");
+    std::shared_ptr<Pool> old;
+    {
+        std::lock_guard<std::mutex> g(g_pool_m);
+        g_spin_us = us;
+        old.swap(g_pool);                 // rebuilt with the new setting on next use
+    }
+    pybind11::gil_scoped_release nogil;   // joining the old workers
+    old.reset();
+    return us;
+}
+
+int64_t set_threads(int64_t n) {
+    TORCH_CHECK(n >= 0, "expertfs kernels: thread count must be >= 0");
+    g_threads = (int)n;
+    return n;
+}
+
 pybind11::dict info() {
     pybind11::dict d;
     d["isa"] = isa_name(g_isa);
     d["best_isa"] = isa_name(g_best);
     d["avx2_compiled"] = avx2_compiled();
     d["avx512_compiled"] = avx512_compiled();
+    d["spin_us"] = g_spin_us;
+    d["threads"] = g_threads > 0 ? g_threads : at::get_num_threads();
     pybind11::list types;
     static const int all[] = {T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q2_K,
                               T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS, T_MXFP4};
@@ -366,5 +416,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
-    m.def("info", &efs::info, "ISA in use, best ISA, supported type ids");
+    m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");
+    m.def("set_spin_us", &efs::set_spin_us, "how long idle pool workers spin before sleeping");
+    m.def("set_threads", &efs::set_threads, "threads of the kernels (0: torch.get_num_threads())");
 }
