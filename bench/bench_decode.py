@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+import expertfs.runtime  # noqa: F401,I001 - its OpenMP wait policy must be set before torch loads
+
 import torch
 
 from expertfs.units import fmt_bytes, parse_size

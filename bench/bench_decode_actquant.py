@@ -24,6 +24,8 @@ import os
 import sys
 import time
 
+import expertfs.runtime  # noqa: F401,I001 - its OpenMP wait policy must be set before torch loads
+
 import numpy as np
 import torch
 
