@@ -32,7 +32,7 @@ from ...formats.ggml import GGMLType
 from .build import load, status
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe",
-           "act_quant_mode"]
+           "act_quant_mode", "set_threads", "set_spin_us"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
@@ -64,6 +64,20 @@ def available() -> bool:
 
 _TYPE_IDS = frozenset(int(t) for t in TYPES)
 _K_IDS = frozenset(int(t) for t in _K)
+
+
+def set_threads(n: int) -> None:
+    """Threads of the native kernels' pool (0, the default: ``torch.get_num_threads()``)."""
+    mod = load()
+    if mod is not None:
+        mod.set_threads(int(n))
+
+
+def set_spin_us(us: int) -> None:
+    """How long idle pool workers spin for the next call before sleeping (default 50 µs)."""
+    mod = load()
+    if mod is not None:
+        mod.set_spin_us(int(us))
 
 
 def _applies(t: int, cols: int, mode: int) -> bool:
