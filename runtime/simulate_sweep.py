@@ -139,7 +139,8 @@ def format_sweep(s: Sweep) -> str:
                 continue
             vr = f"{r.vram_hit_rate:7.3f}{_ratio(r.vram_hit_rate, p.opt_vram) or 0:7.3f}" if pt.vram \
                 else f"{'':>14}"
-            lines.append(f"{name:<14}{r.hit_rate:7.3f}{r.hit_rate / p.opt_total:7.3f}{vr}"
+            ratio = f"{r.hit_rate / p.opt_total:7.3f}" if p.opt_total else f"{'-':>7}"
+            lines.append(f"{name:<14}{r.hit_rate:7.3f}{ratio}{vr}"
                          f"{r.ram_hit_rate:7.3f}{r.per_token(r.bytes_nvme) / mib:14.1f}"
                          f"{r.per_token(r.bytes_h2d) / mib:13.1f}{r.per_token(r.bytes_d2h) / mib:13.1f}")
     return "\n".join(lines)

@@ -100,3 +100,17 @@ def test_damaged_trace_names_the_file(tmp_path, capsys) -> None:
     assert str(t) in err and "allow-partial" in err
     assert main(["bench", "cache", "--trace", str(t), "--allow-partial", "--capacity", "8",
                  "--policies", "lru", "--json"]) == 0
+
+
+def test_percent_counts_routed_experts_only_and_zero_belady_prints(tmp_path, capsys) -> None:
+    from expertfs.runtime.trace import TraceHeader, TraceWriter
+    path = tmp_path / "dense_first.efstrace"
+    h = TraceHeader(3, 8, 2, (0, 4096, 4096))          # layer 0 dense, like glm4moe
+    with TraceWriter(path, h) as w:
+        for t in range(20):
+            for layer in (1, 2):
+                w.add(t, layer, [t % 8, (t + 1) % 8], [0.5, 0.5])
+    r = run_json(capsys, "--trace", str(path), "--policies", "lru", "--capacity", "50%")
+    assert [p["ram_slots"] for p in r["points"]] == [8]              # 50% of 2 x 8, not of 3 x 8
+    assert main(["bench", "cache", "--trace", str(path), "--policies", "lru", "--capacity", "2"]) == 0
+    assert "lru" in capsys.readouterr().out

@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     replay = _load(args)
     h = replay.header
-    slot, total = max(h.expert_bytes), h.n_layers * h.n_experts
+    # N% counts the routed experts only: dense and NextN-less layers have expert_bytes 0
+    slot = max(h.expert_bytes)
+    total = sum(1 for b in h.expert_bytes if b > 0) * h.n_experts
     rams = _bytes(args.ram, "--ram", slot) + _slots(args.capacity, "--capacity", total)
     vrams = _bytes(args.vram, "--vram", slot) + _slots(args.vram_capacity, "--vram-capacity", total)
     if not rams:
