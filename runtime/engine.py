@@ -213,15 +213,18 @@ class Engine:
 
     @classmethod
     def open(cls, path: str, *, provider: ExpertProvider | str = "auto", ram_bytes: int = 0,
-             vram_bytes: int = 0, options: EngineOptions | None = None, **kw: Any) -> Engine:
-        """Open the store at ``path``; ``provider`` is an instance or a kind for ``make_provider``."""
+             vram_bytes: int = 0, options: EngineOptions | None = None,
+             provider_options: dict[str, Any] | None = None, **kw: Any) -> Engine:
+        """Open the store at ``path``; ``provider`` is an instance or a kind for ``make_provider``
+        (``provider_options`` go to it, e.g. ``{"warm_start": False}``)."""
         from ..store import Store
         options = options or EngineOptions(**kw)
         store = Store.open(path)
         try:
             if isinstance(provider, str):
                 provider = make_provider(store, device=options.device, ram_bytes=ram_bytes,
-                                         vram_bytes=vram_bytes, kind=provider)
+                                         vram_bytes=vram_bytes, kind=provider,
+                                         **(provider_options or {}))
             return cls(store, provider, options, own_store=True)
         except BaseException:
             store.close()

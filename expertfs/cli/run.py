@@ -89,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--provider", choices=("auto", "tiered", "direct"), default="auto",
                    help="expert provider (auto: the tiered cache when installed)")
     p.add_argument("--trace", metavar="OUT", help="write the routing trace to OUT")
+    p.add_argument("--no-warm-start", action="store_true",
+                   help="start with an empty RAM tier instead of the store's most-used experts")
     p.add_argument("--logits-out", metavar="FILE.npy",
                    help="with --tokens: write float32 logits [positions, n_vocab]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -161,8 +163,9 @@ def _open(args: argparse.Namespace):
                          mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                          draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     ram = _ram_tier(args)
+    extra = {"warm_start": False} if args.no_warm_start and args.provider != "direct" else None
     return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
-                       options=opts)
+                       options=opts, provider_options=extra)
 
 
 def run(args: argparse.Namespace) -> int:
