@@ -37,8 +37,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in th
 
 
 def last_json(text: str) -> dict:
-    start = text.rfind("\n{")
-    return json.loads(text[start + 1 if start >= 0 else text.find("{"):])
+    return json.loads(text[text.index("{"):])
 
 
 def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Namespace) -> dict:
@@ -55,16 +54,28 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
     return d
 
 
-def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace) -> dict:
+def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace,
+                 trace: str | None = None) -> dict:
     argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
-            "-t", str(a.threads), "--ram", str(ram), "--ignore-eos", "--json"] + a.expertfs_args.split()
+            "-t", str(a.threads), "--ram", str(ram), "--ignore-eos", "--no-warm-start",
+            "--json"] + (["--trace", trace] if trace else []) + a.expertfs_args.split()
     r = run_capped(argv, cap, dev, timeout=a.timeout)
     if r.returncode != 0:
         return {"peer": "expertfs", "failed": r.returncode, "stderr": r.stderr[-600:], "peak": r.peak_bytes}
     d = last_json(r.stdout)
+    d["bytes_read_total"] = d.get("stats", {}).get("provider_stats", {}).get("bytes_read")
     d.pop("stats", None)
     d.update(peer="expertfs", ram_tier=ram, wall_s=r.seconds, peak=r.peak_bytes, disk_read=r.disk_read)
     return d
+
+
+def simulated_bytes(trace: str, ram: int) -> dict:
+    """What ``bench cache`` predicts for the same trace and RAM budget (default policy)."""
+    out = subprocess.run([os.path.join(BIN, "expertfs"), "bench", "cache", "--trace", trace,
+                          "--ram", str(ram), "--policies", "default", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    pol = next(iter(json.loads(out)["points"][0]["policies"].values()))
+    return {"bytes_nvme": pol["bytes_nvme"], "hit_rate": pol["hit_rate"], "tokens": pol["tokens"]}
 
 
 def disk_bandwidth(store: str) -> float:
@@ -110,7 +121,10 @@ def main() -> int:
                  "expert_bytes_per_token": info.get("expert_bytes_per_token")}
     res["llama_default"] = llama(a.model, cap, dev, None, a)
     res["llama_ra128"] = llama(a.model, cap, dev, 128, a)
-    res["expertfs"] = expertfs_run(store, cap, dev, ram, a)
+    trace = store + ".run.efstrace"
+    res["expertfs"] = expertfs_run(store, cap, dev, ram, a, trace)
+    if "failed" not in res["expertfs"]:
+        res["simulated"] = simulated_bytes(trace, ram)
     bw = disk_bandwidth(store)
     res["disk_bytes_per_s"] = bw
     e = res["expertfs"]
@@ -141,6 +155,11 @@ def main() -> int:
         et = e["decode_tokens_per_s"]
         print(f"expertfs / llama.cpp default readahead: {et / l0['decode_tok_s']:.2f}x")
         print(f"expertfs / llama.cpp readahead 128 KB:  {et / l1['decode_tok_s']:.2f}x")
+        sim = res.get("simulated")
+        if sim and e.get("bytes_read_total"):
+            print(f"bytes read / bench cache prediction (same trace, same RAM tier): "
+                  f"{e['bytes_read_total'] / sim['bytes_nvme']:.3f} "
+                  f"(hit rate {e['hit_rate'].get('ram', 0):.3f} vs {sim['hit_rate']:.3f})")
         if res.get("roofline_tok_s"):
             print(f"expertfs / disk roofline ({res['roofline_tok_s']:.2f} tok/s): "
                   f"{et / res['roofline_tok_s']:.2f}")
