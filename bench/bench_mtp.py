@@ -287,8 +287,9 @@ def report(res: dict) -> None:
     if "predictors" in res:
         for k, r in res["predictors"].items():
             if k == "history_on_decode_trace":
-                print(f"\nhistory predictor on the decode trace: recall {r['recall']:.3f} "
-                      f"precision {r['precision']:.3f} at {r['budget']} per layer")
+                print(f"\nhistory predictor one layer ahead, in-pass (it sees the token's route "
+                      f"at the layer before), on the run's decode trace: recall "
+                      f"{r['recall']:.3f} precision {r['precision']:.3f} at {r['budget']} per layer")
                 continue
             print(f"\nB. verify-pass experts named before the pass (depth {k}, {r['steps']} "
                   "teacher-forced passes; union over the pass's rows, per layer)")
