@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp")
 HEADERS = ("kern.h", "pool.h")
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
+          "-Wno-maybe-uninitialized")     # GCC 12 false positives in its AVX-512 headers
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "tried": False, "reason": None, "seconds": None,

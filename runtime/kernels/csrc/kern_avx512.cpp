@@ -42,9 +42,8 @@ EFS_ZI float hsum256(__m256 v) {
 }
 
 EFS_ZI __m512 halves(const float* lo, const float* hi) {   // [*lo x 8 | *hi x 8]
-    return _mm512_castpd_ps(_mm512_insertf64x4(
-        _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_broadcast_ss(lo))),
-        _mm256_castps_pd(_mm256_broadcast_ss(hi)), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(*lo)),
+                                               _mm256_castps_pd(_mm256_broadcast_ss(hi)), 1));
 }
 
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
