@@ -43,7 +43,8 @@ def last_json(text: str) -> dict:
 def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Namespace) -> dict:
     with readahead(dev, ra) as kb:
         r = run_capped([sys.executable, os.path.join(os.path.dirname(__file__), "llama_decode.py"),
-                        model, "--prompt", PROMPT, "-n", str(a.n), "-t", str(a.threads)],
+                        model, "--prompt", PROMPT, "-n", str(a.n), "-t", str(a.threads),
+                        "--temp", str(a.temp), "--seed", str(a.seed)],
                        cap, dev, timeout=a.timeout)
     if r.returncode != 0:
         return {"peer": "llama.cpp", "failed": r.returncode, "stderr": r.stderr[-400:],
@@ -55,10 +56,11 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
 
 
 def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace,
-                 trace: str | None = None) -> dict:
+                 trace: str | None = None, warm: bool = False) -> dict:
     argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
-            "-t", str(a.threads), "--ram", str(ram), "--ignore-eos", "--no-warm-start",
-            "--json"] + (["--trace", trace] if trace else []) + a.expertfs_args.split()
+            "-t", str(a.threads), "--ram", str(ram), "--ignore-eos", "--temp", str(a.temp),
+            "--seed", str(a.seed), "--json"] + ([] if warm else ["--no-warm-start"])
+    argv += (["--trace", trace] if trace else []) + a.expertfs_args.split()
     r = run_capped(argv, cap, dev, timeout=a.timeout)
     if r.returncode != 0:
         return {"peer": "expertfs", "failed": r.returncode, "stderr": r.stderr[-600:], "peak": r.peak_bytes}
@@ -71,10 +73,12 @@ def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Na
 
 def simulated_bytes(trace: str, ram: int) -> dict:
     """What ``bench cache`` predicts for the same trace and RAM budget (default policy)."""
-    out = subprocess.run([os.path.join(BIN, "expertfs"), "bench", "cache", "--trace", trace,
-                          "--ram", str(ram), "--policies", "default", "--json"],
-                         capture_output=True, text=True, check=True).stdout
-    pol = next(iter(json.loads(out)["points"][0]["policies"].values()))
+    r = subprocess.run([os.path.join(BIN, "expertfs"), "bench", "cache", "--trace", trace,
+                        "--ram", str(ram), "--policies", "default", "--json"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:       # keep the measured runs: report, do not lose them
+        return {"failed": r.returncode, "stderr": r.stderr[-600:]}
+    pol = next(iter(json.loads(r.stdout)["points"][0]["policies"].values()))
     return {"bytes_nvme": pol["bytes_nvme"], "hit_rate": pol["hit_rate"], "tokens": pol["tokens"]}
 
 
@@ -98,6 +102,11 @@ def main() -> int:
     ap.add_argument("--cap", type=float, default=1 / 3, help="cgroup cap as a fraction of the model")
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temp", type=float, default=1.0,
+                    help="sampling temperature for both (default 1.0: greedy decoding of random "
+                         "weights repeats one token, the same experts every step, which "
+                         "flatters every cache)")
+    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--resident", action="store_true", help="also compare with no cap, warm")
     ap.add_argument("--expertfs-args", default="", help="extra flags for expertfs run")
@@ -132,7 +141,7 @@ def main() -> int:
         res["roofline_tok_s"] = bw / (e["mb_read_per_token"] * 1e6)
     if a.resident:
         res["llama_resident"] = llama(a.model, None, dev, None, a)
-        res["expertfs_resident"] = expertfs_run(store, None, dev, 2 * size, a)
+        res["expertfs_resident"] = expertfs_run(store, None, dev, 2 * size, a, warm=True)
     if a.json:
         print(json.dumps(res, indent=2, default=str))
         return 0
@@ -156,7 +165,7 @@ def main() -> int:
         print(f"expertfs / llama.cpp default readahead: {et / l0['decode_tok_s']:.2f}x")
         print(f"expertfs / llama.cpp readahead 128 KB:  {et / l1['decode_tok_s']:.2f}x")
         sim = res.get("simulated")
-        if sim and e.get("bytes_read_total"):
+        if sim and "failed" not in sim and e.get("bytes_read_total"):
             print(f"bytes read / bench cache prediction (same trace, same RAM tier): "
                   f"{e['bytes_read_total'] / sim['bytes_nvme']:.3f} "
                   f"(hit rate {e['hit_rate'].get('ram', 0):.3f} vs {sim['hit_rate']:.3f})")

@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--repack", action="store_true",
                     help="llama.cpp's default weight repacking (copies experts into RAM)")
     a = ap.parse_args()
@@ -41,7 +43,7 @@ def main() -> int:
     from llama_peer import open_llama
     t0 = time.perf_counter()
     llm = open_llama(a.model, repack=a.repack, n_ctx=a.ctx, n_threads=a.threads,
-                     n_threads_batch=a.threads, use_mmap=True, logits_all=False)
+                     n_threads_batch=a.threads, use_mmap=True, logits_all=False, seed=a.seed)
     load = time.perf_counter() - t0
     if a.prompt:
         toks = llm.tokenize(a.prompt.encode(), add_bos=False)
@@ -55,7 +57,7 @@ def main() -> int:
     out = []
     t2 = time.perf_counter()
     for _ in range(a.n):
-        tok = llm.sample(temp=0.0)
+        tok = llm.sample(temp=a.temp, top_k=0, top_p=1.0, min_p=0.0)
         out.append(int(tok))
         llm.eval([tok])
     dec = time.perf_counter() - t2

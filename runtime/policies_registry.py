@@ -32,7 +32,8 @@ BASES = ("lru", "lfu", "lfud", "arc", "wlfu")
 #: What ``--policies all`` runs.
 ALL_POLICIES = ("lru", "lru/layer", "lfu", "lfud", "arc", "wlfu", "wlfu/layer")
 
-_FIX = "policies are lru, lfu, lfud[@HALF_LIFE], arc, wlfu[@HALF_LIFE], each optionally with /layer"
+_FIX = ("policies are lru, lfu, lfud[@HALF_LIFE], arc, wlfu[@HALF_LIFE] (or 'default', "
+        f"which is {DEFAULT_POLICY}), each optionally with /layer")
 
 Factory = Callable[[int], Policy]
 
@@ -66,6 +67,8 @@ def make_factory(spec: str, *, n_layers: int, route_width: int, layer_of: Callab
     ``wlfu``'s window to one route per layer (per layer: one route).
     """
     name, slash, scope = spec.strip().lower().partition("/")
+    if name == "default":
+        name = DEFAULT_POLICY
     if slash and scope != "layer":
         raise UsageError(f"unknown policy scope {scope!r} in {spec!r}", fix=_FIX)
     if not slash:

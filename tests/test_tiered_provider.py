@@ -257,6 +257,23 @@ def test_usage_round_trip_and_warm_start(store_path, data):
         s.close()
 
 
+def test_warm_start_loads_every_expert_when_all_fit(store, data):
+    """A fresh store (no usage yet) and a RAM tier that holds the whole model: warm start loads
+    every routed expert, so decoding never waits on the disk (as a cached mmap would not)."""
+    n = sum(store.n_experts(la) for la in store.layers)
+    with provider(store, n + 8, warm_start=True) as p:
+        assert p.stats.warm_issued == n
+        for e in list(p.cache.entries.values()):
+            if e.state is State.LOADING:
+                p.cache.loader.resolve(e).result()
+        for la in store.layers:
+            assert_weights(store, data, la, p.get(la, list(range(K))))
+            p.release(la)
+        assert p.stats.misses == 0
+    with provider(store, n // 2, warm_start=True) as p:      # does not fit: the learned ones only
+        assert p.stats.warm_issued == len(store.index.usage())
+
+
 def test_demotion_into_a_ram_tier_pinned_full_drops_instead(store, data):
     """A get whose own experts fill the RAM tier (a prefill batch's union): the device victim
     cannot be demoted (every RAM slot pinned), so it is dropped; bytes and invariants hold."""

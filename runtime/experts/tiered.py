@@ -19,7 +19,8 @@ simulator's semantics, policy by name from ``expertfs.runtime.policies_registry`
   and late bytes per source (``prefetch_report()``);
 * **learned usage**: every routed expert is counted and added to the store's usage table on
   ``close`` (one transaction, merged with earlier runs); with ``warm_start`` the RAM tier is
-  filled at start with the most used experts, in the background at prefetch priority.
+  filled at start with the most used experts (all of them when they all fit), in the background
+  at prefetch priority.
 
 Budgets are explicit and never exceeded: ``ram_bytes`` is the whole host slab (staging
 included), ``vram_bytes`` the device slab. ``device="cuda"`` with no VRAM budget copies each
@@ -47,6 +48,16 @@ __all__ = ["TieredProvider"]
 log = logging.getLogger(__name__)
 
 _IN_TIME = (State.HOST, State.UPLOADING, State.DEVICE)
+
+
+def _warm_rates(store: Any, geo: Any, ram_policy: Policy | None) -> dict[tuple[int, int], float]:
+    """What warm start loads: the learned usage, hottest first; and when the RAM tier holds every
+    routed expert, all of them (the rest at rate 0), as an mmap'd model ends up in the page cache."""
+    rates = load_rates(store, geo.k)
+    every = [(la, e) for la, n in zip(geo.layers, geo.experts) for e in range(n)]
+    if ram_policy is not None and ram_policy.capacity >= len(every):
+        rates = {**dict.fromkeys(every, 0.0), **rates}
+    return rates
 
 
 class TieredProvider:
@@ -84,7 +95,7 @@ class TieredProvider:
         self._next = {la: layers[(i + 1) % len(layers)] for i, la in enumerate(layers)}
         self._closed = False
         if warm_start:
-            self.cache.warm(load_rates(store, geo.k))
+            self.cache.warm(_warm_rates(store, geo, self.cache.R))
 
     # -- the protocol ---------------------------------------------------------------------------
     def get(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
