@@ -3,7 +3,8 @@
 
 Loads the model with llama-cpp-python as a true mmap baseline (``use_mmap=True``, weight
 repacking really off, see tools/llama_peer.py: the default repack copies experts into RAM and is
-OOM-killed under a cap), evaluates a prompt (time to first token) and decodes N tokens greedily.
+OOM-killed under a cap), evaluates a prompt (time to first token) and decodes N tokens, greedy or sampled
+(``--temp``) by the same rule as ``expertfs run``.
 Prints one JSON line: load_s, ttft_s, decode_tok_s, prompt_n, predicted_n, read_bytes.
 
     python bench/llama_decode.py MODEL.gguf --prompt-tokens 16 -n 32 -t 2
@@ -17,6 +18,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 
 def proc_read_bytes() -> int:
     with open("/proc/self/io") as f:
@@ -24,6 +27,20 @@ def proc_read_bytes() -> int:
             if line.startswith("read_bytes:"):
                 return int(line.split()[1])
     return 0
+
+
+def pick(llm, temp: float, rng: np.random.Generator) -> int:
+    """The next token from llama.cpp's last logits: argmax, or a draw from softmax(logits/temp)
+    over the whole vocabulary (expertfs run's rule). llama-cpp-python's own ``sample`` is not
+    used: at temperature 1 with top-k off it returns the same near-the-end token every time."""
+    import llama_cpp
+    n = llm.n_vocab()
+    lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n,))
+    if temp <= 0:
+        return int(np.argmax(lg))
+    z = lg.astype(np.float64) / temp
+    p = np.exp(z - z.max())
+    return int(rng.choice(n, p=p / p.sum()))
 
 
 def main() -> int:
@@ -55,9 +72,10 @@ def main() -> int:
     ttft = time.perf_counter() - t1
     r1 = proc_read_bytes()
     out = []
+    rng = np.random.default_rng(a.seed)
     t2 = time.perf_counter()
     for _ in range(a.n):
-        tok = llm.sample(temp=a.temp, top_k=0, top_p=1.0, min_p=0.0)
+        tok = pick(llm, a.temp, rng)
         out.append(int(tok))
         llm.eval([tok])
     dec = time.perf_counter() - t2
