@@ -66,6 +66,8 @@ CHILD = textwrap.dedent('''
     data = np.random.default_rng(5).integers(0, 256, 6 * 4096 + 123, dtype=np.uint8).tobytes()
     (tmp / "d.bin").write_bytes(data)
     with be.open(tmp / "d.bin", queue_depth=4) as fh:
+        import kvikio.defaults
+        assert kvikio.defaults.get("auto_direct_io_read")      # O_DIRECT, as the direct backend
         for size in (1, 511, 4095, 4096, 4097, 3 * 4096 + 7):
             for off in (0, 1, 4096, 8195):
                 a = aligned_empty(size)

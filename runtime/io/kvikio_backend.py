@@ -44,6 +44,14 @@ def _import_kvikio() -> Any:
                                      "driver, or use backend='direct'") from None
 
 
+def _get(kvikio: Any, key: str, default: Any) -> Any:
+    """A kvikio setting, or ``default`` where this kvikio version has no such key."""
+    try:
+        return kvikio.defaults.get(key)
+    except (KeyError, ValueError, RuntimeError, AttributeError):
+        return default
+
+
 class _KvikioFile(RawFile):
     host_only = False
 
@@ -73,13 +81,16 @@ class _KvikioFile(RawFile):
 
 class KvikioBackend(IOBackend):
     """``nthreads``: kvikio's pool size (default: the handle's queue depth, at least 4);
-    ``task_size``: bytes per pool task (kvikio's default 4 MiB)."""
+    ``task_size``: bytes per pool task (kvikio's default 4 MiB); ``direct_io``: kvikio's POSIX
+    path reads with O_DIRECT where it can (``auto_direct_io_read``), as the ``direct`` backend."""
 
     name = "kvikio"
 
-    def __init__(self, *, nthreads: int | None = None, task_size: int | None = None) -> None:
+    def __init__(self, *, nthreads: int | None = None, task_size: int | None = None,
+                 direct_io: bool = True) -> None:
         self.nthreads = nthreads
         self.task_size = task_size
+        self.direct_io = direct_io
 
     @classmethod
     def availability(cls) -> Availability:
@@ -111,6 +122,10 @@ class KvikioBackend(IOBackend):
         kvikio = _import_kvikio()
         want = self.nthreads or max(4, queue_depth)
         with _lock:
+            # compat mode reads through the page cache unless asked: cold single expert reads
+            # measured 0.70x the direct backend that way, 1.06x with O_DIRECT (4 MiB, QD1)
+            if self.direct_io and not _get(kvikio, "auto_direct_io_read", True):
+                kvikio.defaults.set("auto_direct_io_read", True)
             if kvikio.defaults.get("num_threads") < want:
                 kvikio.defaults.set("num_threads", want)
             if self.task_size and kvikio.defaults.get("task_size") != self.task_size:
