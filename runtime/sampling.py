@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UsageError
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "nucleus"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,23 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens sampling may choose from ``logits [n_vocab]`` at ``p`` (not greedy): their
+    probabilities (float32, summing to 1) and ids, most likely first, after temperature, top-k
+    and top-p."""
+    lg = logits.detach().float().cpu() / p.temperature
+    if p.top_k and p.top_k < lg.numel():
+        vals, idx = torch.topk(lg, p.top_k)
+    else:
+        vals, idx = torch.sort(lg, descending=True)
+    probs = torch.softmax(vals, dim=-1)
+    if p.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
+        probs, idx = probs[:keep], idx[:keep]
+    return probs / probs.sum(), idx
+
+
 class Sampler:
     def __init__(self, params: SamplingParams = SamplingParams()) -> None:
         self.params = params.validate()
@@ -46,19 +63,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """``logits [n_vocab]`` (any device) → the chosen token id."""
         p = self.params
-        lg = logits.detach().float().cpu()
         if p.greedy:
-            return int(torch.argmax(lg))
-        lg = lg / p.temperature
-        if p.top_k and p.top_k < lg.numel():
-            vals, idx = torch.topk(lg, p.top_k)
-        else:
-            vals, idx = torch.sort(lg, descending=True)
-        probs = torch.softmax(vals, dim=-1)
-        if p.top_p < 1.0:
-            cum = torch.cumsum(probs, dim=-1)
-            keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
-            probs = probs[:keep]
-            idx = idx[:keep]
-        choice = torch.multinomial(probs / probs.sum(), 1, generator=self.gen)
+            return int(torch.argmax(logits.detach().float().cpu()))
+        probs, idx = nucleus(logits, p)
+        choice = torch.multinomial(probs, 1, generator=self.gen)
         return int(idx[choice])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, nucleus
 
 __all__ = ["target_probs", "draft", "accept_greedy", "accept_sampled"]
 
@@ -28,17 +28,8 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.greedy:
         out[int(torch.argmax(lg))] = 1.0
         return out
-    lg = lg / p.temperature
-    if p.top_k and p.top_k < lg.numel():
-        vals, idx = torch.topk(lg, p.top_k)
-    else:
-        vals, idx = torch.sort(lg, descending=True)
-    probs = torch.softmax(vals, dim=-1)
-    if p.top_p < 1.0:
-        cum = torch.cumsum(probs, dim=-1)
-        keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
-        probs, idx = probs[:keep], idx[:keep]
-    out[idx] = probs / probs.sum()
+    probs, idx = nucleus(logits, p)
+    out[idx] = probs
     return out
 
 
