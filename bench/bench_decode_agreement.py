@@ -27,16 +27,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-
-def llama_logits(gguf: str, tokens: list[int]) -> np.ndarray:
-    from llama_peer import open_llama
-    m = open_llama(gguf, n_ctx=max(128, len(tokens)), n_threads=2, type_k=0, type_v=0,
-                   logits_all=True)
-    try:
-        m.eval(tokens)
-        return np.array(m.scores[:len(tokens)], dtype=np.float32)
-    finally:
-        m.close()
+from llama_peer import llama_logits  # noqa: E402
 
 
 def ours(store: str, tokens: list[int]) -> np.ndarray:

@@ -35,25 +35,18 @@ import expertfs.runtime  # noqa: F401,I001 - its OpenMP wait policy must be set 
 import numpy as np
 import torch
 
-from expertfs.formats.ggml import GGMLType, type_size
+from expertfs.formats.ggml import GGMLType, block_size
+from expertfs.synth.blocks import make_blocks
 
 DEFAULT_TYPES = ("q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "q2_k", "q3_k", "iq4_xs", "mxfp4",
                  "q5_0", "q5_1", "q4_1", "bf16", "f16")
-_F16_FIELDS = {GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
-               GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.IQ4_XS: (0,)}
 
 
 def weight(t: GGMLType, rows: int, cols: int, seed: int) -> torch.Tensor:
-    from gguf import quants
-    rng = np.random.default_rng(seed)
-    if t in _F16_FIELDS:
-        b = rng.integers(0, 256, (rows, cols // 256, type_size(t)), dtype=np.uint8)
-        for off in _F16_FIELDS[t]:
-            b[..., off:off + 2] = (rng.standard_normal(b.shape[:2]) * 0.01).astype(
-                np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
-        return torch.from_numpy(b.reshape(-1))
-    q = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
-    return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1).copy())
+    """Valid ggml bytes of a ``rows × cols`` matrix (synth's blocks: gguf-py's quantization
+    where it can, random valid blocks with sane scales otherwise)."""
+    n = rows * cols // block_size(t)
+    return torch.from_numpy(make_blocks(t, n, 0.02, np.random.default_rng(seed)).reshape(-1))
 
 
 def timer(threads: int):

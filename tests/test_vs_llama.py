@@ -18,22 +18,12 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from hf_to_gguf import KINDS, convert  # noqa: E402
+from llama_peer import llama_logits  # noqa: E402
 
 from expertfs.runtime.engine import Engine  # noqa: E402
 
 TOKENS = [5, 100, 200, 37, 400, 12, 7, 300, 255, 1, 2, 3, 77, 500, 9, 64]
 pytestmark = pytest.mark.llama
-
-
-def llama_logits(gguf: str, tokens: list[int]) -> np.ndarray:
-    from llama_peer import open_llama
-    m = open_llama(gguf, n_ctx=max(64, len(tokens)), n_threads=2, type_k=0, type_v=0,
-                   logits_all=True)
-    try:
-        m.eval(tokens)
-        return np.array(m.scores[:len(tokens)], dtype=np.float32)
-    finally:
-        m.close()
 
 
 def ours(store: str, tokens: list[int]) -> np.ndarray:

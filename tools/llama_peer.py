@@ -40,3 +40,16 @@ def open_llama(path: str, *, repack: bool = False, **kw: Any) -> Any:
     kw.setdefault("verbose", False)
     with _model_params(repack):
         return Llama(model_path=path, **kw)
+
+
+def llama_logits(path: str, tokens: list[int], *, n_threads: int = 2) -> Any:
+    """llama.cpp's logits of every position of ``tokens`` (float32 ``[positions, vocab]``),
+    F32 K/V cache so only the weights' arithmetic differs from other implementations."""
+    import numpy as np
+    m = open_llama(path, n_ctx=max(128, len(tokens)), n_threads=n_threads, type_k=0, type_v=0,
+                   logits_all=True)
+    try:
+        m.eval(tokens)
+        return np.array(m.scores[:len(tokens)], dtype=np.float32)
+    finally:
+        m.close()
