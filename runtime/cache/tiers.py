@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from expertfs.errors import UsageError
 
 from ..experts.protocol import ExpertWeights, weights_from_buffer
 from ..io import ExpertReader, PinBudget, Priority
@@ -92,8 +93,21 @@ class TierCache(Residency):
         self._layout_ids: dict[tuple, int] = {}
 
     # -- the get path -------------------------------------------------------------------------
-    def acquire(self, layer: int, experts: Sequence[int]) -> list[Entry]:
-        """Make ``experts`` of ``layer`` resident in the compute tier, pinned until release."""
+    @property
+    def defers(self) -> bool:
+        """``acquire(wait=False)`` can return before the misses are read: the forward pass
+        computes from the RAM tier in place (no device tier, no per-get device copies)."""
+        return self.V is None and self.table is not None
+
+    def acquire(self, layer: int, experts: Sequence[int], *, wait: bool = True) -> list[Entry]:
+        """Make ``experts`` of ``layer`` resident in the compute tier, pinned until release.
+
+        ``wait=False`` (only where :attr:`defers`): the misses' reads are issued and the
+        entries returned at once, those still loading in state LOADING; :meth:`finish` waits
+        for them. Everything else (pins, policy, stats) is as with ``wait=True``."""
+        if not wait and not self.defers:
+            raise UsageError("acquire(wait=False) needs a RAM-tier-only cache computed in place",
+                             fix="check TierCache.defers first")
         self.drain()
         keys = list(dict.fromkeys(self.key(layer, e) for e in experts))
         li = keys[0] // self._E if keys else self._index.get(layer, 0)
@@ -113,7 +127,8 @@ class TierCache(Residency):
         for k in keys:
             self._pin(k)
         try:
-            out = self._acquire_device(keys) if self.V is not None else self._acquire_host(keys)
+            out = (self._acquire_device(keys) if self.V is not None
+                   else self._acquire_host(keys, wait))
         except BaseException:
             self._abort(keys)
             raise
@@ -129,7 +144,14 @@ class TierCache(Residency):
             e.source = None
         self._unsoft(e.key)
 
-    def _acquire_host(self, keys: list[int]) -> list[Entry]:
+    def finish(self, entries: Sequence[Entry]) -> None:
+        """Wait for the reads of entries an ``acquire(wait=False)`` returned still loading
+        (stall time counted); raise what a read raised (``release`` still unpins them)."""
+        for e in entries:
+            if e.state is State.LOADING:
+                self._wait(e)
+
+    def _acquire_host(self, keys: list[int], wait: bool = True) -> list[Entry]:
         R, now, entries, soft = self.R, self.now, self.entries, self.soft
         assert R is not None
         out, loading, hits = [], [], 0
@@ -151,6 +173,8 @@ class TierCache(Residency):
             out.append(e)
         if hits:
             self.stats.hits["ram"] = self.stats.hits.get("ram", 0) + hits
+        if not wait:
+            return out
         for e in loading:
             self._wait(e)
         if self.table is None:              # CUDA without a device tier: copies for this get

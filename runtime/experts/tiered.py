@@ -5,6 +5,7 @@ prefetched ahead of need, warmed from what earlier runs used.
 
     p = TieredProvider(store, device="cuda", ram_bytes=16 << 30, vram_bytes=20 << 30)
     w = p.get(layer, ids)          # {id: ExpertWeights} on the device; blocking
+    ready, rest = p.get_begin(layer, ids)   # or: those resident now, rest() waits for the others
     ...                            # compute layer
     p.release(layer)               # its slots may be evicted again
     p.prefetch(layer + 1, ids2)    # gate lookahead; never blocks
@@ -99,13 +100,35 @@ class TieredProvider:
 
     # -- the protocol ---------------------------------------------------------------------------
     def get(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        weights = self.cache.weights
+        return {e.expert: weights(e) for e in self._acquire(layer, experts, True)}
+
+    def get_begin(self, layer: int, experts: Sequence[int]
+                  ) -> tuple[dict[int, ExpertWeights], Callable[[], dict[int, ExpertWeights]]]:
+        """``get`` in two halves, so a layer can compute its resident experts while the others
+        load: the weights of the experts ready now, and a function that waits for the rest and
+        returns theirs. Where the cache cannot defer (a device tier), everything is ready."""
+        if not self.cache.defers:
+            return self.get(layer, experts), dict
+        cache = self.cache
+        entries = self._acquire(layer, experts, False)
+        weights = cache.weights
+        pending = [e for e in entries if e.state is State.LOADING]
+        ready = {e.expert: weights(e) for e in entries if e.state is not State.LOADING}
+
+        def finish() -> dict[int, ExpertWeights]:
+            cache.finish(pending)
+            return {e.expert: weights(e) for e in pending}
+        return ready, finish
+
+    def _acquire(self, layer: int, experts: Sequence[int], wait: bool) -> list:
         cache = self.cache
         cache.drain()
         if self.prefetcher.active(layer):
             ids = [int(e) for e in experts]
             self.prefetcher.on_route(layer, ids, [cache.state_of(cache.key(layer, e)) in _IN_TIME
                                                   for e in ids])
-        entries = cache.acquire(layer, experts)
+        entries = cache.acquire(layer, experts, wait=wait)
         if self.usage is not None:
             self.usage.add(layer, [e.expert for e in entries])
         if self.history is not None and entries:
@@ -115,8 +138,7 @@ class TieredProvider:
             pred = self.history.predict(self._index[nxt], self.history_budget)
             if pred:
                 self.prefetcher.submit("history", nxt, pred)
-        weights = cache.weights
-        return {e.expert: weights(e) for e in entries}
+        return entries
 
     def release(self, layer: int) -> None:
         self.cache.release(layer)

@@ -17,7 +17,9 @@ Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1
 ``(out, in)`` given as its ggml bytes; ``moe(x, w, gate, up, down, ...)`` is one decode step
 through a layer's selected experts in one call (every expert's gate and up rows, SiLU·up, then
 each output row summed over the experts' down rows, weighted), parallel over rows and experts
-on torch's intra-op threads. Both return None when the kernels are unavailable (no compiler,
+on torch's intra-op threads; ``moe_hidden`` and ``moe_down`` are its two phases (gate/up per
+expert, then the weighted down sum in the given order), so a layer can start on its resident
+experts while the others load and still get ``moe``'s bits. All return None when the kernels are unavailable (no compiler,
 ``EXPERTFS_NATIVE=0``, a failed build: logged once) or do not apply (type, device, dtype), so
 callers fall back to their torch paths.
 """
@@ -31,7 +33,8 @@ import torch
 from ...formats.ggml import GGMLType
 from .build import load, status
 
-__all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe",
+__all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe", "moe_hidden",
+           "moe_down",
            "act_quant_mode", "set_threads", "set_spin_us"]
 
 #: Activation-quantization modes: name → kernel mode.
@@ -112,7 +115,7 @@ def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
     (``up`` None or empty: each ``gate`` is a fused gate_up, gate rows first); ``types`` the
     (gate, up, down) ggml types. Returns ``[1, n_embd]`` float32, or None when not applicable.
     """
-    mode = 0 if act_quant is None or act_quant == "off" else act_quant_mode(act_quant)
+    mode = _moe_mode(act_quant)
     D = int(x.shape[-1])
     tg, tu, td = int(types[0]), int(types[1]), int(types[2])
     if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
@@ -123,3 +126,39 @@ def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
     if mod is None:
         return None
     return mod.moe(x, w, list(gate), list(up or ()), list(down), tg, tu, td, int(n_ff), mode)
+
+
+def _moe_mode(act_quant: str | None) -> int:
+    return 0 if act_quant is None or act_quant == "off" else act_quant_mode(act_quant)
+
+
+def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor] | None,
+               types: tuple[GGMLType, GGMLType], n_ff: int,
+               act_quant: str | None = None) -> torch.Tensor | None:
+    """``moe``'s first phase: ``silu(gate_j x) · up_j x`` per expert, ``[n, n_ff]`` float32
+    (each row independent of the others in the call); None when not applicable."""
+    mode = _moe_mode(act_quant)
+    D = int(x.shape[-1])
+    tg, tu = int(types[0]), int(types[1])
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
+            or not gate or not _applies(tg, D, mode) or not _applies(tu, D, mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode)
+
+
+def moe_down(h: torch.Tensor, w: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGMLType,
+             n_embd: int, act_quant: str | None = None) -> torch.Tensor | None:
+    """``moe``'s second phase: ``Σ_j w[j] · down_j h[j]`` with the experts added in the order
+    given, ``[1, n_embd]`` float32; None when not applicable."""
+    mode = _moe_mode(act_quant)
+    td = int(ggml_type)
+    if (not h.is_cpu or h.dtype != torch.float32 or h.dim() != 2 or not down
+            or not _applies(td, int(h.shape[1]), mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.moe_down(h, w, list(down), td, int(n_embd), mode)

@@ -22,7 +22,7 @@ from ..experts.protocol import ExpertProvider
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
 from .lookahead import LookaheadStats
-from .qmatvec import fused_experts
+from .qmatvec import fused_experts, native_down, native_hidden
 from .router import Router, RouterWeights
 
 __all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
@@ -42,6 +42,7 @@ class MoEStats:
     pairs: int = 0               # token × expert products computed
     fetches: int = 0             # experts asked of the provider (once per batch and layer)
     dq_hits: int = 0             # experts served by the dequantized cache
+    overlapped: int = 0          # decode steps that computed resident experts during reads
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -101,6 +102,41 @@ class ExpertRunner:
                     out[e] = w
         return out
 
+    def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
+                    shared: DenseFFN | None) -> tuple[torch.Tensor | None, dict[int, Any] | None,
+                                                      torch.Tensor | None]:
+        """One decode step that computes the resident experts' gate/up rows (and the shared
+        expert) while the missing ones are read, then the rest and the down sum in routing
+        order: bit for bit the one-call product (``qmatvec.native_hidden``/``native_down``).
+        Returns (routed output, the weights, the shared expert's output), each None when not
+        done here: nothing to overlap or the native kernels do not apply, and the caller
+        computes from the weights as usual."""
+        begin = getattr(self.provider, "get_begin", None)
+        if begin is None:
+            return None, None, None
+        ready, finish = begin(layer, experts)
+        self.stats.fetches += len(experts)
+        hit = [e for e in experts if e in ready]
+        if not hit or len(hit) == len(experts):
+            return None, {**ready, **finish()}, None
+        h_hit = native_hidden(x, [ready[e] for e in hit], self.act_quant)
+        sh = shared(x).float() if shared is not None and h_hit is not None else None
+        rest = finish()
+        weights = {**ready, **rest}
+        if h_hit is None:
+            return None, weights, None
+        miss = [e for e in experts if e not in ready]
+        h_miss = native_hidden(x, [rest[e] for e in miss], self.act_quant)
+        if h_miss is None:
+            return None, weights, sh
+        self.stats.overlapped += 1
+        pos = {e: j for j, e in enumerate(experts)}
+        h = torch.empty(len(experts), h_hit.shape[1], dtype=torch.float32)
+        h[[pos[e] for e in hit]] = h_hit
+        h[[pos[e] for e in miss]] = h_miss
+        return (native_down(h, w, [weights[e] for e in experts], x.shape[1], self.act_quant),
+                weights, sh)
+
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""
         nxt = set(ids.flatten().tolist())
@@ -140,9 +176,12 @@ class ExpertRunner:
         self.stats.tokens += T
         self.stats.pairs += T * k
         try:
-            weights = self._weights(layer, experts)
-            if T == 1:
-                out = None
+            out = weights = shared = None
+            if T == 1 and self.fused and not self.dq.enabled:
+                out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared)
+            if weights is None:
+                weights = self._weights(layer, experts)
+            if T == 1 and out is None:
                 if self.fused:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
                                         self.act_quant)
@@ -151,12 +190,12 @@ class ExpertRunner:
                     for j, e in enumerate(experts):
                         out.add_(expert_ffn(x, weights[e], self.fused, self.act_quant)
                                  .float() * wts[0, j])
-            else:
+            elif T > 1:
                 out = self._batched(x, ids, wts, experts, counts_h, weights)
         finally:
             self.provider.release(layer)
         if w.shared is not None:
-            out.add_(w.shared(x).float())
+            out.add_(shared if shared is not None else w.shared(x).float())
         return out.to(x.dtype)
 
     def _batched(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,

@@ -45,7 +45,7 @@ from ..experts.protocol import QWeight as _QWeight
 _R_GATE, _R_UP, _R_GATE_UP, _R_DOWN = Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN
 
 __all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
-           "precompile", "NATIVE_MAX_TOKENS"]
+           "precompile", "NATIVE_MAX_TOKENS", "native_hidden", "native_down"]
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +226,9 @@ def _layer_fn(tg: GGMLType, tu: GGMLType, td: GGMLType, n: int) -> Callable:
     return layer
 
 
-def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
-                    act_quant: str | None) -> torch.Tensor | None:
-    """One native call for the layer, or None when an expert is not plain ggml bytes (one
+def _native_parts(experts: list, D: int) -> tuple | None:
+    """``experts``' ggml bytes for the native kernels: (gate list, up list or None when fused
+    gate_up, down list, (tg, tu, td), n_ff), or None when an expert is not plain ggml bytes (one
     served dequantized by the dequant cache) or has other parts. Parts are matched by identity
     while iterating (Enum hashing costs microseconds here); the experts of a layer come from
     one GGUF tensor per role, so the first expert's types and shapes are the layer's (the
@@ -257,11 +257,42 @@ def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
     if g is None or len(G) != n or len(Dn) != n or len(U) not in (0, n):
         return None
     n_ff = g.shape[0] // 2 if fused else g.shape[0]
-    D = x.shape[1]
     if d.shape != (D, n_ff) or g.shape[1] != D or u.shape[1] != D:
         return None
-    return native.moe(x, w, G, None if fused else U, Dn,
-                      (g.ggml_type, u.ggml_type, d.ggml_type), n_ff, act_quant)
+    return G, (None if fused else U), Dn, (g.ggml_type, u.ggml_type, d.ggml_type), n_ff
+
+
+def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
+                    act_quant: str | None) -> torch.Tensor | None:
+    """One native call for the layer, or None when not applicable."""
+    p = _native_parts(experts, x.shape[1])
+    if p is None:
+        return None
+    G, U, Dn, types, n_ff = p
+    return native.moe(x, w, G, U, Dn, types, n_ff, act_quant)
+
+
+def native_hidden(x: torch.Tensor, experts: list,
+                  act_quant: str | None = None) -> torch.Tensor | None:
+    """The first phase of the native layer call for some of its experts: ``[n, n_ff]`` rows
+    ``silu(gate_j x) · up_j x`` (each row the same whatever else shares the call), or None."""
+    p = None if not experts or x.dim() != 2 or x.shape[0] != 1 else _native_parts(experts,
+                                                                                 x.shape[1])
+    if p is None:
+        return None
+    G, U, _, types, n_ff = p
+    return native.moe_hidden(x, G, U, types[:2], n_ff, act_quant)
+
+
+def native_down(h: torch.Tensor, w: torch.Tensor, experts: list, n_embd: int,
+                act_quant: str | None = None) -> torch.Tensor | None:
+    """The second phase: ``Σ_j w[j] · down_j h[j]`` in the order of ``experts``, ``[1, n_embd]``;
+    with ``native_hidden``'s rows in that order it equals the one-call product bit for bit."""
+    p = _native_parts(experts, n_embd) if experts else None
+    if p is None:
+        return None
+    _, _, Dn, types, _ = p
+    return native.moe_down(h, w, Dn, types[2], n_embd, act_quant)
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,

@@ -220,83 +220,157 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
     return y;
 }
 
+// The two phases of one decode step through n experts, shared by moe, moe_hidden and
+// moe_down so that a layer computed in two calls (resident experts while the others load)
+// gives bit-identical results to one call.
+
+// Phase 1: h[e] = silu(gate_e x) * up_e x, written into h (n * ff floats). Rows are
+// independent, so the result does not depend on which experts share the call.
+void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
+                  const std::vector<const uint8_t*>& G, const std::vector<const uint8_t*>& U,
+                  int64_t rbg, int64_t rbu, int64_t tg, int64_t tu, int64_t mode, float* h) {
+    const RowsFn fg = rows_fn((int)tg, (int)mode), fu = rows_fn((int)tu, (int)mode);
+    TORCH_CHECK(fg && fu, "expertfs kernels: no kernel for these types");
+    pybind11::gil_scoped_release nogil;
+    Prep px, pxu;
+    const int fmt_g = act_format((int)tg, (int)mode), fmt_u = act_format((int)tu, (int)mode);
+    px.make(xp, D, 1, D, fmt_g);
+    const XPrep* xg = px.xs.data();
+    const XPrep* xu = xg;
+    if (fmt_u != fmt_g) {
+        pxu.make(xp, D, 1, D, fmt_u);
+        xu = pxu.xs.data();
+    }
+    std::vector<float> u((size_t)(n * ff));
+    const int64_t rc = rows_per_chunk(n * ff, 2 * D);
+    const int64_t per_e = (ff + rc - 1) / rc;
+    par_chunks(n * per_e, [&](int64_t c) {
+        const int64_t e = c / per_e, r0 = (c % per_e) * rc;
+        const int64_t r1 = r0 + rc < ff ? r0 + rc : ff;
+        float* ge = h + e * ff;
+        float* ue = u.data() + e * ff;
+        fg(G[e], rbg, r0, r1, D, xg, 1, ge, 0, 1.f, 0);
+        fu(U[e], rbu, r0, r1, D, xu, 1, ue, 0, 1.f, 0);
+        if (g_isa >= ISA_AVX2)
+            avx2_silu_mul(ge + r0, ue + r0, r1 - r0);
+        else
+            silu_mul(ge + r0, ue + r0, r1 - r0);
+    });
+}
+
+// Phase 2: y[r] = sum_e w[e] * down_e[r] . h[e], the experts added in order.
+void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
+                const std::vector<const uint8_t*>& Dn, int64_t rbd, int64_t td, int64_t mode,
+                const float* wp, float* yp) {
+    const RowsFn fd = rows_fn((int)td, (int)mode);
+    TORCH_CHECK(fd, "expertfs kernels: no kernel for these types");
+    pybind11::gil_scoped_release nogil;
+    std::vector<Prep> ph((size_t)n);
+    const int fmt_d = act_format((int)td, (int)mode);
+    for (int64_t e = 0; e < n; ++e) ph[e].make(h + e * ff, ff, 1, ff, fmt_d);
+    const int64_t rd = rows_per_chunk(D, n * ff);
+    par_chunks((D + rd - 1) / rd, [&](int64_t c) {
+        const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
+        for (int64_t e = 0; e < n; ++e)
+            fd(Dn[e], rbd, r0, r1, ff, ph[e].xs.data(), 1, yp, 0, wp[e], e > 0);
+    });
+}
+
+struct Experts {          // checked pointers to n experts' gate, up and down bytes
+    int64_t n = 0, D = 0, ff = 0, rbg = 0, rbu = 0, rbd = 0, tu = 0;
+    std::vector<const uint8_t*> G, U, Dn;
+};
+
+Experts check_experts(const std::vector<at::Tensor>& gate, const std::vector<at::Tensor>& up,
+                      const std::vector<at::Tensor>* down, int64_t D, int64_t tg, int64_t tu,
+                      int64_t td, int64_t ff, int64_t mode) {
+    Experts ex;
+    ex.n = (int64_t)gate.size();
+    ex.D = D;
+    ex.ff = ff;
+    TORCH_CHECK(ex.n > 0 && (up.empty() || (int64_t)up.size() == ex.n) &&
+                (down == nullptr || (int64_t)down->size() == ex.n),
+                "expertfs kernels: gate, up and down must list the same experts");
+    const bool fused = up.empty();
+    ex.tu = fused ? tg : tu;
+    const TypeInfo* gi = check_type(tg, D, mode);
+    const TypeInfo* ui = check_type(ex.tu, D, mode);
+    ex.rbg = D / gi->block * gi->bytes;
+    ex.rbu = D / ui->block * ui->bytes;
+    if (down != nullptr) {
+        const TypeInfo* di = check_type(td, ff, mode);
+        ex.rbd = ff / di->block * di->bytes;
+    }
+    ex.G.resize(ex.n);
+    ex.U.resize(ex.n);
+    ex.Dn.resize(ex.n);
+    for (int64_t e = 0; e < ex.n; ++e) {
+        check_raw(gate[e], fused ? 2 * ff : ff, ex.rbg, fused ? "gate_up" : "gate");
+        if (!fused) check_raw(up[e], ff, ex.rbu, "up");
+        ex.G[e] = gate[e].data_ptr<uint8_t>();
+        ex.U[e] = fused ? ex.G[e] + ff * ex.rbg : up[e].data_ptr<uint8_t>();
+        if (down != nullptr) {
+            check_raw((*down)[e], D, ex.rbd, "down");
+            ex.Dn[e] = (*down)[e].data_ptr<uint8_t>();
+        }
+    }
+    return ex;
+}
+
 // One decode step through n experts: sum_j w[j] * down_j(silu(gate_j x) * up_j x).
 // `up` empty: each gate tensor is a fused gate_up (rows [0, ff) gate, [ff, 2 ff) up).
 at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at::Tensor>& gate,
                const std::vector<at::Tensor>& up, const std::vector<at::Tensor>& down,
                int64_t tg, int64_t tu, int64_t td, int64_t ff, int64_t mode) {
-    const int64_t n = (int64_t)gate.size();
-    TORCH_CHECK(n > 0 && (int64_t)down.size() == n && (up.empty() || (int64_t)up.size() == n),
-                "expertfs kernels: gate, up and down must list the same experts");
     TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe takes one token");
     const int64_t D = x_.size(1);
     const at::Tensor x = check_x(x_, D);
-    const bool fused = up.empty();
-    if (fused) tu = tg;
-    const TypeInfo* gi = check_type(tg, D, mode);
-    const TypeInfo* ui = check_type(tu, D, mode);
-    const TypeInfo* di = check_type(td, ff, mode);
-    const int64_t rbg = D / gi->block * gi->bytes, rbu = D / ui->block * ui->bytes;
-    const int64_t rbd = ff / di->block * di->bytes;
-    for (int64_t e = 0; e < n; ++e) {
-        check_raw(gate[e], fused ? 2 * ff : ff, rbg, fused ? "gate_up" : "gate");
-        if (!fused) check_raw(up[e], ff, rbu, "up");
-        check_raw(down[e], D, rbd, "down");
-    }
+    const Experts ex = check_experts(gate, up, &down, D, tg, tu, td, ff, mode);
+    TORCH_CHECK(w_.numel() == ex.n, "expertfs kernels: one weight per expert expected");
+    const at::Tensor w = w_.to(at::kFloat).contiguous();
+    std::vector<float> h((size_t)(ex.n * ff));
+    hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
+                 h.data());
+    at::Tensor y = at::empty({1, D}, x.options());   // the first expert writes, the rest add
+    down_phase(h.data(), ex.n, ff, D, ex.Dn, ex.rbd, td, mode, w.data_ptr<float>(),
+               y.data_ptr<float>());
+    return y;
+}
+
+// Phase 1 alone: [n, ff] float32, h[e] = silu(gate_e x) * up_e x.
+at::Tensor moe_hidden(const at::Tensor& x_, const std::vector<at::Tensor>& gate,
+                      const std::vector<at::Tensor>& up, int64_t tg, int64_t tu, int64_t ff,
+                      int64_t mode) {
+    TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe_hidden takes one token");
+    const int64_t D = x_.size(1);
+    const at::Tensor x = check_x(x_, D);
+    const Experts ex = check_experts(gate, up, nullptr, D, tg, tu, 0, ff, mode);
+    at::Tensor h = at::empty({ex.n, ff}, x.options());
+    hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
+                 h.data_ptr<float>());
+    return h;
+}
+
+// Phase 2 alone: h [n, ff] (moe_hidden's rows, in the order of `down`) -> [1, D].
+at::Tensor moe_down(const at::Tensor& h_, const at::Tensor& w_, const std::vector<at::Tensor>& down,
+                    int64_t td, int64_t D, int64_t mode) {
+    const int64_t n = (int64_t)down.size();
+    TORCH_CHECK(n > 0 && h_.dim() == 2 && h_.size(0) == n, "expertfs kernels: moe_down needs "
+                "one row of h per expert");
+    const int64_t ff = h_.size(1);
+    const at::Tensor h = check_x(h_, ff);
     TORCH_CHECK(w_.numel() == n, "expertfs kernels: one weight per expert expected");
     const at::Tensor w = w_.to(at::kFloat).contiguous();
-    const float* wp = w.data_ptr<float>();
-    const RowsFn fg = rows_fn((int)tg, (int)mode), fu = rows_fn((int)tu, (int)mode);
-    const RowsFn fd = rows_fn((int)td, (int)mode);
-    TORCH_CHECK(fg && fu && fd, "expertfs kernels: no kernel for these types");
-
-    std::vector<const uint8_t*> G(n), U(n), Dn(n);
+    const TypeInfo* di = check_type(td, ff, mode);
+    const int64_t rbd = ff / di->block * di->bytes;
+    std::vector<const uint8_t*> Dn((size_t)n);
     for (int64_t e = 0; e < n; ++e) {
-        G[e] = gate[e].data_ptr<uint8_t>();
-        U[e] = fused ? G[e] + ff * rbg : up[e].data_ptr<uint8_t>();
+        check_raw(down[e], D, rbd, "down");
         Dn[e] = down[e].data_ptr<uint8_t>();
     }
-    at::Tensor y = at::empty({1, D}, x.options());   // the first expert writes, the rest add
-    float* yp = y.data_ptr<float>();
-    const float* xp = x.data_ptr<float>();
-    {
-        pybind11::gil_scoped_release nogil;
-        Prep px, pxu;
-        const int fmt_g = act_format((int)tg, (int)mode), fmt_u = act_format((int)tu, (int)mode);
-        px.make(xp, D, 1, D, fmt_g);
-        const XPrep* xg = px.xs.data();
-        const XPrep* xu = xg;
-        if (fmt_u != fmt_g) {
-            pxu.make(xp, D, 1, D, fmt_u);
-            xu = pxu.xs.data();
-        }
-        // gate and up rows of every expert, then h = silu(g) * u in place
-        std::vector<float> g((size_t)(n * ff)), u((size_t)(n * ff));
-        const int64_t rc = rows_per_chunk(n * ff, 2 * D);
-        const int64_t per_e = (ff + rc - 1) / rc;
-        par_chunks(n * per_e, [&](int64_t c) {
-            const int64_t e = c / per_e, r0 = (c % per_e) * rc;
-            const int64_t r1 = r0 + rc < ff ? r0 + rc : ff;
-            float* ge = g.data() + e * ff;
-            float* ue = u.data() + e * ff;
-            fg(G[e], rbg, r0, r1, D, xg, 1, ge, 0, 1.f, 0);
-            fu(U[e], rbu, r0, r1, D, xu, 1, ue, 0, 1.f, 0);
-            if (g_isa >= ISA_AVX2)
-                avx2_silu_mul(ge + r0, ue + r0, r1 - r0);
-            else
-                silu_mul(ge + r0, ue + r0, r1 - r0);
-        });
-        // the down projections' activations, then every output row summed over the experts
-        std::vector<Prep> ph((size_t)n);
-        const int fmt_d = act_format((int)td, (int)mode);
-        for (int64_t e = 0; e < n; ++e) ph[e].make(g.data() + e * ff, ff, 1, ff, fmt_d);
-        const int64_t rd = rows_per_chunk(D, n * ff);
-        par_chunks((D + rd - 1) / rd, [&](int64_t c) {
-            const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
-            for (int64_t e = 0; e < n; ++e)
-                fd(Dn[e], rbd, r0, r1, ff, ph[e].xs.data(), 1, yp, 0, wp[e], e > 0);
-        });
-    }
+    at::Tensor y = at::empty({1, D}, h.options());
+    down_phase(h.data_ptr<float>(), n, ff, D, Dn, rbd, td, mode, w.data_ptr<float>(),
+               y.data_ptr<float>());
     return y;
 }
 
@@ -413,6 +487,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("gate"), pybind11::arg("up"),
           pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"),
           pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"));
+    m.def("moe_hidden", &efs::moe_hidden, "phase 1 of moe: silu(gate x) * up x per expert",
+          pybind11::arg("x"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("tg"),
+          pybind11::arg("tu"), pybind11::arg("ff"), pybind11::arg("mode"));
+    m.def("moe_down", &efs::moe_down, "phase 2 of moe: the weighted down projections, summed",
+          pybind11::arg("h"), pybind11::arg("w"), pybind11::arg("down"), pybind11::arg("td"),
+          pybind11::arg("D"), pybind11::arg("mode"));
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
