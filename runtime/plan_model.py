@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError, UnsupportedModelError, UsageError
-from .plan import Geometry, Matrix
+from .plan_geometry import Geometry, Matrix
 
 __all__ = ["TensorDesc", "geometry_from_parts", "geometry_from_store", "geometry_from_gguf",
            "geometry_from_synth", "geometry_from_like", "load_geometry"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .plan import Matrix, Range
-from .plan_predict import DeviceRates, LinearCost, stated_cpu, storage_from_profile
+from .plan_rates import DeviceRates, LinearCost, stated_cpu, storage_from_profile
 
 __all__ = ["probe_storage", "probe_cpu", "probe_cuda", "linear_types", "host_memory",
            "cuda_memory"]
@@ -361,7 +361,7 @@ def probe_cuda(mats: Sequence[Matrix], *, budget_s: float = 3.0
     op = Range(_typical(t) / 200, min(t) / 200, f"measured now: torch.add launches on {name}")
     s = _times(lambda: a.sum().item(), 21, budget_s * 0.1)
     sync_r = Range(_typical(s), min(s), f"measured now: a device->host .item() on {name}")
-    from .plan_predict import stated_gpu
+    from .plan_rates import stated_gpu
     base = stated_gpu([m.ggml_type for m in mats], mem)
     linear = dict(base.linear)
     detail: dict[str, Any] = {"device": name, "linear": []}

@@ -16,7 +16,7 @@ import dataclasses
 import os
 
 from ..errors import UsageError
-from .plan import Geometry
+from .plan_geometry import Geometry
 from .plan_predict import Routing
 from .policies import CapacityError, usage_rates
 from .policies_registry import DEFAULT_POLICY, make_factory

@@ -16,7 +16,8 @@ from typing import Any
 
 import aiofiles
 
-from .trace import END, END_TAG, ZSTD_LEVEL, ChunkBuffer, TraceChunk, TraceError, TraceHeader, encode_chunk
+from .trace_format import (END, END_TAG, ZSTD_LEVEL, ChunkBuffer, TraceChunk, TraceError,
+                           TraceHeader, encode_chunk)
 
 __all__ = ["AsyncTraceWriter"]
 
