@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lowram import block_device_of, readahead, run_capped  # noqa: E402
 
 from expertfs.runtime.memory import default_ram_tier  # noqa: E402
+from expertfs.runtime.plan_geometry import kv_cache_bytes  # noqa: E402
+from expertfs.runtime.plan_model import geometry_from_store  # noqa: E402
 from expertfs.units import fmt_bytes  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -44,7 +46,7 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
     with readahead(dev, ra) as kb:
         r = run_capped([sys.executable, os.path.join(os.path.dirname(__file__), "llama_decode.py"),
                         model, "--prompt", PROMPT, "-n", str(a.n), "-t", str(a.threads),
-                        "--temp", str(a.temp), "--seed", str(a.seed)],
+                        "--temp", str(a.temp), "--seed", str(a.seed), "--ctx", str(a.ctx)],
                        cap, dev, timeout=a.timeout)
     if r.returncode != 0:
         return {"peer": "llama.cpp", "failed": r.returncode, "stderr": r.stderr[-400:],
@@ -58,8 +60,8 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
 def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace,
                  trace: str | None = None, warm: bool = False) -> dict:
     argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
-            "-t", str(a.threads), "--ram", str(ram), "--ignore-eos", "--temp", str(a.temp),
-            "--seed", str(a.seed), "--json"] + ([] if warm else ["--no-warm-start"])
+            "-t", str(a.threads), "--ram", str(ram), "--ctx", str(a.ctx), "--ignore-eos",
+            "--temp", str(a.temp), "--seed", str(a.seed), "--json"] + ([] if warm else ["--no-warm-start"])
     argv += (["--trace", trace] if trace else []) + a.expertfs_args.split()
     r = run_capped(argv, cap, dev, timeout=a.timeout)
     if r.returncode != 0:
@@ -107,6 +109,7 @@ def main() -> int:
                          "weights repeats one token, the same experts every step, which "
                          "flatters every cache)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=512, help="context limit for both peers (512)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--resident", action="store_true", help="also compare with no cap, warm")
     ap.add_argument("--expertfs-args", default="", help="extra flags for expertfs run")
@@ -125,7 +128,8 @@ def main() -> int:
     dev = block_device_of(a.model)
     info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
                                      capture_output=True, text=True, check=True).stdout)
-    ram = default_ram_tier(info["trunk_file_bytes"], limit=cap)     # what expertfs run picks
+    kv = kv_cache_bytes(geometry_from_store(store), a.ctx, "f32")   # CPU: host memory
+    ram = default_ram_tier(info["trunk_file_bytes"], limit=cap, kv_bytes=kv)  # what run picks
     res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
                  "expert_bytes_per_token": info.get("expert_bytes_per_token")}
     res["llama_default"] = llama(a.model, cap, dev, None, a)

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 

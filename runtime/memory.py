@@ -12,13 +12,17 @@ import logging
 import os
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "default_ram_tier",
-           "RUNTIME_OVERHEAD", "check_budget"]
+           "RUNTIME_OVERHEAD", "KV_GROWTH_PEAK", "kv_reserve", "check_budget"]
 
 log = logging.getLogger(__name__)
 
-#: Python, torch, the KV cache at a few thousand tokens, staging buffers: measured 300-450 MB
-#: on the CPU runtime; 512 MiB leaves a margin.
-RUNTIME_OVERHEAD = 512 << 20
+#: Python, torch, the native kernels, staging buffers and allocator slack beside the RAM tier,
+#: the trunk and the KV cache: measured ~260 MB on the CPU runtime (a 6 GB qwen3moe store,
+#: 2.10 GB peak RSS with a 1.05 GB RAM tier and a 0.77 GB trunk); 384 MiB leaves a margin.
+RUNTIME_OVERHEAD = 384 << 20
+#: The KV cache grows by doubling up to the context limit; while it grows the old and the new
+#: buffers coexist, so its peak is 1.5x its size at the limit.
+KV_GROWTH_PEAK = 1.5
 _UNLIMITED = 1 << 60
 
 
@@ -70,23 +74,33 @@ def memory_limit() -> int:
     return min(phys, cg) if cg else phys
 
 
-def default_ram_tier(trunk_bytes: int, limit: int | None = None, cap: int = 4 << 30) -> int:
-    """A RAM tier that leaves room for the trunk, the runtime and the OS: at most ``cap``, at
-    most a quarter of physical RAM, and at most what the memory limit leaves after the trunk
-    and the runtime (never below 64 MiB: the caller says when that is too small)."""
+def kv_reserve(kv_bytes: int) -> int:
+    """Host memory to keep for a KV cache of ``kv_bytes`` at the context limit (its growth peak)."""
+    return int(kv_bytes * KV_GROWTH_PEAK)
+
+
+def default_ram_tier(trunk_bytes: int, limit: int | None = None, cap: int = 4 << 30,
+                     kv_bytes: int = 0) -> int:
+    """A RAM tier that leaves room for the trunk, the KV cache at the context limit
+    (``kv_bytes``, when it lives in host memory), the runtime and the OS: at most ``cap``, at
+    most a quarter of physical RAM, and at most what the memory limit leaves after them (never
+    below 64 MiB: the caller says when that is too small)."""
     limit = memory_limit() if limit is None else limit
-    room = limit - trunk_bytes - RUNTIME_OVERHEAD
+    room = limit - trunk_bytes - RUNTIME_OVERHEAD - kv_reserve(kv_bytes)
     return max(64 << 20, min(cap, physical_memory() // 4, room))
 
 
-def check_budget(ram_bytes: int, trunk_bytes: int, limit: int | None = None) -> str | None:
-    """A warning when the RAM tier, the trunk and the runtime exceed the memory limit."""
+def check_budget(ram_bytes: int, trunk_bytes: int, limit: int | None = None,
+                 kv_bytes: int = 0) -> str | None:
+    """A warning when the RAM tier, the trunk, the KV cache and the runtime exceed the memory
+    limit."""
     limit = memory_limit() if limit is None else limit
-    need = ram_bytes + trunk_bytes + RUNTIME_OVERHEAD
-    if need <= limit:
+    rest = trunk_bytes + RUNTIME_OVERHEAD + kv_reserve(kv_bytes)
+    if ram_bytes + rest <= limit:
         return None
-    fit = max(0, limit - trunk_bytes - RUNTIME_OVERHEAD)
-    return (f"RAM tier {ram_bytes >> 20} MiB + trunk {trunk_bytes >> 20} MiB + runtime "
+    fit = max(0, limit - rest)
+    kv = f" + KV cache {kv_reserve(kv_bytes) >> 20} MiB" if kv_bytes else ""
+    return (f"RAM tier {ram_bytes >> 20} MiB + trunk {trunk_bytes >> 20} MiB{kv} + runtime "
             f"{RUNTIME_OVERHEAD >> 20} MiB exceed this process's memory limit of {limit >> 20} MiB: "
-            f"the trunk would be evicted and re-read from disk every token; use --ram "
-            f"{fit >> 20}M or less")
+            f"the trunk would be evicted and re-read from disk every token (or the process "
+            f"killed); use --ram {fit >> 20}M or less, or a smaller --ctx")

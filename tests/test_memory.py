@@ -17,7 +17,20 @@ def test_default_tier_leaves_room_for_trunk_and_runtime(monkeypatch):
 def test_budget_warning_names_a_fitting_size():
     assert memory.check_budget(1 << 30, 1 << 30, limit=4 << 30) is None
     w = memory.check_budget(2 << 30, 1 << 30, limit=2 << 30)
-    assert w and "--ram 512M" in w
+    assert w and f"--ram {((1 << 30) - memory.RUNTIME_OVERHEAD) >> 20}M" in w
+
+
+def test_the_kv_cache_at_the_context_limit_is_left_room(monkeypatch):
+    """A long context's KV cache lives in host memory on CPU: the default tier leaves it room
+    (at its growth peak, old and new buffers at once), and the warning counts it."""
+    monkeypatch.setattr(memory, "physical_memory", lambda: 32 << 30)
+    kv = 400 << 20
+    plain = memory.default_ram_tier(1 << 30, limit=3 << 30)
+    with_kv = memory.default_ram_tier(1 << 30, limit=3 << 30, kv_bytes=kv)
+    assert plain - with_kv == memory.kv_reserve(kv) == int(1.5 * kv)
+    assert memory.check_budget(with_kv, 1 << 30, limit=3 << 30, kv_bytes=kv) is None
+    w = memory.check_budget(plain, 1 << 30, limit=3 << 30, kv_bytes=kv)
+    assert w and "KV cache 600 MiB" in w and "--ctx" in w
 
 
 def test_limit_is_never_above_physical():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer

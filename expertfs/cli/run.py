@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from typing import Any
@@ -108,18 +107,30 @@ def _device(name: str) -> str:
     return name
 
 
-def _ram_tier(args: argparse.Namespace) -> int:
-    """``--ram``, or a default that fits beside the trunk in this process's memory limit (a
-    cgroup cap counts); a budget that would push the trunk out of memory is warned about."""
+def _ram_tier(args: argparse.Namespace, device: str) -> int:
+    """``--ram``, or a default that fits beside the trunk and the KV cache at ``--ctx`` (on the
+    CPU it is host memory) in this process's memory limit (a cgroup cap counts); a budget that
+    would push the trunk out of memory is warned about."""
     from ..runtime.memory import check_budget, default_ram_tier
     from ..store import Store
     with Store.open(args.store) as s:
         trunk = int(s.summary.get("trunk_file_bytes", 0))
-    ram = args.ram if args.ram is not None else default_ram_tier(trunk)
-    warning = check_budget(ram, trunk)
+    kv = _host_kv_bytes(args, device)
+    ram = args.ram if args.ram is not None else default_ram_tier(trunk, kv_bytes=kv)
+    warning = check_budget(ram, trunk, kv_bytes=kv)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
     return ram
+
+
+def _host_kv_bytes(args: argparse.Namespace, device: str) -> int:
+    """Bytes of the KV cache at ``--ctx`` when it lives in host memory (CPU runs), else 0."""
+    if device != "cpu":
+        return 0
+    from ..runtime.plan_geometry import kv_cache_bytes
+    from ..runtime.plan_model import geometry_from_store
+    kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
+    return kv_cache_bytes(geometry_from_store(args.store), args.ctx, kv_type)
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -162,7 +173,7 @@ def _open(args: argparse.Namespace):
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
                          mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                          draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
-    ram = _ram_tier(args)
+    ram = _ram_tier(args, opts.device)
     extra = {"warm_start": False} if args.no_warm_start and args.provider != "direct" else None
     return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
                        options=opts, provider_options=extra)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx)
-    ram = _ram_tier(args)
+    ram = _ram_tier(args, opts.device)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     try:
         tok = GGUFTokenizer(eng.kv, args.store)
