@@ -130,10 +130,148 @@ EFS_Z void rows_ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, 
     }
 }
 
+// Exact Q4_0 by the same table lookup: a block's 16 bytes widened to 16 dwords, looked up
+// directly (low nibbles: weights 0..15) and shifted by 4 (high nibbles: 16..31) in the table
+// {-8.0, ..., 7.0}, so each 32-weight block costs two lookups and two FMAs against natural-order
+// activations; two blocks in flight per row.
+EFS_ZI float f16_z(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+template <int NT>
+EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    const int64_t nb = cols / 32;
+    const float* xn[NT];
+    for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
+    const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t ahead = rb >= 2048 ? 1 : (2048 + rb - 1) / rb;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        for (int64_t o = 0; o < rb; o += 64)
+            _mm_prefetch((const char*)(b + ahead * rb) + o, _MM_HINT_T0);
+        __m512 acc0[NT], acc1[NT];
+        for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2, b += 36) {
+            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)));
+            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 20)));
+            const __m512 l0 = _mm512_permutexvar_ps(v0, tbl);
+            const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), tbl);
+            const __m512 l1 = _mm512_permutexvar_ps(v1, tbl);
+            const __m512 h1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), tbl);
+            const __m512 d0 = _mm512_set1_ps(f16_z(b)), d1 = _mm512_set1_ps(f16_z(b + 18));
+            for (int t = 0; t < NT; ++t) {
+                const float* x = xn[t] + 32 * i;
+                const __m512 a0 = _mm512_fmadd_ps(h0, _mm512_loadu_ps(x + 16),
+                                                  _mm512_mul_ps(l0, _mm512_loadu_ps(x)));
+                const __m512 a1 = _mm512_fmadd_ps(h1, _mm512_loadu_ps(x + 48),
+                                                  _mm512_mul_ps(l1, _mm512_loadu_ps(x + 32)));
+                acc0[t] = _mm512_fmadd_ps(a0, d0, acc0[t]);
+                acc1[t] = _mm512_fmadd_ps(a1, d1, acc1[t]);
+            }
+        }
+        if (i < nb) {
+            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)));
+            const __m512 l0 = _mm512_permutexvar_ps(v0, tbl);
+            const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), tbl);
+            const __m512 d0 = _mm512_set1_ps(f16_z(b));
+            for (int t = 0; t < NT; ++t) {
+                const float* x = xn[t] + 32 * i;
+                const __m512 a0 = _mm512_fmadd_ps(h0, _mm512_loadu_ps(x + 16),
+                                                  _mm512_mul_ps(l0, _mm512_loadu_ps(x)));
+                acc0[t] = _mm512_fmadd_ps(a0, d0, acc0[t]);
+            }
+        }
+        for (int t = 0; t < NT; ++t) {
+            const __m512 a = _mm512_add_ps(acc0[t], acc1[t]);
+            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(
+                _mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+            const float v = hsum256(s);
+            float* o = y + (int64_t)t * ys + r;
+            *o = accumulate ? *o + alpha * v : alpha * v;
+        }
+    }
+}
+
+EFS_Z void rows_ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                          const XPrep* xs, int nt, float* y, int64_t ys, float alpha,
+                          int accumulate) {
+    for (int t0 = 0; t0 < nt; t0 += 4) {
+        float* yt = y + (int64_t)t0 * ys;
+        switch (nt - t0 < 4 ? nt - t0 : 4) {
+            case 1: ex_q4_0_z<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+            case 2: ex_q4_0_z<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+            case 3: ex_q4_0_z<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+            default: ex_q4_0_z<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+        }
+    }
+}
+
+// Exact Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted, two FMAs per
+// block against natural-order activations; two blocks in flight per row.
+template <int NT>
+EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    const int64_t nb = cols / 32;
+    const float* xn[NT];
+    for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
+    const int64_t ahead = rb >= 2048 ? 1 : (2048 + rb - 1) / rb;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        for (int64_t o = 0; o < rb; o += 64)
+            _mm_prefetch((const char*)(b + ahead * rb) + o, _MM_HINT_T0);
+        __m512 acc0[NT], acc1[NT];
+        for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 34) {
+            const __m512 l = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
+            const __m512 h = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
+            const __m512 d = _mm512_set1_ps(f16_z(b));
+            for (int t = 0; t < NT; ++t) {
+                const float* x = xn[t] + 32 * i;
+                const __m512 a = _mm512_fmadd_ps(h, _mm512_loadu_ps(x + 16),
+                                                 _mm512_mul_ps(l, _mm512_loadu_ps(x)));
+                if (i & 1)
+                    acc1[t] = _mm512_fmadd_ps(a, d, acc1[t]);
+                else
+                    acc0[t] = _mm512_fmadd_ps(a, d, acc0[t]);
+            }
+        }
+        for (int t = 0; t < NT; ++t) {
+            const __m512 a = _mm512_add_ps(acc0[t], acc1[t]);
+            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(
+                _mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+            const float v = hsum256(s);
+            float* o = y + (int64_t)t * ys + r;
+            *o = accumulate ? *o + alpha * v : alpha * v;
+        }
+    }
+}
+
+EFS_Z void rows_ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                          const XPrep* xs, int nt, float* y, int64_t ys, float alpha,
+                          int accumulate) {
+    for (int t0 = 0; t0 < nt; t0 += 4) {
+        float* yt = y + (int64_t)t0 * ys;
+        switch (nt - t0 < 4 ? nt - t0 : 4) {
+            case 1: ex_q8_0_z<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+            case 2: ex_q8_0_z<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+            case 3: ex_q8_0_z<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+            default: ex_q8_0_z<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
+        }
+    }
+}
+
 }  // namespace
 
 RowsFn avx512_rows(int type, int mode) {
     if (mode == 0 && type == T_Q4_K) return rows_ex_q4_k_z;
+    if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;
+    if (mode == 0 && type == T_Q8_0) return rows_ex_q8_0_z;
     return nullptr;
 }
 
