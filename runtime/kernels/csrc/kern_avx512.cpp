@@ -41,6 +41,22 @@ EFS_ZI float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// Software prefetch about 2 KiB ahead: the row ``ahead`` rows on, one line at a time.
+EFS_ZI int64_t pf_ahead_z(int64_t rb) { return rb >= 2048 ? 1 : (2048 + rb - 1) / rb; }
+
+EFS_ZI void pf_row_z(const uint8_t* row, int64_t rb) {
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)row + o, _MM_HINT_T0);
+}
+
+EFS_ZI float hsum512(__m512 a) {
+    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(
+        _mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+}
+
+EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
+    *o = accumulate ? *o + alpha * v : alpha * v;
+}
+
 EFS_ZI __m512 halves(const float* lo, const float* hi) {   // [*lo x 8 | *hi x 8]
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(*lo)),
                                                _mm256_castps_pd(_mm256_broadcast_ss(hi)), 1));
@@ -57,12 +73,11 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xz[t] = xs[t].xz; s32[t] = xs[t].s32; }
     const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int64_t ahead = rb >= 2048 ? 1 : (2048 + rb - 1) / rb;
+    const int64_t ahead = pf_ahead_z(rb);
     alignas(32) float scs[8];
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        for (int64_t o = 0; o < rb; o += 64)
-            _mm_prefetch((const char*)(b + ahead * rb) + o, _MM_HINT_T0);
+        pf_row_z(b + ahead * rb, rb);
         __m512 acc[NT];
         __m256 am[NT];
         for (int t = 0; t < NT; ++t) { acc[t] = _mm512_setzero_ps(); am[t] = _mm256_setzero_ps(); }
@@ -106,29 +121,11 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                 }
             }
         }
-        for (int t = 0; t < NT; ++t) {
-            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm256_castpd_ps(
-                _mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1)));
-            const float v = hsum256(s) - hsum256(am[t]);
-            float* o = y + (int64_t)t * ys + r;
-            *o = accumulate ? *o + alpha * v : alpha * v;
-        }
+        for (int t = 0; t < NT; ++t)
+            put_z(y + (int64_t)t * ys + r, hsum512(acc[t]) - hsum256(am[t]), alpha, accumulate);
     }
 }
 
-EFS_Z void rows_ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                          const XPrep* xs, int nt, float* y, int64_t ys, float alpha,
-                          int accumulate) {
-    for (int t0 = 0; t0 < nt; t0 += 4) {
-        float* yt = y + (int64_t)t0 * ys;
-        switch (nt - t0 < 4 ? nt - t0 : 4) {
-            case 1: ex_q4_k_z<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            case 2: ex_q4_k_z<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            case 3: ex_q4_k_z<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            default: ex_q4_k_z<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-        }
-    }
-}
 
 // Exact Q4_0 by the same table lookup: a block's 16 bytes widened to 16 dwords, looked up
 // directly (low nibbles: weights 0..15) and shifted by 4 (high nibbles: 16..31) in the table
@@ -147,11 +144,10 @@ EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* xn[NT];
     for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
     const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const int64_t ahead = rb >= 2048 ? 1 : (2048 + rb - 1) / rb;
+    const int64_t ahead = pf_ahead_z(rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        for (int64_t o = 0; o < rb; o += 64)
-            _mm_prefetch((const char*)(b + ahead * rb) + o, _MM_HINT_T0);
+        pf_row_z(b + ahead * rb, rb);
         __m512 acc0[NT], acc1[NT];
         for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
         int64_t i = 0;
@@ -185,30 +181,12 @@ EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                 acc0[t] = _mm512_fmadd_ps(a0, d0, acc0[t]);
             }
         }
-        for (int t = 0; t < NT; ++t) {
-            const __m512 a = _mm512_add_ps(acc0[t], acc1[t]);
-            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(
-                _mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-            const float v = hsum256(s);
-            float* o = y + (int64_t)t * ys + r;
-            *o = accumulate ? *o + alpha * v : alpha * v;
-        }
+        for (int t = 0; t < NT; ++t)
+            put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(acc0[t], acc1[t])), alpha,
+                  accumulate);
     }
 }
 
-EFS_Z void rows_ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                          const XPrep* xs, int nt, float* y, int64_t ys, float alpha,
-                          int accumulate) {
-    for (int t0 = 0; t0 < nt; t0 += 4) {
-        float* yt = y + (int64_t)t0 * ys;
-        switch (nt - t0 < 4 ? nt - t0 : 4) {
-            case 1: ex_q4_0_z<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            case 2: ex_q4_0_z<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            case 3: ex_q4_0_z<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            default: ex_q4_0_z<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-        }
-    }
-}
 
 // Exact Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted, two FMAs per
 // block against natural-order activations; two blocks in flight per row.
@@ -218,11 +196,10 @@ EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const int64_t nb = cols / 32;
     const float* xn[NT];
     for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
-    const int64_t ahead = rb >= 2048 ? 1 : (2048 + rb - 1) / rb;
+    const int64_t ahead = pf_ahead_z(rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        for (int64_t o = 0; o < rb; o += 64)
-            _mm_prefetch((const char*)(b + ahead * rb) + o, _MM_HINT_T0);
+        pf_row_z(b + ahead * rb, rb);
         __m512 acc0[NT], acc1[NT];
         for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 34) {
@@ -241,30 +218,29 @@ EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                     acc0[t] = _mm512_fmadd_ps(a, d, acc0[t]);
             }
         }
-        for (int t = 0; t < NT; ++t) {
-            const __m512 a = _mm512_add_ps(acc0[t], acc1[t]);
-            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(
-                _mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-            const float v = hsum256(s);
-            float* o = y + (int64_t)t * ys + r;
-            *o = accumulate ? *o + alpha * v : alpha * v;
-        }
+        for (int t = 0; t < NT; ++t)
+            put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(acc0[t], acc1[t])), alpha,
+                  accumulate);
     }
 }
 
-EFS_Z void rows_ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                          const XPrep* xs, int nt, float* y, int64_t ys, float alpha,
-                          int accumulate) {
-    for (int t0 = 0; t0 < nt; t0 += 4) {
-        float* yt = y + (int64_t)t0 * ys;
-        switch (nt - t0 < 4 ? nt - t0 : 4) {
-            case 1: ex_q8_0_z<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            case 2: ex_q8_0_z<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            case 3: ex_q8_0_z<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-            default: ex_q8_0_z<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break;
-        }
+
+#define EFS_Z_ROWS(name)                                                                       \
+    EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
+                           const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
+                           int accumulate) {                                                    \
+        for (int t0 = 0; t0 < nt; t0 += 4) {                                                    \
+            float* yt = y + (int64_t)t0 * ys;                                                   \
+            switch (nt - t0 < 4 ? nt - t0 : 4) {                                                \
+                case 1: name<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
+                case 2: name<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
+                case 3: name<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
+                default: name<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
+            }                                                                                   \
+        }                                                                                       \
     }
-}
+
+EFS_Z_ROWS(ex_q4_k_z) EFS_Z_ROWS(ex_q4_0_z) EFS_Z_ROWS(ex_q8_0_z)
 
 }  // namespace
 
