@@ -29,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lowram import block_device_of, readahead, run_capped  # noqa: E402
 
-from expertfs.runtime.memory import default_ram_tier  # noqa: E402
+from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
 from expertfs.runtime.plan_geometry import kv_cache_bytes  # noqa: E402
 from expertfs.runtime.plan_model import geometry_from_store  # noqa: E402
+from expertfs.store import Store  # noqa: E402
 from expertfs.units import fmt_bytes  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -129,7 +130,9 @@ def main() -> int:
     info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
                                      capture_output=True, text=True, check=True).stdout)
     kv = kv_cache_bytes(geometry_from_store(store), a.ctx, "f32")   # CPU: host memory
-    ram = default_ram_tier(info["trunk_file_bytes"], limit=cap, kv_bytes=kv)  # what run picks
+    with Store.open(store) as st:
+        trunk = resident_trunk_bytes(st)
+    ram = default_ram_tier(trunk, limit=cap, kv_bytes=kv)           # what expertfs run picks
     res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
                  "expert_bytes_per_token": info.get("expert_bytes_per_token")}
     res["llama_default"] = llama(a.model, cap, dev, None, a)

@@ -12,7 +12,8 @@ import logging
 import os
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "default_ram_tier",
-           "RUNTIME_OVERHEAD", "KV_GROWTH_PEAK", "kv_reserve", "check_budget"]
+           "RUNTIME_OVERHEAD", "KV_GROWTH_PEAK", "kv_reserve", "check_budget",
+           "resident_trunk_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +105,16 @@ def check_budget(ram_bytes: int, trunk_bytes: int, limit: int | None = None,
             f"{RUNTIME_OVERHEAD >> 20} MiB exceed this process's memory limit of {limit >> 20} MiB: "
             f"the trunk would be evicted and re-read from disk every token (or the process "
             f"killed); use --ram {fit >> 20}M or less, or a smaller --ctx")
+
+
+def resident_trunk_bytes(store) -> int:
+    """Trunk bytes the forward pass keeps touching on the CPU: all of ``trunk.bin`` except the
+    token embedding when the output head has its own matrix. The trunk is mapped from the file
+    and the embedding is read a row per token, so its pages are not resident (150k-token
+    vocabularies make that 0.6-1.2 GB); a tied embedding is the output head, read every token."""
+    records = store.trunk_tensors()
+    total = int(store.summary.get("trunk_file_bytes", 0))
+    emb = records.get("token_embd.weight")
+    if emb is not None and "output.weight" in records:
+        total -= int(emb.nbytes)
+    return max(0, total)

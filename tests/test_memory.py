@@ -43,3 +43,19 @@ def test_slots_never_exceed_the_experts_there_are():
     assert s.host == s.ram == 8
     s = plan_slots(geo, 1 << 30, 1 << 30, queue_depth=8)
     assert s.vram == 8 and s.ram == 0
+
+
+def test_resident_trunk_leaves_out_an_untied_embedding():
+    """The embedding is read a row per token from the mapped trunk: not resident, unless it is
+    also the output head (tied), which every token reads whole."""
+    from types import SimpleNamespace
+
+    def store(names):
+        recs = {n: SimpleNamespace(nbytes=b) for n, b in names.items()}
+        return SimpleNamespace(trunk_tensors=lambda: recs,
+                               summary={"trunk_file_bytes": sum(names.values()) + 4096})
+
+    untied = store({"token_embd.weight": 600, "output.weight": 600, "blk.0.attn_q.weight": 100})
+    tied = store({"token_embd.weight": 600, "blk.0.attn_q.weight": 100})
+    assert memory.resident_trunk_bytes(untied) == 1300 + 4096 - 600
+    assert memory.resident_trunk_bytes(tied) == 700 + 4096

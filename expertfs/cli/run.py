@@ -111,10 +111,10 @@ def _ram_tier(args: argparse.Namespace, device: str) -> int:
     """``--ram``, or a default that fits beside the trunk and the KV cache at ``--ctx`` (on the
     CPU it is host memory) in this process's memory limit (a cgroup cap counts); a budget that
     would push the trunk out of memory is warned about."""
-    from ..runtime.memory import check_budget, default_ram_tier
+    from ..runtime.memory import check_budget, default_ram_tier, resident_trunk_bytes
     from ..store import Store
     with Store.open(args.store) as s:
-        trunk = int(s.summary.get("trunk_file_bytes", 0))
+        trunk = resident_trunk_bytes(s)
     kv = _host_kv_bytes(args, device)
     ram = args.ram if args.ram is not None else default_ram_tier(trunk, kv_bytes=kv)
     warning = check_budget(ram, trunk, kv_bytes=kv)
