@@ -70,11 +70,26 @@ def test_cli_flag_reaches_the_runner(store, capsys, monkeypatch):
     assert isinstance(json.loads(capsys.readouterr().out), dict)
 
 
+@pytest.fixture(scope="module")
+def glm_store(tmp_path_factory):
+    """glm4moe: a shared expert (computed while the misses load) and a leading dense layer."""
+    from expertfs.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    d = tmp_path_factory.mktemp("kern_glm")
+    g, s = d / "m.gguf", d / "m.efs"
+    synthesize(SynthConfig.tiny("glm4moe").replace(quant="q4_k_m", n_layer=3), str(g))
+    repack([str(g)], str(s))
+    return str(s)
+
+
 @pytest.mark.parametrize("act_quant", ["off", "q8"])
-def test_decode_overlapping_reads_equals_one_call_bit_for_bit(store, act_quant):
+@pytest.mark.parametrize("which", ["store", "glm_store"])
+def test_decode_overlapping_reads_equals_one_call_bit_for_bit(request, which, act_quant):
     """A RAM tier of a few experts: most decode steps find some experts resident and others
-    missing, compute the resident ones' gate/up rows while the rest are read, then finish in
-    routing order. The logits equal the all-resident direct provider's exactly."""
+    missing, compute the resident ones' gate/up rows (and the shared expert) while the rest are
+    read, then finish in routing order. The logits equal the all-resident direct provider's
+    exactly."""
+    store = request.getfixturevalue(which)
     steps = [5, 17, 300, 42, 7, 99, 512, 3, 64, 1000, 12, 250]
     with Engine.open(store, provider="direct", act_quant=act_quant) as e:
         want = torch.stack([e.prefill(steps[:1])] + [e.decode(t) for t in steps[1:]])
