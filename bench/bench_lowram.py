@@ -31,7 +31,7 @@ from lowram import block_device_of, readahead, run_capped  # noqa: E402
 
 from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
 from expertfs.runtime.plan_geometry import kv_cache_bytes  # noqa: E402
-from expertfs.runtime.plan_model import geometry_from_store  # noqa: E402
+from expertfs.runtime.plan_model import geometry_of_store  # noqa: E402
 from expertfs.store import Store  # noqa: E402
 from expertfs.units import fmt_bytes  # noqa: E402
 
@@ -129,9 +129,9 @@ def main() -> int:
     dev = block_device_of(a.model)
     info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
                                      capture_output=True, text=True, check=True).stdout)
-    kv = kv_cache_bytes(geometry_from_store(store), a.ctx, "f32")   # CPU: host memory
-    with Store.open(store) as st:
+    with Store.open(store) as st:                                   # as expertfs run sizes it
         trunk = resident_trunk_bytes(st)
+        kv = kv_cache_bytes(geometry_of_store(st), a.ctx, "f32")    # CPU: host memory
     ram = default_ram_tier(trunk, limit=cap, kv_bytes=kv)           # what expertfs run picks
     res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
                  "expert_bytes_per_token": info.get("expert_bytes_per_token")}

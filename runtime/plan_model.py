@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import StoreError, UnsupportedModelError, UsageError
 from .plan_geometry import Geometry, Matrix
 
-__all__ = ["TensorDesc", "geometry_from_parts", "geometry_from_store", "geometry_from_gguf",
+__all__ = ["TensorDesc", "geometry_from_parts", "geometry_from_store", "geometry_of_store", "geometry_from_gguf",
            "geometry_from_synth", "geometry_from_like", "load_geometry"]
 
 
@@ -157,13 +157,18 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
 
 
 def geometry_from_store(path: str) -> Geometry:
-    from ..layout import KIND_EXPERT
     from ..store import Store
 
     with Store.open(path) as s:
-        tensors = [TensorDesc(t.name, tuple(t.ne), t.ggml_type.name, t.nbytes, t.kind == KIND_EXPERT)
-                   for t in s.tensors()]
-        return geometry_from_parts(s.gguf_kv(), s.summary, tensors, f"store {s.path}")
+        return geometry_of_store(s)
+
+
+def geometry_of_store(s: Any) -> Geometry:
+    """The geometry of an open ``Store``."""
+    from ..layout import KIND_EXPERT
+    tensors = [TensorDesc(t.name, tuple(t.ne), t.ggml_type.name, t.nbytes, t.kind == KIND_EXPERT)
+               for t in s.tensors()]
+    return geometry_from_parts(s.gguf_kv(), s.summary, tensors, f"store {s.path}")
 
 
 def _from_model(model: Any, source: str) -> Geometry:

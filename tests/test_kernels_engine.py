@@ -17,15 +17,19 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels
                                 f"{kernels.status()['reason']}")
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def make_store(tmp_path_factory, arch: str) -> str:
     from expertfs.repack import repack
     from expertfs.synth import SynthConfig, synthesize
-    d = tmp_path_factory.mktemp("kern")
+    d = tmp_path_factory.mktemp(f"kern_{arch}")
     g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m", n_layer=3), str(g))
+    synthesize(SynthConfig.tiny(arch).replace(quant="q4_k_m", n_layer=3), str(g))
     repack([str(g)], str(s))
     return str(s)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_store(tmp_path_factory, "qwen3moe")
 
 
 def decode_logits(store: str, steps: list[int], **kw) -> torch.Tensor:
@@ -73,13 +77,7 @@ def test_cli_flag_reaches_the_runner(store, capsys, monkeypatch):
 @pytest.fixture(scope="module")
 def glm_store(tmp_path_factory):
     """glm4moe: a shared expert (computed while the misses load) and a leading dense layer."""
-    from expertfs.repack import repack
-    from expertfs.synth import SynthConfig, synthesize
-    d = tmp_path_factory.mktemp("kern_glm")
-    g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny("glm4moe").replace(quant="q4_k_m", n_layer=3), str(g))
-    repack([str(g)], str(s))
-    return str(s)
+    return make_store(tmp_path_factory, "glm4moe")
 
 
 @pytest.mark.parametrize("act_quant", ["off", "q8"])

@@ -112,25 +112,18 @@ def _ram_tier(args: argparse.Namespace, device: str) -> int:
     CPU it is host memory) in this process's memory limit (a cgroup cap counts); a budget that
     would push the trunk out of memory is warned about."""
     from ..runtime.memory import check_budget, default_ram_tier, resident_trunk_bytes
+    from ..runtime.plan_geometry import kv_cache_bytes
+    from ..runtime.plan_model import geometry_of_store
     from ..store import Store
+    kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
     with Store.open(args.store) as s:
         trunk = resident_trunk_bytes(s)
-    kv = _host_kv_bytes(args, device)
+        kv = kv_cache_bytes(geometry_of_store(s), args.ctx, kv_type) if device == "cpu" else 0
     ram = args.ram if args.ram is not None else default_ram_tier(trunk, kv_bytes=kv)
     warning = check_budget(ram, trunk, kv_bytes=kv)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
     return ram
-
-
-def _host_kv_bytes(args: argparse.Namespace, device: str) -> int:
-    """Bytes of the KV cache at ``--ctx`` when it lives in host memory (CPU runs), else 0."""
-    if device != "cpu":
-        return 0
-    from ..runtime.plan_geometry import kv_cache_bytes
-    from ..runtime.plan_model import geometry_from_store
-    kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
-    return kv_cache_bytes(geometry_from_store(args.store), args.ctx, kv_type)
 
 
 def _parse_tokens(text: str) -> list[int]:
