@@ -48,6 +48,12 @@ EFS_ZI void pf_row_z(const uint8_t* row, int64_t rb) {
     for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)row + o, _MM_HINT_T0);
 }
 
+EFS_ZI float f16_z(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 EFS_ZI float hsum512(__m512 a) {
     return hsum256(_mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(
         _mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
@@ -127,23 +133,49 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 }
 
 
-// Exact Q4_0 by the same table lookup: a block's 16 bytes widened to 16 dwords, looked up
-// directly (low nibbles: weights 0..15) and shifted by 4 (high nibbles: 16..31) in the table
-// {-8.0, ..., 7.0}, so each 32-weight block costs two lookups and two FMAs against natural-order
-// activations; two blocks in flight per row.
-EFS_ZI float f16_z(const uint8_t* p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+// Exact blocks of 32 weights w = d * q against natural-order activations, two blocks in flight
+// per row (even blocks into one accumulator, odd into the other). A block type gives its byte
+// size, its scale and its 32 weights as two vectors of 16 floats (low: 0..15, high: 16..31).
+//
+// Q4_0 by the same table lookup as Q4_K: the 16 bytes of nibbles widened to 16 dwords, looked
+// up directly (low nibbles) and shifted by 4 (high nibbles) in the table {-8.0, ..., 7.0}.
+struct ZQ4_0 {
+    static constexpr int BYTES = 18;
+    EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
+        const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)));
+        lo = _mm512_permutexvar_ps(v, tbl);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+    }
+};
+// Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted.
+struct ZQ8_0 {
+    static constexpr int BYTES = 34;
+    EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
+    }
+};
+
+template <int NT, class Z>
+EFS_ZI void block_z(const uint8_t* b, const float* const* xn, int64_t o, __m512* acc) {
+    __m512 lo, hi;
+    Z::w(b, lo, hi);
+    const __m512 d = _mm512_set1_ps(f16_z(b));
+    for (int t = 0; t < NT; ++t) {
+        const float* x = xn[t] + o;
+        const __m512 a = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16),
+                                         _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
+        acc[t] = _mm512_fmadd_ps(a, d, acc[t]);
+    }
 }
 
-template <int NT>
-EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+template <int NT, class Z>
+EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
     const int64_t nb = cols / 32;
     const float* xn[NT];
     for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
-    const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const int64_t ahead = pf_ahead_z(rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -151,79 +183,28 @@ EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
         __m512 acc0[NT], acc1[NT];
         for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
         int64_t i = 0;
-        for (; i + 2 <= nb; i += 2, b += 36) {
-            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)));
-            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 20)));
-            const __m512 l0 = _mm512_permutexvar_ps(v0, tbl);
-            const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), tbl);
-            const __m512 l1 = _mm512_permutexvar_ps(v1, tbl);
-            const __m512 h1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), tbl);
-            const __m512 d0 = _mm512_set1_ps(f16_z(b)), d1 = _mm512_set1_ps(f16_z(b + 18));
-            for (int t = 0; t < NT; ++t) {
-                const float* x = xn[t] + 32 * i;
-                const __m512 a0 = _mm512_fmadd_ps(h0, _mm512_loadu_ps(x + 16),
-                                                  _mm512_mul_ps(l0, _mm512_loadu_ps(x)));
-                const __m512 a1 = _mm512_fmadd_ps(h1, _mm512_loadu_ps(x + 48),
-                                                  _mm512_mul_ps(l1, _mm512_loadu_ps(x + 32)));
-                acc0[t] = _mm512_fmadd_ps(a0, d0, acc0[t]);
-                acc1[t] = _mm512_fmadd_ps(a1, d1, acc1[t]);
-            }
+        for (; i + 2 <= nb; i += 2, b += 2 * Z::BYTES) {
+            block_z<NT, Z>(b, xn, 32 * i, acc0);
+            block_z<NT, Z>(b + Z::BYTES, xn, 32 * i + 32, acc1);
         }
-        if (i < nb) {
-            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)));
-            const __m512 l0 = _mm512_permutexvar_ps(v0, tbl);
-            const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), tbl);
-            const __m512 d0 = _mm512_set1_ps(f16_z(b));
-            for (int t = 0; t < NT; ++t) {
-                const float* x = xn[t] + 32 * i;
-                const __m512 a0 = _mm512_fmadd_ps(h0, _mm512_loadu_ps(x + 16),
-                                                  _mm512_mul_ps(l0, _mm512_loadu_ps(x)));
-                acc0[t] = _mm512_fmadd_ps(a0, d0, acc0[t]);
-            }
-        }
+        if (i < nb) block_z<NT, Z>(b, xn, 32 * i, acc0);
         for (int t = 0; t < NT; ++t)
             put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(acc0[t], acc1[t])), alpha,
                   accumulate);
     }
 }
 
+template <int NT>
+EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_b32_z<NT, ZQ4_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+}
 
-// Exact Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted, two FMAs per
-// block against natural-order activations; two blocks in flight per row.
 template <int NT>
 EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    const int64_t nb = cols / 32;
-    const float* xn[NT];
-    for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
-    const int64_t ahead = pf_ahead_z(rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        pf_row_z(b + ahead * rb, rb);
-        __m512 acc0[NT], acc1[NT];
-        for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b += 34) {
-            const __m512 l = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
-            const __m512 h = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
-            const __m512 d = _mm512_set1_ps(f16_z(b));
-            for (int t = 0; t < NT; ++t) {
-                const float* x = xn[t] + 32 * i;
-                const __m512 a = _mm512_fmadd_ps(h, _mm512_loadu_ps(x + 16),
-                                                 _mm512_mul_ps(l, _mm512_loadu_ps(x)));
-                if (i & 1)
-                    acc1[t] = _mm512_fmadd_ps(a, d, acc1[t]);
-                else
-                    acc0[t] = _mm512_fmadd_ps(a, d, acc0[t]);
-            }
-        }
-        for (int t = 0; t < NT; ++t)
-            put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(acc0[t], acc1[t])), alpha,
-                  accumulate);
-    }
+    ex_b32_z<NT, ZQ8_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
-
 
 #define EFS_Z_ROWS(name)                                                                       \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
