@@ -189,6 +189,7 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
     configs = {
         "plain": [],
         "lookahead": ["--lookahead"],
+        "lookahead into the cache": ["--lookahead", "--prefetch-slots", "0"],
         f"mtp {d}": ["--mtp", d],
         f"mtp {d} + draft prefetch": ["--mtp", d, "--draft-prefetch"],
         f"mtp {d} + draft prefetch + lookahead": ["--mtp", d, "--draft-prefetch", "--lookahead"],
@@ -197,6 +198,9 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
         f"mtp {d} + draft prefetch + tail skip {half}": ["--mtp", d, "--draft-prefetch",
                                                           "--route-tail-skip", str(half)],
     }
+    if a.configs:
+        want = [c.strip() for c in a.configs.split(",")]
+        configs = {n: v for n, v in configs.items() if n in want}
     res: dict[str, list[dict]] = {c: [] for c in configs}
     for rnd in range(a.rounds):
         for name, extra in configs.items():
@@ -356,6 +360,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--skip", default="", help="parts to skip, e.g. A,B")
+    ap.add_argument("--configs", default="", help="C: only these configurations (names, commas)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import numpy as np

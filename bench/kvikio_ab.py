@@ -5,8 +5,8 @@ the page cache, and how close is it to the best of ``direct`` and ``buffered``?
 
     sudo .venv/bin/python bench/kvikio_ab.py FILE [--qd 1,4,16] [--rounds 3] [--reads 200]
 
-Every (round, queue depth) point reads the same random 4 MiB sample with each arm in turn, the
-page cache dropped before each; the table gives per-arm medians over rounds in GB/s and kvikio's
+Every (round, queue depth) point reads the same random 4 MiB sample with each arm in turn (the
+order rotated each round), the page cache dropped before each; the table gives per-arm medians over rounds in GB/s and kvikio's
 ratio to the best POSIX backend. Needs kvikio and libcuda.so.1 (the NVIDIA driver; the tests'
 stub driver serves for the host path, see tests/test_io_kvikio.py) and root (drop_caches).
 """
@@ -36,10 +36,11 @@ def main() -> int:
     target = B.target_from_file(a.file, 4 << 20)
     rng = random.Random(0)
     res: dict[tuple[int, str], list[float]] = {}
-    for _ in range(a.rounds):
+    for rnd in range(a.rounds):
         for qd in (int(q) for q in a.qd.split(",")):
             order = rng.sample(range(len(target.reads)), min(a.reads, len(target.reads)))
-            for arm in ARMS:
+            # the arms in a rotated order each round: none always runs first or after another
+            for arm in ARMS[rnd % len(ARMS):] + ARMS[:rnd % len(ARMS)]:
                 kv = arm.startswith("kvikio")
                 if kv:
                     direct = arm.endswith("O_DIRECT")

@@ -67,6 +67,8 @@ class EngineOptions:
     dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = 2             # experts beyond top-k prefetched per token
+    prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
+                                          # tier (None: 2 (k + margin); 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
@@ -79,6 +81,17 @@ class EngineOptions:
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
+
+
+def lookahead_slots(store: Any, options: EngineOptions) -> int:
+    """RAM slots for the lookahead's staged prefetches: ``options.prefetch_slots``, by default
+    two layers' predictions (k + margin each): the next layer's are issued once this layer has
+    taken its own, but this layer's wrong ones may still be being read then (measured on the
+    trained model of ``bench/bench_mtp.py``: k + margin slots were 8% slower than twice that)."""
+    if options.prefetch_slots is not None:
+        return max(0, int(options.prefetch_slots))
+    k = int((getattr(store, "summary", {}) or {}).get("expert_used_count") or 1)
+    return 2 * (k + max(0, options.lookahead_margin))
 
 
 def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: int = 0,
@@ -222,9 +235,11 @@ class Engine:
         store = Store.open(path)
         try:
             if isinstance(provider, str):
+                popts = dict(provider_options or {})
+                if options.lookahead and provider != "direct" and not vram_bytes:
+                    popts.setdefault("prefetch_slots", lookahead_slots(store, options))
                 provider = make_provider(store, device=options.device, ram_bytes=ram_bytes,
-                                         vram_bytes=vram_bytes, kind=provider,
-                                         **(provider_options or {}))
+                                         vram_bytes=vram_bytes, kind=provider, **popts)
             return cls(store, provider, options, own_store=True)
         except BaseException:
             store.close()

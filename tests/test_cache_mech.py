@@ -72,6 +72,13 @@ def test_plan_slots_budgets(store):
     assert (s.staging, s.ram) == (6, 0)
     s = plan_slots(g, 12 * g.stride, 6 * g.stride, queue_depth=8, staging=2)
     assert (s.staging, s.ram) == (2, 10)
+    # prefetch slots (one tier only) come out of the RAM budget, at most half of it
+    s = plan_slots(g, 20 * g.stride, 0, queue_depth=8, prefetch=6)
+    assert (s.host, s.ram, s.prefetch, s.compute) == (20, 14, 6, 14)
+    assert plan_slots(g, 20 * g.stride, 0, queue_depth=8, prefetch=50).prefetch == 10
+    total = sum(g.experts)                        # all experts fit: nothing to predict
+    assert plan_slots(g, (total + 5) * g.stride, 0, queue_depth=8, prefetch=6).prefetch == 0
+    assert plan_slots(g, 12 * g.stride, 6 * g.stride, queue_depth=8, prefetch=6).prefetch == 0
     with pytest.raises(UsageError, match="holds no expert"):
         plan_slots(g, g.stride - 1, 0, queue_depth=8)
     with pytest.raises(UsageError, match="VRAM budget"):

@@ -92,7 +92,14 @@ def check_invariants(p: Any) -> None:
     if c.dev is not None:
         assert len(dev) + c.dev.n_free == c.dev.n_slots
     in_ram = in_vram = 0
+    staged = getattr(c, "staged", {})
+    assert len(staged) <= c.slots.prefetch
     for key, e in c.entries.items():
+        if key in staged:                     # a staged prefetch: outside the tier
+            assert staged[key] is e and e.staging and e.source is not None
+            assert e.state in (State.LOADING, State.HOST) and e.host_slot >= 0
+            assert c.R is None or key not in c.R
+            continue
         assert e.key == key and not e.staging
         if e.state in (State.LOADING, State.HOST):
             assert e.host_slot >= 0 and e.dev_slot < 0

@@ -73,6 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefetch layer L+1's predicted experts while layer L runs")
     p.add_argument("--lookahead-margin", type=int, default=2, metavar="M",
                    help="experts beyond top-k prefetched per token (2)")
+    p.add_argument("--prefetch-slots", type=int, default=None, metavar="N",
+                   help="RAM-tier slots the lookahead reads its predictions into, outside the "
+                   "cache so wrong ones evict nothing (default 2 x (k + margin); 0 = read them "
+                   "into the cache itself)")
     p.add_argument("--mtp", default="0", metavar="K|auto",
                    help="speculative decoding with the store's NextN/MTP block: K drafts per "
                    "step, or auto (a utility gate picks the depth); 0 = off (default). Greedy "
@@ -164,6 +168,7 @@ def _open(args: argparse.Namespace):
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
                          fused=fused, act_quant=args.act_quant,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
+                         prefetch_slots=args.prefetch_slots,
                          mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                          draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     ram = _ram_tier(args, opts.device)

@@ -9,6 +9,10 @@ With a device tier, misses are read into *staging* host slots and uploaded from 
 are exclusive: the host tier keeps what the device tier does not). Staging slots come out of the
 RAM budget, so the host tier's policy capacity is ``host slots - staging``; nothing is ever
 allocated beyond the budgets.
+
+Without a device tier, ``prefetch`` slots (opt-in, for the next-layer lookahead) likewise come
+out of the RAM budget: predicted experts are read there, outside the tier and its policy, and a
+prediction that comes true moves into the tier as the demand miss it saved would have.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Slots:
     staging: int         # of which staging for demand reads (device tier only)
     ram: int             # host tier capacity given to its policy: host - staging
     vram: int            # device tier slots (0: no device tier)
+    prefetch: int = 0    # host-only: slots predicted experts are read into (not the tier's)
 
     @property
     def compute(self) -> int:
@@ -72,8 +77,10 @@ class Slots:
 
 
 def plan_slots(geo: Geometry, ram_bytes: int, vram_bytes: int, *, queue_depth: int,
-               staging: int | None = None) -> Slots:
-    """Slots for the budgets. ``staging`` (device tier only) defaults to min(queue depth, k) + 1."""
+               staging: int | None = None, prefetch: int = 0) -> Slots:
+    """Slots for the budgets. ``staging`` (device tier only) defaults to min(queue depth, k) + 1;
+    ``prefetch`` (no device tier only) is kept to at most half the host slots, leaving the
+    tier at least k."""
     if ram_bytes < 0 or vram_bytes < 0:
         raise UsageError(f"negative cache budget (ram {ram_bytes}, vram {vram_bytes} bytes)",
                          fix="give budgets >= 0")
@@ -90,8 +97,10 @@ def plan_slots(geo: Geometry, ram_bytes: int, vram_bytes: int, *, queue_depth: i
     total = sum(geo.experts)              # more slots than experts would never be used
     vram = min(vram, total)
     if not vram:
-        host = min(host, total)
-        return Slots(host, 0, host, 0)
+        if host >= total:                 # every expert fits: nothing to predict
+            return Slots(total, 0, total, 0)
+        p = max(0, min(int(prefetch), host // 2, host - geo.k))
+        return Slots(host, 0, host - p, 0, p)
     s = staging if staging is not None else min(queue_depth, geo.k) + 1
     s = max(1, min(s, host))
     ram = min(host - s, max(0, total - vram))

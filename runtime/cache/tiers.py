@@ -14,7 +14,14 @@ Every expert of an ``acquire`` is pinned until ``release`` of its layer, in both
 running layer's slots are never a victim. Prefetches (``start_prefetch``) are *soft* pins until
 their target layer runs: they cannot be evicted by one another, and if a demand finds every slot
 pinned, soft pins are dropped first. A prefetch whose layer has passed unused is cancelled if
-its read has not started (never waited for). Reads, uploads and demotions are asynchronous
+its read has not started (never waited for).
+
+With ``prefetch_slots`` (one tier only) prefetches are *staged* instead: read into slots of
+their own, outside the tier and its policy, so a wrong prediction evicts nothing. When a get
+asks for a staged expert, the tier takes it exactly as the demand miss it saves (the policy
+sees the same miss, victim and insert), minus the read. The tier's contents, and so its hit
+rate, are those of a run without prefetch; predictions only turn misses' waits into hits.
+Staged experts are kept, oldest first reused, until their slots are wanted. Reads, uploads and demotions are asynchronous
 (futures, copy-stream events); see ``entry``, ``copier``, ``loader``.
 
 Single-threaded: one caller (the forward pass) drives it; I/O workers only append to a deque.
@@ -48,13 +55,14 @@ class TierCache(Residency):
     def __init__(self, store: Any, reader: ExpertReader, *, device: str | torch.device = "cpu",
                  ram_bytes: int, vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
                  queue_depth: int = 16, staging_slots: int | None = None, pin: bool | str = "auto",
-                 pin_budget: PinBudget | None = None, stats: TieredStats | None = None) -> None:
+                 pin_budget: PinBudget | None = None, stats: TieredStats | None = None,
+                 prefetch_slots: int = 0) -> None:
         self.geo = geo = Geometry.from_store(store)
         self.store = store
         self.device = torch.device(device)
         self.copier = Copier(self.device)
         self.slots = plan_slots(geo, int(ram_bytes), int(vram_bytes), queue_depth=queue_depth,
-                                staging=staging_slots)
+                                staging=staging_slots, prefetch=prefetch_slots)
         self._index = geo.index_of()
         self._E = geo.n_experts
         if callable(policy):
@@ -85,6 +93,9 @@ class TierCache(Residency):
         self.entries: dict[int, Entry] = {}
         self.held: dict[int, list[Entry]] = {}
         self.soft: dict[int, Entry] = {}
+        self.staged: dict[int, Entry] = {}           # staged prefetches, oldest first
+        self._ran: dict[int, int] = {}               # layer index -> serial of its last acquire
+        self._serial = 0
         self._pins: dict[int, int] = {}
         self.now = 0
         self.cursor = -1                    # layer index of the last acquire
@@ -124,6 +135,8 @@ class TierCache(Residency):
         if self.soft:
             self._expire(li, keys)
         self.cursor = li
+        self._serial += 1
+        self._ran[li] = self._serial
         for k in keys:
             self._pin(k)
         try:
@@ -167,9 +180,17 @@ class TierCache(Residency):
             else:
                 self.stats.misses += 1
                 self._admit_host(key)
-                e = self._new(key, self.host.alloc(host_write=True))
-                self.loader.issue(e, Priority.DEMAND)
-                loading.append(e)
+                e = self.staged.pop(key, None)
+                if e is not None:                   # a staged prediction came true
+                    e.staging = False
+                    self._touch(e)
+                    if e.state is State.LOADING:
+                        self._join(e)
+                        loading.append(e)
+                else:
+                    e = self._new(key, self.host.alloc(host_write=True))
+                    self.loader.issue(e, Priority.DEMAND)
+                    loading.append(e)
             out.append(e)
         if hits:
             self.stats.hits["ram"] = self.stats.hits.get("ram", 0) + hits
@@ -290,7 +311,7 @@ class TierCache(Residency):
         for k in keys:
             self._unpin(k)
             e = self.entries.get(k)
-            if e is not None and e.staging:
+            if e is not None and e.staging and k not in self.staged:
                 self._stop_read(e, wait=True)
                 self._discard(e)
 
@@ -332,6 +353,8 @@ class TierCache(Residency):
         """Read one expert into the RAM tier ahead of need: "issued", "resident" (already there
         or on its way) or "refused" (no slot to spare)."""
         key = self.key(layer, expert)
+        if self.slots.prefetch:
+            return self._stage(key, source)
         R = self.R
         room = R is not None and len(self.soft) + self.widest < R.capacity
         e = self.entries.get(key)
@@ -360,8 +383,36 @@ class TierCache(Residency):
         self.stats.prefetch_issued += 1
         return "issued"
 
+    def _stage(self, key: int, source: str) -> str:
+        """``start_prefetch`` with prefetch slots: read into a slot outside the tier."""
+        if key in self.entries:
+            return "resident"
+        if len(self.staged) >= self.slots.prefetch and not self._reclaim():
+            return "refused"
+        e = self._new(key, self.host.alloc(host_write=True))
+        e.staging, e.source = True, source
+        e.target = (key // self._E, self._serial)   # (layer index, acquire serial at issue)
+        self.staged[key] = e
+        self.loader.issue(e, Priority.PREFETCH)
+        self.stats.prefetch_issued += 1
+        return "issued"
+
+    def _reclaim(self) -> bool:
+        """Free the slot of the oldest staged prefetch whose layer has run since it was issued
+        and whose read is not running (done, or cancelled before it started)."""
+        for key, e in self.staged.items():
+            li, serial = e.target  # type: ignore[misc]
+            if self._ran.get(li, -1) <= serial:
+                continue
+            if e.state is State.LOADING and not self._stop_read(e, wait=False):
+                continue                    # being written: leave it
+            del self.staged[key]
+            self._forget(e, cancelled=e.state is State.LOADING)
+            return True
+        return False
+
     def prefetch_in_flight(self) -> int:
-        return sum(1 for e in self.soft.values()
+        return sum(1 for e in (*self.soft.values(), *self.staged.values())
                    if e.state is State.LOADING and not (e.future is not None and e.future.done()))
 
     def expert_bytes(self, layer: int, expert: int) -> int:

@@ -23,6 +23,9 @@ simulator's semantics, policy by name from ``expertfs.runtime.policies_registry`
   filled at start with the most used experts (all of them when they all fit), in the background
   at prefetch priority.
 
+``prefetch_slots`` (RAM tier only) stages prefetches outside the tier, so wrong predictions
+evict nothing (see ``TierCache``); without it they are read into the tier itself.
+
 Budgets are explicit and never exceeded: ``ram_bytes`` is the whole host slab (staging
 included), ``vram_bytes`` the device slab. ``device="cuda"`` with no VRAM budget copies each
 get's experts to the device (freed at release). Tiers are named ``vram`` and ``ram`` in stats.
@@ -69,7 +72,7 @@ class TieredProvider:
                  max_in_flight: int | None = None, staging_slots: int | None = None,
                  pin: bool | str = "auto", pin_budget: PinBudget | None = None,
                  record_usage: bool = True, verify: str = "first",
-                 reader: ExpertReader | None = None) -> None:
+                 reader: ExpertReader | None = None, prefetch_slots: int = 0) -> None:
         self.store = store
         self.ram_bytes, self.vram_bytes = int(ram_bytes), int(vram_bytes)
         self.stats = TieredStats()
@@ -79,7 +82,7 @@ class TieredProvider:
             self.cache = TierCache(store, self.reader, device=device, ram_bytes=ram_bytes,
                                    vram_bytes=vram_bytes, policy=policy, queue_depth=queue_depth,
                                    staging_slots=staging_slots, pin=pin, pin_budget=pin_budget,
-                                   stats=self.stats)
+                                   stats=self.stats, prefetch_slots=prefetch_slots)
         except BaseException:
             if reader is None:
                 self.reader.close()
@@ -205,7 +208,7 @@ class TieredProvider:
         return {
             "policy": c.policy_name, "device": str(c.device), "slot_bytes": c.geo.stride,
             "ram_slots": s.ram, "staging_slots": s.staging, "vram_slots": s.vram,
-            "compute_slots": s.compute,
+            "compute_slots": s.compute, "prefetch_slots": s.prefetch,
             "ram_bytes": c.host.nbytes, "vram_bytes": c.dev.nbytes if c.dev is not None else 0,
             "pinned": c.host.pinned, "pin_note": c.host.pin_note,
             "backend": self.reader.backend_name, "history": self.history is not None,

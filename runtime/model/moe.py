@@ -103,18 +103,21 @@ class ExpertRunner:
         return out
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
-                    shared: DenseFFN | None) -> tuple[torch.Tensor | None, dict[int, Any] | None,
-                                                      torch.Tensor | None]:
+                    shared: DenseFFN | None, then: Any) -> tuple[torch.Tensor | None,
+                                                                 dict[int, Any] | None,
+                                                                 torch.Tensor | None]:
         """One decode step that computes the resident experts' gate/up rows (and the shared
         expert) while the missing ones are read, then the rest and the down sum in routing
         order: bit for bit the one-call product (``qmatvec.native_hidden``/``native_down``).
         Returns (routed output, the weights, the shared expert's output), each None when not
         done here: nothing to overlap or the native kernels do not apply, and the caller
-        computes from the weights as usual."""
+        computes from the weights as usual. ``then()`` runs once this layer's reads are issued
+        (the next layer's prefetch: it queues behind them)."""
         begin = getattr(self.provider, "get_begin", None)
         if begin is None:
             return None, None, None
         ready, finish = begin(layer, experts)
+        then()
         self.stats.fetches += len(experts)
         hit = [e for e in experts if e in ready]
         if not hit or len(hit) == len(experts):
@@ -166,19 +169,27 @@ class ExpertRunner:
             hv = host.tolist()                                           # the one sync
             counts_h, pred = hv[:E], hv[E:]
             experts = [e for e in range(E) if counts_h[e]]
-        if predict is not None:
-            nxt = set(pred)
-            self.provider.prefetch(predict[0], sorted(nxt))
-            if self.lookahead is not None:
-                self.lookahead.predict(predict[0], nxt)
         if self.lookahead is not None:
             self.lookahead.score(layer, set(experts))
+        pending = [predict is not None]
+
+        def prefetch_next() -> None:
+            """The lookahead's prefetch of the next layer, once (after this layer's reads are
+            issued where the provider lets the layer start before they land)."""
+            if pending[0]:
+                pending[0] = False
+                nxt = set(pred)
+                self.provider.prefetch(predict[0], list(dict.fromkeys(pred)))
+                if self.lookahead is not None:
+                    self.lookahead.predict(predict[0], nxt)
         self.stats.tokens += T
         self.stats.pairs += T * k
         try:
             out = weights = shared = None
             if T == 1 and self.fused and not self.dq.enabled:
-                out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared)
+                out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
+                                                        prefetch_next)
+            prefetch_next()
             if weights is None:
                 weights = self._weights(layer, experts)
             if T == 1 and out is None:
