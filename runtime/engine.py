@@ -68,7 +68,8 @@ class EngineOptions:
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = 2             # experts beyond top-k prefetched per token
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
-                                          # tier (None: 2 (k + margin); 0: into the tier)
+                                          # tier (None: 2 (k + margin); 0: into the tier;
+                                          # with draft_prefetch always into the tier)
     prefill_batch: int = 256              # tokens per prefill forward
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
@@ -236,7 +237,9 @@ class Engine:
         try:
             if isinstance(provider, str):
                 popts = dict(provider_options or {})
-                if options.lookahead and provider != "direct" and not vram_bytes:
+                # draft-route prefetch reads a whole verify pass ahead: into the cache
+                if (options.lookahead and not options.draft_prefetch and provider != "direct"
+                        and not vram_bytes):
                     popts.setdefault("prefetch_slots", lookahead_slots(store, options))
                 provider = make_provider(store, device=options.device, ram_bytes=ram_bytes,
                                          vram_bytes=vram_bytes, kind=provider, **popts)

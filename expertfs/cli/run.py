@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch-slots", type=int, default=None, metavar="N",
                    help="RAM-tier slots the lookahead reads its predictions into, outside the "
                    "cache so wrong ones evict nothing (default 2 x (k + margin); 0 = read them "
-                   "into the cache itself)")
+                   "into the cache itself, as --draft-prefetch always does)")
     p.add_argument("--mtp", default="0", metavar="K|auto",
                    help="speculative decoding with the store's NextN/MTP block: K drafts per "
                    "step, or auto (a utility gate picks the depth); 0 = off (default). Greedy "
