@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import pkgutil
 import sys
 
-# Before any command imports torch: passive OpenMP waits (see expertfs/runtime/__init__.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before any command imports torch: the runtime's OpenMP wait policy (expertfs/runtime/__init__.py;
+# importing the package sets it and loads nothing else).
+from .. import runtime as _runtime  # noqa: E402,F401,I001
 
 from .. import __version__
 from ..errors import ExpertfsError
