@@ -164,6 +164,54 @@ def test_aligned_empty_and_host_slab():
             slab.slot(3)
 
 
+
+def _vma_flags(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding ``addr`` ({} where unreadable)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= addr < hi
+            out = {"perms": line.split()[1]} if inside else {}
+        elif inside and ":" in head:
+            out[head[:-1]] = line.split(None, 1)[1].strip() if len(line.split()) > 1 else ""
+    return out
+
+
+def test_large_host_slabs_ask_for_huge_pages():
+    """A slab of 2 MiB or more is a private mapping on a 2 MiB boundary, advised for
+    transparent huge pages (``THPeligible`` where the kernel offers them in ``madvise`` or
+    ``always`` mode). Small buffers stay page-aligned shared mappings."""
+    small = aligned_empty(1 << 20, huge=True)
+    assert small.data_ptr() % 4096 == 0
+    assert _vma_flags(small.data_ptr()).get("perms", "rw-s")[3] == "s"
+    with eio.HostSlab(3, 3 << 20, pin=False) as slab:
+        t = slab.tensor
+        assert t.data_ptr() % (2 << 20) == 0 and t.numel() == 3 * (3 << 20)
+        t.fill_(7)
+        assert int(t[-1]) == 7
+        vma = _vma_flags(t.data_ptr())
+        if not vma:
+            return
+        assert vma["perms"][3] == "p"
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+                mode = f.read()
+        except OSError:
+            return
+        if "THPeligible" in vma and ("[madvise]" in mode or "[always]" in mode):
+            assert vma["THPeligible"] == "1"
+
+
 def test_pinning_respects_the_budget(monkeypatch, caplog):
     from expertfs.runtime.io import buffers
     calls = []
