@@ -8,7 +8,8 @@ processes on a shared box only ever slow a round down):
 
 - ``llama.cpp``: llama-cpp-python, mmap, weight repacking off (``tools/llama_peer.py``: the
   real ``use_extra_bufts=False``, the baseline the low-RAM comparison uses) and, with
-  ``--llama-repack`` (peer ``llama-repack``), on: its default and fastest CPU path;
+  ``--llama-repack`` (peer ``llama-repack``), on: its default and fastest CPU path; each round
+  in a process of its own (``llama_decode.py``, its own OpenMP defaults, model load untimed);
 - ``expertfs quant``: experts (and the quantized trunk) multiplied from their ggml bytes every
   step (``runtime.model.qmatvec``: the native kernels of ``runtime.kernels`` when built, in
   their exact mode; else the compiled one-token products), the tiered provider holding all
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -40,7 +42,8 @@ from expertfs.units import fmt_bytes, parse_size
 PEERS = ("llama", "quant", "dq-f32", "dq-bf16")
 EXTRA = ("quant-q8", "quant-eager", "llama-repack")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 def synth(size: int, d: str, quant: str) -> str:
@@ -79,22 +82,25 @@ def tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 
 class Llama:
+    """llama.cpp in a process of its own (``llama_decode.py``, the low-RAM bench's peer): it
+    uses GNU OpenMP too, so in this process it would inherit the wait policy
+    ``expertfs.runtime`` set for torch; there it runs with its own defaults."""
+
     def __init__(self, gguf: str, threads: int, repack: bool) -> None:
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        from llama_peer import open_llama        # sets use_extra_bufts for real
-        self.m = open_llama(gguf, repack=repack, n_ctx=512, n_threads=threads,
-                            n_threads_batch=threads, use_mmap=True, logits_all=False)
+        self.argv = [sys.executable, os.path.join(HERE, "llama_decode.py"), gguf, "-t",
+                     str(threads)] + (["--repack"] if repack else [])
 
     def run(self, prompt: list[int], steps: list[int]) -> float:
-        self.m.reset()
-        self.m.eval(prompt)
-        t0 = time.perf_counter()
-        for t in steps:
-            self.m.eval([t])
-        return len(steps) / (time.perf_counter() - t0)
+        from expertfs.runtime import peer_environ
+        r = subprocess.run(self.argv + ["--prompt-ids", ",".join(map(str, prompt)),
+                                        "--decode-ids", ",".join(map(str, steps))],
+                           capture_output=True, text=True, env=peer_environ(), check=False)
+        if r.returncode != 0:
+            raise SystemExit(f"llama_decode.py failed ({r.returncode}): {r.stderr[-400:]}")
+        return float(json.loads(r.stdout.strip().splitlines()[-1])["decode_tok_s"])
 
     def close(self) -> None:
-        self.m.close()
+        pass
 
 
 class Ours:

@@ -12,8 +12,9 @@ One run, same GGUF, same threads, same prompt and token count, caches dropped be
   in the same run) ÷ the expert bytes expertfs missed per token;
 - optionally (``--resident``) both without a cap and with everything in the page cache.
 
-Prints a table and ratios; ``--json`` the raw figures. Needs root (cgroups, drop_caches,
-readahead) and llama-cpp-python.
+llama.cpp runs with its own OpenMP defaults (``peer_environ``: without the wait policy
+``expertfs.runtime`` puts in this process's environment). Prints a table and ratios;
+``--json`` the raw figures. Needs root (cgroups, drop_caches, readahead) and llama-cpp-python.
 
     sudo .venv/bin/python bench/bench_lowram.py --model /work/scratch/low.gguf --size 6G --cap 0.33
 """
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lowram import block_device_of, readahead, run_capped  # noqa: E402
 
+from expertfs.runtime import peer_environ  # noqa: E402
 from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
 from expertfs.runtime.plan_geometry import kv_cache_bytes  # noqa: E402
 from expertfs.runtime.plan_model import geometry_of_store  # noqa: E402
@@ -49,7 +51,7 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
         r = run_capped([sys.executable, os.path.join(os.path.dirname(__file__), "llama_decode.py"),
                         model, "--prompt", PROMPT, "-n", str(a.n), "-t", str(a.threads),
                         "--temp", str(a.temp), "--seed", str(a.seed), "--ctx", str(a.ctx)],
-                       cap, dev, timeout=a.timeout)
+                       cap, dev, timeout=a.timeout, env=peer_environ())
     if r.returncode != 0:
         return {"peer": "llama.cpp", "failed": r.returncode, "stderr": r.stderr[-400:],
                 "readahead_kb": kb, "peak": r.peak_bytes}

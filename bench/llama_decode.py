@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-ids", help="prompt as token ids, comma-separated")
+    ap.add_argument("--decode-ids", help="decode these token ids in turn (teacher-forced; -n "
+                    "is their count) instead of sampling")
     ap.add_argument("--repack", action="store_true",
                     help="llama.cpp's default weight repacking (copies experts into RAM)")
     a = ap.parse_args()
@@ -62,7 +65,12 @@ def main() -> int:
     llm = open_llama(a.model, repack=a.repack, n_ctx=a.ctx, n_threads=a.threads,
                      n_threads_batch=a.threads, use_mmap=True, logits_all=False, seed=a.seed)
     load = time.perf_counter() - t0
-    if a.prompt:
+    forced = [int(t) for t in a.decode_ids.split(",")] if a.decode_ids else None
+    if forced is not None:
+        a.n = len(forced)
+    if a.prompt_ids:
+        toks = [int(t) for t in a.prompt_ids.split(",")]
+    elif a.prompt:
         toks = llm.tokenize(a.prompt.encode(), add_bos=False)
     else:
         toks = [(i * 7 + 3) % (llm.n_vocab() - 1) + 1 for i in range(a.prompt_tokens)]
@@ -74,8 +82,8 @@ def main() -> int:
     out = []
     rng = np.random.default_rng(a.seed)
     t2 = time.perf_counter()
-    for _ in range(a.n):
-        tok = pick(llm, a.temp, rng)
+    for i in range(a.n):
+        tok = forced[i] if forced is not None else pick(llm, a.temp, rng)
         out.append(int(tok))
         llm.eval([tok])
     dec = time.perf_counter() - t2

@@ -30,9 +30,18 @@ def _torch_uses_gomp() -> bool:
         return False
 
 
+#: What this import put in the environment (the rest is the user's): benchmarks remove it from
+#: a peer's environment (llama.cpp uses GNU OpenMP too), so the peer runs with its own defaults.
+OPENMP_ENV_SET: dict[str, str] = {}
 if not any(_os.environ.get(k) for k in _USER):
+    _os.environ.pop("OMP_WAIT_POLICY", None)              # an empty one would be invalid
     if _torch_uses_gomp():
-        _os.environ.pop("OMP_WAIT_POLICY", None)          # an empty one would be invalid
-        _os.environ["GOMP_SPINCOUNT"] = SPIN_ROUNDS
+        OPENMP_ENV_SET["GOMP_SPINCOUNT"] = SPIN_ROUNDS
     else:
-        _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        OPENMP_ENV_SET["OMP_WAIT_POLICY"] = "PASSIVE"
+    _os.environ.update(OPENMP_ENV_SET)
+
+
+def peer_environ() -> dict[str, str]:
+    """This process's environment without what this module set: for running a peer program."""
+    return {k: v for k, v in _os.environ.items() if OPENMP_ENV_SET.get(k) != v}
