@@ -16,12 +16,8 @@ their target layer runs: they cannot be evicted by one another, and if a demand 
 pinned, soft pins are dropped first. A prefetch whose layer has passed unused is cancelled if
 its read has not started (never waited for).
 
-With ``prefetch_slots`` (one tier only) prefetches are *staged* instead: read into slots of
-their own, outside the tier and its policy, so a wrong prediction evicts nothing. When a get
-asks for a staged expert, the tier takes it exactly as the demand miss it saves (the policy
-sees the same miss, victim and insert), minus the read. The tier's contents, and so its hit
-rate, are those of a run without prefetch; predictions only turn misses' waits into hits.
-Staged experts are kept, oldest first reused, until their slots are wanted. Reads, uploads and demotions are asynchronous
+With ``prefetch_slots`` (one tier only) prefetches are *staged* outside the tier instead
+(:mod:`.staged`). Reads, uploads and demotions are asynchronous
 (futures, copy-stream events); see ``entry``, ``copier``, ``loader``.
 
 Single-threaded: one caller (the forward pass) drives it; I/O workers only append to a deque.
@@ -44,6 +40,7 @@ from .copier import Copier, fence_done
 from .entry import Entry, State, TieredStats
 from .loader import Loader
 from .residency import NullListener, Residency
+from .staged import StagedPrefetch
 from .sizing import Geometry, plan_slots
 from .slots import SlotPool
 from .table import SlotTable
@@ -51,7 +48,7 @@ from .table import SlotTable
 __all__ = ["TierCache"]
 
 
-class TierCache(Residency):
+class TierCache(StagedPrefetch, Residency):
     def __init__(self, store: Any, reader: ExpertReader, *, device: str | torch.device = "cpu",
                  ram_bytes: int, vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
                  queue_depth: int = 16, staging_slots: int | None = None, pin: bool | str = "auto",
@@ -382,34 +379,6 @@ class TierCache(Residency):
         self.loader.issue(e, Priority.PREFETCH)
         self.stats.prefetch_issued += 1
         return "issued"
-
-    def _stage(self, key: int, source: str) -> str:
-        """``start_prefetch`` with prefetch slots: read into a slot outside the tier."""
-        if key in self.entries:
-            return "resident"
-        if len(self.staged) >= self.slots.prefetch and not self._reclaim():
-            return "refused"
-        e = self._new(key, self.host.alloc(host_write=True))
-        e.staging, e.source = True, source
-        e.target = (key // self._E, self._serial)   # (layer index, acquire serial at issue)
-        self.staged[key] = e
-        self.loader.issue(e, Priority.PREFETCH)
-        self.stats.prefetch_issued += 1
-        return "issued"
-
-    def _reclaim(self) -> bool:
-        """Free the slot of the oldest staged prefetch whose layer has run since it was issued
-        and whose read is not running (done, or cancelled before it started)."""
-        for key, e in self.staged.items():
-            li, serial = e.target  # type: ignore[misc]
-            if self._ran.get(li, -1) <= serial:
-                continue
-            if e.state is State.LOADING and not self._stop_read(e, wait=False):
-                continue                    # being written: leave it
-            del self.staged[key]
-            self._forget(e, cancelled=e.state is State.LOADING)
-            return True
-        return False
 
     def prefetch_in_flight(self) -> int:
         return sum(1 for e in (*self.soft.values(), *self.staged.values())
