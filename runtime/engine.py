@@ -197,6 +197,12 @@ class Engine:
         self.model = Model(self.config, self.trunk, self.runner, device=self.device,
                            dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
                            lookahead_margin=options.lookahead_margin)
+        if fused:
+            from . import kernels
+            if kernels.available():
+                # the kernels' pool keeps today's thread count; small steps' torch ops use one
+                kernels.set_threads(torch.get_num_threads())
+                self.model.small_steps_one_thread = True
         self.times = StepTimes()
         self.compile_seconds = getattr(self, "compile_seconds", 0.0)
         self._trace = None

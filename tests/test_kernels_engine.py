@@ -100,3 +100,30 @@ def test_decode_overlapping_reads_equals_one_call_bit_for_bit(request, which, ac
         misses = e.provider.stats.misses
     assert overlapped > 0 and misses > 0
     assert torch.equal(got, want)
+
+
+def test_small_steps_run_torch_on_one_thread_and_restore_it(store, monkeypatch):
+    """With the native kernels, a decode step runs torch's own small ops on one thread (the
+    kernels keep their pool) and gives back the caller's thread count; the logits agree with
+    the step run multi-threaded, and a long batch (prefill) is left alone."""
+    from expertfs.runtime.model import model as M
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    real = torch.set_num_threads
+    seen: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
+    steps = [5, 17, 300, 42, 7]
+    try:
+        with Engine.open(store, provider="direct") as e:
+            assert e.model.small_steps_one_thread
+            e.prefill(list(range(1, M.SMALL_STEP_TOKENS + 3)))
+            assert seen == []                                   # a long batch: untouched
+            one = torch.stack([e.decode(t) for t in steps])
+            assert seen == [1, 2] * len(steps) and torch.get_num_threads() == 2
+            e.reset()
+            e.model.small_steps_one_thread = False
+            e.prefill(list(range(1, M.SMALL_STEP_TOKENS + 3)))
+            many = torch.stack([e.decode(t) for t in steps])
+    finally:
+        real(before)
+    assert torch.allclose(one, many, atol=1e-5 * float(many.abs().max()), rtol=0)
