@@ -33,7 +33,8 @@ import subprocess
 import sys
 import time
 
-import expertfs.runtime  # noqa: F401,I001 - its OpenMP wait policy must be set before torch loads
+# before torch loads: the runtime's OpenMP wait policy (and what it set, kept from llama.cpp)
+from expertfs.runtime import peer_environ  # noqa: I001
 
 import torch
 
@@ -91,7 +92,6 @@ class Llama:
                      str(threads)] + (["--repack"] if repack else [])
 
     def run(self, prompt: list[int], steps: list[int]) -> float:
-        from expertfs.runtime import peer_environ
         r = subprocess.run(self.argv + ["--prompt-ids", ",".join(map(str, prompt)),
                                         "--decode-ids", ",".join(map(str, steps))],
                            capture_output=True, text=True, env=peer_environ(), check=False)

@@ -243,9 +243,9 @@ class Engine:
         try:
             if isinstance(provider, str):
                 popts = dict(provider_options or {})
-                # draft-route prefetch reads a whole verify pass ahead: into the cache
-                if (options.lookahead and not options.draft_prefetch and provider != "direct"
-                        and not vram_bytes):
+                # draft-route prefetch reads a whole verify pass ahead: into the cache (and
+                # the tiers give prefetch slots only to a RAM-only cache: plan_slots)
+                if options.lookahead and not options.draft_prefetch:
                     popts.setdefault("prefetch_slots", lookahead_slots(store, options))
                 provider = make_provider(store, device=options.device, ram_bytes=ram_bytes,
                                          vram_bytes=vram_bytes, kind=provider, **popts)

@@ -48,6 +48,7 @@ class Entry:
     warm: bool = False                 # loaded by the warm start
     source: str | None = None          # the prefetch source that fetched it, until first use
     target: tuple[int, int] | None = None   # prefetch: (target layer index, cursor at issue)
+    staged_at: int = -1                # staged prefetch: the acquire count when it was issued
     weights: ExpertWeights | None = None    # cached views into the slot the compute tier reads
     transient: Any = None              # a device copy for one get (CUDA, no device tier)
 

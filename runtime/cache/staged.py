@@ -19,12 +19,21 @@ __all__ = ["StagedPrefetch"]
 
 
 class StagedPrefetch(Residency):
-    """Mixed into :class:`.tiers.TierCache`, which creates the state below."""
+    """Mixed into :class:`.tiers.TierCache`: it calls ``_init_staged`` once and ``_ran_layer``
+    at every acquire, and takes a staged entry out of ``staged`` when a get asks for it."""
 
     slots: Slots
-    staged: dict[int, Entry]             # staged prefetches, oldest first
-    _ran: dict[int, int]                 # layer index -> serial of its last acquire
-    _serial: int
+
+    def _init_staged(self) -> None:
+        self.staged: dict[int, Entry] = {}       # staged prefetches, oldest first
+        self._ran: dict[int, int] = {}           # layer index -> acquire count at its last run
+        self._acquires = 0
+
+    def _ran_layer(self, li: int) -> None:
+        """An acquire of layer index ``li``: staged prefetches issued before it for that layer
+        may give up their slots from now on."""
+        self._acquires += 1
+        self._ran[li] = self._acquires
 
     def _stage(self, key: int, source: str) -> str:
         """``start_prefetch`` with prefetch slots: read into a slot outside the tier."""
@@ -34,7 +43,7 @@ class StagedPrefetch(Residency):
             return "refused"
         e = self._new(key, self.host.alloc(host_write=True))
         e.staging, e.source = True, source
-        e.target = (key // self._E, self._serial)   # (layer index, acquire serial at issue)
+        e.staged_at = self._acquires
         self.staged[key] = e
         self.loader.issue(e, Priority.PREFETCH)
         self.stats.prefetch_issued += 1
@@ -44,8 +53,7 @@ class StagedPrefetch(Residency):
         """Free the slot of the oldest staged prefetch whose layer has run since it was issued
         and whose read is not running (done, or cancelled before it started)."""
         for key, e in self.staged.items():
-            li, serial = e.target  # type: ignore[misc]
-            if self._ran.get(li, -1) <= serial:
+            if self._ran.get(key // self._E, -1) <= e.staged_at:
                 continue
             if e.state is State.LOADING and not self._stop_read(e, wait=False):
                 continue                    # being written: leave it

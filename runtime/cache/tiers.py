@@ -90,9 +90,7 @@ class TierCache(StagedPrefetch, Residency):
         self.entries: dict[int, Entry] = {}
         self.held: dict[int, list[Entry]] = {}
         self.soft: dict[int, Entry] = {}
-        self.staged: dict[int, Entry] = {}           # staged prefetches, oldest first
-        self._ran: dict[int, int] = {}               # layer index -> serial of its last acquire
-        self._serial = 0
+        self._init_staged()
         self._pins: dict[int, int] = {}
         self.now = 0
         self.cursor = -1                    # layer index of the last acquire
@@ -132,8 +130,7 @@ class TierCache(StagedPrefetch, Residency):
         if self.soft:
             self._expire(li, keys)
         self.cursor = li
-        self._serial += 1
-        self._ran[li] = self._serial
+        self._ran_layer(li)
         for k in keys:
             self._pin(k)
         try:

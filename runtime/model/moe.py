@@ -12,6 +12,7 @@ T=tokens, k=experts per token, E=experts, D=n_embd.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +104,9 @@ class ExpertRunner:
         return out
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
-                    shared: DenseFFN | None, then: Any) -> tuple[torch.Tensor | None,
-                                                                 dict[int, Any] | None,
-                                                                 torch.Tensor | None]:
+                    shared: DenseFFN | None,
+                    then: Callable[[], None]
+                    ) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
         """One decode step that computes the resident experts' gate/up rows (and the shared
         expert) while the missing ones are read, then the rest and the down sum in routing
         order: bit for bit the one-call product (``qmatvec.native_hidden``/``native_down``).
@@ -171,17 +172,18 @@ class ExpertRunner:
             experts = [e for e in range(E) if counts_h[e]]
         if self.lookahead is not None:
             self.lookahead.score(layer, set(experts))
-        pending = [predict is not None]
+        pending = predict is not None
 
         def prefetch_next() -> None:
-            """The lookahead's prefetch of the next layer, once (after this layer's reads are
-            issued where the provider lets the layer start before they land)."""
-            if pending[0]:
-                pending[0] = False
-                nxt = set(pred)
-                self.provider.prefetch(predict[0], list(dict.fromkeys(pred)))
+            """The lookahead's prefetch of the next layer (best first), once: after this
+            layer's reads are issued where the provider lets the layer start before they land."""
+            nonlocal pending
+            if pending:
+                pending = False
+                ranked = list(dict.fromkeys(pred))
+                self.provider.prefetch(predict[0], ranked)
                 if self.lookahead is not None:
-                    self.lookahead.predict(predict[0], nxt)
+                    self.lookahead.predict(predict[0], set(ranked))
         self.stats.tokens += T
         self.stats.pairs += T * k
         try:
