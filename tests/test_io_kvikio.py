@@ -85,6 +85,17 @@ CHILD = textwrap.dedent('''
     big.write_bytes(np.random.default_rng(6).integers(0, 256, 2 << 20, dtype=np.uint8).tobytes())
     c = choose_backend(big, read_size=128 << 10, probe_bytes=1 << 20, cache_dir=tmp)
     assert "kvikio" in c.gbps, c
+    from expertfs.runtime.io.auto import open_file
+    import expertfs.runtime.io.auto as auto
+    for direct, buffered, want in ((1.0, 1.1, True), (1.0, 1.3, False)):   # the tie rule
+        fake = auto.AutoChoice("kvikio", "test", {"kvikio": 1.0, "direct": direct,
+                                                  "buffered": buffered})
+        auto.choose_backend = lambda *a, fake=fake, **k: fake
+        with open_file(big, queue_depth=4) as fh:
+            assert kvikio.defaults.get("auto_direct_io_read") == want, (direct, buffered)
+            a = aligned_empty(4096)
+            assert fh.read(a, 4096, 4096) == 4096
+            assert a.numpy().tobytes() == big.read_bytes()[4096:8192]
     print("KVIKIO-HOST-OK", be.describe(), c.backend, c.gbps)
 ''')
 

@@ -189,12 +189,26 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
                  f"; {best} is within {TIE:.0%} of {fastest} and is preferred (no page-cache use)")
               + ("; skipped: " + "; ".join(f"{n} ({w})" for n, w in skipped.items()) if skipped else ""))
     choice = AutoChoice(best, reason, gbps, skipped, rs)
+    opts = _options(choice)
+    if opts:
+        choice = AutoChoice(best, reason + "; kvikio reads " + ("with O_DIRECT" if opts["direct_io"]
+                            else "through the page cache") + ", the faster POSIX mode here",
+                            gbps, skipped, rs)
     log.info("auto backend for %s: %s (%s)", path, best, reason)
     rec = asdict(choice)
     rec.pop("cached")
     cache[key] = rec
     _save_cache(cache_file, cache)
     return choice
+
+
+def _options(choice: AutoChoice) -> dict[str, Any]:
+    """kvikio's POSIX path reads in the mode the probe measured faster: O_DIRECT as ``direct``
+    unless ``buffered`` beat it by more than the tie margin (the same rule as between backends)."""
+    g = choice.gbps
+    if choice.backend != "kvikio" or "direct" not in g or "buffered" not in g:
+        return {}
+    return {"direct_io": _pick({"direct": g["direct"], "buffered": g["buffered"]}) == "direct"}
 
 
 def open_file(path: str | os.PathLike[str], *, backend: str | IOBackend = "auto",
@@ -208,8 +222,9 @@ def open_file(path: str | os.PathLike[str], *, backend: str | IOBackend = "auto"
         if backend == "auto":
             choice = choose_backend(path, read_size=read_size, queue_depth=queue_depth,
                                     cache_dir=cache_dir)
-            backend = choice.backend
-        backend = get_backend(backend)
+            backend = get_backend(choice.backend, **_options(choice))
+        else:
+            backend = get_backend(backend)
     fh = backend.open(path, queue_depth=queue_depth, max_pending=max_pending, retry=retry)
     fh.choice = choice
     return fh
