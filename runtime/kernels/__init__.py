@@ -35,7 +35,8 @@ from .build import load, status
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe", "moe_hidden",
            "moe_down",
-           "act_quant_mode", "set_threads", "set_spin_us"]
+           "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
+           "attn_decode"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
@@ -162,3 +163,43 @@ def moe_down(h: torch.Tensor, w: torch.Tensor, down: Sequence[torch.Tensor], ggm
     if mod is None:
         return None
     return mod.moe_down(h, w, list(down), td, int(n_embd), mode)
+
+
+def _f32_cpu(t: torch.Tensor | None) -> bool:
+    return t is None or (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """``x · rsqrt(mean(x²) + eps) · w`` over the last dim in one call (float32 CPU,
+    contiguous); None when not applicable or the kernels are unavailable."""
+    if not (_f32_cpu(x) and _f32_cpu(w)) or x.dim() == 0:
+        return None
+    mod = load()
+    return None if mod is None else mod.rms_norm(x, w, float(eps))
+
+
+def norm_rope_(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, n_rot: int, neox: bool, norm: bool) -> bool:
+    """In place on ``x [T, H, D]``: RMSNorm each head by ``w`` when ``norm``, then RoPE of the
+    first ``n_rot`` dims (``cos``/``sin`` ``[T, 1, n_rot/2]``). False (``x`` untouched) when
+    not applicable or the kernels are unavailable."""
+    if not (_f32_cpu(x) and _f32_cpu(w)) or x.dim() != 3 or cos.dtype != torch.float32:
+        return False
+    mod = load()
+    if mod is None:
+        return False
+    mod.norm_rope_(x, w, float(eps), bool(norm), cos, sin, int(n_rot), bool(neox))
+    return True
+
+
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                vc: torch.Tensor, p0: int, scale: float) -> torch.Tensor | None:
+    """One token's attention: stores ``k [1, K, D]``, ``v [1, K, Dv]`` at position ``p0`` of
+    the caches ``kc [K, cap, D]``, ``vc [K, cap, Dv]`` and returns ``softmax(q kᵀ·scale) v``
+    over positions ``0..p0`` for every head of ``q [1, H, D]`` as ``[1, H·Dv]``, the key and
+    value heads shared by ``H / K`` query heads each. None (nothing written) when not
+    applicable or the kernels are unavailable."""
+    if not (_f32_cpu(q) and _f32_cpu(k) and _f32_cpu(v) and _f32_cpu(kc) and _f32_cpu(vc)):
+        return None
+    mod = load()
+    return None if mod is None else mod.attn_decode(q, k, v, kc, vc, int(p0), float(scale))

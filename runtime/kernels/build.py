@@ -33,8 +33,8 @@ __all__ = ["load", "status", "cache_dir", "SOURCES"]
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp")
-HEADERS = ("kern.h", "pool.h")
+SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp")
+HEADERS = ("kern.h", "pool.h", "small_ops.h")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
           "-Wno-maybe-uninitialized")     # GCC 12 false positives in its AVX-512 headers
 

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UsageError
+from .. import kernels as native
 from .config import ModelConfig
-from .rope import Rope, rms_norm
+from .rope import Rope
 from .weights import Linear
 
 __all__ = ["AttentionWeights", "KVCache", "attention"]
@@ -88,14 +89,14 @@ def attention(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rope: Rope
     q = w.wq(x).view(T, H, D)                                  # [T, H, D]
     k = w.wk(x).view(T, K, D)                                  # [T, K, D]
     v = w.wv(x).view(T, K, cfg.v_head_dim)                     # [T, K, Dv]
-    if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, cfg.rms_eps)
-    if w.k_norm is not None:
-        k = rms_norm(k, w.k_norm, cfg.rms_eps)
-    q = rope.apply(q, cos, sin)
-    k = rope.apply(k, cos, sin)
+    q = rope.norm_apply(q, w.q_norm, cfg.rms_eps, cos, sin)     # in place where native
+    k = rope.norm_apply(k, w.k_norm, cfg.rms_eps, cos, sin)
     p0 = cache.pos
     kc, vc = cache.k[layer], cache.v[layer]
+    if T == 1:
+        o = native.attn_decode(q, k, v, kc, vc, p0, cfg.kq_scale)
+        if o is not None:
+            return w.wo(o)
     kc[:, p0:p0 + T] = k.transpose(0, 1)
     vc[:, p0:p0 + T] = v.transpose(0, 1)
     S = p0 + T

@@ -17,12 +17,16 @@ import math
 
 import torch
 
+from .. import kernels as native
 from .config import ROPE_NEOX, ModelConfig
 
 __all__ = ["rms_norm", "Rope"]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = native.rms_norm(x, w, eps)      # one call instead of seven ops (float32 on the CPU)
+    if y is not None:
+        return y
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if w is not None:
@@ -72,6 +76,14 @@ class Rope:
         """cos, sin ``[n, 1, n_rot/2]`` for positions ``pos0 .. pos0+n-1`` (float32)."""
         self._ensure(pos0 + n, torch.float32)
         return self._cos[pos0:pos0 + n, None, :], self._sin[pos0:pos0 + n, None, :]
+
+    def norm_apply(self, x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        """``apply(rms_norm(x, w, eps))`` per head of ``x [T, H, D]`` (no norm when ``w`` is
+        None); in one native call, in place on ``x``, where the kernels take it."""
+        if native.norm_rope_(x, w, eps, cos, sin, self.n_rot, self.neox, w is not None):
+            return x
+        return self.apply(x if w is None else rms_norm(x, w, eps), cos, sin)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, H, D]`` → rotated copy (float32 math, result in ``x.dtype``)."""

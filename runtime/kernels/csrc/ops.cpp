@@ -23,6 +23,7 @@
 
 #include "kern.h"
 #include "pool.h"
+#include "small_ops.h"
 
 namespace efs {
 namespace {
@@ -476,6 +477,11 @@ pybind11::dict info() {
 }
 
 }  // namespace
+
+void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
+    par_chunks(n, [&](int64_t c) { fn(ctx, c); });
+}
+
 }  // namespace efs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -498,5 +504,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");
     m.def("set_spin_us", &efs::set_spin_us, "how long idle pool workers spin before sleeping");
+    m.def("rms_norm", &efs::rms_norm, "RMSNorm over the last dim (float32, CPU)",
+          pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"));
+    m.def("norm_rope_", &efs::norm_rope_, "per-head RMSNorm (optional) and RoPE, in place",
+          pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("norm"),
+          pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("n_rot"),
+          pybind11::arg("neox"));
+    m.def("attn_decode", &efs::attn_decode, "one token's attention over the KV cache, GQA",
+          pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("kc"),
+          pybind11::arg("vc"), pybind11::arg("p0"), pybind11::arg("scale"));
     m.def("set_threads", &efs::set_threads, "threads of the kernels (0: torch.get_num_threads())");
 }

@@ -1,0 +1,198 @@
+// The decode step's row-wise operations (see small_ops.h), with the numerics of the torch
+// code they replace (runtime/model/rope.py): RMSNorm scales x by a float32 rsqrt of the mean
+// square (summed here in double, torch sums in float32: the two agree within float rounding)
+// and then multiplies by the weight; the rotation computes a*cos - b*sin and b*cos + a*sin
+// with each product rounded (the build has -ffp-contract=off), as torch's elementwise ops do.
+#include "small_ops.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace efs {
+namespace {
+
+inline float row_scale(const float* x, int64_t d, double eps) {
+    double s = 0.0;
+    for (int64_t i = 0; i < d; ++i) s += (double)x[i] * (double)x[i];
+    const float mean = (float)(s / (double)d);
+    return 1.0f / std::sqrt(mean + (float)eps);
+}
+
+inline void norm_row(const float* x, float* y, const float* w, int64_t d, double eps) {
+    const float r = row_scale(x, d, eps);
+    if (w) {
+        for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * r) * w[i];
+    } else {
+        for (int64_t i = 0; i < d; ++i) y[i] = x[i] * r;
+    }
+}
+
+const float* weight_of(const c10::optional<at::Tensor>& w, int64_t d) {
+    if (!w.has_value() || !w->defined()) return nullptr;
+    TORCH_CHECK(w->is_cpu() && w->scalar_type() == at::kFloat && w->is_contiguous() &&
+                w->numel() == d, "expertfs small ops: norm weight must be ", d,
+                " contiguous float32 values on the CPU");
+    return w->data_ptr<float>();
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps) {
+    TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1,
+                "expertfs small ops: rms_norm takes a contiguous float32 CPU tensor");
+    const int64_t d = x.size(-1);
+    const float* wp = weight_of(w, d);
+    at::Tensor y = at::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t rows = d ? x.numel() / d : 0;
+    for (int64_t r = 0; r < rows; ++r) norm_row(xp + r * d, yp + r * d, wp, d, eps);
+    return y;
+}
+
+void norm_rope_(at::Tensor& x, const c10::optional<at::Tensor>& w, double eps, bool norm,
+                const at::Tensor& cos, const at::Tensor& sin, int64_t n_rot, bool neox) {
+    TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3,
+                "expertfs small ops: norm_rope_ takes a contiguous float32 CPU [T, H, D] tensor");
+    const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = n_rot / 2;
+    TORCH_CHECK(n_rot % 2 == 0 && n_rot <= D, "expertfs small ops: n_rot ", n_rot,
+                " must be even and at most the head size ", D);
+    for (const at::Tensor* t : {&cos, &sin})
+        TORCH_CHECK(t->is_cpu() && t->scalar_type() == at::kFloat && t->size(0) == T &&
+                    t->size(-1) == half && t->stride(-1) == 1,
+                    "expertfs small ops: cos/sin must be float32 CPU rows of n_rot/2 per token");
+    TORCH_CHECK(cos.stride(0) == sin.stride(0), "expertfs small ops: cos/sin strides differ");
+    const float* wp = norm ? weight_of(w, D) : nullptr;
+    const int64_t ts = cos.stride(0);
+    float* xp = x.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+        const float* c = cp + t * ts;
+        const float* s = sp + t * ts;
+        for (int64_t h = 0; h < H; ++h) {
+            float* v = xp + (t * H + h) * D;
+            if (norm) norm_row(v, v, wp, D, eps);
+            if (neox) {
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = v[i], b = v[i + half];
+                    v[i] = a * c[i] - b * s[i];
+                    v[i + half] = b * c[i] + a * s[i];
+                }
+            } else {
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = v[2 * i], b = v[2 * i + 1];
+                    v[2 * i] = a * c[i] - b * s[i];
+                    v[2 * i + 1] = b * c[i] + a * s[i];
+                }
+            }
+        }
+    }
+}
+
+namespace {
+
+// Eight independent partial sums, so the compiler vectorizes without reassociating.
+inline __attribute__((always_inline)) float dot8(const float* a, const float* b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline __attribute__((always_inline)) void axpy(float* y, float a, const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+struct AttnJob {
+    const float *q, *kc, *vc;
+    float* o;
+    int64_t H, K, D, Dv, cap, S, heads_per_chunk;
+    float scale;
+};
+
+// Compiled twice (AVX2 and baseline), chosen once at load by the CPU: the loops above are
+// inlined into each.
+__attribute__((target_clones("avx2", "default")))
+void attn_heads(void* ctx, int64_t chunk) {
+    const AttnJob& J = *static_cast<const AttnJob*>(ctx);
+    const int64_t group = J.H / J.K;
+    std::vector<float> p((size_t)J.S);
+    const int64_t h1 = std::min(J.H, (chunk + 1) * J.heads_per_chunk);
+    for (int64_t h = chunk * J.heads_per_chunk; h < h1; ++h) {
+        const int64_t g = h / group;
+        const float* qh = J.q + h * J.D;
+        const float* kg = J.kc + g * J.cap * J.D;
+        const float* vg = J.vc + g * J.cap * J.Dv;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < J.S; ++j) {
+            p[j] = dot8(qh, kg + j * J.D, J.D) * J.scale;
+            m = std::max(m, p[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < J.S; ++j) {
+            p[j] = std::exp(p[j] - m);
+            sum += p[j];
+        }
+        float* oh = J.o + h * J.Dv;
+        std::memset(oh, 0, sizeof(float) * J.Dv);
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < J.S; ++j) axpy(oh, p[j] * inv, vg + j * J.Dv, J.Dv);
+    }
+}
+
+void check_f32(const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "expertfs small ops: attn_decode needs contiguous float32 CPU ", what);
+}
+
+}  // namespace
+
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor& kc, at::Tensor& vc, int64_t p0, double scale) {
+    check_f32(q, "q");
+    check_f32(k, "k");
+    check_f32(v, "v");
+    check_f32(kc, "key cache");
+    check_f32(vc, "value cache");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.size(0) == 1 &&
+                k.size(0) == 1 && v.size(0) == 1, "expertfs small ops: attn_decode takes one "
+                "token: q [1, H, D], k [1, K, D], v [1, K, Dv]");
+    const int64_t H = q.size(1), D = q.size(2), K = k.size(1), Dv = v.size(2);
+    TORCH_CHECK(K > 0 && H % K == 0 && k.size(2) == D && v.size(1) == K,
+                "expertfs small ops: attn_decode head counts or sizes do not match");
+    TORCH_CHECK(kc.dim() == 3 && vc.dim() == 3 && kc.size(0) == K && vc.size(0) == K &&
+                kc.size(2) == D && vc.size(2) == Dv && kc.size(1) == vc.size(1) &&
+                p0 >= 0 && p0 < kc.size(1), "expertfs small ops: attn_decode caches must be "
+                "[K, cap, D] and [K, cap, Dv] with room for position ", p0);
+    const int64_t cap = kc.size(1), S = p0 + 1;
+    float* kcp = kc.data_ptr<float>();
+    float* vcp = vc.data_ptr<float>();
+    for (int64_t g = 0; g < K; ++g) {
+        std::memcpy(kcp + (g * cap + p0) * D, k.data_ptr<float>() + g * D, sizeof(float) * D);
+        std::memcpy(vcp + (g * cap + p0) * Dv, v.data_ptr<float>() + g * Dv, sizeof(float) * Dv);
+    }
+    at::Tensor o = at::empty({1, H * Dv}, q.options());
+    // a chunk of heads per task; one task when the whole job is small (pool wake-up > work)
+    const int64_t work = H * S * (D + Dv);
+    const int64_t chunks = work < (1 << 16) ? 1 : std::min<int64_t>(H, 8);
+    AttnJob job{q.data_ptr<float>(), kcp, vcp, o.data_ptr<float>(), H, K, D, Dv, cap, S,
+                (H + chunks - 1) / chunks, (float)scale};
+    {
+        pybind11::gil_scoped_release nogil;
+        run_parallel(chunks, attn_heads, &job);
+    }
+    return o;
+}
+
+}  // namespace efs

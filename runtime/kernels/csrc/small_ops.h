@@ -1,0 +1,31 @@
+// Row-wise operations of a decode step done in one native call each (small_ops.cpp): in a
+// forward pass that streams hundreds of MB of weights per token, each torch op on a few KB
+// runs with cold caches (measured here: ~40 µs per RMSNorm of 7 ops after a weight product,
+// against ~15 µs in a warm loop), and a decode step has ~90 of them per layer.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace efs {
+
+// y = x * rsqrt(mean(x^2) + eps) [* w] over the last dim of a contiguous float32 x.
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps);
+
+// In place on contiguous float32 x [T, H, D]: optionally RMSNorm each head (weights w [D]),
+// then rotate its first n_rot dims by position t's angles (cos/sin rows of n_rot/2 floats,
+// `tstride` floats apart): NEOX pairs (i, i + n_rot/2), NORM pairs (2i, 2i + 1).
+void norm_rope_(at::Tensor& x, const c10::optional<at::Tensor>& w, double eps, bool norm,
+                const at::Tensor& cos, const at::Tensor& sin, int64_t n_rot, bool neox);
+
+// One token's attention (decode): writes k [1, K, D] and v [1, K, Dv] at position p0 of the
+// caches kc [K, cap, D] and vc [K, cap, Dv], then for each of the H heads of q [1, H, D]
+// (query head h reads KV head h / (H / K)) returns softmax(q kᵀ · scale) v over positions
+// 0..p0 as [1, H * Dv]. Keys and values are read where they lie: no copy per query head.
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor& kc, at::Tensor& vc, int64_t p0, double scale);
+
+// Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
+void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
+
+}  // namespace efs

@@ -1,0 +1,114 @@
+"""The decode step's native row-wise ops (runtime.kernels: rms_norm, norm_rope_, attn_decode)
+against the torch code they replace (runtime.model.rope's torch path, torch's own
+scaled_dot_product_attention): equal within float rounding, the caches written as the torch
+path writes them, and None / False (nothing touched) where they do not apply."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertfs.runtime import kernels
+from expertfs.runtime.model import rope as rope_mod
+from expertfs.runtime.model.config import ROPE_NEOX
+
+MOD = kernels.load()
+pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
+                                f"{kernels.status()['reason']}")
+
+
+def torch_rms_norm(x, w, eps):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 64), (2, 3, 128), (1, 7)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_matches_torch(shape, weighted):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g) if weighted else None
+    y = kernels.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, torch_rms_norm(x, w, 1e-6), rtol=2e-6, atol=2e-6)
+    assert torch.equal(rope_mod.rms_norm(x, w, 1e-6), y)       # the model's norm uses it
+
+
+def test_rms_norm_not_applicable():
+    x = torch.randn(4, 8)
+    assert kernels.rms_norm(x.t(), None, 1e-6) is None                     # not contiguous
+    assert kernels.rms_norm(x.double(), None, 1e-6) is None
+    assert kernels.rms_norm(x.bfloat16(), None, 1e-6) is None
+    # the torch path still serves them
+    torch.testing.assert_close(rope_mod.rms_norm(x.t(), None, 1e-6),
+                               torch_rms_norm(x.t(), None, 1e-6))
+
+
+class _Cfg:
+    def __init__(self, n_rot, neox, freq_scale=1.0, yarn=False):
+        self.n_rot, self.rope = n_rot, (ROPE_NEOX if neox else 0)
+        self.rope_base, self.rope_freq_scale, self.rope_yarn = 10000.0, freq_scale, yarn
+        self.rope_orig_ctx, self.yarn_beta_fast, self.yarn_beta_slow = 4096, 32.0, 1.0
+        self.rope_mscale_in_attention = False
+
+
+@pytest.mark.parametrize("n_rot,neox", [(64, True), (64, False), (32, True), (32, False)])
+@pytest.mark.parametrize("normed", [True, False])
+def test_norm_rope_matches_torch_path(n_rot, neox, normed):
+    """Full and partial rotation (glm4moe rotates half of each head), both pairings."""
+    r = rope_mod.Rope(_Cfg(n_rot, neox), torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    T, H, D = 3, 4, 64
+    x = torch.randn(T, H, D, generator=g)
+    w = torch.randn(D, generator=g) if normed else None
+    cos, sin = r.tables(17, T)
+    want = r.apply(torch_rms_norm(x, w, 1e-5) if normed else x, cos, sin)
+    got = x.clone()
+    assert kernels.norm_rope_(got, w, 1e-5, cos, sin, n_rot, neox, normed)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    if not normed:                              # the same products: bit for bit
+        assert torch.equal(got, want)
+    torch.testing.assert_close(r.norm_apply(x.clone(), w, 1e-5, cos, sin), want,
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_norm_rope_not_applicable_leaves_x():
+    r = rope_mod.Rope(_Cfg(16, True), torch.device("cpu"))
+    cos, sin = r.tables(0, 2)
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    before = x.clone()
+    assert not kernels.norm_rope_(x, None, 1e-6, cos, sin, 16, True, False)
+    assert torch.equal(x, before)
+    out = r.norm_apply(x, None, 1e-6, cos, sin)                # falls back to torch
+    torch.testing.assert_close(out, r.apply(before, cos, sin))
+
+
+@pytest.mark.parametrize("H,K,D,Dv", [(32, 4, 128, 128), (8, 8, 64, 64), (6, 2, 16, 24)])
+@pytest.mark.parametrize("S", [1, 5, 300])
+def test_attn_decode_matches_sdpa(H, K, D, Dv, S):
+    g = torch.Generator().manual_seed(3)
+    cap = 512
+    kc, vc = torch.randn(K, cap, D, generator=g), torch.randn(K, cap, Dv, generator=g)
+    q = torch.randn(1, H, D, generator=g)
+    k, v = torch.randn(1, K, D, generator=g), torch.randn(1, K, Dv, generator=g)
+    scale = 1 / math.sqrt(D)
+    kw, vw = kc.clone(), vc.clone()
+    kw[:, S - 1], vw[:, S - 1] = k[0], v[0]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kw[None, :, :S],
+                                          vw[None, :, :S], scale=scale, enable_gqa=H != K)
+    want = want[0].transpose(0, 1).reshape(1, H * Dv)
+    got = kernels.attn_decode(q, k, v, kc, vc, S - 1, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kc, kw) and torch.equal(vc, vw)          # the token's k, v stored
+
+
+def test_attn_decode_bad_input():
+    kc = vc = torch.zeros(2, 8, 16)
+    q, k, v = torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16)
+    assert kernels.attn_decode(q.double(), k, v, kc, vc, 0, 1.0) is None
+    with pytest.raises(RuntimeError, match="room for position"):
+        kernels.attn_decode(q, k, v, kc, vc, 8, 1.0)
+    with pytest.raises(RuntimeError, match="head counts"):
+        kernels.attn_decode(torch.zeros(1, 3, 16), k, v, kc, vc, 0, 1.0)
