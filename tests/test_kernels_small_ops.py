@@ -112,3 +112,33 @@ def test_attn_decode_bad_input():
         kernels.attn_decode(q, k, v, kc, vc, 8, 1.0)
     with pytest.raises(RuntimeError, match="head counts"):
         kernels.attn_decode(torch.zeros(1, 3, 16), k, v, kc, vc, 0, 1.0)
+
+
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("norm_w,w_scale", [(True, 0.0), (False, 2.5)])
+def test_route_matches_torch_router(gating, biased, norm_w, w_scale):
+    from expertfs.runtime.model.config import GATING_SIGMOID, GATING_SOFTMAX
+    from expertfs.runtime.model.router import Router, RouterWeights
+
+    class Cfg:
+        n_expert_used, n_group, n_group_used = 6, 1, 1
+    Cfg.gating = GATING_SIGMOID if gating == "sigmoid" else GATING_SOFTMAX
+    Cfg.norm_w, Cfg.w_scale = norm_w, w_scale
+    g = torch.Generator().manual_seed(4)
+    E, D = 48, 256
+    rw = RouterWeights(torch.randn(E, D, generator=g) / 8,
+                       torch.randn(E, generator=g) / 4 if biased else None)
+    r = Router(Cfg())
+    assert r.native
+    for _ in range(20):
+        x = torch.randn(1, D, generator=g)
+        ids, wts, probs = r(x, rw)
+        assert probs is None                                        # the native call
+        r.native = False
+        ids_t, wts_t, _ = r(x, rw)
+        r.native = True
+        assert torch.equal(ids, ids_t)
+        torch.testing.assert_close(wts, wts_t, rtol=1e-5, atol=1e-7)
+    ids2, _, probs2 = r(torch.randn(3, D, generator=g), rw)        # batches: the torch path
+    assert ids2.shape == (3, 6) and probs2 is not None

@@ -36,7 +36,7 @@ from .build import load, status
 __all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe", "moe_hidden",
            "moe_down",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode"]
+           "attn_decode", "route"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
@@ -203,3 +203,17 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Ten
         return None
     mod = load()
     return None if mod is None else mod.attn_decode(q, k, v, kc, vc, int(p0), float(scale))
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+          sigmoid: bool, norm_w: bool, w_min: float,
+          w_scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token's expert choice (``x [1, D]``, router ``weight [E, D]``): softmax or sigmoid
+    probabilities, the top ``k`` of probs (+ ``bias``, for the choice only) best first, their
+    probs as weights, normalised (sum clamped at ``w_min``) when ``norm_w``, times
+    ``w_scale``. ``(ids [1, k] int64, weights [1, k] float32)``; None when not applicable."""
+    if not (_f32_cpu(x) and _f32_cpu(weight) and _f32_cpu(bias)) or x.shape[0] != 1:
+        return None
+    mod = load()
+    return None if mod is None else mod.route(x, weight, bias, int(k), bool(sigmoid),
+                                              bool(norm_w), float(w_min), float(w_scale))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels as native
 from .config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelConfig
 
 __all__ = ["Router", "RouterWeights"]
@@ -39,6 +40,7 @@ class Router:
         self.gating, self.norm_w, self.w_scale = cfg.gating, cfg.norm_w, cfg.w_scale
         self.k = k or cfg.n_expert_used
         self.n_group, self.n_group_used = cfg.n_group, cfg.n_group_used
+        self.native = self.n_group <= 1 and self.gating in (GATING_SOFTMAX, GATING_SIGMOID)
 
     def probs(self, x: torch.Tensor, w: RouterWeights) -> torch.Tensor:
         logits = F.linear(x.float(), w.weight)                    # [T, E]
@@ -64,7 +66,13 @@ class Router:
 
     def __call__(self, x: torch.Tensor, w: RouterWeights) -> tuple[torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
-        """``x [T, n_embd]`` → ``(ids [T, k] int64, weights [T, k] float32, probs [T, E])``."""
+        """``x [T, n_embd]`` → ``(ids [T, k] int64, weights [T, k] float32, probs [T, E])``;
+        one token's choice comes from one native call where the kernels take it (probs None)."""
+        if self.native and x.shape[0] == 1:
+            r = native.route(x, w.weight, w.probs_bias, self.k, self.gating == GATING_SIGMOID,
+                             self.norm_w, W_SUM_MIN, self.w_scale or 1.0)
+            if r is not None:
+                return r[0], r[1], None
         probs = self.probs(x, w)
         ids = self.select(probs, w)
         wts = probs.gather(1, ids)

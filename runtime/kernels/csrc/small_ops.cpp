@@ -156,7 +156,55 @@ void check_f32(const at::Tensor& t, const char* what) {
                 "expertfs small ops: attn_decode needs contiguous float32 CPU ", what);
 }
 
+__attribute__((target_clones("avx2", "default")))
+void logits_rows(const float* W, const float* x, float* out, int64_t E, int64_t D) {
+    for (int64_t e = 0; e < E; ++e) out[e] = dot8(W + e * D, x, D);
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& W,
+                                         const c10::optional<at::Tensor>& bias, int64_t k,
+                                         bool sigmoid, bool norm_w, double w_min,
+                                         double w_scale) {
+    check_f32(x, "x");
+    check_f32(W, "router weight");
+    const int64_t E = W.size(0), D = W.size(1);
+    TORCH_CHECK(W.dim() == 2 && x.numel() == D && k >= 1 && k <= E,
+                "expertfs small ops: route takes x [1, D], W [E, D] and 1 <= k <= E");
+    const float* bp = weight_of(bias, E);
+    std::vector<float> probs((size_t)E), sel((size_t)E);
+    logits_rows(W.data_ptr<float>(), x.data_ptr<float>(), probs.data(), E, D);
+    if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) probs[e] = 1.0f / (1.0f + std::exp(-probs[e]));
+    } else {
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; ++e) m = std::max(m, probs[e]);
+        for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(probs[e] - m));
+        for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; ++e) sel[e] = bp ? probs[e] + bp[e] : probs[e];
+    std::vector<int64_t> order((size_t)E);
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+        return sel[a] > sel[b] || (sel[a] == sel[b] && a < b);
+    });
+    at::Tensor ids = at::empty({1, k}, x.options().dtype(at::kLong));
+    at::Tensor wts = at::empty({1, k}, x.options());
+    int64_t* ip = ids.data_ptr<int64_t>();
+    float* wp = wts.data_ptr<float>();
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+        ip[j] = order[j];
+        total += (wp[j] = probs[order[j]]);
+    }
+    const float div = std::max(total, (float)w_min);
+    for (int64_t j = 0; j < k; ++j) {
+        if (norm_w) wp[j] /= div;
+        if (w_scale != 1.0) wp[j] *= (float)w_scale;
+    }
+    return {ids, wts};
+}
 
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& kc, at::Tensor& vc, int64_t p0, double scale) {

@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <tuple>
+
 namespace efs {
 
 // y = x * rsqrt(mean(x^2) + eps) [* w] over the last dim of a contiguous float32 x.
@@ -24,6 +26,16 @@ void norm_rope_(at::Tensor& x, const c10::optional<at::Tensor>& w, double eps, b
 // 0..p0 as [1, H * Dv]. Keys and values are read where they lie: no copy per query head.
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& kc, at::Tensor& vc, int64_t p0, double scale);
+
+// One token's expert choice, as runtime/model/router.py: logits = W x (W [E, D], x [1, D]);
+// probs = softmax or sigmoid (`sigmoid`); the top k of probs (+ bias [E] when given, for the
+// choice only), best first, ties to the lower id; weights = probs of those, divided by their
+// sum (clamped at w_min) when `norm_w`, times `w_scale`. Returns (ids [1, k] int64, weights
+// [1, k] float32).
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& W,
+                                         const c10::optional<at::Tensor>& bias, int64_t k,
+                                         bool sigmoid, bool norm_w, double w_min,
+                                         double w_scale);
 
 // Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
