@@ -1,0 +1,37 @@
+"""A prefill batch whose layer needs more experts than the RAM tier can hold at once is run in
+parts (fetch, compute, release), with the same logits as one part: no CapacityError for a
+small ``--ram`` and a long prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertfs.runtime.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from expertfs.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    d = tmp_path_factory.mktemp("parts")
+    g, s = d / "m.gguf", d / "m.efs"
+    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m"), str(g))
+    repack([str(g)], str(s))
+    return str(s)
+
+
+@pytest.mark.parametrize("fused", ["auto", "off"])
+def test_batch_wider_than_the_tier_runs_in_parts(store, fused):
+    tokens = list(range(3, 400, 13))                    # 31 tokens: every expert of a layer
+    with Engine.open(store, provider="direct", fused=fused) as e:
+        want = e.logits(tokens)
+        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
+    with Engine.open(store, provider="tiered", ram_bytes=3 * slot, fused=fused,
+                     provider_options={"warm_start": False, "backend": "buffered",
+                                       "record_usage": False}) as e:
+        room = e.provider.max_experts_per_get
+        assert 0 < room < e.config.n_expert               # the tier is narrower than a layer
+        got = e.logits(tokens)
+        assert e.provider.stats.misses >= e.config.n_expert
+    assert torch.equal(got, want)
