@@ -136,7 +136,7 @@ def test_exact_equals_dequant_linear(t, isa):
         rows = 37 + 8 * k
         raw = weight(t, rows, cols, int(t) * 7 + k)
         W = dequantize(raw, t, (rows, cols))
-        for nt in (1, 3, 6):
+        for nt in (1, 3, 6, 13):       # 6, 13: the several-token kernels (8 per pass)
             x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt + k))
             got = kernels.matvec(x, raw, t, (rows, cols))
             ref = F.linear(x, W)
@@ -324,3 +324,16 @@ def test_pool_concurrent_callers_thread_changes_and_fork():
 def _child(q, x, w, gate, up, down, types, ff, ref):
     torch.set_num_threads(2)
     q.put(bool(torch.equal(kernels.moe(x, w, gate, up, down, types, ff), ref)))
+
+
+def test_max_tokens_follows_the_isa():
+    """Q4_0 and Q8_0 take prefill-sized batches natively only where their AVX-512 several-token
+    kernels run; other types and ISAs keep the caller's default."""
+    assert kernels.max_tokens(T.Q4_K, 32) == 32
+    if "avx512" in isas():
+        assert kernels.max_tokens(T.Q4_0, 32) == kernels.WIDE_TYPES[T.Q4_0] > 32
+    MOD.set_isa("scalar")
+    try:
+        assert kernels.max_tokens(T.Q4_0, 32) == 32
+    finally:
+        MOD.set_isa("best")

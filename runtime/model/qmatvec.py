@@ -176,9 +176,11 @@ def reference(raw: torch.Tensor, t: GGMLType, shape: tuple[int, int],
 def decode_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[int, int],
                   act_quant: str | None = None) -> torch.Tensor | None:
     """``x [T, cols]`` float32 on CPU → ``[T, rows]`` through the native kernels (any of their
-    types, up to ``NATIVE_MAX_TOKENS`` tokens, ``act_quant`` honoured), else ``fused_matvec``;
+    types, up to ``NATIVE_MAX_TOKENS`` tokens or ``kernels.max_tokens`` of the type,
+    ``act_quant`` honoured), else ``fused_matvec``;
     None when neither applies."""
-    if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_TOKENS:
+    if x.dim() == 2 and (x.shape[0] <= NATIVE_MAX_TOKENS
+                         or x.shape[0] <= native.max_tokens(t, NATIVE_MAX_TOKENS)):
         y = native.matvec(x, raw, t, shape, act_quant)
         if y is not None:
             return y

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ...errors import StoreError
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType, row_bytes
-from .qmatvec import NATIVE_MAX_TOKENS, decode_matvec
+from .qmatvec import decode_matvec
 
 __all__ = ["RawTensor", "TrunkReader", "Linear", "Embedding", "plan_float"]
 
@@ -123,8 +123,8 @@ class Linear:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         q = self.q
-        if self.fused and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_TOKENS:
-            y = decode_matvec(x, q.raw, q.ggml_type, q.shape)     # a few tokens: no dequant
+        if self.fused and x.dim() == 2:
+            y = decode_matvec(x, q.raw, q.ggml_type, q.shape)     # native up to its token limit
             if y is not None:
                 return y if self.bias is None else y + self.bias
         return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias)

@@ -159,14 +159,15 @@ void par_chunks(int64_t n, const F& f) {
 }
 
 // Rows per chunk: about `target` weights (~5 us) per chunk, so the shared counter costs little,
-// and at least 4 chunks per thread when possible, so a delayed thread is made up for.
+// and at least 4 chunks per thread when possible, so a delayed thread is made up for; an even
+// count where there are rows for it (the several-token kernels take rows in pairs).
 int64_t rows_per_chunk(int64_t rows, int64_t cols, int64_t target = 65536) {
     int64_t r = target / (cols > 0 ? cols : 1);
     const int64_t nth = g_threads > 0 ? g_threads : at::get_num_threads();
     const int64_t cap = rows / (4 * nth);
     if (cap >= 1 && r > cap) r = cap;
-    if (r < 1) r = 1;
-    return r;
+    if (r < 2) r = rows >= 2 ? 2 : 1;
+    return r + (r & 1 && rows > r);
 }
 
 const TypeInfo* check_type(int64_t type, int64_t cols, int64_t mode) {
