@@ -64,8 +64,8 @@ class Router:
             sel = g.masked_fill(mask[..., None], float("-inf")).view(T, E)
         return sel.topk(k or self.k, dim=-1).indices
 
-    def __call__(self, x: torch.Tensor, w: RouterWeights) -> tuple[torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor]:
+    def __call__(self, x: torch.Tensor, w: RouterWeights
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x [T, n_embd]`` → ``(ids [T, k] int64, weights [T, k] float32, probs [T, E])``;
         one token's choice comes from one native call where the kernels take it (probs None)."""
         if self.native and x.shape[0] == 1:

@@ -86,7 +86,7 @@ class RouterHook(Router):
             self._window -= 1
 
     def __call__(self, x: torch.Tensor, w: RouterWeights
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         ids, wts, probs = super().__call__(x, w)
         layer = self.layer_of.get(id(w), -1)
         if (self.skip_n and self._window and self.skip_n < ids.shape[1] and
