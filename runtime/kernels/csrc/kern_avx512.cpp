@@ -170,6 +170,11 @@ EFS_ZI void block_z(const uint8_t* b, const float* const* xn, int64_t o, __m512*
     }
 }
 
+// Several tokens (NT >= 4: prefill batches, verify windows) take rows in pairs: each block's
+// weights decoded once and scaled by d (w = d * q, as the dequantized matrix holds them), then
+// two FMAs per token and row, the activations loaded once for both rows and no per-token scale
+// multiply. Fewer tokens (and a last odd row) go row by row with two blocks in flight, the
+// scale applied to each block's sum: cheaper than scaling the weights, and more FMAs in flight.
 template <int NT, class Z>
 EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
@@ -177,7 +182,37 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xn[NT];
     for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
     const int64_t ahead = pf_ahead_z(rb);
-    for (int64_t r = r0; r < r1; ++r) {
+    int64_t r = r0;
+    if constexpr (NT >= 4) {
+        for (; r + 2 <= r1; r += 2) {
+            const uint8_t* b0 = W + r * rb;
+            const uint8_t* b1 = b0 + rb;
+            pf_row_z(b0 + 2 * ahead * rb, 2 * rb);
+            __m512 a0[NT], a1[NT];
+            for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < nb; ++i, b0 += Z::BYTES, b1 += Z::BYTES) {
+                __m512 l0, h0, l1, h1;
+                Z::w(b0, l0, h0);
+                Z::w(b1, l1, h1);
+                const __m512 d0 = _mm512_set1_ps(f16_z(b0)), d1 = _mm512_set1_ps(f16_z(b1));
+                l0 = _mm512_mul_ps(l0, d0);
+                h0 = _mm512_mul_ps(h0, d0);
+                l1 = _mm512_mul_ps(l1, d1);
+                h1 = _mm512_mul_ps(h1, d1);
+                for (int t = 0; t < NT; ++t) {
+                    const __m512 xl = _mm512_loadu_ps(xn[t] + 32 * i);
+                    const __m512 xh = _mm512_loadu_ps(xn[t] + 32 * i + 16);
+                    a0[t] = _mm512_fmadd_ps(h0, xh, _mm512_fmadd_ps(l0, xl, a0[t]));
+                    a1[t] = _mm512_fmadd_ps(h1, xh, _mm512_fmadd_ps(l1, xl, a1[t]));
+                }
+            }
+            for (int t = 0; t < NT; ++t) {
+                put_z(y + (int64_t)t * ys + r, hsum512(a0[t]), alpha, accumulate);
+                put_z(y + (int64_t)t * ys + r + 1, hsum512(a1[t]), alpha, accumulate);
+            }
+        }
+    }
+    for (; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         pf_row_z(b + ahead * rb, rb);
         __m512 acc0[NT], acc1[NT];
@@ -194,94 +229,28 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
-// Several tokens (prefill batches, verify windows): two rows at a time, each block's weights
-// decoded once and scaled by d (w = d * q, as the dequantized matrix holds them), then two
-// FMAs per token and row: the activations are loaded once for both rows, and no per-token
-// scale multiply. Under four tokens ex_b32_z is faster (its per-block scale after the sum costs
-// less than scaling the weights, and its two blocks in flight keep more FMAs independent).
-template <int NT, class Z>
-EFS_Z void ex_b32_multi_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                          const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    const int64_t nb = cols / 32;
-    const float* xn[NT];
-    for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
-    const int64_t ahead = pf_ahead_z(rb);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        pf_row_z(b0 + 2 * ahead * rb, 2 * rb);
-        __m512 a0[NT], a1[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b0 += Z::BYTES, b1 += Z::BYTES) {
-            __m512 l0, h0, l1, h1;
-            Z::w(b0, l0, h0);
-            Z::w(b1, l1, h1);
-            const __m512 d0 = _mm512_set1_ps(f16_z(b0)), d1 = _mm512_set1_ps(f16_z(b1));
-            l0 = _mm512_mul_ps(l0, d0);
-            h0 = _mm512_mul_ps(h0, d0);
-            l1 = _mm512_mul_ps(l1, d1);
-            h1 = _mm512_mul_ps(h1, d1);
-            for (int t = 0; t < NT; ++t) {
-                const __m512 xl = _mm512_loadu_ps(xn[t] + 32 * i);
-                const __m512 xh = _mm512_loadu_ps(xn[t] + 32 * i + 16);
-                a0[t] = _mm512_fmadd_ps(h0, xh, _mm512_fmadd_ps(l0, xl, a0[t]));
-                a1[t] = _mm512_fmadd_ps(h1, xh, _mm512_fmadd_ps(l1, xl, a1[t]));
-            }
-        }
-        for (int t = 0; t < NT; ++t) {
-            put_z(y + (int64_t)t * ys + r, hsum512(a0[t]), alpha, accumulate);
-            put_z(y + (int64_t)t * ys + r + 1, hsum512(a1[t]), alpha, accumulate);
-        }
-    }
-    if (r < r1) ex_b32_z<NT, Z>(W, rb, r, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
 template <int NT>
 EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    if (NT < 4)
-        ex_b32_z<NT, ZQ4_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-    else
-        ex_b32_multi_z<NT, ZQ4_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+    ex_b32_z<NT, ZQ4_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
 template <int NT>
 EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    if (NT < 4)
-        ex_b32_z<NT, ZQ8_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-    else
-        ex_b32_multi_z<NT, ZQ8_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+    ex_b32_z<NT, ZQ8_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
-#define EFS_Z_ROWS(name)                                                                       \
+// Up to `per` tokens per pass over the weights: 8 for the blocks of 32 (two rows' accumulators
+// for 8 tokens fit the 32 registers), 4 for Q4_K.
+#define EFS_Z_ROWS(name, per)                                                                  \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
                            int accumulate) {                                                    \
-        for (int t0 = 0; t0 < nt; t0 += 4) {                                                    \
-            float* yt = y + (int64_t)t0 * ys;                                                   \
-            switch (nt - t0 < 4 ? nt - t0 : 4) {                                                \
-                case 1: name<1>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
-                case 2: name<2>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
-                case 3: name<3>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
-                default: name<4>(W, rb, r0, r1, cols, xs + t0, yt, ys, alpha, accumulate); break; \
-            }                                                                                   \
-        }                                                                                       \
-    }
-
-EFS_Z_ROWS(ex_q4_k_z)
-
-// The blocks of 32 take up to 8 tokens per pass over the weights (two rows' accumulators for
-// 8 tokens fit the 32 registers).
-#define EFS_Z_ROWS8(name)                                                                      \
-    EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
-                           const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
-                           int accumulate) {                                                    \
-        for (int t0 = 0; t0 < nt; t0 += 8) {                                                    \
+        for (int t0 = 0; t0 < nt; t0 += per) {                                                  \
             float* yt = y + (int64_t)t0 * ys;                                                   \
             const XPrep* xt = xs + t0;                                                          \
-            switch (nt - t0 < 8 ? nt - t0 : 8) {                                                \
+            switch (nt - t0 < per ? nt - t0 : per) {                                            \
                 case 1: name<1>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
                 case 2: name<2>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
                 case 3: name<3>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
@@ -294,7 +263,7 @@ EFS_Z_ROWS(ex_q4_k_z)
         }                                                                                       \
     }
 
-EFS_Z_ROWS8(ex_q4_0_z) EFS_Z_ROWS8(ex_q8_0_z)
+EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
 
 }  // namespace
 
