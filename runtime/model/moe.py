@@ -193,11 +193,14 @@ class ExpertRunner:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
                                                         prefetch_next)
             prefetch_next()
-            room = getattr(self.provider, "max_experts_per_get", len(experts))
-            if T > 1 and weights is None and 0 < room < len(experts):
-                out = self._batched_in_parts(layer, x, ids, wts, experts, counts_h, room)
-            elif weights is None:
-                weights = self._weights(layer, experts)
+            if weights is None:
+                room = len(experts)         # a batch may need more than the tier holds at once
+                if T > 1:
+                    room = getattr(self.provider, "max_experts_per_get", room)
+                if 0 < room < len(experts):
+                    out = self._batched_in_parts(layer, x, ids, wts, experts, counts_h, room)
+                else:
+                    weights = self._weights(layer, experts)
             if T == 1 and out is None:
                 if self.fused:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
