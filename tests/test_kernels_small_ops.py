@@ -104,6 +104,25 @@ def test_attn_decode_matches_sdpa(H, K, D, Dv, S):
     assert torch.equal(kc, kw) and torch.equal(vc, vw)          # the token's k, v stored
 
 
+@pytest.mark.parametrize("sharp", [1.0, 40.0])
+def test_attn_decode_softmax_against_float64(sharp):
+    """Scores spread over hundreds (sharp=40: most weights underflow) and S not a multiple of
+    the kernel's 4 rows or 8 lanes: no further from float64 than torch's float32 sdpa is."""
+    g = torch.Generator().manual_seed(5)
+    H, K, D, S = 8, 2, 64, 203
+    kc, vc = torch.randn(K, 256, D, generator=g), torch.randn(K, 256, D, generator=g)
+    q = torch.randn(1, H, D, generator=g) * sharp
+    k, v = kc[None, :, S - 1].clone(), vc[None, :, S - 1].clone()
+    got = kernels.attn_decode(q, k, v, kc, vc, S - 1, 1 / 8)
+    want = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], kc.double()[None, :, :S],
+                                          vc.double()[None, :, :S], scale=1 / 8, enable_gqa=True)
+    want = want[0].transpose(0, 1).reshape(1, H * D)
+    peer = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :S],
+                                          vc[None, :, :S], scale=1 / 8, enable_gqa=True)
+    peer_err = (peer[0].transpose(0, 1).reshape(1, H * D).double() - want).abs().max()
+    assert (got.double() - want).abs().max() <= 4 * peer_err + 1e-6
+
+
 def test_attn_decode_bad_input():
     kc = vc = torch.zeros(2, 8, 16)
     q, k, v = torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16)
