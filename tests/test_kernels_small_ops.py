@@ -85,9 +85,19 @@ def test_norm_rope_not_applicable_leaves_x():
     torch.testing.assert_close(out, r.apply(before, cos, sin))
 
 
+@pytest.fixture(params=["best", "scalar"])
+def isa(request):
+    """The CPU's best kernels (AVX2+FMA attention here) and the portable ones."""
+    MOD.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        MOD.set_isa("best")
+
+
 @pytest.mark.parametrize("H,K,D,Dv", [(32, 4, 128, 128), (8, 8, 64, 64), (6, 2, 16, 24)])
 @pytest.mark.parametrize("S", [1, 5, 300])
-def test_attn_decode_matches_sdpa(H, K, D, Dv, S):
+def test_attn_decode_matches_sdpa(H, K, D, Dv, S, isa):
     g = torch.Generator().manual_seed(3)
     cap = 512
     kc, vc = torch.randn(K, cap, D, generator=g), torch.randn(K, cap, Dv, generator=g)
@@ -105,7 +115,7 @@ def test_attn_decode_matches_sdpa(H, K, D, Dv, S):
 
 
 @pytest.mark.parametrize("sharp", [1.0, 40.0])
-def test_attn_decode_softmax_against_float64(sharp):
+def test_attn_decode_softmax_against_float64(sharp, isa):
     """Scores spread over hundreds (sharp=40: most weights underflow) and S not a multiple of
     the kernel's 4 rows or 8 lanes: no further from float64 than torch's float32 sdpa is."""
     g = torch.Generator().manual_seed(5)

@@ -483,6 +483,8 @@ void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
     par_chunks(n, [&](int64_t c) { fn(ctx, c); });
 }
 
+bool isa_avx2() { return g_isa >= ISA_AVX2; }
+
 }  // namespace efs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

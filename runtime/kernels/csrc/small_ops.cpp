@@ -1,8 +1,10 @@
 // The decode step's row-wise operations (see small_ops.h), with the numerics of the torch
-// code they replace (runtime/model/rope.py): RMSNorm scales x by a float32 rsqrt of the mean
-// square (summed here in double, torch sums in float32: the two agree within float rounding)
-// and then multiplies by the weight; the rotation computes a*cos - b*sin and b*cos + a*sin
-// with each product rounded (the build has -ffp-contract=off), as torch's elementwise ops do.
+// code they replace (runtime/model/rope.py, attention.py, router.py): RMSNorm scales x by a
+// float32 rsqrt of the mean square (summed here in double, torch sums in float32: the two
+// agree within float rounding) and then multiplies by the weight; the rotation computes
+// a*cos - b*sin and b*cos + a*sin with each product rounded (the build has -ffp-contract=off),
+// as torch's elementwise ops do; attention and the router's product sum in float32 in their
+// own order (FMAs in the AVX2 attention path), within float rounding of torch's.
 #include "small_ops.h"
 
 #include <ATen/ops/empty.h>
@@ -125,9 +127,7 @@ struct AttnJob {
     float scale;
 };
 
-// Compiled twice (AVX2 and baseline), chosen once at load by the CPU: the loops above are
-// inlined into each.
-__attribute__((target_clones("avx2", "default")))
+// The portable path (CPUs without AVX2+FMA): one head after another, positions inner.
 void attn_heads(void* ctx, int64_t chunk) {
     const AttnJob& J = *static_cast<const AttnJob*>(ctx);
     const int64_t group = J.H / J.K;
@@ -250,12 +250,7 @@ EFS_AF void attn_heads_avx2(void* ctx, int64_t chunk) {
     }
 }
 
-const bool g_avx2_fma = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}();
 #else
-const bool g_avx2_fma = false;
 void attn_heads_avx2(void* ctx, int64_t chunk) { attn_heads(ctx, chunk); }
 #endif
 
@@ -346,7 +341,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 (H + chunks - 1) / chunks, (float)scale};
     {
         pybind11::gil_scoped_release nogil;
-        run_parallel(chunks, g_avx2_fma ? attn_heads_avx2 : attn_heads, &job);
+        run_parallel(chunks, isa_avx2() ? attn_heads_avx2 : attn_heads, &job);
     }
     return o;
 }

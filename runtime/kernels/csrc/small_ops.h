@@ -40,4 +40,8 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
 // Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
 
+// Whether the kernels run at the AVX2 (+FMA, F16C) tier or above now (ops.cpp; set_isa
+// lowers it, so tests reach the portable code too).
+bool isa_avx2();
+
 }  // namespace efs
