@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from expertfs.runtime import kernels
+from test_kernels import isa  # noqa: F401  (fixture: kernels.set_isa for the test, then best)
 from expertfs.runtime.model import rope as rope_mod
 from expertfs.runtime.model.config import ROPE_NEOX
 
@@ -85,16 +86,11 @@ def test_norm_rope_not_applicable_leaves_x():
     torch.testing.assert_close(out, r.apply(before, cos, sin))
 
 
-@pytest.fixture(params=["best", "scalar"])
-def isa(request):
-    """The CPU's best kernels (AVX2+FMA attention here) and the portable ones."""
-    MOD.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        MOD.set_isa("best")
+# the CPU's best kernels (AVX2+FMA attention here) and the portable ones
+BEST_AND_PORTABLE = pytest.mark.parametrize("isa", ["best", "scalar"], indirect=True)
 
 
+@BEST_AND_PORTABLE
 @pytest.mark.parametrize("H,K,D,Dv", [(32, 4, 128, 128), (8, 8, 64, 64), (6, 2, 16, 24)])
 @pytest.mark.parametrize("S", [1, 5, 300])
 def test_attn_decode_matches_sdpa(H, K, D, Dv, S, isa):
@@ -114,6 +110,7 @@ def test_attn_decode_matches_sdpa(H, K, D, Dv, S, isa):
     assert torch.equal(kc, kw) and torch.equal(vc, vw)          # the token's k, v stored
 
 
+@BEST_AND_PORTABLE
 @pytest.mark.parametrize("sharp", [1.0, 40.0])
 def test_attn_decode_softmax_against_float64(sharp, isa):
     """Scores spread over hundreds (sharp=40: most weights underflow) and S not a multiple of

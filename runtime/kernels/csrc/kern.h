@@ -94,6 +94,17 @@ void round_bf16(const float* x, float* y, int64_t n);
 void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n);
 void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum);
 
+// One token's attention (small_ops.cpp attn_decode): query heads [h0, h1) of q [H, D] against
+// their KV head's first S cache rows (kc [K, cap, D], vc [K, cap, Dv]; query head h reads KV
+// head h / (H / K)): o[h] = softmax(q[h] . k * scale) v, into o [H, Dv]; p: S floats of scratch.
+struct AttnArgs {
+    const float *q, *kc, *vc;
+    float* o;
+    int64_t H, K, D, Dv, cap, S;
+    float scale;
+};
+void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p);
+
 // g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
 void silu_mul(float* g, const float* u, int64_t n);
 void avx2_silu_mul(float* g, const float* u, int64_t n);

@@ -958,6 +958,76 @@ EFS_T void avx2_silu_mul(float* g, const float* u, int64_t n) {
     for (; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+// Four key rows per step against the head's query (its chunks loaded once per step), FMAs;
+// the softmax's e^x eight at a time (exp8); the values accumulated 64 columns at a time in
+// registers.
+EFS_T void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p) {
+    const int64_t group = a.H / a.K, D = a.D, Dv = a.Dv, S = a.S, D8 = D / 8 * 8;
+    for (int64_t h = h0; h < h1; ++h) {
+        const int64_t g = h / group;
+        const float* qh = a.q + h * D;
+        const float* kg = a.kc + g * a.cap * D;
+        const float* vg = a.vc + g * a.cap * Dv;
+        int64_t j = 0;
+        for (; j + 4 <= S; j += 4) {
+            const float* k0 = kg + j * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < D8; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + i);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + i), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + i), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + i), a3);
+            }
+            float d[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+            for (int64_t i = D8; i < D; ++i)
+                for (int r = 0; r < 4; ++r) d[r] += qh[i] * k0[r * D + i];
+            for (int r = 0; r < 4; ++r) p[j + r] = d[r] * a.scale;
+        }
+        for (; j < S; ++j) {                               // the last S % 4 rows
+            const float* kr = kg + j * D;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D8; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kr + i), acc);
+            float d = hsum(acc);
+            for (int64_t i = D8; i < D; ++i) d += qh[i] * kr[i];
+            p[j] = d * a.scale;
+        }
+        float m = p[0];
+        for (int64_t t = 1; t < S; ++t) m = p[t] > m ? p[t] : m;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sv = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= S; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), mv));
+            _mm256_storeu_ps(p + t, e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum(sv);
+        for (; t < S; ++t) sum += (p[t] = expf(p[t] - m));
+        const float inv = 1.0f / sum;
+        for (t = 0; t < S; ++t) p[t] *= inv;
+        float* oh = a.o + h * Dv;
+        int64_t c = 0;
+        for (; c + 64 <= Dv; c += 64) {
+            __m256 o[8];
+            for (int l = 0; l < 8; ++l) o[l] = _mm256_setzero_ps();
+            for (t = 0; t < S; ++t) {
+                const __m256 w = _mm256_broadcast_ss(p + t);
+                const float* v = vg + t * Dv + c;
+                for (int l = 0; l < 8; ++l)
+                    o[l] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * l), o[l]);
+            }
+            for (int l = 0; l < 8; ++l) _mm256_storeu_ps(oh + c + 8 * l, o[l]);
+        }
+        for (; c < Dv; ++c) {
+            float acc = 0.0f;
+            for (t = 0; t < S; ++t) acc += p[t] * vg[t * Dv + c];
+            oh[c] = acc;
+        }
+    }
+}
+
 RowsFn avx2_rows(int type, int mode) {
 #define EFS_CASE(T, name) case T: return mode == 0 ? rows_ex_##name : rows_q8_##name;
     switch (type) {
@@ -984,6 +1054,7 @@ bool avx2_compiled() { return false; }
 void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n) { quantize_q8k(x, y, n); }
 void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int s) { quantize_qx8(x, y, n, s); }
 void avx2_silu_mul(float* g, const float* u, int64_t n) { silu_mul(g, u, n); }
+void avx2_attn_heads(const AttnArgs&, int64_t, int64_t, float*) {}   // never called off x86
 }  // namespace efs
 
 #endif

@@ -7,14 +7,12 @@
 // own order (FMAs in the AVX2 attention path), within float rounding of torch's.
 #include "small_ops.h"
 
+#include "kern.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -121,138 +119,43 @@ inline __attribute__((always_inline)) void axpy(float* y, float a, const float* 
 }
 
 struct AttnJob {
-    const float *q, *kc, *vc;
-    float* o;
-    int64_t H, K, D, Dv, cap, S, heads_per_chunk;
-    float scale;
+    AttnArgs a;
+    int64_t heads_per_chunk;
 };
 
-// The portable path (CPUs without AVX2+FMA): one head after another, positions inner.
+// A task: a few heads. With AVX2+FMA the kernels' unit does it (kern_avx2.cpp); the portable
+// path goes one head after another, positions inner.
 void attn_heads(void* ctx, int64_t chunk) {
     const AttnJob& J = *static_cast<const AttnJob*>(ctx);
-    const int64_t group = J.H / J.K;
-    std::vector<float> p((size_t)J.S);
-    const int64_t h1 = std::min(J.H, (chunk + 1) * J.heads_per_chunk);
-    for (int64_t h = chunk * J.heads_per_chunk; h < h1; ++h) {
+    const AttnArgs& A = J.a;
+    std::vector<float> p((size_t)A.S);
+    const int64_t h0 = chunk * J.heads_per_chunk, h1 = std::min(A.H, h0 + J.heads_per_chunk);
+    if (isa_avx2()) {
+        avx2_attn_heads(A, h0, h1, p.data());
+        return;
+    }
+    const int64_t group = A.H / A.K;
+    for (int64_t h = h0; h < h1; ++h) {
         const int64_t g = h / group;
-        const float* qh = J.q + h * J.D;
-        const float* kg = J.kc + g * J.cap * J.D;
-        const float* vg = J.vc + g * J.cap * J.Dv;
+        const float* qh = A.q + h * A.D;
+        const float* kg = A.kc + g * A.cap * A.D;
+        const float* vg = A.vc + g * A.cap * A.Dv;
         float m = -INFINITY;
-        for (int64_t j = 0; j < J.S; ++j) {
-            p[j] = dot8(qh, kg + j * J.D, J.D) * J.scale;
+        for (int64_t j = 0; j < A.S; ++j) {
+            p[j] = dot8(qh, kg + j * A.D, A.D) * A.scale;
             m = std::max(m, p[j]);
         }
         float sum = 0.0f;
-        for (int64_t j = 0; j < J.S; ++j) {
+        for (int64_t j = 0; j < A.S; ++j) {
             p[j] = std::exp(p[j] - m);
             sum += p[j];
         }
-        float* oh = J.o + h * J.Dv;
-        std::memset(oh, 0, sizeof(float) * J.Dv);
+        float* oh = A.o + h * A.Dv;
+        std::memset(oh, 0, sizeof(float) * A.Dv);
         const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < J.S; ++j) axpy(oh, p[j] * inv, vg + j * J.Dv, J.Dv);
+        for (int64_t j = 0; j < A.S; ++j) axpy(oh, p[j] * inv, vg + j * A.Dv, A.Dv);
     }
 }
-
-#if defined(__x86_64__) || defined(__i386__)
-#define EFS_AF __attribute__((target("avx2,fma")))
-
-EFS_AF inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// e^x for x <= 0 (softmax after subtracting the max), Cephes' expf: x = n ln2 + r with ln2 in
-// two parts, a degree-6 polynomial for e^r, times 2^n; within 2 ulp of expf. Inputs below
-// -87.3 give ~1.2e-38 instead of a denormal or 0 (far below a softmax sum's rounding).
-EFS_AF inline __m256 exp8_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-// attn_heads with AVX2 FMAs: four key rows per step against the head's query (the query's
-// chunks loaded once per step), and the values accumulated 64 columns at a time in registers.
-EFS_AF void attn_heads_avx2(void* ctx, int64_t chunk) {
-    const AttnJob& J = *static_cast<const AttnJob*>(ctx);
-    const int64_t group = J.H / J.K, D = J.D, Dv = J.Dv, S = J.S;
-    std::vector<float> p((size_t)S);
-    const int64_t h1 = std::min(J.H, (chunk + 1) * J.heads_per_chunk);
-    for (int64_t h = chunk * J.heads_per_chunk; h < h1; ++h) {
-        const int64_t g = h / group;
-        const float* qh = J.q + h * D;
-        const float* kg = J.kc + g * J.cap * D;
-        const float* vg = J.vc + g * J.cap * Dv;
-        const int64_t D8 = D / 8 * 8;
-        int64_t j = 0;
-        for (; j + 4 <= S; j += 4) {
-            const float* k0 = kg + j * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t i = 0; i < D8; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + i);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + i), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + i), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + i), a3);
-            }
-            float d[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
-            for (int64_t i = D8; i < D; ++i)
-                for (int r = 0; r < 4; ++r) d[r] += qh[i] * k0[r * D + i];
-            for (int r = 0; r < 4; ++r) p[j + r] = d[r] * J.scale;
-        }
-        for (; j < S; ++j) p[j] = dot8(qh, kg + j * D, D) * J.scale;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < S; ++t) m = std::max(m, p[t]);
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 sv = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= S; t += 8) {
-            const __m256 e = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(&p[t]), mv));
-            _mm256_storeu_ps(&p[t], e);
-            sv = _mm256_add_ps(sv, e);
-        }
-        float sum = hsum8(sv);
-        for (; t < S; ++t) sum += (p[t] = std::exp(p[t] - m));
-        const float inv = 1.0f / sum;
-        for (t = 0; t < S; ++t) p[t] *= inv;
-        float* oh = J.o + h * Dv;
-        int64_t c = 0;
-        for (; c + 64 <= Dv; c += 64) {
-            __m256 o[8];
-            for (int l = 0; l < 8; ++l) o[l] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < S; ++t) {
-                const __m256 w = _mm256_broadcast_ss(&p[t]);
-                const float* v = vg + t * Dv + c;
-                for (int l = 0; l < 8; ++l)
-                    o[l] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * l), o[l]);
-            }
-            for (int l = 0; l < 8; ++l) _mm256_storeu_ps(oh + c + 8 * l, o[l]);
-        }
-        for (; c < Dv; ++c) {
-            float a = 0.0f;
-            for (int64_t t = 0; t < S; ++t) a += p[t] * vg[t * Dv + c];
-            oh[c] = a;
-        }
-    }
-}
-
-#else
-void attn_heads_avx2(void* ctx, int64_t chunk) { attn_heads(ctx, chunk); }
-#endif
 
 void check_f32(const at::Tensor& t, const char* what) {
     TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
@@ -337,11 +240,11 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     // a chunk of heads per task; one task when the whole job is small (pool wake-up > work)
     const int64_t work = H * S * (D + Dv);
     const int64_t chunks = work < (1 << 16) ? 1 : std::min<int64_t>(H, 8);
-    AttnJob job{q.data_ptr<float>(), kcp, vcp, o.data_ptr<float>(), H, K, D, Dv, cap, S,
-                (H + chunks - 1) / chunks, (float)scale};
+    AttnJob job{{q.data_ptr<float>(), kcp, vcp, o.data_ptr<float>(), H, K, D, Dv, cap, S,
+                 (float)scale}, (H + chunks - 1) / chunks};
     {
         pybind11::gil_scoped_release nogil;
-        run_parallel(chunks, isa_avx2() ? attn_heads_avx2 : attn_heads, &job);
+        run_parallel(chunks, attn_heads, &job);
     }
     return o;
 }
