@@ -162,7 +162,9 @@ void check_f32(const at::Tensor& t, const char* what) {
                 "expertfs small ops: attn_decode needs contiguous float32 CPU ", what);
 }
 
-__attribute__((target_clones("avx2", "default")))
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target_clones("avx2", "default")))   // 8-wide on AVX2 CPUs, chosen at load
+#endif
 void logits_rows(const float* W, const float* x, float* out, int64_t E, int64_t D) {
     for (int64_t e = 0; e < E; ++e) out[e] = dot8(W + e * D, x, D);
 }
