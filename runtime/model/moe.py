@@ -193,15 +193,11 @@ class ExpertRunner:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
                                                         prefetch_next)
             prefetch_next()
-            if weights is None:
-                room = len(experts)         # a batch may need more than the tier holds at once
-                if T > 1:
-                    room = getattr(self.provider, "max_experts_per_get", room)
-                if 0 < room < len(experts):
-                    out = self._batched_in_parts(layer, x, ids, wts, experts, counts_h, room)
-                else:
+            if T > 1:
+                out = self._batched(layer, x, ids, wts, experts, counts_h)
+            elif out is None:
+                if weights is None:
                     weights = self._weights(layer, experts)
-            if T == 1 and out is None:
                 if self.fused:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
                                         self.act_quant)
@@ -210,44 +206,35 @@ class ExpertRunner:
                     for j, e in enumerate(experts):
                         out.add_(expert_ffn(x, weights[e], self.fused, self.act_quant)
                                  .float() * wts[0, j])
-            elif T > 1 and out is None:
-                out = self._batched(x, ids, wts, experts, counts_h, weights)
         finally:
             self.provider.release(layer)
         if w.shared is not None:
             out.add_(shared if shared is not None else w.shared(x).float())
         return out.to(x.dtype)
 
-    def _batched_in_parts(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
-                          wts: torch.Tensor, experts: list[int], counts: list[int],
-                          room: int) -> torch.Tensor:
-        """A batch whose layer needs more experts than the compute tier can hold at once: the
-        experts in parts of ``room``, each part fetched, computed and released before the next
-        (the same sums in the same order as in one part)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for a in range(0, len(experts), room):
-            part = experts[a:a + room]
-            try:
-                self._batched(x, ids, wts, part, counts, self._weights(layer, part), out)
-            finally:
-                self.provider.release(layer)
-        return out
-
-    def _batched(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-                 experts: list[int], counts: list[int], weights: dict[int, Any],
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Adds ``experts``' (ascending) share of the batch's routed output into ``out``."""
+    def _batched(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+                 experts: list[int], counts: list[int]) -> torch.Tensor:
+        """A batch's routed output: each used expert (ascending) applied to its tokens and added
+        in. When the layer needs more experts than the compute tier holds at once, they are
+        fetched in parts, each computed and released before the next (the same sums in the same
+        order); the caller releases the last."""
         k = ids.shape[1]
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)                        # [T*k], by expert
+        order = torch.argsort(ids.flatten(), stable=True)                # [T*k], by expert
         tok = order // k                                                 # token of each pair
         wsorted = wts.flatten().index_select(0, order)
-        if out is None:
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = list(itertools.accumulate(counts, initial=0))           # first pair per expert
-        for e in experts:
-            a, b = start[e], start[e] + counts[e]
-            t = tok[a:b]
-            y = expert_ffn(x.index_select(0, t), weights[e], self.fused, self.act_quant).float()
-            out.index_add_(0, t, y * wsorted[a:b, None])
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        room = getattr(self.provider, "max_experts_per_get", 0)
+        room = room if 0 < room < len(experts) else max(1, len(experts))
+        for p in range(0, len(experts), room):
+            if p:
+                self.provider.release(layer)
+            part = experts[p:p + room]
+            weights = self._weights(layer, part)
+            for e in part:
+                a, b = start[e], start[e] + counts[e]
+                t = tok[a:b]
+                y = expert_ffn(x.index_select(0, t), weights[e], self.fused,
+                               self.act_quant).float()
+                out.index_add_(0, t, y * wsorted[a:b, None])
         return out
