@@ -1,4 +1,6 @@
-"""The Belady/OPT bound: the most hits any cache of a given size could get on a trace.
+"""Offline references for a trace: the Belady/OPT bound (the most hits any cache of a given size
+could get) and the static-frequency cache (the most a cache gets that knows how often each expert
+is used but not when).
 
 Offline MIN (Belady 1966) with demand fetch: every accessed expert must be resident when its
 layer runs (it is computed from its slot), so a miss always inserts, evicting the resident key
@@ -6,6 +8,16 @@ whose next use is farthest in the future. The running row's keys are pinned, as 
 Next uses are precomputed in one backward pass; a lazy max-heap keyed by next use makes the
 whole replay O(n log n). With ``prefill`` the cache starts holding the ``capacity`` keys used
 first (what a free warm start could load), the bound to compare warm-started policies against.
+
+The static-frequency cache pins the ``capacity - w`` experts the whole trace uses most (``w`` the
+widest row, whose other keys pass through the remaining slots) and never evicts them. When each
+token's route is an independent draw from fixed per-expert frequencies, no policy does better
+(Aven, Coffman and Kogan 1987, the independent reference model); a policy beats it only by
+exploiting the order of the trace (temporal locality), and Belady's margin over it is knowledge
+of that order, which a cache serving tokens as they come does not have. Without ``prefill`` it
+is itself a demand-fetch cache (each pinned expert read at its first use), so it never exceeds
+Belady at the same capacity; with ``prefill`` its pinned experts start resident (a warm start
+from learned usage does the same).
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from collections.abc import Sequence
 
 from ..errors import UsageError
 
-__all__ = ["next_uses", "belady_hits"]
+__all__ = ["next_uses", "belady_hits", "static_hits"]
 
 
 def next_uses(seq: Sequence[int]) -> list[int]:
@@ -30,15 +42,21 @@ def next_uses(seq: Sequence[int]) -> list[int]:
     return out
 
 
-def belady_hits(rows: Sequence[Sequence[int]], capacity: int, *, prefill: bool = False) -> int:
-    """Hits of the optimal demand-fetch cache of ``capacity`` slots over ``rows`` of keys
-    (each row: the distinct keys one layer of one token needs at once)."""
+def _check_capacity(rows: Sequence[Sequence[int]], capacity: int) -> int:
+    """The widest row, after checking that ``capacity`` slots can serve it."""
     if capacity < 1:
-        raise UsageError(f"Belady bound for {capacity} slots", fix="give at least 1 slot")
+        raise UsageError(f"an offline bound for {capacity} slots", fix="give at least 1 slot")
     widest = max((len(r) for r in rows), default=0)
     if widest > capacity:
         raise UsageError(f"a row needs {widest} experts at once but the cache has {capacity} "
                          "slots", fix="give the tier at least k slots")
+    return widest
+
+
+def belady_hits(rows: Sequence[Sequence[int]], capacity: int, *, prefill: bool = False) -> int:
+    """Hits of the optimal demand-fetch cache of ``capacity`` slots over ``rows`` of keys
+    (each row: the distinct keys one layer of one token needs at once)."""
+    _check_capacity(rows, capacity)
     seq = [key for row in rows for key in row]
     nxt = next_uses(seq)
     n = len(seq)
@@ -80,3 +98,16 @@ def belady_hits(rows: Sequence[Sequence[int]], capacity: int, *, prefill: bool =
             heapq.heapify(heap)
     assert i == n
     return hits
+
+
+def static_hits(rows: Sequence[Sequence[int]], capacity: int, *, prefill: bool = False) -> int:
+    """Hits of the static-frequency cache of ``capacity`` slots over ``rows`` (module doc): the
+    ``capacity - widest row`` most used keys pinned (ties to the lower key), each missing once,
+    at its first use, unless ``prefill``."""
+    widest = _check_capacity(rows, capacity)
+    counts: dict[int, int] = {}
+    for row in rows:
+        for key in row:
+            counts[key] = counts.get(key, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:capacity - widest]
+    return sum(c if prefill else c - 1 for _, c in top)

@@ -3,7 +3,10 @@
 For each capacity point (VRAM slots, RAM slots) it replays every policy (``simulate``) and
 computes the bounds: VRAM hits ≤ OPT(VRAM slots); hits in either tier ≤ OPT(VRAM + RAM slots)
 for exclusive tiers, OPT(RAM slots) for inclusive ones (each is a demand-fetch cache of that
-many slots, so MIN bounds it). Results are plain data (``as_dict``), a text table, or a PNG.
+many slots, so MIN bounds it). Beside Belady, the static-frequency cache of as many slots (the
+most used experts pinned: the best a cache that knows frequencies but not order can do on
+independent routes; ``policies_opt``) shows how much of Belady's margin is knowing the order.
+Results are plain data (``as_dict``), a text table, or a PNG.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from .policies import CapacityError
-from .policies_opt import belady_hits
+from .policies_opt import belady_hits, static_hits
 from .policies_registry import DEFAULT_POLICY, make_factory
 from .simulate import Replay, SimResult, simulate
 
@@ -35,6 +38,7 @@ class PointResult:
     point: Point
     opt_total: float                 # Belady hit rate for "not read from the store"
     opt_vram: float | None           # Belady hit rate of the VRAM tier alone
+    static_total: float              # the static-frequency cache's, as many slots as opt_total
     results: dict[str, SimResult | None] = field(default_factory=dict)   # None: does not fit
 
     def as_dict(self, slot_bytes: int) -> dict[str, object]:
@@ -42,10 +46,11 @@ class PointResult:
             "vram_slots": self.point.vram, "ram_slots": self.point.ram,
             "vram_bytes": self.point.vram * slot_bytes, "ram_bytes": self.point.ram * slot_bytes,
             "belady_hit_rate": self.opt_total, "belady_vram_hit_rate": self.opt_vram,
-            "policies": {}}
+            "static_hit_rate": self.static_total, "policies": {}}
         for name, r in self.results.items():
             d = None if r is None else {**r.as_dict(), "vs_belady": _ratio(r.hit_rate, self.opt_total),
-                                        "vram_vs_belady": _ratio(r.vram_hit_rate, self.opt_vram)}
+                                        "vram_vs_belady": _ratio(r.vram_hit_rate, self.opt_vram),
+                                        "vs_static": _ratio(r.hit_rate, self.static_total)}
             out["policies"][name] = d  # type: ignore[index]
         return out
 
@@ -83,6 +88,7 @@ def run_sweep(replay: Replay, policies: Sequence[str], points: Sequence[Point], 
     h = replay.header
     width = max((len(r) for r in replay.rows), default=h.k)
     opt_cache: dict[int, float] = {}
+    static_cache: dict[int, float] = {}
     n = sum(len(r) for r in replay.rows)
     if n == 0:
         raise UsageError("the trace has no rows", fix="record or generate a longer trace")
@@ -92,13 +98,18 @@ def run_sweep(replay: Replay, policies: Sequence[str], points: Sequence[Point], 
             opt_cache[slots] = belady_hits(replay.rows, slots, prefill=bool(warm)) / n
         return opt_cache[slots]
 
+    def static(slots: int) -> float:
+        if slots not in static_cache:
+            static_cache[slots] = static_hits(replay.rows, slots, prefill=bool(warm)) / n
+        return static_cache[slots]
+
     out = []
     for pt in points:
         total = pt.ram if inclusive else pt.vram + pt.ram
         if min(s for s in (pt.vram, pt.ram, total) if s) < width:
             raise UsageError(f"capacity point vram={pt.vram}, ram={pt.ram} slots: a layer needs "
                              f"{width} experts at once", fix=f"give every tier at least {width} slots")
-        pr = PointResult(pt, opt(total), opt(pt.vram) if pt.vram else None)
+        pr = PointResult(pt, opt(total), opt(pt.vram) if pt.vram else None, static(total))
         for name in policies:
             f = make_factory(name, n_layers=h.n_layers, route_width=width, layer_of=replay.layer_of)
             try:
@@ -133,6 +144,8 @@ def format_sweep(s: Sweep) -> str:
                      f"({_gib(pt.ram * sb)})")
         ov = "" if p.opt_vram is None else f"{p.opt_vram:7.3f}"
         lines.append(f"{'belady (OPT)':<14}{p.opt_total:7.3f}{'':>7}{ov:>7}")
+        lines.append(f"{'static (freq)':<14}{p.static_total:7.3f}"
+                     f"{_ratio(p.static_total, p.opt_total) or 0:7.3f}")
         for name, r in p.results.items():
             if r is None:
                 lines.append(f"{name:<14}  does not fit (a layer's quota is below its route)")
@@ -163,6 +176,8 @@ def plot_sweep(s: Sweep, path: str | os.PathLike[str]) -> None:
         pts = sorted((p for p in s.points if (p.point.vram if by_ram else p.point.ram) == g), key=xof)
         x = [xof(p) * gib for p in pts]
         ax.plot(x, [p.opt_total for p in pts], "k--", marker="o", label="Belady (OPT)")
+        ax.plot(x, [p.static_total for p in pts], "k:", marker="x",
+                label="static frequency (knows frequencies, not order)")
         for name in pts[0].results:
             y = [r.hit_rate if (r := p.results.get(name)) else float("nan") for p in pts]
             ax.plot(x, y, marker=".", label=name)

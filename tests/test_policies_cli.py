@@ -34,6 +34,8 @@ def test_json_report(capsys) -> None:
             assert 0 < res["hit_rate"] <= p["belady_hit_rate"]
             assert res["vs_belady"] == pytest.approx(res["hit_rate"] / p["belady_hit_rate"])
             assert res["nvme_bytes_per_token"] == res["misses"] * 1048576 / 120
+            assert res["vs_static"] == pytest.approx(res["hit_rate"] / p["static_hit_rate"])
+        assert 0 < p["static_hit_rate"] <= p["belady_hit_rate"]
 
 
 def test_trace_file_with_byte_sizes_and_two_tiers(tmp_path, capsys) -> None:
@@ -55,7 +57,8 @@ def test_text_table_and_plot(tmp_path, capsys) -> None:
     assert main(["bench", "cache", "--synthetic", SPEC, "--capacity", "8,16,32",
                  "--policies", "lru,wlfu/layer", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "belady (OPT)" in out and "wlfu" in out and "NVMe MiB/tok" in out
+    assert "belady (OPT)" in out and "static (freq)" in out and "wlfu" in out
+    assert "NVMe MiB/tok" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,4 +1,5 @@
-"""The Belady bound (against brute force) and the two-tier simulator (against invariants)."""
+"""The Belady bound (against brute force), the static-frequency cache and the two-tier simulator
+(against invariants)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from expertfs.errors import UsageError
 from expertfs.runtime.policies import LRU
-from expertfs.runtime.policies_opt import belady_hits, next_uses
+from expertfs.runtime.policies_opt import belady_hits, next_uses, static_hits
 from expertfs.runtime.policies_registry import ALL_POLICIES, make_factory
 from expertfs.runtime.simulate import Replay, simulate, slots_for, usage_counts
 from expertfs.runtime.trace import TraceChunk, TraceHeader, TraceWriter
@@ -52,6 +53,24 @@ def test_next_uses() -> None:
        cap=st.integers(2, 4), prefill=st.booleans())
 def test_belady_is_optimal(rows, cap, prefill) -> None:
     assert belady_hits(rows, cap, prefill=prefill) == brute_force_opt(rows, cap, prefill)
+
+
+def test_static_frequency_cache() -> None:
+    rows = [[1, 2], [3, 1], [1, 4], [2, 3], [1, 2]]        # uses: 1 x4, 2 x3, 3 x2, 4 x1
+    assert static_hits(rows, 3) == 4 - 1                     # key 1 pinned, read once
+    assert static_hits(rows, 3, prefill=True) == 4
+    assert static_hits(rows, 4) == (4 - 1) + (3 - 1)         # keys 1 and 2
+    assert static_hits([[5, 6], [7, 8]], 2) == 0             # nothing pinned: room for a row only
+    with pytest.raises(UsageError, match="at once"):
+        static_hits([[1, 2, 3]], 2)
+
+
+@settings(max_examples=120, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=2, unique=True),
+                     min_size=1, max_size=9),
+       cap=st.integers(2, 4))
+def test_static_cache_never_beats_belady(rows, cap) -> None:
+    assert 0 <= static_hits(rows, cap) <= belady_hits(rows, cap)
 
 
 def test_belady_rejects_too_small_a_cache() -> None:
