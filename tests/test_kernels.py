@@ -239,6 +239,30 @@ def test_moe_equals_expert_loop(types, fused):
     assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("types,fused", [((T.Q4_K, T.Q4_K, T.Q6_K), False),
+                                         ((T.Q8_0, T.Q8_0, T.Q4_0), False),
+                                         ((T.MXFP4, T.MXFP4, T.MXFP4), True)],
+                         ids=["q4k-q6k", "q8_0-q4_0", "mxfp4-fused"])
+@pytest.mark.parametrize("aq", ["off", "q8"])
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+def test_moe_in_parts_equals_one_call_bit_for_bit(types, fused, aq, isa):
+    """Some experts' gate/up and down rows first, the others' later, summed in routing order by
+    moe_combine: the one-call moe's bits (what a decode step does while misses load)."""
+    D, ff, n = 512, 256, 6
+    gate, up, down = _experts(types, n, D, ff, fused, 21)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(5))
+    w = torch.rand(n, generator=torch.Generator().manual_seed(6))
+    want = kernels.moe(x, w, gate, up, down, types, ff, aq)
+    for first in ([0, 2, 3], [5], [1, 2, 3, 4, 5]):
+        v = torch.empty(n, D)
+        for part in (first, [j for j in range(n) if j not in first]):
+            h = kernels.moe_hidden(x, [gate[j] for j in part],
+                                   None if up is None else [up[j] for j in part],
+                                   types[:2], ff, aq)
+            v[part] = kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq)
+        assert torch.equal(kernels.moe_combine(v, w), want), first
+
+
 def test_results_do_not_depend_on_threads():
     D, ff, n = 512, 256, 4
     types = (T.Q4_K, T.Q4_K, T.Q6_K)

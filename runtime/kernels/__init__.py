@@ -17,9 +17,10 @@ Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1
 ``(out, in)`` given as its ggml bytes; ``moe(x, w, gate, up, down, ...)`` is one decode step
 through a layer's selected experts in one call (every expert's gate and up rows, SiLU·up, then
 each output row summed over the experts' down rows, weighted), parallel over rows and experts
-on torch's intra-op threads; ``moe_hidden`` and ``moe_down`` are its two phases (gate/up per
-expert, then the weighted down sum in the given order), so a layer can start on its resident
-experts while the others load and still get ``moe``'s bits. All return None when the kernels are unavailable (no compiler,
+on torch's intra-op threads; ``moe_hidden``, ``moe_down_rows`` and ``moe_combine`` are its
+steps (gate/up per expert, each expert's down rows, then their weighted sum in the given order),
+so a layer can compute its resident experts while the others load and still get ``moe``'s
+bits. All return None when the kernels are unavailable (no compiler,
 ``EXPERTFS_NATIVE=0``, a failed build: logged once) or do not apply (type, device, dtype), so
 callers fall back to their torch paths.
 """
@@ -34,7 +35,7 @@ from ...formats.ggml import GGMLType
 from .build import load, status
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe", "moe_hidden",
-           "moe_down",
+           "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "max_tokens", "WIDE_TYPES"]
 
@@ -166,10 +167,11 @@ def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch
     return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode)
 
 
-def moe_down(h: torch.Tensor, w: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGMLType,
-             n_embd: int, act_quant: str | None = None) -> torch.Tensor | None:
-    """``moe``'s second phase: ``Σ_j w[j] · down_j h[j]`` with the experts added in the order
-    given, ``[1, n_embd]`` float32; None when not applicable."""
+def moe_down_rows(h: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGMLType,
+                  n_embd: int, act_quant: str | None = None) -> torch.Tensor | None:
+    """The first step of ``moe``'s second phase: each expert's unscaled ``down_j h[j]``,
+    ``[n, n_embd]`` float32 (each row independent of the others in the call); None when not
+    applicable."""
     mode = _moe_mode(act_quant)
     td = int(ggml_type)
     if (not h.is_cpu or h.dtype != torch.float32 or h.dim() != 2 or not down
@@ -178,7 +180,14 @@ def moe_down(h: torch.Tensor, w: torch.Tensor, down: Sequence[torch.Tensor], ggm
     mod = load()
     if mod is None:
         return None
-    return mod.moe_down(h, w, list(down), td, int(n_embd), mode)
+    return mod.moe_down_rows(h, list(down), td, int(n_embd), mode)
+
+
+def moe_combine(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The second step: ``Σ_j w[j] · v[j]`` added in row order, ``[1, n_embd]``, with the same
+    rounding as ``moe``; None when the kernels are unavailable."""
+    mod = load() if _f32_cpu(v) and v.dim() == 2 else None
+    return None if mod is None else mod.moe_combine(v, w)
 
 
 def _f32_cpu(t: torch.Tensor | None) -> bool:

@@ -24,7 +24,7 @@ from ..experts.protocol import ExpertProvider
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
 from .lookahead import LookaheadStats
-from .qmatvec import fused_experts, native_down, native_hidden
+from .qmatvec import fused_experts, native_combine, native_down_rows, native_hidden
 from .router import Router, RouterWeights
 
 __all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
@@ -108,13 +108,13 @@ class ExpertRunner:
                     shared: DenseFFN | None,
                     then: Callable[[], None]
                     ) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
-        """One decode step that computes the resident experts' gate/up rows (and the shared
-        expert) while the missing ones are read, then the rest and the down sum in routing
-        order: bit for bit the one-call product (``qmatvec.native_hidden``/``native_down``).
-        Returns (routed output, the weights, the shared expert's output), each None when not
-        done here: nothing to overlap or the native kernels do not apply, and the caller
-        computes from the weights as usual. ``then()`` runs once this layer's reads are issued
-        (the next layer's prefetch: it queues behind them)."""
+        """One decode step that computes the resident experts (gate/up, then their down rows)
+        and the shared expert while the missing ones are read, then the rest and the weighted
+        sum in routing order: bit for bit the one-call product (``qmatvec.native_hidden``,
+        ``native_down_rows``, ``native_combine``). Returns (routed output, the weights, the
+        shared expert's output), each None when not done here: nothing to overlap or the native
+        kernels do not apply, and the caller computes from the weights as usual. ``then()`` runs
+        once this layer's reads are issued (the next layer's prefetch: it queues behind them)."""
         begin = getattr(self.provider, "get_begin", None)
         if begin is None:
             return None, None, None
@@ -124,23 +124,27 @@ class ExpertRunner:
         hit = [e for e in experts if e in ready]
         if not hit or len(hit) == len(experts):
             return None, {**ready, **finish()}, None
-        h_hit = native_hidden(x, [ready[e] for e in hit], self.act_quant)
-        sh = shared(x).float() if shared is not None and h_hit is not None else None
+        D = x.shape[1]
+        hit_w = [ready[e] for e in hit]
+        h_hit = native_hidden(x, hit_w, self.act_quant)
+        v_hit = None if h_hit is None else native_down_rows(h_hit, hit_w, D, self.act_quant)
+        sh = shared(x).float() if shared is not None and v_hit is not None else None
         rest = finish()
         weights = {**ready, **rest}
-        if h_hit is None:
+        if v_hit is None:
             return None, weights, None
         miss = [e for e in experts if e not in ready]
-        h_miss = native_hidden(x, [rest[e] for e in miss], self.act_quant)
-        if h_miss is None:
+        miss_w = [rest[e] for e in miss]
+        h_miss = native_hidden(x, miss_w, self.act_quant)
+        v_miss = None if h_miss is None else native_down_rows(h_miss, miss_w, D, self.act_quant)
+        if v_miss is None:
             return None, weights, sh
         self.stats.overlapped += 1
         pos = {e: j for j, e in enumerate(experts)}
-        h = torch.empty(len(experts), h_hit.shape[1], dtype=torch.float32)
-        h[[pos[e] for e in hit]] = h_hit
-        h[[pos[e] for e in miss]] = h_miss
-        return (native_down(h, w, [weights[e] for e in experts], x.shape[1], self.act_quant),
-                weights, sh)
+        v = torch.empty(len(experts), D, dtype=torch.float32)
+        v[[pos[e] for e in hit]] = v_hit
+        v[[pos[e] for e in miss]] = v_miss
+        return native_combine(v, w), weights, sh
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""

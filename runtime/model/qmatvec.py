@@ -45,7 +45,8 @@ from ..experts.protocol import QWeight as _QWeight
 _R_GATE, _R_UP, _R_GATE_UP, _R_DOWN = Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN
 
 __all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
-           "precompile", "NATIVE_MAX_TOKENS", "native_hidden", "native_down"]
+           "precompile", "NATIVE_MAX_TOKENS", "native_hidden", "native_down_rows",
+           "native_combine"]
 
 log = logging.getLogger(__name__)
 
@@ -288,15 +289,21 @@ def native_hidden(x: torch.Tensor, experts: list,
     return native.moe_hidden(x, G, U, types[:2], n_ff, act_quant)
 
 
-def native_down(h: torch.Tensor, w: torch.Tensor, experts: list, n_embd: int,
-                act_quant: str | None = None) -> torch.Tensor | None:
-    """The second phase: ``Σ_j w[j] · down_j h[j]`` in the order of ``experts``, ``[1, n_embd]``;
-    with ``native_hidden``'s rows in that order it equals the one-call product bit for bit."""
+def native_down_rows(h: torch.Tensor, experts: list, n_embd: int,
+                     act_quant: str | None = None) -> torch.Tensor | None:
+    """The second phase's first step for some experts: ``[n, n_embd]`` unscaled rows
+    ``down_j h[j]`` (``h``: ``native_hidden``'s rows for the same experts), or None."""
     p = _native_parts(experts, n_embd) if experts else None
     if p is None:
         return None
     _, _, Dn, types, _ = p
-    return native.moe_down(h, w, Dn, types[2], n_embd, act_quant)
+    return native.moe_down_rows(h, Dn, types[2], n_embd, act_quant)
+
+
+def native_combine(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """``Σ_j w[j] · v[j]`` in row order, ``[1, n_embd]``: with ``native_down_rows``' rows in
+    routing order, the one-call product bit for bit."""
+    return native.moe_combine(v, w)
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,

@@ -223,8 +223,8 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
 }
 
 // The two phases of one decode step through n experts, shared by moe, moe_hidden and
-// moe_down so that a layer computed in two calls (resident experts while the others load)
-// gives bit-identical results to one call.
+// moe_down_rows / moe_combine so that a layer computed in parts (resident experts while the
+// others load) gives bit-identical results to one call.
 
 // Phase 1: h[e] = silu(gate_e x) * up_e x, written into h (n * ff floats). Rows are
 // independent, so the result does not depend on which experts share the call.
@@ -260,21 +260,46 @@ void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
     });
 }
 
-// Phase 2: y[r] = sum_e w[e] * down_e[r] . h[e], the experts added in order.
+// Phase 2, in two steps every path shares: the unscaled rows v[e][r] = down_e[r] . h[e] of
+// each expert (independent of which experts share the call), then y[r] = sum_e w[e] v[e][r]
+// with the experts added in order. So a layer whose resident experts' rows are computed while
+// the others load (moe_down_rows twice, moe_combine) equals the one-call product bit for bit.
+struct DownPrep {
+    RowsFn fd = nullptr;
+    std::vector<Prep> ph;
+    DownPrep(const float* h, int64_t n, int64_t ff, int64_t td, int64_t mode)
+        : fd(rows_fn((int)td, (int)mode)), ph((size_t)n) {
+        TORCH_CHECK(fd, "expertfs kernels: no kernel for these types");
+        const int fmt_d = act_format((int)td, (int)mode);
+        for (int64_t e = 0; e < n; ++e) ph[e].make(h + e * ff, ff, 1, ff, fmt_d);
+    }
+    void rows(int64_t e, const uint8_t* W, int64_t rbd, int64_t r0, int64_t r1, int64_t ff,
+              float* v) const {
+        fd(W, rbd, r0, r1, ff, ph[e].xs.data(), 1, v, 0, 1.f, 0);
+    }
+};
+
+// One machine code for the sum whatever the caller, so its rounding is the same everywhere.
+__attribute__((noinline)) void combine_rows(const float* v, int64_t n, int64_t D, const float* w,
+                                            int64_t r0, int64_t r1, float* y) {
+    for (int64_t r = r0; r < r1; ++r) {
+        float s = w[0] * v[r];
+        for (int64_t e = 1; e < n; ++e) s = s + w[e] * v[e * D + r];
+        y[r] = s;
+    }
+}
+
 void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
                 const std::vector<const uint8_t*>& Dn, int64_t rbd, int64_t td, int64_t mode,
                 const float* wp, float* yp) {
-    const RowsFn fd = rows_fn((int)td, (int)mode);
-    TORCH_CHECK(fd, "expertfs kernels: no kernel for these types");
     pybind11::gil_scoped_release nogil;
-    std::vector<Prep> ph((size_t)n);
-    const int fmt_d = act_format((int)td, (int)mode);
-    for (int64_t e = 0; e < n; ++e) ph[e].make(h + e * ff, ff, 1, ff, fmt_d);
+    const DownPrep dp(h, n, ff, td, mode);
+    std::vector<float> v((size_t)(n * D));
     const int64_t rd = rows_per_chunk(D, n * ff);
     par_chunks((D + rd - 1) / rd, [&](int64_t c) {
         const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
-        for (int64_t e = 0; e < n; ++e)
-            fd(Dn[e], rbd, r0, r1, ff, ph[e].xs.data(), 1, yp, 0, wp[e], e > 0);
+        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v.data() + e * D);
+        combine_rows(v.data(), n, D, wp, r0, r1, yp);
     });
 }
 
@@ -353,26 +378,49 @@ at::Tensor moe_hidden(const at::Tensor& x_, const std::vector<at::Tensor>& gate,
     return h;
 }
 
-// Phase 2 alone: h [n, ff] (moe_hidden's rows, in the order of `down`) -> [1, D].
-at::Tensor moe_down(const at::Tensor& h_, const at::Tensor& w_, const std::vector<at::Tensor>& down,
-                    int64_t td, int64_t D, int64_t mode) {
-    const int64_t n = (int64_t)down.size();
-    TORCH_CHECK(n > 0 && h_.dim() == 2 && h_.size(0) == n, "expertfs kernels: moe_down needs "
-                "one row of h per expert");
-    const int64_t ff = h_.size(1);
-    const at::Tensor h = check_x(h_, ff);
-    TORCH_CHECK(w_.numel() == n, "expertfs kernels: one weight per expert expected");
-    const at::Tensor w = w_.to(at::kFloat).contiguous();
+std::vector<const uint8_t*> check_down(const std::vector<at::Tensor>& down, int64_t D, int64_t ff,
+                                       int64_t td, int64_t mode, int64_t* rbd) {
     const TypeInfo* di = check_type(td, ff, mode);
-    const int64_t rbd = ff / di->block * di->bytes;
-    std::vector<const uint8_t*> Dn((size_t)n);
-    for (int64_t e = 0; e < n; ++e) {
-        check_raw(down[e], D, rbd, "down");
+    *rbd = ff / di->block * di->bytes;
+    std::vector<const uint8_t*> Dn(down.size());
+    for (size_t e = 0; e < down.size(); ++e) {
+        check_raw(down[e], D, *rbd, "down");
         Dn[e] = down[e].data_ptr<uint8_t>();
     }
-    at::Tensor y = at::empty({1, D}, h.options());
-    down_phase(h.data_ptr<float>(), n, ff, D, Dn, rbd, td, mode, w.data_ptr<float>(),
-               y.data_ptr<float>());
+    return Dn;
+}
+
+// Phase 2's first step alone: the unscaled rows v [n, D], v[e] = down_e h[e].
+at::Tensor moe_down_rows(const at::Tensor& h_, const std::vector<at::Tensor>& down, int64_t td,
+                         int64_t D, int64_t mode) {
+    const int64_t n = (int64_t)down.size();
+    TORCH_CHECK(n > 0 && h_.dim() == 2 && h_.size(0) == n, "expertfs kernels: moe_down_rows "
+                "needs one row of h per expert");
+    const int64_t ff = h_.size(1);
+    const at::Tensor h = check_x(h_, ff);
+    int64_t rbd = 0;
+    const std::vector<const uint8_t*> Dn = check_down(down, D, ff, td, mode, &rbd);
+    at::Tensor v = at::empty({n, D}, h.options());
+    float* vp = v.data_ptr<float>();
+    pybind11::gil_scoped_release nogil;
+    const DownPrep dp(h.data_ptr<float>(), n, ff, td, mode);
+    const int64_t rd = rows_per_chunk(D, n * ff);
+    par_chunks((D + rd - 1) / rd, [&](int64_t c) {
+        const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
+        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, vp + e * D);
+    });
+    return v;
+}
+
+// Phase 2's second step alone: y [1, D] = sum_e w[e] v[e], added in order.
+at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_) {
+    TORCH_CHECK(v_.dim() == 2 && v_.size(0) > 0, "expertfs kernels: moe_combine takes [n, D]");
+    const int64_t n = v_.size(0), D = v_.size(1);
+    const at::Tensor v = check_x(v_, D);
+    TORCH_CHECK(w_.numel() == n, "expertfs kernels: one weight per expert expected");
+    const at::Tensor w = w_.to(at::kFloat).contiguous();
+    at::Tensor y = at::empty({1, D}, v.options());
+    combine_rows(v.data_ptr<float>(), n, D, w.data_ptr<float>(), 0, D, y.data_ptr<float>());
     return y;
 }
 
@@ -499,9 +547,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("moe_hidden", &efs::moe_hidden, "phase 1 of moe: silu(gate x) * up x per expert",
           pybind11::arg("x"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("tg"),
           pybind11::arg("tu"), pybind11::arg("ff"), pybind11::arg("mode"));
-    m.def("moe_down", &efs::moe_down, "phase 2 of moe: the weighted down projections, summed",
-          pybind11::arg("h"), pybind11::arg("w"), pybind11::arg("down"), pybind11::arg("td"),
-          pybind11::arg("D"), pybind11::arg("mode"));
+    m.def("moe_down_rows", &efs::moe_down_rows, "phase 2's unscaled rows down_e h[e], [n, D]",
+          pybind11::arg("h"), pybind11::arg("down"), pybind11::arg("td"), pybind11::arg("D"),
+          pybind11::arg("mode"));
+    m.def("moe_combine", &efs::moe_combine, "phase 2's weighted sum of moe_down_rows' rows",
+          pybind11::arg("v"), pybind11::arg("w"));
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
