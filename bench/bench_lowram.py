@@ -10,7 +10,9 @@ One run, same GGUF, same threads, same prompt and token count, caches dropped be
   llama.cpp at 128 KB alternate ``--rounds`` times (this disk drifts), medians reported;
 - a disk roofline: the disk's random-read bandwidth at the expert size (``expertfs bench io``
   in the same run) ÷ the expert bytes expertfs missed per token;
-- optionally (``--resident``) both without a cap and with everything in the page cache.
+- optionally (``--resident``) both without a cap: llama.cpp with the model in the page cache,
+  expertfs with every expert read into its RAM tier before the prompt (``--preload``; that time
+  reported apart, as ``preload_s``), so both decode from memory from the first token.
 
 llama.cpp runs with its own OpenMP defaults (``peer_environ``: without the wait policy
 ``expertfs.runtime`` puts in this process's environment). Prints a table and ratios;
@@ -62,10 +64,11 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
 
 
 def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace,
-                 trace: str | None = None, warm: bool = False) -> dict:
+                 trace: str | None = None, preload: bool = False) -> dict:
     argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
             "-t", str(a.threads), "--ram", str(ram), "--ctx", str(a.ctx), "--ignore-eos",
-            "--temp", str(a.temp), "--seed", str(a.seed), "--json"] + ([] if warm else ["--no-warm-start"])
+            "--temp", str(a.temp), "--seed", str(a.seed), "--json"]
+    argv += ["--preload"] if preload else ["--no-warm-start"]
     argv += (["--trace", trace] if trace else []) + a.expertfs_args.split()
     r = run_capped(argv, cap, dev, timeout=a.timeout)
     if r.returncode != 0:
@@ -168,7 +171,7 @@ def main() -> int:
         res["roofline_tok_s"] = bw / (e["mb_read_per_token"] * 1e6)
     if a.resident:
         res["llama_resident"] = llama(a.model, None, dev, None, a)
-        res["expertfs_resident"] = expertfs_run(store, None, dev, 2 * size, a, warm=True)
+        res["expertfs_resident"] = expertfs_run(store, None, dev, 2 * size, a, preload=True)
     if a.json:
         print(json.dumps(res, indent=2, default=str))
         return 0

@@ -181,6 +181,11 @@ class Engine:
         budget = options.trunk_budget
         if budget is None and self.device.type == "cpu":
             budget = memory_limit() // 4
+        # The warm start's reads wait for the first logits: they would share the drive with
+        # the trunk's reads and then the prompt's own experts, and delay the first token.
+        self._resume_warm = getattr(provider, "resume_warm", None)
+        if self._resume_warm is not None:
+            provider.hold_warm()
         self.trunk = load_trunk(self.reader, self.config, dtype=self.dtype, device=self.device,
                                 trunk_mode=options.trunk, float_budget=budget,
                                 nextn=options.load_nextn, fused=fused)
@@ -247,6 +252,8 @@ class Engine:
                 # the tiers give prefetch slots only to a RAM-only cache: plan_slots)
                 if options.lookahead and not options.draft_prefetch:
                     popts.setdefault("prefetch_slots", lookahead_slots(store, options))
+                if provider != "direct":
+                    popts.setdefault("warm_held", True)     # resumed at the first logits
                 provider = make_provider(store, device=options.device, ram_bytes=ram_bytes,
                                          vram_bytes=vram_bytes, kind=provider, **popts)
             return cls(store, provider, options, own_store=True)
@@ -273,6 +280,9 @@ class Engine:
         if self._trace is not None:
             self._flush_trace(len(tokens))
         self._token_no += len(tokens)
+        if logits != "none" and self._resume_warm is not None:
+            resume, self._resume_warm = self._resume_warm, None
+            resume()
         return out
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:

@@ -49,6 +49,31 @@ def test_generate_json(model, capsys):
     assert isinstance(r["text"], str)
 
 
+def test_preload_reads_every_expert_before_the_prompt(model, capsys):
+    """--preload: the RAM tier holds the model before the prompt, so generation reads nothing
+    and every expert get hits; the preload's reads and gets are reported apart."""
+    _, _, store = model
+    assert main(["run", store, "-p", "Beautiful is better", "-n", "4", "--json", "-t", "1",
+                 "--provider", "tiered", "--ram", "1G", "--preload", "--ignore-eos"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["preload_s"] > 0 and r["generated_tokens"] == 4
+    assert r["mb_read_per_token"] == 0 and r["hit_rate"]["ram"] == 1.0 and r["stall_s"] == 0
+    assert r["stats"]["provider_stats"]["bytes_read"] > 0      # the preload's reads
+
+
+def test_engine_holds_the_warm_start_until_the_first_logits(model):
+    """The warm start's reads wait while the engine loads and runs the prompt (the prompt's
+    own experts first), and go on after its logits."""
+    from expertfs.runtime.engine import Engine
+    _, _, store = model
+    with Engine.open(store, provider="tiered", ram_bytes=1 << 30) as e:
+        loader = e.provider.cache.loader
+        assert loader.held and loader.warm_pending > 0
+        e.prefill([3, 14, 15])
+        assert not loader.held
+        e.decode(9)
+
+
 def test_chat_sampling_streams_text(model, capsys):
     _, _, store = model
     assert main(["run", store, "--chat", "-p", "hi", "-n", "4", "--temp", "0.8", "--top-p", "0.9",

@@ -5,6 +5,7 @@ usage round-trips through the store into a warm start, and hit counts equal the 
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -12,9 +13,12 @@ import pytest
 
 from expertfs.errors import UsageError
 from expertfs.runtime.cache import State
+from expertfs.runtime.cache.entry import Entry
+from expertfs.runtime.cache.loader import Loader
 from expertfs.runtime.experts import ExpertProvider
 from expertfs.runtime.experts.tiered import TieredProvider
-from expertfs.runtime.io import Fault, FaultInjectingBackend, IOFaultError, get_backend
+from expertfs.runtime.io import Fault, FaultInjectingBackend, IOFaultError, Priority, get_backend
+from expertfs.runtime.io.scheduler import ReadFuture
 from expertfs.runtime.policies import CapacityError
 from expertfs.store import Store
 
@@ -272,6 +276,51 @@ def test_warm_start_loads_every_expert_when_all_fit(store, data):
         assert p.stats.misses == 0
     with provider(store, n // 2, warm_start=True) as p:      # does not fit: the learned ones only
         assert p.stats.warm_issued == len(store.index.usage())
+
+
+class _HeldReader:
+    """An ExpertReader stand-in whose reads complete only when the test says so."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, ReadFuture]] = []
+
+    def read_expert(self, layer, expert, *, into, priority):
+        fut = ReadFuture(priority)
+        self.reads.append((expert, fut))
+        return fut
+
+
+def test_warm_drip_waits_while_demand_reads_are_in_flight():
+    """The drip keeps ``depth`` warm reads in flight but issues none while a demand read is
+    (a warm read at the drive shares its bandwidth); the last demand read's completion
+    resumes it; after close nothing more is issued."""
+    reader = _HeldReader()
+    loader = Loader(reader, lambda slot: None, warm_depth=2)
+    entries = [Entry(key=k, layer=1, expert=k, extent=None, host_slot=k) for k in range(6)]
+    loader.queue_warm(entries[:5])
+    assert [x for x, _ in reader.reads] == [0, 1]
+    loader.issue(entries[5], Priority.DEMAND)
+    reader.reads[0][1].set_result(None)                 # a warm read ends: demand in flight
+    assert len(reader.reads) == 3 and loader.warm_pending == 4
+    reader.reads[2][1].set_result(None)                 # the demand read ends: the drip resumes
+    assert [x for x, _ in reader.reads[3:]] == [2]      # back to two warm reads in flight
+    loader.close()
+    for _, f in reader.reads[1:]:
+        if not f.done():
+            f.set_result(None)
+    assert len(reader.reads) == 4
+
+
+def test_closing_with_warm_reads_in_flight_issues_no_more(store, caplog):
+    n = sum(store.n_experts(la) for la in store.layers)
+    backend = FaultInjectingBackend(get_backend("buffered"),
+                                    [Fault("delay", times=-1, delay_s=0.02)])
+    with caplog.at_level(logging.ERROR):
+        with provider(store, n + 8, warm_start=True, backend=backend) as p:
+            time.sleep(0.05)
+            assert p.cache.loader.warm_pending > 0          # warm reads in flight at close
+        time.sleep(0.1)
+    assert not [r for r in caplog.records if "callback" in r.getMessage()]
 
 
 def test_demotion_into_a_ram_tier_pinned_full_drops_instead(store, data):

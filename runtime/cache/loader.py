@@ -7,10 +7,13 @@ deque on its own thread at every call. So all residency state is touched by one 
 
 The warm start loads many experts at prefetch priority; issued at once they would sit in front
 of every later prefetch (same priority, first come first served). So warm reads are *dripped*:
-at most ``depth`` in flight, the next one issued from the done-callback of the previous. That
-is the one piece of shared state (the warm queue), and it is guarded by a lock;
-``resolve`` takes a queued warm read out of the drip and issues it at demand priority when the
-forward pass needs it first.
+at most ``depth`` in flight, the next one issued from the done-callback of the previous; none
+while a demand read is in flight (a warm read at the drive shares its bandwidth with the read
+the forward pass waits for), resuming from the done-callback of the last demand read; and none
+while the owner holds the drip (``hold``/``go``: the engine holds it until the first logits, so
+the trunk's reads and the prompt's own experts go first). The warm queue, the demand count and
+the hold are the shared state, guarded by a lock; ``resolve`` takes a queued warm read out of
+the drip and issues it at demand priority when the forward pass needs it first.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Loader:
         self._warm_set: set[int] = set()            # keys still queued for the drip
         self._warm_inflight = 0
         self._warm_depth = max(1, warm_depth)
+        self._demand = 0                            # demand reads in flight: the drip waits
+        self.held = False                           # hold(): the drip waits until go()
         self._lock = threading.RLock()
         self._pumping = False
         self.closed = False
@@ -48,6 +53,10 @@ class Loader:
         e.future = fut
         done = self._done
         fut.add_done_callback(lambda f, e=e: done.append((e, f)))
+        if priority == Priority.DEMAND:
+            with self._lock:
+                self._demand += 1
+            fut.add_done_callback(self._demand_done)
         return fut
 
     def queue_warm(self, entries: list[Entry]) -> None:
@@ -63,7 +72,8 @@ class Loader:
         with self._lock:
             self._pumping = True
             try:
-                while self._warm and self._warm_inflight < self._warm_depth and not self.closed:
+                while (self._warm and self._warm_inflight < self._warm_depth and not self._demand
+                       and not self.held and not self.closed):
                     e = self._warm.popleft()
                     if e.key not in self._warm_set:     # taken out by resolve/unqueue
                         continue
@@ -74,10 +84,28 @@ class Loader:
             finally:
                 self._pumping = False
 
+    def hold(self) -> None:
+        """Issue no more warm reads until :meth:`go` (those in flight finish), e.g. while the
+        model's trunk loads from the same drive."""
+        with self._lock:
+            self.held = True
+
+    def go(self) -> None:
+        with self._lock:
+            self.held = False
+        self._pump()
+
     def _warm_done(self, _fut: ReadFuture) -> None:
         with self._lock:
             self._warm_inflight -= 1
             if self._pumping:          # called back at once inside _pump: its loop goes on
+                return
+        self._pump()
+
+    def _demand_done(self, _fut: ReadFuture) -> None:
+        with self._lock:
+            self._demand -= 1
+            if self._demand or self._pumping:
                 return
         self._pump()
 

@@ -21,7 +21,9 @@ simulator's semantics, policy by name from ``expertfs.runtime.policies_registry`
 * **learned usage**: every routed expert is counted and added to the store's usage table on
   ``close`` (one transaction, merged with earlier runs); with ``warm_start`` the RAM tier is
   filled at start with the most used experts (all of them when they all fit), in the background
-  at prefetch priority.
+  at prefetch priority, one read at a time and none while a demand read is in flight;
+  ``warm_held=True`` queues it but issues nothing until ``resume_warm()`` (the engine resumes
+  it at the first logits).
 
 ``prefetch_slots`` (RAM tier only) stages prefetches outside the tier, so wrong predictions
 evict nothing (see ``TierCache``); without it they are read into the tier itself.
@@ -72,7 +74,8 @@ class TieredProvider:
                  max_in_flight: int | None = None, staging_slots: int | None = None,
                  pin: bool | str = "auto", pin_budget: PinBudget | None = None,
                  record_usage: bool = True, verify: str = "first",
-                 reader: ExpertReader | None = None, prefetch_slots: int = 0) -> None:
+                 reader: ExpertReader | None = None, prefetch_slots: int = 0,
+                 warm_held: bool = False) -> None:
         self.store = store
         self.ram_bytes, self.vram_bytes = int(ram_bytes), int(vram_bytes)
         self.stats = TieredStats()
@@ -98,8 +101,17 @@ class TieredProvider:
         self._index = geo.index_of()
         self._next = {la: layers[(i + 1) % len(layers)] for i, la in enumerate(layers)}
         self._closed = False
+        if warm_held:
+            self.cache.loader.hold()
         if warm_start:
             self.cache.warm(_warm_rates(store, geo, self.cache.R))
+
+    def hold_warm(self) -> None:
+        """Issue no more warm-start reads until ``resume_warm`` (those in flight finish)."""
+        self.cache.loader.hold()
+
+    def resume_warm(self) -> None:
+        self.cache.loader.go()
 
     # -- the protocol ---------------------------------------------------------------------------
     def get(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
@@ -165,6 +177,7 @@ class TieredProvider:
                 except StoreError as e:
                     log.warning("%s", e)
         finally:
+            self.cache.loader.close()    # the warm drip issues nothing more
             self.reader.close()          # reads in flight finish before their slots go away
             self.cache.close()
 
