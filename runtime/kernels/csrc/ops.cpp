@@ -294,12 +294,12 @@ void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
                 const float* wp, float* yp) {
     pybind11::gil_scoped_release nogil;
     const DownPrep dp(h, n, ff, td, mode);
-    std::vector<float> v((size_t)(n * D));
+    std::unique_ptr<float[]> v(new float[(size_t)(n * D)]);     // every element written
     const int64_t rd = rows_per_chunk(D, n * ff);
     par_chunks((D + rd - 1) / rd, [&](int64_t c) {
         const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
-        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v.data() + e * D);
-        combine_rows(v.data(), n, D, wp, r0, r1, yp);
+        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v.get() + e * D);
+        combine_rows(v.get(), n, D, wp, r0, r1, yp);
     });
 }
 
