@@ -280,10 +280,17 @@ class Engine:
         if self._trace is not None:
             self._flush_trace(len(tokens))
         self._token_no += len(tokens)
-        if logits != "none" and self._resume_warm is not None:
+        if logits != "none":
+            self.start_warm()
+        return out
+
+    def start_warm(self) -> None:
+        """Let the provider's warm start read from now on (the engine holds it until the first
+        logits, so the trunk's and the prompt's reads come first; a server waiting for its
+        first request starts it at once)."""
+        if self._resume_warm is not None:
             resume, self._resume_warm = self._resume_warm, None
             resume()
-        return out
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens`` in batches; float32 logits ``[n_vocab]`` of the last one."""

@@ -72,6 +72,9 @@ def test_engine_holds_the_warm_start_until_the_first_logits(model):
         e.prefill([3, 14, 15])
         assert not loader.held
         e.decode(9)
+    with Engine.open(store, provider="tiered", ram_bytes=1 << 30) as e:
+        e.start_warm()                                     # a server, before any request
+        assert not e.provider.cache.loader.held
 
 
 def test_chat_sampling_streams_text(model, capsys):

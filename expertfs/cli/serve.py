@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx)
     ram = _ram_tier(args, opts.device)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
+    eng.start_warm()                    # the cache fills while no request is waiting
     try:
         tok = GGUFTokenizer(eng.kv, args.store)
         name = args.model_id or os.path.basename(os.path.normpath(args.store))
