@@ -106,6 +106,7 @@ def test_trace_records_every_routing(model, tmp_path, capsys):
     (["-p", "hi", "--device", "cuda"], "CUDA is not available"),
     (["-p", "hi", "--dtype", "int3"], "unknown compute dtype"),
     (["--tokens", "1,2", "--ctx", "1"], "exceeds n_ctx"),
+    (["-p", "hi", "--preload", "--provider", "direct"], "--preload needs the RAM tier"),
 ])
 def test_bad_input_is_one_line_exit_2(model, capsys, argv, msg):
     if "cuda" in argv and torch.cuda.is_available():

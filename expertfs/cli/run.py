@@ -184,6 +184,9 @@ def _open(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     if args.logits_out and not args.tokens:
         raise UsageError("--logits-out needs --tokens", fix="pass --tokens 1,2,3")
+    if args.preload and args.provider == "direct":
+        raise UsageError("--preload needs the RAM tier, and --provider direct keeps no expert",
+                         fix="drop --provider direct (or --preload)")
     tokens = _parse_tokens(args.tokens) if args.tokens else None
     eng = _open(args)
     try:
