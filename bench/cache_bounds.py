@@ -28,17 +28,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expertfs.errors import UsageError  # noqa: E402
-from expertfs.runtime.policies_opt import belady_hits, next_uses, static_hits  # noqa: E402
+from expertfs.runtime.policies_opt import (belady_hits, check_capacity, next_uses,  # noqa: E402
+                                           static_hits)
 from expertfs.runtime.policies_registry import DEFAULT_POLICY, make_factory  # noqa: E402
 from expertfs.runtime.simulate import Replay, simulate  # noqa: E402
 
 
 def window_hits(rp: Replay, capacity: int, window: int) -> int:
     """Hits of the cache that knows the routes of the next ``window`` tokens (module doc)."""
-    if capacity < max((len(r) for r in rp.rows), default=0):
-        raise UsageError(f"{capacity} slots cannot hold a row of the trace",
-                         fix="give at least as many slots as the widest route")
+    check_capacity(rp.rows, capacity)
     seq = [k for row in rp.rows for k in row]
     tok = np.array([rp.clock[r] for r, row in enumerate(rp.rows) for _ in row], dtype=np.int64)
     nxt = np.array(next_uses(seq), dtype=np.int64)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from ..errors import UsageError
 
-__all__ = ["next_uses", "belady_hits", "static_hits"]
+__all__ = ["next_uses", "check_capacity", "belady_hits", "static_hits"]
 
 
 def next_uses(seq: Sequence[int]) -> list[int]:
@@ -42,7 +42,7 @@ def next_uses(seq: Sequence[int]) -> list[int]:
     return out
 
 
-def _check_capacity(rows: Sequence[Sequence[int]], capacity: int) -> int:
+def check_capacity(rows: Sequence[Sequence[int]], capacity: int) -> int:
     """The widest row, after checking that ``capacity`` slots can serve it."""
     if capacity < 1:
         raise UsageError(f"an offline bound for {capacity} slots", fix="give at least 1 slot")
@@ -56,7 +56,7 @@ def _check_capacity(rows: Sequence[Sequence[int]], capacity: int) -> int:
 def belady_hits(rows: Sequence[Sequence[int]], capacity: int, *, prefill: bool = False) -> int:
     """Hits of the optimal demand-fetch cache of ``capacity`` slots over ``rows`` of keys
     (each row: the distinct keys one layer of one token needs at once)."""
-    _check_capacity(rows, capacity)
+    check_capacity(rows, capacity)
     seq = [key for row in rows for key in row]
     nxt = next_uses(seq)
     n = len(seq)
@@ -104,7 +104,7 @@ def static_hits(rows: Sequence[Sequence[int]], capacity: int, *, prefill: bool =
     """Hits of the static-frequency cache of ``capacity`` slots over ``rows`` (module doc): the
     ``capacity - widest row`` most used keys pinned (ties to the lower key), each missing once,
     at its first use, unless ``prefill``."""
-    widest = _check_capacity(rows, capacity)
+    widest = check_capacity(rows, capacity)
     counts: dict[int, int] = {}
     for row in rows:
         for key in row:
