@@ -254,12 +254,18 @@ def test_moe_in_parts_equals_one_call_bit_for_bit(types, fused, aq, isa):
     w = torch.rand(n, generator=torch.Generator().manual_seed(6))
     want = kernels.moe(x, w, gate, up, down, types, ff, aq)
     for first in ([0, 2, 3], [5], [1, 2, 3, 4, 5]):
-        v = torch.empty(n, D)
-        for part in (first, [j for j in range(n) if j not in first]):
+        parts = (first, [j for j in range(n) if j not in first])
+        vs = []
+        for part in parts:
             h = kernels.moe_hidden(x, [gate[j] for j in part],
                                    None if up is None else [up[j] for j in part],
                                    types[:2], ff, aq)
-            v[part] = kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq)
+            vs.append(kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq))
+        row = {j: i for i, j in enumerate(parts[0] + parts[1])}
+        got = kernels.moe_combine(torch.cat(vs), w, [row[j] for j in range(n)])
+        assert torch.equal(got, want), first
+        v = torch.empty(n, D)                                  # rows in routing order
+        v[parts[0]], v[parts[1]] = vs
         assert torch.equal(kernels.moe_combine(v, w), want), first
 
 

@@ -183,11 +183,13 @@ def moe_down_rows(h: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGML
     return mod.moe_down_rows(h, list(down), td, int(n_embd), mode)
 
 
-def moe_combine(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """The second step: ``Σ_j w[j] · v[j]`` added in row order, ``[1, n_embd]``, with the same
-    rounding as ``moe``; None when the kernels are unavailable."""
+def moe_combine(v: torch.Tensor, w: torch.Tensor,
+                order: Sequence[int] = ()) -> torch.Tensor | None:
+    """The second step: ``Σ_j w[j] · v[order[j]]`` added in that order (``order`` empty: v's
+    rows in turn), ``[1, n_embd]``, with the same rounding as ``moe``; None when the kernels
+    are unavailable."""
     mod = load() if _f32_cpu(v) and v.dim() == 2 else None
-    return None if mod is None else mod.moe_combine(v, w)
+    return None if mod is None else mod.moe_combine(v, w, list(order))
 
 
 def _f32_cpu(t: torch.Tensor | None) -> bool:

@@ -140,11 +140,9 @@ class ExpertRunner:
         if v_miss is None:
             return None, weights, sh
         self.stats.overlapped += 1
-        pos = {e: j for j, e in enumerate(experts)}
-        v = torch.empty(len(experts), D, dtype=torch.float32)
-        v[[pos[e] for e in hit]] = v_hit
-        v[[pos[e] for e in miss]] = v_miss
-        return native_combine(v, w), weights, sh
+        row = {e: i for i, e in enumerate(hit + miss)}              # rows of the cat below
+        return (native_combine(torch.cat((v_hit, v_miss)), w, [row[e] for e in experts]),
+                weights, sh)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""

@@ -300,10 +300,11 @@ def native_down_rows(h: torch.Tensor, experts: list, n_embd: int,
     return native.moe_down_rows(h, Dn, types[2], n_embd, act_quant)
 
 
-def native_combine(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """``Σ_j w[j] · v[j]`` in row order, ``[1, n_embd]``: with ``native_down_rows``' rows in
-    routing order, the one-call product bit for bit."""
-    return native.moe_combine(v, w)
+def native_combine(v: torch.Tensor, w: torch.Tensor, order: list[int]) -> torch.Tensor | None:
+    """``Σ_j w[j] · v[order[j]]`` in routing order j, ``[1, n_embd]``: with ``order[j]`` the
+    row of ``native_down_rows``' output holding the j-th routed expert, the one-call product
+    bit for bit."""
+    return native.moe_combine(v, w, order)
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,

@@ -279,12 +279,13 @@ struct DownPrep {
     }
 };
 
-// One machine code for the sum whatever the caller, so its rounding is the same everywhere.
-__attribute__((noinline)) void combine_rows(const float* v, int64_t n, int64_t D, const float* w,
+// y[r] = sum_j w[j] v_j[r] for r in [r0, r1), v_j = rows[j], added in order. One machine code
+// for the sum whatever the caller, so its rounding is the same everywhere.
+__attribute__((noinline)) void combine_rows(const float* const* rows, int64_t n, const float* w,
                                             int64_t r0, int64_t r1, float* y) {
     for (int64_t r = r0; r < r1; ++r) {
-        float s = w[0] * v[r];
-        for (int64_t e = 1; e < n; ++e) s = s + w[e] * v[e * D + r];
+        float s = w[0] * rows[0][r];
+        for (int64_t j = 1; j < n; ++j) s = s + w[j] * rows[j][r];
         y[r] = s;
     }
 }
@@ -295,11 +296,13 @@ void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
     pybind11::gil_scoped_release nogil;
     const DownPrep dp(h, n, ff, td, mode);
     std::unique_ptr<float[]> v(new float[(size_t)(n * D)]);     // every element written
+    std::vector<const float*> rows((size_t)n);
+    for (int64_t e = 0; e < n; ++e) rows[e] = v.get() + e * D;
     const int64_t rd = rows_per_chunk(D, n * ff);
     par_chunks((D + rd - 1) / rd, [&](int64_t c) {
         const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
         for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v.get() + e * D);
-        combine_rows(v.get(), n, D, wp, r0, r1, yp);
+        combine_rows(rows.data(), n, wp, r0, r1, yp);
     });
 }
 
@@ -412,15 +415,24 @@ at::Tensor moe_down_rows(const at::Tensor& h_, const std::vector<at::Tensor>& do
     return v;
 }
 
-// Phase 2's second step alone: y [1, D] = sum_e w[e] v[e], added in order.
-at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_) {
+// Phase 2's second step alone: y [1, D] = sum_j w[j] v[order[j]], added in order (v's rows
+// as moe_down_rows gave them, in any order; `order` empty: v's own order).
+at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_,
+                       const std::vector<int64_t>& order) {
     TORCH_CHECK(v_.dim() == 2 && v_.size(0) > 0, "expertfs kernels: moe_combine takes [n, D]");
-    const int64_t n = v_.size(0), D = v_.size(1);
+    const int64_t m = v_.size(0), D = v_.size(1);
+    const int64_t n = order.empty() ? m : (int64_t)order.size();
     const at::Tensor v = check_x(v_, D);
     TORCH_CHECK(w_.numel() == n, "expertfs kernels: one weight per expert expected");
     const at::Tensor w = w_.to(at::kFloat).contiguous();
+    std::vector<const float*> rows((size_t)n);
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = order.empty() ? j : order[j];
+        TORCH_CHECK(i >= 0 && i < m, "expertfs kernels: moe_combine order out of range");
+        rows[j] = v.data_ptr<float>() + i * D;
+    }
     at::Tensor y = at::empty({1, D}, v.options());
-    combine_rows(v.data_ptr<float>(), n, D, w.data_ptr<float>(), 0, D, y.data_ptr<float>());
+    combine_rows(rows.data(), n, w.data_ptr<float>(), 0, D, y.data_ptr<float>());
     return y;
 }
 
@@ -551,7 +563,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("h"), pybind11::arg("down"), pybind11::arg("td"), pybind11::arg("D"),
           pybind11::arg("mode"));
     m.def("moe_combine", &efs::moe_combine, "phase 2's weighted sum of moe_down_rows' rows",
-          pybind11::arg("v"), pybind11::arg("w"));
+          pybind11::arg("v"), pybind11::arg("w"), pybind11::arg("order"));
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
