@@ -19,7 +19,7 @@ import random
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +191,10 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
     choice = AutoChoice(best, reason, gbps, skipped, rs)
     opts = _options(choice)
     if opts:
-        choice = AutoChoice(best, reason + "; kvikio reads " + ("with O_DIRECT" if opts["direct_io"]
-                            else "through the page cache") + ", the faster POSIX mode here",
-                            gbps, skipped, rs)
-    log.info("auto backend for %s: %s (%s)", path, best, reason)
+        choice = replace(choice, reason=reason + "; kvikio reads " + (
+            "with O_DIRECT" if opts["direct_io"] else "through the page cache")
+            + ", the faster POSIX mode here")
+    log.info("auto backend for %s: %s (%s)", path, best, choice.reason)
     rec = asdict(choice)
     rec.pop("cached")
     cache[key] = rec

@@ -290,20 +290,34 @@ __attribute__((noinline)) void combine_rows(const float* const* rows, int64_t n,
     }
 }
 
+// Phase 2 into v (n * D floats): each expert's rows, then, when `wp` is given, their sum into
+// yp row chunk by row chunk (while the chunk's rows are in cache).
 void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
                 const std::vector<const uint8_t*>& Dn, int64_t rbd, int64_t td, int64_t mode,
-                const float* wp, float* yp) {
+                float* v, const float* wp = nullptr, float* yp = nullptr) {
     pybind11::gil_scoped_release nogil;
     const DownPrep dp(h, n, ff, td, mode);
-    std::unique_ptr<float[]> v(new float[(size_t)(n * D)]);     // every element written
     std::vector<const float*> rows((size_t)n);
-    for (int64_t e = 0; e < n; ++e) rows[e] = v.get() + e * D;
+    for (int64_t e = 0; e < n; ++e) rows[e] = v + e * D;
     const int64_t rd = rows_per_chunk(D, n * ff);
     par_chunks((D + rd - 1) / rd, [&](int64_t c) {
         const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
-        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v.get() + e * D);
-        combine_rows(rows.data(), n, wp, r0, r1, yp);
+        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v + e * D);
+        if (wp) combine_rows(rows.data(), n, wp, r0, r1, yp);
     });
+}
+
+// The down tensors' pointers after checking type and sizes; *rbd: bytes per row.
+std::vector<const uint8_t*> check_down(const std::vector<at::Tensor>& down, int64_t D, int64_t ff,
+                                       int64_t td, int64_t mode, int64_t* rbd) {
+    const TypeInfo* di = check_type(td, ff, mode);
+    *rbd = ff / di->block * di->bytes;
+    std::vector<const uint8_t*> Dn(down.size());
+    for (size_t e = 0; e < down.size(); ++e) {
+        check_raw(down[e], D, *rbd, "down");
+        Dn[e] = down[e].data_ptr<uint8_t>();
+    }
+    return Dn;
 }
 
 struct Experts {          // checked pointers to n experts' gate, up and down bytes
@@ -327,22 +341,14 @@ Experts check_experts(const std::vector<at::Tensor>& gate, const std::vector<at:
     const TypeInfo* ui = check_type(ex.tu, D, mode);
     ex.rbg = D / gi->block * gi->bytes;
     ex.rbu = D / ui->block * ui->bytes;
-    if (down != nullptr) {
-        const TypeInfo* di = check_type(td, ff, mode);
-        ex.rbd = ff / di->block * di->bytes;
-    }
+    if (down != nullptr) ex.Dn = check_down(*down, D, ff, td, mode, &ex.rbd);
     ex.G.resize(ex.n);
     ex.U.resize(ex.n);
-    ex.Dn.resize(ex.n);
     for (int64_t e = 0; e < ex.n; ++e) {
         check_raw(gate[e], fused ? 2 * ff : ff, ex.rbg, fused ? "gate_up" : "gate");
         if (!fused) check_raw(up[e], ff, ex.rbu, "up");
         ex.G[e] = gate[e].data_ptr<uint8_t>();
         ex.U[e] = fused ? ex.G[e] + ff * ex.rbg : up[e].data_ptr<uint8_t>();
-        if (down != nullptr) {
-            check_raw((*down)[e], D, ex.rbd, "down");
-            ex.Dn[e] = (*down)[e].data_ptr<uint8_t>();
-        }
     }
     return ex;
 }
@@ -362,7 +368,8 @@ at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at:
     hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
                  h.data());
     at::Tensor y = at::empty({1, D}, x.options());   // the first expert writes, the rest add
-    down_phase(h.data(), ex.n, ff, D, ex.Dn, ex.rbd, td, mode, w.data_ptr<float>(),
+    std::unique_ptr<float[]> v(new float[(size_t)(ex.n * D)]);  // every element written
+    down_phase(h.data(), ex.n, ff, D, ex.Dn, ex.rbd, td, mode, v.get(), w.data_ptr<float>(),
                y.data_ptr<float>());
     return y;
 }
@@ -381,17 +388,6 @@ at::Tensor moe_hidden(const at::Tensor& x_, const std::vector<at::Tensor>& gate,
     return h;
 }
 
-std::vector<const uint8_t*> check_down(const std::vector<at::Tensor>& down, int64_t D, int64_t ff,
-                                       int64_t td, int64_t mode, int64_t* rbd) {
-    const TypeInfo* di = check_type(td, ff, mode);
-    *rbd = ff / di->block * di->bytes;
-    std::vector<const uint8_t*> Dn(down.size());
-    for (size_t e = 0; e < down.size(); ++e) {
-        check_raw(down[e], D, *rbd, "down");
-        Dn[e] = down[e].data_ptr<uint8_t>();
-    }
-    return Dn;
-}
 
 // Phase 2's first step alone: the unscaled rows v [n, D], v[e] = down_e h[e].
 at::Tensor moe_down_rows(const at::Tensor& h_, const std::vector<at::Tensor>& down, int64_t td,
@@ -404,14 +400,7 @@ at::Tensor moe_down_rows(const at::Tensor& h_, const std::vector<at::Tensor>& do
     int64_t rbd = 0;
     const std::vector<const uint8_t*> Dn = check_down(down, D, ff, td, mode, &rbd);
     at::Tensor v = at::empty({n, D}, h.options());
-    float* vp = v.data_ptr<float>();
-    pybind11::gil_scoped_release nogil;
-    const DownPrep dp(h.data_ptr<float>(), n, ff, td, mode);
-    const int64_t rd = rows_per_chunk(D, n * ff);
-    par_chunks((D + rd - 1) / rd, [&](int64_t c) {
-        const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
-        for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, vp + e * D);
-    });
+    down_phase(h.data_ptr<float>(), n, ff, D, Dn, rbd, td, mode, v.data_ptr<float>());
     return v;
 }
 
