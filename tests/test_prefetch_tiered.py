@@ -4,6 +4,8 @@ gets, covers part of a sticky trace; bytes stay the store's and invariants hold 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from expertfs.runtime.cache import State
@@ -11,7 +13,8 @@ from expertfs.runtime.experts.tiered import TieredProvider
 from expertfs.runtime.trace_synth import PRESETS, SyntheticSpec, synthetic_chunks
 from expertfs.store import Store
 
-from test_cache_support import K, N_EXPERTS, assert_weights, check_invariants, make_store, store_bytes
+from test_cache_support import (K, N_EXPERTS, GatedBackend, assert_weights, check_invariants,
+                                make_store, store_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,13 @@ def settle(p):
         if e.state is State.LOADING:
             p.cache.loader.resolve(e).exception()
     p.cache.drain()
+
+
+def wait_for(cond, limit_s=30.0):
+    t = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t < limit_s
+        time.sleep(0.001)
 
 
 def slot(store):
@@ -171,6 +181,47 @@ def test_staged_prefetch_slots_are_bounded_and_reclaimed(store):
         assert c.start_prefetch(la, 11, "gate") == "issued"      # reclaims 0
         assert 0 not in {e.expert for e in c.staged.values() if e.layer == lb}
         assert p.stats.prefetch_wasted == 1
+        settle(p)
+        check_invariants(p)
+    finally:
+        p.close()
+
+
+def test_staged_predictions_still_queued_when_their_layer_runs_are_dropped_unread(store):
+    """Predictions are read one at a time (the loader's drip); those of a layer that runs
+    without them and are still queued then are dropped unread (cancelled, never issued), the
+    one it asks for is issued at demand priority."""
+    gate = GatedBackend()
+    la, lb = store.layers[0], store.layers[1]
+    p = TieredProvider(store, ram_bytes=(12 + 4) * slot(store), backend=gate, queue_depth=2,
+                       warm_start=False, record_usage=False, prefetch_slots=4)
+    try:
+        c = p.cache
+        gate.release.set()
+        p.get(la, [0])
+        p.release(la)
+        gate.release.clear()
+        for e in (4, 5, 6):
+            assert c.start_prefetch(lb, e, "gate") == "issued"
+        wait_for(lambda: gate.started)
+        assert [c.loader.started(c.staged[c.key(lb, e)]) for e in (4, 5, 6)] == [True, False, False]
+        resolve = c.loader.resolve
+        calls = []
+
+        def resolve_then_open(e):
+            calls.append(e.key)
+            fut = resolve(e)
+            if len(calls) == 2:                           # joined 5 (1st), now waiting (2nd)
+                gate.release.set()
+            return fut
+        c.loader.resolve = resolve_then_open
+        got = p.get(lb, [5, 7])                           # 5 comes true; 4 and 6 were wrong
+        p.release(lb)
+        assert_weights(store, store_bytes(store), lb, got)
+        st = p.stats
+        assert st.prefetch_used == 1 and st.prefetch_cancelled == 1
+        assert c.state_of(c.key(lb, 6)) is State.ABSENT   # never read
+        assert {e.expert for e in c.staged.values()} == {4}   # read, kept until reclaimed
         settle(p)
         check_invariants(p)
     finally:

@@ -295,7 +295,7 @@ def test_warm_drip_waits_while_demand_reads_are_in_flight():
     (a warm read at the drive shares its bandwidth); the last demand read's completion
     resumes it; after close nothing more is issued."""
     reader = _HeldReader()
-    loader = Loader(reader, lambda slot: None, warm_depth=2)
+    loader = Loader(reader, lambda slot: None, depth=2)
     entries = [Entry(key=k, layer=1, expert=k, extent=None, host_slot=k) for k in range(6)]
     loader.queue_warm(entries[:5])
     assert [x for x, _ in reader.reads] == [0, 1]
@@ -309,6 +309,41 @@ def test_warm_drip_waits_while_demand_reads_are_in_flight():
         if not f.done():
             f.set_result(None)
     assert len(reader.reads) == 4
+
+
+def test_predictions_drip_ahead_of_warm_reads_and_yield_to_demand():
+    """Predictions go through the drip too, ahead of queued warm reads: one background read at
+    a time, none while a demand read is in flight; ``hold`` stops warm reads only; a queued
+    prediction is dropped unread by ``unqueue`` or issued at demand priority by ``resolve``."""
+    reader = _HeldReader()
+    loader = Loader(reader, lambda slot: None, depth=1)
+    e = [Entry(key=k, layer=1, expert=k, extent=None, host_slot=k) for k in range(7)]
+    loader.hold()
+    loader.queue_warm(e[:2])
+    assert reader.reads == []                           # held: no warm read
+    loader.queue_prefetch(e[2])
+    assert [x for x, _ in reader.reads] == [2]          # a prediction goes while warm reads wait
+    loader.go()
+    loader.queue_prefetch(e[3])
+    loader.queue_prefetch(e[4])
+    loader.queue_prefetch(e[5])
+    assert len(reader.reads) == 1                       # one background read at a time
+    loader.issue(e[6], Priority.DEMAND)
+    reader.reads[0][1].set_result(None)                 # the prediction ends, a demand is in flight
+    assert [x for x, _ in reader.reads] == [2, 6]
+    assert loader.unqueue(e[3]) and not loader.started(e[3]) and not loader.unqueue(e[3])
+    fut = loader.resolve(e[5])                          # needed now: issued at demand priority
+    assert fut.priority == Priority.DEMAND and loader.started(e[5])
+    reader.reads[1][1].set_result(None)
+    assert len(reader.reads) == 3                       # the other demand read is in flight
+    fut.set_result(None)                                # demands done: the prediction before warm
+    assert [x for x, _ in reader.reads[3:]] == [4]
+    reader.reads[3][1].set_result(None)
+    assert [x for x, _ in reader.reads[4:]] == [0]      # then the warm start
+    assert loader.warm_pending == 2
+    loader.close()
+    reader.reads[4][1].set_result(None)
+    assert len(reader.reads) == 5
 
 
 def test_closing_with_warm_reads_in_flight_issues_no_more(store, caplog):

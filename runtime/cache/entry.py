@@ -42,10 +42,10 @@ class Entry:
     state: State = State.ABSENT
     host_slot: int = -1
     dev_slot: int = -1
-    future: Any = None                 # the read while LOADING (None: a warm read not yet issued)
+    future: Any = None                 # the read while LOADING (None: a dripped read not issued)
     fence: Any = None                  # the upload while UPLOADING
     staging: bool = False              # a demand read in a staging slot (not in the host tier)
-    warm: bool = False                 # loaded by the warm start
+    dripped: bool = False              # read through the loader's drip (warm start, prefetch)
     source: str | None = None          # the prefetch source that fetched it, until first use
     target: tuple[int, int] | None = None   # prefetch: (target layer index, cursor at issue)
     staged_at: int = -1                # staged prefetch: the acquire count when it was issued

@@ -1,19 +1,21 @@
-"""Storage reads for the mechanism: issue, notice completion, join, and the warm-start drip.
+"""Storage reads for the mechanism: issue, notice completion, join, and the background drip.
 
 Reads go through :class:`expertfs.runtime.io.ExpertReader` straight into host slots (checksums
 on first read). Completion is noticed without a thread of our own: each future's done-callback
 appends it to a deque (the only thing that runs on an I/O worker), and the mechanism drains the
 deque on its own thread at every call. So all residency state is touched by one thread.
 
-The warm start loads many experts at prefetch priority; issued at once they would sit in front
-of every later prefetch (same priority, first come first served). So warm reads are *dripped*:
-at most ``depth`` in flight, the next one issued from the done-callback of the previous; none
-while a demand read is in flight (a warm read at the drive shares its bandwidth with the read
-the forward pass waits for), resuming from the done-callback of the last demand read; and none
-while the owner holds the drip (``hold``/``go``: the engine holds it until the first logits, so
-the trunk's reads and the prompt's own experts go first). The warm queue, the demand count and
-the hold are the shared state, guarded by a lock; ``resolve`` takes a queued warm read out of
-the drip and issues it at demand priority when the forward pass needs it first.
+Reads nobody waits for yet, the predictions' (``queue_prefetch``) and the warm start's
+(``queue_warm``), are *dripped*: at most ``depth`` in flight, the next one issued from the
+done-callback of the previous, predictions first; none while a demand read is in flight (a
+background read at the drive shares its bandwidth with the read the forward pass waits for, and
+a read cannot be stopped once issued), resuming from the done-callback of the last demand read;
+and no warm read while the owner holds the drip (``hold``/``go``: the engine holds it until the
+first logits, so the trunk's reads and the prompt's own experts go first). So background reads
+use the drive while the forward pass computes, and a wrong prediction costs the demand read
+after it at most the rest of one read. The queues, the demand count and the hold are the shared
+state, guarded by a lock; ``resolve`` takes a queued read out of the drip and issues it at
+demand priority when the forward pass needs it first, ``unqueue`` drops one never issued.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ __all__ = ["Loader"]
 
 
 class Loader:
-    def __init__(self, reader: ExpertReader, view: Callable[[int], Any], *, warm_depth: int) -> None:
+    def __init__(self, reader: ExpertReader, view: Callable[[int], Any], *, depth: int) -> None:
         self.reader = reader
         self._view = view                           # host slot -> buffer
         self._done: deque[tuple[Entry, ReadFuture]] = deque()
         self._warm: deque[Entry] = deque()
-        self._warm_set: set[int] = set()            # keys still queued for the drip
-        self._warm_inflight = 0
-        self._warm_depth = max(1, warm_depth)
+        self._spec: deque[Entry] = deque()          # predictions: before the warm start's
+        self._queued: set[int] = set()              # keys still queued for the drip
+        self._drip_inflight = 0
+        self._depth = max(1, depth)
         self._demand = 0                            # demand reads in flight: the drip waits
-        self.held = False                           # hold(): the drip waits until go()
+        self.held = False                           # hold(): warm reads wait until go()
         self._lock = threading.RLock()
         self._pumping = False
         self.closed = False
@@ -60,33 +63,49 @@ class Loader:
         return fut
 
     def queue_warm(self, entries: list[Entry]) -> None:
+        self._queue(entries, self._warm)
+
+    def queue_prefetch(self, e: Entry) -> None:
+        """Read ``e`` (a prediction) when the drive is free of demand reads; ahead of warm reads."""
+        self._queue([e], self._spec)
+
+    def _queue(self, entries: list[Entry], q: deque[Entry]) -> None:
         with self._lock:
             for e in entries:
                 e.state = State.LOADING
-                e.warm = True
-                self._warm.append(e)
-                self._warm_set.add(e.key)
+                e.dripped = True
+                q.append(e)
+                self._queued.add(e.key)
         self._pump()
+
+    def _next(self) -> Entry | None:
+        for q in (self._spec, self._warm):
+            if q is self._warm and self.held:
+                break
+            while q:
+                e = q.popleft()
+                if e.key in self._queued:           # else taken out by resolve/unqueue
+                    self._queued.discard(e.key)
+                    return e
+        return None
 
     def _pump(self) -> None:
         with self._lock:
             self._pumping = True
             try:
-                while (self._warm and self._warm_inflight < self._warm_depth and not self._demand
-                       and not self.held and not self.closed):
-                    e = self._warm.popleft()
-                    if e.key not in self._warm_set:     # taken out by resolve/unqueue
-                        continue
-                    self._warm_set.discard(e.key)
-                    self._warm_inflight += 1
+                while self._drip_inflight < self._depth and not self._demand and not self.closed:
+                    e = self._next()
+                    if e is None:
+                        break
+                    self._drip_inflight += 1
                     fut = self.issue(e, Priority.PREFETCH)
-                    fut.add_done_callback(self._warm_done)
+                    fut.add_done_callback(self._drip_done)
             finally:
                 self._pumping = False
 
     def hold(self) -> None:
         """Issue no more warm reads until :meth:`go` (those in flight finish), e.g. while the
-        model's trunk loads from the same drive."""
+        model's trunk loads from the same drive (predictions still go)."""
         with self._lock:
             self.held = True
 
@@ -95,9 +114,9 @@ class Loader:
             self.held = False
         self._pump()
 
-    def _warm_done(self, _fut: ReadFuture) -> None:
+    def _drip_done(self, _fut: ReadFuture) -> None:
         with self._lock:
-            self._warm_inflight -= 1
+            self._drip_inflight -= 1
             if self._pumping:          # called back at once inside _pump: its loop goes on
                 return
         self._pump()
@@ -111,12 +130,12 @@ class Loader:
 
     # -- the mechanism's side ------------------------------------------------------------------
     def resolve(self, e: Entry) -> ReadFuture:
-        """The future of a LOADING entry; a warm read still queued is issued now, at demand
-        priority, and a queued prefetch is promoted."""
-        if e.warm:
+        """The future of a LOADING entry; a read still queued for the drip is issued now, at
+        demand priority, and a queued prefetch is promoted."""
+        if e.dripped:
             with self._lock:
-                if e.key in self._warm_set:
-                    self._warm_set.discard(e.key)
+                if e.key in self._queued:
+                    self._queued.discard(e.key)
                     return self.issue(e, Priority.DEMAND)
         fut = e.future
         if fut.priority != Priority.DEMAND and not fut.done():
@@ -124,21 +143,21 @@ class Loader:
         return fut
 
     def unqueue(self, e: Entry) -> bool:
-        """Drop a warm read that was never issued; False if it has been issued."""
-        if not e.warm:
+        """Drop a dripped read that was never issued; False if it has been issued."""
+        if not e.dripped:
             return False
         with self._lock:
-            if e.key in self._warm_set:
-                self._warm_set.discard(e.key)
+            if e.key in self._queued:
+                self._queued.discard(e.key)
                 return True
         return False
 
     def started(self, e: Entry) -> bool:
-        """Whether ``e``'s read was issued (a queued warm read was not)."""
-        if not e.warm:
+        """Whether ``e``'s read was issued (one queued for the drip, or dropped from it, was not)."""
+        if not e.dripped:
             return e.future is not None
         with self._lock:
-            return e.key not in self._warm_set
+            return e.key not in self._queued and e.future is not None
 
     def drain(self) -> list[tuple[Entry, ReadFuture]]:
         """Reads completed since the last drain (including cancelled ones)."""
@@ -150,11 +169,13 @@ class Loader:
 
     @property
     def warm_pending(self) -> int:
+        """Dripped reads queued or in flight."""
         with self._lock:
-            return len(self._warm_set) + self._warm_inflight
+            return len(self._queued) + self._drip_inflight
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
             self._warm.clear()
-            self._warm_set.clear()
+            self._spec.clear()
+            self._queued.clear()

@@ -165,7 +165,7 @@ class Residency:
         if e.future is not fut or e.state is not State.LOADING:
             return None
         e.future = None
-        e.warm = False
+        e.dripped = False
         exc = fut.exception() if not fut.cancelled() else UsageError("read cancelled")
         if exc is not None:
             self.stats.read_errors += 1

@@ -5,12 +5,12 @@ the tier and its policy, so a wrong prediction evicts nothing. When a get asks f
 expert, the tier takes it exactly as the demand miss it saves (the policy sees the same miss,
 victim and insert), minus the read. The tier's contents, and so its hit rate, are those of a
 run without prefetch; predictions only turn misses' waits into hits. Staged experts are kept,
-the oldest reused first, until their slots are wanted.
+the oldest reused first, until their slots are wanted; those still queued for the loader's
+drip when their layer runs without them are dropped unread.
 """
 
 from __future__ import annotations
 
-from ..io import Priority
 from .entry import Entry, State
 from .residency import Residency
 from .sizing import Slots
@@ -45,9 +45,18 @@ class StagedPrefetch(Residency):
         e.staging, e.source = True, source
         e.staged_at = self._acquires
         self.staged[key] = e
-        self.loader.issue(e, Priority.PREFETCH)
+        self.loader.queue_prefetch(e)
         self.stats.prefetch_issued += 1
         return "issued"
+
+    def _drop_unissued(self, li: int) -> None:
+        """Layer index ``li`` has taken its experts: its staged predictions still queued for the
+        drip were wrong, and are dropped unread."""
+        for key, e in list(self.staged.items()):
+            if key // self._E == li and self.loader.unqueue(e):
+                del self.staged[key]
+                e.future = None
+                self._forget(e, cancelled=True)
 
     def _reclaim(self) -> bool:
         """Free the slot of the oldest staged prefetch whose layer has run since it was issued

@@ -87,7 +87,7 @@ class TierCache(StagedPrefetch, Residency):
         # one warm read at a time: the warm start fills in the background and every warm read
         # costs the decode steps it overlaps (the 6.4 GB model, all of it warming after the
         # first token: 32 tokens in 5.2-5.6 s at depth 1, 8.4-9.2 s at depth 8)
-        self.loader = Loader(reader, self.host.view, warm_depth=1)
+        self.loader = Loader(reader, self.host.view, depth=1)
         self.stats = stats if stats is not None else TieredStats()
         self.listener: Any = NullListener()
         self.entries: dict[int, Entry] = {}
@@ -191,6 +191,8 @@ class TierCache(StagedPrefetch, Residency):
             out.append(e)
         if hits:
             self.stats.hits["ram"] = self.stats.hits.get("ram", 0) + hits
+        if self.staged:                     # before the waits: the drip resumes after them
+            self._drop_unissued(keys[0] // self._E if keys else self.cursor)
         if not wait:
             return out
         for e in loading:
@@ -376,7 +378,7 @@ class TierCache(StagedPrefetch, Residency):
         e.source, e.target = source, (key // self._E, self.cursor)
         self.soft[key] = e
         self.pinned.add(key)
-        self.loader.issue(e, Priority.PREFETCH)
+        self.loader.queue_prefetch(e)
         self.stats.prefetch_issued += 1
         return "issued"
 
