@@ -80,6 +80,12 @@ def test_router_matches_build_moe_ffn(gating, bias, groups, norm_w, scale):
                                    gating, k, norm_w, scale, groups, 2 if groups > 1 else 1)
         assert ids[t].tolist() == rid.tolist()
         np.testing.assert_allclose(wts[t].numpy(), rw, rtol=1e-5, atol=1e-6)
+    # the lookahead's guess: the same choice best first, k + 2 deep, one token (native) or many
+    r = Router(cfg)
+    for t in range(Tn):
+        top = r.top(x[t:t + 1], RouterWeights(W, b), k + 2)
+        assert top.shape == (1, k + 2) and top[0, :k].tolist() == ids[t].tolist()
+    assert r.top(x, RouterWeights(W, b), k)[:, :k].tolist() == ids.tolist()
 
 
 def test_bias_selects_but_does_not_weigh():

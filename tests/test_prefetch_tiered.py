@@ -230,7 +230,7 @@ def test_staged_predictions_still_queued_when_their_layer_runs_are_dropped_unrea
 
 def test_engine_lookahead_stages_its_prefetches_and_keeps_logits(tmp_path):
     """``lookahead=True`` with a RAM tier smaller than the model: the lookahead reads into
-    2 (k + margin) staged slots, and decoding is bit-identical to the uncached provider."""
+    k + margin + 1 staged slots, and decoding is bit-identical to the uncached provider."""
     import torch
 
     from expertfs.repack import repack
@@ -245,7 +245,7 @@ def test_engine_lookahead_stages_its_prefetches_and_keeps_logits(tmp_path):
         one = max(e.store.extent(la, 0).length for la in e.store.layers)
         k = e.config.n_expert_used
     opts = {"warm_start": False, "backend": "buffered", "record_usage": False}
-    for slots, staged in ((None, 2 * (k + 1)), (0, 0)):
+    for slots, staged in ((None, k + 2), (0, 0)):
         with Engine.open(str(s), provider="tiered", ram_bytes=(8 + 2 * (k + 1)) * one,
                          lookahead=True, lookahead_margin=1, prefetch_slots=slots,
                          provider_options=opts) as e:

@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="experts beyond top-k prefetched per token (2)")
     p.add_argument("--prefetch-slots", type=int, default=None, metavar="N",
                    help="RAM-tier slots the lookahead reads its predictions into, outside the "
-                   "cache so wrong ones evict nothing (default 2 x (k + margin); 0 = read them "
+                   "cache so wrong ones evict nothing (default k + margin + 1; 0 = read them "
                    "into the cache itself, as --draft-prefetch always does)")
     p.add_argument("--mtp", default="0", metavar="K|auto",
                    help="speculative decoding with the store's NextN/MTP block: K drafts per "

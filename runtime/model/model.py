@@ -65,9 +65,8 @@ class Model:
         blk = self.trunk.blocks[nxt]
         if blk.moe is None:
             return None
-        r = self.runner.router
         xp = rms_norm(x, blk.ffn_norm, self.cfg.rms_eps)
-        return nxt, r.select(r.probs(xp, blk.moe.router), blk.moe.router, self.lookahead_k)
+        return nxt, self.runner.router.top(xp, blk.moe.router, self.lookahead_k)
 
     def forward(self, ids: torch.Tensor, logits: str = "last",
                 hidden: bool = False) -> torch.Tensor | None:

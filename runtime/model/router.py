@@ -64,6 +64,16 @@ class Router:
             sel = g.masked_fill(mask[..., None], float("-inf")).view(T, E)
         return sel.topk(k or self.k, dim=-1).indices
 
+    def top(self, x: torch.Tensor, w: RouterWeights, k: int) -> torch.Tensor:
+        """The top-``k`` ids ``[T, k]`` best first, without their weights (a guess of the
+        choice: the lookahead's); one token's from one native call where the kernels take it."""
+        if self.native and x.shape[0] == 1:
+            r = native.route(x, w.weight, w.probs_bias, k, self.gating == GATING_SIGMOID,
+                             False, W_SUM_MIN, 1.0)
+            if r is not None:
+                return r[0]
+        return self.select(self.probs(x, w), w, k)
+
     def __call__(self, x: torch.Tensor, w: RouterWeights
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x [T, n_embd]`` → ``(ids [T, k] int64, weights [T, k] float32, probs [T, E])``;

@@ -102,8 +102,9 @@ class Prefetcher:
             todo = todo[:self.max_per_submit]
         issued = 0
         t = self.target
+        room = self.max_in_flight - t.prefetch_in_flight() if todo else 0
         for i, e in enumerate(todo):
-            if t.prefetch_in_flight() >= self.max_in_flight:
+            if issued >= room:
                 st.refused += len(todo) - i
                 break
             r = t.start_prefetch(layer, e, source)
