@@ -68,7 +68,7 @@ def test_engine_holds_the_warm_start_until_the_first_logits(model):
     _, _, store = model
     with Engine.open(store, provider="tiered", ram_bytes=1 << 30) as e:
         loader = e.provider.cache.loader
-        assert loader.held and loader.warm_pending > 0
+        assert loader.held and loader.drip_pending > 0
         e.prefill([3, 14, 15])
         assert not loader.held
         e.decode(9)

@@ -301,7 +301,7 @@ def test_warm_drip_waits_while_demand_reads_are_in_flight():
     assert [x for x, _ in reader.reads] == [0, 1]
     loader.issue(entries[5], Priority.DEMAND)
     reader.reads[0][1].set_result(None)                 # a warm read ends: demand in flight
-    assert len(reader.reads) == 3 and loader.warm_pending == 4
+    assert len(reader.reads) == 3 and loader.drip_pending == 4
     reader.reads[2][1].set_result(None)                 # the demand read ends: the drip resumes
     assert [x for x, _ in reader.reads[3:]] == [2]      # back to two warm reads in flight
     loader.close()
@@ -340,7 +340,7 @@ def test_predictions_drip_ahead_of_warm_reads_and_yield_to_demand():
     assert [x for x, _ in reader.reads[3:]] == [4]
     reader.reads[3][1].set_result(None)
     assert [x for x, _ in reader.reads[4:]] == [0]      # then the warm start
-    assert loader.warm_pending == 2
+    assert loader.drip_pending == 2
     loader.close()
     reader.reads[4][1].set_result(None)
     assert len(reader.reads) == 5
@@ -353,7 +353,7 @@ def test_closing_with_warm_reads_in_flight_issues_no_more(store, caplog):
     with caplog.at_level(logging.ERROR):
         with provider(store, n + 8, warm_start=True, backend=backend) as p:
             time.sleep(0.05)
-            assert p.cache.loader.warm_pending > 0          # warm reads in flight at close
+            assert p.cache.loader.drip_pending > 0          # warm reads in flight at close
         time.sleep(0.1)
     assert not [r for r in caplog.records if "callback" in r.getMessage()]
 

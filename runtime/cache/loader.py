@@ -168,7 +168,7 @@ class Loader:
         return out
 
     @property
-    def warm_pending(self) -> int:
+    def drip_pending(self) -> int:
         """Dripped reads queued or in flight."""
         with self._lock:
             return len(self._queued) + self._drip_inflight

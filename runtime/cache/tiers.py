@@ -84,7 +84,7 @@ class TierCache(StagedPrefetch, Residency):
         self.table = (SlotTable(len(geo.layers), self._E, self.device, self.copier)
                       if self.dev is not None or not self.copier.cuda else None)
         self._host_table = self.dev is None and self.table is not None
-        # one warm read at a time: the warm start fills in the background and every warm read
+        # one background read at a time (predictions first, then the warm start): every one
         # costs the decode steps it overlaps (the 6.4 GB model, all of it warming after the
         # first token: 32 tokens in 5.2-5.6 s at depth 1, 8.4-9.2 s at depth 8)
         self.loader = Loader(reader, self.host.view, depth=1)

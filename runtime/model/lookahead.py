@@ -2,8 +2,9 @@
 
 At layer L's MoE step the residual stream ``h`` (the FFN input) is normalised with layer
 L+1's own FFN norm and fed to layer L+1's router; its top ``k + margin`` experts per token are
-handed to ``provider.prefetch(L+1, ...)`` before layer L's experts are computed, so the reads
-overlap layer L's compute and layer L+1's attention. When layer L+1 actually routes, the
+handed to ``provider.prefetch(L+1, ...)`` once layer L's own reads are issued; the cache reads
+them one at a time when no demand read is in flight, so they overlap layer L's compute and layer
+L+1's attention, and drops those still queued when layer L+1 routes. When layer L+1 actually routes, the
 prediction is scored per forward step (the union over the batch's tokens):
 
 - coverage = |predicted ∩ used| / |used|   (share of needed experts that were prefetched)
