@@ -31,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lowram import block_device_of, readahead, run_capped  # noqa: E402
+from lowram import block_device_of, disk_bandwidth, readahead, run_capped  # noqa: E402
 
 from expertfs.runtime import peer_environ  # noqa: E402
 from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
@@ -89,14 +89,6 @@ def simulated_bytes(trace: str, ram: int) -> dict:
         return {"failed": r.returncode, "stderr": r.stderr[-600:]}
     pol = next(iter(json.loads(r.stdout)["points"][0]["policies"].values()))
     return {"bytes_nvme": pol["bytes_nvme"], "hit_rate": pol["hit_rate"], "tokens": pol["tokens"]}
-
-
-def disk_bandwidth(store: str) -> float:
-    """Random whole-expert read bandwidth (bytes/s), the best backend at QD 8, cold."""
-    out = subprocess.run([os.path.join(BIN, "expertfs"), "bench", "io", store, "--qd", "8",
-                          "--backend", "direct,buffered", "--cold", "--json", "--no-auto"],
-                         capture_output=True, text=True, check=True).stdout
-    return max(float(p["gbps"]) for p in json.loads(out)["points"]) * 1e9
 
 
 def main() -> int:

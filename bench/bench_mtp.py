@@ -18,7 +18,9 @@ C. **decode speed under a memory cgroup** on a store larger than its RAM budget:
    RAM tier a quarter of the experts, every run from the same learned-usage state;
    configurations run round-robin ``--rounds`` times, the median kept: plain, next-layer
    lookahead, MTP, MTP + draft-route prefetch (with and without lookahead), MTP auto + draft
-   prefetch, route tail skip (alone and with MTP).
+   prefetch, route tail skip (alone and with MTP); each also against the disk roofline (the
+   drive's random whole-expert bandwidth, measured before and after, over plain's MB read per
+   token: its demand misses at the tier's hit rate), as ``bench_lowram.py`` measures it.
 D. **route tail skip** quality against exact decoding: teacher-forced next-token distributions
    (top-1 agreement, mean KL) beside C's speed-up.
 
@@ -170,7 +172,7 @@ def _text(run: str, ids) -> str:
 
 
 def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dict:
-    from lowram import block_device_of, run_capped
+    from lowram import block_device_of, disk_bandwidth, run_capped
     from expertfs.store import Store
     with Store.open(store) as s:
         expert_bytes = sum(s.extent(la, e).length for la in s.layers for e in range(s.n_experts(la)))
@@ -202,6 +204,7 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
         want = [c.strip() for c in a.configs.split(",")]
         configs = {n: v for n, v in configs.items() if n in want}
     res: dict[str, list[dict]] = {c: [] for c in configs}
+    disk = [disk_bandwidth(store)]                 # before and after: the drive drifts
     for rnd in range(a.rounds):
         for name, extra in configs.items():
             for pi, prompt in enumerate(prompts):
@@ -247,7 +250,13 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
             "draft_waste": _med([(r["draft_prefetch"] or {}).get("waste") for r in ok]),
             "draft_fetched_waste": _med([_fetched_waste(r["draft_prefetch"]) for r in ok]),
             "runs": len(ok)}
+    disk.append(disk_bandwidth(store))
+    plain_mb = summary.get("plain", {}).get("mb_per_token")
+    # the disk roofline: a token's demand misses at the tier's hit rate (plain's MB read per
+    # token) read at the measured bandwidth, the lower and the higher measurement
+    roof = sorted(bw / (plain_mb * 1e6) for bw in disk) if plain_mb else None
     return {"store_bytes": size, "expert_bytes": expert_bytes, "cap_bytes": cap,
+            "disk_bytes_per_s": disk, "roofline_tok_s": roof,
             "ram_tier": ram, "device": dev, "threads": a.threads, "temperature": a.temp,
             "tokens": a.speed_tokens, "prompts": len(prompts), "rounds": a.rounds,
             "summary": summary, "runs": res}
@@ -310,8 +319,13 @@ def report(res: dict) -> None:
               f"{s['rounds']} rounds (median)")
         base = s["summary"].get("plain", {}).get("tok_s")
         look = s["summary"].get("lookahead", {}).get("tok_s")
-        print(f"{'configuration':44s} {'tok/s':>7} {'/plain':>7} {'/look':>7} {'MB/tok':>7} "
-              f"{'accept':>7} {'tok/step':>8} {'draft cov/waste (fetched)':>26}")
+        roof = s.get("roofline_tok_s")
+        if roof:
+            print(f"disk {min(s['disk_bytes_per_s']) / 1e9:.2f}-{max(s['disk_bytes_per_s']) / 1e9:.2f} "
+                  f"GB/s (before and after); roofline {roof[0]:.2f}-{roof[1]:.2f} tok/s at plain's "
+                  "MB read per token; /roof = tok/s over it (the higher roofline first)")
+        print(f"{'configuration':44s} {'tok/s':>7} {'/plain':>7} {'/look':>7} {'/roof':>9} "
+              f"{'MB/tok':>7} {'accept':>7} {'tok/step':>8} {'draft cov/waste (fetched)':>26}")
         for name, v in s["summary"].items():
             if "failed" in v:
                 print(f"{name:44s} failed")
@@ -319,8 +333,9 @@ def report(res: dict) -> None:
             cov = ("" if v["draft_coverage"] is None else
                    f"{v['draft_coverage']:.2f}/{v['draft_waste']:.2f} "
                    f"({v['draft_fetched_waste'] if v['draft_fetched_waste'] is None else round(v['draft_fetched_waste'], 2)})")
+            rr = (f"{v['tok_s'] / roof[1]:.2f}-{v['tok_s'] / roof[0]:.2f}" if roof else "")
             print(f"{name:44s} {v['tok_s']:7.2f} {v['tok_s'] / base if base else 0:7.2f} "
-                  f"{v['tok_s'] / look if look else 0:7.2f} {v['mb_per_token']:7.1f} "
+                  f"{v['tok_s'] / look if look else 0:7.2f} {rr:>9} {v['mb_per_token']:7.1f} "
                   f"{'' if v['acceptance'] is None else round(v['acceptance'], 3)!s:>7} "
                   f"{'' if v['tokens_per_step'] is None else round(v['tokens_per_step'], 2)!s:>8} "
                   f"{cov:>26}")

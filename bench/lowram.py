@@ -10,15 +10,17 @@ fault counters afterwards, remove the cgroup.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
 __all__ = ["MemCgroup", "drop_caches", "readahead", "disk_read_bytes", "block_device_of", "Run",
-           "run_capped"]
+           "run_capped", "disk_bandwidth"]
 
 
 def _memory_root() -> str:
@@ -138,3 +140,12 @@ def run_capped(argv: list[str], limit: int | None, dev: str, timeout: float = 18
     finally:
         if cg:
             cg.close()
+
+
+def disk_bandwidth(store: str) -> float:
+    """Random whole-expert read bandwidth (bytes/s) of ``store``'s drive: the best backend at
+    QD 8, cold (``expertfs bench io``), the disk roofline's numerator."""
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "expertfs"), "bench", "io",
+                          store, "--qd", "8", "--backend", "direct,buffered", "--cold", "--json",
+                          "--no-auto"], capture_output=True, text=True, check=True).stdout
+    return max(float(p["gbps"]) for p in json.loads(out)["points"]) * 1e9
