@@ -2,6 +2,8 @@
 """Issue 6's figures: MTP speculative decoding, draft-route prefetch, the route tail skip.
 
     sudo .venv/bin/python bench/bench_mtp.py --run RUN_DIR --work DIR [--inflate 32] [--json]
+    .venv/bin/python bench/bench_mtp.py --run RUN_DIR --work DIR --inflate 64 --gguf-out M.gguf
+        (only the inflated model as a GGUF, for ``bench_lowram.py --model M.gguf``)
 
 ``RUN_DIR`` is a ``tools/train_tiny_moe.py`` run (model.pt with its trained NextN block,
 tokenizer.json, held_out.npy). Every figure is measured in this run:
@@ -377,11 +379,21 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="parts to skip, e.g. A,B")
     ap.add_argument("--configs", default="", help="C: only these configurations (names, commas)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--gguf-out", metavar="PATH",
+                    help="only write the trained model, experts zero-padded --inflate x wide, as a "
+                         "GGUF at PATH (for bench_lowram.py: the same model with llama.cpp beside)")
     a = ap.parse_args()
     import numpy as np
     import torch
     torch.set_num_threads(a.threads)
     os.makedirs(a.work, exist_ok=True)
+    if a.gguf_out:
+        import export_glm4moe_gguf as ex
+        big_run = inflate_run(a.run, a.work, a.inflate)
+        ex.export(big_run, a.gguf_out, experts="F16", matrices="F16")
+        shutil.rmtree(big_run)                      # the float32 checkpoint is large
+        log(f"wrote {a.gguf_out} ({os.path.getsize(a.gguf_out) / 1e9:.2f} GB)")
+        return 0
     skip = set(a.skip.upper().split(",")) if a.skip else set()
     held = np.load(os.path.join(a.run, "held_out.npy")).astype(np.int64)
     res: dict = {"args": vars(a)}
