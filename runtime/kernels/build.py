@@ -3,8 +3,13 @@
 The sources are compiled at first use with ``torch.utils.cpp_extension.load`` into a per-user
 cache folder (``$EXPERTFS_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/expertfs/kernels``, else
 ``~/.cache/expertfs/kernels``), one sub-folder per hash of the sources, the torch version and
-the flags: a later process (or test session) loads the built module in milliseconds, and an
-edited source or another torch gets its own build. The build needs a C++ compiler (``$CXX`` or
+the flags and the sources' folder: a later process (or test session) loads the built module in
+milliseconds, and an edited source, another torch or another checkout gets its own build (two
+checkouts sharing one folder rebuilt it at every switch, since ninja saw other source paths).
+Builds of one folder are serialised by a kernel lock (``flock``, released if the builder dies);
+torch's own lock file is left behind by a build that was killed (Ctrl-C during the first run,
+an out-of-memory kill) and made every later load wait for it forever, so the holder of the
+kernel lock removes it. The build needs a C++ compiler (``$CXX`` or
 ``c++``) and ninja; without them, or when ``EXPERTFS_NATIVE=0``, or when the build fails,
 ``load()`` returns None, the reason is logged once (warning) and kept in ``status()``, and the
 runtime uses its torch paths.
@@ -17,6 +22,8 @@ below for the types it has no kernel of).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -60,6 +67,7 @@ def _build_name() -> str:
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
+    h.update(str(CSRC).encode())
     return "expertfs_kernels_" + h.hexdigest()[:16]
 
 
@@ -77,6 +85,26 @@ def _why_not() -> str | None:
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
     return None
+
+
+@contextlib.contextmanager
+def _build_lock(bdir: Path):
+    """Hold ``bdir``'s build lock: wait for another process building there, then clear torch's
+    lock file if a killed build left it (no live builder can hold it while we hold ours)."""
+    with open(bdir / "expertfs.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building the native kernels in %s", bdir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        stale = bdir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _short(e: BaseException) -> str:
@@ -104,9 +132,10 @@ def load() -> ModuleType | None:
                 bdir = cache_dir() / name
                 bdir.mkdir(parents=True, exist_ok=True)
                 _state["build_dir"] = str(bdir)
-                mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
-                                         extra_cflags=list(CFLAGS), build_directory=str(bdir),
-                                         verbose=False)
+                with _build_lock(bdir):
+                    mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
+                                             extra_cflags=list(CFLAGS),
+                                             build_directory=str(bdir), verbose=False)
             except Exception as e:  # noqa: BLE001 - any toolchain failure means "use torch"
                 mod, reason = None, f"build failed ({_short(e)})"
             _state["seconds"] = time.perf_counter() - t0
