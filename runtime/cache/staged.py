@@ -55,7 +55,6 @@ class StagedPrefetch(Residency):
         for key, e in list(self.staged.items()):
             if key // self._E == li and self.loader.unqueue(e):
                 del self.staged[key]
-                e.future = None
                 self._forget(e, cancelled=True)
 
     def _reclaim(self) -> bool:

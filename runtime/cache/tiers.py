@@ -192,7 +192,7 @@ class TierCache(StagedPrefetch, Residency):
         if hits:
             self.stats.hits["ram"] = self.stats.hits.get("ram", 0) + hits
         if self.staged:                     # before the waits: the drip resumes after them
-            self._drop_unissued(keys[0] // self._E if keys else self.cursor)
+            self._drop_unissued(self.cursor)
         if not wait:
             return out
         for e in loading:

@@ -89,8 +89,9 @@ def _why_not() -> str | None:
 
 @contextlib.contextmanager
 def _build_lock(bdir: Path):
-    """Hold ``bdir``'s build lock: wait for another process building there, then clear torch's
-    lock file if a killed build left it (no live builder can hold it while we hold ours)."""
+    """Hold ``bdir``'s build lock (released when the file closes, or the process dies): wait for
+    another process building there, then clear torch's lock file if a killed build left it (no
+    live builder can hold it while we hold ours)."""
     with open(bdir / "expertfs.lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -101,10 +102,7 @@ def _build_lock(bdir: Path):
         if stale.exists():
             log.warning("removing %s, left by a kernel build that was stopped", stale)
             stale.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 
 
 def _short(e: BaseException) -> str:
