@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from expertfs.runtime.policies_registry import make_factory
+from expertfs.runtime.policies.registry import make_factory
 
 N_LAYERS, N_EXPERTS, K, SLOTS, HITS = 32, 128, 8, 2048, 8192
 POLICIES = ("lru", "lru/layer", "lfu", "lfud", "arc", "wlfu", "wlfu/layer")

@@ -7,7 +7,7 @@
    buffers, same backend and queue depth, both without checksums; page cache warm (the
    mechanism's own overhead) and cold (the disk: file pages dropped before each run);
 3. **real hit rates vs the simulator**: a synthetic routing trace of the store's geometry
-   replayed through the provider and through ``expertfs.runtime.simulate`` with the same policy
+   replayed through the provider and through ``expertfs.runtime.sim.replay`` with the same policy
    and slots: hits per tier must be equal (the mechanism follows the simulator call for call).
 
 ::
@@ -40,14 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from expertfs.repack import repack
-from expertfs.runtime.experts.tiered import TieredProvider
+from expertfs.store.repack import repack
+from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.io import ExpertReader, aligned_empty, drop_file_cache
-from expertfs.runtime.policies_registry import make_factory
-from expertfs.runtime.simulate import Replay, simulate
-from expertfs.runtime.trace import TraceHeader
-from expertfs.runtime.trace_synth import PRESETS, SyntheticSpec, synthetic_chunks
-from expertfs.store import Store
+from expertfs.runtime.policies.registry import make_factory
+from expertfs.runtime.sim.replay import Replay, simulate
+from expertfs.runtime.trace.file import TraceHeader
+from expertfs.runtime.trace.synth import PRESETS, SyntheticSpec, synthetic_chunks
+from expertfs.store.reader import Store
 from expertfs.synth import SynthConfig, synthesize
 
 REPEATS = 5

@@ -4,7 +4,7 @@
     python bench/bench_cache_policies.py [--tokens 1500] [--layers 16] [--experts 128] [--k 8]
                                          [--presets hot,sticky,diffuse,drift,uniform] [--json OUT]
 
-For each preset (``expertfs.runtime.trace_synth.PRESETS``) and each capacity (a share of all
+For each preset (``expertfs.runtime.trace.synth.PRESETS``) and each capacity (a share of all
 experts, one RAM tier), every policy's hit rate is divided by Belady's at the same capacity.
 Then two-tier points (VRAM 12.5% + RAM 25% of the experts, exclusive and inclusive) and a warm
 start (usage learned from another run of the same synthetic model; prefilled Belady). The
@@ -43,11 +43,11 @@ import json
 import statistics
 import time
 
-from expertfs.runtime.policies import usage_rates
-from expertfs.runtime.policies_opt import belady_hits
-from expertfs.runtime.policies_registry import ALL_POLICIES, DEFAULT_POLICY, make_factory
-from expertfs.runtime.simulate import Replay, simulate, usage_counts
-from expertfs.runtime.trace_synth import parse_spec, synthetic_chunks, synthetic_header
+from expertfs.runtime.policies.base import usage_rates
+from expertfs.runtime.sim.bounds import belady_hits
+from expertfs.runtime.policies.registry import ALL_POLICIES, DEFAULT_POLICY, make_factory
+from expertfs.runtime.sim.replay import Replay, simulate, usage_counts
+from expertfs.runtime.trace.synth import parse_spec, synthetic_chunks, synthetic_header
 
 SHARES = (0.03125, 0.0625, 0.125, 0.25, 0.375, 0.5)
 REALISTIC = ("hot", "sticky")

@@ -60,7 +60,7 @@ def synth(size: int, d: str, quant: str) -> str:
 
 
 def store_for(gguf: str) -> str:
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     store = gguf[:-5] + ".efs"
     if not os.path.isdir(store):
         repack([gguf], store)
@@ -146,7 +146,7 @@ def main() -> int:
     peers = [p for p in a.peers.split(",") if p]
     if a.llama_repack and "llama-repack" not in peers:
         peers.append("llama-repack")
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     with Store.open(store) as st:
         vocab = int(st.gguf_kv()[f"{st.architecture}.vocab_size"].value) \
             if f"{st.architecture}.vocab_size" in st.gguf_kv() else 1000

@@ -85,7 +85,7 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 def run_model(gguf: str, n: int, threads: int, with_llama: bool) -> dict:
     from bench_decode import store_for
     store = store_for(gguf)
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     with Store.open(store) as st:
         kv = st.gguf_kv()
         key = f"{st.architecture}.vocab_size"

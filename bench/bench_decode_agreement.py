@@ -62,7 +62,7 @@ def converted(d: str, tokens: list[int]) -> list[dict]:
 
 
 def synthetic(d: str, tokens: list[int]) -> list[dict]:
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
     rows = []
     for arch in ("qwen3moe", "glm4moe", "llama"):
@@ -76,9 +76,9 @@ def synthetic(d: str, tokens: list[int]) -> list[dict]:
 
 
 def given(paths: list[str], text: str) -> list[dict]:
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.runtime.tokenizer import GGUFTokenizer
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     rows = []
     for g in paths:
         s = g[:-5] + ".efs" if g.endswith(".gguf") else g + ".efs"

@@ -35,9 +35,9 @@ from lowram import block_device_of, disk_bandwidth, readahead, run_capped  # noq
 
 from expertfs.runtime import peer_environ  # noqa: E402
 from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
-from expertfs.runtime.plan_geometry import kv_cache_bytes  # noqa: E402
-from expertfs.runtime.plan_model import geometry_of_store  # noqa: E402
-from expertfs.store import Store  # noqa: E402
+from expertfs.runtime.plan.geometry import kv_cache_bytes  # noqa: E402
+from expertfs.runtime.plan.model import geometry_of_store  # noqa: E402
+from expertfs.store.reader import Store  # noqa: E402
 from expertfs.units import fmt_bytes  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)

@@ -58,7 +58,7 @@ def log(*a) -> None:
 def export_store(run: str, work: str, name: str = "trained") -> str:
     import export_glm4moe_gguf as ex
 
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     gguf = os.path.join(work, f"{name}.gguf")
     store = os.path.join(work, f"{name}.efs")
     if not os.path.exists(store):
@@ -117,7 +117,7 @@ def _engine(store: str, **opts):
 
 
 def part_acceptance(store: str, held, a: argparse.Namespace) -> list[dict]:
-    from expertfs.runtime.mtp.evaluate import acceptance
+    from expertfs.runtime.eval.mtp import acceptance
     from expertfs.runtime.sampling import SamplingParams
     prompts = [held[i * 400:i * 400 + 48].tolist() for i in range(a.prompts)]
     grid = [(0.0, 1.0)] + [(t, p) for t in (0.3, 0.6, 1.0) for p in (1.0, 0.9)]
@@ -133,7 +133,7 @@ def part_acceptance(store: str, held, a: argparse.Namespace) -> list[dict]:
 
 
 def part_predictors(store: str, held, a: argparse.Namespace) -> dict:
-    from expertfs.runtime.mtp.evaluate import route_predictors
+    from expertfs.runtime.eval.mtp import route_predictors
     out = {}
     for k in a.pred_depths:
         with _engine(store, mtp=k, lookahead=True, lookahead_margin=2) as eng:
@@ -141,8 +141,9 @@ def part_predictors(store: str, held, a: argparse.Namespace) -> dict:
         out[str(k)] = r
         log(f"B  depth {k}: {r['steps']} verify passes in {r['seconds']:.0f} s")
     if a.traces:
-        from expertfs.runtime.prefetch import HistoryPredictor, evaluate_predictor
-        from expertfs.runtime.trace import TraceReader
+        from expertfs.runtime.eval.prefetch import evaluate_predictor
+        from expertfs.runtime.prefetch import HistoryPredictor
+        from expertfs.runtime.trace.file import TraceReader
         with TraceReader(os.path.join(a.traces, "decode.efstrace")) as r:
             h = r.header
             s = evaluate_predictor(HistoryPredictor(h.n_layers, h.n_experts), h, r.chunks(),
@@ -154,7 +155,7 @@ def part_predictors(store: str, held, a: argparse.Namespace) -> dict:
 
 def part_tailskip_quality(store: str, held, ram: int, ns: list[int],
                           a: argparse.Namespace) -> list[dict]:
-    from expertfs.runtime.mtp.evaluate import tail_skip_quality
+    from expertfs.runtime.eval.mtp import tail_skip_quality
     rows = []
     for n in ns:
         with _engine(store, provider="tiered", ram_bytes=ram) as ex, \
@@ -175,7 +176,7 @@ def _text(run: str, ids) -> str:
 
 def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dict:
     from lowram import block_device_of, disk_bandwidth, run_capped
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     with Store.open(store) as s:
         expert_bytes = sum(s.extent(la, e).length for la in s.layers for e in range(s.n_experts(la)))
     size = sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store)
@@ -399,7 +400,7 @@ def main() -> int:
     res: dict = {"args": vars(a)}
     t0 = time.time()
     store = export_store(a.run, a.work)
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     with Store.open(store) as s:
         k = int(s.gguf_kv()["glm4moe.expert_used_count"].value)
         expert_bytes = sum(s.extent(la, e).length for la in s.layers

@@ -8,7 +8,7 @@ For each trace and capacity (slots, demand fetch, the running row pinned, as ``b
   layers): it evicts the resident expert whose next use is farthest, experts with no use in the
   window first (least used so far, then least recently used). W of 1–3 is what MTP drafts could
   tell at best (their routes are guesses, these are exact);
-- the static-frequency cache: knows how often each expert is used, not when (``policies_opt``);
+- the static-frequency cache: knows how often each expert is used, not when (``sim.bounds``);
 - the default online policy and LRU, which know only the past.
 
 Prints a table of hit rates and their fraction of Belady; ``--json`` the figures.
@@ -28,10 +28,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expertfs.runtime.policies_opt import (belady_hits, check_capacity, next_uses,  # noqa: E402
+from expertfs.runtime.sim.bounds import (belady_hits, check_capacity, next_uses,  # noqa: E402
                                            static_hits)
-from expertfs.runtime.policies_registry import DEFAULT_POLICY, make_factory  # noqa: E402
-from expertfs.runtime.simulate import Replay, simulate  # noqa: E402
+from expertfs.runtime.policies.registry import DEFAULT_POLICY, make_factory  # noqa: E402
+from expertfs.runtime.sim.replay import Replay, simulate  # noqa: E402
 
 
 def window_hits(rp: Replay, capacity: int, window: int) -> int:

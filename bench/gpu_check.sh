@@ -43,7 +43,7 @@ EXPERTFS_TEST_DEVICE=$DEV timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
 log "2/3 CPU vs CUDA logits on a Q4_K_M synthetic qwen3moe"
 "$PY" - "$W" <<'EOF'
 import os, sys
-from expertfs.repack import repack
+from expertfs.store.repack import repack
 from expertfs.synth import SynthConfig, synthesize
 w = sys.argv[1]
 g, s = os.path.join(w, "small.gguf"), os.path.join(w, "small.efs")
@@ -74,7 +74,7 @@ EOF
 log "3/3 streamed decode on CUDA (RAM and VRAM tiers smaller than the experts)"
 "$PY" - "$W" <<'EOF'
 import os, sys
-from expertfs.repack import repack
+from expertfs.store.repack import repack
 from expertfs.synth import SynthConfig, synthesize
 from expertfs.synth.writer import layers_for_size
 w = sys.argv[1]

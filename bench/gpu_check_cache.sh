@@ -31,10 +31,10 @@ echo "== 2-5. CUDA tiers" | tee -a "$OUT/log.txt"
 timeout 150 "$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/log.txt"
 import dataclasses, logging, os, random, sys, tempfile, time
 import torch
-from expertfs.repack import repack
-from expertfs.runtime.experts.tiered import TieredProvider
+from expertfs.store.repack import repack
+from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.io import PinBudget
-from expertfs.store import Store
+from expertfs.store.reader import Store
 from expertfs.synth import SynthConfig, synthesize
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

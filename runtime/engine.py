@@ -103,7 +103,7 @@ def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: 
     from .experts.direct import DirectProvider
     if kind in ("auto", "tiered"):
         try:
-            from .experts.tiered import TieredProvider
+            from .cache.provider import TieredProvider
         except ImportError as e:
             if kind == "tiered":
                 raise UsageError("the tiered expert cache is not installed",
@@ -244,7 +244,7 @@ class Engine:
              provider_options: dict[str, Any] | None = None, **kw: Any) -> Engine:
         """Open the store at ``path``; ``provider`` is an instance or a kind for ``make_provider``
         (``provider_options`` go to it, e.g. ``{"warm_start": False}``)."""
-        from ..store import Store
+        from ..store.reader import Store
         options = options or EngineOptions(**kw)
         store = Store.open(path)
         try:
@@ -355,7 +355,7 @@ class Engine:
 
     def trace(self, path: str, meta: dict[str, Any] | None = None) -> None:
         """Record every routing decision from now on into the trace file ``path``."""
-        from .trace import TraceHeader, TraceWriter
+        from .trace.file import TraceHeader, TraceWriter
         cfg = self.config
         sizes = [int(self.store.layer_info(i)["extent_bytes"])
                  if cfg.is_moe(i) and self.trunk.blocks[i].moe is not None else 0

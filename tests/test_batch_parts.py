@@ -12,7 +12,7 @@ from expertfs.runtime.engine import Engine
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
     d = tmp_path_factory.mktemp("parts")
     g, s = d / "m.gguf", d / "m.efs"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from expertfs.runtime.cache import tiers
-from expertfs.runtime.experts.tiered import TieredProvider
-from expertfs.store import Store
+from expertfs.runtime.cache.provider import TieredProvider
+from expertfs.store.reader import Store
 
 from test_cache_support import K, N_EXPERTS, assert_weights, check_invariants, make_store, store_bytes
 

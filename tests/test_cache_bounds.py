@@ -9,9 +9,9 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertfs.runtime.policies_opt import belady_hits
-from expertfs.runtime.simulate import Replay
-from expertfs.runtime.trace_synth import parse_spec, write_synthetic
+from expertfs.runtime.sim.bounds import belady_hits
+from expertfs.runtime.sim.replay import Replay
+from expertfs.runtime.trace.synth import parse_spec, write_synthetic
 
 _spec = importlib.util.spec_from_file_location(
     "cache_bounds", os.path.join(os.path.dirname(__file__), "..", "bench", "cache_bounds.py"))

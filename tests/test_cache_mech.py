@@ -10,7 +10,7 @@ from expertfs.errors import StoreError, UsageError
 from expertfs.runtime.cache import (Copier, Geometry, SlotPool, SlotTable, UsageRecorder,
                                     load_rates, persist_usage, plan_slots)
 from expertfs.runtime.io import PAGE, PinBudget
-from expertfs.store import Store
+from expertfs.store.reader import Store
 
 from test_cache_support import K, N_EXPERTS, make_store
 

@@ -8,10 +8,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from expertfs.repack import repack
+from expertfs.store.repack import repack
 from expertfs.runtime.cache import State
 from expertfs.runtime.io import BufferedBackend, IOBackend, RawFile
-from expertfs.store import Store
+from expertfs.store.reader import Store
 from expertfs.synth import SynthConfig, synthesize
 
 K = 4

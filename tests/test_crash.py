@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from expertfs.repack import repack
-from expertfs.store import Store
-from expertfs.unpack import unpack
-from expertfs.verify import verify
+from expertfs.store.repack import repack
+from expertfs.store.reader import Store
+from expertfs.store.unpack import unpack
+from expertfs.store.verify import verify
 from gguf_builders import moe_gguf
 
 # Small windows and checkpoints so a 50 MB model has hundreds of kill points (test-only knobs).
 RUNNER = """
 import json, sys
-import expertfs.repack as r
+import expertfs.store.repack as r
 r.CHECKPOINT_BYTES = 256 << 10
 tick = lambda done, total: print("window", done, flush=True)
 res = r.repack([sys.argv[1]], sys.argv[2], window_bytes=64 << 10, progress=tick)
@@ -80,7 +80,7 @@ def test_kill_9_anywhere_then_resume(tmp_path):
 def test_changed_source_restarts_instead_of_resuming(tmp_path):
     a = moe_gguf(tmp_path / "a.gguf", seed=1)[0]
     out = tmp_path / "m.efs"
-    import expertfs.repack as r
+    import expertfs.store.repack as r
     partial = Path(str(out) + ".partial")
     # leave a partial store of source a (as a crash would), then repack a different file
     r.repack([str(a)], str(out))

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from expertfs.errors import DiskFullError
-from expertfs.repack import repack
+from expertfs.store.repack import repack
 from gguf_builders import moe_gguf
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from expertfs.formats.ggml import GGMLType
 from expertfs.formats.moe_names import Role
-from expertfs.layout import (FORMAT_VERSION, KIND_TRUNK, Extent, Part, TensorRecord, expert_key,
+from expertfs.store.layout import (FORMAT_VERSION, KIND_TRUNK, Extent, Part, TensorRecord, expert_key,
                              pack_extent, pack_tensor, pack_usage, tensor_key, unpack_extent,
                              unpack_tensor, unpack_usage)
 

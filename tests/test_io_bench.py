@@ -40,7 +40,7 @@ def test_run_bench_shape(f8m):
 
 def test_cli_json_store_and_plot(tmp_path, capsys):
     from gguf_builders import moe_gguf
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     src = moe_gguf(tmp_path / "m.gguf", layers=2, experts=4)[0]
     repack(str(src), str(tmp_path / "m.efs"))
     args = ["bench", "io", str(tmp_path / "m.efs"), "--backend", "buffered,direct", "--qd", "1,2",

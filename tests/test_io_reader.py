@@ -14,7 +14,7 @@ import xxhash
 from expertfs.errors import IntegrityError, StoreError
 from expertfs.formats.ggml import GGMLType
 from expertfs.formats.moe_names import Role
-from expertfs.layout import Extent, Part
+from expertfs.store.layout import Extent, Part
 from expertfs.runtime.io import (AsyncExpertReader, ExpertIntegrityError, ExpertReader, Fault,
                                  FaultInjectingBackend, IOUsageError, Priority, aligned_empty,
                                  get_backend, run, uvloop_available)
@@ -129,8 +129,8 @@ def test_demand_read_joins_and_promotes_a_queued_prefetch(experts):
 
 def test_store_reader_on_a_repacked_store(tmp_path):
     from gguf_builders import moe_gguf
-    from expertfs.repack import repack
-    from expertfs.store import Store
+    from expertfs.store.repack import repack
+    from expertfs.store.reader import Store
     src = moe_gguf(tmp_path / "m.gguf", layers=2, experts=4)[0]
     repack(str(src), str(tmp_path / "m.efs"))
     with Store.open(tmp_path / "m.efs") as store, ExpertReader(store, backend="direct") as r:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels
 
 
 def make_store(tmp_path_factory, arch: str) -> str:
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
     d = tmp_path_factory.mktemp(f"kern_{arch}")
     g, s = d / "m.gguf", d / "m.efs"

@@ -22,7 +22,7 @@ from expertfs.runtime.model import ModelConfig  # noqa: E402
 from expertfs.runtime.model.config import (GATING_SIGMOID, GATING_SOFTMAX,  # noqa: E402
                                            GATING_SOFTMAX_WEIGHT)
 from expertfs.runtime.model.router import Router, RouterWeights  # noqa: E402
-from expertfs.store import Store  # noqa: E402
+from expertfs.store.reader import Store  # noqa: E402
 
 TOKENS = [5, 100, 200, 37, 400, 12, 7, 300, 255, 1, 2, 3, 77, 500, 9, 64]
 
@@ -256,7 +256,7 @@ def test_dense_model_is_refused():
 def test_synth_archs_run(tmp_path):
     """Synth's qwen3moe, glm4moe (+NextN), llama and deepseek2 (MLA, groups) GGUFs in mixed
     K-quants load and run."""
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
     for arch in ("qwen3moe", "glm4moe", "llama", "deepseek2"):
         cfg = SynthConfig.tiny(arch).replace(quant="q4_k_m")

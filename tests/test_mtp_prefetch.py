@@ -125,7 +125,7 @@ def test_gate_fetch_threshold_follows_the_disk():
 
 
 def test_offline_evaluations_run_and_are_consistent(store):
-    from expertfs.runtime.mtp.evaluate import acceptance, route_predictors, tail_skip_quality
+    from expertfs.runtime.eval.mtp import acceptance, route_predictors, tail_skip_quality
     from expertfs.runtime.sampling import SamplingParams
     text = (PROMPT * 8)[:40]
     with engine(store, mtp=2, lookahead=True) as eng:

@@ -40,7 +40,7 @@ def build_model(out: Path, *, seed: int = 0, dtype: str = "F32", **over):
     import train_tiny_moe_data as data
     from train_tiny_moe_model import TinyGlmMoe, preset, save_checkpoint
 
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     p = preset("tiny", **over)
     model = TinyGlmMoe(p, seed)
     g = torch.Generator().manual_seed(seed + 1)

@@ -1,4 +1,4 @@
-"""``expertfs.runtime.plan``: budget arithmetic, KV sizes, prediction terms, monotonicity, presets.
+"""``expertfs.runtime.plan.budget``: budget arithmetic, KV sizes, prediction terms, monotonicity, presets.
 
 Everything here is arithmetic on known geometries with stated rates (no timing assertions); the
 synthetic routing is kept to a few dozen tokens so the simulator runs in well under a second.
@@ -12,16 +12,16 @@ import math
 import pytest
 
 from expertfs.errors import UsageError
-from expertfs.runtime.plan import (GiB, Box, Geometry, candidates, kv_bytes_per_token,
+from expertfs.runtime.plan.budget import (GiB, Box, Geometry, candidates, kv_bytes_per_token,
                                    kv_cache_bytes, layout, max_ctx_on_gpu, os_headroom)
-from expertfs.runtime.plan_predict import (Option, Range, Rates, Routing, RoutingRange, choose,
+from expertfs.runtime.plan.predict import (Option, Range, Rates, Routing, RoutingRange, choose,
                                            make_plan, plan_to_dict, predict, stated_cpu,
                                            stated_gpu, stated_pcie, stated_storage,
                                            storage_from_profile)
-from expertfs.runtime.plan_model import geometry_from_like, geometry_from_synth
-from expertfs.runtime.plan_routing import route, synthetic_replay, trace_replay
-from expertfs.runtime.plan_run import plan_options
-from expertfs.runtime.trace_synth import parse_spec, write_synthetic
+from expertfs.runtime.plan.model import geometry_from_like, geometry_from_synth
+from expertfs.runtime.plan.routing import route, synthetic_replay, trace_replay
+from expertfs.runtime.plan.run import plan_options
+from expertfs.runtime.trace.synth import parse_spec, write_synthetic
 from expertfs.synth import SynthConfig, preset_names
 
 _GEOM: dict[str, Geometry] = {}
@@ -355,7 +355,7 @@ def test_more_vram_never_predicts_fewer_tokens() -> None:
 def test_json_schema() -> None:
     p = plan_for(like("GLM-4.5-Air"), Box(32 * GiB, 24 * GiB, label="test"))
     d = json.loads(json.dumps(plan_to_dict(p)))
-    assert d["schema"] == "expertfs.plan/1" and d["status"] == "fits" and d["exit_code"] == 0
+    assert d["schema"] == "expertfs.store.plan/1" and d["status"] == "fits" and d["exit_code"] == 0
     assert set(d) >= {"model", "box", "placement", "budget", "rates", "routing", "prediction",
                       "notes", "assumptions", "measurements"}
     assert set(d["placement"]) == {"where", "trunk_mode", "trunk", "experts", "gpu", "supported"}
@@ -477,5 +477,5 @@ def test_bound_prunes_without_changing_the_choice() -> None:
 
 
 def predict_option_full(g, box, mem, rates, routing_for):
-    from expertfs.runtime.plan_predict import Option, predict_option
+    from expertfs.runtime.plan.predict import Option, predict_option
     return predict_option(g, box, mem, rates, routing_for(mem)) if mem.runnable else Option(mem)

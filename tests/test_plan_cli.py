@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from expertfs.cli import main
-from expertfs.runtime.trace_synth import parse_spec, write_synthetic
+from expertfs.runtime.trace.synth import parse_spec, write_synthetic
 
 FAST = ["--no-probe", "--tokens", "24"]
 
@@ -22,7 +22,7 @@ def run_json(capsys, *argv: str, code: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_store(tmp_path_factory) -> Path:
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
 
     d = tmp_path_factory.mktemp("plan")
@@ -158,7 +158,7 @@ def test_run_flags_give_the_planned_tiers_in_the_runtime(capsys, tiny_store, vra
     """The --ram/--vram the plan prints, sized by the runtime's own slot planner, give the
     planned tiers (sizes are rounded up to 0.01 GiB / 1 MiB, so a few more slots at most)."""
     from expertfs.runtime.cache.sizing import Geometry as SlotGeometry, plan_slots
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     from expertfs.units import parse_size
 
     d = run_json(capsys, str(tiny_store), "--ram", "4G", "--vram", vram, *FAST)

@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertfs.errors import UsageError
-from expertfs.layout import ExpertKey
-from expertfs.runtime.policies import LRU, CapacityError, DecayLFU, Policy, usage_rates
-from expertfs.runtime.policies_arc import ARC
-from expertfs.runtime.policies_layer import PerLayer, even_quotas
-from expertfs.runtime.policies_registry import (ALL_POLICIES, DEFAULT_POLICY, make_factory,
+from expertfs.store.layout import ExpertKey
+from expertfs.runtime.policies.base import LRU, CapacityError, DecayLFU, Policy, usage_rates
+from expertfs.runtime.policies.arc import ARC
+from expertfs.runtime.policies.layer import PerLayer, even_quotas
+from expertfs.runtime.policies.registry import (ALL_POLICIES, DEFAULT_POLICY, make_factory,
                                                 parse_policies)
-from expertfs.runtime.policies_window import WindowLFU
+from expertfs.runtime.policies.window import WindowLFU
 
 
 def replay(p: Policy, seq, *, now=None) -> list[bool]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from expertfs.cli import build_parser, main
-from expertfs.runtime.trace_synth import parse_spec, write_synthetic
+from expertfs.runtime.trace.synth import parse_spec, write_synthetic
 
 SPEC = "hot,n_tokens=120,n_layers=4,n_experts=16,k=2,expert_bytes=1048576"
 
@@ -106,7 +106,7 @@ def test_damaged_trace_names_the_file(tmp_path, capsys) -> None:
 
 
 def test_percent_counts_routed_experts_only_and_zero_belady_prints(tmp_path, capsys) -> None:
-    from expertfs.runtime.trace import TraceHeader, TraceWriter
+    from expertfs.runtime.trace.file import TraceHeader, TraceWriter
     path = tmp_path / "dense_first.efstrace"
     h = TraceHeader(3, 8, 2, (0, 4096, 4096))          # layer 0 dense, like glm4moe
     with TraceWriter(path, h) as w:

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertfs.errors import UsageError
-from expertfs.runtime.policies import LRU
-from expertfs.runtime.policies_opt import belady_hits, next_uses, static_hits
-from expertfs.runtime.policies_registry import ALL_POLICIES, make_factory
-from expertfs.runtime.simulate import Replay, simulate, slots_for, usage_counts
-from expertfs.runtime.trace import TraceChunk, TraceHeader, TraceWriter
-from expertfs.runtime.trace_synth import SyntheticSpec, synthetic_chunks, synthetic_header
+from expertfs.runtime.policies.base import LRU
+from expertfs.runtime.sim.bounds import belady_hits, next_uses, static_hits
+from expertfs.runtime.policies.registry import ALL_POLICIES, make_factory
+from expertfs.runtime.sim.replay import Replay, simulate, slots_for, usage_counts
+from expertfs.runtime.trace.file import TraceChunk, TraceHeader, TraceWriter
+from expertfs.runtime.trace.synth import SyntheticSpec, synthetic_chunks, synthetic_header
 
 
 def brute_force_opt(rows: list[list[int]], cap: int, prefill: bool = False) -> int:
@@ -162,7 +162,7 @@ def test_warm_start_counts_its_bytes_and_helps() -> None:
     assert learn.n_tokens == 300 and test.n_tokens == 300
     counts = usage_counts(learn)
     assert sum(counts.values()) == 300 * 4 * 2
-    from expertfs.runtime.policies import usage_rates
+    from expertfs.runtime.policies.base import usage_rates
     rates = usage_rates(counts, k=2)
     f = _factory("wlfu", test)
     cold = simulate(test, f, vram=0, ram=16)

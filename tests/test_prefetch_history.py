@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from expertfs.errors import UsageError
-from expertfs.runtime.prefetch import COMPONENTS, HistoryPredictor, evaluate_predictor
-from expertfs.runtime.trace_synth import PRESETS, SyntheticSpec, synthetic_chunks, synthetic_header
+from expertfs.runtime.eval.prefetch import evaluate_predictor
+from expertfs.runtime.prefetch import COMPONENTS, HistoryPredictor
+from expertfs.runtime.trace.synth import PRESETS, SyntheticSpec, synthetic_chunks, synthetic_header
 
 L, E, K, TOKENS, SKIP = 6, 48, 6, 300, 60
 

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from expertfs.runtime.cache import State
-from expertfs.runtime.experts.tiered import TieredProvider
-from expertfs.runtime.trace_synth import PRESETS, SyntheticSpec, synthetic_chunks
-from expertfs.store import Store
+from expertfs.runtime.cache.provider import TieredProvider
+from expertfs.runtime.trace.synth import PRESETS, SyntheticSpec, synthetic_chunks
+from expertfs.store.reader import Store
 
 from test_cache_support import (K, N_EXPERTS, GatedBackend, assert_weights, check_invariants,
                                 make_store, store_bytes)
@@ -233,7 +233,7 @@ def test_engine_lookahead_stages_its_prefetches_and_keeps_logits(tmp_path):
     k + margin + 1 staged slots, and decoding is bit-identical to the uncached provider."""
     import torch
 
-    from expertfs.repack import repack
+    from expertfs.store.repack import repack
     from expertfs.runtime.engine import Engine
     from expertfs.synth import SynthConfig, synthesize
     g, s = tmp_path / "m.gguf", tmp_path / "m.efs"

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from hf_to_gguf import convert  # noqa: E402
 
 from expertfs.cli import main  # noqa: E402
-from expertfs.runtime.trace import read_trace  # noqa: E402
+from expertfs.runtime.trace.file import read_trace  # noqa: E402
 
 
 @pytest.fixture(scope="module")

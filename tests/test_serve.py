@@ -9,7 +9,7 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from expertfs.repack import repack
+from expertfs.store.repack import repack
 from expertfs.runtime.engine import Engine, EngineOptions
 from expertfs.runtime.server import ServerConfig, build_app
 from expertfs.runtime.server.session import Session, StopMatcher

@@ -12,11 +12,11 @@ from gguf import GGUFReader
 
 from expertfs.errors import UnsupportedModelError, UsageError
 from expertfs.formats.moe_names import Role
-from expertfs.layout import PART_ALIGN
-from expertfs.repack import repack
-from expertfs.store import Store
-from expertfs.unpack import unpack
-from expertfs.verify import verify
+from expertfs.store.layout import PART_ALIGN
+from expertfs.store.repack import repack
+from expertfs.store.reader import Store
+from expertfs.store.unpack import unpack
+from expertfs.store.verify import verify
 from gguf_builders import QUANTISABLE, moe_gguf
 
 

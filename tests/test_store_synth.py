@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from expertfs.repack import repack
-from expertfs.store import Store
+from expertfs.store.repack import repack
+from expertfs.store.reader import Store
 from expertfs.synth import ARCHES, SynthConfig, synthesize
-from expertfs.unpack import unpack
-from expertfs.verify import verify
+from expertfs.store.unpack import unpack
+from expertfs.store.verify import verify
 
 
 def _check(tmp_path: Path, files: list[str]) -> set[str]:

@@ -16,11 +16,11 @@ from expertfs.runtime.cache import State
 from expertfs.runtime.cache.entry import Entry
 from expertfs.runtime.cache.loader import Loader
 from expertfs.runtime.experts import ExpertProvider
-from expertfs.runtime.experts.tiered import TieredProvider
+from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.io import Fault, FaultInjectingBackend, IOFaultError, Priority, get_backend
 from expertfs.runtime.io.scheduler import ReadFuture
-from expertfs.runtime.policies import CapacityError
-from expertfs.store import Store
+from expertfs.runtime.policies.base import CapacityError
+from expertfs.store.reader import Store
 
 from test_cache_support import (K, N_EXPERTS, GatedBackend, assert_weights, check_invariants,
                                 make_store, store_bytes)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from expertfs.runtime.experts.tiered import TieredProvider
-from expertfs.runtime.policies import usage_rates
-from expertfs.runtime.policies_registry import make_factory
-from expertfs.runtime.simulate import Replay, simulate, usage_counts
-from expertfs.runtime.trace import TraceHeader
-from expertfs.runtime.trace_synth import SyntheticSpec, synthetic_chunks
-from expertfs.store import Store
+from expertfs.runtime.cache.provider import TieredProvider
+from expertfs.runtime.policies.base import usage_rates
+from expertfs.runtime.policies.registry import make_factory
+from expertfs.runtime.sim.replay import Replay, simulate, usage_counts
+from expertfs.runtime.trace.file import TraceHeader
+from expertfs.runtime.trace.synth import SyntheticSpec, synthetic_chunks
+from expertfs.store.reader import Store
 
 from test_cache_support import K, N_EXPERTS, check_invariants, make_store
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertfs.errors import ExpertfsError, FormatError
-from expertfs.runtime.trace import (TRACE_VERSION, TraceChunk, TraceError, TraceHeader, TraceReader,
+from expertfs.runtime.trace.file import (TRACE_VERSION, TraceChunk, TraceError, TraceHeader, TraceReader,
                                     TraceWriter, read_trace)
-from expertfs.runtime.trace_async import AsyncTraceWriter
+from expertfs.runtime.trace.async_writer import AsyncTraceWriter
 
 TINY = TraceHeader(2, 8, 2, (4096, 8192), n_draft=1, meta={"model": "tiny"})
 
@@ -180,7 +180,7 @@ def test_async_writer_bytes_equal_sync(tmp_path) -> None:
 
 
 def test_async_writer_reports_background_failure(tmp_path, monkeypatch) -> None:
-    import expertfs.runtime.trace_async as ta
+    import expertfs.runtime.trace.async_writer as ta
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from expertfs.errors import UsageError
-from expertfs.runtime.trace import read_trace
-from expertfs.runtime.trace_synth import (PRESETS, SyntheticSpec, parse_spec, synthetic_chunks,
+from expertfs.runtime.trace.file import read_trace
+from expertfs.runtime.trace.synth import (PRESETS, SyntheticSpec, parse_spec, synthetic_chunks,
                                           synthetic_header, write_synthetic)
 
 

@@ -122,8 +122,8 @@ def test_store_verifies(built: dict) -> None:
 
 
 def test_traces_read_back(built: dict) -> None:
-    from expertfs.runtime.trace import TraceReader
-    from expertfs.store import Store
+    from expertfs.runtime.trace.file import TraceReader
+    from expertfs.store.reader import Store
     L, k, E = TINY.layers, TINY.top_k, TINY.experts
     moe = list(range(1, L))
     with Store.open(built["store"]) as s:

@@ -24,7 +24,7 @@ from hf_to_gguf import KINDS, convert  # noqa: E402
 
 from expertfs.runtime.engine import Engine, EngineOptions  # noqa: E402
 from expertfs.runtime.experts.direct import DirectProvider  # noqa: E402
-from expertfs.store import Store  # noqa: E402
+from expertfs.store.reader import Store  # noqa: E402
 
 TOKENS = [5, 100, 200, 37, 400, 12, 7, 300, 255, 1, 2, 3, 77, 500, 9, 64]
 F32_TOL = 1e-4

@@ -402,7 +402,7 @@ def convert(kind: str, out_dir: str, *, seed: int = 0, expert_type: T = T.F32,
                sync=sync, nextn_seed=seed + 1 if nextn else None)
     store_path = None
     if store:
-        from expertfs.repack import repack
+        from expertfs.store.repack import repack
         store_path = os.path.join(out_dir, tag + ".efs")
         repack([gguf_path], store_path, force=True)
     return model, gguf_path, store_path

@@ -130,7 +130,7 @@ def pipeline(out: str, *, preset: str = "small", seed: int = 0, steps: int | Non
 
     if bench:
         t = time.time()
-        from expertfs.runtime.trace import TraceReader
+        from expertfs.runtime.trace.file import TraceReader
         summary["bench"] = {}
         for name, extra in (("decode", []), ("mtp", ["--drafts"])):
             trace = os.path.join(out, "traces", f"{name}.efstrace")

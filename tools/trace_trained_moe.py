@@ -8,7 +8,7 @@ The model reads the run's held-out text (stdlib files it never trained on) in se
 decode over that text would see it. With ``--generate N`` the last N tokens of each segment are
 instead sampled by the model itself after the held-out prompt (``--temperature``, seeded), so
 the stream is a real decode and "the next token" is the model's own. Two traces are written
-(``expertfs.runtime.trace``):
+(``expertfs.runtime.trace.file``):
 
 ``decode.efstrace``
     ``n_layers`` = the trunk's layers; per token, one row per MoE layer (dense layers have
@@ -67,7 +67,7 @@ def expert_bytes_from_gguf(path: str, n_layers: int) -> list[int]:
 
 
 def expert_bytes_from_store(path: str, n_layers: int) -> list[int]:
-    from expertfs.store import Store
+    from expertfs.store.reader import Store
     with Store.open(path) as s:
         have = set(s.layers)
         return [int(s.layer_info(i)["extent_bytes"]) if i in have else 0 for i in range(n_layers)]
@@ -144,7 +144,7 @@ def trace_segment(model: TinyGlmMoe, ids: torch.Tensor, D: int) -> dict:
 
 
 def _rows(h, tokens, layers, ex, w, n_valid=None, dex=None, dw=None):
-    from expertfs.runtime.trace import TraceChunk
+    from expertfs.runtime.trace.file import TraceChunk
     n = len(tokens)
     if n_valid is None:
         n_valid = np.zeros(n, np.uint8)
@@ -238,7 +238,7 @@ def write_traces(run_dir: str, out_dir: str, *, gguf: str | None = None, store: 
                  tokens: int = 8192, segment: int = 256, drafts: int = 2, sync: bool = True,
                  threads: int = 1, generate: int = 0, temperature: float = 0.8, seed: int = 0,
                  log=print) -> dict:
-    from expertfs.runtime.trace import TraceHeader, TraceWriter
+    from expertfs.runtime.trace.file import TraceHeader, TraceWriter
     torch.set_num_threads(threads)
     model, meta = load_checkpoint(os.path.join(run_dir, "model.pt"))
     model.set_experts("padded_bmm")

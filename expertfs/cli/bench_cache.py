@@ -91,8 +91,8 @@ def _bytes(text: str | None, flag: str, slot: int) -> list[int]:
 
 
 def _load(args: argparse.Namespace):
-    from ..runtime.simulate import Replay
-    from ..runtime.trace_synth import parse_spec, synthetic_chunks, synthetic_header, write_synthetic
+    from ..runtime.sim.replay import Replay
+    from ..runtime.trace.synth import parse_spec, synthetic_chunks, synthetic_header, write_synthetic
 
     if args.trace:
         if args.save_trace:
@@ -108,10 +108,10 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.policies import usage_rates
-    from ..runtime.policies_registry import parse_policies
-    from ..runtime.simulate import Replay, usage_counts
-    from ..runtime.simulate_sweep import Point, format_sweep, plot_sweep, run_sweep
+    from ..runtime.policies.base import usage_rates
+    from ..runtime.policies.registry import parse_policies
+    from ..runtime.sim.replay import Replay, usage_counts
+    from ..runtime.sim.sweep import Point, format_sweep, plot_sweep, run_sweep
 
     policies = parse_policies(args.policies)
     replay = _load(args)

@@ -57,7 +57,7 @@ def _size(text: str, flag: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from ..runtime.io.backends import BACKENDS
     from ..runtime.io.bench import format_point, format_report, run_bench, target_from_file, target_from_store
-    from ..store import Store, is_store
+    from ..store.reader import Store, is_store
 
     backends = list(BACKENDS) if args.backend == "all" else [b.strip() for b in args.backend.split(",") if b.strip()]
     try:

@@ -13,10 +13,10 @@ import os
 import shutil
 import time
 
-from ..inspect import inspect_path
-from ..repack import repack
+from ..store.inspect import inspect_path
+from ..store.repack import repack
 from ..units import fmt_bytes
-from ..verify import verify
+from ..store.verify import verify
 from ._common import progress_bar
 from .inspect import describe
 

@@ -6,7 +6,7 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from ..inspect import inspect_path, iter_extents
+from ..store.inspect import inspect_path, iter_extents
 from ..units import fmt_bytes
 from ._common import print_json
 

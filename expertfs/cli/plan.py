@@ -35,7 +35,7 @@ Exit status: 0 it fits, 1 it cannot run at all, 2 bad input.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..runtime.plan_routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS
+    from ..runtime.plan.routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS
 
     p = subparsers.add_parser("plan", help="memory budget and predicted decode tokens/s for a box",
                               description="Plan a model on a box: where everything goes and how "
@@ -88,10 +88,10 @@ def _size(text: str | None, flag: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.plan_predict import plan_to_dict
-    from ..runtime.plan_report import format_plan
-    from ..runtime.plan_run import PlanRequest, run_plan
-    from ..runtime.policies_registry import DEFAULT_POLICY, parse_policies
+    from ..runtime.plan.predict import plan_to_dict
+    from ..runtime.plan.report import format_plan
+    from ..runtime.plan.run import PlanRequest, run_plan
+    from ..runtime.policies.registry import DEFAULT_POLICY, parse_policies
 
     policy = args.policy or DEFAULT_POLICY
     if len(parse_policies(policy)) != 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..units import fmt_bytes
-from ..repack import repack
+from ..store.repack import repack
 from ._common import print_json, progress_bar, size_arg
 
 

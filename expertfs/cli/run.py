@@ -120,9 +120,9 @@ def _ram_tier(args: argparse.Namespace, device: str) -> int:
     CPU it is host memory) in this process's memory limit (a cgroup cap counts); a budget that
     would push the trunk out of memory is warned about."""
     from ..runtime.memory import check_budget, default_ram_tier, resident_trunk_bytes
-    from ..runtime.plan_geometry import kv_cache_bytes
-    from ..runtime.plan_model import geometry_of_store
-    from ..store import Store
+    from ..runtime.plan.geometry import kv_cache_bytes
+    from ..runtime.plan.model import geometry_of_store
+    from ..store.reader import Store
     kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
     with Store.open(args.store) as s:
         trunk = resident_trunk_bytes(s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..units import fmt_bytes
-from ..unpack import unpack
+from ..store.unpack import unpack
 from ._common import print_json, progress_bar
 
 

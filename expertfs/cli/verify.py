@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..units import fmt_bytes
-from ..verify import verify
+from ..store.verify import verify
 from ._common import print_json, progress_bar
 
 

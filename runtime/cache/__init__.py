@@ -1,6 +1,6 @@
 """The cache mechanism: expert slots in RAM and VRAM, residency, and the moves between tiers.
 
-What to keep is decided by the pure policies (``expertfs.runtime.policies*``); this package
+What to keep is decided by the pure policies (``expertfs.runtime.policies``); this package
 only executes it, with real buffers, reads and copies:
 
 * ``slots``: fixed-size slots carved from one slab per tier (host slab page-aligned and pinned
@@ -13,7 +13,7 @@ only executes it, with real buffers, reads and copies:
 * ``tiers``: ``TierCache``, the mechanism (the replay simulator's semantics, call for call);
 * ``usage``: learned usage counts, persisted in the store and read back for warm starts.
 
-``expertfs.runtime.experts.tiered.TieredProvider`` puts it behind the ``ExpertProvider`` protocol.
+``expertfs.runtime.cache.provider.TieredProvider`` puts it behind the ``ExpertProvider`` protocol.
 """
 
 from .copier import Copier, cpu_copy, fence_done, host_wait

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from expertfs.layout import Extent
+from expertfs.store.layout import Extent
 
 from ..experts.protocol import ExpertWeights, ProviderStats
 

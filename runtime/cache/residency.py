@@ -23,7 +23,7 @@ from typing import Any
 from expertfs.errors import UsageError
 
 from ..io import Priority
-from ..policies import CapacityError, Policy
+from ..policies.base import CapacityError, Policy
 from .entry import Entry, State, TieredStats
 from .loader import Loader
 from .sizing import Geometry

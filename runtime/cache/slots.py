@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from expertfs.errors import UsageError
-from expertfs.layout import Extent
+from expertfs.store.layout import Extent
 
 from ..experts.protocol import QWeight, weights_from_buffer
 from ..io import PAGE, HostSlab, PinBudget, aligned_empty

@@ -1,7 +1,7 @@
 """The cache mechanism: slots, residency and the moves between storage, RAM and VRAM.
 
-``TierCache`` executes what the policies decide (``expertfs.runtime.policies``); it decides
-nothing itself. Its semantics are the replay simulator's (``expertfs.runtime.simulate``), call
+``TierCache`` executes what the policies decide (``expertfs.runtime.policies.base``); it decides
+nothing itself. Its semantics are the replay simulator's (``expertfs.runtime.sim.replay``), call
 for call, so hit rates measured on the real thing equal the simulated ones for the same trace:
 
 * one tier (no VRAM budget): a miss evicts the policy's victim and is read into its slot;
@@ -34,8 +34,8 @@ from expertfs.errors import UsageError
 
 from ..experts.protocol import ExpertWeights, weights_from_buffer
 from ..io import ExpertReader, PinBudget, Priority
-from ..policies import CapacityError, Policy
-from ..policies_registry import DEFAULT_POLICY, make_factory
+from ..policies.base import CapacityError, Policy
+from ..policies.registry import DEFAULT_POLICY, make_factory
 from .copier import Copier, fence_done
 from .entry import Entry, State, TieredStats
 from .loader import Loader

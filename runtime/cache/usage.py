@@ -23,7 +23,7 @@ from typing import Any
 
 from expertfs.errors import StoreError
 
-from ..policies import usage_rates
+from ..policies.base import usage_rates
 
 __all__ = ["UsageRecorder", "persist_usage", "load_rates"]
 
@@ -33,7 +33,7 @@ _TIMEOUT_S = 60
 _CHILD = """
 import json, sys
 from expertfs.errors import StoreError
-from expertfs.index import Index
+from expertfs.store.index import Index
 rows = json.loads(sys.stdin.read())
 idx = Index.open(sys.argv[1], write=True)
 try:

@@ -2,7 +2,7 @@
 
 ``protocol`` defines what the MoE layer asks for (``ExpertProvider``) and what it gets
 (``ExpertWeights`` of ``QWeight`` views); providers implement it (``direct``: a plain read per
-request, the reference; the tiered cache provider lives beside it).
+request, the reference; the tiered one is ``expertfs.runtime.cache.provider``).
 """
 
 from .protocol import ExpertProvider, ExpertWeights, ProviderStats, QWeight, weights_from_buffer

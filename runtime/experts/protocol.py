@@ -18,7 +18,7 @@ import torch
 
 from expertfs.formats.ggml import GGMLType
 from expertfs.formats.moe_names import Role
-from expertfs.layout import Extent
+from expertfs.store.layout import Extent
 
 __all__ = ["QWeight", "ExpertWeights", "ExpertProvider", "ProviderStats", "weights_from_buffer"]
 

@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from expertfs.errors import IntegrityError
-from expertfs.layout import Extent
+from expertfs.store.layout import Extent
 
 from .auto import AutoChoice, choose_backend
 from .backends import BACKENDS, backend_status, get_backend

@@ -1,7 +1,7 @@
 """Expert reads: one extent = one read, checksummed, with demand reads ahead of prefetches.
 
 :class:`ExpertReader` binds a store (anything with ``experts_path``, ``alignment`` and
-``extent(layer, expert) -> Extent``, i.e. ``expertfs.store.Store``) or a plain ``(path,
+``extent(layer, expert) -> Extent``, i.e. ``expertfs.store.reader.Store``) or a plain ``(path,
 extents)`` pair to an open :class:`.protocol.FileHandle`. ``verify`` says when the parts'
 xxh3 checksums are checked: ``"first"`` (default: the first read of each expert through this
 reader), ``"always"`` or ``"never"``. A mismatch raises :class:`ExpertIntegrityError` naming
@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 
 from expertfs.errors import StoreError
-from expertfs.layout import Extent, Part
+from expertfs.store.layout import Extent, Part
 
 from .auto import open_file
 from .buffers import aligned_empty, host_view, is_device_buffer, nbytes_of

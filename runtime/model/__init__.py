@@ -6,7 +6,7 @@ provider. One concept per module:
 ``rope`` (RMSNorm, RoPE NEOX/NORM, partial, YaRN), ``attention`` (GQA + KV cache), ``mla``
 (DeepSeek latent attention), ``router`` (llama.cpp's ``build_moe_ffn`` selection), ``ffn``
 (SwiGLU dense and routed), ``qmatvec`` (compiled one-token products from ggml bytes),
-``dqcache`` (dequantized-expert LRU), ``lookahead`` (next-layer gate prediction scores),
+``dqcache`` (dequantized-expert LRU),
 ``moe`` (the routed layer: one host sync, fetch once per batch, gather/scatter), ``model``
 (the forward). Architectures: qwen3moe, glm4moe, llama (Mixtral), deepseek2.
 """
@@ -14,7 +14,7 @@ provider. One concept per module:
 from .config import ARCHS, ModelConfig
 from .dqcache import DequantCache
 from .loader import TrunkWeights, load_trunk
-from .lookahead import LookaheadStats
+from ..prefetch.lookahead import LookaheadStats
 from .model import Model
 from .moe import ExpertRunner, MoEStats
 from .router import Router

@@ -23,7 +23,7 @@ from ...errors import UsageError
 from ..experts.protocol import ExpertProvider
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
-from .lookahead import LookaheadStats
+from ..prefetch.lookahead import LookaheadStats
 from .qmatvec import fused_experts, native_combine, native_down_rows, native_hidden
 from .router import Router, RouterWeights
 

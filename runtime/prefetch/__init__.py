@@ -5,12 +5,13 @@
 * ``prefetcher``: ``Prefetcher``, predictions from any number of named sources (gate lookahead,
   history, MTP drafts) issued under an in-flight bound and the cache's free slots, with
   coverage, waste and late bytes per source;
-* ``evaluate``: a predictor's recall and precision on a routing trace, offline.
+* ``lookahead``: the next-layer gate lookahead's scores.
+
+A predictor's offline recall and precision on a trace is ``expertfs.runtime.eval.prefetch``.
 """
 
-from .evaluate import PredictorScore, evaluate_predictor, trace_rows
 from .history import COMPONENTS, HistoryPredictor
 from .prefetcher import Prefetcher, PrefetchTarget, SourceStats
 
-__all__ = ["PredictorScore", "evaluate_predictor", "trace_rows", "COMPONENTS", "HistoryPredictor",
+__all__ = ["COMPONENTS", "HistoryPredictor",
            "Prefetcher", "PrefetchTarget", "SourceStats"]

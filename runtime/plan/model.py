@@ -1,0 +1,238 @@
+"""The model side of a plan: a ``plan.Geometry`` from a store, a GGUF, or a ``--like`` preset.
+
+All three go through the same path: GGUF metadata (the store keeps its source's whole), the
+repack layout (``expertfs.store.plan.plan_repack`` — for a store the layout it was written with, for a
+GGUF the one ``repack`` would write, for a preset the one of the GGUF ``expertfs synth --like``
+would write, built in memory without writing anything) and the tensor list. Reads headers and
+indexes only, never tensor bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import StoreError, UnsupportedModelError, UsageError
+from .geometry import Geometry, Matrix
+
+__all__ = ["TensorDesc", "geometry_from_parts", "geometry_from_store", "geometry_of_store", "geometry_from_gguf",
+           "geometry_from_synth", "geometry_from_like", "load_geometry"]
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    name: str
+    ne: tuple[int, ...]
+    ggml_type: str
+    nbytes: int
+    expert: bool
+
+
+def _val(kv: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    e = kv.get(key)
+    if e is None:
+        return default
+    return getattr(e, "value", e)
+
+
+def _int(v: Any, default: int = 0) -> int:
+    if v is None:
+        return default
+    if hasattr(v, "__len__") and not isinstance(v, (str, bytes)):
+        vals = [int(x) for x in v]
+        return max(vals) if vals else default
+    return int(v)
+
+
+def _per_layer(v: Any, n: int, default: int) -> tuple[int, ...]:
+    if v is None:
+        return (default,) * n
+    if hasattr(v, "__len__") and not isinstance(v, (str, bytes)):
+        vals = [int(x) for x in v]
+        return tuple((vals + [vals[-1] if vals else default] * n)[:n])
+    return (int(v),) * n
+
+
+def _layer_of(name: str) -> int | None:
+    if name.startswith("blk."):
+        head = name.split(".", 2)[1]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
+                        tensors: Sequence[TensorDesc], source: str) -> Geometry:
+    """A Geometry from GGUF metadata, a ``model_summary``-shaped layout and the tensor list."""
+    arch = str(_val(kv, "general.architecture", summary.get("architecture") or ""))
+
+    def a(key: str, default: Any = None) -> Any:
+        return _val(kv, f"{arch}.{key}", default)
+
+    block_count = _int(a("block_count"))
+    n_nextn = _int(a("nextn_predict_layers"))
+    n_layer = block_count - n_nextn
+    if n_layer < 1:
+        raise UnsupportedModelError(f"{source}: block_count {block_count} with {n_nextn} NextN "
+                                    "layers leaves no decoder layer", fix="the metadata is damaged")
+    n_embd = _int(a("embedding_length"))
+    n_head = _int(a("attention.head_count"), 1)
+    kv_heads = _per_layer(a("attention.head_count_kv"), n_layer, n_head)
+    head_dim = n_embd // n_head if n_head else 0
+    key_len = _int(a("attention.key_length"), head_dim)
+    val_len = _int(a("attention.value_length"), head_dim)
+    mla = 0
+    kv_lora = _int(a("attention.kv_lora_rank"))
+    if arch.startswith("deepseek") and kv_lora:
+        mla = kv_lora + _int(a("rope.dimension_count"), 64)
+    window = _int(a("attention.sliding_window"))
+    swa: tuple[bool, ...] = ()
+    if arch == "gpt-oss" and window:      # llama.cpp: set_swa_pattern(2), even layers slide
+        swa = tuple(i % 2 == 0 for i in range(n_layer))
+    k = _int(a("expert_used_count"))
+    layers = [lay for lay in summary.get("layers", [])]
+    decode = [lay for lay in layers if not lay.get("nextn") and int(lay["layer"]) < n_layer]
+    if not decode:
+        raise UnsupportedModelError(f"{source}: no routed-expert layers", fix="plan a Mixture-of-"
+                                    "Experts model; dense models run with llama.cpp directly")
+    n_expert = max(int(lay["experts"]) for lay in decode)
+
+    def parts(lay: Mapping[str, Any]) -> tuple[Matrix, ...]:
+        out = []
+        for p in lay.get("parts", []):
+            ne = tuple(int(x) for x in p["ne"])
+            if len(ne) >= 2:
+                out.append(Matrix(str(p["type"]), ne[1], ne[0], int(p["bytes"])))
+        return tuple(out)
+
+    by_name = {t.name: t for t in tensors}
+    embd = by_name.get("token_embd.weight")
+    tied = "output.weight" not in by_name
+    groups: Counter[tuple[str, int, int, int]] = Counter()
+    nextn_groups: Counter[tuple[str, int, int, int]] = Counter()
+    nextn_trunk = 0
+    for t in tensors:
+        if t.expert:
+            continue
+        layer = _layer_of(t.name)
+        is_nextn = layer is not None and layer >= n_layer
+        if is_nextn:
+            nextn_trunk += t.nbytes
+        if len(t.ne) < 2 or t.name == "token_embd.weight":
+            continue
+        (nextn_groups if is_nextn else groups)[(t.ggml_type, t.ne[1], t.ne[0], t.nbytes)] += 1
+    trunk_mats = [Matrix(ty, r, c, b, n) for (ty, r, c, b), n in sorted(groups.items())]
+    if tied and embd is not None and len(embd.ne) >= 2:     # the output head reads token_embd
+        trunk_mats.append(Matrix(embd.ggml_type, embd.ne[1], embd.ne[0], embd.nbytes, 1, tied=True))
+    nextn_mats = tuple(Matrix(ty, r, c, b, n) for (ty, r, c, b), n in sorted(nextn_groups.items()))
+    n_vocab = (embd.ne[1] if embd is not None and len(embd.ne) > 1
+               else _int(a("vocab_size")) or len(_val(kv, "tokenizer.ggml.tokens", []) or []))
+    notes = []
+    if n_nextn:
+        notes.append(f"{n_nextn} NextN/MTP block(s) stored but not used in decode (no drafts modelled)")
+    if tied:
+        notes.append("output head tied to token_embd")
+    nextn_experts = sum(int(lay["expert_bytes"]) * int(lay["experts"]) for lay in layers
+                        if lay.get("nextn") or int(lay["layer"]) >= n_layer)
+    return Geometry(
+        name=str(_val(kv, "general.name", "") or summary.get("name") or arch),
+        arch=arch, source=source, n_layer=n_layer, n_nextn=n_nextn, n_embd=n_embd, n_head=n_head,
+        n_vocab=int(n_vocab or 0), n_ctx_train=_int(a("context_length")), n_expert=n_expert, k=k,
+        moe_layers=tuple(int(lay["layer"]) for lay in decode),
+        expert_bytes=tuple(int(lay["expert_bytes"]) for lay in decode),
+        extent_bytes=tuple(int(lay["extent_bytes"]) for lay in decode),
+        expert_parts=tuple(parts(lay) for lay in decode),
+        trunk_matrices=tuple(trunk_mats), nextn_matrices=nextn_mats,
+        trunk_bytes=int(summary.get("trunk_bytes") or sum(t.nbytes for t in tensors if not t.expert)),
+        embd_bytes=embd.nbytes if embd is not None else 0,
+        nextn_trunk_bytes=nextn_trunk, nextn_expert_bytes=nextn_experts,
+        total_expert_bytes=int(summary.get("expert_bytes") or 0),
+        kv_heads=kv_heads, key_length=key_len, value_length=val_len, mla_latent=mla, swa=swa,
+        sliding_window=window, expert_types=dict(summary.get("expert_types") or {}),
+        notes=tuple(notes))
+
+
+def geometry_from_store(path: str) -> Geometry:
+    from ...store.reader import Store
+
+    with Store.open(path) as s:
+        return geometry_of_store(s)
+
+
+def geometry_of_store(s: Any) -> Geometry:
+    """The geometry of an open ``Store``."""
+    from ...store.layout import KIND_EXPERT
+    tensors = [TensorDesc(t.name, tuple(t.ne), t.ggml_type.name, t.nbytes, t.kind == KIND_EXPERT)
+               for t in s.tensors()]
+    return geometry_from_parts(s.gguf_kv(), s.summary, tensors, f"store {s.path}")
+
+
+def _from_model(model: Any, source: str) -> Geometry:
+    from ...store.layout import KIND_EXPERT
+    from ...store.plan import plan_repack
+    from ...store.summary import model_summary
+
+    rp = plan_repack(model)
+    summary = model_summary(model, rp)
+    tensors = [TensorDesc(t.name, tuple(t.ne), t.ggml_type.name, t.nbytes, kind == KIND_EXPERT)
+               for t, kind in zip(model.tensors, rp.kinds)]
+    return geometry_from_parts(model.kv, summary, tensors, source)
+
+
+def geometry_from_gguf(path: str) -> Geometry:
+    from ...formats.gguf_read import read_model
+
+    return _from_model(read_model(path), f"gguf {os.path.abspath(path)}")
+
+
+def geometry_from_synth(cfg: Any, source: str | None = None) -> Geometry:
+    """The geometry of the GGUF ``expertfs synth`` would write for ``cfg`` (a ``SynthConfig``),
+    laid out as ``repack`` would store it; nothing is written."""
+    from ...formats.gguf_read import GGUFFile, GGUFModel, TensorInfo, parse_kv_entries
+    from ...synth import build_model
+
+    m = build_model(cfg)
+    label = f"synth:{cfg.name}"
+    kv = parse_kv_entries(struct.pack("<Q", len(m.kv)) + b"".join(m.kv), label)
+    tensors, off = [], 0
+    for s in m.specs:
+        tensors.append(TensorInfo(s.name, tuple(s.ne), s.ggml_type, off, s.nbytes, 0, off))
+        off += -(-s.nbytes // 32) * 32
+    f = GGUFFile(label, 3, kv, tensors, 32, 0, off, 0, True)
+    return _from_model(GGUFModel([f], kv, tensors), source or f"synth {cfg.name} (quant {cfg.quant})")
+
+
+def geometry_from_like(name: str, quant: str = "default") -> Geometry:
+    """The geometry of ``expertfs synth --like NAME --quant QUANT``'s GGUF, nothing written."""
+    from ...synth import SynthConfig
+
+    cfg = SynthConfig.like(name, quant=quant)
+    return geometry_from_synth(cfg, f"--like {cfg.name} (quant {quant}, as expertfs synth writes it)")
+
+
+def load_geometry(target: str | None, like: str | None, quant: str = "default") -> tuple[Geometry, str | None]:
+    """(geometry, path of the file whose drive holds the experts or None) for the CLI's inputs."""
+    from ...store.reader import is_store
+
+    if like:
+        if target:
+            raise UsageError("give a store/GGUF or --like, not both", fix="drop one of them")
+        return geometry_from_like(like, quant), None
+    if not target:
+        raise UsageError("nothing to plan", fix="give a store, a .gguf, or --like MODEL")
+    if quant != "default":
+        raise UsageError("--quant applies to --like only", fix="drop --quant")
+    if os.path.isdir(target):
+        if not is_store(target):
+            raise StoreError("not an expertfs store (no index.lmdb inside)", path=target,
+                             fix="pass a store made by expertfs repack, or a .gguf")
+        g = geometry_from_store(target)
+        from ...store.layout import EXPERTS_FILE
+        return g, os.path.join(target, EXPERTS_FILE)
+    if not os.path.exists(target):
+        raise UsageError(f"{target}: no such file or store", fix="check the path, or use --like MODEL")
+    return geometry_from_gguf(target), target

@@ -1,0 +1,131 @@
+"""Hit rates at the planned tier sizes: the cache simulator replayed on a routing trace.
+
+A real trace (``--trace``, recorded against this model) is replayed as it is; without one a
+synthetic trace of the model's geometry is generated from a preset of ``trace.synth`` and the
+result is labelled synthetic. Either way the first quarter of the tokens only teaches the
+usage table (as the store's learned usage warms a real run's caches; experts it never saw
+rank last) and the rest is replayed from that warm start, so the rates are steady-state
+decode, not the cold first tokens.
+Tiers are exclusive (``simulate``'s default); slots hold the model's largest extent and every
+miss reads that layer's extent bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ...errors import UsageError
+from .geometry import Geometry
+from .predict import Routing
+from ..policies.base import CapacityError, usage_rates
+from ..policies.registry import DEFAULT_POLICY, make_factory
+from ..sim.replay import Replay, simulate, usage_counts
+from ..trace.file import TraceHeader
+from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_header
+
+__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "synthetic_replay", "trace_replay", "route"]
+
+#: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
+#: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
+DEFAULT_SYNTHETIC = ("diffuse", "mixed")
+DEFAULT_TOKENS = 256
+
+
+def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, seed: int = 0) -> Replay:
+    """A synthetic trace with the model's MoE layers, experts, top-k and extent sizes."""
+    name = spec.split(",", 1)[0].strip()
+    if "=" not in name and name not in PRESETS:
+        raise UsageError(f"unknown synthetic routing preset {name!r}",
+                         fix=f"use one of {', '.join(PRESETS)}")
+    s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_expert, k=g.k,
+                   n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
+    if (s.n_layers, s.n_experts, s.k) != (len(g.moe_layers), g.n_expert, g.k):
+        raise UsageError(f"synthetic routing {spec!r} changes the model's geometry",
+                         fix="give a preset and fields other than n_layers, n_experts, k")
+    header = dataclasses.replace(synthetic_header(s), expert_bytes=g.extent_bytes)
+    return Replay.from_chunks(header, synthetic_chunks(s))
+
+
+def trace_replay(g: Geometry, path: str) -> Replay:
+    """A recorded trace mapped onto the model: its layers are either the MoE layers in order or
+    block indices; rows of other blocks (NextN) are dropped; bytes are the model's extents."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such trace file", fix="pass a routing trace (.eftrace)")
+    rp = Replay.from_file(path)
+    h = rp.header
+    moe = list(g.moe_layers)
+    if h.n_experts != g.n_expert or h.k != g.k:
+        raise UsageError(f"{path}: the trace has {h.n_experts} experts, top-{h.k}; the model "
+                         f"{g.n_expert} experts, top-{g.k}",
+                         fix="pass a trace recorded with this model")
+    if h.n_layers == len(moe):
+        sizes = g.extent_bytes
+        keep = None
+    elif h.n_layers > max(moe):
+        ext = dict(zip(moe, g.extent_bytes))
+        sizes = tuple(ext.get(i, 0) for i in range(h.n_layers))
+        keep = set(moe)
+    else:
+        raise UsageError(f"{path}: the trace has {h.n_layers} layers; the model {len(moe)} MoE "
+                         f"layers in {g.n_layer} blocks", fix="pass a trace recorded with this model")
+    header = TraceHeader(h.n_layers, h.n_experts, h.k, sizes, h.n_draft, dict(h.meta))
+    if keep is None:
+        return Replay(header, rp.rows, rp.clock, rp.n_tokens)
+    E = h.n_experts
+    rows, clock = [], []
+    for row, t in zip(rp.rows, rp.clock):
+        if row and row[0] // E in keep:
+            rows.append(row)
+            clock.append(t)
+    if not rows:
+        raise UsageError(f"{path}: no rows in the model's MoE layers", fix="pass a trace of this model")
+    return Replay(header, rows, clock, len(set(clock)))
+
+
+def _all_bytes(rp: Replay) -> int:
+    return sum(rp.key_bytes(key) for row in rp.rows for key in row)
+
+
+def route(g: Geometry, replay: Replay, vram_slots: int, ram_slots: int, *, experts_on_gpu: bool,
+          label: str, synthetic: bool, policy: str = DEFAULT_POLICY) -> Routing:
+    """Replay at (VRAM, RAM) slots from a warm start; bytes per token moved between tiers."""
+    if replay.n_tokens < 2 or not replay.rows:
+        raise UsageError(f"routing {label}: fewer than 2 tokens", fix="use a longer trace (--tokens)")
+    learn_tokens = max(1, replay.n_tokens // 4)
+    learn, rest = replay.split(learn_tokens)
+    if not rest.rows:
+        rest = replay
+    warm = usage_rates(usage_counts(learn), replay.header.k)
+    # a long-used store's usage table knows every expert: the ones the learning tokens did not
+    # touch rank last, so a tier that can hold them starts with them (no compulsory misses)
+    for layer, size in enumerate(replay.header.expert_bytes):
+        if size:
+            for e in range(replay.header.n_experts):
+                warm.setdefault((layer, e), 1e-9)
+    tokens = rest.n_tokens
+    accesses = sum(len(r) for r in rest.rows)
+    total = _all_bytes(rest)
+    width = max(len(r) for r in rest.rows)
+    if vram_slots and vram_slots < width:
+        vram_slots = 0
+    if ram_slots and ram_slots < width:
+        ram_slots = 0
+    if not vram_slots and not ram_slots:
+        per = total / tokens
+        return Routing(label, synthetic, policy, tokens, 0.0, 0.0, 1.0, per,
+                       per if experts_on_gpu else 0.0, 0.0)
+    factory = make_factory(policy, n_layers=replay.header.n_layers, route_width=width,
+                           layer_of=rest.layer_of)
+    try:
+        r = simulate(rest, factory, vram=vram_slots, ram=ram_slots, warm=warm)
+    except CapacityError as e:
+        raise UsageError(f"policy {policy!r} cannot run at {vram_slots} VRAM / {ram_slots} RAM "
+                         f"slots: {e.problem}", fix="use a global-pool policy (e.g. wlfu)") from None
+    h2d = r.bytes_h2d
+    if experts_on_gpu and not vram_slots:          # every expert goes up to the GPU to be used
+        h2d = total
+    per = 1.0 / tokens
+    return Routing(label, synthetic, policy, tokens, r.vram_hits / accesses, r.ram_hits / accesses,
+                   r.misses / accesses, r.bytes_nvme * per, h2d * per, r.bytes_d2h * per)
+

@@ -1,0 +1,223 @@
+"""``expertfs plan`` end to end: inputs → geometry → budget → rates → routing → ``plan.Plan``.
+
+``run_plan(PlanRequest(...))`` is what the CLI calls; it prints nothing. Measurements run only
+where the plan needs them (the CPU probe when something computes on the CPU, the GPU probe when
+this machine has CUDA and the plan uses a GPU, the storage probe when a store or GGUF is given
+without ``io_profile``); ``probe=False`` uses the stated defaults everywhere (deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import UsageError
+from .budget import Box, Geometry, Memory, Range, candidates
+from .predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_plan,
+                           predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
+                           storage_from_profile)
+from .model import load_geometry
+from .routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
+from ..policies.registry import DEFAULT_POLICY
+
+__all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    target: str | None = None              # a store folder or a .gguf
+    like: str | None = None                # or a preset name
+    quant: str = "default"                 # --like's quant spec
+    ram: int | None = None                 # None: this machine's
+    vram: int | None = None                # None: this machine's first CUDA device, else 0
+    ctx: int | None = None                 # None: 8192, or the training context if shorter
+    kv_type: str = "auto"
+    headroom: int | None = None
+    pin_budget: int | None = None
+    placement: str = "auto"                # auto | gpu | hybrid | cpu
+    trunk: str = "auto"                    # auto | float | quant
+    io_profile: str | None = None
+    trace: str | None = None
+    synthetic: tuple[str, ...] = DEFAULT_SYNTHETIC
+    policy: str = DEFAULT_POLICY
+    tokens: int = DEFAULT_TOKENS
+    seed: int = 0
+    probe: bool = True
+    pcie_gen: int = 4
+    gpu_gbps: float | None = None          # stated GPU memory bandwidth (fast end; slow = 0.6x)
+
+
+def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such I/O profile", fix="write one with `expertfs bench io "
+                         "STORE --json > io.json`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not a JSON I/O profile ({e})",
+                         fix="pass the output of `expertfs bench io STORE --json`") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a JSON object", fix="pass the output of `expertfs bench io --json`")
+    return storage_from_profile(data, k, label=f"profile {path}")
+
+
+def _box(req: PlanRequest, n_ctx_train: int) -> Box:
+    from .probe import cuda_memory, host_memory
+
+    here = []
+    ram = req.ram
+    if ram is None:
+        ram = host_memory()
+        here.append("RAM")
+    vram = req.vram
+    if vram is None:
+        vram = cuda_memory()
+        here.append("VRAM")
+    label = ("this machine's " + " and ".join(here)) if here else "as given"
+    ctx = req.ctx if req.ctx is not None else min(8192, n_ctx_train or 8192)
+    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label)
+
+
+RoutingFor = Callable[[Memory], RoutingRange]
+
+
+def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *,
+                 where: str = "auto", trunk_mode: str = "auto",
+                 mems: list[Memory] | None = None) -> list[Option]:
+    """Every candidate placement budgeted, routed and predicted (``routing_for(memory)`` gives
+    the hit rates at its tier sizes). Branch and bound: an option's prediction with every
+    expert cached bounds it from above, so options whose bound cannot beat the best supported
+    one found so far are not simulated (``Option.bound`` says what they could not beat)."""
+    mems = mems if mems is not None else candidates(g, box, where, trunk_mode)
+    ideal = ideal_routing()
+    bounds = {id(m): predict_option(g, box, m, rates, ideal).score for m in mems if m.runnable}
+    order = sorted((m for m in mems if m.runnable), key=lambda m: (not m.placement.supported,
+                                                                     -bounds[id(m)]))
+    best = 0.0
+    done: dict[int, Option] = {}
+    for m in order:
+        if bounds[id(m)] < best * (1.0 if m.placement.supported else 1.1):   # cannot matter
+            done[id(m)] = Option(m, bound=bounds[id(m)])
+            continue
+        o = predict_option(g, box, m, rates, routing_for(m))
+        done[id(m)] = o
+        if m.placement.supported:
+            best = max(best, o.score)
+    return [done.get(id(m), Option(m)) for m in mems]
+
+
+def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None]) -> RoutingFor:
+    """Hit rates from the cache simulator on the trace (or the synthetic presets), cached per
+    tier sizes so placements with the same tiers replay once."""
+    replays: dict[str, Any] = {}
+    done: dict[tuple, RoutingRange] = {}
+    if req.trace:
+        say("reading the trace")
+        replays["trace"] = trace_replay(g, req.trace)
+        specs = ["trace", "trace"]
+    else:
+        specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
+
+    def replay(spec: str):
+        if spec not in replays:
+            replays[spec] = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
+        return replays[spec]
+
+    def routing_for(mem: Memory) -> RoutingRange:
+        v, r = mem.tier_slots
+        on_gpu = mem.placement.experts == "gpu"
+        key = (v, r, on_gpu)
+        if key not in done:
+            ends = {}
+            for spec in dict.fromkeys(specs):
+                say(f"simulating the cache ({spec}) at {v} VRAM + {r} RAM experts")
+                label = f"trace {req.trace}" if spec == "trace" else f"synthetic '{spec}'"
+                ends[spec] = route(g, replay(spec), v, r, experts_on_gpu=on_gpu, label=label,
+                                   synthetic=spec != "trace", policy=req.policy)
+            done[key] = RoutingRange(ends[specs[0]], ends[specs[1]])
+        return done[key]
+
+    return routing_for
+
+
+def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
+    say = progress or (lambda msg: None)
+    if req.tokens < 8:
+        raise UsageError(f"--tokens {req.tokens}", fix="give --tokens 8 or more")
+    if not req.synthetic or len(req.synthetic) > 2:
+        raise UsageError("--synthetic takes one or two presets", fix="e.g. --synthetic diffuse,mixed")
+    say("reading the model")
+    g, data_path = load_geometry(req.target, req.like, req.quant)
+    box = _box(req, g.n_ctx_train)
+    mems = candidates(g, box, req.placement, req.trunk)
+    forced = req.placement != "auto" and req.trunk != "auto"
+    if not any(m.runnable for m in mems):
+        return make_plan(g, box, [Option(m) for m in mems], None, forced=forced)
+
+    # --- rates -----------------------------------------------------------------------------
+    detail: dict[str, Any] = {}
+    if req.io_profile:
+        storage, detail["storage"] = read_io_profile(req.io_profile, g.k)
+    elif req.probe and data_path and os.path.isfile(data_path):
+        from .probe import probe_storage
+        say("measuring storage")
+        store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
+        storage, detail["storage"] = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
+    else:
+        storage = stated_storage()
+    runnable = [m for m in mems if m.runnable]
+    expert_mats = [m for layer in g.expert_parts for m in layer]
+
+    def mats_on(dev: str) -> list:
+        out = list(expert_mats) if any(m.placement.experts == dev for m in runnable) else []
+        for m in runnable:
+            if m.placement.trunk == dev:
+                out += g.trunk_compute(m.placement.trunk_mode, dev)
+        return out
+
+    types = sorted({m.ggml_type for m in expert_mats} | {m.ggml_type for m in g.trunk_matrices})
+    cpu = stated_cpu()
+    cpu_mats = mats_on("cpu")
+    if req.probe and cpu_mats:
+        from .probe import probe_cpu
+        say("measuring CPU dequant+matmul")
+        cpu_only = not any(m.placement.gpu for m in runnable)      # the CPU decides the answer
+        quant = expert_mats + [m for m in g.trunk_matrices if not m.tied]
+        cpu, detail["cpu"] = probe_cpu(cpu_mats, fused_mats=quant if cpu_only else ())
+    gpu_mem = None
+    if req.gpu_gbps is not None:
+        if req.gpu_gbps <= 0:
+            raise UsageError(f"--gpu-bw {req.gpu_gbps}", fix="give the GPU's memory bandwidth in GB/s")
+        gpu_mem = Range(0.6 * req.gpu_gbps, req.gpu_gbps, f"--gpu-bw {req.gpu_gbps:g} GB/s "
+                        "(slow end 0.6x)")
+    gpu = stated_gpu(types, gpu_mem)
+    pcie = stated_pcie(req.pcie_gen)
+    gpu_mats = mats_on("gpu")
+    if req.probe and gpu_mats and req.gpu_gbps is None and _cuda():
+        from .probe import probe_cuda
+        say("measuring the GPU")
+        try:
+            got = probe_cuda(gpu_mats)
+        except Exception as e:                 # out of memory, a driver error: stated figures
+            got = None
+            detail["gpu"] = {"error": f"{type(e).__name__}: {e}", "used": "stated defaults"}
+        if got is not None:
+            gpu, pcie, detail["gpu"] = got
+    rates = Rates(storage, pcie, cpu, gpu)
+
+    # --- routing and the choice ------------------------------------------------------------
+    routing_for = simulator_routing(g, req, say)
+    options = plan_options(g, box, rates, routing_for, mems=mems)
+    return make_plan(g, box, options, rates, probes=detail, forced=forced)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
