@@ -2,7 +2,7 @@
 # CUDA checks of the model runtime (issue 5, item 6), about 3-5 minutes on one GPU:
 #
 #  1. logits on CUDA (float32) equal transformers' for Qwen3Moe, Glm4Moe and Mixtral
-#     (tests/test_vs_transformers.py with EXPERTFS_TEST_DEVICE=cuda);
+#     (tests/runtime/model/test_vs_transformers.py with EXPERTFS_TEST_DEVICE=cuda);
 #  2. a synthetic qwen3moe in Q4_K_M: `expertfs run --tokens ... --logits-out` on CPU, on CUDA
 #     in float32 (must agree to float tolerance) and in bfloat16 (top-1 agreement);
 #  3. a streamed decode on CUDA with small RAM and VRAM tiers (so experts really stream
@@ -38,7 +38,7 @@ EOF
 
 log "1/3 logits on CUDA vs transformers (float32)"
 EXPERTFS_TEST_DEVICE=$DEV timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_vs_transformers.py
+    tests/runtime/model/test_vs_transformers.py
 
 log "2/3 CPU vs CUDA logits on a Q4_K_M synthetic qwen3moe"
 "$PY" - "$W" <<'EOF'

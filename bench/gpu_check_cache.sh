@@ -23,8 +23,8 @@ fail=0
 nvidia-smi -L 2>&1 | tee "$OUT/nvidia-smi.txt" || true
 
 echo "== 1. cache tests" | tee "$OUT/log.txt"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_cache*.py tests/test_tiered*.py \
-    tests/test_prefetch*.py 2>&1 | tee -a "$OUT/log.txt" | tail -3
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider -x tests/runtime/cache/test_cache*.py tests/runtime/sim/test_cache*.py tests/runtime/cache/test_tiered*.py \
+    tests/runtime/prefetch/test_prefetch*.py 2>&1 | tee -a "$OUT/log.txt" | tail -3
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail=1
 
 echo "== 2-5. CUDA tiers" | tee -a "$OUT/log.txt"

@@ -21,7 +21,7 @@ fail=0
 nvidia-smi -L 2>&1 | tee "$OUT/nvidia-smi.txt" || true
 
 echo "== 1. io tests" | tee "$OUT/log.txt"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_io*.py 2>&1 | tee -a "$OUT/log.txt" | tail -5 || fail=1
+"$PY" -m pytest -q -p no:cacheprovider tests/runtime/io/test_io*.py 2>&1 | tee -a "$OUT/log.txt" | tail -5 || fail=1
 
 echo "== 2-3. pinning and kvikio into device memory" | tee -a "$OUT/log.txt"
 "$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/log.txt"

@@ -13,7 +13,7 @@ in its POSIX compat mode: ``kvikio`` with O_DIRECT (``auto_direct_io_read``, the
 default), ``kvikio-pc`` through the page cache (what ``auto`` gives it where ``buffered`` beat
 ``direct``); each is compared with its POSIX twin and the better with the better. Needs kvikio
 and libcuda.so.1 (the NVIDIA driver; the tests' stub driver serves for the host path, see
-tests/test_io_kvikio.py).
+tests/runtime/io/test_io_kvikio.py).
 """
 
 from __future__ import annotations

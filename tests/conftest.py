@@ -1,12 +1,18 @@
+"""Shared fixtures and the opt-in skip of the llama.cpp tests."""
+
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
+# tests/ for ``support``, tools/ for the fixture builders and exporters the tests run
 sys.path.insert(0, str(Path(__file__).parent))
+from support import TOOLS  # noqa: E402
 
-from gguf_builders import moe_gguf  # noqa: E402
+sys.path.insert(0, str(TOOLS))
+
+from support.gguf_builders import moe_gguf  # noqa: E402
 
 
 @pytest.fixture

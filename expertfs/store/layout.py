@@ -1,4 +1,4 @@
-"""The store's records and their exact bytes (FORMAT.md is the spec; tests/test_golden.py pins it).
+"""The store's records and their exact bytes (FORMAT.md is the spec; tests/store/test_golden.py pins it).
 
 A store is a directory::
 

@@ -24,7 +24,6 @@ from .buffers import (PAGE, HostSlab, PinBudget, aligned_empty, default_pin_budg
 from .direct import DirectBackend
 from .errors import (AlignmentError, BackendUnavailable, ExpertIntegrityError, IOEngineError,
                      IOFaultError, IOUsageError, QueueFullError)
-from .faults import Fault, FaultInjectingBackend
 from .kvikio_backend import KvikioBackend
 from .mmap_backend import MmapBackend
 from .pagecache import drop_file_cache, drop_system_cache, make_cold
@@ -42,7 +41,6 @@ __all__ = [
     "is_device_buffer",
     "AlignmentError", "BackendUnavailable", "ExpertIntegrityError", "IOEngineError", "IOFaultError",
     "IOUsageError", "QueueFullError",
-    "Fault", "FaultInjectingBackend",
     "drop_file_cache", "drop_system_cache", "make_cold",
     "DEFAULT_QUEUE_DEPTH", "Availability", "FileHandle", "IOBackend", "RawFile",
     "VERIFY_MODES", "ExpertBuffer", "ExpertReader",

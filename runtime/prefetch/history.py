@@ -15,7 +15,7 @@ route uses them, from three estimates, each a calibrated probability per expert:
 They are mixed by an online logistic regression (one small weight vector for all layers,
 updated on every route against what was predicted for it), so a sticky model leans on recency,
 a path-structured one on transitions and a skewed one on frequency, and the ranking is never
-worse than the best single estimate by more than noise (``tests/test_prefetch_history.py``).
+worse than the best single estimate by more than noise (``tests/runtime/prefetch/test_prefetch_history.py``).
 Counts decay with a half-life in tokens. Memory: ``n_layers × n_experts²`` float32 for the
 transitions (31 MB for 94 layers × 288 experts).
 """

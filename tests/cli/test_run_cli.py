@@ -1,0 +1,120 @@
+"""``expertfs run``: generation, --json, --tokens/--logits-out, --trace, and typed errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_to_gguf import convert  # noqa: E402
+
+from expertfs.cli import main  # noqa: E402
+from expertfs.runtime.trace.file import read_trace  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return convert("glm4moe", str(tmp_path_factory.mktemp("run")), seed=31)
+
+
+def test_logits_out_matches_transformers(model, tmp_path, capsys):
+    hf, _, store = model
+    toks = [3, 14, 15, 92, 65, 35]
+    out = tmp_path / "l.npy"
+    assert main(["run", store, "--tokens", ",".join(map(str, toks)), "--logits-out", str(out),
+                 "--provider", "direct"]) == 0
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (len(toks), hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].numpy()
+    assert np.abs(got - ref).max() < 1e-4
+    assert capsys.readouterr().out.split() == [str(i) for i in ref.argmax(-1)]
+
+
+def test_generate_json(model, capsys):
+    _, _, store = model
+    assert main(["run", store, "-p", "Beautiful is better", "-n", "5", "--json",
+                 "--provider", "direct", "-t", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompt_tokens"] == len(r["prompt"]) > 0
+    assert 1 <= r["generated_tokens"] <= 5 and len(r["tokens"]) == r["generated_tokens"]
+    assert r["time_to_first_token_s"] > 0
+    assert r["stats"]["provider_stats"]["bytes_read"] > 0
+    assert isinstance(r["text"], str)
+
+
+def test_preload_reads_every_expert_before_the_prompt(model, capsys):
+    """--preload: the RAM tier holds the model before the prompt, so generation reads nothing
+    and every expert get hits; the preload's reads and gets are reported apart."""
+    _, _, store = model
+    assert main(["run", store, "-p", "Beautiful is better", "-n", "4", "--json", "-t", "1",
+                 "--provider", "tiered", "--ram", "1G", "--preload", "--ignore-eos"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["preload_s"] > 0 and r["generated_tokens"] == 4
+    assert r["mb_read_per_token"] == 0 and r["hit_rate"]["ram"] == 1.0 and r["stall_s"] == 0
+    assert r["stats"]["provider_stats"]["bytes_read"] > 0      # the preload's reads
+
+
+def test_engine_holds_the_warm_start_until_the_first_logits(model):
+    """The warm start's reads wait while the engine loads and runs the prompt (the prompt's
+    own experts first), and go on after its logits."""
+    from expertfs.runtime.engine import Engine
+    _, _, store = model
+    with Engine.open(store, provider="tiered", ram_bytes=1 << 30) as e:
+        loader = e.provider.cache.loader
+        assert loader.held and loader.drip_pending > 0
+        e.prefill([3, 14, 15])
+        assert not loader.held
+        e.decode(9)
+    with Engine.open(store, provider="tiered", ram_bytes=1 << 30) as e:
+        e.start_warm()                                     # a server, before any request
+        assert not e.provider.cache.loader.held
+
+
+def test_chat_sampling_streams_text(model, capsys):
+    _, _, store = model
+    assert main(["run", store, "--chat", "-p", "hi", "-n", "4", "--temp", "0.8", "--top-p", "0.9",
+                 "--top-k", "20", "--seed", "3", "--provider", "direct", "--lookahead"]) == 0
+    cap = capsys.readouterr()
+    assert "first token after" in cap.err and "lookahead: coverage" in cap.err
+
+
+def test_trace_records_every_routing(model, tmp_path, capsys):
+    _, _, store = model
+    tr = tmp_path / "run.eftrace"
+    toks = [1, 2, 3, 4, 5]
+    assert main(["run", store, "--tokens", ",".join(map(str, toks)), "--trace", str(tr),
+                 "--provider", "direct", "--batch", "2"]) == 0
+    header, c = read_trace(str(tr))
+    rows = [(int(t), int(la)) for t, la in zip(c.tokens, c.layers)]
+    moe_layers = [i for i in range(header.n_layers) if header.expert_bytes[i]]
+    assert header.expert_bytes[0] == 0 and moe_layers                # glm4moe: layer 0 dense
+    assert sorted(rows) == sorted((t, la) for t in range(len(toks)) for la in moe_layers)
+    assert c.experts.shape[1] == header.k
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--tokens", "1,x"], "not a list of integers"),
+    (["--tokens", "1,99999"], "outside the vocabulary"),
+    (["-p", "hi", "--logits-out", "x.npy"], "--logits-out needs --tokens"),
+    (["-p", "hi", "--device", "cuda"], "CUDA is not available"),
+    (["-p", "hi", "--dtype", "int3"], "unknown compute dtype"),
+    (["--tokens", "1,2", "--ctx", "1"], "exceeds n_ctx"),
+    (["-p", "hi", "--preload", "--provider", "direct"], "--preload needs the RAM tier"),
+])
+def test_bad_input_is_one_line_exit_2(model, capsys, argv, msg):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    _, _, store = model
+    assert main(["run", store, "--provider", "direct", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0] and err[0].startswith("expertfs run: error:")
+
+
+def test_missing_store_exit_2(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.efs"), "-p", "x"]) == 2
+    assert "no such store" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""The read queue: at most queue-depth reads run, demand reads overtake queued prefetches,
+queued reads can be cancelled, promoted or displaced, a full queue blocks or says so."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from expertfs.runtime.io import (IOUsageError, Priority, QueueFullError, ReadScheduler,
+                                 aligned_empty, get_backend)
+from support.faults import Fault, FaultInjectingBackend
+
+
+def _blocked(sched: ReadScheduler, n: int):
+    """Occupy ``n`` workers until the returned event is set."""
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    def hold():
+        started.release()
+        gate.wait(10)
+        return "held"
+
+    futs = [sched.submit(hold) for _ in range(n)]
+    for _ in range(n):
+        assert started.acquire(timeout=10)
+    return gate, futs
+
+
+def test_demand_overtakes_queued_prefetches():
+    s = ReadScheduler(1)
+    gate, _ = _blocked(s, 1)
+    order = []
+    pf = [s.submit(lambda i=i: order.append(f"p{i}"), priority=Priority.PREFETCH) for i in range(3)]
+    d = s.submit(lambda: order.append("d"), priority=Priority.DEMAND)
+    gate.set()
+    d.result(10)
+    for f in pf:
+        f.result(10)
+    assert order == ["d", "p0", "p1", "p2"]
+    s.close()
+
+
+def test_cancel_queued_and_cancel_pending_by_predicate():
+    s = ReadScheduler(1)
+    gate, _ = _blocked(s, 1)
+    ran = []
+    a = s.submit(lambda: ran.append("a"), priority=Priority.PREFETCH, tag=("L0", 1))
+    b = s.submit(lambda: ran.append("b"), priority=Priority.PREFETCH, tag=("L0", 2))
+    c = s.submit(lambda: ran.append("c"), priority=Priority.DEMAND, tag=("L0", 3))
+    assert a.cancel()
+    assert s.cancel_pending(lambda f: f.tag == ("L0", 2)) == 1
+    assert s.cancel_pending() == 0              # demand reads are not prefetches
+    gate.set()
+    c.result(10)
+    with pytest.raises(CancelledError):
+        b.result(0)
+    s.close()
+    assert ran == ["c"] and s.stats["cancelled"] == 2 and s.pending == 0
+
+
+def test_promote_moves_a_prefetch_ahead():
+    s = ReadScheduler(1)
+    gate, _ = _blocked(s, 1)
+    order = []
+    p1 = s.submit(lambda: order.append(1), priority=Priority.PREFETCH)
+    p2 = s.submit(lambda: order.append(2), priority=Priority.PREFETCH)
+    assert s.promote(p2, Priority.DEMAND)
+    assert not s.promote(p2, Priority.DEMAND)       # already there
+    gate.set()
+    p1.result(10), p2.result(10)
+    assert order == [2, 1] and p2.priority == Priority.DEMAND
+    s.close()
+
+
+def test_full_queue_displaces_oldest_prefetch_or_blocks():
+    s = ReadScheduler(1, max_pending=2)
+    gate, _ = _blocked(s, 1)
+    p1 = s.submit(lambda: 1, priority=Priority.PREFETCH)
+    p2 = s.submit(lambda: 2, priority=Priority.PREFETCH)
+    d = s.submit(lambda: 3, priority=Priority.DEMAND)     # full: p1 (oldest prefetch) is dropped
+    assert p1.cancelled() and not p2.cancelled() and s.stats["displaced"] == 1
+    with pytest.raises(QueueFullError):
+        s.submit(lambda: 4, priority=Priority.PREFETCH, block=False)
+    d2 = []
+    t = threading.Thread(target=lambda: d2.append(s.submit(lambda: 5, priority=Priority.DEMAND)))
+    t.start()                                      # displaces p2, then runs
+    t.join(10)
+    assert p2.cancelled()
+    d3 = []
+    t = threading.Thread(target=lambda: d3.append(s.submit(lambda: 6)))
+    t.start()                                      # two demand reads wait: it blocks
+    t.join(0.2)
+    assert t.is_alive()
+    gate.set()
+    t.join(10)
+    assert d.result(10) == 3 and d2[0].result(10) == 5 and d3[0].result(10) == 6
+    s.close()
+
+
+def test_queue_depth_bounds_reads_in_flight(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    be = FaultInjectingBackend(get_backend("buffered"), [Fault("delay", times=-1, delay_s=0.01)])
+    with be.open(path, queue_depth=3) as fh:
+        bufs = [aligned_empty(4096) for _ in range(12)]
+        futs = [fh.pread(b, (i % 4) * 4096, 4096) for i, b in enumerate(bufs)]
+        assert all(f.result(10) == 4096 for f in futs)
+        assert fh.scheduler.max_running == 3
+        assert all(f.t_submit <= f.t_start <= f.t_done for f in futs)
+
+
+def test_errors_reach_the_future_and_close_cancels():
+    s = ReadScheduler(1)
+    f = s.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        f.result(10)
+    gate, _ = _blocked(s, 1)
+    q = s.submit(lambda: 1)
+    gate.set()
+    s.close()
+    assert q.cancelled() or q.result() == 1
+    with pytest.raises(IOUsageError, match="closed"):
+        s.submit(lambda: 1)
+    with pytest.raises(IOUsageError):
+        ReadScheduler(0)
