@@ -23,7 +23,6 @@ token of a decode or verify window (``runtime.mtp.routing``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -32,10 +31,11 @@ import torch
 
 from ..errors import UsageError
 from .experts.protocol import ExpertProvider
+from .memory import memory_limit
 from .model import (DequantCache, ExpertRunner, LookaheadStats, Model, ModelConfig, Router,
                     TrunkReader, load_trunk)
 
-__all__ = ["Engine", "EngineOptions", "make_provider", "resolve_dtype", "memory_limit"]
+__all__ = ["Engine", "EngineOptions", "make_provider", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -116,36 +116,6 @@ def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: 
     elif kind != "direct":
         raise UsageError(f"unknown provider {kind!r}", fix="use auto, tiered or direct")
     return DirectProvider(store, device)
-
-
-def memory_limit() -> int:
-    """Bytes this process may use: physical RAM, or its memory cgroup's limit when lower."""
-    try:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        limit = 16 << 30
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return limit
-    for line in lines:
-        _, ctrl, path = line.split(":", 2)
-        if ctrl == "":                                             # cgroup v2
-            cands = [f"/sys/fs/cgroup{path}/memory.max"]
-        elif "memory" in ctrl.split(","):
-            cands = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
-        else:
-            continue
-        for c in cands:
-            try:
-                with open(c) as f:
-                    v = f.read().strip()
-            except OSError:
-                continue
-            if v.isdigit():
-                limit = min(limit, int(v))
-    return limit
 
 
 def _use_fused(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
