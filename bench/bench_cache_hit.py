@@ -16,6 +16,11 @@ import statistics
 import sys
 import time
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 from expertfs.runtime.policies.registry import make_factory
 
 N_LAYERS, N_EXPERTS, K, SLOTS, HITS = 32, 128, 8, 2048, 8192

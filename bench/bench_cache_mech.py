@@ -40,6 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 from expertfs.store.repack import repack
 from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.io import ExpertReader, aligned_empty, drop_file_cache

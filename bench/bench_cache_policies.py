@@ -43,6 +43,11 @@ import json
 import statistics
 import time
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 from expertfs.runtime.policies.base import usage_rates
 from expertfs.runtime.sim.bounds import belady_hits
 from expertfs.runtime.policies.registry import ALL_POLICIES, DEFAULT_POLICY, make_factory

@@ -34,7 +34,9 @@ import sys
 import time
 
 # before torch loads: the runtime's OpenMP wait policy (and what it set, kept from llama.cpp)
-from expertfs.runtime import peer_environ  # noqa: I001
+from expertfs.runtime.openmp import configure, peer_environ  # noqa: I001
+
+configure()
 
 import torch
 

@@ -24,6 +24,11 @@ import os
 import sys
 import time
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 import expertfs.runtime  # noqa: F401,I001 - its OpenMP wait policy must be set before torch loads
 
 import numpy as np

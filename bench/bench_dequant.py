@@ -29,6 +29,11 @@ import sys
 import time
 import warnings
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 import numpy as np
 import torch
 import torch.nn.functional as F

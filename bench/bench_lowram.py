@@ -33,7 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lowram import block_device_of, disk_bandwidth, readahead, run_capped  # noqa: E402
 
-from expertfs.runtime import peer_environ  # noqa: E402
+from expertfs.runtime.openmp import configure, peer_environ  # noqa: E402
+
+configure()
+
 from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
 from expertfs.runtime.plan.geometry import kv_cache_bytes  # noqa: E402
 from expertfs.runtime.plan.model import geometry_of_store  # noqa: E402

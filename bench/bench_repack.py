@@ -22,6 +22,11 @@ import subprocess
 import sys
 import time
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 from expertfs.units import fmt_bytes, parse_size
 
 BIN = os.path.join(os.path.dirname(sys.executable), "expertfs")

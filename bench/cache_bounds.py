@@ -24,6 +24,11 @@ import os
 import sys
 import time
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

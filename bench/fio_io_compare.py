@@ -22,6 +22,11 @@ import subprocess
 import sys
 import tempfile
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 from expertfs.units import parse_size
 
 

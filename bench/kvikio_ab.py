@@ -24,6 +24,11 @@ import random
 import statistics
 import time
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 import expertfs.runtime  # noqa: F401 - the runtime's OpenMP wait policy before torch loads
 from expertfs.runtime.io.backends import get_backend
 from expertfs.runtime.io.buffers import aligned_empty

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import os
 
+# before torch loads: the runtime's OpenMP wait policy, as the CLI sets it
+from expertfs.runtime.openmp import configure  # noqa: E402,I001
+
+configure()
+
 import numpy as np
 import pytest
 

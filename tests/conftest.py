@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from expertfs.runtime.openmp import configure
+
+configure()                 # the wait policy the CLI runs torch with, before torch loads
+
 # tests/ for ``support``, tools/ for the fixture builders and exporters the tests run
 sys.path.insert(0, str(Path(__file__).parent))
 from support import TOOLS  # noqa: E402

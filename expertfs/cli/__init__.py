@@ -14,9 +14,10 @@ import logging
 import pkgutil
 import sys
 
-# Before any command imports torch: the runtime's OpenMP wait policy (expertfs/runtime/__init__.py;
-# importing the package sets it and loads nothing else).
-from .. import runtime as _runtime  # noqa: E402,F401,I001
+# Before any command imports torch: the runtime's OpenMP wait policy (it loads nothing else).
+from ..runtime import openmp as _openmp  # noqa: I001
+
+_openmp.configure()
 
 from .. import __version__
 from ..errors import ExpertfsError
