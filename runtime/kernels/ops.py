@@ -1,0 +1,222 @@
+"""The native kernels' Python face: each call checks that the kernel applies (type, device,
+dtype, mode) and returns None otherwise, so callers fall back to their torch paths."""
+
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...formats.ggml import GGMLType
+from .build import load, status
+
+__all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "moe", "moe_hidden",
+           "moe_down_rows", "moe_combine",
+           "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
+           "attn_decode", "route", "max_tokens", "WIDE_TYPES"]
+
+#: Activation-quantization modes: name → kernel mode.
+ACT_QUANT = {"off": 0, "q8": 1}
+
+#: ggml types with native kernels (both modes).
+TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0, GGMLType.Q4_0,
+                   GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.MXFP4,
+                   GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_1, GGMLType.BF16, GGMLType.F16})
+
+_K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                GGMLType.IQ4_XS})
+
+
+def act_quant_mode(name: str | None) -> int:
+    """Kernel mode of an ``act_quant`` name (None = "off"); ValueError for unknown names."""
+    if name is None:
+        return 0
+    try:
+        return ACT_QUANT[name]
+    except KeyError:
+        raise ValueError(f"unknown activation quantization {name!r}; "
+                         f"known: {', '.join(ACT_QUANT)}") from None
+
+
+def available() -> bool:
+    """True when the native kernels are built and loaded (builds them on first call)."""
+    return load() is not None
+
+
+#: Types whose AVX-512 kernels take up to 8 tokens per pass over the weights (two rows at a
+#: time): up to this many tokens they beat dequantize + float matmul (bench/bench_kernels.py).
+WIDE_TYPES = {GGMLType.Q4_0: 128, GGMLType.Q8_0: 128}
+
+
+def max_tokens(ggml_type: GGMLType, default: int) -> int:
+    """Most tokens one native product should take for ``ggml_type`` (more: dequantize once and
+    multiply as a matrix): ``WIDE_TYPES``' figure under the AVX-512 kernels, else ``default``."""
+    wide = WIDE_TYPES.get(ggml_type)
+    if wide is None:
+        return default
+    mod = load()
+    return wide if mod is not None and mod.info()["isa"] == "avx512" else default
+
+
+_TYPE_IDS = frozenset(int(t) for t in TYPES)
+_K_IDS = frozenset(int(t) for t in _K)
+
+
+def set_threads(n: int) -> None:
+    """Threads of the native kernels' pool (0, the default: ``torch.get_num_threads()``)."""
+    mod = load()
+    if mod is not None:
+        mod.set_threads(int(n))
+
+
+def set_spin_us(us: int) -> None:
+    """How long idle pool workers spin for the next call before sleeping (default 50 µs)."""
+    mod = load()
+    if mod is not None:
+        mod.set_spin_us(int(us))
+
+
+def _applies(t: int, cols: int, mode: int) -> bool:
+    """Native kernels take type id ``t`` for rows of ``cols`` in ``mode`` (ids, not the enum:
+    hashing an IntEnum runs Python code and this is on the per-layer path)."""
+    return t in _TYPE_IDS and not (mode == 1 and t in _K_IDS and cols % 256)
+
+
+def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],
+           act_quant: str | None = None) -> torch.Tensor | None:
+    """``x [T, in]`` float32 CPU → ``[T, out]`` for W of torch ``shape (out, in)`` as ggml bytes
+    ``raw``; None when not applicable or the kernels are unavailable."""
+    mode = 0 if act_quant is None or act_quant == "off" else act_quant_mode(act_quant)
+    rows, cols = int(shape[0]), int(shape[1])
+    t = int(ggml_type)
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or not raw.is_cpu
+            or not _applies(t, cols, mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.matvec(x, raw.reshape(-1), t, rows, cols, mode)
+
+
+def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
+        up: Sequence[torch.Tensor] | None, down: Sequence[torch.Tensor],
+        types: tuple[GGMLType, GGMLType, GGMLType], n_ff: int,
+        act_quant: str | None = None) -> torch.Tensor | None:
+    """One token through n experts: ``Σ_j w[j] · down_j(silu(gate_j x) · up_j x)``.
+
+    ``x [1, n_embd]`` float32 CPU; ``w [n]``; ``gate``/``up``/``down`` the experts' ggml bytes
+    (``up`` None or empty: each ``gate`` is a fused gate_up, gate rows first); ``types`` the
+    (gate, up, down) ggml types. Returns ``[1, n_embd]`` float32, or None when not applicable.
+    """
+    mode = _moe_mode(act_quant)
+    D = int(x.shape[-1])
+    tg, tu, td = int(types[0]), int(types[1]), int(types[2])
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
+            or not gate or not _applies(tg, D, mode) or not _applies(tu, D, mode)
+            or not _applies(td, n_ff, mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.moe(x, w, list(gate), list(up or ()), list(down), tg, tu, td, int(n_ff), mode)
+
+
+def _moe_mode(act_quant: str | None) -> int:
+    return 0 if act_quant is None or act_quant == "off" else act_quant_mode(act_quant)
+
+
+def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor] | None,
+               types: tuple[GGMLType, GGMLType], n_ff: int,
+               act_quant: str | None = None) -> torch.Tensor | None:
+    """``moe``'s first phase: ``silu(gate_j x) · up_j x`` per expert, ``[n, n_ff]`` float32
+    (each row independent of the others in the call); None when not applicable."""
+    mode = _moe_mode(act_quant)
+    D = int(x.shape[-1])
+    tg, tu = int(types[0]), int(types[1])
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1
+            or not gate or not _applies(tg, D, mode) or not _applies(tu, D, mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode)
+
+
+def moe_down_rows(h: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGMLType,
+                  n_embd: int, act_quant: str | None = None) -> torch.Tensor | None:
+    """The first step of ``moe``'s second phase: each expert's unscaled ``down_j h[j]``,
+    ``[n, n_embd]`` float32 (each row independent of the others in the call); None when not
+    applicable."""
+    mode = _moe_mode(act_quant)
+    td = int(ggml_type)
+    if (not h.is_cpu or h.dtype != torch.float32 or h.dim() != 2 or not down
+            or not _applies(td, int(h.shape[1]), mode)):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    return mod.moe_down_rows(h, list(down), td, int(n_embd), mode)
+
+
+def moe_combine(v: torch.Tensor, w: torch.Tensor,
+                order: Sequence[int] = ()) -> torch.Tensor | None:
+    """The second step: ``Σ_j w[j] · v[order[j]]`` added in that order (``order`` empty: v's
+    rows in turn), ``[1, n_embd]``, with the same rounding as ``moe``; None when the kernels
+    are unavailable."""
+    mod = load() if _f32_cpu(v) and v.dim() == 2 else None
+    return None if mod is None else mod.moe_combine(v, w, list(order))
+
+
+def _f32_cpu(t: torch.Tensor | None) -> bool:
+    return t is None or (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """``x · rsqrt(mean(x²) + eps) · w`` over the last dim in one call (float32 CPU,
+    contiguous); None when not applicable or the kernels are unavailable."""
+    if not (_f32_cpu(x) and _f32_cpu(w)) or x.dim() == 0:
+        return None
+    mod = load()
+    return None if mod is None else mod.rms_norm(x, w, float(eps))
+
+
+def norm_rope_(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, n_rot: int, neox: bool, norm: bool) -> bool:
+    """In place on ``x [T, H, D]``: RMSNorm each head by ``w`` when ``norm``, then RoPE of the
+    first ``n_rot`` dims (``cos``/``sin`` ``[T, 1, n_rot/2]``). False (``x`` untouched) when
+    not applicable or the kernels are unavailable."""
+    if not (_f32_cpu(x) and _f32_cpu(w)) or x.dim() != 3 or cos.dtype != torch.float32:
+        return False
+    mod = load()
+    if mod is None:
+        return False
+    mod.norm_rope_(x, w, float(eps), bool(norm), cos, sin, int(n_rot), bool(neox))
+    return True
+
+
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                vc: torch.Tensor, p0: int, scale: float) -> torch.Tensor | None:
+    """One token's attention: stores ``k [1, K, D]``, ``v [1, K, Dv]`` at position ``p0`` of
+    the caches ``kc [K, cap, D]``, ``vc [K, cap, Dv]`` and returns ``softmax(q kᵀ·scale) v``
+    over positions ``0..p0`` for every head of ``q [1, H, D]`` as ``[1, H·Dv]``, the key and
+    value heads shared by ``H / K`` query heads each. None (nothing written) when not
+    applicable or the kernels are unavailable."""
+    if not (_f32_cpu(q) and _f32_cpu(k) and _f32_cpu(v) and _f32_cpu(kc) and _f32_cpu(vc)):
+        return None
+    mod = load()
+    return None if mod is None else mod.attn_decode(q, k, v, kc, vc, int(p0), float(scale))
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+          sigmoid: bool, norm_w: bool, w_min: float,
+          w_scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token's expert choice (``x [1, D]``, router ``weight [E, D]``): softmax or sigmoid
+    probabilities, the top ``k`` of probs (+ ``bias``, for the choice only) best first, their
+    probs as weights, normalised (sum clamped at ``w_min``) when ``norm_w``, times
+    ``w_scale``. ``(ids [1, k] int64, weights [1, k] float32)``; None when not applicable."""
+    if not (_f32_cpu(x) and _f32_cpu(weight) and _f32_cpu(bias)) or x.shape[0] != 1:
+        return None
+    mod = load()
+    return None if mod is None else mod.route(x, weight, bias, int(k), bool(sigmoid),
+                                              bool(norm_w), float(w_min), float(w_scale))
