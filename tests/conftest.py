@@ -1,4 +1,4 @@
-"""Shared fixtures and the opt-in skip of the llama.cpp tests."""
+"""Shared fixtures, and the skips by marker (llama, gpu, nogpu)."""
 
 import os
 import sys
@@ -24,11 +24,26 @@ def tiny_gguf(tmp_path: Path) -> Path:
     return moe_gguf(tmp_path / "tiny.gguf")[0]
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("EXPERTFS_LLAMA_TESTS") == "1":
-        return
-    skip = pytest.mark.skip(reason="llama.cpp tests are opt-in: set EXPERTFS_LLAMA_TESTS=1 "
-                            "(needs llama-cpp-python, a long build)")
+    """Skips by marker: ``llama`` unless opted in, ``gpu`` without CUDA, ``nogpu`` with it."""
+    llama = os.environ.get("EXPERTFS_LLAMA_TESTS") == "1"
+    cuda = _cuda()
+    skips = {
+        "llama": None if llama else pytest.mark.skip(
+            reason="llama.cpp tests are opt-in: set EXPERTFS_LLAMA_TESTS=1 "
+                   "(needs llama-cpp-python, a long build)"),
+        "gpu": None if cuda else pytest.mark.skip(reason="needs CUDA"),
+        "nogpu": pytest.mark.skip(reason="checks the CPU-only behaviour") if cuda else None,
+    }
     for item in items:
-        if item.get_closest_marker("llama") is not None:
-            item.add_marker(skip)
+        for name, skip in skips.items():
+            if skip is not None and item.get_closest_marker(name) is not None:
+                item.add_marker(skip)

@@ -101,14 +101,12 @@ def test_trace_records_every_routing(model, tmp_path, capsys):
     (["--tokens", "1,x"], "not a list of integers"),
     (["--tokens", "1,99999"], "outside the vocabulary"),
     (["-p", "hi", "--logits-out", "x.npy"], "--logits-out needs --tokens"),
-    (["-p", "hi", "--device", "cuda"], "CUDA is not available"),
+    pytest.param(["-p", "hi", "--device", "cuda"], "CUDA is not available", marks=pytest.mark.nogpu),
     (["-p", "hi", "--dtype", "int3"], "unknown compute dtype"),
     (["--tokens", "1,2", "--ctx", "1"], "exceeds n_ctx"),
     (["-p", "hi", "--preload", "--provider", "direct"], "--preload needs the RAM tier"),
 ])
 def test_bad_input_is_one_line_exit_2(model, capsys, argv, msg):
-    if "cuda" in argv and torch.cuda.is_available():
-        pytest.skip("CUDA present")
     _, _, store = model
     assert main(["run", store, "--provider", "direct", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

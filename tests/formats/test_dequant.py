@@ -229,7 +229,7 @@ def test_linear_rejects_mismatches() -> None:
         linear(torch.zeros(1, 32), raw, T.Q8_0, (4, 32), torch.zeros(3))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
 def test_cuda_matches_cpu(t: T) -> None:
     raw = torch.from_numpy(random_blocks(t, 16, 512 if block_size(t) > 1 else 64,

@@ -112,7 +112,7 @@ def test_copier_cpu_copies_now_and_runs_then():
     c.synchronize()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.nogpu
 def test_copier_refuses_cuda_without_cuda():
     with pytest.raises(UsageError, match="CUDA is not available"):
         Copier(torch.device("cuda"))
