@@ -4,10 +4,10 @@ Every kernel receives its blocks as one 2-D uint8 tensor, one block per row, and
 fields of the block layout (``ggml-common.h``) out of it with these helpers. They are pure torch
 and device-agnostic; ggml data is little-endian, as is every host torch runs on.
 
-Speed notes (CPU, measured): torch's vectorized loops skip rows shorter than one vector
-(32 bytes on AVX2), so a narrow strided field is several times slower to operate on than a
-contiguous copy of it; tensor-by-tensor broadcast shifts run a scalar loop; a byte transpose
-costs about 1 ms per MiB. The helpers below avoid all three.
+Speed notes (CPU, measured; figures in bench/README.md): torch's vectorized loops skip rows
+shorter than one vector (32 bytes on AVX2), so a narrow strided field is several times slower
+to operate on than a contiguous copy of it; tensor-by-tensor broadcast shifts run a scalar loop;
+a byte transpose is slow. The helpers below avoid all three.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def bit_planes(q: torch.Tensor, values: tuple[int, ...], mask: int) -> torch.Ten
     """``q (..., g)`` → ``(..., len(values), g)``: ``(q >> s) & mask`` for each shift s in order.
 
     One scalar shift per plane: torch's tensor-by-tensor broadcast shift is a scalar loop on
-    CPU (measured 30x slower than these stacked scalar-shift ops).
+    CPU (measured far slower than these stacked scalar-shift ops).
     """
     q = q.contiguous()
     return torch.stack([(q >> s) & mask if s else q & mask for s in values], dim=-2)
@@ -82,7 +82,7 @@ def bits_per_byte(q: torch.Tensor, values: tuple[int, ...], mask: int) -> torch.
 
     One row gather from a cached 256-row table: a narrow field like Q5_0's 4 ``qh`` bytes
     would otherwise be a row loop of 4 elements per op or a byte transpose (both measured
-    3-10x slower on CPU).
+    several times slower on CPU).
     """
     n, w = q.shape
     lut = _byte_lut(tuple(values), mask, q.device)

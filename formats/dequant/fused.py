@@ -3,13 +3,10 @@
 On CPU the weight is dequantized in row chunks of about ``chunk_elems`` elements and each
 chunk is multiplied as soon as it exists, so the float weight never exists whole: the chunk's
 temporaries stay in the L2/L3 cache and are recycled by the allocator, instead of several
-matrix-sized float32 temporaries being paged in for every call. Measured on the 2-core
-development machine (1536x4096 and 4096x1536, batch 1 and 16, against
-``F.linear(x, dequantize(...))``, bench/bench_dequant.py): one thread, CPU time: Q8_0
-1.1-1.4x faster, Q4_K 1.1-1.2x, Q6_K 1.3-1.5x, MXFP4 1.0-1.1x, IQ2_XXS 1.0x; two threads,
-wall clock on the shared machine: 0.93-1.4x across runs, no consistent loss. 2**20 elements
-per chunk was the best or tied-best of 2**18 ... 2**22 for every type measured. On other
-devices the whole matrix is one chunk by default (not measured here: no GPU was available).
+matrix-sized float32 temporaries being paged in for every call: measured faster than
+``F.linear(x, dequantize(...))`` on one thread and no consistent loss on two
+(``bench/bench_dequant.py``; figures in bench/README.md). On other devices the whole matrix is
+one chunk by default (not measured: no GPU was available).
 
 A weight stored as F32/F16/BF16 whose dtype equals ``x.dtype`` is used in place (no copy).
 
@@ -34,8 +31,8 @@ __all__ = ["linear", "DEFAULT_CPU_CHUNK_ELEMS"]
 
 _PLAIN = frozenset((GGMLType.F32, GGMLType.F16, GGMLType.BF16))
 
-#: Weight elements dequantized per step on CPU (the best of 2**18 ... 2**22 on the development
-#: machine for every type measured, see bench/bench_dequant.py): 1 Mi elements = 4 MiB f32.
+#: Weight elements dequantized per step on CPU (the best or tied-best of 2**18 ... 2**22 for
+#: every type measured, see bench/bench_dequant.py): 1 Mi elements = 4 MiB f32.
 DEFAULT_CPU_CHUNK_ELEMS = 1 << 20
 
 

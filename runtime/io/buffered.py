@@ -2,7 +2,8 @@
 
 By default the file is advised ``POSIX_FADV_RANDOM``: the engine reads whole extents at
 random, so kernel readahead past an extent's end only reads the neighbouring expert for
-nothing (llama.cpp under memory pressure read ~7x what it needed with the default readahead).
+nothing (llama.cpp under memory pressure reads several times what it needs with the default
+readahead; see bench/README.md).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ def aligned_empty(nbytes: int, *, alignment: int = PAGE, huge: bool = False) -> 
     Backed by an anonymous mapping (zero-filled, page-aligned); the tensor keeps it alive.
     ``huge``: a private mapping on a 2 MiB boundary, advised for transparent huge pages where
     the kernel offers them (``madvise`` mode): a slab the kernels stream every token then costs
-    a TLB entry per 2 MiB instead of per 4 KiB (resident decode 4-6% faster in an interleaved
-    A/B here); a plain shared mapping elsewhere.
+    a TLB entry per 2 MiB instead of per 4 KiB (resident decode measured faster in an
+    interleaved A/B; see bench/README.md); a plain shared mapping elsewhere.
     """
     if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
         raise IOUsageError(f"aligned_empty({nbytes}, alignment={alignment}): size must be >= 0 and "

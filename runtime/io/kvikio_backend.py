@@ -129,7 +129,7 @@ class KvikioBackend(IOBackend):
         want = self.nthreads or max(4, queue_depth)
         with _lock:
             # compat mode reads through the page cache unless asked: cold single expert reads
-            # measured 0.70x the direct backend that way, 1.06x with O_DIRECT (4 MiB, QD1)
+            # measured slower that way than with O_DIRECT (see bench/README.md)
             if _get(kvikio, "auto_direct_io_read", self.direct_io) != self.direct_io:
                 kvikio.defaults.set("auto_direct_io_read", self.direct_io)
             if kvikio.defaults.get("num_threads") < want:

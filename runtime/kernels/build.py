@@ -5,11 +5,12 @@ cache folder (``$EXPERTFS_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/expertfs/kernel
 ``~/.cache/expertfs/kernels``), one sub-folder per hash of the sources, the torch version and
 the flags and the sources' folder: a later process (or test session) loads the built module in
 milliseconds, and an edited source, another torch or another checkout gets its own build (two
-checkouts sharing one folder rebuilt it at every switch, since ninja saw other source paths).
+checkouts sharing one folder would rebuild it at every switch, since ninja sees other source
+paths).
 Builds of one folder are serialised by a kernel lock (``flock``, released if the builder dies);
-torch's own lock file is left behind by a build that was killed (Ctrl-C during the first run,
-an out-of-memory kill) and made every later load wait for it forever, so the holder of the
-kernel lock removes it. The build needs a C++ compiler (``$CXX`` or
+torch's own lock file is left behind by a build that is killed (Ctrl-C during the first run,
+an out-of-memory kill) and would make every later load wait for it forever, so the holder of
+the kernel lock removes it. The build needs a C++ compiler (``$CXX`` or
 ``c++``) and ninja; without them, or when ``EXPERTFS_NATIVE=0``, or when the build fails,
 ``load()`` returns None, the reason is logged once (warning) and kept in ``status()``, and the
 runtime uses its torch paths.

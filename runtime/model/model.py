@@ -27,10 +27,8 @@ __all__ = ["Model", "SMALL_STEP_TOKENS", "SMALL_STEP_CONTEXT"]
 #: A forward of at most this many tokens over at most this many positions runs torch's own ops
 #: (norms, rope, attention) on one thread when ``Model.small_steps_one_thread`` is set: a decode
 #: step is hundreds of tiny ops, each of which would wake torch's other threads and fight the
-#: native kernels' pool for the cores (6.4 GB qwen3moe, 2 threads, 8-token batches alternating
-#: in one process: resident 162 against 203 ms/token, under a memory cap of a third of the
-#: model 194 against 224; a 600 MB model 18.5 against 20.8). Beyond this context attention is
-#: big enough to share.
+#: native kernels' pool for the cores (measured faster resident and under a memory cap in an
+#: in-process A/B; see bench/README.md). Beyond this context attention is big enough to share.
 SMALL_STEP_TOKENS = 8
 SMALL_STEP_CONTEXT = 1024
 

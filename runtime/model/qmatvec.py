@@ -146,10 +146,8 @@ _KERNELS: dict[GGMLType, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 SUPPORTED = frozenset(_KERNELS)
 
 #: Most tokens a native product takes (more: dequantize once and multiply as a matrix), for
-#: the trunk's matrices and the experts': at 32 tokens the native products were 1.1-1.5x
-#: faster than dequant.linear (Q4_K, Q6_K, Q8_0 expert matrices, one thread), at 64 tokens
-#: 0.7-1.0x; with two threads, at 32 tokens 0.96-3.2x (Q8_0 768x2048 the one below 1), at 64
-#: 0.85-1.6x, at 96 0.66-1.13x (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; 768x2048 and 4096x2048).
+#: the trunk's matrices and the experts': up to 32 tokens the native products measured faster
+#: than dequant.linear (one matrix about even), beyond it not consistently (bench/README.md).
 NATIVE_MAX_TOKENS = 32
 
 _lock = threading.Lock()

@@ -5,12 +5,11 @@ exponential decay), ``arc`` or ``wlfu`` (window LFU: latest route per layer by r
 by decayed frequency); ``@HALF_LIFE`` (tokens, ``lfud``/``wlfu``, default ``DEFAULT_HALF_LIFE``);
 ``/layer`` gives each layer an even share of the slots instead of one global pool.
 ``DEFAULT_POLICY`` was chosen by measurement against the Belady bound
-(``bench/bench_cache_policies.py``; numbers in its docstring): ``wlfu`` in one global pool beat
-LRU at every capacity of the hot, sticky and mixed synthetic traces (0.84-0.94x Belady against
-LRU's 0.78-0.90x) and of the diffuse one, ties it (within 0.01) when the hot set is replaced
-every 256 tokens, is within 1% of the per-layer variant when layers are alike and ahead of it
-when they differ, and still hits in a tier smaller than one token's routes, where LRU and ARC
-never do.
+(``bench/bench_cache_policies.py``; figures in bench/README.md): ``wlfu`` in one global pool beat
+LRU at every capacity of the hot, sticky, mixed and diffuse synthetic traces, ties it when the
+hot set is replaced every 256 tokens, is about even with the per-layer variant when layers are
+alike and ahead of it when they differ, and still hits in a tier smaller than one token's
+routes, where LRU and ARC never do.
 """
 
 from __future__ import annotations

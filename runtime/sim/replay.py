@@ -4,10 +4,11 @@ Tiers are **exclusive** by default: an expert is in VRAM or in RAM, not both. A 
 expert up (RAM → VRAM upload) and frees its RAM slot; a VRAM eviction demotes the expert to RAM
 (a device → host copy), and a RAM eviction drops it. Why: on the boxes this targets, the VRAM cache
 is about as large as the RAM cache (24 GB card, ~16–20 GB of RAM for experts), so inclusion would
-spend most of the RAM tier on duplicates; a demotion costs a PCIe copy (~25 GB/s), several times
-cheaper than the NVMe read it saves (and counted, as ``d2h``). ``inclusive=True`` simulates the
-other choice (RAM keeps a copy of everything in VRAM; VRAM evictions are free; a RAM eviction
-also drops the VRAM copy) so the two can be compared on a trace.
+spend most of the RAM tier on duplicates; a demotion costs a PCIe copy, much cheaper than the
+NVMe read it saves (a PCIe 4.0 x16 link moves several times what one drive reads; the copy is
+counted, as ``d2h``). ``inclusive=True`` simulates the other choice (RAM keeps a copy of
+everything in VRAM; VRAM evictions are free; a RAM eviction also drops the VRAM copy) so the two
+can be compared on a trace.
 
 ``vram=0`` is the CPU-only runtime: one RAM tier, experts computed from RAM. Capacities are in
 slots (fixed-size, one expert each); byte budgets become slots via ``slots_for``. Every row pins

@@ -4,8 +4,8 @@
 // team thread, and its idle threads spin between regions. On a 2-core machine shared with
 // other processes that costs more than the second thread brings: a descheduled worker holds up
 // each join for a scheduler time slice, and a spinning one takes the CPU the calling thread
-// needs for the Python between kernel calls (measured: 2 threads 12-14 tok/s, 1 thread 60-66,
-// under load). Here:
+// needs for the Python between kernel calls (measured under load: two threads far slower
+// than one; see bench/README.md). Here:
 //   - the caller publishes a job and works on it itself; chunks are claimed from an atomic
 //     counter, so whoever runs does the work;
 //   - the caller waits only for chunks a worker has already claimed, never for a worker to

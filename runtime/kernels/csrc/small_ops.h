@@ -1,7 +1,8 @@
 // Row-wise operations of a decode step done in one native call each (small_ops.cpp): in a
 // forward pass that streams hundreds of MB of weights per token, each torch op on a few KB
-// runs with cold caches (measured here: ~40 µs per RMSNorm of 7 ops after a weight product,
-// against ~15 µs in a warm loop), and a decode step has ~90 of them per layer.
+// runs with cold caches (an RMSNorm of 7 ops measured several times slower after a weight
+// product than in a warm loop; see bench/README.md), and a decode step has ~90 of them per
+// layer.
 #pragma once
 
 #include <ATen/core/Tensor.h>
