@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from expertfs.formats.ggml import GGMLType, block_size
-from expertfs.synth.blocks import make_blocks
+from expertfs.formats.random_blocks import make_blocks
 
 DEFAULT_TYPES = ("q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "q2_k", "q3_k", "iq4_xs", "mxfp4",
                  "q5_0", "q5_1", "q4_1", "bf16", "f16")

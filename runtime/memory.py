@@ -18,8 +18,8 @@ __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "default_ram_tier"
 log = logging.getLogger(__name__)
 
 #: Python, torch, the native kernels, staging buffers and allocator slack beside the RAM tier,
-#: the trunk and the KV cache: measured ~260 MB on the CPU runtime (a 6 GB qwen3moe store,
-#: 2.10 GB peak RSS with a 1.05 GB RAM tier and a 0.77 GB trunk); 384 MiB leaves a margin.
+#: the trunk and the KV cache: the CPU runtime's peak resident memory beyond those three, with
+#: a margin.
 RUNTIME_OVERHEAD = 384 << 20
 #: The KV cache grows by doubling up to the context limit; while it grows the old and the new
 #: buffers coexist, so its peak is 1.5x its size at the limit.

@@ -4,13 +4,18 @@ predicted decode tokens/s range for a box, with what limits it and what to chang
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..units import parse_size
 
-__all__ = ["register", "run"]
+if TYPE_CHECKING:
+    from ..runtime.plan.geometry import Geometry
+
+__all__ = ["register", "run", "like_model", "geometry_from_synth", "geometry_from_like"]
 
 _EPILOG = """\
 Each placement expert run can execute (gpu: trunk, KV cache and experts on the GPU with a VRAM
@@ -87,6 +92,33 @@ def _size(text: str | None, flag: str) -> int | None:
         raise UsageError(f"{flag}: {e}", fix=f"write {flag} as e.g. 32G") from None
 
 
+def like_model(name: str, quant: str = "default") -> tuple[Any, str]:
+    """The GGUF ``expertfs synth --like NAME --quant QUANT`` would write, described in memory
+    (a ``formats.gguf_read.GGUFModel``; nothing written), and what the plan calls it."""
+    from ..synth import SynthConfig, build_model
+
+    cfg = SynthConfig.like(name, quant=quant)
+    return (build_model(cfg).gguf_model(),
+            f"--like {cfg.name} (quant {quant}, as expertfs synth writes it)")
+
+
+def geometry_from_synth(cfg: Any, source: str | None = None) -> Geometry:
+    """The plan's ``Geometry`` of the GGUF ``expertfs synth`` would write for ``cfg`` (a
+    ``SynthConfig``), laid out as ``repack`` would store it; nothing is written."""
+    from ..runtime.plan.model import geometry_from_model
+    from ..synth import build_model
+
+    return geometry_from_model(build_model(cfg).gguf_model(),
+                               source or f"synth {cfg.name} (quant {cfg.quant})")
+
+
+def geometry_from_like(name: str, quant: str = "default") -> Geometry:
+    """The plan's ``Geometry`` of ``expertfs synth --like NAME --quant QUANT``'s GGUF."""
+    from ..runtime.plan.model import geometry_from_model
+
+    return geometry_from_model(*like_model(name, quant))
+
+
 def run(args: argparse.Namespace) -> int:
     from ..runtime.plan.predict import plan_to_dict
     from ..runtime.plan.report import format_plan
@@ -99,13 +131,20 @@ def run(args: argparse.Namespace) -> int:
     synthetic = tuple(s.strip() for s in args.synthetic.split(",") if s.strip())
     if any("=" in s for s in synthetic):
         raise UsageError("--synthetic takes preset names", fix="e.g. --synthetic diffuse,mixed")
-    req = PlanRequest(target=args.target, like=args.like, quant=args.quant,
+    req = PlanRequest(target=args.target,
                       ram=_size(args.ram, "--ram"), vram=_size(args.vram, "--vram"), ctx=args.ctx,
                       kv_type=args.kv_type, headroom=_size(args.headroom, "--headroom"),
                       pin_budget=_size(args.pin_budget, "--pin-budget"), placement=args.placement,
                       trunk=args.trunk, io_profile=args.io_profile, trace=args.trace,
                       synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
                       pcie_gen=args.pcie, gpu_gbps=args.gpu_bw)
+    if args.like:                  # the preset's model, described in memory: the runtime plans it
+        if args.target:
+            raise UsageError("give a store/GGUF or --like, not both", fix="drop one of them")
+        model, source = like_model(args.like, args.quant)
+        req = dataclasses.replace(req, model=model, source=source)
+    elif args.target and args.quant != "default":
+        raise UsageError("--quant applies to --like only", fix="drop --quant")
 
     def progress(msg: str) -> None:
         if not args.json and sys.stderr.isatty():

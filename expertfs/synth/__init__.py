@@ -10,8 +10,8 @@ Architectures: qwen3moe, glm4moe (with its NextN block), llama (Mixtral-style Mo
 1/sqrt(fan_in). Writing streams: memory does not grow with the model.
 """
 
+from ..formats.random_blocks import NATIVE_TYPES, SUPPORTED_TYPES, SYNTHETIC_TYPES, make_blocks
 from .archs import Init, TensorPlan, plan_tensors
-from .blocks import NATIVE_TYPES, SUPPORTED_TYPES, SYNTHETIC_TYPES, make_blocks
 from .config import ARCHES, SynthConfig
 from .model import SynthModel, build_model
 from .presets import PRESETS, preset_names

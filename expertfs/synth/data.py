@@ -5,11 +5,11 @@ of a tensor draws from its own generator, seeded by ``(seed, hash(tensor name), 
 bytes of a tensor do not depend on which other tensors the model has (a 4-layer and a 40-layer
 file share their first layers' bytes).
 
-Small tensors are made directly (``blocks.make_blocks``). Large tensors of a natively quantized
-type are tiled from a pool of ``POOL_BYTES`` of blocks quantized by gguf-py from Gaussian weights
-(quantizing in numpy runs at 10–120 MB/s, gathering at GB/s); each chunk picks its blocks from
-the pool at random, so every expert gets distinct bytes. Large K/IQ tensors are synthesized
-directly, which already runs at about 1 GB/s.
+Small tensors are made directly (``formats.random_blocks.make_blocks``). Large tensors of a
+natively quantized type are tiled from a pool of ``POOL_BYTES`` of blocks quantized by gguf-py
+from Gaussian weights (quantizing in numpy is far slower than gathering); each chunk picks its
+blocks from the pool at random, so every expert gets distinct bytes. Large K/IQ tensors are
+synthesized directly, which needs no quantizer and is fast enough as it is.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Iterator
 import numpy as np
 
 from ..formats.ggml import GGMLType, block_size, type_size
+from ..formats.random_blocks import NATIVE_TYPES, make_blocks, native_blocks
 from .archs import Init, TensorPlan
-from .blocks import NATIVE_TYPES, make_blocks, native_blocks
 
 __all__ = ["TensorData", "CHUNK_BYTES", "POOL_MIN_BYTES", "POOL_BYTES"]
 

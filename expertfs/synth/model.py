@@ -6,11 +6,13 @@ counts searched before anything is written.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 
 from ..formats.ggml import GGMLType
-from ..formats.gguf_read import DEFAULT_ALIGNMENT
+from ..formats.gguf_read import (DEFAULT_ALIGNMENT, GGUFFile, GGUFModel, TensorInfo,
+                                 parse_kv_entries)
 from ..formats.gguf_write import TensorSpec, header_bytes, pad_to
 from .archs import TensorPlan, plan_tensors
 from .config import SynthConfig
@@ -69,6 +71,19 @@ class SynthModel:
     @property
     def expert_bytes(self) -> int:
         return sum(s.nbytes for s, p in zip(self.specs, self.plans) if p.role in EXPERT_ROLES)
+
+    def gguf_model(self) -> GGUFModel:
+        """The single-file GGUF ``synthesize`` writes, as ``formats.gguf_read`` reads one: its
+        metadata and tensor list (offsets of the packed, padded data section); nothing is written
+        and no tensor bytes are made."""
+        label = f"synth:{self.cfg.name}"
+        kv = parse_kv_entries(struct.pack("<Q", len(self.kv)) + b"".join(self.kv), label)
+        tensors, off = [], 0
+        for s in self.specs:
+            tensors.append(TensorInfo(s.name, tuple(s.ne), s.ggml_type, off, s.nbytes, 0, off))
+            off += pad_to(s.nbytes, DEFAULT_ALIGNMENT)
+        f = GGUFFile(label, 3, kv, tensors, DEFAULT_ALIGNMENT, 0, off, 0, True)
+        return GGUFModel([f], kv, tensors)
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -29,7 +29,7 @@ from gguf import LlamaFileType
 
 from ..errors import UsageError
 from ..formats.ggml import GGMLType, block_size, parse_type
-from .blocks import SUPPORTED_TYPES
+from ..formats.random_blocks import SUPPORTED_TYPES
 
 __all__ = ["Role", "QuantSpec", "parse_quant", "MIXED_TYPES", "PRESETS", "fallback_type",
            "file_type"]

@@ -23,7 +23,7 @@ from ..formats.gguf_write import TensorSpec, encode_kv, pad_to, shard_name, writ
 from .config import MAX_LAYERS, SynthConfig
 from .data import TensorData
 from .model import build_model
-from .prefetch import Prefetcher
+from .producer import ChunkProducer
 
 __all__ = ["synthesize", "estimate_bytes", "layers_for_size", "plan_shards", "output_paths"]
 
@@ -136,7 +136,7 @@ def synthesize(cfg: SynthConfig, out_path: str | os.PathLike[str], split_max_byt
         log.info("writing %s: %d tensors, %d bytes of data", path, len(specs),
                  sum(pad_to(s.nbytes, DEFAULT_ALIGNMENT) for s in specs))
         make = (lambda i, plans=plans, specs=specs: data.chunks(plans[i], specs[i].ggml_type))
-        with Prefetcher(len(specs), make) as pf:
+        with ChunkProducer(len(specs), make) as pf:
             _write(path, kv, specs, lambda i, spec: pf.chunks(i), tick, drop_cache, paths[:no])
     log.info("synthesized %s %s: %d tensors, %s", cfg.arch, cfg.name, len(model.specs),
              model.type_counts())

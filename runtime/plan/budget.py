@@ -1,58 +1,18 @@
-"""``expertfs plan`` as arithmetic: a memory budget and a decode tokens/s range for one box.
+"""``expertfs plan``'s memory budget for one box: where the trunk, the KV cache and the expert
+tiers go, for each placement and trunk mode (see ``plan.assumptions`` for both).
 
-Pure: no file is read and nothing is timed here. The inputs arrive as plain values —
-``Geometry`` (the model, from ``plan.model``), ``Box`` (RAM, VRAM, context), ``Rates`` (what
-each device does per second: measured by ``plan.probe``, read from a ``bench io`` profile, or a
-stated default, each carrying its source) and ``RoutingRange`` (hit rates from the cache
-simulator at the planned tier sizes, ``plan.routing``) — and every number that comes out is
-named, so a measured run can later be set against each term.
+Pure: no file is read and nothing is timed here. The inputs are plain values: ``Geometry``
+(the model, ``plan.geometry``) and ``Box`` (RAM, VRAM, context); ``layout`` budgets one
+(placement, trunk mode), ``candidates`` all of them, and every byte that comes out is named.
 
-**Placements** are what ``expertfs run`` executes: ``gpu`` (trunk, KV cache and experts
-computed on the GPU; a VRAM tier above a RAM tier) or ``cpu`` (everything on the CPU, one RAM
-tier); ``hybrid`` (trunk and KV cache on the CPU, experts on the GPU) is planned too but only
-reported as an alternative, since the runtime runs trunk and experts on one device. The trunk
-is either ``float`` (dequantized at load into the compute dtype: bfloat16 on CUDA, float32 on
-CPU — the runtime's default) or ``quant`` (ggml bytes, dequantized on every call). ``layout``
-budgets one (placement, trunk mode); ``candidates`` all of them; ``choose`` keeps the fastest
-predicted one the runtime supports.
-
-**Budget.** RAM: OS headroom (1/8 of RAM, at least 3 GiB or a quarter of a smaller box), the runtime itself, the trunk
-and KV cache when they live on the CPU, CPU workspace, on GPU runs the staging slots the
-runtime carves from its RAM budget (min(16, k) + 1), then the RAM tier. The tier is pinned when
-the host slab fits the pin budget (``EXPERTFS_PIN_BUDGET``, default RAM/4, as the runtime
+RAM: OS headroom (1/8 of RAM, at least 3 GiB or a quarter of a smaller box), the runtime itself,
+the trunk and KV cache when they live on the CPU, CPU workspace, on GPU runs the staging slots
+the runtime carves from its RAM budget (min(16, k) + 1), then the RAM tier. The tier is pinned
+when the host slab fits the pin budget (``EXPERTFS_PIN_BUDGET``, default RAM/4, as the runtime
 does): a larger one stays pageable and uploads run at ``PAGEABLE_FACTOR`` of the pinned rate.
 VRAM: a reserve (CUDA context, allocator slack), the trunk and KV cache, workspace with one
 layer's experts in flight, then the VRAM tier. A tier smaller than one layer's route (k
 experts) is no tier.
-
-**Prediction.** Per token, each term in seconds, at a *slow* and a *fast* end:
-
-- ``storage``: NVMe bytes per token (expert extents × miss rate, from the simulator) / storage
-  GB/s at the engine's access pattern (whole-extent random reads);
-- ``pcie``: host→device bytes (RAM-tier hits and misses uploaded) or VRAM→RAM demotions,
-  whichever is larger (the link is full duplex) / PCIe GB/s (GPU runs);
-- ``experts``: the k routed experts of every MoE layer through dequant+matmul, each call
-  ``overhead + bytes / GB/s`` of the device computing them;
-- ``trunk``: every trunk matrix read per token (attention, shared experts, dense FFNs, router,
-  output head; not the embedding lookup, not the NextN block), float or quantized;
-- ``attention``: reading the KV cache at the context length (slow end: a full ``ctx``; fast
-  end: a quarter of it) at the device's memory bandwidth;
-- ``expert_overhead``: the runtime's work per routed expert beyond its matrix products
-  (provider, weight views, activation, weighted sum), a stated per-expert cost;
-- ``dispatch``: per-layer small torch ops (norms, RoPE, softmax, top-k, residuals) and
-  device synchronisations.
-
-slow s/token = the sum of every term at pessimistic rates (nothing overlaps); fast s/token =
-the largest of storage, pcie and compute (everything else summed) at optimistic rates (perfect
-prefetch overlaps reads with compute). tokens/s low–high = 1/slow – 1/fast. The dominant term
-is the largest one at each end. Prefill, MTP drafts and the cold first tokens are not modelled.
-
-A ``Range`` carries the value used for the slow end and the one used for the fast end, so a
-bandwidth has ``slow < fast`` and a per-call overhead ``slow > fast``.
-
-This module is the budget (the model's geometry is ``plan.geometry``); ``plan.predict`` holds
-the rates, the prediction, the
-advice and the choice between placements.
 """
 
 from __future__ import annotations
@@ -61,78 +21,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...errors import UsageError
-from .geometry import (DTYPE_BYTES, KV_TYPES, Geometry, Matrix, kv_bytes_per_token,
-                            kv_cache_bytes)
+from .assumptions import (CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUANT_CHUNK,
+                          OS_HEADROOM_FRACTION, OS_HEADROOM_MIN, PAGEABLE_FACTOR,
+                          PIN_BUDGET_FRACTION, PLACEMENTS, QUEUE_DEPTH, RUNTIME_HOST,
+                          RUNTIME_HOST_CUDA, TRUNK_MODES, VRAM_RESERVE_FRACTION, VRAM_RESERVE_MIN,
+                          GiB, MiB)
+from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
 
-__all__ = ["SCHEMA", "GiB", "MiB", "Range", "Matrix", "Geometry", "Box", "Item", "Pool",
-           "Placement", "Memory", "Note", "KV_TYPES", "PLACEMENTS", "TRUNK_MODES", "ASSUMPTIONS",
-           "DTYPE_BYTES", "kv_bytes_per_token", "kv_cache_bytes", "os_headroom", "workspace_bytes",
+__all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
            "layout", "candidates", "max_ctx_on_gpu"]
-
-SCHEMA = "expertfs.store.plan/1"
-GiB = 1 << 30
-MiB = 1 << 20
-
-# --- stated assumptions: every constant the budget and the prediction use, reported in --json --
-OS_HEADROOM_MIN = 3 * GiB          # never give the OS less (page cache, desktop, other processes)
-OS_HEADROOM_FRACTION = 0.125       # ... or an eighth of RAM, whichever is larger
-RUNTIME_HOST = 768 * MiB           # python, torch, numpy, lmdb, the store index
-RUNTIME_HOST_CUDA = 1 * GiB        # plus the CUDA libraries' host side on a GPU run
-VRAM_RESERVE_MIN = 1 * GiB         # CUDA context, allocator slack, a display
-VRAM_RESERVE_FRACTION = 0.05
-PIN_BUDGET_FRACTION = 0.25         # runtime default pin budget: a quarter of RAM
-PAGEABLE_FACTOR = 0.5              # uploads from pageable memory run at about half the pinned rate
-QUEUE_DEPTH = 16                   # the runtime's read queue depth; staging = min(qd, k) + 1 slots
-CPU_DEQUANT_CHUNK = 1 << 20        # formats.dequant.linear's CPU chunk (elements)
-GPU_DEQUANT_CHUNK = 1 << 26        # assumed chunk on the GPU (linear dequantizes whole matrices today)
-DEQUANT_BYTES_PER_ELEMENT = 6      # float32 dequant + a float16/bfloat16 copy per chunk element
-GPU_TRAFFIC_PER_ELEMENT = 6        # GPU dequant-then-matmul memory traffic beyond the quantized bytes
-OPS_PER_LAYER = 60                 # small torch ops per decoder layer (norms, rope, softmax, top-k, ...)
-#: runtime work per routed expert beyond its matrix products (provider get/release, weight views,
-#: silu*mul, weighted sum, compiled-kernel guards), seconds: calibrated once against expertfs run
-#: on the demo store (8 x 8 experts per token) on the 2-core development VM, 1 thread: 81 ms per
-#: token measured in steady state against 40 ms of kernel time, i.e. ~0.6 ms per expert
-EXPERT_OVERHEAD_S = (600e-6, 200e-6)
-ATTENTION_FAST_FRACTION = 0.25     # fast end reads the KV cache at this share of ctx
-PLACEMENTS = ("gpu", "hybrid", "cpu")
-TRUNK_MODES = ("float", "quant")
-
-ASSUMPTIONS: dict[str, Any] = {
-    "os_headroom": f"max({OS_HEADROOM_FRACTION:g} x RAM, min({OS_HEADROOM_MIN // GiB} GiB, RAM / 4)) "
-                   "unless --headroom",
-    "runtime_host_bytes": RUNTIME_HOST, "runtime_host_cuda_bytes": RUNTIME_HOST_CUDA,
-    "vram_reserve": f"max({VRAM_RESERVE_MIN // GiB} GiB, {VRAM_RESERVE_FRACTION:g} x VRAM)",
-    "pin_budget": f"{PIN_BUDGET_FRACTION:g} x RAM unless --pin-budget (EXPERTFS_PIN_BUDGET)",
-    "pageable_upload_factor": PAGEABLE_FACTOR, "staging_slots": f"min({QUEUE_DEPTH}, k) + 1 on GPU runs",
-    "compute_dtype": "bfloat16 on the GPU, float32 on the CPU (the runtime's auto dtype)",
-    "cpu_dequant_chunk_elements": CPU_DEQUANT_CHUNK, "gpu_dequant_chunk_elements": GPU_DEQUANT_CHUNK,
-    "dequant_bytes_per_element": DEQUANT_BYTES_PER_ELEMENT,
-    "gpu_traffic_bytes_per_element": GPU_TRAFFIC_PER_ELEMENT,
-    "ops_per_layer": OPS_PER_LAYER, "attention_fast_fraction_of_ctx": ATTENTION_FAST_FRACTION,
-    "expert_overhead_s": {"slow": EXPERT_OVERHEAD_S[0], "fast": EXPERT_OVERHEAD_S[1],
-                          "source": "calibrated once: expert run on the demo store, 2-core VM"},
-    "tiers": "exclusive (an expert is in VRAM or in RAM), slots of the largest extent",
-    "kv_cache": "decoder layers only (not NextN); MLA caches the latent (kv_lora_rank + rope dims); "
-                "sliding-window layers hold min(ctx, window) positions; auto type = compute dtype",
-    "choice": "the placement and trunk mode with the highest predicted sqrt(low x high) tok/s "
-              "among those expert run supports",
-    "not_modelled": "prefill, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",
-}
-
-
-@dataclass(frozen=True)
-class Range:
-    """A value for the slow end and one for the fast end, with where it came from."""
-
-    slow: float
-    fast: float
-    source: str = ""
-
-    def at(self, end: str) -> float:
-        return self.slow if end == "slow" else self.fast
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"slow": self.slow, "fast": self.fast, "source": self.source}
 
 
 def os_headroom(ram: int) -> int:

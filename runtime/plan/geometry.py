@@ -1,6 +1,6 @@
 """The model as ``expertfs plan`` sees it: every matrix a token reads, expert and trunk, with its
 ggml type and bytes, and the KV cache it adds per position (``plan.model`` builds a
-``Geometry`` from a store, a GGUF or a ``--like`` preset; ``plan`` budgets it)."""
+``Geometry`` from a store, a GGUF or a ``--like`` preset; ``plan.budget`` budgets it)."""
 
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ class Geometry:
     name: str
     arch: str
     source: str                            # "store PATH", "gguf PATH", "--like NAME (quant ...)"
-    n_layer: int                           # decoder blocks (NextN blocks not included)
+    n_layers: int                          # decoder blocks (NextN blocks not included)
     n_nextn: int
     n_embd: int
     n_head: int
     n_vocab: int
     n_ctx_train: int
-    n_expert: int                          # routed experts per MoE layer
+    n_experts: int                         # routed experts per MoE layer
     k: int                                 # experts used per token per layer
     moe_layers: tuple[int, ...]            # block index of each decode MoE layer
     expert_bytes: tuple[int, ...]          # payload of one expert, per decode MoE layer
@@ -77,12 +77,12 @@ class Geometry:
         if not (n and len(self.expert_bytes) == n == len(self.extent_bytes) == len(self.expert_parts)):
             raise UsageError(f"{self.name}: no routed-expert layers to plan for",
                              fix="plan a Mixture-of-Experts model")
-        if not 1 <= self.k <= self.n_expert:
-            raise UsageError(f"{self.name}: top-k {self.k} with {self.n_expert} experts per layer",
+        if not 1 <= self.k <= self.n_experts:
+            raise UsageError(f"{self.name}: top-k {self.k} with {self.n_experts} experts per layer",
                              fix="the model's expert_used_count is wrong")
-        if len(self.kv_heads) != self.n_layer:
+        if len(self.kv_heads) != self.n_layers:
             raise UsageError(f"{self.name}: {len(self.kv_heads)} KV head counts for "
-                             f"{self.n_layer} layers", fix="the model's metadata is inconsistent")
+                             f"{self.n_layers} layers", fix="the model's metadata is inconsistent")
 
     @property
     def slot_bytes(self) -> int:
@@ -92,7 +92,7 @@ class Geometry:
     @property
     def decode_expert_bytes(self) -> int:
         """Extents of every decode MoE layer's experts (what the tiers could hold)."""
-        return sum(b * self.n_expert for b in self.extent_bytes)
+        return sum(b * self.n_experts for b in self.extent_bytes)
 
     @property
     def token_expert_bytes(self) -> int:
@@ -101,7 +101,7 @@ class Geometry:
 
     @property
     def n_decode_experts(self) -> int:
-        return self.n_expert * len(self.moe_layers)
+        return self.n_experts * len(self.moe_layers)
 
     @property
     def trunk_active_bytes(self) -> int:
@@ -132,8 +132,8 @@ class Geometry:
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "arch": self.arch, "source": self.source,
-            "n_layer": self.n_layer, "n_nextn": self.n_nextn, "moe_layers": len(self.moe_layers),
-            "n_expert": self.n_expert, "k": self.k, "n_embd": self.n_embd, "n_head": self.n_head,
+            "n_layer": self.n_layers, "n_nextn": self.n_nextn, "moe_layers": len(self.moe_layers),
+            "n_expert": self.n_experts, "k": self.k, "n_embd": self.n_embd, "n_head": self.n_head,
             "n_vocab": self.n_vocab, "n_ctx_train": self.n_ctx_train,
             "kv_heads": sorted(set(self.kv_heads)), "key_length": self.key_length,
             "value_length": self.value_length, "mla_latent": self.mla_latent,
@@ -152,7 +152,7 @@ class Geometry:
 
 def _kv_elements(g: Geometry, positions: int) -> int:
     total = 0
-    for i in range(g.n_layer):
+    for i in range(g.n_layers):
         per = g.mla_latent if g.mla_latent else g.kv_heads[i] * (g.key_length + g.value_length)
         swa = bool(g.swa) and g.swa[i] and g.sliding_window > 0
         total += per * (min(positions, g.sliding_window) if swa else positions)

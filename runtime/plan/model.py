@@ -1,16 +1,15 @@
-"""The model side of a plan: a ``plan.Geometry`` from a store, a GGUF, or a ``--like`` preset.
+"""The model side of a plan: a ``plan.Geometry`` from a store, a GGUF, or a GGUF described in
+memory (``formats.gguf_read.GGUFModel``: its metadata and tensor list; the CLI's ``--like``).
 
 All three go through the same path: GGUF metadata (the store keeps its source's whole), the
-repack layout (``expertfs.store.plan.plan_repack`` — for a store the layout it was written with, for a
-GGUF the one ``repack`` would write, for a preset the one of the GGUF ``expertfs synth --like``
-would write, built in memory without writing anything) and the tensor list. Reads headers and
-indexes only, never tensor bytes.
+repack layout (``expertfs.store.plan.plan_repack`` — for a store the layout it was written
+with, for a GGUF the one ``repack`` would write) and the tensor list. Reads headers and indexes
+only, never tensor bytes.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,8 +18,8 @@ from typing import Any
 from ...errors import StoreError, UnsupportedModelError, UsageError
 from .geometry import Geometry, Matrix
 
-__all__ = ["TensorDesc", "geometry_from_parts", "geometry_from_store", "geometry_of_store", "geometry_from_gguf",
-           "geometry_from_synth", "geometry_from_like", "load_geometry"]
+__all__ = ["TensorDesc", "geometry_from_parts", "geometry_from_store", "geometry_of_store",
+           "geometry_from_model", "geometry_from_gguf", "load_geometry"]
 
 
 @dataclass(frozen=True)
@@ -75,13 +74,13 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
 
     block_count = _int(a("block_count"))
     n_nextn = _int(a("nextn_predict_layers"))
-    n_layer = block_count - n_nextn
-    if n_layer < 1:
+    n_layers = block_count - n_nextn
+    if n_layers < 1:
         raise UnsupportedModelError(f"{source}: block_count {block_count} with {n_nextn} NextN "
                                     "layers leaves no decoder layer", fix="the metadata is damaged")
     n_embd = _int(a("embedding_length"))
     n_head = _int(a("attention.head_count"), 1)
-    kv_heads = _per_layer(a("attention.head_count_kv"), n_layer, n_head)
+    kv_heads = _per_layer(a("attention.head_count_kv"), n_layers, n_head)
     head_dim = n_embd // n_head if n_head else 0
     key_len = _int(a("attention.key_length"), head_dim)
     val_len = _int(a("attention.value_length"), head_dim)
@@ -92,14 +91,14 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
     window = _int(a("attention.sliding_window"))
     swa: tuple[bool, ...] = ()
     if arch == "gpt-oss" and window:      # llama.cpp: set_swa_pattern(2), even layers slide
-        swa = tuple(i % 2 == 0 for i in range(n_layer))
+        swa = tuple(i % 2 == 0 for i in range(n_layers))
     k = _int(a("expert_used_count"))
     layers = [lay for lay in summary.get("layers", [])]
-    decode = [lay for lay in layers if not lay.get("nextn") and int(lay["layer"]) < n_layer]
+    decode = [lay for lay in layers if not lay.get("nextn") and int(lay["layer"]) < n_layers]
     if not decode:
         raise UnsupportedModelError(f"{source}: no routed-expert layers", fix="plan a Mixture-of-"
                                     "Experts model; dense models run with llama.cpp directly")
-    n_expert = max(int(lay["experts"]) for lay in decode)
+    n_experts = max(int(lay["experts"]) for lay in decode)
 
     def parts(lay: Mapping[str, Any]) -> tuple[Matrix, ...]:
         out = []
@@ -119,7 +118,7 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
         if t.expert:
             continue
         layer = _layer_of(t.name)
-        is_nextn = layer is not None and layer >= n_layer
+        is_nextn = layer is not None and layer >= n_layers
         if is_nextn:
             nextn_trunk += t.nbytes
         if len(t.ne) < 2 or t.name == "token_embd.weight":
@@ -137,11 +136,12 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
     if tied:
         notes.append("output head tied to token_embd")
     nextn_experts = sum(int(lay["expert_bytes"]) * int(lay["experts"]) for lay in layers
-                        if lay.get("nextn") or int(lay["layer"]) >= n_layer)
+                        if lay.get("nextn") or int(lay["layer"]) >= n_layers)
     return Geometry(
         name=str(_val(kv, "general.name", "") or summary.get("name") or arch),
-        arch=arch, source=source, n_layer=n_layer, n_nextn=n_nextn, n_embd=n_embd, n_head=n_head,
-        n_vocab=int(n_vocab or 0), n_ctx_train=_int(a("context_length")), n_expert=n_expert, k=k,
+        arch=arch, source=source, n_layers=n_layers, n_nextn=n_nextn, n_embd=n_embd,
+        n_head=n_head, n_vocab=int(n_vocab or 0), n_ctx_train=_int(a("context_length")),
+        n_experts=n_experts, k=k,
         moe_layers=tuple(int(lay["layer"]) for lay in decode),
         expert_bytes=tuple(int(lay["expert_bytes"]) for lay in decode),
         extent_bytes=tuple(int(lay["extent_bytes"]) for lay in decode),
@@ -171,7 +171,9 @@ def geometry_of_store(s: Any) -> Geometry:
     return geometry_from_parts(s.gguf_kv(), s.summary, tensors, f"store {s.path}")
 
 
-def _from_model(model: Any, source: str) -> Geometry:
+def geometry_from_model(model: Any, source: str) -> Geometry:
+    """The geometry of a ``formats.gguf_read.GGUFModel`` (read from a file or described in
+    memory), laid out as ``repack`` would store it."""
     from ...store.layout import KIND_EXPERT
     from ...store.plan import plan_repack
     from ...store.summary import model_summary
@@ -186,46 +188,22 @@ def _from_model(model: Any, source: str) -> Geometry:
 def geometry_from_gguf(path: str) -> Geometry:
     from ...formats.gguf_read import read_model
 
-    return _from_model(read_model(path), f"gguf {os.path.abspath(path)}")
+    return geometry_from_model(read_model(path), f"gguf {os.path.abspath(path)}")
 
 
-def geometry_from_synth(cfg: Any, source: str | None = None) -> Geometry:
-    """The geometry of the GGUF ``expertfs synth`` would write for ``cfg`` (a ``SynthConfig``),
-    laid out as ``repack`` would store it; nothing is written."""
-    from ...formats.gguf_read import GGUFFile, GGUFModel, TensorInfo, parse_kv_entries
-    from ...synth import build_model
-
-    m = build_model(cfg)
-    label = f"synth:{cfg.name}"
-    kv = parse_kv_entries(struct.pack("<Q", len(m.kv)) + b"".join(m.kv), label)
-    tensors, off = [], 0
-    for s in m.specs:
-        tensors.append(TensorInfo(s.name, tuple(s.ne), s.ggml_type, off, s.nbytes, 0, off))
-        off += -(-s.nbytes // 32) * 32
-    f = GGUFFile(label, 3, kv, tensors, 32, 0, off, 0, True)
-    return _from_model(GGUFModel([f], kv, tensors), source or f"synth {cfg.name} (quant {cfg.quant})")
-
-
-def geometry_from_like(name: str, quant: str = "default") -> Geometry:
-    """The geometry of ``expertfs synth --like NAME --quant QUANT``'s GGUF, nothing written."""
-    from ...synth import SynthConfig
-
-    cfg = SynthConfig.like(name, quant=quant)
-    return geometry_from_synth(cfg, f"--like {cfg.name} (quant {quant}, as expertfs synth writes it)")
-
-
-def load_geometry(target: str | None, like: str | None, quant: str = "default") -> tuple[Geometry, str | None]:
-    """(geometry, path of the file whose drive holds the experts or None) for the CLI's inputs."""
+def load_geometry(target: str | None, model: Any = None,
+                  source: str | None = None) -> tuple[Geometry, str | None]:
+    """(geometry, path of the file whose drive holds the experts or None) of a store or GGUF
+    at ``target``, or of ``model`` (a ``GGUFModel`` described in memory, called ``source``)."""
     from ...store.reader import is_store
 
-    if like:
+    if model is not None:
         if target:
-            raise UsageError("give a store/GGUF or --like, not both", fix="drop one of them")
-        return geometry_from_like(like, quant), None
+            raise UsageError("give a store/GGUF or a described model, not both",
+                             fix="drop one of them")
+        return geometry_from_model(model, source or "a GGUF described in memory"), None
     if not target:
         raise UsageError("nothing to plan", fix="give a store, a .gguf, or --like MODEL")
-    if quant != "default":
-        raise UsageError("--quant applies to --like only", fix="drop --quant")
     if os.path.isdir(target):
         if not is_store(target):
             raise StoreError("not an expertfs store (no index.lmdb inside)", path=target,

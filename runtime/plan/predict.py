@@ -1,6 +1,6 @@
 """``expertfs plan``'s prediction: rates, per-token terms, advice, the choice of placement.
 
-Pure arithmetic on ``plan``'s budget (see ``plan``'s docstring for the model): ``predict``
+Pure arithmetic on ``plan.budget``'s budget (``plan.assumptions`` states the model): ``predict``
 turns a ``Memory`` (one placement's budget), a ``RoutingRange`` (hit rates at its tiers) and
 ``Rates`` (storage, PCIe, per-device dequant+matmul, memory bandwidth, dispatch) into named
 terms in seconds per token at a slow and a fast end; ``make_plan`` chooses among the options
@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import UsageError
-from .budget import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
-                   PAGEABLE_FACTOR, SCHEMA, Box, Geometry, GiB, Matrix, Memory, MiB, Note, Range,
-                   _gib, kv_bytes_per_token, kv_cache_bytes)
-from .rates import (PCIE_GENS, DeviceRates, LinearCost, Rates, stated_cpu, stated_gpu,
-                         stated_pcie, stated_storage, storage_from_profile)
+from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
+                          PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
+from .budget import Box, Memory, Note, _gib
+from .geometry import Geometry, Matrix, kv_bytes_per_token, kv_cache_bytes
+from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
+                    stated_pcie, stated_storage, storage_from_profile)
 
 __all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange", "Term",
            "Prediction", "Option", "Plan", "PCIE_GENS", "predict", "predict_option", "ideal_routing", "choose",
@@ -158,9 +159,9 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                         f"{trunk_rates.mem_gbps.slow:.0f}-"
                                         f"{trunk_rates.mem_gbps.fast:.0f} GB/s"))
     syncs = (1 if pl.experts == "gpu" else 0) + (2 if pl.experts != pl.trunk else 0)
-    dp = both(lambda e: g.n_layer * (OPS_PER_LAYER * trunk_rates.op_s.at(e)
+    dp = both(lambda e: g.n_layers * (OPS_PER_LAYER * trunk_rates.op_s.at(e)
                                      + syncs * rates.gpu.sync_s.at(e)))
-    terms.append(Term("dispatch", *dp, f"{g.n_layer} layers x ({OPS_PER_LAYER} small ops"
+    terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x ({OPS_PER_LAYER} small ops"
                                        + (f" + {syncs} device syncs" if syncs else "") + ")"))
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS)

@@ -1,8 +1,8 @@
 """Short measurements for ``expertfs plan`` (about a second each): storage at the engine's
 access pattern, CPU dequant+matmul, memory bandwidth and op dispatch, and on a CUDA machine
-the GPU's copy, memory and dequant+matmul rates. Each returns ``plan.Range``/``DeviceRates``
+the GPU's copy, memory and dequant+matmul rates. Each returns ``plan.rates.Range``/``DeviceRates``
 with ``slow`` = the 30th percentile and ``fast`` = the best of the repetitions, and says where it came
-from. The arithmetic that uses them is ``plan.py``'s.
+from. The arithmetic that uses them is ``plan.predict``'s.
 
 Storage: random whole-extent reads of the store (or expert-sized ranges of a GGUF) per
 available backend at queue depths k and 2k, the file's pages dropped before each point
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .budget import Matrix, Range
-from .rates import DeviceRates, LinearCost, stated_cpu, storage_from_profile
+from .geometry import Matrix
+from .rates import DeviceRates, LinearCost, Range, stated_cpu, storage_from_profile
 
 __all__ = ["probe_storage", "probe_cpu", "probe_cuda", "linear_types", "host_memory",
            "cuda_memory"]
@@ -121,7 +121,7 @@ def _weight_bytes(ggml_type: str, rows: int, cols: int, seed: int = 0):
     import torch
 
     from ...formats.ggml import GGMLType, block_size, type_size
-    from ...synth import make_blocks
+    from ...formats.random_blocks import make_blocks
 
     t = GGMLType[ggml_type]
     n_blocks = rows * cols // block_size(t)

@@ -10,10 +10,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import UsageError
-from .budget import GPU_TRAFFIC_PER_ELEMENT, MiB, Range
+from .assumptions import GPU_TRAFFIC_PER_ELEMENT, MiB
 
-__all__ = ["LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "stated_storage", "stated_pcie",
-           "stated_cpu", "stated_gpu", "storage_from_profile"]
+__all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "stated_storage",
+           "stated_pcie", "stated_cpu", "stated_gpu", "storage_from_profile"]
+
+
+@dataclass(frozen=True)
+class Range:
+    """A value for the slow end and one for the fast end, with where it came from."""
+
+    slow: float
+    fast: float
+    source: str = ""
+
+    def at(self, end: str) -> float:
+        return self.slow if end == "slow" else self.fast
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"slow": self.slow, "fast": self.fast, "source": self.source}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .budget import GiB, MiB, Pool, kv_bytes_per_token
+from .assumptions import GiB, MiB
+from .budget import Pool
+from .geometry import kv_bytes_per_token
 from .predict import Plan
 
 __all__ = ["format_plan"]
@@ -33,8 +35,8 @@ def format_plan(p: Plan) -> str:
              f"box: RAM {box.ram / GiB:.2f} GiB, VRAM {box.vram / GiB:.2f} GiB ({box.label}), "
              f"ctx {box.ctx}, KV {m.kv_type}"]
     extra = f" + {g.n_nextn} NextN" if g.n_nextn else ""
-    lines.append(f"model: {g.n_layer} layers{extra}, {len(g.moe_layers)} MoE x {g.n_expert} experts, "
-                 f"top-{g.k}; expert extent {g.slot_bytes / MiB:.2f} MiB; experts "
+    lines.append(f"model: {g.n_layers} layers{extra}, {len(g.moe_layers)} MoE x "
+                 f"{g.n_experts} experts, top-{g.k}; expert extent {g.slot_bytes / MiB:.2f} MiB; experts "
                  f"{g.total_expert_bytes / GiB:.1f} GiB, trunk {g.trunk_bytes / GiB:.2f} GiB")
     lines.append(f"       one token routes to {g.k} x {len(g.moe_layers)} x "
                  f"{g.slot_bytes / MiB:.2f} MiB = {g.token_expert_bytes / GiB:.2f} GiB of experts; "

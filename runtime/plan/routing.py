@@ -38,9 +38,9 @@ def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, se
     if "=" not in name and name not in PRESETS:
         raise UsageError(f"unknown synthetic routing preset {name!r}",
                          fix=f"use one of {', '.join(PRESETS)}")
-    s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_expert, k=g.k,
+    s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_experts, k=g.k,
                    n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
-    if (s.n_layers, s.n_experts, s.k) != (len(g.moe_layers), g.n_expert, g.k):
+    if (s.n_layers, s.n_experts, s.k) != (len(g.moe_layers), g.n_experts, g.k):
         raise UsageError(f"synthetic routing {spec!r} changes the model's geometry",
                          fix="give a preset and fields other than n_layers, n_experts, k")
     header = dataclasses.replace(synthetic_header(s), expert_bytes=g.extent_bytes)
@@ -55,9 +55,9 @@ def trace_replay(g: Geometry, path: str) -> Replay:
     rp = Replay.from_file(path)
     h = rp.header
     moe = list(g.moe_layers)
-    if h.n_experts != g.n_expert or h.k != g.k:
+    if h.n_experts != g.n_experts or h.k != g.k:
         raise UsageError(f"{path}: the trace has {h.n_experts} experts, top-{h.k}; the model "
-                         f"{g.n_expert} experts, top-{g.k}",
+                         f"{g.n_experts} experts, top-{g.k}",
                          fix="pass a trace recorded with this model")
     if h.n_layers == len(moe):
         sizes = g.extent_bytes
@@ -68,7 +68,8 @@ def trace_replay(g: Geometry, path: str) -> Replay:
         keep = set(moe)
     else:
         raise UsageError(f"{path}: the trace has {h.n_layers} layers; the model {len(moe)} MoE "
-                         f"layers in {g.n_layer} blocks", fix="pass a trace recorded with this model")
+                         f"layers in {g.n_layers} blocks",
+                         fix="pass a trace recorded with this model")
     header = TraceHeader(h.n_layers, h.n_experts, h.k, sizes, h.n_draft, dict(h.meta))
     if keep is None:
         return Replay(header, rp.rows, rp.clock, rp.n_tokens)

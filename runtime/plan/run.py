@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import UsageError
-from .budget import Box, Geometry, Memory, Range, candidates
+from .budget import Box, Memory, candidates
+from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_plan,
-                           predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
-                           storage_from_profile)
+                      predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
+                      storage_from_profile)
+from .rates import Range
 from .model import load_geometry
 from .routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
 from ..policies.registry import DEFAULT_POLICY
@@ -29,8 +31,8 @@ __all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simula
 @dataclass(frozen=True)
 class PlanRequest:
     target: str | None = None              # a store folder or a .gguf
-    like: str | None = None                # or a preset name
-    quant: str = "default"                 # --like's quant spec
+    model: Any = None                      # or a GGUF described in memory (gguf_read.GGUFModel)
+    source: str | None = None              # what the plan calls ``model`` ("--like NAME ...")
     ram: int | None = None                 # None: this machine's
     vram: int | None = None                # None: this machine's first CUDA device, else 0
     ctx: int | None = None                 # None: 8192, or the training context if shorter
@@ -151,7 +153,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if not req.synthetic or len(req.synthetic) > 2:
         raise UsageError("--synthetic takes one or two presets", fix="e.g. --synthetic diffuse,mixed")
     say("reading the model")
-    g, data_path = load_geometry(req.target, req.like, req.quant)
+    g, data_path = load_geometry(req.target, req.model, req.source)
     box = _box(req, g.n_ctx_train)
     mems = candidates(g, box, req.placement, req.trunk)
     forced = req.placement != "auto" and req.trunk != "auto"

@@ -157,7 +157,7 @@ def test_this_machine_defaults(capsys) -> None:
 def test_run_flags_give_the_planned_tiers_in_the_runtime(capsys, tiny_store, vram) -> None:
     """The --ram/--vram the plan prints, sized by the runtime's own slot planner, give the
     planned tiers (sizes are rounded up to 0.01 GiB / 1 MiB, so a few more slots at most)."""
-    from expertfs.runtime.cache.sizing import Geometry as SlotGeometry, plan_slots
+    from expertfs.runtime.cache.sizing import SlotGeometry, plan_slots
     from expertfs.store.reader import Store
     from expertfs.units import parse_size
 

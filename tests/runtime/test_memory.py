@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from expertfs.runtime import memory
-from expertfs.runtime.cache.sizing import Geometry, plan_slots
+from expertfs.runtime.cache.sizing import SlotGeometry, plan_slots
 
 
 def test_default_tier_leaves_room_for_trunk_and_runtime(monkeypatch):
@@ -38,7 +38,7 @@ def test_limit_is_never_above_physical():
 
 
 def test_slots_never_exceed_the_experts_there_are():
-    geo = Geometry(layers=(0, 1), experts=(4, 4), n_experts=4, k=2, slot_bytes=4096, stride=4096)
+    geo = SlotGeometry(layers=(0, 1), experts=(4, 4), n_experts=4, k=2, slot_bytes=4096, stride=4096)
     s = plan_slots(geo, 1 << 30, 0, queue_depth=8)
     assert s.host == s.ram == 8
     s = plan_slots(geo, 1 << 30, 1 << 30, queue_depth=8)

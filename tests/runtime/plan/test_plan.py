@@ -1,4 +1,4 @@
-"""``expertfs.runtime.plan.budget``: budget arithmetic, KV sizes, prediction terms, monotonicity, presets.
+"""``expertfs.runtime.plan``: budget arithmetic, KV sizes, prediction terms, monotonicity, presets.
 
 Everything here is arithmetic on known geometries with stated rates (no timing assertions); the
 synthetic routing is kept to a few dozen tokens so the simulator runs in well under a second.
@@ -11,14 +11,15 @@ import math
 
 import pytest
 
+from expertfs.cli.plan import geometry_from_like, geometry_from_synth
 from expertfs.errors import UsageError
-from expertfs.runtime.plan.budget import (GiB, Box, Geometry, candidates, kv_bytes_per_token,
-                                   kv_cache_bytes, layout, max_ctx_on_gpu, os_headroom)
+from expertfs.runtime.plan.assumptions import GiB
+from expertfs.runtime.plan.budget import Box, candidates, layout, max_ctx_on_gpu, os_headroom
+from expertfs.runtime.plan.geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
 from expertfs.runtime.plan.predict import (Option, Range, Rates, Routing, RoutingRange, choose,
                                            make_plan, plan_to_dict, predict, stated_cpu,
                                            stated_gpu, stated_pcie, stated_storage,
                                            storage_from_profile)
-from expertfs.runtime.plan.model import geometry_from_like, geometry_from_synth
 from expertfs.runtime.plan.routing import route, synthetic_replay, trace_replay
 from expertfs.runtime.plan.run import plan_options
 from expertfs.runtime.trace.synth import parse_spec, write_synthetic
@@ -99,7 +100,7 @@ def test_kv_errors() -> None:
 @pytest.mark.parametrize("name", preset_names())
 def test_like_every_preset_plans(name: str) -> None:
     g = like(name)
-    assert g.moe_layers and g.k <= g.n_expert and g.slot_bytes >= max(g.expert_bytes)
+    assert g.moe_layers and g.k <= g.n_experts and g.slot_bytes >= max(g.expert_bytes)
     assert g.slot_bytes % 4096 == 0 and g.token_expert_bytes == g.k * sum(g.extent_bytes)
     assert g.trunk_active_bytes <= g.trunk_bytes + g.embd_bytes
     p = plan_for(g, Box(32 * GiB, 24 * GiB), tokens=16)
@@ -113,7 +114,7 @@ def test_like_every_preset_plans(name: str) -> None:
 
 def test_glm_air_geometry() -> None:
     g = like("GLM-4.5-Air")
-    assert (g.n_layer, g.n_nextn, len(g.moe_layers), g.n_expert, g.k) == (46, 1, 45, 128, 8)
+    assert (g.n_layers, g.n_nextn, len(g.moe_layers), g.n_experts, g.k) == (46, 1, 45, 128, 8)
     assert g.moe_layers[0] == 1                       # one leading dense block
     assert g.nextn_expert_bytes > 0 and g.total_expert_bytes > g.decode_expert_bytes * 0.9
 

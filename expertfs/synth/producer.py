@@ -11,13 +11,13 @@ import queue
 import threading
 from typing import Callable, Iterable, Iterator, Sequence
 
-__all__ = ["Prefetcher"]
+__all__ = ["ChunkProducer"]
 
 _END = object()
 
 
-class Prefetcher:
-    """``with Prefetcher(n, make) as pf: pf.chunks(i)`` yields ``make(i)``'s chunks, made ahead.
+class ChunkProducer:
+    """``with ChunkProducer(n, make) as pf: pf.chunks(i)`` yields ``make(i)``'s chunks, made ahead.
 
     ``make(i)`` must be asked for in order ``i = 0 .. n-1`` and each fully consumed, which is
     how ``write_gguf`` walks its tensors.
@@ -29,9 +29,9 @@ class Prefetcher:
         self._make = make
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="synth-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="synth-chunks", daemon=True)
 
-    def __enter__(self) -> Prefetcher:
+    def __enter__(self) -> ChunkProducer:
         self._thread.start()
         return self
 
@@ -70,7 +70,7 @@ class Prefetcher:
             if j == -1:
                 raise c                       # type: ignore[misc]
             if j != i:
-                raise RuntimeError(f"prefetch out of order: tensor {j} while writing {i}")
+                raise RuntimeError(f"chunks out of order: tensor {j} while writing {i}")
             if c is _END:
                 return
             yield c

@@ -23,7 +23,7 @@ import numpy as np
 from gguf import quants
 
 from ..errors import UsageError
-from ..formats.ggml import GGMLType, block_size, type_size
+from .ggml import GGMLType, block_size, type_size
 
 __all__ = ["NATIVE_TYPES", "SYNTHETIC_TYPES", "SUPPORTED_TYPES", "native_blocks", "synthetic_blocks",
            "make_blocks", "unit_scale", "check_supported"]
