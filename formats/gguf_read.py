@@ -1,7 +1,7 @@
 """Validating GGUF reader: every number in a header is checked before it is trusted.
 
-``read_gguf(path)`` parses one file; ``read_model(paths)`` reads a model that may be split into
-shards (``NAME-00001-of-0000N.gguf``, ``split.*`` keys) and presents it as one. The parse follows
+``read_gguf(path)`` parses one file (a split model's shards are joined by ``gguf_split``).
+The parse follows
 llama.cpp's ``gguf.cpp`` (the strictest reader in use) and uses gguf-py's enums for every type
 id, so a file accepted here is one llama.cpp's loader would also parse. Tensor bytes are never
 read here: ``TensorInfo.data_start`` says where they are.
@@ -25,9 +25,8 @@ from gguf.constants import GGUFValueType
 from ..errors import FormatError
 from .ggml import FILE_TYPES, MAX_DIMS, GGMLType, block_size, tensor_nbytes
 
-__all__ = ["KVEntry", "TensorInfo", "GGUFFile", "GGUFModel", "read_gguf", "read_model",
-           "GGUF_MAGIC", "DEFAULT_ALIGNMENT", "MAX_NAME", "shard_paths", "SPLIT_KEYS",
-           "parse_kv_entries", "SCALAR_FORMATS", "NP_DTYPES"]
+__all__ = ["KVEntry", "TensorInfo", "GGUFFile", "GGUFModel", "read_gguf", "GGUF_MAGIC",
+           "DEFAULT_ALIGNMENT", "MAX_NAME", "parse_kv_entries", "SCALAR_FORMATS", "NP_DTYPES"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32       # GGUF_DEFAULT_ALIGNMENT
@@ -35,8 +34,6 @@ MAX_NAME = 64                # GGML_MAX_NAME: a tensor name must be shorter
 MAX_TENSORS = 1 << 22
 MAX_KV = 1 << 20
 MAX_STRING = 1 << 26         # 64 MiB: far above any real chat template or token
-SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
-_SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _INT64_MAX = (1 << 63) - 1
 
 #: struct format and numpy dtype of each scalar value type (little-endian)
@@ -336,79 +333,3 @@ def _parse(path: str, buf: memoryview, size: int, shard: int) -> GGUFFile:
         if b_start < a_end:
             raise _bad(path, f"tensors {a!r} and {b!r} overlap in the data section")
     return GGUFFile(path, version, kv, tensors, alignment, data_offset, size, header_len, canonical)
-
-
-def shard_paths(first: str) -> list[str] | None:
-    """Sibling shard paths derived from a ``NAME-00001-of-0000N.gguf`` file name, or ``None``."""
-    d, base = os.path.split(first)
-    m = _SHARD_RE.match(base)
-    if not m:
-        return None
-    count = int(m["count"])
-    return [os.path.join(d, f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-
-
-def _split_info(f: GGUFFile) -> tuple[int, int, int] | None:
-    if "split.count" not in f.kv:
-        return None
-    try:
-        return int(f.value("split.no")), int(f.value("split.count")), int(f.value("split.tensors.count"))
-    except (TypeError, ValueError):
-        raise _bad(f.path, "split.* keys are incomplete (split.no, split.count and "
-                   "split.tensors.count are all required)") from None
-
-
-def read_model(paths: list[str] | tuple[str, ...] | str) -> GGUFModel:
-    """Read a model from one GGUF, the first shard of a split GGUF, or every shard listed."""
-    paths = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-    if not paths:
-        raise FormatError("no input file given", fix="pass the model's .gguf file")
-    first = read_gguf(paths[0])
-    info = _split_info(first)
-    if info is None or info[1] <= 1:
-        if len(paths) > 1:
-            raise FormatError(f"{len(paths)} files given but the first is not a split GGUF shard",
-                              path=paths[0], fix="pass one model at a time")
-        return GGUFModel([first], dict(first.kv), list(first.tensors))
-    files = [first] + [read_gguf(p, shard=i + 1) for i, p in enumerate(paths[1:])]
-    if len(files) == 1:
-        siblings = shard_paths(paths[0])
-        if siblings is None:
-            raise FormatError(f"is shard {info[0] + 1} of {info[1]} but its name does not follow "
-                              "NAME-00001-of-0000N.gguf", path=paths[0],
-                              fix="pass every shard on the command line")
-        for i, p in enumerate(siblings[1:]):
-            if not os.path.exists(p):
-                raise FormatError(f"shard {i + 2} of {info[1]} is missing", path=p,
-                                  fix="download every shard into the same folder")
-            files.append(read_gguf(p, shard=i + 1))
-    by_no: dict[int, GGUFFile] = {}
-    for f in files:
-        si = _split_info(f)
-        if si is None or si[1] != info[1] or si[2] != info[2]:
-            raise _bad(f.path, "shard's split.* keys disagree with the first shard's",
-                       fix="all shards must come from the same split")
-        if si[0] in by_no:
-            raise FormatError(f"shard number {si[0] + 1} given twice", path=f.path,
-                              fix="pass each shard once")
-        by_no[si[0]] = f
-    missing = [i + 1 for i in range(info[1]) if i not in by_no]
-    if missing:
-        raise FormatError(f"split model of {info[1]} shards is missing shard(s) {missing}",
-                          path=paths[0], fix="pass every shard (or only the first, with its "
-                          "siblings in the same folder)")
-    ordered = [by_no[i] for i in range(info[1])]
-    tensors: list[TensorInfo] = []
-    for i, f in enumerate(ordered):
-        for t in f.tensors:
-            tensors.append(TensorInfo(t.name, t.ne, t.ggml_type, t.offset, t.nbytes, i, t.data_start))
-        f.tensors = [t for t in tensors if t.shard == i]
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise _bad(ordered[0].path, f"tensor {dup!r} appears in more than one shard")
-    if len(tensors) != info[2]:
-        raise _bad(ordered[0].path, f"split.tensors.count says {info[2]} tensors but the shards "
-                   f"hold {len(tensors)}")
-    kv = {k: e for k, e in ordered[0].kv.items() if k not in SPLIT_KEYS}
-    return GGUFModel(ordered, kv, tensors)

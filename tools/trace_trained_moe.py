@@ -56,7 +56,7 @@ from train_tiny_moe_model import TinyGlmMoe, load_checkpoint, recording  # noqa:
 
 
 def expert_bytes_from_gguf(path: str, n_layers: int) -> list[int]:
-    from expertfs.formats.gguf_read import read_model
+    from expertfs.formats.gguf_split import read_model
     m = read_model(path)
     out = [0] * n_layers
     for i in range(n_layers):

@@ -6,7 +6,7 @@ import os
 from typing import Any, Iterator
 
 from ..errors import UnsupportedModelError
-from ..formats.gguf_read import read_model
+from ..formats.gguf_split import read_model
 from .plan import plan_repack
 from .reader import Store, is_store
 from .summary import model_summary

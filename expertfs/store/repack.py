@@ -27,7 +27,8 @@ import xxhash
 import zstandard
 
 from ..errors import DiskFullError, ExpertfsError, UsageError
-from ..formats.gguf_read import GGUFModel, read_model
+from ..formats.gguf_read import GGUFModel
+from ..formats.gguf_split import read_model
 from .index import Index
 from .layout import (EXPERTS_FILE, FORMAT_VERSION, INDEX_DIR, KIND_EXPERT, TRUNK_FILE,
                      TensorRecord)

@@ -14,7 +14,7 @@ import xxhash
 
 from ..errors import IntegrityError, UsageError
 from .fileio import chunked, pread_full
-from ..formats.gguf_read import SPLIT_KEYS
+from ..formats.gguf_split import SPLIT_KEYS
 from ..formats.gguf_write import TensorSpec, write_gguf
 from .layout import KIND_TRUNK, TensorRecord
 from .reader import Store

@@ -15,7 +15,8 @@ from typing import Callable
 import xxhash
 
 from .fileio import chunked, pread_full, read_ranges
-from ..formats.gguf_read import GGUFModel, read_model
+from ..formats.gguf_read import GGUFModel
+from ..formats.gguf_split import read_model
 from .layout import KIND_EXPERT, KIND_TRUNK, PART_ALIGN, Extent
 from .repack import encode_kv_blob
 from .reader import Store

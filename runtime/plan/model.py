@@ -186,7 +186,7 @@ def geometry_from_model(model: Any, source: str) -> Geometry:
 
 
 def geometry_from_gguf(path: str) -> Geometry:
-    from ...formats.gguf_read import read_model
+    from ...formats.gguf_split import read_model
 
     return geometry_from_model(read_model(path), f"gguf {os.path.abspath(path)}")
 

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expertfs.errors import FormatError
-from expertfs.formats.gguf_read import read_gguf, read_model
+from expertfs.formats.gguf_read import read_gguf
+from expertfs.formats.gguf_split import read_model
 from support.gguf_builders import moe_gguf
 
 

@@ -20,7 +20,8 @@ from gguf import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, GGUFReader, GGUF
 from expertfs.cli import main
 from expertfs.errors import UsageError
 from expertfs.formats.ggml import GGMLType, row_bytes
-from expertfs.formats.gguf_read import read_gguf, read_model
+from expertfs.formats.gguf_read import read_gguf
+from expertfs.formats.gguf_split import read_model
 from expertfs.formats.moe_names import is_expert_tensor
 from expertfs.synth import (ARCHES, MIXED_TYPES, SUPPORTED_TYPES, SynthConfig, build_model,
                             build_vocab, estimate_bytes, layers_for_size, make_blocks, parse_quant,

@@ -59,7 +59,7 @@ def test_loss_decreases(built: dict) -> None:
 def test_gguf_reads_back(built: dict) -> None:
     from gguf import GGUFReader
 
-    from expertfs.formats.gguf_read import read_model
+    from expertfs.formats.gguf_split import read_model
     path = built["gguf"]["path"]
     L = TINY.layers
     r = GGUFReader(path)
