@@ -10,7 +10,9 @@ only executes it, with real buffers, reads and copies:
 * ``copier``: the copy stream, events and the compute stream's waits;
 * ``loader``: reads through the I/O engine, completion without a thread, warm-start drip;
 * ``sizing``: slot geometry from a store and budgets as slots;
-* ``tiers``: ``TierCache``, the mechanism (the replay simulator's semantics, call for call);
+* ``residency``, ``staged``, ``device``: entries, pins and reads; staged prefetches; the VRAM tier;
+* ``tiers``: ``TierCache``, the mechanism composing them (the replay simulator's semantics, call
+  for call);
 * ``usage``: learned usage counts, persisted in the store and read back for warm starts.
 
 ``expertfs.runtime.cache.provider.TieredProvider`` puts it behind the ``ExpertProvider`` protocol.
@@ -19,13 +21,15 @@ only executes it, with real buffers, reads and copies:
 from .copier import Copier, cpu_copy, fence_done, host_wait
 from .entry import Entry, State, TieredStats
 from .loader import Loader
-from .sizing import Geometry, Slots, plan_slots
+from .sizing import SlotGeometry, Slots, plan_slots
 from .slots import SlotPool
 from .table import SlotTable
 from .residency import NullListener, Residency
+from .staged import StagedPrefetch
+from .device import DeviceTier
 from .tiers import TierCache
 from .usage import UsageRecorder, load_rates, persist_usage
 
 __all__ = ["Copier", "cpu_copy", "fence_done", "host_wait", "Entry", "State", "TieredStats", "Loader",
-           "Geometry", "Slots", "plan_slots", "SlotPool", "SlotTable", "NullListener", "Residency",
-           "TierCache", "UsageRecorder", "load_rates", "persist_usage"]
+           "SlotGeometry", "Slots", "plan_slots", "SlotPool", "SlotTable", "NullListener", "Residency",
+           "StagedPrefetch", "DeviceTier", "TierCache", "UsageRecorder", "load_rates", "persist_usage"]

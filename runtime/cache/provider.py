@@ -207,10 +207,16 @@ class TieredProvider:
     def max_experts_per_get(self) -> int:
         """How many experts one ``get`` may ask for now (the compute tier's slots less those
         held by layers not yet released): split wider requests (prefill batches)."""
-        return self.cache.slots.compute - len(self.cache._pins)
+        return self.cache.slots.compute - self.cache.n_held
 
     def layer_index(self, layer: int) -> int:
         return self._index[layer]
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return self.cache.state_of(self.cache.key(layer, expert)) != State.ABSENT
+
+    def prefetch_in_flight(self) -> int:
+        return self.cache.prefetch_in_flight()
 
     def prefetch_report(self) -> dict[str, dict[str, Any]]:
         return self.prefetcher.report()

@@ -1,8 +1,9 @@
-"""Residency bookkeeping shared by the mechanism: keys, pins, reads completing, entries dropped.
+"""Residency bookkeeping of the mechanism: keys, pins, reads completing, entries dropped.
 
-``Residency`` is the base of :class:`~expertfs.runtime.cache.tiers.TierCache`: the state it
-holds (entries, pins, the host pool, the loader, the policies) is created there; the methods
-here keep that state consistent whatever path an expert takes out of the cache:
+A ``Residency`` owns the entries (every expert with a slot or a read, staged prefetches
+included), the pins and the prefetch listener, and is given what it works on: the host pool,
+the loader, the stats, the RAM policy and the slot table where that maps the host tier. Its
+methods keep that state consistent whatever path an expert takes out of the cache:
 
 * **pins**: hard pins (``acquire`` until ``release``; counted) and soft pins (prefetches until
   their layer runs) together form the policies' ``pinned`` set; a demand that finds every
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -26,7 +28,7 @@ from ..io import Priority
 from ..policies.base import CapacityError, Policy
 from .entry import Entry, State, TieredStats
 from .loader import Loader
-from .sizing import Geometry
+from .sizing import SlotGeometry
 from .slots import SlotPool
 from .table import SlotTable
 
@@ -44,22 +46,31 @@ class NullListener:
 
 
 class Residency:
-    geo: Geometry
-    store: Any
-    host: SlotPool
-    table: SlotTable | None
-    loader: Loader
-    stats: TieredStats
-    listener: Any
-    R: Policy | None
-    entries: dict[int, Entry]
-    soft: dict[int, Entry]
-    pinned: set[int]
-    now: int
-    _index: dict[int, int]
-    _E: int
-    _pins: dict[int, int]
-    _host_table: bool
+    """The entries, pins and reads of one cache.
+
+    ``pin_policies`` are the tiers' policies: their ``pinned`` set becomes this one's, so a
+    pinned key is no victim in any tier. ``ram_policy`` is the RAM tier's (None: no RAM tier);
+    ``host_table`` the slot table when it maps the host tier (None otherwise)."""
+
+    def __init__(self, geo: SlotGeometry, store: Any, host: SlotPool, loader: Loader,
+                 stats: TieredStats, *, ram_policy: Policy | None,
+                 pin_policies: Sequence[Policy], host_table: SlotTable | None) -> None:
+        self.geo = geo
+        self.store = store
+        self.host = host
+        self.loader = loader
+        self.stats = stats
+        self.R = ram_policy
+        self.host_table = host_table
+        self.listener: Any = NullListener()
+        self.entries: dict[int, Entry] = {}
+        self.soft: dict[int, Entry] = {}         # soft pins: prefetches until their layer runs
+        self.pins: dict[int, int] = {}           # hard pins: key -> acquires not yet released
+        self.pinned: set[int] = set()
+        for p in pin_policies:
+            p.pinned = self.pinned
+        self._index = geo.index_of()
+        self._E = geo.n_experts
 
     # -- keys -------------------------------------------------------------------------------
     def key(self, layer: int, expert: int) -> int:
@@ -81,34 +92,65 @@ class Residency:
         return e.state
 
     # -- pins -------------------------------------------------------------------------------
-    def _pin(self, key: int) -> None:
-        self._pins[key] = self._pins.get(key, 0) + 1
+    def pin(self, key: int) -> None:
+        self.pins[key] = self.pins.get(key, 0) + 1
         self.pinned.add(key)
 
-    def _unpin(self, key: int) -> None:
-        n = self._pins.get(key, 0) - 1
+    def unpin(self, key: int) -> None:
+        n = self.pins.get(key, 0) - 1
         if n > 0:
-            self._pins[key] = n
+            self.pins[key] = n
             return
-        self._pins.pop(key, None)
+        self.pins.pop(key, None)
         if key not in self.soft:
             self.pinned.discard(key)
 
-    def _unsoft(self, key: int) -> None:
-        if self.soft.pop(key, None) is not None and key not in self._pins:
+    def hold_soft(self, e: Entry, target: tuple[int, int]) -> None:
+        """Soft-pin ``e`` (a prefetch) until ``target`` (its layer index, the cursor now) runs."""
+        e.target = target
+        self.soft[e.key] = e
+        self.pinned.add(e.key)
+
+    def unsoft(self, key: int) -> None:
+        if self.soft.pop(key, None) is not None and key not in self.pins:
             self.pinned.discard(key)
 
-    def _victim(self, p: Policy, key: int) -> int | None:
+    def victim(self, p: Policy, key: int) -> int | None:
         try:
             return p.victim(key)
         except CapacityError:
             if not self.soft:
                 raise
             for k in list(self.soft):       # demand before prefetch: give up the soft pins
-                self._unsoft(k)
+                self.unsoft(k)
             return p.victim(key)
 
-    def _new(self, key: int, host_slot: int | None) -> Entry:
+    def touch(self, e: Entry) -> None:
+        """A get uses ``e``: a prefetch served its purpose (its soft pin becomes a hard one)."""
+        if e.source is not None:
+            self.stats.prefetch_used += 1
+            self.listener.on_used(e.source, e.nbytes)
+            e.source = None
+        self.unsoft(e.key)
+
+    def expire(self, li: int, keys: list[int]) -> None:
+        """Cancel prefetches whose target layer has been reached without asking for them."""
+        n = len(self.geo.layers)
+        wanted = set(keys)
+        for key, e in list(self.soft.items()):
+            tli, c = e.target  # type: ignore[misc]
+            if key in wanted or ((li - c) % n or n) < ((tli - c) % n or n):
+                continue
+            self.unsoft(key)
+            if e.source is not None and e.state is State.LOADING and self.stop_read(e, wait=False):
+                if self.R is not None and key in self.R:
+                    self.R.on_evict(key)
+                self.forget(e, cancelled=True)
+
+    # -- entries ----------------------------------------------------------------------------
+    def new(self, key: int) -> Entry:
+        """An entry for ``key`` in a free host slot (its read is the caller's to issue)."""
+        host_slot = self.host.alloc(host_write=True)
         if host_slot is None:
             raise CapacityError("no free host slot for a read", fix="raise the RAM budget")
         li, ex = divmod(key, self._E)
@@ -117,23 +159,23 @@ class Residency:
         self.entries[key] = e
         return e
 
-    def _staging_read(self, key: int) -> Entry:
-        e = self._new(key, self.host.alloc(host_write=True))
+    def staging_read(self, key: int) -> Entry:
+        e = self.new(key)
         e.staging = True
         self.loader.issue(e, Priority.DEMAND)
         return e
 
-    def _admit_host(self, key: int) -> None:
+    def admit_host(self, key: int, now: int) -> None:
         R = self.R
         assert R is not None
-        v = self._victim(R, key)
+        v = self.victim(R, key)
         if v is not None:
             R.on_evict(v)
-            self._drop_host(v)
-        R.on_insert(key, self.now)
+            self.drop_host(v)
+        R.on_insert(key, now)
 
     # -- reads --------------------------------------------------------------------------------
-    def _join(self, e: Entry) -> None:
+    def join(self, e: Entry) -> None:
         """A demand found ``e`` still loading (a prefetch or warm read): promote it, count it."""
         fut = self.loader.resolve(e)
         if not fut.done():
@@ -153,7 +195,7 @@ class Residency:
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
 
-    def _wait(self, e: Entry) -> None:
+    def wait(self, e: Entry) -> None:
         """Block until ``e``'s read is done; raise what it raised."""
         fut = self.loader.resolve(e)
         self._block(fut)
@@ -169,13 +211,13 @@ class Residency:
         exc = fut.exception() if not fut.cancelled() else UsageError("read cancelled")
         if exc is not None:
             self.stats.read_errors += 1
-            self._discard(e)
+            self.discard(e)
             return exc
         self.stats.bytes_read += e.nbytes
         e.state = State.HOST
-        if self._host_table:
+        if self.host_table is not None:
             li, ex = divmod(e.key, self._E)
-            self.table.set_now(li, ex, e.host_slot)  # type: ignore[union-attr]
+            self.host_table.set_now(li, ex, e.host_slot)
         return None
 
     def drain(self) -> None:
@@ -186,7 +228,7 @@ class Residency:
                 log.debug("a background read of layer %d expert %d failed: %s", e.layer, e.expert, exc)
 
     # -- dropping -------------------------------------------------------------------------------
-    def _stop_read(self, e: Entry, *, wait: bool) -> bool:
+    def stop_read(self, e: Entry, *, wait: bool) -> bool:
         """Stop ``e``'s read before dropping it: True if it never ran (cancelled or still in the
         warm queue), False once it ran (waited for when ``wait``, else left running)."""
         if self.loader.unqueue(e):
@@ -208,36 +250,36 @@ class Residency:
                 self.stats.read_errors += 1
         return False
 
-    def _drop_host(self, key: int) -> None:
+    def drop_host(self, key: int) -> None:
         """The RAM policy evicted ``key``: let its slot go (cancel or finish its read first)."""
         e = self.entries[key]
-        self._count_eviction("ram")
-        self._unsoft(key)
-        cancelled = e.state is State.LOADING and self._stop_read(e, wait=True)
-        self._forget(e, cancelled=cancelled)
+        self.count_eviction("ram")
+        self.unsoft(key)
+        cancelled = e.state is State.LOADING and self.stop_read(e, wait=True)
+        self.forget(e, cancelled=cancelled)
 
-    def _forget(self, e: Entry, *, cancelled: bool = False) -> None:
+    def forget(self, e: Entry, *, cancelled: bool = False) -> None:
         if e.source is not None:
             self.stats.prefetch_wasted += 1
             self.stats.prefetch_cancelled += cancelled
             self.listener.on_wasted(e.source, 0 if cancelled else e.nbytes, cancelled)
             e.source = None
-        self._discard(e)
+        self.discard(e)
 
-    def _discard(self, e: Entry) -> None:
+    def discard(self, e: Entry) -> None:
         """Remove ``e`` from everything (its policy entry is the caller's business, except for
         a failed read, which never counts as resident)."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
         if e.state is State.LOADING and not e.staging and self.R is not None and e.key in self.R:
             self.R.on_evict(e.key)
-        if self._host_table:
-            self.table.clear(*divmod(e.key, self._E))  # type: ignore[union-attr]
+        if self.host_table is not None:
+            self.host_table.clear(*divmod(e.key, self._E))
         if e.host_slot >= 0:
             self.host.free(e.host_slot)
-        self._unsoft(e.key)
+        self.unsoft(e.key)
         e.host_slot, e.state, e.weights = -1, State.ABSENT, None
 
-    def _count_eviction(self, tier: str) -> None:
+    def count_eviction(self, tier: str) -> None:
         ev = self.stats.evictions
         ev[tier] = ev.get(tier, 0) + 1

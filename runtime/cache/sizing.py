@@ -24,11 +24,14 @@ from expertfs.errors import UsageError
 
 from ..io import PAGE
 
-__all__ = ["Geometry", "Slots", "plan_slots"]
+__all__ = ["SlotGeometry", "Slots", "plan_slots"]
 
 
 @dataclass(frozen=True)
-class Geometry:
+class SlotGeometry:
+    """A store's routed experts as the tiers see them: which layers, how many experts each, the
+    key stride and one slot's size (every slot holds the largest extent)."""
+
     layers: tuple[int, ...]              # store layers with routed experts, ascending
     experts: tuple[int, ...]             # experts of each of them
     n_experts: int                       # the widest layer: the key stride
@@ -37,7 +40,7 @@ class Geometry:
     stride: int                          # slot_bytes rounded up to the page
 
     @classmethod
-    def from_store(cls, store: Any) -> Geometry:
+    def from_store(cls, store: Any) -> SlotGeometry:
         layers = tuple(store.layers)
         if not layers:
             raise UsageError("the store has no routed experts", path=getattr(store, "path", None),
@@ -76,7 +79,7 @@ class Slots:
         return self.vram or self.ram
 
 
-def plan_slots(geo: Geometry, ram_bytes: int, vram_bytes: int, *, queue_depth: int,
+def plan_slots(geo: SlotGeometry, ram_bytes: int, vram_bytes: int, *, queue_depth: int,
                staging: int | None = None, prefetch: int = 0) -> Slots:
     """Slots for the budgets. ``staging`` (device tier only) defaults to min(queue depth, k) + 1;
     ``prefetch`` (no device tier only) is kept to at most half the host slots, leaving the

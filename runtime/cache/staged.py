@@ -11,61 +11,75 @@ drip when their layer runs without them are dropped unread.
 
 from __future__ import annotations
 
-from .entry import Entry, State
+from .entry import Entry, State, TieredStats
+from .loader import Loader
 from .residency import Residency
-from .sizing import Slots
 
 __all__ = ["StagedPrefetch"]
 
 
-class StagedPrefetch(Residency):
-    """Mixed into :class:`.tiers.TierCache`: it calls ``_init_staged`` once and ``_ran_layer``
-    at every acquire, and takes a staged entry out of ``staged`` when a get asks for it."""
+class StagedPrefetch:
+    """The staged prefetches of one cache, at most ``n_slots`` of them.
 
-    slots: Slots
+    Their entries are created and dropped through ``residency`` (they are resident while
+    staged); the owner calls :meth:`ran_layer` at every acquire and :meth:`take` when a get
+    asks for an expert that is not in the tier."""
 
-    def _init_staged(self) -> None:
-        self.staged: dict[int, Entry] = {}       # staged prefetches, oldest first
+    def __init__(self, residency: Residency, loader: Loader, stats: TieredStats, *,
+                 n_slots: int, n_experts: int) -> None:
+        self.residency = residency
+        self.loader = loader
+        self.stats = stats
+        self.n_slots = n_slots
+        self._E = n_experts
+        self.entries: dict[int, Entry] = {}      # staged prefetches, oldest first
         self._ran: dict[int, int] = {}           # layer index -> acquire count at its last run
         self._acquires = 0
 
-    def _ran_layer(self, li: int) -> None:
+    def ran_layer(self, li: int) -> None:
         """An acquire of layer index ``li``: staged prefetches issued before it for that layer
         may give up their slots from now on."""
         self._acquires += 1
         self._ran[li] = self._acquires
 
-    def _stage(self, key: int, source: str) -> str:
+    def take(self, key: int) -> Entry | None:
+        """The staged entry of ``key``, no longer staged (None if there is none)."""
+        e = self.entries.pop(key, None)
+        if e is not None:
+            e.staging = False
+        return e
+
+    def stage(self, key: int, source: str) -> str:
         """``start_prefetch`` with prefetch slots: read into a slot outside the tier."""
-        if key in self.entries:
+        if key in self.residency.entries:
             return "resident"
-        if len(self.staged) >= self.slots.prefetch and not self._reclaim():
+        if len(self.entries) >= self.n_slots and not self._reclaim():
             return "refused"
-        e = self._new(key, self.host.alloc(host_write=True))
+        e = self.residency.new(key)
         e.staging, e.source = True, source
         e.staged_at = self._acquires
-        self.staged[key] = e
+        self.entries[key] = e
         self.loader.queue_prefetch(e)
         self.stats.prefetch_issued += 1
         return "issued"
 
-    def _drop_unissued(self, li: int) -> None:
+    def drop_unissued(self, li: int) -> None:
         """Layer index ``li`` has taken its experts: its staged predictions still queued for the
         drip were wrong, and are dropped unread."""
-        for key, e in list(self.staged.items()):
+        for key, e in list(self.entries.items()):
             if key // self._E == li and self.loader.unqueue(e):
-                del self.staged[key]
-                self._forget(e, cancelled=True)
+                del self.entries[key]
+                self.residency.forget(e, cancelled=True)
 
     def _reclaim(self) -> bool:
         """Free the slot of the oldest staged prefetch whose layer has run since it was issued
         and whose read is not running (done, or cancelled before it started)."""
-        for key, e in self.staged.items():
+        for key, e in self.entries.items():
             if self._ran.get(key // self._E, -1) <= e.staged_at:
                 continue
-            if e.state is State.LOADING and not self._stop_read(e, wait=False):
+            if e.state is State.LOADING and not self.residency.stop_read(e, wait=False):
                 continue                    # being written: leave it
-            del self.staged[key]
-            self._forget(e, cancelled=e.state is State.LOADING)
+            del self.entries[key]
+            self.residency.forget(e, cancelled=e.state is State.LOADING)
             return True
         return False

@@ -5,10 +5,10 @@ nothing itself. Its semantics are the replay simulator's (``expertfs.runtime.sim
 for call, so hit rates measured on the real thing equal the simulated ones for the same trace:
 
 * one tier (no VRAM budget): a miss evicts the policy's victim and is read into its slot;
-* two exclusive tiers: a device hit is served from VRAM (and observed by the RAM policy); a RAM
-  hit moves the expert up and frees its RAM slot; a miss is read into a staging slot and
-  uploaded; the device victim is demoted to RAM (a device → host copy), whose own victim is
-  dropped.
+* two exclusive tiers (:mod:`.device`): a device hit is served from VRAM (and observed by the
+  RAM policy); a RAM hit moves the expert up and frees its RAM slot; a miss is read into a
+  staging slot and uploaded; the device victim is demoted to RAM (a device → host copy), whose
+  own victim is dropped.
 
 Every expert of an ``acquire`` is pinned until ``release`` of its layer, in both tiers, so the
 running layer's slots are never a victim. Prefetches (``start_prefetch``) are *soft* pins until
@@ -19,6 +19,12 @@ its read has not started (never waited for).
 With ``prefetch_slots`` (one tier only) prefetches are *staged* outside the tier instead
 (:mod:`.staged`). Reads, uploads and demotions are asynchronous
 (futures, copy-stream events); see ``entry``, ``copier``, ``loader``.
+
+``TierCache`` composes its parts, each with its own state: the slot pools, the policies, the
+slot table, the loader and the copier; a :class:`.residency.Residency` (entries, pins, reads
+and drops), a :class:`.staged.StagedPrefetch` (the staged predictions) and, with a VRAM
+budget, a :class:`.device.DeviceTier` (uploads and demotions). It keeps the acquire clock, the
+layers held until release and the one-tier get path.
 
 Single-threaded: one caller (the forward pass) drives it; I/O workers only append to a deque.
 """
@@ -36,25 +42,26 @@ from ..experts.protocol import ExpertWeights, weights_from_buffer
 from ..io import ExpertReader, PinBudget, Priority
 from ..policies.base import CapacityError, Policy
 from ..policies.registry import DEFAULT_POLICY, make_factory
-from .copier import Copier, fence_done
+from .copier import Copier
+from .device import DeviceTier
 from .entry import Entry, State, TieredStats
 from .loader import Loader
-from .residency import NullListener, Residency
-from .staged import StagedPrefetch
-from .sizing import Geometry, plan_slots
+from .residency import Residency
+from .sizing import SlotGeometry, plan_slots
 from .slots import SlotPool
+from .staged import StagedPrefetch
 from .table import SlotTable
 
 __all__ = ["TierCache"]
 
 
-class TierCache(StagedPrefetch, Residency):
+class TierCache:
     def __init__(self, store: Any, reader: ExpertReader, *, device: str | torch.device = "cpu",
                  ram_bytes: int, vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
                  queue_depth: int = 16, staging_slots: int | None = None, pin: bool | str = "auto",
                  pin_budget: PinBudget | None = None, stats: TieredStats | None = None,
                  prefetch_slots: int = 0) -> None:
-        self.geo = geo = Geometry.from_store(store)
+        self.geo = geo = SlotGeometry.from_store(store)
         self.store = store
         self.device = torch.device(device)
         self.copier = Copier(self.device)
@@ -75,31 +82,67 @@ class TierCache(StagedPrefetch, Residency):
                     if self.slots.vram else None)
         self.R: Policy | None = factory(self.slots.ram) if self.slots.ram else None
         self.V: Policy | None = factory(self.slots.vram) if self.dev is not None else None
-        self.pinned: set[int] = set()
-        for p in (self.R, self.V):
-            if p is not None:
-                p.pinned = self.pinned
         self.policy_name = (self.V or self.R).name  # type: ignore[union-attr]
         # the slot table maps the tier the forward pass reads (none: per-get device copies)
         self.table = (SlotTable(len(geo.layers), self._E, self.device, self.copier)
                       if self.dev is not None or not self.copier.cuda else None)
-        self._host_table = self.dev is None and self.table is not None
         # one background read at a time (predictions first, then the warm start): every one
-        # costs the decode steps it overlaps (the 6.4 GB model, all of it warming after the
-        # first token: 32 tokens in 5.2-5.6 s at depth 1, 8.4-9.2 s at depth 8)
+        # slows the decode steps it overlaps, and more in flight slow them more
         self.loader = Loader(reader, self.host.view, depth=1)
         self.stats = stats if stats is not None else TieredStats()
-        self.listener: Any = NullListener()
-        self.entries: dict[int, Entry] = {}
+        self.residency = Residency(
+            geo, store, self.host, self.loader, self.stats, ram_policy=self.R,
+            pin_policies=[p for p in (self.R, self.V) if p is not None],
+            host_table=self.table if self.dev is None else None)
+        self.stager = StagedPrefetch(self.residency, self.loader, self.stats,
+                                     n_slots=self.slots.prefetch, n_experts=self._E)
+        self.device_tier: DeviceTier | None = None
+        if self.dev is not None and self.V is not None and self.table is not None:
+            self.device_tier = DeviceTier(self.dev, self.V, host=self.host, ram_policy=self.R,
+                                          table=self.table, copier=self.copier,
+                                          residency=self.residency, stats=self.stats,
+                                          n_experts=self._E)
         self.held: dict[int, list[Entry]] = {}
-        self.soft: dict[int, Entry] = {}
-        self._init_staged()
-        self._pins: dict[int, int] = {}
         self.now = 0
         self.cursor = -1                    # layer index of the last acquire
         self.widest = geo.k
         self._layouts: dict[int, int] = {}           # key -> layout id
         self._layout_ids: dict[tuple, int] = {}
+
+    # -- what the parts hold ----------------------------------------------------------------------
+    @property
+    def entries(self) -> dict[int, Entry]:
+        """Every expert with a slot or a read (staged prefetches included), by key."""
+        return self.residency.entries
+
+    @property
+    def staged(self) -> dict[int, Entry]:
+        """The staged prefetches, oldest first (empty without prefetch slots)."""
+        return self.stager.entries
+
+    @property
+    def listener(self) -> Any:
+        """Told about prefetches used, late and wasted (the ``Prefetcher``)."""
+        return self.residency.listener
+
+    @listener.setter
+    def listener(self, value: Any) -> None:
+        self.residency.listener = value
+
+    @property
+    def n_held(self) -> int:
+        """How many experts are pinned by layers acquired and not yet released."""
+        return len(self.residency.pins)
+
+    def key(self, layer: int, expert: int) -> int:
+        return self.residency.key(layer, expert)
+
+    def state_of(self, key: int) -> State:
+        return self.residency.state_of(key)
+
+    def drain(self) -> None:
+        """Take note of reads completed since the last call (prefetches, warm start)."""
+        self.residency.drain()
 
     # -- the get path -------------------------------------------------------------------------
     @property
@@ -117,11 +160,12 @@ class TierCache(StagedPrefetch, Residency):
         if not wait and not self.defers:
             raise UsageError("acquire(wait=False) needs a RAM-tier-only cache computed in place",
                              fix="check TierCache.defers first")
-        self.drain()
-        keys = list(dict.fromkeys(self.key(layer, e) for e in experts))
+        res = self.residency
+        res.drain()
+        keys = list(dict.fromkeys(res.key(layer, e) for e in experts))
         li = keys[0] // self._E if keys else self._index.get(layer, 0)
         cap = self.slots.compute
-        pins = self._pins
+        pins = res.pins
         if len(keys) + len(pins) > cap and sum(k not in pins for k in keys) + len(pins) > cap:
             raise CapacityError(f"{len(keys)} experts of layer {layer} asked for with "
                                 f"{len(pins)} still held, but the compute tier has {cap} "
@@ -130,14 +174,14 @@ class TierCache(StagedPrefetch, Residency):
         if li <= self.cursor:
             self.now += 1
         self.widest = max(self.widest, len(keys))
-        if self.soft:
-            self._expire(li, keys)
+        if res.soft:
+            res.expire(li, keys)
         self.cursor = li
-        self._ran_layer(li)
+        self.stager.ran_layer(li)
         for k in keys:
-            self._pin(k)
+            res.pin(k)
         try:
-            out = (self._acquire_device(keys) if self.V is not None
+            out = (self.device_tier.acquire(keys, self.now) if self.device_tier is not None
                    else self._acquire_host(keys, wait))
         except BaseException:
             self._abort(keys)
@@ -146,23 +190,16 @@ class TierCache(StagedPrefetch, Residency):
         self.stats.requests += len(keys)
         return out
 
-    def _touch(self, e: Entry) -> None:
-        """A get uses ``e``: a prefetch served its purpose (its soft pin becomes a hard one)."""
-        if e.source is not None:
-            self.stats.prefetch_used += 1
-            self.listener.on_used(e.source, e.nbytes)
-            e.source = None
-        self._unsoft(e.key)
-
     def finish(self, entries: Sequence[Entry]) -> None:
         """Wait for the reads of entries an ``acquire(wait=False)`` returned still loading
         (stall time counted); raise what a read raised (``release`` still unpins them)."""
         for e in entries:
             if e.state is State.LOADING:
-                self._wait(e)
+                self.residency.wait(e)
 
     def _acquire_host(self, keys: list[int], wait: bool = True) -> list[Entry]:
-        R, now, entries, soft = self.R, self.now, self.entries, self.soft
+        R, now, res = self.R, self.now, self.residency
+        entries, soft = res.entries, res.soft
         assert R is not None
         out, loading, hits = [], [], 0
         for key in keys:
@@ -170,33 +207,32 @@ class TierCache(StagedPrefetch, Residency):
                 e = entries[key]
                 hits += 1
                 if e.state is State.LOADING:
-                    self._join(e)
+                    res.join(e)
                     loading.append(e)
                 if key in soft or e.source is not None:
-                    self._touch(e)
+                    res.touch(e)
             else:
                 self.stats.misses += 1
-                self._admit_host(key)
-                e = self.staged.pop(key, None)
+                res.admit_host(key, now)
+                e = self.stager.take(key)
                 if e is not None:                   # a staged prediction came true
-                    e.staging = False
-                    self._touch(e)
+                    res.touch(e)
                     if e.state is State.LOADING:
-                        self._join(e)
+                        res.join(e)
                         loading.append(e)
                 else:
-                    e = self._new(key, self.host.alloc(host_write=True))
+                    e = res.new(key)
                     self.loader.issue(e, Priority.DEMAND)
                     loading.append(e)
             out.append(e)
         if hits:
             self.stats.hits["ram"] = self.stats.hits.get("ram", 0) + hits
-        if self.staged:                     # before the waits: the drip resumes after them
-            self._drop_unissued(self.cursor)
+        if self.stager.entries:             # before the waits: the drip resumes after them
+            self.stager.drop_unissued(self.cursor)
         if not wait:
             return out
         for e in loading:
-            self._wait(e)
+            res.wait(e)
         if self.table is None:              # CUDA without a device tier: copies for this get
             for e in out:
                 n = e.nbytes
@@ -210,109 +246,15 @@ class TierCache(StagedPrefetch, Residency):
                 self.stats.bytes_h2d += n
         return out
 
-    def _acquire_device(self, keys: list[int]) -> list[Entry]:
-        V, R, now, entries, st, soft = self.V, self.R, self.now, self.entries, self.stats, self.soft
-        assert V is not None
-        reserve = 1 if R is not None else 0     # a demotion's slot while a RAM hit moves up
-        for key in keys:                        # reads first, so misses overlap one another
-            if key in entries or self.host.n_free <= reserve:
-                continue
-            self._staging_read(key)
-        vh = rh = 0
-        for key in keys:
-            e = entries.get(key)
-            if V.access(key, now):
-                vh += 1
-                if R is not None:
-                    R.observe(key, now)
-                if key in soft or e.source is not None:
-                    self._touch(e)
-                if e.state is State.UPLOADING:      # (its get already made compute wait)
-                    if fence_done(e.fence):
-                        e.state, e.fence = State.DEVICE, None
-                    else:
-                        self.copier.compute_wait(e.fence)
-                continue
-            if R is not None and R.access(key, now):
-                rh += 1
-                if e.state is State.LOADING:
-                    self._join(e)
-                    self._wait(e)
-                if key in soft or e.source is not None:
-                    self._touch(e)
-                R.on_evict(key)                  # moves up: exclusive tiers
-            else:
-                st.misses += 1
-                if e is None:
-                    e = self._staging_read(key)
-                self._wait(e)
-            self._upload(e)
-        if vh:
-            st.hits["vram"] = st.hits.get("vram", 0) + vh
-        if rh:
-            st.hits["ram"] = st.hits.get("ram", 0) + rh
-        return [entries[k] for k in keys]
-
-    def _upload(self, e: Entry) -> None:
-        """Host slot → a device slot (after demoting the device victim); frees the host slot."""
-        V, dev, host = self.V, self.dev, self.host
-        assert V is not None and dev is not None
-        d = self._device_slot_for(e.key)
-        hs, n = e.host_slot, e.nbytes
-        li, ex = divmod(e.key, self._E)
-        table = self.table
-        assert table is not None
-        ev = self.copier.copy_slots(dev, d, host, hs, n, after=(dev.fence[d],),
-                                    then=lambda: table.set_now(li, ex, d))
-        dev.fence[d] = None                      # later copies queue behind this one
-        host.free(hs, ev)
-        e.host_slot, e.dev_slot, e.staging, e.weights = -1, d, False, None
-        e.state, e.fence = (State.UPLOADING, ev) if ev is not None else (State.DEVICE, None)
-        V.on_insert(e.key, self.now)
-        self.copier.compute_wait(ev)
-        self.stats.uploads += 1
-        self.stats.bytes_h2d += n
-
-    def _device_slot_for(self, key: int) -> int:
-        V, R, dev = self.V, self.R, self.dev
-        assert V is not None and dev is not None
-        v = self._victim(V, key)
-        if v is None:
-            d = dev.alloc(host_write=False)
-            assert d is not None, "device policy and slots disagree"
-            return d
-        V.on_evict(v)
-        ve = self.entries[v]
-        d = ve.dev_slot
-        self._count_eviction("vram")
-        assert self.table is not None
-        self.table.clear(*divmod(v, self._E))
-        ve.dev_slot, ve.weights, ve.fence = -1, None, None
-        if R is None:
-            self._forget(ve)
-            return d
-        try:
-            self._admit_host(v)                  # demote: device -> host
-        except CapacityError:                    # every RAM key is pinned (a huge get): drop it
-            self._forget(ve)
-            return d
-        hv = self.host.alloc(host_write=False)
-        assert hv is not None, "host slots and policy disagree"
-        n = ve.nbytes
-        self.host.fence[hv] = self.copier.copy_slots(self.host, hv, dev, d, n)
-        ve.host_slot, ve.state = hv, State.HOST
-        self.stats.demotions += 1
-        self.stats.bytes_d2h += n
-        return d
-
     def _abort(self, keys: list[int]) -> None:
         """A failed acquire: unpin its keys, stop its staging reads."""
+        res = self.residency
         for k in keys:
-            self._unpin(k)
-            e = self.entries.get(k)
-            if e is not None and e.staging and k not in self.staged:
-                self._stop_read(e, wait=True)
-                self._discard(e)
+            res.unpin(k)
+            e = res.entries.get(k)
+            if e is not None and e.staging and k not in self.stager.entries:
+                res.stop_read(e, wait=True)
+                res.discard(e)
 
     # -- release, weights -------------------------------------------------------------------------
     def release(self, layer: int) -> None:
@@ -326,7 +268,7 @@ class TierCache(StagedPrefetch, Residency):
                 dev.fence[e.dev_slot] = mark
             if e.transient is not None:
                 e.transient = e.weights = None
-            self._unpin(e.key)
+            self.residency.unpin(e.key)
 
     def weights(self, e: Entry) -> ExpertWeights:
         w = e.weights
@@ -351,17 +293,16 @@ class TierCache(StagedPrefetch, Residency):
     def start_prefetch(self, layer: int, expert: int, source: str) -> str:
         """Read one expert into the RAM tier ahead of need: "issued", "resident" (already there
         or on its way) or "refused" (no slot to spare)."""
-        key = self.key(layer, expert)
+        res = self.residency
+        key = res.key(layer, expert)
         if self.slots.prefetch:
-            return self._stage(key, source)
+            return self.stager.stage(key, source)
         R = self.R
-        room = R is not None and len(self.soft) + self.widest < R.capacity
-        e = self.entries.get(key)
+        room = R is not None and len(res.soft) + self.widest < R.capacity
+        e = res.entries.get(key)
         if e is not None:                   # keep it until its layer runs, if there is room
-            if room and key not in self.soft:
-                e.target = (key // self._E, self.cursor)
-                self.soft[key] = e
-                self.pinned.add(key)
+            if room and key not in res.soft:
+                res.hold_soft(e, (key // self._E, self.cursor))
             return "resident"
         if not room:
             return "refused"
@@ -372,36 +313,21 @@ class TierCache(StagedPrefetch, Residency):
             return "refused"
         if v is not None:
             R.on_evict(v)
-            self._drop_host(v)
+            res.drop_host(v)
         R.on_insert(key, self.now)
-        e = self._new(key, self.host.alloc(host_write=True))
-        e.source, e.target = source, (key // self._E, self.cursor)
-        self.soft[key] = e
-        self.pinned.add(key)
+        e = res.new(key)
+        e.source = source
+        res.hold_soft(e, (key // self._E, self.cursor))
         self.loader.queue_prefetch(e)
         self.stats.prefetch_issued += 1
         return "issued"
 
     def prefetch_in_flight(self) -> int:
-        return sum(1 for e in (*self.soft.values(), *self.staged.values())
+        return sum(1 for e in (*self.residency.soft.values(), *self.stager.entries.values())
                    if e.state is State.LOADING and not (e.future is not None and e.future.done()))
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         return int(self.store.extent(layer, expert).length)
-
-    def _expire(self, li: int, keys: list[int]) -> None:
-        """Cancel prefetches whose target layer has been reached without asking for them."""
-        n = len(self.geo.layers)
-        wanted = set(keys)
-        for key, e in list(self.soft.items()):
-            tli, c = e.target  # type: ignore[misc]
-            if key in wanted or ((li - c) % n or n) < ((tli - c) % n or n):
-                continue
-            self._unsoft(key)
-            if e.source is not None and e.state is State.LOADING and self._stop_read(e, wait=False):
-                if self.R is not None and key in self.R:
-                    self.R.on_evict(key)
-                self._forget(e, cancelled=True)
 
     def warm(self, rates: Mapping[tuple[int, int], float]) -> int:
         """Fill the RAM tier with the experts of highest learned rate, read at prefetch priority
@@ -416,7 +342,7 @@ class TierCache(StagedPrefetch, Residency):
                 keyed[li * self._E + ex] = r
         todo = []
         for key in R.seed(keyed, self.now):
-            e = self._new(key, self.host.alloc(host_write=True))
+            e = self.residency.new(key)
             todo.append(e)
         self.loader.queue_warm(todo)
         self.stats.warm_issued += len(todo)

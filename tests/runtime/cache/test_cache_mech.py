@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from expertfs.errors import StoreError, UsageError
-from expertfs.runtime.cache import (Copier, Geometry, SlotPool, SlotTable, UsageRecorder,
+from expertfs.runtime.cache import (Copier, SlotGeometry, SlotPool, SlotTable, UsageRecorder,
                                     load_rates, persist_usage, plan_slots)
 from expertfs.runtime.io import PAGE, PinBudget
 from expertfs.store.reader import Store
@@ -30,7 +30,7 @@ def store(store_path):
 
 
 def test_geometry_from_store(store):
-    g = Geometry.from_store(store)
+    g = SlotGeometry.from_store(store)
     assert g.layers == (1, 2, 3) and g.experts == (N_EXPERTS,) * 3 and g.k == K
     largest = max(store.extent(la, e).length for la in store.layers for e in range(N_EXPERTS))
     assert g.slot_bytes == largest and g.stride % PAGE == 0
@@ -63,7 +63,7 @@ def test_device_pool_on_cpu():
 
 
 def test_plan_slots_budgets(store):
-    g = Geometry.from_store(store)
+    g = SlotGeometry.from_store(store)
     s = plan_slots(g, 10 * g.stride + 5, 0, queue_depth=8)
     assert (s.host, s.staging, s.ram, s.vram, s.compute) == (10, 0, 10, 0, 10)
     s = plan_slots(g, 12 * g.stride, 6 * g.stride, queue_depth=8)

@@ -230,7 +230,7 @@ def test_failed_read_raises_and_leaves_it_consistent(store, data):
         with pytest.raises(IOFaultError):
             p.get(3, [1, 2])
         check_invariants(p)
-        assert not p.cache._pins and p.cache.state_of(p.cache.key(3, 2)) is State.ABSENT
+        assert p.cache.n_held == 0 and p.cache.state_of(p.cache.key(3, 2)) is State.ABSENT
         backend.faults.clear()
         assert_weights(store, data, 3, p.get(3, [1, 2]))
         p.release(3)
