@@ -33,6 +33,7 @@ Needs root (cgroups, drop_caches). Prints tables; ``--json`` the raw figures (al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -108,12 +109,19 @@ def inflate_run(run: str, work: str, factor: int) -> str:
 
 # --- A, B, D: in-process on the trained store ---------------------------------------------------
 
+@contextlib.contextmanager
 def _engine(store: str, **opts):
+    """(engine, ``runtime.mtp.Speculation`` or None) for the engine and MTP options in ``opts``."""
     from expertfs.runtime.engine import Engine, EngineOptions
+    from expertfs.runtime.mtp import MTPOptions, attach
     prov = opts.pop("provider", "direct")
     ram = opts.pop("ram_bytes", 0)
     opts.setdefault("fused", "off")
-    return Engine.open(store, provider=prov, ram_bytes=ram, options=EngineOptions(**opts))
+    mtp = MTPOptions(**{k: opts.pop(k) for k in ("mtp", "mtp_max", "draft_prefetch",
+                                                 "route_tail_skip") if k in opts})
+    with Engine.open(store, provider=prov, ram_bytes=ram,
+                     options=mtp.engine_options(EngineOptions(**opts))) as eng:
+        yield eng, attach(eng, mtp)
 
 
 def part_acceptance(store: str, held, a: argparse.Namespace) -> list[dict]:
@@ -122,9 +130,9 @@ def part_acceptance(store: str, held, a: argparse.Namespace) -> list[dict]:
     prompts = [held[i * 400:i * 400 + 48].tolist() for i in range(a.prompts)]
     grid = [(0.0, 1.0)] + [(t, p) for t in (0.3, 0.6, 1.0) for p in (1.0, 0.9)]
     rows = []
-    with _engine(store, mtp=a.depth) as eng:
+    with _engine(store, mtp=a.depth) as (_, sp):
         for t, p in grid:
-            d = acceptance(eng, prompts, SamplingParams(temperature=t, top_p=p, seed=11), a.n_new)
+            d = acceptance(sp, prompts, SamplingParams(temperature=t, top_p=p, seed=11), a.n_new)
             d.update(temperature=t, top_p=p, depth=a.depth)
             rows.append(d)
             log(f"A  temp {t:.1f} top-p {p:.2f}: acceptance {d['acceptance']:.3f} "
@@ -136,8 +144,8 @@ def part_predictors(store: str, held, a: argparse.Namespace) -> dict:
     from expertfs.runtime.eval.mtp import route_predictors
     out = {}
     for k in a.pred_depths:
-        with _engine(store, mtp=k, lookahead=True, lookahead_margin=2) as eng:
-            r = route_predictors(eng, held.tolist(), segments=a.segments)
+        with _engine(store, mtp=k, lookahead=True, lookahead_margin=2) as (_, sp):
+            r = route_predictors(sp, held.tolist(), segments=a.segments)
         out[str(k)] = r
         log(f"B  depth {k}: {r['steps']} verify passes in {r['seconds']:.0f} s")
     if a.traces:
@@ -148,7 +156,7 @@ def part_predictors(store: str, held, a: argparse.Namespace) -> dict:
             h = r.header
             s = evaluate_predictor(HistoryPredictor(h.n_layers, h.n_experts), h, r.chunks(),
                                    budget=2 * h.k, skip_tokens=256)
-        out["history_on_decode_trace"] = {"recall": s.recall, "precision": s.precision,
+        out["history_on_decode_trace"] = {"recall": s.score.recall, "precision": s.score.precision,
                                           "budget": 2 * h.k, "rows": s.rows}
     return out
 
@@ -158,8 +166,8 @@ def part_tailskip_quality(store: str, held, ram: int, ns: list[int],
     from expertfs.runtime.eval.mtp import tail_skip_quality
     rows = []
     for n in ns:
-        with _engine(store, provider="tiered", ram_bytes=ram) as ex, \
-                _engine(store, provider="tiered", ram_bytes=ram, route_tail_skip=n) as lo:
+        with _engine(store, provider="tiered", ram_bytes=ram) as (ex, _), \
+                _engine(store, provider="tiered", ram_bytes=ram, route_tail_skip=n) as (lo, _):
             d = tail_skip_quality(ex, lo, held.tolist(), segments=a.segments // 2 or 1)
         d["n"] = n
         rows.append(d)

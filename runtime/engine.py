@@ -12,12 +12,12 @@ installed and falls back to the uncached ``DirectProvider`` with a logged warnin
 in batches of ``prefill_batch`` tokens, each touched expert fetched once per batch and layer.
 ``trace(path)`` records every routing decision in the routing-trace format (``runtime.trace``).
 
-With ``mtp`` (a draft depth or ``"auto"``) and a NextN block in the store, ``Engine.spec`` is a
-``runtime.mtp.Speculator`` (speculative decoding; ``runtime.generate`` and the server use it):
-every forward then keeps the trunk's last hidden states for the block's catch-up.
-``draft_prefetch`` prefetches the verify pass's predicted experts of every layer from the
-drafts; ``route_tail_skip`` N (opt-in, lossy) skips non-resident experts ranked past N for every
-token of a decode or verify window (``runtime.mtp.routing``).
+The engine knows nothing of speculative decoding: ``runtime.mtp.attach(engine, MTPOptions(...))``
+builds it on top of an open engine through a few narrow hooks: ``add_observer`` (every forward's
+tokens and the trunk's last hidden states, every reset), ``verify`` (a forward of several rows
+as one decode window), ``count_decode`` and ``runner.set_router``; ``runtime.generate`` and the
+server run its steps. ``decode`` and ``verify`` forwards run with ``runner.decoding`` set: the
+windows in which a router with hooks (``runtime.mtp.routing``) may skip experts.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from ..errors import UsageError
-from .experts.protocol import ExpertProvider
+from .experts.protocol import ExpertProvider, WarmStart
 from .memory import memory_limit
-from .model import (DequantCache, ExpertRunner, LookaheadStats, Model, ModelConfig, Router,
-                    TrunkReader, load_trunk)
+from .model import DequantCache, ExpertRunner, Model, ModelConfig, Router, TrunkReader, load_trunk
+from .prefetch.lookahead import LookaheadStats
 
-__all__ = ["Engine", "EngineOptions", "make_provider", "resolve_dtype"]
+__all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,12 @@ class EngineOptions:
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = 2             # experts beyond top-k prefetched per token
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
-                                          # tier (None: k + margin + 1; 0: into the tier;
-                                          # with draft_prefetch always into the tier)
+                                          # tier (None: k + margin + 1; 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
     act_quant: str = "off"                # "q8": llama.cpp's 8-bit activations in the native
                                           # expert products (lossy, opt-in, measured)
-    mtp: int | str = 0                    # MTP draft depth (0 = off) or "auto" (utility gate)
-    mtp_max: int = 4                      # deepest draft "auto" may choose
-    draft_prefetch: bool = False          # prefetch every layer's predicted verify experts
-    route_tail_skip: int = 0              # opt-in lossy: skip cold experts ranked past N
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
@@ -88,9 +83,7 @@ def lookahead_slots(store: Any, options: EngineOptions) -> int:
     """RAM slots for the lookahead's staged prefetches: ``options.prefetch_slots``, by default
     one layer's predictions (k + margin) and one more for the previous layer's read still in
     flight (predictions are read one at a time, and those still queued when their layer runs
-    are dropped). Measured on the trained model of ``bench/bench_mtp.py`` part C: lookahead
-    1.26x plain with these against 1.17-1.41x with twice k + margin, fewer MB read per token;
-    every slot here is one the RAM tier does not get."""
+    are dropped). Every slot here is one the RAM tier does not get."""
     if options.prefetch_slots is not None:
         return max(0, int(options.prefetch_slots))
     k = int((getattr(store, "summary", {}) or {}).get("expert_used_count") or 1)
@@ -129,6 +122,17 @@ def _use_fused(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return shutil.which("c++") is not None or shutil.which("g++") is not None
 
 
+class ForwardObserver(Protocol):
+    """What ``Engine.add_observer`` takes: told of every forward and every reset."""
+
+    def observe(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        """``tokens`` ran, ending at the engine's position; ``hidden [T, n_embd]``: the trunk's
+        last hidden state of each (after the output norm)."""
+
+    def reset(self, pos: int) -> None:
+        """The engine's KV cache now ends at ``pos``."""
+
+
 @dataclass
 class StepTimes:
     prefill_s: float = 0.0
@@ -155,8 +159,8 @@ class Engine:
             budget = memory_limit() // 4
         # The warm start's reads wait for the first logits: they would share the drive with
         # the trunk's reads and then the prompt's own experts, and delay the first token.
-        self._resume_warm = getattr(provider, "resume_warm", None)
-        if self._resume_warm is not None:
+        self._warm = provider if isinstance(provider, WarmStart) else None
+        if self._warm is not None:
             provider.hold_warm()
         self.trunk = load_trunk(self.reader, self.config, dtype=self.dtype, device=self.device,
                                 trunk_mode=options.trunk, float_budget=budget,
@@ -184,11 +188,7 @@ class Engine:
         self.compile_seconds = getattr(self, "compile_seconds", 0.0)
         self._trace = None
         self._token_no = 0              # tokens run through the model (trace token index)
-        self.spec = None                # runtime.mtp.Speculator when MTP is on
-        self.routing = None             # runtime.mtp.RouterHook (taps, route tail skip)
-        if options.mtp or options.route_tail_skip or options.draft_prefetch:
-            from .mtp import attach
-            attach(self)
+        self._observers: list[ForwardObserver] = []
 
     def _precompile(self) -> None:
         """Compile the fused one-token products this model uses, before the first token."""
@@ -220,9 +220,7 @@ class Engine:
         try:
             if isinstance(provider, str):
                 popts = dict(provider_options or {})
-                # draft-route prefetch reads a whole verify pass ahead: into the cache (and
-                # the tiers give prefetch slots only to a RAM-only cache: plan_slots)
-                if options.lookahead and not options.draft_prefetch:
+                if options.lookahead:
                     popts.setdefault("prefetch_slots", lookahead_slots(store, options))
                 if provider != "direct":
                     popts.setdefault("warm_held", True)     # resumed at the first logits
@@ -242,13 +240,23 @@ class Engine:
                              f"{self.config.n_vocab}", fix="pass ids in 0..n_vocab-1")
         return torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
 
-    def _run(self, tokens: Sequence[int], logits: str) -> torch.Tensor | None:
+    def add_observer(self, observer: ForwardObserver) -> None:
+        """Tell ``observer`` of every forward from now on (which then keeps the trunk's last
+        hidden states) and of every reset."""
+        self._observers.append(observer)
+
+    def _run(self, tokens: Sequence[int], logits: str, decoding: bool = False
+             ) -> torch.Tensor | None:
         if self._trace is not None:
             self.runner.record = []
-        spec = self.spec
-        out = self.model.forward(self._ids(tokens), logits=logits, hidden=spec is not None)
-        if spec is not None:
-            spec.observe(list(tokens), self.model.hidden)
+        obs = self._observers
+        was, self.runner.decoding = self.runner.decoding, decoding
+        try:
+            out = self.model.forward(self._ids(tokens), logits=logits, hidden=bool(obs))
+        finally:
+            self.runner.decoding = was
+        for o in obs:
+            o.observe(list(tokens), self.model.hidden)
         if self._trace is not None:
             self._flush_trace(len(tokens))
         self._token_no += len(tokens)
@@ -260,9 +268,9 @@ class Engine:
         """Let the provider's warm start read from now on (the engine holds it until the first
         logits, so the trunk's and the prompt's reads come first; a server waiting for its
         first request starts it at once)."""
-        if self._resume_warm is not None:
-            resume, self._resume_warm = self._resume_warm, None
-            resume()
+        if self._warm is not None:
+            warm, self._warm = self._warm, None
+            warm.resume_warm()
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens`` in batches; float32 logits ``[n_vocab]`` of the last one."""
@@ -281,14 +289,20 @@ class Engine:
     def decode(self, token: int) -> torch.Tensor:
         """One position; float32 logits ``[n_vocab]``."""
         t0 = time.perf_counter()
-        if self.routing is not None:
-            with self.routing.window():
-                out = self._run([token], "last")
-        else:
-            out = self._run([token], "last")
-        self.times.decode_s += time.perf_counter() - t0
-        self.times.decode_tokens += 1
+        out = self._run([token], "last", decoding=True)
+        self.count_decode(time.perf_counter() - t0, 1)
         return out[0]
+
+    def verify(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` as one decode window (a speculative verify pass): float32 logits
+        ``[len(tokens), n_vocab]`` of every row. Not counted in ``times``: the caller counts its
+        whole step with ``count_decode``."""
+        return self._run(tokens, "all", decoding=True)
+
+    def count_decode(self, seconds: float, tokens: int) -> None:
+        """Add a decode step's wall time and the tokens it produced to ``times``."""
+        self.times.decode_s += seconds
+        self.times.decode_tokens += tokens
 
     def logits(self, tokens: Sequence[int], *, reset: bool = True) -> torch.Tensor:
         """Logits of every position of ``tokens``: float32 ``[len(tokens), n_vocab]`` (CPU)."""
@@ -314,8 +328,8 @@ class Engine:
 
     def reset(self, pos: int = 0) -> None:
         self.model.reset(pos)
-        if self.spec is not None:
-            self.spec.reset(pos)
+        for o in self._observers:
+            o.reset(pos)
 
     @property
     def pos(self) -> int:
@@ -344,9 +358,9 @@ class Engine:
                 self._trace.add(self._token_no + t, layer, ih[t], wh[t])
 
     def stats(self) -> dict[str, Any]:
-        p = self.provider.stats.as_dict() if hasattr(self.provider, "stats") else {}
         out: dict[str, Any] = {
-            "provider": type(self.provider).__name__, "provider_stats": p,
+            "provider": type(self.provider).__name__,
+            "provider_stats": self.provider.stats.as_dict(),
             "moe": self.runner.stats.as_dict(), "dq_cache": self.runner.dq.stats(),
             "trunk_float_bytes": self.trunk.float_bytes,
             "trunk_quant_bytes": self.trunk.quant_bytes,
@@ -357,9 +371,6 @@ class Engine:
         }
         if self.runner.lookahead is not None:
             out["lookahead"] = self.runner.lookahead.as_dict()
-        if self.spec is not None or self.routing is not None:
-            from .mtp import report
-            out.update(report(self))
         return out
 
     def close(self) -> None:

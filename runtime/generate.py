@@ -2,21 +2,30 @@
 
 ``generate(engine, prompt_ids, sampler, max_new, stop_ids)`` yields a ``Step`` per generated
 token with timings (time to first token, per-token seconds) so the CLI can stream text and draw
-its status line; the library itself never prints. With MTP on (``engine.spec``) each decode
-step is a speculative step (``runtime.mtp.Speculator``) that may yield several tokens; their
-``seconds`` share the step's time. The tokens (and, sampled, their distribution) are the same.
+its status line; the library itself never prints. Given a speculator (``spec``: a
+``runtime.mtp.Speculator`` attached to this engine, ``runtime.mtp.attach``) each decode step is
+a speculative step that may yield several tokens; their ``seconds`` share the step's time. The
+tokens (and, sampled, their distribution) are the same. The engine itself decodes one token at
+a time and knows nothing of speculation.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from .engine import Engine
 from .sampling import Sampler
 
-__all__ = ["Step", "generate"]
+__all__ = ["Step", "Speculative", "generate"]
+
+
+class Speculative(Protocol):
+    """What ``generate`` runs decode steps with (``runtime.mtp.Speculator``)."""
+
+    def step(self, last: int, sampler: Sampler, limit: int) -> list[int]:
+        """The tokens after ``last`` (at least one, at most ``limit``)."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +38,10 @@ class Step:
 
 
 def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: int,
-             stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[Step]:
-    """Yield each generated token; the first one's ``seconds`` is the time to first token."""
+             stop_ids: set[int] | frozenset[int] = frozenset(),
+             spec: Speculative | None = None) -> Iterator[Step]:
+    """Yield each generated token; the first one's ``seconds`` is the time to first token.
+    With ``spec``, decode steps are its speculative steps."""
     t0 = last = time.perf_counter()
     logits = engine.prefill(list(prompt))
     for i in range(max_new):
@@ -41,16 +52,16 @@ def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: i
         last = now
         if stop or i + 1 == max_new:
             return
-        if engine.spec is not None:
-            yield from _speculative(engine, sampler, tok, i + 1, max_new, stop_ids, t0, last)
+        if spec is not None:
+            yield from _speculative(spec, sampler, tok, i + 1, max_new, stop_ids, t0, last)
             return
         logits = engine.decode(tok)
 
 
-def _speculative(engine: Engine, sampler: Sampler, tok: int, i: int, max_new: int,
+def _speculative(spec: Speculative, sampler: Sampler, tok: int, i: int, max_new: int,
                  stop_ids: set[int] | frozenset[int], t0: float, last: float) -> Iterator[Step]:
     while i < max_new:
-        toks = engine.spec.step(tok, sampler, max_new - i)
+        toks = spec.step(tok, sampler, max_new - i)
         now = time.perf_counter()
         share = (now - last) / len(toks)
         for tok in toks:

@@ -159,8 +159,10 @@ def _mtp_arg(text: str) -> int | str:
 
 
 def _open(args: argparse.Namespace):
+    """(engine, ``runtime.mtp.Speculation`` or None) for the arguments."""
     import torch
     from ..runtime.engine import Engine, EngineOptions
+    from ..runtime.mtp import MTPOptions, attach
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.n_predict < 0 or args.ctx < 1 or args.batch < 1:
@@ -172,13 +174,27 @@ def _open(args: argparse.Namespace):
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
                          fused=fused, act_quant=args.act_quant,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
-                         prefetch_slots=args.prefetch_slots,
-                         mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
-                         draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
+                         prefetch_slots=args.prefetch_slots)
+    mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
+                     draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
+    opts = mtp.engine_options(opts)
     ram = _ram_tier(args, opts.device)
     extra = {"warm_start": False} if args.no_warm_start and args.provider != "direct" else None
-    return Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
-                       options=opts, provider_options=extra)
+    eng = Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
+                      options=opts, provider_options=extra)
+    try:
+        return eng, attach(eng, mtp)
+    except BaseException:
+        eng.close()
+        raise
+
+
+def _stats(eng, spec) -> dict[str, Any]:
+    """``eng.stats()`` with the speculation's figures (``"mtp"``, ``"route_tail_skip"``)."""
+    st = eng.stats()
+    if spec is not None:
+        st.update(spec.report())
+    return st
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--preload needs the RAM tier, and --provider direct keeps no expert",
                          fix="drop --provider direct (or --preload)")
     tokens = _parse_tokens(args.tokens) if args.tokens else None
-    eng = _open(args)
+    eng, spec = _open(args)
     try:
         preload_s = None
         if args.preload:
@@ -198,13 +214,13 @@ def run(args: argparse.Namespace) -> int:
         if args.trace:
             eng.trace(args.trace)
         if tokens is not None:
-            return _run_tokens(eng, tokens, args)
-        return _generate(eng, args, preload_s)
+            return _run_tokens(eng, spec, tokens, args)
+        return _generate(eng, spec, args, preload_s)
     finally:
         eng.close()
 
 
-def _run_tokens(eng, tokens: list[int], args: argparse.Namespace) -> int:
+def _run_tokens(eng, spec, tokens: list[int], args: argparse.Namespace) -> int:
     import numpy as np
     t0 = time.perf_counter()
     logits = eng.logits(tokens).numpy().astype(np.float32)
@@ -215,7 +231,7 @@ def _run_tokens(eng, tokens: list[int], args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"tokens": tokens, "argmax": top, "seconds": secs,
                      "logits_out": args.logits_out, "shape": list(logits.shape),
-                     "stats": eng.stats()})
+                     "stats": _stats(eng, spec)})
     else:
         print(" ".join(str(t) for t in top))
         if args.logits_out:
@@ -272,7 +288,7 @@ class _Status:
             self.shown = False
 
 
-def _generate(eng, args: argparse.Namespace, preload_s: float | None = None) -> int:
+def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = None) -> int:
     from ..runtime.generate import generate
     from ..runtime.sampling import Sampler, SamplingParams
     from ..runtime.tokenizer import GGUFTokenizer
@@ -293,7 +309,8 @@ def _generate(eng, args: argparse.Namespace, preload_s: float | None = None) -> 
     bytes0, requests0, hits0 = ps.bytes_read, ps.requests, dict(ps.hits)   # after any preload
     stall0 = ps.stall_seconds
     stops = set() if args.ignore_eos else tok.stop_ids
-    for step in generate(eng, prompt, sampler, args.n_predict, stops):
+    speculator = spec.speculator if spec is not None else None
+    for step in generate(eng, prompt, sampler, args.n_predict, stops, speculator):
         if step.index == 0:
             ttft, t_first = step.seconds, time.perf_counter()
             bytes_prefill = eng.provider.stats.bytes_read - bytes0
@@ -308,7 +325,7 @@ def _generate(eng, args: argparse.Namespace, preload_s: float | None = None) -> 
     status.clear()
     n_dec = max(0, len(out_ids) - 1)
     dec_s = eng.times.decode_s
-    st = eng.stats()
+    st = _stats(eng, spec)
     dec_bytes = ps.bytes_read - bytes0 - (bytes_prefill if t_first is not None else 0)
     requests = max(1, ps.requests - requests0)
     summary: dict[str, Any] = {

@@ -47,7 +47,8 @@ from . import State, TierCache, TieredStats, UsageRecorder, load_rates, persist_
 from ..io import ExpertReader, IOBackend, PinBudget
 from ..policies.base import Policy
 from ..prefetch import HistoryPredictor, Prefetcher
-from ..experts.protocol import ExpertWeights
+from ..experts.protocol import (BoundedGet, ExpertProvider, ExpertWeights, PrefetchReport,
+                                SplitGet, TierState, WarmStart)
 
 __all__ = ["TieredProvider"]
 
@@ -66,7 +67,7 @@ def _warm_rates(store: Any, geo: Any, ram_policy: Policy | None) -> dict[tuple[i
     return rates
 
 
-class TieredProvider:
+class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState, PrefetchReport):
     def __init__(self, store: Any, *, device: str | torch.device = "cpu", ram_bytes: int,
                  vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
                  backend: str | IOBackend = "auto", queue_depth: int = 16, warm_start: bool = True,

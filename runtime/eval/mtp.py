@@ -1,21 +1,22 @@
 """Offline measurements of MTP on a model: acceptance, route predictors, the tail skip's cost.
 
-* ``acceptance(engine, prompts, params, n_new)``: speculative generation from each prompt;
+* ``acceptance(mtp, prompts, params, n_new)``: speculative generation from each prompt;
   acceptance overall and by depth, tokens per step.
-* ``route_predictors(engine, text, ...)``: teacher-forced verify passes over a token stream
+* ``route_predictors(mtp, text, ...)``: teacher-forced verify passes over a token stream
   (as ``tools/trace_trained_moe.py`` builds the MTP trace: at each position the text's token
   is the last token, the NextN block drafts k tokens, the trunk verifies ``[t_p, d_1..d_k]``,
   only t_p is kept). Every predictor names, before the pass, a set of experts per layer; it is
-  scored against the union the pass routed (coverage = needed experts named; waste = named
-  experts not needed). Predictors: the draft-route predictor at several thresholds, the
-  router on each row's NextN state (top-m per row, uncalibrated), the router on the token
-  embedding, the NextN block's own routes through a learned co-occurrence table, the history
-  predictor (``runtime.prefetch.HistoryPredictor``, everything routed so far) and, as the
-  in-pass baseline, next-layer lookahead (``LookaheadStats`` of the same passes).
+  scored against the union the pass routed, as a ``PredictionScore`` (coverage = needed experts
+  named; waste = named experts not needed). Predictors: the draft-route predictor at several
+  thresholds, the router on each row's NextN state (top-m per row, uncalibrated), the router
+  on the token embedding, the NextN block's own routes through a learned co-occurrence table,
+  the history predictor (``runtime.prefetch.HistoryPredictor``, everything routed so far)
+  and, as the in-pass baseline, next-layer lookahead (``LookaheadStats`` of the same passes).
 * ``tail_skip_quality(exact, lossy, text)``: the same teacher-forced decode through an exact
   engine and a ``route_tail_skip`` engine: top-1 agreement and mean KL(exact ‖ lossy) of the
   next-token distributions, experts read.
 
+``mtp`` is the ``runtime.mtp.Speculation`` that ``runtime.mtp.attach`` built on an engine.
 Library code: nothing printed (``bench/bench_mtp.py`` prints).
 """
 
@@ -27,18 +28,18 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..prefetch import HistoryPredictor
+from ..prefetch import HistoryPredictor, PredictionScore
 from ..sampling import Sampler, SamplingParams
 from ..mtp.draftroute import DraftRoutePredictor
 
 __all__ = ["acceptance", "route_predictors", "tail_skip_quality"]
 
 
-def acceptance(engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams,
+def acceptance(mtp: Any, prompts: Sequence[Sequence[int]], params: SamplingParams,
                n_new: int) -> dict[str, Any]:
     """Speculative generation of ``n_new`` tokens from each prompt (fresh context each)."""
     from ..generate import generate
-    spec = engine.spec
+    engine, spec = mtp.engine, mtp.speculator
     s0 = spec.stats.as_dict()
     s0["reached"], s0["taken"] = list(spec.stats.reached), list(spec.stats.taken)
     t0 = time.perf_counter()
@@ -46,7 +47,7 @@ def acceptance(engine: Any, prompts: Sequence[Sequence[int]], params: SamplingPa
         engine.reset()
         sampler = Sampler(SamplingParams(params.temperature, params.top_k, params.top_p,
                                          params.seed + i))
-        for _ in generate(engine, list(p), sampler, n_new):
+        for _ in generate(engine, list(p), sampler, n_new, spec=spec):
             pass
     s1 = spec.stats
     d = {k: getattr(s1, k) - s0[k] for k in ("steps", "drafted", "accepted", "emitted",
@@ -61,21 +62,6 @@ def acceptance(engine: Any, prompts: Sequence[Sequence[int]], params: SamplingPa
     d["tokens_per_step"] = d["emitted"] / d["steps"] if d["steps"] else 0.0
     d["seconds"] = time.perf_counter() - t0
     return d
-
-
-class _Score:
-    def __init__(self) -> None:
-        self.named = self.needed = self.hits = 0
-
-    def add(self, named: set[int], needed: set[int]) -> None:
-        self.named += len(named)
-        self.needed += len(needed)
-        self.hits += len(named & needed)
-
-    def as_dict(self) -> dict[str, float]:
-        return {"coverage": self.hits / self.needed if self.needed else 0.0,
-                "waste": (self.named - self.hits) / self.named if self.named else 0.0,
-                "named_per_needed": self.named / self.needed if self.needed else 0.0}
 
 
 class _Cooccur:
@@ -96,14 +82,15 @@ class _Cooccur:
                 self.n[:, f] += 1.0
 
 
-def route_predictors(engine: Any, text: Sequence[int], *, segment: int = 128, warm: int = 8,
+def route_predictors(mtp: Any, text: Sequence[int], *, segment: int = 128, warm: int = 8,
                      segments: int = 8, thresholds: Sequence[float] = (0.1, 0.15, 0.2, 0.3),
                      margins: Sequence[int] = (0, 2, 4), tail: str = "attn") -> dict[str, Any]:
     """Coverage and waste of each route predictor on teacher-forced verify passes.
-    ``engine`` must run MTP (``mtp=K``) with next-layer lookahead on (``lookahead=True``);
-    ``tail``: how the last row's NextN state is made (``"attn"``, as the runtime does, or
-    ``"hidden"``: the full block)."""
-    spec, hook, cfg = engine.spec, engine.routing, engine.config
+    ``mtp`` must draft (``mtp=K``) on an engine with next-layer lookahead on
+    (``lookahead=True``); ``tail``: how the last row's NextN state is made (``"attn"``, as the
+    runtime does, or ``"hidden"``: the full block)."""
+    engine, spec, hook = mtp.engine, mtp.speculator, mtp.routing
+    cfg = engine.config
     K = spec.fixed or 2
     pred = DraftRoutePredictor(engine)
     layers, E, k = pred.layers, cfg.n_expert, cfg.n_expert_used
@@ -111,7 +98,7 @@ def route_predictors(engine: Any, text: Sequence[int], *, segment: int = 128, wa
     hist = HistoryPredictor(n, E)
     co = _Cooccur(n, E, E)
     L = spec.nextn.layer
-    scores: dict[str, _Score] = {}
+    scores: dict[str, PredictionScore] = {}
     taps: dict[int, list[np.ndarray]] = {}
 
     def tap(layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
@@ -165,21 +152,19 @@ def route_predictors(engine: Any, text: Sequence[int], *, segment: int = 128, wa
                 named[f"history, {2 * k}/layer"] = [set(hist.predict(i, 2 * k))
                                                     for i in range(n)]
                 taps.clear()
-                la0 = (look.predicted, look.used, look.hits) if look is not None else None
-                engine._run(rows, "all")
+                la0 = look.score.copy() if look is not None else None
+                engine.verify(rows)
                 used = np.zeros((len(rows), n, E), bool)
                 for i, la in enumerate(layers):
                     r = taps[la][-1]
                     np.put_along_axis(used[:, i], r, True, axis=1)
                     need = set(r.ravel().tolist())
                     for name, sets in named.items():
-                        scores.setdefault(name, _Score()).add(sets[i], need)
+                        scores.setdefault(name, PredictionScore()).add(sets[i], need)
                 if la0 is not None:
-                    s = scores.setdefault(f"next-layer lookahead, top-{look.margin + k}/row "
-                                          "(in-pass, one layer ahead)", _Score())
-                    s.named += look.predicted - la0[0]
-                    s.needed += look.used - la0[1]
-                    s.hits += look.hits - la0[2]
+                    name = (f"next-layer lookahead, top-{look.margin + k}/row "
+                            "(in-pass, one layer ahead)")
+                    scores[name] = scores.get(name, PredictionScore()) + (look.score - la0)
                 pred.learn(used)
                 co.learn(np.stack(mtp_ids), used)
                 engine.reset(P + 1)
@@ -188,7 +173,8 @@ def route_predictors(engine: Any, text: Sequence[int], *, segment: int = 128, wa
                 steps += 1
     finally:
         hook.taps.remove(tap)
-    out = {name: s.as_dict() for name, s in scores.items()}
+    out = {name: {"coverage": s.coverage, "waste": s.waste,
+                  "named_per_needed": s.predicted_per_needed} for name, s in scores.items()}
     return {"steps": steps, "drafts": K, "seconds": time.perf_counter() - t0,
             "predictors": out}
 

@@ -5,6 +5,7 @@ seen every earlier row and was asked for that layer's experts right after the pr
 layer of lookahead, as the runtime asks it). Recall: the share of the route it predicted;
 precision: the share of its predictions that the route used. No cache and no timing here: how
 much of that turns into hits in time is measured on the real provider (``Prefetcher`` stats).
+Both are ``PredictionScore``s, overall and per layer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..prefetch.score import PredictionScore
 from ..trace.file import TraceChunk, TraceHeader
 
 __all__ = ["PredictorScore", "evaluate_predictor", "trace_rows"]
@@ -20,20 +22,9 @@ __all__ = ["PredictorScore", "evaluate_predictor", "trace_rows"]
 
 @dataclass
 class PredictorScore:
-    rows: int = 0
-    requested: int = 0
-    predicted: int = 0
-    hits: int = 0
-    per_layer_hits: dict[int, int] = field(default_factory=dict)
-    per_layer_requested: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def recall(self) -> float:
-        return self.hits / self.requested if self.requested else 0.0
-
-    @property
-    def precision(self) -> float:
-        return self.hits / self.predicted if self.predicted else 0.0
+    rows: int = 0                                                    # trace rows scored
+    score: PredictionScore = field(default_factory=PredictionScore)  # all rows
+    per_layer: dict[int, PredictionScore] = field(default_factory=dict)
 
 
 def trace_rows(chunks: Iterable[TraceChunk]) -> Iterable[tuple[int, int, list[int]]]:
@@ -55,13 +46,9 @@ def evaluate_predictor(predictor: Any, header: TraceHeader, chunks: Iterable[Tra
     for t, layer, experts in trace_rows(chunks):
         first = t if first is None else first
         if pending is not None and pending[0] == layer and t - first >= skip_tokens:
-            got = sum(1 for e in experts if e in pending[1])
             score.rows += 1
-            score.requested += len(experts)
-            score.predicted += len(pending[1])
-            score.hits += got
-            score.per_layer_hits[layer] = score.per_layer_hits.get(layer, 0) + got
-            score.per_layer_requested[layer] = score.per_layer_requested.get(layer, 0) + len(experts)
+            score.score.add(pending[1], experts)
+            score.per_layer.setdefault(layer, PredictionScore()).add(pending[1], experts)
         predictor.observe(layer, experts)
         nxt = (layer + 1) % n
         pending = (nxt, set(predictor.predict(nxt, budget)))

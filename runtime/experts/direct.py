@@ -12,12 +12,14 @@ from typing import Any, Sequence
 import torch
 
 from ..io import ExpertReader, aligned_empty
-from .protocol import ExpertWeights, ProviderStats, weights_from_buffer
+from .protocol import ExpertProvider, ExpertWeights, ProviderStats, weights_from_buffer
 
 __all__ = ["DirectProvider"]
 
 
-class DirectProvider:
+class DirectProvider(ExpertProvider):
+    """The contract and no optional capability: no tier, no warm start, no prefetch."""
+
     def __init__(self, store: Any, device: str | torch.device = "cpu", backend: str = "buffered",
                  queue_depth: int = 8) -> None:
         self.store = store

@@ -7,12 +7,22 @@ whose ``QWeight`` views stay valid, and are never evicted, until ``provider.rele
 unchanged: ``QWeight.raw`` is a uint8 tensor of ``rows × row_bytes`` and ``shape`` is the
 torch (out, in) shape, so ``expertfs.formats.dequant.linear(x, w.raw, w.ggml_type, w.shape)``
 computes ``x @ W.T`` like ``nn.Linear``.
+
+Beyond that contract a provider may offer optional capabilities, each a small runtime-checkable
+protocol below that the provider declares by subclassing it (and implementing it). Callers test
+for one with ``isinstance`` (once, where they set up) instead of probing attribute names:
+
+``SplitGet``        ``get_begin``: the resident experts now, the rest when read (overlap)
+``BoundedGet``      ``max_experts_per_get``: how many experts one ``get`` may ask for now
+``WarmStart``       ``hold_warm``/``resume_warm``: a background warm start that can wait
+``TierState``       ``is_resident``/``prefetch_in_flight``: what a tier holds or is reading
+``PrefetchReport``  ``prefetch_report``: per prefetch source, what its prefetches became
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -20,7 +30,8 @@ from expertfs.formats.ggml import GGMLType
 from expertfs.formats.moe_names import Role
 from expertfs.store.layout import Extent
 
-__all__ = ["QWeight", "ExpertWeights", "ExpertProvider", "ProviderStats", "weights_from_buffer"]
+__all__ = ["QWeight", "ExpertWeights", "ExpertProvider", "ProviderStats", "weights_from_buffer",
+           "SplitGet", "BoundedGet", "WarmStart", "TierState", "PrefetchReport"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,48 @@ class ExpertProvider(Protocol):
 
     def close(self) -> None:
         ...
+
+
+# --- optional capabilities ---------------------------------------------------------------------
+
+@runtime_checkable
+class SplitGet(Protocol):
+    def get_begin(self, layer: int, experts: Sequence[int]
+                  ) -> tuple[dict[int, ExpertWeights], Callable[[], dict[int, ExpertWeights]]]:
+        """``get`` in two halves: (weights of the experts resident now, ``finish()`` that waits
+        for the others and returns theirs); ``release(layer)`` as after ``get``."""
+
+
+@runtime_checkable
+class BoundedGet(Protocol):
+    @property
+    def max_experts_per_get(self) -> int:
+        """How many experts one ``get`` may ask for now (0: no limit); the MoE layer splits
+        wider requests into parts, releasing each before the next."""
+
+
+@runtime_checkable
+class WarmStart(Protocol):
+    def hold_warm(self) -> None:
+        """Issue no more warm-start reads until ``resume_warm``."""
+
+    def resume_warm(self) -> None:
+        ...
+
+
+@runtime_checkable
+class TierState(Protocol):
+    def is_resident(self, layer: int, expert: int) -> bool:
+        """The expert is in a tier or being read into one (a routed layer's expert only)."""
+
+    def prefetch_in_flight(self) -> int:
+        """Prefetch reads issued and not yet landed."""
+
+
+@runtime_checkable
+class PrefetchReport(Protocol):
+    def prefetch_report(self) -> dict[str, dict[str, Any]]:
+        """Per prefetch source (``prefetch(..., source=)``): what its prefetches became."""
 
 
 def weights_from_buffer(extent: Extent, buf: torch.Tensor) -> ExpertWeights:

@@ -14,11 +14,10 @@ provider. One concept per module:
 from .config import ARCHS, ModelConfig
 from .dqcache import DequantCache
 from .loader import TrunkWeights, load_trunk
-from ..prefetch.lookahead import LookaheadStats
 from .model import Model
 from .moe import ExpertRunner, MoEStats
 from .router import Router
 from .weights import TrunkReader
 
 __all__ = ["ARCHS", "ModelConfig", "DequantCache", "TrunkWeights", "load_trunk",
-           "LookaheadStats", "Model", "ExpertRunner", "MoEStats", "Router", "TrunkReader"]
+           "Model", "ExpertRunner", "MoEStats", "Router", "TrunkReader"]

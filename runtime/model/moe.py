@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
-from ..experts.protocol import ExpertProvider
+from ..experts.protocol import BoundedGet, ExpertProvider, SplitGet
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
 from ..prefetch.lookahead import LookaheadStats
@@ -63,6 +63,17 @@ class ExpertRunner:
     record: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None   # trace rows
     fused: bool = False          # decode matvecs through qmatvec (native or compiled, CPU)
     act_quant: str = "off"       # "q8": llama.cpp's 8-bit activations (lossy, opt-in; native)
+    decoding: bool = False       # the forward running is a decode step or a verify pass, not
+                                 # prefill (a router may treat those windows differently)
+
+    def __post_init__(self) -> None:
+        p = self.provider
+        self._split = p if isinstance(p, SplitGet) else None        # overlapped decode reads
+        self._bounded = p if isinstance(p, BoundedGet) else None    # prefill gets in parts
+
+    def set_router(self, router: Router) -> None:
+        """Route with ``router`` from now on (a ``Router`` with hooks: same selection)."""
+        self.router = router
 
     def set_act_quant(self, mode: str) -> None:
         """``"off"`` (exact, the default) or ``"q8"``: the native expert products quantize
@@ -115,10 +126,9 @@ class ExpertRunner:
         shared expert's output), each None when not done here: nothing to overlap or the native
         kernels do not apply, and the caller computes from the weights as usual. ``then()`` runs
         once this layer's reads are issued (the next layer's prefetch: it queues behind them)."""
-        begin = getattr(self.provider, "get_begin", None)
-        if begin is None:
+        if self._split is None:
             return None, None, None
-        ready, finish = begin(layer, experts)
+        ready, finish = self._split.get_begin(layer, experts)
         then()
         self.stats.fetches += len(experts)
         hit = [e for e in experts if e in ready]
@@ -174,7 +184,7 @@ class ExpertRunner:
             counts_h, pred = hv[:E], hv[E:]
             experts = [e for e in range(E) if counts_h[e]]
         if self.lookahead is not None:
-            self.lookahead.score(layer, set(experts))
+            self.lookahead.on_route(layer, set(experts))
         pending = predict is not None
 
         def prefetch_next() -> None:
@@ -226,7 +236,7 @@ class ExpertRunner:
         wsorted = wts.flatten().index_select(0, order)
         start = list(itertools.accumulate(counts, initial=0))           # first pair per expert
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        room = getattr(self.provider, "max_experts_per_get", 0)
+        room = self._bounded.max_experts_per_get if self._bounded is not None else 0
         room = room if 0 < room < len(experts) else max(1, len(experts))
         for p in range(0, len(experts), room):
             if p:

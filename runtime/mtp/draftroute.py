@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..experts.protocol import PrefetchReport, TierState
 from ..model.config import GATING_SIGMOID, GATING_SOFTMAX
 from ..model.rope import rms_norm
+from ..prefetch.score import PredictionScore
 from .speculative import DraftState
 
 __all__ = ["DraftRoutePredictor", "DraftRoutePrefetcher", "RouteScore", "TokenRouteMemory",
@@ -155,27 +157,25 @@ class DraftRoutePredictor:
 
 @dataclass
 class RouteScore:
-    """Predictions against the verify passes' needs (per layer visit, union over rows)."""
+    """Predictions against the verify passes' needs (per layer visit, union over rows): a
+    ``PredictionScore`` and the bytes of the experts predicted."""
 
     steps: int = 0
-    predicted: int = 0
-    needed: int = 0
-    hits: int = 0
+    score: PredictionScore = field(default_factory=PredictionScore)
     predicted_bytes: int = 0
-    wasted_bytes: int = 0
+    wasted_bytes: int = 0        # bytes of the predicted experts not needed
 
-    @property
-    def coverage(self) -> float:
-        return self.hits / self.needed if self.needed else 0.0
-
-    @property
-    def waste(self) -> float:
-        return (self.predicted - self.hits) / self.predicted if self.predicted else 0.0
+    def add(self, predicted: set[int], needed: set[int], nbytes: int) -> None:
+        """One layer of a verify pass; ``nbytes``: one expert's size at that layer."""
+        h = self.score.add(predicted, needed)
+        self.predicted_bytes += len(predicted) * nbytes
+        self.wasted_bytes += (len(predicted) - h) * nbytes
 
     def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d.update(coverage=round(self.coverage, 4), waste=round(self.waste, 4))
-        return d
+        sc = self.score
+        return {"steps": self.steps, "predicted": sc.predicted, "needed": sc.needed,
+                "hits": sc.hits, "predicted_bytes": self.predicted_bytes,
+                "wasted_bytes": self.wasted_bytes, **sc.ratios("coverage", "waste", digits=4)}
 
 
 class DraftRoutePrefetcher:
@@ -194,21 +194,23 @@ class DraftRoutePrefetcher:
         self.claimed = self.issued = self.dropped = 0
         self.rho: float | None = None          # share of a step spent waiting on storage
         self._t0 = self._stall0 = 0.0
-        cache = getattr(engine.provider, "cache", None)
-        self._in_flight = getattr(cache, "prefetch_in_flight", None)
+        prov = engine.provider
+        self._in_flight = prov.prefetch_in_flight if isinstance(prov, TierState) else None
+        self._report = prov.prefetch_report if isinstance(prov, PrefetchReport) else None
         from .routing import resident_fn
         self._resident = resident_fn(engine.provider, engine.runner.dq)
         store = engine.store
         self._bytes = {la: int(store.extent(la, 0).length) for la in self.predictor.layers}
 
-    def install(self, spec: Any) -> DraftRoutePrefetcher:
+    def install(self, spec: Any, routing: Any) -> DraftRoutePrefetcher:
+        """Hook into ``spec`` (a ``Speculator``) and tap ``routing`` (its ``RouterHook``)."""
         spec.tail_hidden = True
         spec.tail_mode = "attn"
         spec.route_hooks.append(self.before_verify)
         spec.verify_hooks.append(self.after_verify)
         spec.observe_hooks.append(self.on_forward)
         spec.draft_prefetcher = self
-        self.engine.routing.taps.append(self.tap)
+        routing.taps.append(self.tap)
         self.spec = spec
         return self
 
@@ -296,13 +298,13 @@ class DraftRoutePrefetcher:
         self._routes = {}
         self._pump(-1)
         self._t0 = time.perf_counter()
-        self._stall0 = getattr(getattr(prov, "stats", None), "stall_seconds", 0.0)
+        self._stall0 = prov.stats.stall_seconds
 
     def after_verify(self, ds: DraftState, n_accepted: int) -> None:
         self._verify = False
-        st = getattr(self.engine.provider, "stats", None)
+        st = self.engine.provider.stats
         dt = time.perf_counter() - self._t0
-        if st is not None and dt > 0:
+        if dt > 0:
             r = min(1.0, max(0.0, (st.stall_seconds - self._stall0) / dt))
             self.rho = r if self.rho is None else 0.8 * self.rho + 0.2 * r
         self.dropped += len(self._queue)
@@ -320,13 +322,7 @@ class DraftRoutePrefetcher:
             rr, cc = np.nonzero(r >= 0)
             used[rr, i, r[rr, cc]] = True
             need = set(r[r >= 0].tolist())
-            pred = set(self._pred.get(la, ()))
-            h = len(need & pred)
-            sc.predicted += len(pred)
-            sc.needed += len(need)
-            sc.hits += h
-            sc.predicted_bytes += len(pred) * self._bytes[la]
-            sc.wasted_bytes += (len(pred) - h) * self._bytes[la]
+            sc.add(set(self._pred.get(la, ())), need, self._bytes[la])
         self.predictor.learn(used)
         self._remember(ds.tokens, routes, n_accepted + 1)
 
@@ -337,9 +333,8 @@ class DraftRoutePrefetcher:
         d.update(claimed=self.claimed, issued=self.issued, dropped=self.dropped,
                  max_in_flight=self.max_in_flight)
         d["memory_tokens"] = len(self.predictor.memory)
-        rep = getattr(self.engine.provider, "prefetch_report", None)
-        if rep is not None:
-            src = rep().get("draft")
+        if self._report is not None:
+            src = self._report().get("draft")
             if src is not None:
                 d["provider"] = {k: (round(v, 4) if isinstance(v, float) else v)
                                  for k, v in src.items()}

@@ -5,9 +5,9 @@ skip.
 knows each ``RouterWeights``' layer. After each routing decision it can
 
 * **tail-skip** (``--route-tail-skip N``, lossy, off by default): inside a decode or verify
-  window (``with hook.window():``), an expert of this layer that is not resident (not in a
-  cache tier, not loading, not in the dequantized cache) and ranks past N — by routing weight —
-  for *every* token of the window is neither fetched nor computed. A one-token window drops its
+  window (``in_window()``: the engine's ``runner.decoding``), an expert of this layer that is
+  not resident (not in a cache tier, not loading, not in the dequantized cache) and ranks past
+  N — by routing weight — for *every* token of the window is neither fetched nor computed. A one-token window drops its
   pairs; in a wider window they are pointed at the token's first-ranked expert with weight 0
   (the runner fetches each expert once per batch, so nothing new is read and nothing added;
   the runner's interface has no per-pair mask). Every other pair keeps its routing weight (no
@@ -19,12 +19,12 @@ knows each ``RouterWeights``' layer. After each routing decision it can
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
+from ..experts.protocol import TierState
 from ..model.router import Router, RouterWeights
 
 __all__ = ["RouterHook", "SkipStats", "resident_fn"]
@@ -46,16 +46,16 @@ class SkipStats:
 
 def resident_fn(provider: Any, dq: Any) -> Callable[[int, int], bool]:
     """``(layer, expert) -> bool``: in a provider tier, loading, or in the dequantized cache."""
-    cache = getattr(provider, "cache", None)
+    tiers = provider if isinstance(provider, TierState) else None
     dqd = getattr(dq, "_d", None) if getattr(dq, "enabled", False) else None
 
     def resident(layer: int, e: int) -> bool:
         if dqd is not None and (layer, e) in dqd:
             return True
-        if cache is None:
+        if tiers is None:
             return False
         try:
-            return int(cache.state_of(cache.key(layer, e))) != 0          # State.ABSENT
+            return tiers.is_resident(layer, e)
         except Exception:                                                # not a routed layer
             return True
     return resident
@@ -65,31 +65,23 @@ class RouterHook(Router):
     def __init__(self, base: Router, layer_of: dict[int, int], *, skip_n: int = 0,
                  resident: Callable[[int, int], bool] | None = None,
                  skip_layers: set[int] | None = None,
-                 expert_bytes: Callable[[int, int], int] | None = None) -> None:
+                 expert_bytes: Callable[[int, int], int] | None = None,
+                 in_window: Callable[[], bool] | None = None) -> None:
         self.__dict__.update(base.__dict__)          # the same gating, k, groups, scaling
         self.layer_of = layer_of                     # id(RouterWeights) -> layer
         self.skip_n = int(skip_n)
         self.resident = resident or (lambda layer, e: False)
         self.skip_layers = skip_layers               # None: every layer
         self.expert_bytes = expert_bytes or (lambda layer, e: 0)
+        self.in_window = in_window or (lambda: False)    # a decode or verify forward runs
         self.taps: list[Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]] = []
         self.skip = SkipStats()
-        self._window = 0
-
-    @contextlib.contextmanager
-    def window(self) -> Iterator[None]:
-        """Forwards inside are decode/verify windows (the tail skip applies)."""
-        self._window += 1
-        try:
-            yield
-        finally:
-            self._window -= 1
 
     def __call__(self, x: torch.Tensor, w: RouterWeights
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         ids, wts, probs = super().__call__(x, w)
         layer = self.layer_of.get(id(w), -1)
-        if (self.skip_n and self._window and self.skip_n < ids.shape[1] and
+        if (self.skip_n and self.skip_n < ids.shape[1] and self.in_window() and
                 (self.skip_layers is None or layer in self.skip_layers)):
             ids, wts = self._tail_skip(layer, ids, wts)
         for tap in self.taps:

@@ -16,9 +16,11 @@ One ``step(last)`` (``last``: the token just chosen, not yet in the KV cache, at
     6. roll back                trunk KV to P+1+accepted; NextN KV to P+1 (its rows past P were
                                 fed its own hn, not the trunk's: the next catch-up redoes them)
 
-It returns the accepted drafts and the next token (at least one token per step). The trunk's
-last hidden state of every position is kept (``observe``, fed by ``Engine``), so the catch-up
-and a prefix-reusing reset need nothing recomputed.
+It returns the accepted drafts and the next token (at least one token per step). The
+speculator observes the engine (``Engine.add_observer``): the trunk's last hidden state of every
+position is kept (``observe``), and an engine reset rolls the speculator back (``reset``), so the
+catch-up and a prefix-reusing reset need nothing recomputed. The verify pass is
+``Engine.verify``; the whole step's time goes to ``Engine.count_decode``.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Speculator:
     ``more(i, chain_conf)`` and ``update(...)`` (``expertfs.runtime.mtp.gate``)."""
 
     def __init__(self, engine: Any, nextn: NextN, depth: int | Any = 2) -> None:
+        """Speculate on ``engine`` (from now on it tells this speculator of its forwards)."""
         self.engine, self.nextn = engine, nextn
         self.gate = depth if not isinstance(depth, int) else None
         self.fixed = depth if isinstance(depth, int) else 0
@@ -102,11 +105,12 @@ class Speculator:
         d = engine.config.n_embd
         self._hist = torch.zeros(64, d, dtype=torch.float32, device=engine.device)
         self.tokens: list[int] = []               # token at every trunk position
+        engine.add_observer(self)
 
     # --- the trunk's history ------------------------------------------------------------
     def observe(self, tokens: list[int], hidden: torch.Tensor) -> None:
         """The trunk ran ``tokens`` ending at its current position; ``hidden [T, D]``."""
-        end = self.engine.model.pos
+        end = self.engine.pos
         a = end - len(tokens)
         del self.tokens[a:]
         self.tokens.extend(int(t) for t in tokens)
@@ -151,14 +155,14 @@ class Speculator:
 
     def depth(self, limit: int) -> int:
         k = self.gate.depth(limit) if self.gate is not None else self.fixed
-        room = self.engine.options.n_ctx - self.engine.model.pos - 1
+        room = self.engine.options.n_ctx - self.engine.pos - 1
         return max(0, min(k, limit - 1, room))
 
     def step(self, last: int, sampler: Sampler, limit: int = 1 << 30) -> list[int]:
         """Tokens after ``last`` (accepted drafts, then one chosen by the target), at most
         ``limit`` of them."""
         eng, nx, st = self.engine, self.nextn, self.stats
-        P = eng.model.pos
+        P = eng.pos
         kmax = self.depth(limit)
         if kmax <= 0:
             t0 = time.perf_counter()
@@ -170,7 +174,7 @@ class Speculator:
                 self.gate.update(0, 0, 0.0, time.perf_counter() - t0)
             return [tok]
         t0 = time.perf_counter()
-        stall0 = getattr(getattr(eng.provider, "stats", None), "stall_seconds", 0.0)
+        stall0 = eng.provider.stats.stall_seconds
         params, gen = sampler.params, sampler.gen
         logits = self._draft0(last, P)
         drafts: list[int] = []
@@ -201,11 +205,7 @@ class Speculator:
         for hook in self.route_hooks:
             hook(ds)
         t2 = time.perf_counter()
-        if eng.routing is not None:
-            with eng.routing.window():
-                target = eng._run([last] + drafts, "all")
-        else:
-            target = eng._run([last] + drafts, "all")
+        target = eng.verify([last] + drafts)
         if params.greedy:
             n, nxt = accept_greedy(target, drafts)
         else:
@@ -224,11 +224,8 @@ class Speculator:
         st.mtp_s += t1 - t0
         st.prefetch_s += t2 - t1
         st.verify_s += t3 - t2
-        eng.times.decode_s += t3 - t0
-        eng.times.decode_tokens += n + 1
+        eng.count_decode(t3 - t0, n + 1)
         if self.gate is not None:
             self.gate.update(k, n, t1 - t0, t3 - t1)
-            stats = getattr(eng.provider, "stats", None)
-            if stats is not None:
-                self.gate.note_stall(stats.stall_seconds - stall0, t3 - t0)
+            self.gate.note_stall(eng.provider.stats.stall_seconds - stall0, t3 - t0)
         return drafts[:n] + [nxt]

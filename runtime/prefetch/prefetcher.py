@@ -7,13 +7,17 @@ cache mechanism) to start reads for them, best first, while the number of prefet
 flight is under ``max_in_flight`` and the target has slots to spare; the target answers
 "issued", "resident" (already cached or on its way) or "refused" (no room: stop).
 
-Per source (``SourceStats``), counted when the layer actually runs (``on_route``):
+Per source (``SourceStats``): its predictions scored when the layer actually runs
+(``on_route``), as a ``PredictionScore`` (``score``):
 
 * **coverage**: of the experts the layer used, the share this source predicted *and* that were
   resident in time (not still loading) — over the layers it made predictions for;
 * **recall** and **precision** of its predictions, timing aside;
+
+and its reads, from the cache's listener:
+
 * **late**: used experts it fetched whose read was still in flight (``late_bytes``);
-* **waste**: experts it fetched that were evicted or cancelled unused (``wasted_bytes``: bytes
+* **wasted**: experts it fetched that were evicted or cancelled unused (``wasted_bytes``: bytes
   actually read for nothing).
 
 Pure bookkeeping over the target's answers; tested with a fake target and with the real cache.
@@ -22,8 +26,10 @@ Pure bookkeeping over the target's answers; tested with a fake target and with t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from .score import PredictionScore
 
 __all__ = ["Prefetcher", "PrefetchTarget", "SourceStats"]
 
@@ -36,15 +42,15 @@ class PrefetchTarget(Protocol):
 
 @dataclass
 class SourceStats:
+    """One source's predictions (``score``: predicted, needed at the layers it predicted for,
+    hits, covered) and its reads."""
+
+    score: PredictionScore = field(default_factory=PredictionScore)
     submissions: int = 0       # submit() calls
-    predicted: int = 0         # distinct (layer, expert) predictions per layer visit
-    issued: int = 0            # reads started for them
+    issued: int = 0            # reads started for its predictions
     issued_bytes: int = 0
     resident: int = 0          # predictions already resident or loading when submitted
     refused: int = 0           # predictions not issued (no room or in-flight bound)
-    requested: int = 0         # experts used at layers this source predicted for
-    hits: int = 0              # of those, predicted by this source
-    covered: int = 0           # ... and resident in time
     used: int = 0              # its reads later used
     late: int = 0
     late_bytes: int = 0
@@ -52,22 +58,15 @@ class SourceStats:
     wasted_bytes: int = 0
     cancelled: int = 0
 
-    @property
-    def coverage(self) -> float:
-        return self.covered / self.requested if self.requested else 0.0
-
-    @property
-    def recall(self) -> float:
-        return self.hits / self.requested if self.requested else 0.0
-
-    @property
-    def precision(self) -> float:
-        return self.hits / self.predicted if self.predicted else 0.0
-
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(coverage=self.coverage, recall=self.recall, precision=self.precision)
-        return d
+        sc = self.score
+        return {"submissions": self.submissions, "predicted": sc.predicted,
+                "issued": self.issued, "issued_bytes": self.issued_bytes,
+                "resident": self.resident, "refused": self.refused, "requested": sc.needed,
+                "hits": sc.hits, "covered": sc.covered, "used": self.used, "late": self.late,
+                "late_bytes": self.late_bytes, "wasted": self.wasted,
+                "wasted_bytes": self.wasted_bytes, "cancelled": self.cancelled,
+                **sc.ratios("coverage", "recall", "precision")}
 
 
 class Prefetcher:
@@ -96,7 +95,7 @@ class Prefetcher:
             if e not in seen:
                 seen.add(e)
                 todo.append(e)
-        st.predicted += len(todo)
+        st.score.predicted += len(todo)
         if self.max_per_submit is not None:
             st.refused += max(0, len(todo) - self.max_per_submit)
             todo = todo[:self.max_per_submit]
@@ -128,13 +127,9 @@ class Prefetcher:
         preds = self._pending.pop(layer, None)
         if not preds:
             return
+        ids = [int(e) for e in experts]
         for source, predicted in preds.items():
-            st = self.stats(source)
-            st.requested += len(experts)
-            for e, ok in zip(experts, in_time):
-                if int(e) in predicted:
-                    st.hits += 1
-                    st.covered += bool(ok)
+            self.stats(source).score.add_needed(predicted, ids, in_time)
 
     # -- the cache mechanism's listener ----------------------------------------------------------
     def on_used(self, source: str, nbytes: int) -> None:

@@ -4,9 +4,10 @@
 cache keeps the previous request's tokens; a new prompt that starts with them (a chat that
 grows turn by turn) only prefills the new part. Figures follow llama.cpp's server ``timings``
 (prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms, predicted_per_second,
-cache_n) plus the expert hit rates and bytes read for this request. When the engine runs MTP
-speculative decoding (``Engine.spec``), tokens come from speculative steps (same greedy tokens,
-same sampled distribution) and the timings add the drafts accepted and verified.
+cache_n) plus the expert hit rates and bytes read for this request. Given a speculator
+(``spec``: a ``runtime.mtp.Speculator`` attached to the engine), tokens come from speculative
+steps (same greedy tokens, same sampled distribution) and the timings add the drafts accepted
+and verified.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class Outcome:
 
 
 class Session:
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
-        self.engine, self.tok = engine, tokenizer
+    def __init__(self, engine: Any, tokenizer: Any, spec: Any = None) -> None:
+        self.engine, self.tok, self.spec = engine, tokenizer, spec
         self.cached: list[int] = []            # the tokens whose K/V the engine holds
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
@@ -104,7 +105,7 @@ class Session:
         sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed))
         stop = StopMatcher(req.stop)
         detok = tok.detokenizer()
-        spec = getattr(eng, "spec", None)
+        spec = self.spec
         m0 = (spec.stats.drafted, spec.stats.accepted) if spec is not None else (0, 0)
         seq: list[int] = []                    # tokens taken, in order
         queue: list[int] = []                  # a speculative step's tokens not taken yet

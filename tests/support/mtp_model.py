@@ -68,13 +68,43 @@ def build_model(out: Path, *, seed: int = 0, dtype: str = "F32", **over):
     return model, gguf, store
 
 
-def engine(store: Path, **opts):
+MTP_OPTIONS = ("mtp", "mtp_max", "draft_prefetch", "route_tail_skip")
+
+
+class Opened:
+    """An open engine and what ``runtime.mtp.attach`` built on it (None: nothing asked for);
+    ``with`` gives the pair and closes the engine."""
+
+    def __init__(self, eng, sp) -> None:
+        self.eng, self.sp = eng, sp
+
+    def __enter__(self):
+        return self.eng, self.sp
+
+    def __exit__(self, *exc) -> None:
+        self.eng.close()
+
+
+def engine(store: Path, **opts) -> Opened:
+    """Open ``store`` with the engine and MTP options among ``opts`` (fused off by default)."""
     from expertfs.runtime.engine import Engine, EngineOptions
+    from expertfs.runtime.mtp import MTPOptions, attach
     opts.setdefault("fused", "off")
     provider = opts.pop("provider", "direct")
     ram = opts.pop("ram_bytes", 0)
-    return Engine.open(str(store), provider=provider, ram_bytes=ram,
-                       options=EngineOptions(**opts))
+    mtp = MTPOptions(**{k: opts.pop(k) for k in MTP_OPTIONS if k in opts})
+    eng = Engine.open(str(store), provider=provider, ram_bytes=ram,
+                      options=mtp.engine_options(EngineOptions(**opts)))
+    try:
+        return Opened(eng, attach(eng, mtp))
+    except BaseException:
+        eng.close()
+        raise
+
+
+def stats(eng, sp) -> dict:
+    """``eng.stats()`` with the speculation's figures, as the CLI prints them."""
+    return {**eng.stats(), **(sp.report() if sp is not None else {})}
 
 
 def greedy_plain(eng, prompt: list[int], n: int) -> list[int]:

@@ -45,10 +45,10 @@ def _reference(model, ids: list[int], chain: int):
 def test_nextn_matches_transformers(tiny) -> None:
     model, _, store = tiny
     ref_h, ref_hn, ref_logits, ref_drafts = _reference(model, PROMPT, chain=2)
-    with engine(store, mtp=2) as eng:
+    with engine(store, mtp=2) as (eng, sp):
         eng.prefill(PROMPT[:-1])
         eng.decode(PROMPT[-1])                                        # hidden kept by both paths
-        spec = eng.spec
+        spec = sp.speculator
         T = len(PROMPT)
         h = spec.h_at(0, T)
         assert torch.allclose(h, ref_h, atol=1e-4, rtol=1e-4), (h - ref_h).abs().max()
@@ -74,13 +74,13 @@ def test_nextn_matches_transformers(tiny) -> None:
 
 def test_mtp_block_experts_go_through_the_provider(tiny) -> None:
     _, _, store = tiny
-    with engine(store, mtp=1) as eng:
+    with engine(store, mtp=1) as (eng, sp):
         L = eng.config.n_layer
         eng.prefill(PROMPT)
         before = eng.provider.stats.requests
-        eng.spec._draft0(7, eng.model.pos)
+        sp.speculator._draft0(7, eng.model.pos)
         assert eng.provider.stats.requests > before                 # layer L's experts read
-        assert eng.spec.nextn.layer == L
+        assert sp.speculator.nextn.layer == L
 
 
 def test_no_nextn_block_is_a_usage_error(tmp_path: Path) -> None:
@@ -98,9 +98,9 @@ def test_catch_up_rows_fill_the_kv_without_experts(tiny) -> None:
     """K/V come from the block's input: a catch-up without FFN, then the last row, equals the
     full forward's last row, and the catch-up reads no expert."""
     _, _, store = tiny
-    with engine(store, mtp=1) as eng:
+    with engine(store, mtp=1) as (eng, sp):
         eng.prefill(PROMPT)
-        spec, nx = eng.spec, eng.spec.nextn
+        spec, nx = sp.speculator, sp.speculator.nextn
         T = len(PROMPT)
         full = nx.forward(torch.tensor(PROMPT), spec.h_at(-1, T - 1), logits="all")
         nx.reset(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.mtp_model import build_model, engine, greedy_plain, one_thread  # noqa: F401
+from support.mtp_model import build_model, engine, greedy_plain, one_thread, stats  # noqa: F401
 
 torch = pytest.importorskip("torch")
 
@@ -52,20 +52,20 @@ class Spy:
 
 
 def test_draft_prefetch_covers_every_layer_and_keeps_the_output(store):
-    with engine(store) as eng:
+    with engine(store) as (eng, _):
         ref = greedy_plain(eng, PROMPT, N)
     with engine(store, mtp=2, draft_prefetch=True, provider="tiered",
-                ram_bytes=4 << 20) as eng:
+                ram_bytes=4 << 20) as (eng, sp):
         spy = Spy(eng.provider)
         eng.provider = spy
-        got = [s.token for s in generate(eng, PROMPT, Sampler(), N)]
-        pf = eng.spec.draft_prefetcher
+        got = [s.token for s in generate(eng, PROMPT, Sampler(), N, spec=sp.speculator)]
+        pf = sp.speculator.draft_prefetcher
         moe = pf.predictor.layers
-        d = eng.stats()["mtp"]["draft_prefetch"]
+        d = stats(eng, sp)["mtp"]["draft_prefetch"]
     assert got == ref
     draft_layers = {la for la, _, src in spy.calls if src == "draft"}
     assert draft_layers == set(moe)                        # the whole step, every MoE layer
-    assert d["steps"] == eng.spec.stats.steps - eng.spec.stats.plain_steps
+    assert d["steps"] == sp.speculator.stats.steps - sp.speculator.stats.plain_steps
     assert d["needed"] > 0 and 0.0 <= d["coverage"] <= 1.0 and 0.0 <= d["waste"] <= 1.0
     assert d["provider"]["predicted"] == d["predicted"]    # the provider saw every prediction
     assert pf.predictor.total.sum() > pf.predictor.total.size * 8.0   # calibration learned
@@ -128,9 +128,9 @@ def test_offline_evaluations_run_and_are_consistent(store):
     from expertfs.runtime.eval.mtp import acceptance, route_predictors, tail_skip_quality
     from expertfs.runtime.sampling import SamplingParams
     text = (PROMPT * 8)[:40]
-    with engine(store, mtp=2, lookahead=True) as eng:
-        r = route_predictors(eng, text, segment=40, warm=6, segments=1)
-        a = acceptance(eng, [PROMPT], SamplingParams(), 8)
+    with engine(store, mtp=2, lookahead=True) as (_, sp):
+        r = route_predictors(sp, text, segment=40, warm=6, segments=1)
+        a = acceptance(sp, [PROMPT], SamplingParams(), 8)
     assert r["steps"] == 40 - 6 - 3
     names = set(r["predictors"])
     assert any(n.startswith("draft (calibrated") for n in names)
@@ -139,6 +139,6 @@ def test_offline_evaluations_run_and_are_consistent(store):
     for v in r["predictors"].values():
         assert 0.0 <= v["coverage"] <= 1.0 and 0.0 <= v["waste"] <= 1.0
     assert a["emitted"] == 7 and 0.0 <= a["acceptance"] <= 1.0
-    with engine(store) as ex, engine(store, route_tail_skip=4) as lo:   # N >= k: exact
+    with engine(store) as (ex, _), engine(store, route_tail_skip=4) as (lo, _):   # N >= k: exact
         q = tail_skip_quality(ex, lo, text, segment=20, warm=6, segments=2)
     assert q["positions"] == 28 and q["top1_agreement"] == 1.0 and q["mean_kl"] < 1e-9

@@ -34,15 +34,16 @@ def _complete(sess: Session, prompt: str, n: int, **kw) -> tuple[str, dict]:
 def test_session_text_equals_plain_and_prefix_is_reused(store):
     texts = {}
     for mtp in (0, 3):
-        with engine(store, mtp=mtp) as eng:
-            sess = Session(eng, GGUFTokenizer(eng.kv, str(store)))
+        with engine(store, mtp=mtp) as (eng, sp):
+            sess = Session(eng, GGUFTokenizer(eng.kv, str(store)),
+                           sp.speculator if sp is not None else None)
             a, ta = _complete(sess, PROMPT, 12)
             b, tb = _complete(sess, PROMPT + a, 9)         # extends the cached conversation
             assert tb["cache_n"] >= len(sess.prompt_ids(parse_completion(
                 {"prompt": PROMPT}))) - 1
             assert len(sess.cached) == eng.pos                # exactly what the KV holds
             if mtp:
-                assert sess.cached == eng.spec.tokens
+                assert sess.cached == sp.speculator.tokens
             texts[mtp] = (a, b)
             if mtp:
                 assert ta["draft_n"] > 0 and 0 <= ta["draft_n_accepted"] <= ta["draft_n"]

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from support.mtp_model import build_model, engine, greedy_plain, one_thread  # noqa: F401
+from support.mtp_model import build_model, engine, greedy_plain, one_thread, stats  # noqa: F401
 
 torch = pytest.importorskip("torch")
 
@@ -24,31 +24,31 @@ N = 24
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     _, _, store = build_model(tmp_path_factory.mktemp("spec"), seed=4)
-    with engine(store) as eng:
+    with engine(store) as (eng, _):
         ref = greedy_plain(eng, PROMPT, N)
     return store, ref
 
 
-def _gen(eng, n=N, params=SamplingParams()):
-    return [s.token for s in generate(eng, PROMPT, Sampler(params), n)]
+def _gen(eng, sp, n=N, params=SamplingParams()):
+    return [s.token for s in generate(eng, PROMPT, Sampler(params), n, spec=sp.speculator)]
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_equals_plain_with_the_models_own_drafts(tiny, k):
     store, ref = tiny
-    with engine(store, mtp=k) as eng:
-        assert _gen(eng) == ref
-        st = eng.stats()["mtp"]
+    with engine(store, mtp=k) as (eng, sp):
+        assert _gen(eng, sp) == ref
+        st = stats(eng, sp)["mtp"]
     assert st["steps"] > 0 and st["drafted"] > 0
     assert st["emitted"] >= N - 1
 
 
-def _oracle(eng, truth: list[int], wrong_every: int):
+def _oracle(eng, sp, truth: list[int], wrong_every: int):
     """Drafts the true continuation, but a wrong token every ``wrong_every``-th draft."""
     calls = itertools.count()
 
     def fn(logits, params, gen):
-        pos = eng.spec.nextn.pos                 # the drafted token's position
+        pos = sp.speculator.nextn.pos                 # the drafted token's position
         i = pos - len(PROMPT)
         t = truth[i] if 0 <= i < len(truth) else 0
         if wrong_every and next(calls) % wrong_every == wrong_every - 1:
@@ -60,20 +60,20 @@ def _oracle(eng, truth: list[int], wrong_every: int):
 @pytest.mark.parametrize("k,wrong", [(4, 0), (4, 3), (2, 2)])
 def test_greedy_equals_plain_with_partly_right_drafts(tiny, k, wrong):
     store, ref = tiny
-    with engine(store, mtp=k) as eng:
-        eng.spec.draft_fn = _oracle(eng, ref, wrong)
+    with engine(store, mtp=k) as (eng, sp):
+        sp.speculator.draft_fn = _oracle(eng, sp, ref, wrong)
         got = []
         sampler = Sampler()
         got.append(sampler(eng.prefill(PROMPT)))
         while len(got) < N:
             P = eng.pos
-            toks = eng.spec.step(got[-1], sampler, N - len(got))
+            toks = sp.speculator.step(got[-1], sampler, N - len(got))
             assert 1 <= len(toks) <= min(k + 1, N - len(got))
             assert eng.pos == P + len(toks)                 # last + accepted drafts in the KV
-            assert eng.spec.nextn.pos <= P + 1              # chained NextN rows rolled back
+            assert sp.speculator.nextn.pos <= P + 1              # chained NextN rows rolled back
             got += toks
-            assert eng.spec.tokens == (PROMPT + got)[:eng.pos]
-        st = eng.spec.stats
+            assert sp.speculator.tokens == (PROMPT + got)[:eng.pos]
+        st = sp.speculator.stats
     assert got == ref
     if wrong == 0:
         assert st.accepted == st.drafted                    # every oracle draft accepted
@@ -83,23 +83,23 @@ def test_greedy_equals_plain_with_partly_right_drafts(tiny, k, wrong):
 
 def test_reset_to_a_prefix_then_continue(tiny):
     store, ref = tiny
-    with engine(store, mtp=2) as eng:
-        assert _gen(eng) == ref
+    with engine(store, mtp=2) as (eng, sp):
+        assert _gen(eng, sp) == ref
         eng.reset(len(PROMPT) + 5)                           # keep the prompt + 5 tokens
         sampler = Sampler()
         got = ref[:6]
         while len(got) < N:
-            got += eng.spec.step(got[-1], sampler, N - len(got))
+            got += sp.speculator.step(got[-1], sampler, N - len(got))
         assert got == ref
 
 
 def test_sampled_is_reproducible_and_mtp_tracks_plain_statistics(tiny):
     store, _ = tiny
     p = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    with engine(store, mtp=2) as eng:
-        a = _gen(eng, params=p)
+    with engine(store, mtp=2) as (eng, sp):
+        a = _gen(eng, sp, params=p)
         eng.reset()
-        b = _gen(eng, params=p)
+        b = _gen(eng, sp, params=p)
     assert a == b and len(a) == N
 
 

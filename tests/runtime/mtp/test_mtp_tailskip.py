@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.mtp_model import build_model, engine, one_thread  # noqa: F401
+from support.mtp_model import build_model, engine, one_thread, stats  # noqa: F401
 
 torch = pytest.importorskip("torch")
 
@@ -49,7 +49,7 @@ def store(tmp_path_factory):
 
 
 def _decode_logits(store, **opts):
-    with engine(store, **opts) as eng:
+    with engine(store, **opts) as (eng, sp):
         pre = eng.prefill(PROMPT).clone()
         gets = []
         real = eng.provider.get
@@ -59,7 +59,7 @@ def _decode_logits(store, **opts):
             return real(layer, experts)
         eng.provider.get = spy
         out = [eng.decode(t).clone() for t in (9, 10, 11)]
-        return pre, torch.stack(out), gets, eng.stats()
+        return pre, torch.stack(out), gets, stats(eng, sp)
 
 
 def test_off_by_default_and_exact_when_n_covers_top_k(store):
@@ -85,11 +85,11 @@ def test_skips_cold_tail_in_decode_but_never_in_prefill(store):
 
 
 def test_verify_windows_skip_with_mtp(store):
-    with engine(store, mtp=2, route_tail_skip=2) as eng:
+    with engine(store, mtp=2, route_tail_skip=2) as (eng, sp):
         from expertfs.runtime.generate import generate
         from expertfs.runtime.sampling import Sampler
-        toks = [s.token for s in generate(eng, PROMPT, Sampler(), 10)]
-        rs = eng.stats()["route_tail_skip"]
+        toks = [s.token for s in generate(eng, PROMPT, Sampler(), 10, spec=sp.speculator)]
+        rs = stats(eng, sp)["route_tail_skip"]
     assert len(toks) == 10 and rs["windows"] > 0 and rs["skipped_pairs"] > 0
 
 
@@ -98,9 +98,9 @@ def test_tail_skip_with_draft_prefetch_and_plain_steps(store):
     from expertfs.runtime.generate import generate
     from expertfs.runtime.sampling import Sampler
     with engine(store, mtp=2, draft_prefetch=True, route_tail_skip=2, provider="tiered",
-                ram_bytes=2 << 20) as eng:
-        toks = [s.token for s in generate(eng, PROMPT, Sampler(), 9)]
+                ram_bytes=2 << 20) as (eng, sp):
+        toks = [s.token for s in generate(eng, PROMPT, Sampler(), 9, spec=sp.speculator)]
         eng.decode(toks[-1])                                    # a plain one-token window
-        eng.spec.step(toks[-1], Sampler(), 3)
-        d = eng.stats()["mtp"]["draft_prefetch"]
+        sp.speculator.step(toks[-1], Sampler(), 3)
+        d = stats(eng, sp)["mtp"]["draft_prefetch"]
     assert len(toks) == 9 and d["steps"] > 0

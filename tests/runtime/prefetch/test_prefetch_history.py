@@ -44,16 +44,16 @@ class OneComponent:
 def test_as_good_as_its_best_component_and_far_above_chance(preset):
     s = spec(**PRESETS[preset])
     _, mix = score(s)
-    best = max(score(s, OneComponent(i))[1].recall for i in range(len(COMPONENTS)))
-    assert mix.recall >= 0.97 * best
-    assert mix.recall > 3 * K / E
+    best = max(score(s, OneComponent(i))[1].score.recall for i in range(len(COMPONENTS)))
+    assert mix.score.recall >= 0.97 * best
+    assert mix.score.recall > 3 * K / E
     assert mix.rows == (TOKENS - SKIP) * L
-    assert mix.precision == pytest.approx(mix.recall)     # k predictions for k experts
+    assert mix.score.precision == pytest.approx(mix.score.recall)     # k predictions for k experts
 
 
 def test_uniform_routing_has_nothing_to_learn():
     _, s = score(spec(**PRESETS["uniform"]))
-    assert 0.5 * K / E < s.recall < 1.6 * K / E
+    assert 0.5 * K / E < s.score.recall < 1.6 * K / E
 
 
 def test_weights_follow_the_kind_of_locality():
@@ -61,7 +61,7 @@ def test_weights_follow_the_kind_of_locality():
     assert max(sticky.weights, key=sticky.weights.get) == "recency"
     paths, s = score(spec(zipf=0.0, stickiness=0.0, cross_layer=0.9))
     assert max(paths.weights, key=paths.weights.get) == "transition"
-    assert s.recall > 3 * K / E
+    assert s.score.recall > 3 * K / E
     hot, _ = score(spec(zipf=2.0, stickiness=0.0))
     assert hot.weights["frequency"] > hot.weights["recency"]
 
@@ -70,13 +70,14 @@ def test_larger_budget_recalls_more():
     s = spec(**PRESETS["hot"])
     _, at_k = score(s)
     _, at_2k = score(s, budget=2 * K)
-    assert at_2k.recall > at_k.recall and at_2k.predicted == 2 * at_k.predicted
+    assert at_2k.score.recall > at_k.score.recall
+    assert at_2k.score.predicted == 2 * at_k.score.predicted
 
 
 def test_deterministic():
     s = spec(**PRESETS["drift"])
     a, b = score(s)[1], score(s)[1]
-    assert (a.hits, a.requested, a.per_layer_hits) == (b.hits, b.requested, b.per_layer_hits)
+    assert (a.score, a.per_layer) == (b.score, b.per_layer)
 
 
 def test_edges():

@@ -41,7 +41,7 @@ def test_in_flight_bound_and_order():
     assert p.submit("gate", 2, [9, 8, 7, 6, 5]) == 3
     assert [e for _, e, _ in c.calls] == [9, 8, 7]          # best first
     st = p.stats("gate")
-    assert (st.predicted, st.issued, st.refused, st.issued_bytes) == (5, 3, 2, 3 * 1002)
+    assert (st.score.predicted, st.issued, st.refused, st.issued_bytes) == (5, 3, 2, 3 * 1002)
     c.inflight.clear()
     assert p.submit("gate", 2, [6, 5]) == 0                   # already predicted for this visit
     assert p.submit("gate", 3, [6, 5]) == 2
@@ -71,13 +71,13 @@ def test_coverage_recall_precision_per_source():
     # layer 5 runs with 1, 3, 7, 9; 3 was still loading (not in time)
     p.on_route(5, [1, 3, 7, 9], [True, False, False, True])
     g, h = p.stats("gate"), p.stats("history")
-    assert (g.requested, g.hits, g.covered) == (4, 2, 1)
-    assert g.recall == 0.5 and g.coverage == 0.25 and g.precision == 0.5
-    assert (h.requested, h.hits, h.covered) == (4, 2, 1)
-    assert h.precision == pytest.approx(2 / 3)
+    assert (g.score.needed, g.score.hits, g.score.covered) == (4, 2, 1)
+    assert g.score.recall == 0.5 and g.score.coverage == 0.25 and g.score.precision == 0.5
+    assert (h.score.needed, h.score.hits, h.score.covered) == (4, 2, 1)
+    assert h.score.precision == pytest.approx(2 / 3)
     assert not p.active(5)
     p.on_route(5, [1], [True])                                # no predictions pending: ignored
-    assert g.requested == 4
+    assert g.score.needed == 4
     rep = p.report()
     assert set(rep) == {"gate", "history"} and rep["gate"]["coverage"] == 0.25
 
