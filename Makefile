@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench-repack clean
+.PHONY: setup demo lint format test bench-repack clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,14 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/expertfs demo
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench-repack: setup

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any

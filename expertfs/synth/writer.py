@@ -135,7 +135,9 @@ def synthesize(cfg: SynthConfig, out_path: str | os.PathLike[str], split_max_byt
         plans = [model.plans[i] for i in idx]
         log.info("writing %s: %d tensors, %d bytes of data", path, len(specs),
                  sum(pad_to(s.nbytes, DEFAULT_ALIGNMENT) for s in specs))
-        make = (lambda i, plans=plans, specs=specs: data.chunks(plans[i], specs[i].ggml_type))
+        def make(i: int, plans=plans, specs=specs):      # this shard's lists, bound now
+            return data.chunks(plans[i], specs[i].ggml_type)
+
         with ChunkProducer(len(specs), make) as pf:
             _write(path, kv, specs, lambda i, spec: pf.chunks(i), tick, drop_cache, paths[:no])
     log.info("synthesized %s %s: %d tensors, %s", cfg.arch, cfg.name, len(model.specs),

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from ...formats.ggml import GGMLType
-from .build import load, status
+from .build import load
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from support import REPO
 import re
-from pathlib import Path
 
 import pytest
 

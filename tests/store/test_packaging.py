@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from support import REPO
-from pathlib import Path
 
 ROOT = REPO
 

@@ -11,7 +11,6 @@ not need a model that has learned anything (acceptance is measured in bench/benc
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest

@@ -9,8 +9,6 @@ count, name, shape, type or metadata key.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

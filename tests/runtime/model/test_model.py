@@ -3,8 +3,6 @@ lookahead, the dequantized-expert cache, the KV cache and config errors."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

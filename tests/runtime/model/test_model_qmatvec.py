@@ -84,8 +84,6 @@ def test_not_applicable_cases_return_none():
 def test_engine_decode_with_fused_products_matches(tmp_path):
     """A decode step with the compiled expert products equals the eager path (a converted
     Mixtral with Q8_0 experts; compiled products of the quantized trunk are covered above)."""
-    import sys
-    from pathlib import Path
     from hf_to_gguf import convert
 
     from expertfs.runtime.engine import Engine

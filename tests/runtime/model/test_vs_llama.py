@@ -8,8 +8,6 @@ and an occasional near-tie in expert selection flips: top-1 agreement is what is
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

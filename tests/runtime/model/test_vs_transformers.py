@@ -10,8 +10,6 @@ weights against the original float model: close, with the same argmax almost eve
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

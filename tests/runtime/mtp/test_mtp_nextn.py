@@ -84,7 +84,6 @@ def test_mtp_block_experts_go_through_the_provider(tiny) -> None:
 
 
 def test_no_nextn_block_is_a_usage_error(tmp_path: Path) -> None:
-    import sys
     from expertfs.errors import UsageError
     from hf_to_gguf import convert
     _, _, store = convert("glm4moe", str(tmp_path), seed=3, num_hidden_layers=2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from support import BENCH
 import importlib.util
 import json
-import os
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
