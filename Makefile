@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint format test bench-repack clean
+.PHONY: setup demo lint test bench-repack clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,10 +20,6 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-
-format: setup
-	$(BIN)/ruff format .
 
 test: lint
 	$(BIN)/python -m pytest -q
