@@ -60,7 +60,7 @@ REPEATS = 5
 
 def build_store(root: Path, name: str, *, layers: int, experts: int, k: int, n_embd: int,
                 n_ff_exp: int, quant: str) -> str:
-    cfg = dataclasses.replace(SynthConfig(), n_layer=layers, n_expert=experts, n_expert_used=k,
+    cfg = dataclasses.replace(SynthConfig(), n_layers=layers, n_experts=experts, n_expert_used=k,
                               n_embd=n_embd, n_ff_exp=n_ff_exp, n_vocab=300, n_ff=64,
                               head_dim=64, n_head=max(1, n_embd // 64), n_head_kv=1, quant=quant)
     files = synthesize(cfg, root / f"{name}.gguf", overwrite=True)

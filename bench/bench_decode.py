@@ -56,7 +56,7 @@ def synth(size: int, d: str, quant: str) -> str:
     if not os.path.exists(path):
         cfg = SynthConfig.tiny("qwen3moe").replace(
             name="bench decode", n_embd=1024, n_head=8, n_head_kv=4, head_dim=128, n_ff_exp=512,
-            n_expert=64, n_expert_used=8, n_vocab=4096, quant=quant)
+            n_experts=64, n_expert_used=8, n_vocab=4096, quant=quant)
         synthesize(layers_for_size(cfg, size), path)
     return path
 

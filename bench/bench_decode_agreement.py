@@ -71,7 +71,7 @@ def synthetic(d: str, tokens: list[int]) -> list[dict]:
     from expertfs.synth import SynthConfig, synthesize
     rows = []
     for arch in ("qwen3moe", "glm4moe", "llama"):
-        cfg = SynthConfig.tiny(arch).replace(quant="q4_k_m", n_layer=4)
+        cfg = SynthConfig.tiny(arch).replace(quant="q4_k_m", n_layers=4)
         g, s = os.path.join(d, f"synth-{arch}.gguf"), os.path.join(d, f"synth-{arch}.efs")
         synthesize(cfg, g)
         repack([g], s, force=True)

@@ -61,11 +61,11 @@ def parse_expert_name(name: str) -> ExpertName | None:
     return ExpertName(int(m["layer"]), m["base"], m["kind"], role)
 
 
-def is_expert_tensor(name: str, ne: tuple[int, ...], n_expert: int | None) -> bool:
-    """True for a routed-expert tensor: an ``*_exps`` name with ``n_expert`` as its last dim."""
+def is_expert_tensor(name: str, ne: tuple[int, ...], n_experts: int | None) -> bool:
+    """True for a routed-expert tensor: an ``*_exps`` name with ``n_experts`` as its last dim."""
     if parse_expert_name(name) is None or len(ne) < 2:
         return False
-    return n_expert is None or ne[-1] == n_expert
+    return n_experts is None or ne[-1] == n_experts
 
 
 def layer_of(name: str) -> int | None:

@@ -343,11 +343,11 @@ class Engine:
         cfg = self.config
         sizes = [int(self.store.layer_info(i)["extent_bytes"])
                  if cfg.is_moe(i) and self.trunk.blocks[i].moe is not None else 0
-                 for i in range(cfg.n_layer)]
+                 for i in range(cfg.n_layers)]
         m = {"model": str(self.kv.get("general.name").value) if "general.name" in self.kv
              else "", "architecture": cfg.arch, "generator": "expertfs run"}
         m.update(meta or {})
-        self._trace = TraceWriter(path, TraceHeader(cfg.n_layer, cfg.n_expert, cfg.n_expert_used,
+        self._trace = TraceWriter(path, TraceHeader(cfg.n_layers, cfg.n_experts, cfg.n_expert_used,
                                                     tuple(sizes), 0, m))
 
     def _flush_trace(self, n: int) -> None:

@@ -15,7 +15,7 @@ the stream is a real decode and "the next token" is the model's own. Two traces 
     ``expert_bytes`` 0 and no rows), token-major: what a plain decode reads.
 
 ``mtp.efstrace``
-    ``n_layers`` = trunk + the NextN block (layer ``L = n_layer``), ``n_draft = --drafts``. Per
+    ``n_layers`` = trunk + the NextN block (layer ``L = n_layers``), ``n_draft = --drafts``. Per
     token p, in execution order of MTP speculative decoding (llama.cpp ``draft-mtp``):
 
     * layer L (p >= 1): the NextN block's own routes while drafting from (Embed(t_p), h_{p-1}),
@@ -102,7 +102,7 @@ def draft_mask(S: int, D: int, ctx_of: np.ndarray) -> torch.Tensor:
 @torch.no_grad()
 def trace_segment(model: TinyGlmMoe, ids: torch.Tensor, D: int) -> dict:
     """All routes of one segment (see the module docstring)."""
-    S, L = len(ids), model.n_layer
+    S, L = len(ids), model.n_layers
     moe = sorted(k for k in model.routers() if k < L)
     with recording(model) as rec:                           # 1. the trunk over the text
         h = model.trunk(ids[None])[0]                       # [S, H], after the final norm
@@ -157,8 +157,8 @@ def _rows(h, tokens, layers, ex, w, n_valid=None, dex=None, dw=None):
 class Stats:
     """Acceptance, draft-route overlap, temporal reuse and load, accumulated over segments."""
 
-    def __init__(self, n_layer: int, n_expert: int, k: int, D: int) -> None:
-        self.k, self.D, self.E = k, D, n_expert
+    def __init__(self, n_layers: int, n_experts: int, k: int, D: int) -> None:
+        self.k, self.D, self.E = k, D, n_experts
         self.acc_text = np.zeros(D)
         self.chain_ok = np.zeros(D)
         self.n_text = np.zeros(D)
@@ -245,7 +245,7 @@ def write_traces(run_dir: str, out_dir: str, *, gguf: str | None = None, store: 
     if gguf and sync:
         from export_glm4moe_gguf import load_gguf_weights
         load_gguf_weights(model, gguf)
-    L, E, k = model.n_layer, model.preset.experts, model.preset.top_k
+    L, E, k = model.n_layers, model.preset.experts, model.preset.top_k
     if store:
         eb = expert_bytes_from_store(store, L + 1)
     elif gguf:

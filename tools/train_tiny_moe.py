@@ -41,19 +41,19 @@ from train_tiny_moe_model import (PRESETS, Preset, TinyGlmMoe, preset,  # noqa: 
                                   recording, save_checkpoint)
 
 
-def balance_loss(calls: dict, batch: int, n_expert: int, k: int) -> torch.Tensor:
+def balance_loss(calls: dict, batch: int, n_experts: int, k: int) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss, summed over MoE layers."""
     total = torch.zeros(())
     for layer_calls in calls.values():
         for logits, _w, idx in layer_calls:
-            s = torch.sigmoid(logits.float()).view(batch, -1, n_expert)
+            s = torch.sigmoid(logits.float()).view(batch, -1, n_experts)
             p = (s / s.sum(-1, keepdim=True)).mean(1)                       # [B, E]
             t = s.shape[1]
             with torch.no_grad():
-                off = (torch.arange(batch) * n_expert)[:, None]
+                off = (torch.arange(batch) * n_experts)[:, None]
                 cnt = torch.bincount((idx.view(batch, -1) + off).flatten(),
-                                     minlength=batch * n_expert).view(batch, n_expert)
-                f = cnt.float() * (n_expert / (k * t))
+                                     minlength=batch * n_experts).view(batch, n_experts)
+                f = cnt.float() * (n_experts / (k * t))
             total = total + (f * p).sum(-1).mean()
     return total
 

@@ -154,7 +154,7 @@ class TinyGlmMoe(nn.Module):
         self.mtp.float()
 
     @property
-    def n_layer(self) -> int:
+    def n_layers(self) -> int:
         return self.config.num_hidden_layers
 
     def set_experts(self, impl: str) -> None:
@@ -163,11 +163,11 @@ class TinyGlmMoe(nn.Module):
         self.lm.set_experts_implementation(impl)
 
     def routers(self) -> dict[int, nn.Module]:
-        """Layer index → router (trunk MoE layers, then the NextN block at ``n_layer``)."""
+        """Layer index → router (trunk MoE layers, then the NextN block at ``n_layers``)."""
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
         out = {i: layer.mlp.gate for i, layer in enumerate(self.lm.model.layers)
                if isinstance(layer.mlp, Glm4MoeMoE)}
-        out[self.n_layer] = self.mtp.mtp_block.mlp.gate
+        out[self.n_layers] = self.mtp.mtp_block.mlp.gate
         return out
 
     # --- forward pieces ------------------------------------------------------------------

@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _config(layers: int):
     from ..synth import SynthConfig
     return SynthConfig.tiny("qwen3moe").replace(
-        name="expertfs demo qwen3moe", n_layer=layers, n_embd=1024, n_head=8, n_head_kv=4,
-        head_dim=128, n_ff_exp=512, n_expert=64, n_expert_used=8, quant="q4_k_m")
+        name="expertfs demo qwen3moe", n_layers=layers, n_embd=1024, n_head=8, n_head_kv=4,
+        head_dim=128, n_ff_exp=512, n_experts=64, n_expert_used=8, quant="q4_k_m")
 
 
 def run(args: argparse.Namespace) -> int:

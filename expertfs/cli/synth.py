@@ -57,7 +57,7 @@ def build_config(args: argparse.Namespace):
         cfg = SynthConfig.tiny(args.arch or "qwen3moe")
     changes: dict[str, object] = {"seed": args.seed}
     if args.experts is not None:
-        changes["n_expert"] = args.experts
+        changes["n_experts"] = args.experts
     if args.top_k is not None:
         changes["n_expert_used"] = args.top_k
     if args.vocab is not None:
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for p in paths:
         print(p)
-    print(f"{cfg.arch} '{cfg.name}': {cfg.n_layer} layers"
-          f"{f' + {cfg.n_nextn} NextN' if cfg.n_nextn else ''}, {cfg.n_expert} experts (top "
+    print(f"{cfg.arch} '{cfg.name}': {cfg.n_layers} layers"
+          f"{f' + {cfg.n_nextn} NextN' if cfg.n_nextn else ''}, {cfg.n_experts} experts (top "
           f"{cfg.n_expert_used}), {len(model.specs)} tensors, {fmt_bytes(total)} in {dt:.2f} s "
           f"({rate:.0f} MB/s)", file=sys.stderr)
     return 0

@@ -45,5 +45,5 @@ def iter_extents(path: str | list[str]) -> Iterator[dict[str, int]]:
         return
     plan = plan_repack(read_model(paths))
     for lp in plan.layers:
-        for e in range(lp.n_expert):
+        for e in range(lp.n_experts):
             yield {"layer": lp.layer, "expert": e, "offset": lp.extent_offset(e), "length": lp.extent_len}

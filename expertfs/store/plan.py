@@ -42,7 +42,7 @@ class PartPlan:
 @dataclass(frozen=True)
 class LayerPlan:
     layer: int
-    n_expert: int
+    n_experts: int
     parts: tuple[PartPlan, ...]
     extent_len: int              # padded
     base: int                    # offset of expert 0's extent in experts.bin
@@ -71,7 +71,7 @@ class RepackPlan:
 
     @property
     def expert_payload(self) -> int:
-        return sum(lp.n_expert * sum(p.nbytes for p in lp.parts) for lp in self.layers)
+        return sum(lp.n_experts * sum(p.nbytes for p in lp.parts) for lp in self.layers)
 
     @property
     def trunk_payload(self) -> int:
@@ -79,7 +79,7 @@ class RepackPlan:
 
     @property
     def n_extents(self) -> int:
-        return sum(lp.n_expert for lp in self.layers)
+        return sum(lp.n_experts for lp in self.layers)
 
 
 def expert_counts(model: GGUFModel) -> dict[int, int] | int | None:
@@ -134,7 +134,7 @@ def plan_repack(model: GGUFModel, alignment: int = 4096) -> RepackPlan:
     for layer in sorted(by_layer):
         layers.append(_plan_layer(layer, by_layer[layer], alignment, offset, path0,
                                   nextn_first is not None and layer >= nextn_first))
-        offset += layers[-1].extent_len * layers[-1].n_expert
+        offset += layers[-1].extent_len * layers[-1].n_experts
     trunk, toff = [], 0
     for i, t in enumerate(model.tensors):
         if kinds[i] == KIND_TRUNK:
@@ -145,14 +145,14 @@ def plan_repack(model: GGUFModel, alignment: int = 4096) -> RepackPlan:
 
 def _plan_layer(layer: int, tensors: list[tuple[int, TensorInfo]], alignment: int, base: int,
                 path: str, nextn: bool) -> LayerPlan:
-    n_expert = tensors[0][1].ne[-1]
+    n_experts = tensors[0][1].ne[-1]
     roles: dict[Role, tuple[int, TensorInfo]] = {}
     others = []
     for i, t in tensors:
         name = parse_expert_name(t.name)
-        if t.ne[-1] != n_expert:
+        if t.ne[-1] != n_experts:
             raise FormatError(f"layer {layer}: {t.name!r} has {t.ne[-1]} experts, "
-                              f"{tensors[0][1].name!r} has {n_expert}", path=path,
+                              f"{tensors[0][1].name!r} has {n_experts}", path=path,
                               fix="every expert tensor of a layer must have the same expert count")
         if name.role == Role.OTHER:
             others.append((i, t))
@@ -169,10 +169,10 @@ def _plan_layer(layer: int, tensors: list[tuple[int, TensorInfo]], alignment: in
     ordered = [roles[r] for r in sorted(roles)] + sorted(others, key=lambda x: x[1].name)
     parts, rel = [], 0
     for i, t in ordered:
-        per = t.nbytes // n_expert
-        if per * n_expert != t.nbytes:
-            raise FormatError(f"{t.name!r}: {t.nbytes} bytes do not split into {n_expert} equal "
+        per = t.nbytes // n_experts
+        if per * n_experts != t.nbytes:
+            raise FormatError(f"{t.name!r}: {t.nbytes} bytes do not split into {n_experts} equal "
                               "experts", path=path, fix="re-convert the model")
         parts.append(PartPlan(parse_expert_name(t.name).role, i, tuple(t.ne[:-1]), per, rel))
         rel = align_up(rel + per, PART_ALIGN)
-    return LayerPlan(layer, n_expert, tuple(parts), align_up(rel, alignment), base, nextn)
+    return LayerPlan(layer, n_experts, tuple(parts), align_up(rel, alignment), base, nextn)

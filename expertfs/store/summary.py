@@ -35,7 +35,7 @@ def model_summary(model: GGUFModel, plan: RepackPlan) -> dict[str, Any]:
     layers = []
     for lp in plan.layers:
         layers.append({
-            "layer": lp.layer, "experts": lp.n_expert, "nextn": lp.nextn,
+            "layer": lp.layer, "experts": lp.n_experts, "nextn": lp.nextn,
             "expert_bytes": sum(p.nbytes for p in lp.parts), "extent_bytes": lp.extent_len,
             "parts": [{"role": p.role.name.lower(), "type": model.tensors[p.tensor_index].ggml_type.name,
                        "ne": list(p.ne), "bytes": p.nbytes} for p in lp.parts],

@@ -102,8 +102,8 @@ def _trunk_windows(plan: RepackPlan, window_bytes: int) -> Iterator[Window]:
 def _layer_windows(plan: RepackPlan, lp: LayerPlan, window_bytes: int) -> Iterator[Window]:
     model = plan.model
     per = max(1, window_bytes // lp.extent_len)
-    for e0 in range(0, lp.n_expert, per):
-        e1 = min(lp.n_expert, e0 + per)
+    for e0 in range(0, lp.n_experts, per):
+        e1 = min(lp.n_experts, e0 + per)
         w = Window(EXPERTS_FILE, lp.extent_offset(e0), (e1 - e0) * lp.extent_len)
         for e in range(e0, e1):
             base = (e - e0) * lp.extent_len

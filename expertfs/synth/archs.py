@@ -67,7 +67,7 @@ def _router(name: str, ne: tuple[int, ...]) -> TensorPlan:
 
 
 def _routed(c: SynthConfig, p: str, order: str = "down,gate,up") -> list[TensorPlan]:
-    e, f, x = c.n_embd, c.n_ff_exp, c.n_expert
+    e, f, x = c.n_embd, c.n_ff_exp, c.n_experts
     parts = {"down": _w(f"{p}.ffn_down_exps", (f, e, x), Role.DOWN),
              "gate": _w(f"{p}.ffn_gate_exps", (e, f, x), Role.EXPERTS),
              "up": _w(f"{p}.ffn_up_exps", (e, f, x), Role.EXPERTS)}
@@ -143,8 +143,8 @@ def _nextn_tail(c: SynthConfig, p: str) -> list[TensorPlan]:
 
 
 def _block(c: SynthConfig, i: int) -> list[TensorPlan]:
-    p, e, x = f"blk.{i}", c.n_embd, c.n_expert
-    nextn = i >= c.n_layer
+    p, e, x = f"blk.{i}", c.n_embd, c.n_experts
+    nextn = i >= c.n_layers
     moe = c.is_moe_block(i)
     out = _nextn_head(c, p) if nextn else []
     if c.arch == "qwen3moe":

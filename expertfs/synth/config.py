@@ -29,14 +29,14 @@ _NEXTN_OK = ("glm4moe", "deepseek2")
 class SynthConfig:
     arch: str = "qwen3moe"
     name: str = "expertfs synth"
-    n_layer: int = 2                 # decoder layers; block_count = n_layer + n_nextn
+    n_layers: int = 2                 # decoder layers; block_count = n_layers + n_nextn
     n_embd: int = 256
     n_head: int = 4
     n_head_kv: int = 2
     head_dim: int = 64
     n_ff: int = 512                  # dense FFN width (leading dense blocks)
     n_ff_exp: int = 256              # per routed expert
-    n_expert: int = 8
+    n_experts: int = 8
     n_expert_used: int = 2
     n_expert_shared: int = 0
     n_dense_lead: int = 0
@@ -91,18 +91,18 @@ class SynthConfig:
     def replace(self, **changes: object) -> SynthConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_layers(self, n_layer: int) -> SynthConfig:
-        """Scale to ``n_layer`` decoder layers, keeping at least one MoE layer."""
-        if n_layer < 1:
-            raise UsageError(f"--layers {n_layer}: a model needs at least one layer",
+    def with_layers(self, n_layers: int) -> SynthConfig:
+        """Scale to ``n_layers`` decoder layers, keeping at least one MoE layer."""
+        if n_layers < 1:
+            raise UsageError(f"--layers {n_layers}: a model needs at least one layer",
                              fix="pass --layers 1 or more")
-        return self.replace(n_layer=n_layer, n_dense_lead=min(self.n_dense_lead, n_layer - 1))
+        return self.replace(n_layers=n_layers, n_dense_lead=min(self.n_dense_lead, n_layers - 1))
 
     # ---- derived ------------------------------------------------------------------------
 
     @property
     def block_count(self) -> int:
-        return self.n_layer + self.n_nextn
+        return self.n_layers + self.n_nextn
 
     @property
     def quant_spec(self) -> QuantSpec:
@@ -124,23 +124,23 @@ class SynthConfig:
 
         if self.arch not in ARCHES:
             raise UsageError(f"unknown architecture {self.arch!r}", fix=f"use one of {', '.join(ARCHES)}")
-        for f in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff_exp", "n_expert",
+        for f in ("n_layers", "n_embd", "n_head", "n_head_kv", "n_ff_exp", "n_experts",
                   "n_expert_used", "n_vocab", "n_ctx_train"):
             if getattr(self, f) < 1:
                 raise bad(f"{f} is {getattr(self, f)}", f"give {f} a positive value")
         if self.block_count > MAX_LAYERS:
             raise bad(f"{self.block_count} blocks; llama.cpp allows {MAX_LAYERS}",
                       "pass fewer --layers")
-        if self.n_expert > MAX_EXPERTS:
-            raise bad(f"{self.n_expert} experts; llama.cpp allows {MAX_EXPERTS}", "pass fewer --experts")
-        if not 1 <= self.n_expert_used <= self.n_expert:
-            raise bad(f"top-k {self.n_expert_used} with {self.n_expert} experts",
+        if self.n_experts > MAX_EXPERTS:
+            raise bad(f"{self.n_experts} experts; llama.cpp allows {MAX_EXPERTS}", "pass fewer --experts")
+        if not 1 <= self.n_expert_used <= self.n_experts:
+            raise bad(f"top-k {self.n_expert_used} with {self.n_experts} experts",
                       "pass --top-k between 1 and --experts")
         if self.n_head % self.n_head_kv:
             raise bad(f"{self.n_head} heads is not a multiple of {self.n_head_kv} KV heads",
                       "choose n_head_kv dividing n_head")
-        if not 0 <= self.n_dense_lead < self.n_layer:
-            raise bad(f"{self.n_dense_lead} leading dense blocks of {self.n_layer} layers",
+        if not 0 <= self.n_dense_lead < self.n_layers:
+            raise bad(f"{self.n_dense_lead} leading dense blocks of {self.n_layers} layers",
                       "keep at least one MoE layer")
         if self.n_nextn and self.arch not in _NEXTN_OK:
             raise bad("NextN blocks are read by llama.cpp only for glm4moe and deepseek2",
@@ -148,17 +148,17 @@ class SynthConfig:
         if self.fuse_gate_up and self.arch not in _FUSED_OK:
             raise bad("llama.cpp's loader for this arch has no ffn_gate_up_exps",
                       "drop --fuse-gate-up or use --arch deepseek2")
-        if self.expert_group_count > 1 and (self.n_expert % self.expert_group_count or
+        if self.expert_group_count > 1 and (self.n_experts % self.expert_group_count or
                                             not 0 < self.expert_group_used_count < self.expert_group_count):
             raise bad(f"expert groups {self.expert_group_used_count}/{self.expert_group_count} "
-                      f"do not fit {self.n_expert} experts",
+                      f"do not fit {self.n_experts} experts",
                       "use a group count dividing the expert count and fewer used groups")
         if self.arch == "deepseek2":
             if min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) < 1:
                 raise bad("MLA needs kv_lora_rank, qk_nope_dim, qk_rope_dim and v_head_dim",
                           "use SynthConfig.tiny('deepseek2') or --like DeepSeek-V3")
-            if self.q_lora_rank and self.n_layer in (26, 27):
-                raise bad(f"llama.cpp treats a {self.n_layer}-layer deepseek2 as V2-Lite (no "
+            if self.q_lora_rank and self.n_layers in (26, 27):
+                raise bad(f"llama.cpp treats a {self.n_layers}-layer deepseek2 as V2-Lite (no "
                           "q_lora_rank) and would not find attn_q_a", "pick another --layers")
         if self.arch == "gpt-oss" and self.sliding_window < 1:
             raise bad("gpt-oss needs attention.sliding_window", "set sliding_window")

@@ -43,7 +43,7 @@ def _generic(w: GGUFWriter, c: SynthConfig) -> None:
                 w.add_rope_scaling_yarn_beta_slow(c.yarn_beta_slow)
     w.add_rope_freq_base(c.rope_freq_base)
     w.add_layer_norm_rms_eps(c.rms_eps)
-    w.add_expert_count(c.n_expert)
+    w.add_expert_count(c.n_experts)
     w.add_expert_used_count(c.n_expert_used)
     if c.expert_group_count:
         w.add_expert_group_count(c.expert_group_count)

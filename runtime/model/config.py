@@ -5,7 +5,7 @@ the trunk tensor names, applies the architecture's defaults (``ARCHS``) and chec
 runtime can run it. Keys are ``"{arch}.<key>"`` (gguf-py ``Keys.LLM``); defaults follow
 llama.cpp's ``llama-model.cpp`` per architecture:
 
-- ``n_layer = block_count - nextn_predict_layers``; the NextN/MTP blocks are loaded, not run.
+- ``n_layers = block_count - nextn_predict_layers``; the NextN/MTP blocks are loaded, not run.
 - RoPE: NEOX (rotate halves) for qwen3moe / glm4moe, NORM (adjacent pairs) for llama;
   ``n_rot = rope.dimension_count`` (glm4moe: partial, head_dim / 2), scaling linear or YaRN.
 - Router: qwen3moe and llama are softmax with weight normalisation; glm4moe reads
@@ -67,7 +67,7 @@ def _get(kv: Mapping[str, Any], key: str, default: Any = None) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
-    n_layer: int                   # decoder blocks that run (block_count - n_nextn)
+    n_layers: int                   # decoder blocks that run (block_count - n_nextn)
     n_nextn: int
     n_embd: int
     n_head: int
@@ -77,7 +77,7 @@ class ModelConfig:
     n_vocab: int
     n_ff: int                      # dense FFN width (leading dense layers)
     n_ff_exp: int
-    n_expert: int
+    n_experts: int
     n_expert_used: int
     n_expert_shared: int
     n_dense_lead: int
@@ -106,10 +106,10 @@ class ModelConfig:
 
     @property
     def n_block(self) -> int:
-        return self.n_layer + self.n_nextn
+        return self.n_layers + self.n_nextn
 
     def is_moe(self, layer: int) -> bool:
-        return self.n_expert > 0 and layer >= self.n_dense_lead
+        return self.n_experts > 0 and layer >= self.n_dense_lead
 
     @property
     def mla(self) -> bool:
@@ -153,9 +153,9 @@ class ModelConfig:
         n_head = _scalar(a("attention.head_count", 0), "attention.head_count", path)
         n_head_kv = _scalar(a("attention.head_count_kv", n_head), "attention.head_count_kv", path)
         head_dim = int(a("attention.key_length", 0) or (n_embd // max(n_head, 1)))
-        n_expert = int(a("expert_count", 0) or 0)
+        n_experts = int(a("expert_count", 0) or 0)
         n_used = _scalar(a("expert_used_count", 0) or 0, "expert_used_count", path)
-        if n_expert < 1 or n_used < 1:
+        if n_experts < 1 or n_used < 1:
             raise UnsupportedModelError("the model has no routed experts (expert_count is 0)",
                                         path=path, fix="expertfs runs Mixture-of-Experts models")
         n_vocab = int(a("vocab_size", 0) or len(_get(kv, "tokenizer.ggml.tokens", []) or []))
@@ -172,10 +172,10 @@ class ModelConfig:
         scaling = str(a("rope.scaling.type", "none") or "none")
         factor = float(a("rope.scaling.factor", 0.0) or 0.0)
         cfg = cls(
-            arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=n_embd,
+            arch=arch, n_layers=block_count - n_nextn, n_nextn=n_nextn, n_embd=n_embd,
             n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
             v_head_dim=int(a("attention.value_length", 0) or head_dim),
-            n_vocab=n_vocab, n_ff=n_ff, n_ff_exp=n_ff_exp, n_expert=n_expert,
+            n_vocab=n_vocab, n_ff=n_ff, n_ff_exp=n_ff_exp, n_experts=n_experts,
             n_expert_used=n_used, n_expert_shared=int(a("expert_shared_count", 0) or 0),
             n_dense_lead=int(a("leading_dense_block_count", 0) or 0),
             rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -204,18 +204,18 @@ class ModelConfig:
         def bad(problem: str, fix: str = "the GGUF metadata is inconsistent; reconvert the model"):
             return UnsupportedModelError(f"{self.arch}: {problem}", path=path, fix=fix)
 
-        if self.n_layer < 1 or self.n_embd < 1 or self.n_head < 1 or self.n_head_kv < 1:
-            raise bad(f"{self.n_layer} layers, n_embd {self.n_embd}, {self.n_head}/{self.n_head_kv}"
+        if self.n_layers < 1 or self.n_embd < 1 or self.n_head < 1 or self.n_head_kv < 1:
+            raise bad(f"{self.n_layers} layers, n_embd {self.n_embd}, {self.n_head}/{self.n_head_kv}"
                       " heads")
         if self.n_head % self.n_head_kv:
             raise bad(f"{self.n_head} heads is not a multiple of {self.n_head_kv} KV heads")
         if self.n_rot % 2 or not 0 < self.n_rot <= self.head_dim:
             raise bad(f"rope dimension {self.n_rot} for head_dim {self.head_dim}")
-        if not 1 <= self.n_expert_used <= self.n_expert:
-            raise bad(f"top-{self.n_expert_used} of {self.n_expert} experts")
-        if self.n_group > 1 and (self.n_expert % self.n_group or
+        if not 1 <= self.n_expert_used <= self.n_experts:
+            raise bad(f"top-{self.n_expert_used} of {self.n_experts} experts")
+        if self.n_group > 1 and (self.n_experts % self.n_group or
                                  not 0 < self.n_group_used <= self.n_group):
-            raise bad(f"expert groups {self.n_group_used}/{self.n_group} for {self.n_expert} experts")
+            raise bad(f"expert groups {self.n_group_used}/{self.n_group} for {self.n_experts} experts")
         if self.spec.mla and not (self.kv_lora_rank and self.k_head_mla > self.n_rot
                                   and self.v_head_mla):
             raise bad("MLA without kv_lora_rank / key_length_mla / value_length_mla",

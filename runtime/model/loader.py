@@ -5,7 +5,7 @@ Names (``blk.N.`` prefix): ``attn_norm``, ``attn_{q,k,v}`` (+ ``.bias``), ``attn
 a router ``ffn_gate_inp`` (+ ``exp_probs_b.bias``) and shared expert ``ffn_*_shexp`` on MoE
 blocks, ``ffn_{gate,up,down}`` on dense ones; globals ``token_embd``, ``output_norm`` and
 ``output`` (absent: tied to ``token_embd``). A block is MoE when it has a router. NextN blocks
-(``blk.{n_layer}...``) are loaded the same way plus their ``nextn.*`` tensors; they are kept
+(``blk.{n_layers}...``) are loaded the same way plus their ``nextn.*`` tensors; they are kept
 for the MTP draft (``expertfs.runtime.mtp``) and never run by ``Model.forward``; a NextN
 ``embed_tokens`` is an ``Embedding`` (row lookups), the other NextN matrices are ``Linear``.
 """
@@ -45,7 +45,7 @@ class BlockWeights:
 @dataclass
 class TrunkWeights:
     embed: Embedding
-    blocks: list[BlockWeights]          # the n_layer decoder blocks, in order
+    blocks: list[BlockWeights]          # the n_layers decoder blocks, in order
     nextn: list[BlockWeights]           # NextN/MTP blocks (loaded, not run)
     output_norm: torch.Tensor
     output: Linear
@@ -108,9 +108,9 @@ class _Builder:
         if p + "ffn_gate_inp.weight" in self.r:
             router = RouterWeights(self.vec(p + "ffn_gate_inp.weight"),
                                    self.opt_vec(p + "exp_probs_b.bias"))
-            if router.weight.shape != (cfg.n_expert, cfg.n_embd):
+            if router.weight.shape != (cfg.n_experts, cfg.n_embd):
                 raise StoreError(f"blk.{i}.ffn_gate_inp has shape {tuple(router.weight.shape)}, "
-                                 f"expected ({cfg.n_expert}, {cfg.n_embd})", path=self.r.path,
+                                 f"expected ({cfg.n_experts}, {cfg.n_embd})", path=self.r.path,
                                  fix="the metadata and the tensors disagree; reconvert")
             shared = None
             if p + "ffn_gate_shexp.weight" in self.r:
@@ -139,7 +139,7 @@ class _Builder:
 def _matrices(reader: TrunkReader, cfg: ModelConfig, nextn: bool) -> list[RawTensor]:
     """Every 2-D trunk tensor the forward multiplies by (routers and the embedding excluded)."""
     out = []
-    last = cfg.n_block if nextn else cfg.n_layer
+    last = cfg.n_block if nextn else cfg.n_layers
     tied = "output.weight" not in reader
     for name in sorted(reader.names()):
         raw = reader.get(name)
@@ -170,10 +170,10 @@ def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
         if embed.shape[1] != cfg.n_embd:
             raise StoreError(f"token_embd has shape {embed.shape}, n_embd is {cfg.n_embd}",
                              path=reader.path, fix="reconvert the model")
-    blocks = [b.block(i) for i in range(cfg.n_layer)]
+    blocks = [b.block(i) for i in range(cfg.n_layers)]
     extra = []
     if nextn:
-        for i in range(cfg.n_layer, cfg.n_block):
+        for i in range(cfg.n_layers, cfg.n_block):
             if f"blk.{i}.attn_norm.weight" not in reader:     # a trunk-only GGUF
                 continue
             blk = b.block(i)

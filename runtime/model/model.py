@@ -40,7 +40,7 @@ class Model:
         self.cfg, self.trunk, self.runner = cfg, trunk, runner
         self.device, self.dtype = device, dtype
         self.rope = Rope(cfg, device)
-        self.cache = KVCache(cfg, cfg.n_layer, n_ctx, dtype, device)
+        self.cache = KVCache(cfg, cfg.n_layers, n_ctx, dtype, device)
         self.lookahead = lookahead
         self.lookahead_k = cfg.n_expert_used + max(0, lookahead_margin)
         self.hidden: torch.Tensor | None = None      # t_h_nextn of the last hidden=True forward
@@ -58,7 +58,7 @@ class Model:
     def _predict(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """Layer ``layer+1``'s router on this layer's residual stream (its own FFN norm)."""
         nxt = layer + 1
-        if not self.lookahead or nxt >= self.cfg.n_layer:
+        if not self.lookahead or nxt >= self.cfg.n_layers:
             return None
         blk = self.trunk.blocks[nxt]
         if blk.moe is None:

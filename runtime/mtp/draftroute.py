@@ -102,7 +102,7 @@ class DraftRoutePredictor:
         blocks = [b for b in engine.trunk.blocks if b.moe is not None]
         self.layers = [b.layer for b in blocks]
         self.index = {la: i for i, la in enumerate(self.layers)}
-        self.E, self.k, self.eps = cfg.n_expert, cfg.n_expert_used, cfg.rms_eps
+        self.E, self.k, self.eps = cfg.n_experts, cfg.n_expert_used, cfg.rms_eps
         self.gating = cfg.gating
         # router weights with each layer's FFN norm folded in: one matmul for every layer
         self.W = torch.cat([b.moe.router.weight * b.ffn_norm[None, :] for b in blocks])

@@ -53,7 +53,7 @@ def nextn_block(model: Model, index: int = 0) -> BlockWeights | None:
 class NextN:
     def __init__(self, model: Model, blk: BlockWeights, n_ctx: int) -> None:
         self.model, self.blk, self.cfg = model, blk, model.cfg
-        self.layer = blk.layer                       # n_layer (+ index): the provider's layer
+        self.layer = blk.layer                       # n_layers (+ index): the provider's layer
         t = model.trunk
         ex = blk.nextn
         self.embed: Embedding = ex.get("embed_tokens", t.embed)          # type: ignore[assignment]

@@ -26,7 +26,7 @@ def tiny_store(tmp_path_factory) -> Path:
     from expertfs.synth import SynthConfig, synthesize
 
     d = tmp_path_factory.mktemp("plan")
-    cfg = SynthConfig.tiny("qwen3moe", n_layer=3, n_expert=16, n_expert_used=4, n_embd=256,
+    cfg = SynthConfig.tiny("qwen3moe", n_layers=3, n_experts=16, n_expert_used=4, n_embd=256,
                            n_ff_exp=256)
     gguf = synthesize(cfg, str(d / "tiny.gguf"))[0]
     repack(str(gguf), str(d / "tiny.efs"))

@@ -113,7 +113,7 @@ def test_narrow_dtype_is_the_rounded_float32(t: T, dtype: torch.dtype) -> None:
 
 
 def test_expert_slice_of_a_3d_tensor_is_its_linear_weight() -> None:
-    # ggml ne = [n_in, n_out, n_expert]; numpy / torch order (n_expert, n_out, n_in)
+    # ggml ne = [n_in, n_out, n_experts]; numpy / torch order (n_experts, n_out, n_in)
     rng = np.random.default_rng(3)
     w = rng.standard_normal((4, 16, 256)).astype(np.float32)
     raw = gq.quantize(w, T.Q8_0)                      # (4, 16, 256 / 32 * 34)

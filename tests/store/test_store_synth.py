@@ -42,21 +42,21 @@ def _check(tmp_path: Path, files: list[str]) -> set[str]:
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_every_arch_mixed_types(tmp_path, arch):
-    cfg = SynthConfig.tiny(arch).replace(quant="mixed", n_layer=4)
+    cfg = SynthConfig.tiny(arch).replace(quant="mixed", n_layers=4)
     files = synthesize(cfg, str(tmp_path / f"{arch}.gguf"))
     _check(tmp_path, files)
 
 
 def test_mixed_preset_covers_every_type_in_experts(tmp_path):
     from expertfs.synth import MIXED_TYPES
-    cfg = SynthConfig.tiny("qwen3moe").replace(quant="mixed", n_layer=len(MIXED_TYPES))
+    cfg = SynthConfig.tiny("qwen3moe").replace(quant="mixed", n_layers=len(MIXED_TYPES))
     files = synthesize(cfg, str(tmp_path / "all.gguf"))
     types = _check(tmp_path, files)
     assert {t.name for t in MIXED_TYPES} <= types
 
 
 def test_split_synth_roundtrip(tmp_path):
-    cfg = SynthConfig.tiny("glm4moe").replace(n_layer=4)
+    cfg = SynthConfig.tiny("glm4moe").replace(n_layers=4)
     single = synthesize(cfg, str(tmp_path / "one.gguf"))
     files = synthesize(cfg, str(tmp_path / "sp.gguf"), split_max_bytes=1 << 20)
     assert len(files) > 1

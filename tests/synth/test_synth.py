@@ -41,7 +41,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory) -> tuple[SynthConfig, Path]:
-    cfg = SynthConfig.tiny("qwen3moe", n_layer=8, quant="mixed", n_vocab=768)
+    cfg = SynthConfig.tiny("qwen3moe", n_layers=8, quant="mixed", n_vocab=768)
     return cfg, Path(synthesize(cfg, tmp_path_factory.mktemp("mixed") / "m.gguf")[0])
 
 
@@ -109,11 +109,11 @@ def test_tensor_order_and_shapes_qwen3moe(tiny):
 def test_glm4moe_dense_lead_shexp_and_nextn_block(tiny):
     cfg = SynthConfig.tiny("glm4moe")
     m = read_model(str(tiny["glm4moe"]))
-    by, E, F, X = m.by_name, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert
-    assert m.arch_value("block_count") == cfg.n_layer + 1 == 3
+    by, E, F, X = m.by_name, cfg.n_embd, cfg.n_ff_exp, cfg.n_experts
+    assert m.arch_value("block_count") == cfg.n_layers + 1 == 3
     assert m.arch_value("nextn_predict_layers") == 1
     assert "blk.0.ffn_gate.weight" in by and "blk.0.ffn_gate_exps.weight" not in by
-    L = cfg.n_layer                                            # NextN block = block_count - 1
+    L = cfg.n_layers                                            # NextN block = block_count - 1
     for i in (1, L):
         assert by[f"blk.{i}.ffn_gate_exps.weight"].ne == (E, F, X)
         assert by[f"blk.{i}.exp_probs_b.bias"].ne == (X,)
@@ -139,7 +139,7 @@ def test_deepseek2_mla_and_fused_gate_up():
     assert by["blk.1.attn_v_b.weight"].ne == (kv, cfg.v_head_dim, h)
     assert by["blk.1.attn_kv_a_mqa.weight"].ne == (cfg.n_embd, kv + cfg.qk_rope_dim)
     assert by["blk.1.attn_q_b.weight"].ne == (cfg.q_lora_rank, h * (cfg.qk_nope_dim + cfg.qk_rope_dim))
-    assert by["blk.1.ffn_gate_up_exps.weight"].ne == (cfg.n_embd, 2 * cfg.n_ff_exp, cfg.n_expert)
+    assert by["blk.1.ffn_gate_up_exps.weight"].ne == (cfg.n_embd, 2 * cfg.n_ff_exp, cfg.n_experts)
     assert "blk.1.ffn_gate_exps.weight" not in by and "blk.1.ffn_up_exps.weight" not in by
     # k_b rows of 64 do not fit Q8_0? they do (32); a 256-block type falls back as llama-quantize
     assert fallback_type(T.Q4_K, 64) == T.Q5_0 and fallback_type(T.IQ2_XXS, 64) == T.IQ4_NL
@@ -152,9 +152,9 @@ def test_gpt_oss_biases_and_sinks():
     cfg = SynthConfig.tiny("gpt-oss")
     by = {s.name: s for s in build_model(cfg).specs}
     assert by["blk.0.attn_sinks.weight"].ne == (cfg.n_head,)
-    assert by["blk.0.ffn_gate_exps.bias"].ne == (cfg.n_ff_exp, cfg.n_expert)
-    assert by["blk.0.ffn_down_exps.bias"].ne == (cfg.n_embd, cfg.n_expert)
-    assert by["blk.0.ffn_gate_inp.bias"].ne == (cfg.n_expert,)
+    assert by["blk.0.ffn_gate_exps.bias"].ne == (cfg.n_ff_exp, cfg.n_experts)
+    assert by["blk.0.ffn_down_exps.bias"].ne == (cfg.n_embd, cfg.n_experts)
+    assert by["blk.0.ffn_gate_inp.bias"].ne == (cfg.n_experts,)
     assert by["blk.0.attn_output.bias"].ne == (cfg.n_embd,)
     assert by["blk.0.ffn_up_exps.weight"].ggml_type == T.MXFP4
 
@@ -341,7 +341,7 @@ def test_deterministic_from_seed(tmp_path):
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.MXFP4, T.Q4_K, T.F16])
 def test_large_tensor_paths_give_every_expert_distinct_bytes(tmp_path, qt):
-    cfg = SynthConfig.tiny("qwen3moe", n_layer=1, n_expert=16, quant=f"experts={qt.name},down={qt.name}")
+    cfg = SynthConfig.tiny("qwen3moe", n_layers=1, n_experts=16, quant=f"experts={qt.name},down={qt.name}")
     p = synthesize(cfg, tmp_path / "p.gguf", pool_min_bytes=0)[0]     # every tensor via the pool
     m = read_model(p)
     raw = Path(p).read_bytes()
@@ -388,15 +388,15 @@ def test_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
 
 def test_like_geometry():
     q = SynthConfig.like("qwen3-30b-a3b")
-    assert (q.arch, q.n_layer, q.n_embd, q.n_ff_exp, q.n_expert, q.n_expert_used, q.head_dim,
+    assert (q.arch, q.n_layers, q.n_embd, q.n_ff_exp, q.n_experts, q.n_expert_used, q.head_dim,
             q.n_head, q.n_head_kv, q.n_vocab) == ("qwen3moe", 48, 2048, 768, 128, 8, 128, 32, 4, 151936)
     g = SynthConfig.like("GLM-4.5-Air", layers=4)
-    assert (g.n_layer, g.block_count, g.n_dense_lead, g.n_expert, g.n_ff_exp, g.n_expert_shared,
+    assert (g.n_layers, g.block_count, g.n_dense_lead, g.n_experts, g.n_ff_exp, g.n_expert_shared,
             g.rope_dim) == (4, 5, 1, 128, 1408, 1, 64)
     assert SynthConfig.like("GLM-4.5", layers=2).n_dense_lead == 1        # keeps a MoE layer
     d = SynthConfig.like("DeepSeek-V3")
-    assert (d.n_expert, d.expert_group_count, d.kv_lora_rank, d.n_dense_lead, d.n_nextn) == (256, 8, 512, 3, 0)
-    assert SynthConfig.like("gpt-oss-120b").n_expert == 128
+    assert (d.n_experts, d.expert_group_count, d.kv_lora_rank, d.n_dense_lead, d.n_nextn) == (256, 8, 512, 3, 0)
+    assert SynthConfig.like("gpt-oss-120b").n_experts == 128
     assert SynthConfig.like("Mixtral-8x7B").arch == "llama"
     with pytest.raises(UsageError, match="not a known model"):
         SynthConfig.like("llama-7b")
@@ -418,8 +418,8 @@ def test_full_size_estimates_match_real_quantized_files(name):
 def test_layers_for_size():
     cfg = SynthConfig.tiny("glm4moe")
     picked = layers_for_size(cfg, 12 << 20)
-    assert estimate_bytes(picked) <= 12 << 20 < estimate_bytes(picked.with_layers(picked.n_layer + 1))
-    assert layers_for_size(cfg, 1).n_layer == 1
+    assert estimate_bytes(picked) <= 12 << 20 < estimate_bytes(picked.with_layers(picked.n_layers + 1))
+    assert layers_for_size(cfg, 1).n_layers == 1
 
 
 # ---- CLI -----------------------------------------------------------------------------------
@@ -434,7 +434,7 @@ def test_cli(tmp_path, capsys):
     assert main(["synth", "-o", str(out), "--force", "--json", "--arch", "llama", "--experts", "6",
                  "--top-k", "3", "--seed", "5", "--quant", "down=Q8_0"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["paths"] == [str(out)] and res["config"]["n_expert"] == 6
+    assert res["paths"] == [str(out)] and res["config"]["n_experts"] == 6
     m = read_model(str(out))
     assert m.arch == "llama" and m.arch_value("expert_used_count") == 3
     assert m.by_name["blk.0.ffn_down_exps.weight"].ggml_type == T.Q8_0

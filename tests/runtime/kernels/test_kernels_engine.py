@@ -22,7 +22,7 @@ def make_store(tmp_path_factory, arch: str) -> str:
     from expertfs.synth import SynthConfig, synthesize
     d = tmp_path_factory.mktemp(f"kern_{arch}")
     g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny(arch).replace(quant="q4_k_m", n_layer=3), str(g))
+    synthesize(SynthConfig.tiny(arch).replace(quant="q4_k_m", n_layers=3), str(g))
     repack([str(g)], str(s))
     return str(s)
 

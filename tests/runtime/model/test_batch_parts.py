@@ -31,7 +31,7 @@ def test_batch_wider_than_the_tier_runs_in_parts(store, fused):
                      provider_options={"warm_start": False, "backend": "buffered",
                                        "record_usage": False}) as e:
         room = e.provider.max_experts_per_get
-        assert 0 < room < e.config.n_expert               # the tier is narrower than a layer
+        assert 0 < room < e.config.n_experts               # the tier is narrower than a layer
         got = e.logits(tokens)
-        assert e.provider.stats.misses >= e.config.n_expert
+        assert e.provider.stats.misses >= e.config.n_experts
     assert torch.equal(got, want)

@@ -60,7 +60,7 @@ def test_llama_cpp_chat_uses_the_template_and_special_tokens(tmp_path):
 
 
 def test_llama_cpp_computes_with_every_quant_type(tmp_path):
-    cfg = SynthConfig.tiny("qwen3moe", n_layer=8, quant="mixed", n_expert=4, n_expert_used=4)
+    cfg = SynthConfig.tiny("qwen3moe", n_layers=8, quant="mixed", n_experts=4, n_expert_used=4)
     path = synthesize(cfg, tmp_path / "mixed.gguf")[0]       # top-k = all: every expert runs
     _assert_sane(_eval(path))
 

@@ -65,8 +65,8 @@ def test_router_matches_build_moe_ffn(gating, bias, groups, norm_w, scale):
     W = torch.randn(E, D, generator=g)
     b = torch.randn(E, generator=g) * 0.5 if bias else None
     x = torch.randn(Tn, D, generator=g)
-    cfg = ModelConfig(arch="x", n_layer=1, n_nextn=0, n_embd=D, n_head=1, n_head_kv=1,
-                      head_dim=D, v_head_dim=D, n_vocab=8, n_ff=8, n_ff_exp=8, n_expert=E,
+    cfg = ModelConfig(arch="x", n_layers=1, n_nextn=0, n_embd=D, n_head=1, n_head_kv=1,
+                      head_dim=D, v_head_dim=D, n_vocab=8, n_ff=8, n_ff_exp=8, n_experts=E,
                       n_expert_used=k, n_expert_shared=0, n_dense_lead=0, rms_eps=1e-6,
                       rope="neox", n_rot=D, rope_base=1e4, gating=gating, norm_w=norm_w,
                       w_scale=scale, n_group=groups, n_group_used=2 if groups > 1 else 1)
@@ -85,8 +85,8 @@ def test_router_matches_build_moe_ffn(gating, bias, groups, norm_w, scale):
 
 
 def test_bias_selects_but_does_not_weigh():
-    cfg = ModelConfig(arch="x", n_layer=1, n_nextn=0, n_embd=4, n_head=1, n_head_kv=1,
-                      head_dim=4, v_head_dim=4, n_vocab=8, n_ff=8, n_ff_exp=8, n_expert=4,
+    cfg = ModelConfig(arch="x", n_layers=1, n_nextn=0, n_embd=4, n_head=1, n_head_kv=1,
+                      head_dim=4, v_head_dim=4, n_vocab=8, n_ff=8, n_ff_exp=8, n_experts=4,
                       n_expert_used=1, n_expert_shared=0, n_dense_lead=0, rms_eps=1e-6,
                       rope="neox", n_rot=4, rope_base=1e4, gating=GATING_SIGMOID, norm_w=False)
     W = torch.eye(4)
@@ -149,10 +149,10 @@ def test_each_expert_fetched_once_per_batch_and_layer(glm):
         eng.close()
         st.close()
     assert np.abs(got - ref).max() < 1e-4
-    moe_layers = [i for i in range(cfg.n_layer) if i >= cfg.n_dense_lead]
+    moe_layers = [i for i in range(cfg.n_layers) if i >= cfg.n_dense_lead]
     assert [g[0] for g in spy.gets] == moe_layers          # one get per MoE layer
     for _, ids in spy.gets:
-        assert len(ids) == len(set(ids)) and len(ids) <= cfg.n_expert
+        assert len(ids) == len(set(ids)) and len(ids) <= cfg.n_experts
     assert spy.releases == moe_layers
     assert spy.prefetches == []                            # lookahead off by default
 
@@ -172,7 +172,7 @@ def test_lookahead_prefetches_next_layer_and_scores(glm):
     assert np.abs(got - ref).max() < 1e-4                   # prediction never changes results
     assert spy.prefetches and all(layer >= cfg.n_dense_lead + 1 or layer == cfg.n_dense_lead
                                   for layer, _ in spy.prefetches)
-    decode_pf = spy.prefetches[-(cfg.n_layer - cfg.n_dense_lead):]
+    decode_pf = spy.prefetches[-(cfg.n_layers - cfg.n_dense_lead):]
     assert all(len(ids) == cfg.n_expert_used + 1 for _, ids in decode_pf)
     assert 0 < la["predicted"] and 0 <= la["coverage"] <= 1 and 0 <= la["waste"] <= 1
     assert la["hits"] <= min(la["predicted"], la["used"])

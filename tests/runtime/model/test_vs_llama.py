@@ -48,7 +48,7 @@ def test_synth_model_with_k_quants_agrees(tmp_path):
     """A synth qwen3moe in Q4_K_M (K-quants, which gguf-py cannot write) through both."""
     from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
-    cfg = SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m", n_layer=3)
+    cfg = SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m", n_layers=3)
     gguf = str(tmp_path / "s.gguf")
     synthesize(cfg, gguf)
     repack([gguf], str(tmp_path / "s.efs"))

@@ -99,9 +99,9 @@ def test_quantized_experts_close_to_the_float_model(tmp_path, kind):
 def test_glm4moe_nextn_block_is_loaded_not_run(tmp_path):
     model, _, store = convert("glm4moe", str(tmp_path), seed=4, nextn=True)
     with Engine.open(store, provider="direct", device=DEVICE, dtype="float32") as eng:
-        assert eng.config.n_nextn == 1 and eng.config.n_layer == model.config.num_hidden_layers
+        assert eng.config.n_nextn == 1 and eng.config.n_layers == model.config.num_hidden_layers
         (blk,) = eng.trunk.nextn
-        assert blk.layer == eng.config.n_layer and blk.moe is not None
+        assert blk.layer == eng.config.n_layers and blk.moe is not None
         assert {"eh_proj", "enorm", "hnorm", "shared_head_norm"} <= set(blk.nextn)
         assert blk.nextn["eh_proj"].out_features == eng.config.n_embd
         ours = eng.logits(TOKENS).numpy()

@@ -75,7 +75,7 @@ def test_nextn_matches_transformers(tiny) -> None:
 def test_mtp_block_experts_go_through_the_provider(tiny) -> None:
     _, _, store = tiny
     with engine(store, mtp=1) as (eng, sp):
-        L = eng.config.n_layer
+        L = eng.config.n_layers
         eng.prefill(PROMPT)
         before = eng.provider.stats.requests
         sp.speculator._draft0(7, eng.model.pos)
@@ -116,4 +116,4 @@ def test_catch_up_rows_fill_the_kv_without_experts(tiny) -> None:
 def test_fixture_builds(tmp_path: Path) -> None:
     model, gguf, store = build_model(tmp_path)
     assert gguf.exists() and (store / "index.lmdb").exists()
-    assert model.n_layer == 3
+    assert model.n_layers == 3

@@ -83,7 +83,7 @@ def test_calibration_moves_toward_what_routes():
     blocks = [NS(layer=i, ffn_norm=torch.ones(D), moe=NS(router=NS(
         weight=torch.randn(E, D, generator=g), probs_bias=None))) for i in (1, 2)]
     eng = Eng()
-    eng.config = NS(n_expert=E, n_expert_used=2, rms_eps=1e-6, gating=GATING_SIGMOID)
+    eng.config = NS(n_experts=E, n_expert_used=2, rms_eps=1e-6, gating=GATING_SIGMOID)
     eng.trunk = NS(blocks=blocks)
     p = DraftRoutePredictor(eng)
     h = torch.randn(3, D, generator=g)

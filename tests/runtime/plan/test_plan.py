@@ -413,7 +413,7 @@ def test_storage_from_profile_errors(bad) -> None:
 # --- routing --------------------------------------------------------------------------------------
 
 def _tiny() -> Geometry:
-    return geometry_from_synth(SynthConfig.tiny("glm4moe", n_layer=4, n_expert=16, n_expert_used=4))
+    return geometry_from_synth(SynthConfig.tiny("glm4moe", n_layers=4, n_experts=16, n_expert_used=4))
 
 
 def test_route_all_miss_without_tiers_and_full_hit_with_everything() -> None:

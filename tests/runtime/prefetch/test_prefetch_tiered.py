@@ -237,7 +237,7 @@ def test_engine_lookahead_stages_its_prefetches_and_keeps_logits(tmp_path):
     from expertfs.runtime.engine import Engine
     from expertfs.synth import SynthConfig, synthesize
     g, s = tmp_path / "m.gguf", tmp_path / "m.efs"
-    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_0", n_layer=3), str(g))
+    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_0", n_layers=3), str(g))
     repack([str(g)], str(s))
     steps = [5, 17, 300, 42, 7, 99, 512, 3, 64, 1000]
     with Engine.open(str(s), provider="direct") as e:
