@@ -81,8 +81,7 @@ class SlotPool:
     def parts(self, i: int, layout: int, extent: Extent) -> Mapping[Any, QWeight]:
         """``QWeight`` views of an expert with ``extent``'s layout (``layout`` names it) in slot
         ``i``, made once per slot and layout and kept: creating and freeing tensor views is
-        cheap alone but cost ~0.1 ms each while I/O threads were busy (measured), so the hot
-        path does neither."""
+        cheap alone but not while I/O threads are busy, so the hot path does neither."""
         key = (i, layout)
         parts = self._parts.get(key)
         if parts is None:

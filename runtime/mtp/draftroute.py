@@ -9,12 +9,11 @@ step taken only up to its attention, so no expert is read for it: the same cover
 point, measured). The predictor (``DraftRoutePredictor``), per row and trunk MoE layer l:
 
 * **proxy routing**: layer l's router (its own FFN norm, selection bias) on ``rms(hn)``; an
-  expert's rank there is the main feature (measured on the trained model: 82% of the verify
-  experts among each row's top-6, against 27% for the token embedding, 64% for the previous
-  row's state; a fitted linear mix of embedding, hn and h_prev, or a full linear map, gains
-  under 2 points);
+  expert's rank there is the main feature (on the trained model it places far more of the
+  verify experts in each row's top ranks than the token embedding or the previous row's state
+  do, and fitted mixes of them gain little: bench/README.md);
 * **token route memory**: how many of the token's last two committed occurrences used the
-  expert at layer l (65% of rows' tokens were seen before, with 70% of their route repeated);
+  expert at layer l (most rows' tokens were seen before, and most of their route repeats);
 * **calibration**: ``P(row uses e | rank bucket, memory count)`` per layer, counted online
   from every verify pass (a prior until then); rows combine by noisy-OR into the probability
   that the pass needs ``e``.
@@ -52,7 +51,7 @@ from .speculative import DraftState
 __all__ = ["DraftRoutePredictor", "DraftRoutePrefetcher", "RouteScore", "TokenRouteMemory",
            "prefetch_to"]
 
-DEFAULT_THRESHOLD = 0.15        # until the disk wait is measured (bench_mtp: coverage >= 0.9 there)
+DEFAULT_THRESHOLD = 0.15        # until the disk wait is measured
 
 
 def prefetch_to(provider: Any, layer: int, ids: list[int], source: str) -> None:
