@@ -51,7 +51,7 @@ class DirectProvider(ExpertProvider):
     def release(self, layer: int) -> None:
         self._held.pop(layer, None)
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], source: str = "gate") -> None:
         return None
 
     def close(self) -> None:

@@ -79,8 +79,9 @@ class ExpertProvider(Protocol):
     def release(self, layer: int) -> None:
         """The running layer is done with what ``get`` returned; those may now be evicted."""
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Hint: these will probably be needed soon (never blocks)."""
+    def prefetch(self, layer: int, experts: Sequence[int], source: str = "gate") -> None:
+        """Hint: these will probably be needed soon (never blocks); ``source`` names the
+        predictor, for providers that score predictions per source."""
 
     def close(self) -> None:
         ...

@@ -52,6 +52,10 @@ class DequantCache:
         self.used += e.nbytes
         return True
 
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        """Is ``(layer, expert)`` kept (without counting a use)?"""
+        return key in self._d
+
     def __len__(self) -> int:
         return len(self._d)
 

@@ -48,18 +48,9 @@ from ..model.rope import rms_norm
 from ..prefetch.score import PredictionScore
 from .speculative import DraftState
 
-__all__ = ["DraftRoutePredictor", "DraftRoutePrefetcher", "RouteScore", "TokenRouteMemory",
-           "prefetch_to"]
+__all__ = ["DraftRoutePredictor", "DraftRoutePrefetcher", "RouteScore", "TokenRouteMemory"]
 
 DEFAULT_THRESHOLD = 0.15        # until the disk wait is measured
-
-
-def prefetch_to(provider: Any, layer: int, ids: list[int], source: str) -> None:
-    """``provider.prefetch`` with a source name where the provider takes one."""
-    try:
-        provider.prefetch(layer, ids, source=source)
-    except TypeError:
-        provider.prefetch(layer, ids)
 
 
 class TokenRouteMemory:
@@ -258,7 +249,7 @@ class DraftRoutePrefetcher:
             while j < len(take) and take[j][0] == la:
                 ids.append(take[j][1])
                 j += 1
-            prefetch_to(prov, la, ids, "draft")
+            prov.prefetch(la, ids, source="draft")
             self.issued += len(ids)
 
     def on_forward(self, tokens: list[int]) -> None:
@@ -290,7 +281,7 @@ class DraftRoutePrefetcher:
             self._pred[la] = ids
             have = [e for e in ids if self._resident(la, e)]
             if have:                           # claim: soft-pinned until the layer runs
-                prefetch_to(prov, la, have, "draft")
+                prov.prefetch(la, have, source="draft")
                 self.claimed += len(have)
             self._queue += [(la, e) for e in ids if e not in have]
         self._verify = True

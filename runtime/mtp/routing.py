@@ -47,10 +47,10 @@ class SkipStats:
 def resident_fn(provider: Any, dq: Any) -> Callable[[int, int], bool]:
     """``(layer, expert) -> bool``: in a provider tier, loading, or in the dequantized cache."""
     tiers = provider if isinstance(provider, TierState) else None
-    dqd = getattr(dq, "_d", None) if getattr(dq, "enabled", False) else None
+    kept = dq if dq is not None and dq.enabled else None
 
     def resident(layer: int, e: int) -> bool:
-        if dqd is not None and (layer, e) in dqd:
+        if kept is not None and (layer, e) in kept:
             return True
         if tiers is None:
             return False

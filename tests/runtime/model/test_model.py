@@ -113,7 +113,7 @@ class SpyProvider:
         self.gets.append((layer, list(experts)))
         return self.inner.get(layer, experts)
 
-    def prefetch(self, layer, experts):
+    def prefetch(self, layer, experts, source="gate"):
         self.prefetches.append((layer, list(experts)))
 
     def release(self, layer):
