@@ -18,7 +18,10 @@ different random selection out of ``--pool`` experts per layer (weights cold in 
 decode), reported per expert. One thread: CPU time of the thread (robust on a shared machine);
 more threads: wall time, best of ``--rounds``.
 
-    .venv/bin/python bench/bench_kernels.py [-t 1] [--types q4_k,q6_k] [--json]
+``speed-up`` is eager / native: what the native exact kernel gains over dequantize + F.linear.
+
+    .venv/bin/python bench/bench_kernels.py [-t 1] [--types q4_k,q6_k] [--layer iq2_xxs,iq2_xxs,iq2_s]
+        [--json]
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from expertfs.formats.ggml import GGMLType, block_size
 from expertfs.formats.random_blocks import make_blocks
 
 DEFAULT_TYPES = ("q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "q2_k", "q3_k", "iq4_xs", "mxfp4",
-                 "q5_0", "q5_1", "q4_1", "bf16", "f16")
+                 "q5_0", "q5_1", "q4_1", "bf16", "f16", "iq4_nl", "iq2_xxs", "iq2_s", "iq3_xxs",
+                 "iq2_xs", "iq3_s", "iq1_s", "iq1_m")
 
 
 def weight(t: GGMLType, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -135,6 +139,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=8, help="experts per layer call (8)")
     ap.add_argument("--pool", type=int, default=128, help="experts to pick from (128)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layer", default="q4_k,q4_k,q6_k",
+                    help="gate,up,down types of the layer call (q4_k,q4_k,q6_k)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -146,11 +152,17 @@ def main() -> int:
     for name in a.types.split(","):
         t = GGMLType[name.upper()]
         rows[t.name] = per_type(t, D, ff, a.threads, a.rounds)
-    lay = layer((GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q6_K), D, ff, a.experts, a.pool,
-                a.threads, a.rounds)
+    lt = tuple(GGMLType[n.upper()] for n in a.layer.split(","))
+    if len(lt) != 3:
+        raise SystemExit("--layer takes three types: gate,up,down")
+    lay = layer(lt, D, ff, a.experts, a.pool, a.threads, a.rounds)
+    lname = "_".join(t.name.lower().replace("_", "") for t in lt)      # q4k_q4k_q6k
+    for r in rows.values():
+        if isinstance(r.get("eager"), float) and isinstance(r.get("native"), float):
+            r["speedup"] = r["eager"] / r["native"]
     res = {"threads": a.threads, "n_embd": D, "n_ff": ff, "kernels": kernels.status(),
            "load_avg": os.getloadavg(), "us_per_expert": rows,
-           "layer_q4k_q4k_q6k_us_per_expert": lay}
+           f"layer_{lname}_us_per_expert": lay}
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -159,15 +171,17 @@ def main() -> int:
           f"1 token, {a.threads} thread(s), {kernels.status()['isa']}; µs per expert "
           f"(Gweights/s); load average {res['load_avg'][0]:.1f}")
     cols = ("native", "native-q8", "compiled", "eager", "f32")
-    print(f"  {'type':8s}" + "".join(f"{c:>18s}" for c in cols))
+    print(f"  {'type':8s}" + "".join(f"{c:>18s}" for c in cols) + f"{'speed-up':>10s}")
     for name, r in rows.items():
         cells = []
         for c in cols:
             v = r.get(c)
             cells.append(f"{'-':>18s}" if v is None else f"{v:>18s}" if isinstance(v, str)
                          else f"{v:9.1f} ({weights / v / 1e3:5.1f})")
-        print(f"  {name:8s}" + "".join(cells))
-    print(f"layer call, {a.experts} of {a.pool} experts (Q4_K gate/up, Q6_K down), cold: "
+        sp = r.get("speedup")
+        print(f"  {name:8s}" + "".join(cells) + (f"{sp:9.1f}x" if sp else f"{'-':>10s}"))
+    names = "/".join(t.name for t in lt)
+    print(f"layer call, {a.experts} of {a.pool} experts ({names} gate/up/down), cold: "
           f"exact {lay['exact']:.1f} µs/expert, q8 {lay['q8']:.1f} µs/expert")
     return 0
 

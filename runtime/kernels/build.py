@@ -41,8 +41,9 @@ __all__ = ["load", "status", "cache_dir", "SOURCES"]
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp")
-HEADERS = ("kern.h", "pool.h", "small_ops.h")
+SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp",
+           "kern_iq.cpp", "kern_iq_avx2.cpp")
+HEADERS = ("kern.h", "pool.h", "small_ops.h", "kern_avx2_util.h")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
           "-Wno-maybe-uninitialized")     # GCC 12 false positives in its AVX-512 headers
 
@@ -135,6 +136,8 @@ def load() -> ModuleType | None:
                     mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
                                              extra_cflags=list(CFLAGS),
                                              build_directory=str(bdir), verbose=False)
+                from .iq_tables import install
+                install(mod)                # the IQ codebooks, from gguf-py
             except Exception as e:  # noqa: BLE001 - any toolchain failure means "use torch"
                 mod, reason = None, f"build failed ({_short(e)})"
             _state["seconds"] = time.perf_counter() - t0

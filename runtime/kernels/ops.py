@@ -22,10 +22,14 @@ ACT_QUANT = {"off": 0, "q8": 1}
 #: ggml types with native kernels (both modes).
 TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0, GGMLType.Q4_0,
                    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.MXFP4,
-                   GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_1, GGMLType.BF16, GGMLType.F16})
+                   GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_1, GGMLType.BF16, GGMLType.F16,
+                   GGMLType.IQ4_NL, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+                   GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M})
 
+#: Types whose q8 mode uses Q8_K activations (rows must be whole 256-element blocks).
 _K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
-                GGMLType.IQ4_XS})
+                GGMLType.IQ4_XS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+                GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M})
 
 
 def act_quant_mode(name: str | None) -> int:

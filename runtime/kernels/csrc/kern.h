@@ -24,8 +24,9 @@ namespace efs {
 // ggml type ids (ggml.h enum ggml_type)
 enum : int {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_XS = 23,
-    T_BF16 = 30, T_MXFP4 = 39,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ2_XXS = 16,
+    T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22,
+    T_IQ4_XS = 23, T_IQ1_M = 29, T_BF16 = 30, T_MXFP4 = 39,
 };
 
 // Activation formats a kernel consumes.
@@ -108,6 +109,39 @@ void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p);
 // g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
 void silu_mul(float* g, const float* u, int64_t n);
 void avx2_silu_mul(float* g, const float* u, int64_t n);
+
+// The lattice IQ types' codebooks (ggml-common.h's iq2xxs_grid ... iq1s_grid, ksigns_iq2xs),
+// handed over from gguf-py at load (set_iq_tables, kern_iq.cpp), never copied by hand. Grid
+// entries are packed as ggml packs them: byte j of an entry is its element j (IQ1: int8
+// -1/0/1). ksigns_mask: byte j of entry k is 0xFF where bit j of ksigns[k] is set, else 0x01
+// (a sign vector for _mm256_sign_epi8), derived from ksigns. `ok` once every table is set.
+struct IqTables {
+    uint64_t iq2xxs[256];
+    uint64_t iq2xs[512];
+    uint64_t iq2s[1024];
+    uint32_t iq3xxs[256];
+    uint32_t iq3s[512];
+    uint64_t iq1s[2048];
+    uint8_t ksigns[128];
+    uint64_t ksigns_mask[128];
+    int8_t kvalues_iq4nl[16];
+    bool ok;
+};
+extern IqTables g_iq;
+
+// Stores one table by name (iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s: grid entries of 8 or 4
+// bytes; ksigns: 128 bytes; kvalues_iq4nl: 16 int8, checked against the built-in levels).
+// Returns nullptr, or what is wrong.
+const char* set_iq_table(const char* name, const uint8_t* data, int64_t nbytes);
+bool is_iq_grid(int type);                // needs g_iq
+
+// The lattice IQ types in the portable unit (kern_iq.cpp): a block's floats as ggml's
+// dequantize_row_* computes them, and the q8 dot product of a row with Q8_K activations.
+void deq_block_iq(int type, const uint8_t* b, float* y);
+float vdot_q8_iq(int type, const uint8_t* row, int64_t cols, const Q8K* y);
+
+// The lattice IQ types' AVX2 kernels (kern_iq_avx2.cpp); nullptr when not implemented.
+RowsFn avx2_iq_rows(int type, int mode);
 
 // Scalar helpers shared by the units.
 float fp16_to_fp32(uint16_t h);

@@ -86,20 +86,24 @@ static const TypeInfo TYPES[] = {
     {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20}, {T_Q5_0, 32, 22},
     {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_Q2_K, 256, 84}, {T_Q3_K, 256, 110},
     {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210}, {T_IQ4_XS, 256, 136},
-    {T_MXFP4, 32, 17},
+    {T_MXFP4, 32, 17}, {T_IQ4_NL, 32, 18}, {T_IQ2_XXS, 256, 66}, {T_IQ2_XS, 256, 74},
+    {T_IQ2_S, 256, 82}, {T_IQ3_XXS, 256, 98}, {T_IQ3_S, 256, 110}, {T_IQ1_S, 256, 50},
+    {T_IQ1_M, 256, 56},
 };
 
 const TypeInfo* type_info(int type) {
     for (const TypeInfo& t : TYPES)
-        if (t.type == type) return &t;
+        if (t.type == type) return is_iq_grid(type) && !g_iq.ok ? nullptr : &t;
     return nullptr;
 }
 
 int q8_format(int type) {
     switch (type) {
         case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS:
+        case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S: case T_IQ3_XXS: case T_IQ3_S: case T_IQ1_S:
+        case T_IQ1_M:
             return X_Q8K;
-        case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_MXFP4: return X_Q8_0;
+        case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_MXFP4: case T_IQ4_NL: return X_Q8_0;
         case T_Q4_1: case T_Q5_1: return X_Q8_1;
         case T_F16: return X_F16R;
         case T_BF16: return X_BF16R;
@@ -389,6 +393,14 @@ static void deq_block(int type, const uint8_t* b, float* y) {
         }
         break;
     }
+    case T_IQ4_NL: {
+        const float d = f16at(b);
+        for (int j = 0; j < 16; ++j) {
+            y[j] = d * KV_IQ4NL[b[2 + j] & 0xf];
+            y[j + 16] = d * KV_IQ4NL[b[2 + j] >> 4];
+        }
+        break;
+    }
     case T_F16:
         y[0] = f16at(b);
         break;
@@ -398,6 +410,7 @@ static void deq_block(int type, const uint8_t* b, float* y) {
         break;
     }
     default:
+        deq_block_iq(type, b, y);
         break;
     }
 }
@@ -489,6 +502,11 @@ static float vdot_q8(int type, const uint8_t* row, int64_t cols, const void* qv)
                     sumi += KV_MXFP4[b[1 + j] & 0xF] * q8[j] + KV_MXFP4[b[1 + j] >> 4] * q8[j + 16];
                 sumf += (y[ib].d * e8m0_half(b[0])) * sumi;
                 break;
+            case T_IQ4_NL:
+                for (int j = 0; j < 16; ++j)
+                    sumi += KV_IQ4NL[b[2 + j] & 0xF] * q8[j] + KV_IQ4NL[b[2 + j] >> 4] * q8[j + 16];
+                sumf += sumi * (f16at(b) * y[ib].d);
+                break;
             default:
                 break;
             }
@@ -496,6 +514,7 @@ static float vdot_q8(int type, const uint8_t* row, int64_t cols, const void* qv)
         return sumf;
     }
     const Q8K* y = (const Q8K*)qv;
+    if (is_iq_grid(type)) return vdot_q8_iq(type, row, cols, y);
     for (int64_t i = 0; i < nb; ++i) {
         const uint8_t* b = row + i * ti->bytes;
         const int8_t* q8 = y[i].qs;
@@ -651,13 +670,17 @@ static void q8_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t 
 EFS_SCALAR(Q4_0) EFS_SCALAR(Q4_1) EFS_SCALAR(Q5_0) EFS_SCALAR(Q5_1) EFS_SCALAR(Q8_0)
 EFS_SCALAR(Q2_K) EFS_SCALAR(Q3_K) EFS_SCALAR(Q4_K) EFS_SCALAR(Q5_K) EFS_SCALAR(Q6_K)
 EFS_SCALAR(IQ4_XS) EFS_SCALAR(MXFP4) EFS_EX(F16) EFS_EX(BF16)
+EFS_SCALAR(IQ4_NL) EFS_SCALAR(IQ2_XXS) EFS_SCALAR(IQ2_XS) EFS_SCALAR(IQ2_S) EFS_SCALAR(IQ3_XXS)
+EFS_SCALAR(IQ3_S) EFS_SCALAR(IQ1_S) EFS_SCALAR(IQ1_M)
 
 RowsFn scalar_rows(int type, int mode) {
 #define EFS_CASE(T) case T_##T: return mode == 0 ? ex_##T : q8_##T;
     switch (type) {
         EFS_CASE(Q4_0) EFS_CASE(Q4_1) EFS_CASE(Q5_0) EFS_CASE(Q5_1) EFS_CASE(Q8_0)
         EFS_CASE(Q2_K) EFS_CASE(Q3_K) EFS_CASE(Q4_K) EFS_CASE(Q5_K) EFS_CASE(Q6_K)
-        EFS_CASE(IQ4_XS) EFS_CASE(MXFP4)
+        EFS_CASE(IQ4_XS) EFS_CASE(MXFP4) EFS_CASE(IQ4_NL)
+        EFS_CASE(IQ2_XXS) EFS_CASE(IQ2_XS) EFS_CASE(IQ2_S) EFS_CASE(IQ3_XXS) EFS_CASE(IQ3_S)
+        EFS_CASE(IQ1_S) EFS_CASE(IQ1_M)
         // F16 / BF16 in q8 mode: the float dot on fp16/bf16-rounded activations (X_F16R /
         // X_BF16R), as ggml_vec_dot_f16 / _bf16 with float accumulation.
         case T_F16: return ex_F16;

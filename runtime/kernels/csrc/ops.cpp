@@ -244,7 +244,10 @@ void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
         xu = pxu.xs.data();
     }
     std::vector<float> u((size_t)(n * ff));
-    const int64_t rc = rows_per_chunk(n * ff, 2 * D);
+    // Chunks start at multiples of 8 rows of an expert: the SiLU's vector / scalar split of a
+    // row (8 at a time, then a tail) then depends on the row alone, not on which experts
+    // share the call (which sets the chunk size).
+    const int64_t rc = (rows_per_chunk(n * ff, 2 * D) + 7) / 8 * 8;
     const int64_t per_e = (ff + rc - 1) / rc;
     par_chunks(n * per_e, [&](int64_t c) {
         const int64_t e = c / per_e, r0 = (c % per_e) * rc;
@@ -504,6 +507,15 @@ int64_t set_spin_us(int64_t us) {
     return us;
 }
 
+// One of the lattice IQ types' tables from gguf-py (kern.h IqTables), as raw bytes.
+bool set_iq_table_t(const std::string& name, const at::Tensor& t) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.element_size() == 1,
+                "expertfs kernels: table ", name, " must be a contiguous 1-byte CPU tensor");
+    const char* err = set_iq_table(name.c_str(), (const uint8_t*)t.data_ptr(), t.numel());
+    TORCH_CHECK(err == nullptr, "expertfs kernels: table ", name, ": ", err ? err : "");
+    return g_iq.ok;
+}
+
 int64_t set_threads(int64_t n) {
     TORCH_CHECK(n >= 0, "expertfs kernels: thread count must be >= 0");
     g_threads = (int)n;
@@ -520,9 +532,12 @@ pybind11::dict info() {
     d["threads"] = g_threads > 0 ? g_threads : at::get_num_threads();
     pybind11::list types;
     static const int all[] = {T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q2_K,
-                              T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS, T_MXFP4};
-    for (int t : all) types.append(t);
+                              T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS, T_MXFP4, T_IQ4_NL,
+                              T_IQ2_XXS, T_IQ2_XS, T_IQ2_S, T_IQ3_XXS, T_IQ3_S, T_IQ1_S, T_IQ1_M};
+    for (int t : all)
+        if (type_info(t) != nullptr) types.append(t);
     d["types"] = types;
+    d["iq_tables"] = g_iq.ok;
     return d;
 }
 
@@ -571,5 +586,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("x"), pybind11::arg("W"), pybind11::arg("bias"), pybind11::arg("k"),
           pybind11::arg("sigmoid"), pybind11::arg("norm_w"), pybind11::arg("w_min"),
           pybind11::arg("w_scale"));
+    m.def("set_iq_table", &efs::set_iq_table_t, "one lattice IQ table (gguf-py's, as bytes)",
+          pybind11::arg("name"), pybind11::arg("data"));
     m.def("set_threads", &efs::set_threads, "threads of the kernels (0: torch.get_num_threads())");
 }

@@ -1,0 +1,114 @@
+// Helpers shared by the AVX2 units (kern_avx2.cpp, kern_iq_avx2.cpp): included only by them,
+// inside an anonymous namespace, every function with the AVX2 target attribute, so no inline
+// symbol compiled for AVX2 can be shared with the portable units. The unpack of 32 bytes into
+// floats (u8f / grp) and the activation order it implies are described in kern_avx2.cpp.
+#pragma once
+
+#include <immintrin.h>
+#include <string.h>
+
+#include "kern.h"
+
+#define EFS_T __attribute__((target("avx2,fma,f16c")))
+#define EFS_TI __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+namespace efs {
+namespace {
+
+EFS_TI float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+EFS_TI int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+EFS_TI float f16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+EFS_TI __m256i loadu256(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+EFS_TI __m128i loadu128(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+
+// 16 bytes -> 32 nibbles: low nibbles in the low lane (elements 0..15), high in the high lane.
+EFS_TI __m256i nibbles(__m128i q) {
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i <-> bit i).
+EFS_TI __m256i bytes_from_bits_32(const uint8_t* x) {
+    uint32_t x32;
+    memcpy(&x32, x, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+EFS_TI __m256 magic(float off) { return _mm256_set1_ps(8388608.f + off); }
+
+// 32 unsigned bytes -> 4 x 8 floats (q - off), permuted: vector k, element j holds byte
+// 4k+j (j < 4) or 16+4k+j-4 (j >= 4). perm32() orders the activations to match.
+EFS_TI void u8f(__m256i v, __m256 moff, __m256* w) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i mg = _mm256_set1_epi16(0x4B00);
+    const __m256i lo = _mm256_unpacklo_epi8(v, z), hi = _mm256_unpackhi_epi8(v, z);
+    w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(lo, mg)), moff);
+    w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(lo, mg)), moff);
+    w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(hi, mg)), moff);
+    w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(hi, mg)), moff);
+}
+
+// acc[t] += scale * sum_i (q_i - off) * x_t[i] over one group of 32 (x_t at xp[t] + off).
+template <int NT>
+EFS_TI void grp(__m256i v, __m256 moff, const float* const* xp, int64_t o, __m256 scale,
+                __m256* acc) {
+    __m256 w[4];
+    u8f(v, moff, w);
+    for (int t = 0; t < NT; ++t) {
+        const float* x = xp[t] + o;
+        __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a);
+        a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), a);
+        acc[t] = _mm256_fmadd_ps(a, scale, acc[t]);
+    }
+}
+
+// Scale vector for a 32-group split in two 16-element sub-blocks: the low lane of the unpack
+// holds bytes 0..15, the high lane bytes 16..31. `s` holds 8 scales; pair p = (2p, 2p+1).
+EFS_TI __m256 pair_scale(__m256 s, int p) {
+    const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p,
+                                          2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+    return _mm256_permutevar8x32_ps(s, idx);
+}
+
+// Software prefetch of a row about 2 KiB ahead of the one being read: every expert matrix
+// spans many 4 KiB pages and hardware prefetchers stop at page boundaries.
+EFS_TI int64_t pf_ahead(int64_t rb) { return rb >= 2048 ? 1 : (2048 + rb - 1) / rb; }
+EFS_TI void pf_row(const uint8_t* p, int64_t rb) {
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
+struct Out {
+    float* y;
+    int64_t ys;
+    float alpha;
+    int accumulate;
+    EFS_TI void put(int t, int64_t r, float v) const {
+        float* o = y + (int64_t)t * ys + r;
+        *o = accumulate ? *o + alpha * v : alpha * v;
+    }
+};
+
+}  // namespace
+}  // namespace efs

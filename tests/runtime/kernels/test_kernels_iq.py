@@ -1,0 +1,204 @@
+"""Native kernels of IQ4_NL and the lattice IQ types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+IQ1_S, IQ1_M): exact mode equals F.linear on the reference dequantisation (formats.dequant,
+itself tested against gguf-py) per type, ISA and shape; q8 mode equals the product with the
+activations as llama.cpp quantizes them (Q8_K, Q8_0 for IQ4_NL); the MoE calls equal the
+expert loop and, computed in parts, the one call bit for bit; the codebooks come from gguf-py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertfs.formats.dequant import dequantize
+from expertfs.formats.ggml import GGMLType as T
+from expertfs.formats.random_blocks import make_blocks
+from expertfs.runtime import kernels
+
+MOD = kernels.load()
+pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
+                                f"{kernels.status()['reason']}")
+
+GRID = [T.IQ2_XXS, T.IQ2_S, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
+ALL = [T.IQ4_NL] + GRID
+
+
+def isas() -> list[str]:
+    best = MOD.info()["best_isa"] if MOD is not None else "scalar"
+    return {"scalar": ["scalar"], "avx2": ["scalar", "avx2"],
+            "avx512": ["scalar", "avx2", "avx512"]}[best]
+
+
+@pytest.fixture
+def isa(request):
+    MOD.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        MOD.set_isa("best")
+
+
+def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random valid blocks (formats.random_blocks) of a ``rows × cols`` matrix, as bytes."""
+    bs = 32 if t == T.IQ4_NL else 256
+    b = make_blocks(t, rows * cols // bs, cols ** -0.5, np.random.default_rng(seed))
+    return torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy())
+
+
+def cols_for(t: T) -> list[int]:
+    # IQ4_NL (blocks of 32) stands in where rows are not a multiple of 256: 96, 160, 1408
+    return [96, 160, 512, 1408] if t == T.IQ4_NL else [256, 768]
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float rounding allowance: a few ulps of sum |x| |w| per output."""
+    return 4e-6 * (x.double().abs() @ w.double().abs().T).float() + 1e-30
+
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_exact_equals_dequant_linear(t, isa):
+    for k, cols in enumerate(cols_for(t)):
+        rows = 37 + 8 * k
+        raw = weight(t, rows, cols, int(t) * 7 + k)
+        W = dequantize(raw, t, (rows, cols))
+        for nt in (1, 3, 6):            # 6: a chunk of 4 tokens and a remainder
+            x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt + k))
+            got = kernels.matvec(x, raw, t, (rows, cols))
+            ref = F.linear(x.double(), W.double()).float()
+            assert got.shape == (nt, rows)
+            assert ((got - ref).abs() <= bound(x, W)).all(), (t.name, isa, cols, nt)
+
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_q8_equals_llama_numerics(t, isa):
+    """The product with the activations llama.cpp's way quantized (``act_dequant``, whose
+    Q8_K/Q8_0 bytes test_kernels.py checks against an independent numpy quantizer)."""
+    cols, rows = 512, 29
+    raw = weight(t, rows, cols, int(t) + 100)
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(int(t)))
+    x[1, 256:288] = 0.0                               # an all-zero block of 32
+    got = kernels.matvec(x, raw, t, (rows, cols), act_quant="q8")
+    W = dequantize(raw, t, (rows, cols))
+    ref = F.linear(MOD.act_dequant(x, int(t)).double(), W.double()).float()
+    assert ((got - ref).abs() <= bound(x, W) + 1e-6 * ref.abs()).all(), (t.name, isa)
+    assert not torch.equal(got, kernels.matvec(x, raw, t, (rows, cols)))   # the mode is on
+
+
+def _experts(types, n, D, ff, fused, seed):
+    tg, tu, td = types
+    gate = [weight(tg, 2 * ff if fused else ff, D, seed + j) for j in range(n)]
+    up = None if fused else [weight(tu, ff, D, seed + 50 + j) for j in range(n)]
+    down = [weight(td, D, ff, seed + 100 + j) for j in range(n)]
+    return gate, up, down
+
+
+MIXES = [((T.IQ2_XXS, T.IQ2_XXS, T.IQ2_S), False, 256),      # Maya-style gate/up, down
+         ((T.IQ3_XXS, T.IQ3_XXS, T.IQ2_S), False, 256),
+         ((T.IQ2_XXS, T.IQ2_XXS, T.IQ4_NL), False, 160),     # IQ4_NL down: ff % 256 != 0
+         ((T.IQ1_M, T.IQ1_M, T.IQ1_S), True, 256),
+         ((T.IQ2_XS, T.IQ3_S, T.IQ4_NL), False, 256)]
+MIX_IDS = ["maya", "iq3xxs-iq2s", "iq4nl-down", "iq1-fused", "mixed"]
+
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("types,fused,ff", MIXES, ids=MIX_IDS)
+def test_moe_equals_expert_loop_and_float_weights(types, fused, ff, isa):
+    D, n = 512, 4
+    tg, tu, td = types
+    gate, up, down = _experts(types, n, D, ff, fused, 11)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(4))
+    w = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    for aq in ("off", "q8"):
+        got = kernels.moe(x, w, gate, up, down, types, ff, aq)
+        ref = torch.zeros(1, D)
+        for j in range(n):
+            if fused:
+                g, u = kernels.matvec(x, gate[j], tg, (2 * ff, D), aq).chunk(2, -1)
+            else:
+                g = kernels.matvec(x, gate[j], tg, (ff, D), aq)
+                u = kernels.matvec(x, up[j], tu, (ff, D), aq)
+            ref += w[j] * kernels.matvec(F.silu(g) * u, down[j], td, (D, ff), aq)
+        assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0), aq
+    ref = torch.zeros(1, D)                     # exact mode against float weights
+    for j in range(n):
+        if fused:
+            g, u = F.linear(x, dequantize(gate[j], tg, (2 * ff, D))).chunk(2, -1)
+        else:
+            g = F.linear(x, dequantize(gate[j], tg, (ff, D)))
+            u = F.linear(x, dequantize(up[j], tu, (ff, D)))
+        ref += w[j] * F.linear(F.silu(g) * u, dequantize(down[j], td, (D, ff)))
+    got = kernels.moe(x, w, gate, up, down, types, ff)
+    assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("aq", ["off", "q8"])
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("types,fused,ff", MIXES[:4], ids=MIX_IDS[:4])
+def test_moe_in_parts_equals_one_call_bit_for_bit(types, fused, ff, isa, aq):
+    D, n = 512, 5
+    gate, up, down = _experts(types, n, D, ff, fused, 21)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(5))
+    w = torch.rand(n, generator=torch.Generator().manual_seed(6))
+    want = kernels.moe(x, w, gate, up, down, types, ff, aq)
+    for first in ([0, 2], [4], [1, 2, 3, 4]):
+        parts = (first, [j for j in range(n) if j not in first])
+        vs = []
+        for part in parts:
+            h = kernels.moe_hidden(x, [gate[j] for j in part],
+                                   None if up is None else [up[j] for j in part],
+                                   types[:2], ff, aq)
+            vs.append(kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq))
+        row = {j: i for i, j in enumerate(parts[0] + parts[1])}
+        got = kernels.moe_combine(torch.cat(vs), w, [row[j] for j in range(n)])
+        assert torch.equal(got, want), first
+
+
+def test_results_do_not_depend_on_threads():
+    D, ff, n = 512, 256, 3
+    types = (T.IQ2_XXS, T.IQ2_XXS, T.IQ2_S)
+    gate, up, down = _experts(types, n, D, ff, False, 3)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(1))
+    w = torch.rand(n, generator=torch.Generator().manual_seed(2))
+    raw = weight(T.IQ3_XXS, 300, D, 9)
+    old = torch.get_num_threads()
+    out = {}
+    try:
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            out[th] = [kernels.moe(x, w, gate, up, down, types, ff, aq) for aq in ("off", "q8")]
+            out[th] += [kernels.matvec(x.expand(3, D).contiguous(), raw, T.IQ3_XXS, (300, D))]
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(out[1], out[2]):
+        assert torch.equal(a, b)
+
+
+def test_tables_come_from_gguf_py_and_are_checked():
+    from gguf import quants
+
+    from expertfs.runtime.kernels import iq_tables
+    info = MOD.info()
+    assert info["iq_tables"]
+    assert all(int(t) in info["types"] for t in ALL)
+    with pytest.raises(RuntimeError, match="wrong size"):
+        MOD.set_iq_table("iq2xxs", torch.zeros(100, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="unknown table"):
+        MOD.set_iq_table("iq9", torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="differs"):
+        MOD.set_iq_table("kvalues_iq4nl", torch.zeros(16, dtype=torch.uint8))
+    iq_tables.install(MOD)                              # reinstalling is harmless
+    quants.IQ2_XXS.init_grid()
+    assert len(iq_tables.TABLES) == 6 and MOD.info()["iq_tables"]
+
+
+def test_types_are_routed_and_others_fall_back():
+    assert set(ALL) <= kernels.TYPES
+    x = torch.randn(1, 256)
+    raw = torch.zeros(8 * 66, dtype=torch.uint8)            # TQ2_0: no native kernel
+    assert kernels.matvec(x, raw, T.TQ2_0, (8, 256)) is None
+    raw = weight(T.IQ4_NL, 8, 96, 1)                         # IQ4_NL q8 on 96 columns: Q8_0
+    assert kernels.matvec(torch.randn(1, 96), raw, T.IQ4_NL, (8, 96), act_quant="q8") is not None
