@@ -7,8 +7,10 @@ provider. One concept per module:
 (DeepSeek latent attention), ``router`` (llama.cpp's ``build_moe_ffn`` selection), ``ffn``
 (SwiGLU dense and routed), ``qmatvec`` (compiled one-token products from ggml bytes),
 ``dqcache`` (dequantized-expert LRU),
-``moe`` (the routed layer: one host sync, fetch once per batch, gather/scatter), ``model``
-(the forward). Architectures: qwen3moe, glm4moe, llama (Mixtral), deepseek2.
+``moe`` (the routed layer: one host sync, fetch once per batch, gather/scatter), ``indexer``
+(the DSA lightning indexer: top-k positions per query, its key cache), ``model`` (the forward).
+Architectures: qwen3moe, glm4moe, llama (Mixtral), deepseek2 run the generic stack; ``archs``
+holds one module per architecture with layer kinds of its own (``glm_dsa``: GLM-5.2 / GLM-5).
 """
 
 from .config import ARCHS, ModelConfig

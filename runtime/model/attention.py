@@ -38,7 +38,10 @@ class KVCache:
     """Per-layer key/value tensors; ``pos`` is the number of positions already stored.
 
     MLA (deepseek2) keeps one latent "head" per position, ``[kv_lora + rope]``, whose first
-    ``kv_lora`` values are also the values: no separate value tensors."""
+    ``kv_lora`` values are also the values: no separate value tensors. A layer kind with more
+    per-position state (the DSA indexer's keys) registers a side stream (``add_stream``):
+    ``streams[name][layer]`` is ``[1, capacity, dim]`` (None for the layers without one) and
+    grows, rolls back and counts in ``nbytes`` with the keys."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int, n_ctx: int, dtype: torch.dtype,
                  device: torch.device, initial: int = 256) -> None:
@@ -50,7 +53,13 @@ class KVCache:
         self.capacity = min(initial, n_ctx)
         self.k = [self._alloc(self.kd) for _ in range(n_layers)]
         self.v = [self._alloc(self.vd) for _ in range(n_layers)] if self.vd else []
+        self.streams: dict[str, list[torch.Tensor | None]] = {}
         self.pos = 0
+
+    def add_stream(self, name: str, dims: list[int]) -> None:
+        """One ``[1, capacity, dims[layer]]`` tensor per layer (none where the dim is 0)."""
+        self.streams[name] = [torch.zeros(1, self.capacity, d, dtype=self.dtype,
+                                          device=self.device) if d else None for d in dims]
 
     def _alloc(self, d: int, n: int | None = None) -> torch.Tensor:
         return torch.zeros(self.kv_heads, n or self.capacity, d, dtype=self.dtype,
@@ -69,6 +78,12 @@ class KVCache:
                 new = self._alloc(d, cap)
                 new[:, :self.pos] = t[:, :self.pos]
                 lst[i] = new
+        for lst in self.streams.values():
+            for i, t in enumerate(lst):
+                if t is not None:
+                    new = t.new_zeros(t.shape[0], cap, t.shape[2])
+                    new[:, :self.pos] = t[:, :self.pos]
+                    lst[i] = new
         self.capacity = cap
 
     def reset(self, pos: int = 0) -> None:
@@ -77,7 +92,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v) + \
+            sum(self.stream_nbytes(n) for n in self.streams)
+
+    def stream_nbytes(self, name: str) -> int:
+        return sum(t.numel() * t.element_size() for t in self.streams[name] if t is not None)
 
 
 def attention(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rope: Rope,

@@ -16,6 +16,9 @@ llama.cpp's ``llama-model.cpp`` per architecture:
   ``value_length_mla``, optional ``q_lora_rank``); YaRN's magnitude correction goes into the
   attention scale (``mscale² / sqrt(key_length_mla)``, ``rope.scaling.yarn_log_multiplier``
   stored ×0.1), not into cos/sin.
+- An architecture with layer kinds of its own names its module in ``runtime/model/archs``
+  (``ArchSpec.module``): that module's ``configure`` reads its own keys into ``ModelConfig.ext``
+  (glm-dsa: the DSA indexer's ``IndexerConfig``) and it builds its attention weights and step.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class ArchSpec:
     post_attn_norm: str            # the FFN input norm's tensor name
     nextn: bool = False            # may carry NextN blocks
     mla: bool = False              # DeepSeek multi-head latent attention
+    module: str | None = None      # runtime.model.archs.<module> composes the layers
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -54,6 +58,8 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(ROPE_NORM, GATING_SOFTMAX, GATING_SOFTMAX, True, True, "ffn_norm"),
     "deepseek2": ArchSpec(ROPE_NORM, None, GATING_SOFTMAX, None, True, "ffn_norm", nextn=True,
                           mla=True),
+    "glm-dsa": ArchSpec(ROPE_NORM, None, GATING_SIGMOID, None, True, "ffn_norm", nextn=True,
+                        mla=True, module="glm_dsa"),
 }
 
 
@@ -102,6 +108,7 @@ class ModelConfig:
     k_head_mla: int = 0            # qk_nope + qk_rope per head
     v_head_mla: int = 0
     yarn_log_mul: float = 0.0
+    ext: Any = None                # the arch module's own parameters (ArchSpec.module)
     spec: ArchSpec = field(default=ARCHS["qwen3moe"], compare=False, repr=False)
 
     @property
@@ -197,6 +204,9 @@ class ModelConfig:
             v_head_mla=int(a("attention.value_length_mla", 0) or 0) if spec.mla else 0,
             yarn_log_mul=float(a("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1,
             spec=spec)
+        if spec.module is not None:
+            from .archs import arch_module
+            cfg = arch_module(spec).configure(cfg, a, path)
         cfg._validate(tensor_names, path)
         return cfg
 

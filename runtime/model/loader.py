@@ -8,6 +8,7 @@ blocks, ``ffn_{gate,up,down}`` on dense ones; globals ``token_embd``, ``output_n
 (``blk.{n_layers}...``) are loaded the same way plus their ``nextn.*`` tensors; they are kept
 for the MTP draft (``expertfs.runtime.mtp``) and never run by ``Model.forward``; a NextN
 ``embed_tokens`` is an ``Embedding`` (row lookups), the other NextN matrices are ``Linear``.
+An architecture with its own module (``archs``) builds its blocks' attention weights itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import StoreError
+from .archs import arch_module
 from .attention import AttentionWeights
 from .mla import MLAWeights
 from .config import ModelConfig
@@ -96,7 +98,10 @@ class _Builder:
 
     def block(self, i: int) -> BlockWeights:
         p, cfg = f"blk.{i}.", self.cfg
-        if cfg.mla:
+        mod = arch_module(cfg.spec)
+        if mod is not None:
+            attn = mod.load_attention(self, p, i)
+        elif cfg.mla:
             attn: AttentionWeights | MLAWeights = self.mla(p)
         else:
             attn = AttentionWeights(self.lin(p + "attn_q"), self.lin(p + "attn_k"),
@@ -195,6 +200,18 @@ def linears(t: TrunkWeights) -> list[Linear]:
     out = [t.output]
     for b in t.blocks:
         for obj in (b.attn, b.dense, b.moe.shared if b.moe else None):
-            if obj is not None:
-                out += [v for v in vars(obj).values() if isinstance(v, Linear)]
+            out += _linears_of(obj)
+    return out
+
+
+def _linears_of(obj: object) -> list[Linear]:
+    """The ``Linear`` attributes of a weights dataclass, nested ones (an indexer's) included."""
+    if obj is None:
+        return []
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, Linear):
+            out.append(v)
+        elif hasattr(v, "__dataclass_fields__"):
+            out += _linears_of(v)
     return out

@@ -6,7 +6,8 @@ Per token: ``q = Wq x`` (or ``Wq_b RMSNorm(Wq_a x)``) split per head into ``q_no
 (``q_abs[h] = Wk_b[h] q_nope[h]``), so attention is MQA over the cached latents:
 ``Q = [q_abs ; rope(q_pe)]``, ``K = [c ; rope(k_pe)]``, ``V = c``, scale
 ``mscale² / sqrt(nope + rope)``; each head's output latent is expanded by ``Wv_b[h]`` and
-projected by ``Wo``. Tensors: ``attn_q`` or ``attn_q_a``/``attn_q_a_norm``/``attn_q_b``,
+projected by ``Wo``. With a ``select`` (DSA: ``indexer``) each query attends only to the
+cached positions it selects. Tensors: ``attn_q`` or ``attn_q_a``/``attn_q_a_norm``/``attn_q_b``,
 ``attn_kv_a_mqa``, ``attn_kv_a_norm``, ``attn_k_b`` [H, kv_lora, nope], ``attn_v_b``
 [H, v, kv_lora], ``attn_output``.
 
@@ -16,6 +17,7 @@ T=tokens, H=heads, L=kv_lora, R=rope dims, N=nope dims, V=value dims, S=cached p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +43,26 @@ class MLAWeights:
     wq_b: Linear | None = None
 
 
+Select = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None]
+
+
 def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
                   cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                  mask: torch.Tensor | None) -> torch.Tensor:
-    """``x [T, D]`` (normed) → ``[T, D]``; appends T latent positions to the cache."""
+                  mask: torch.Tensor | None, select: Select | None = None) -> torch.Tensor:
+    """``x [T, D]`` (normed) → ``[T, D]``; appends T latent positions to the cache.
+
+    ``select(x, qr)`` (``qr`` the normed q_a latent, None without q_lora) → ``[T, k]`` cached
+    positions per query (int64; causality still applies), or None for dense attention; it
+    runs before this batch's latents are counted (``cache.pos`` is still the first row's)."""
     T, H, N, R, L = x.shape[0], cfg.n_head, cfg.qk_nope, cfg.n_rot, cfg.kv_lora_rank
+    qr = None
     if w.wq is not None:
         q = w.wq(x)
     else:
-        q = w.wq_b(rms_norm(w.wq_a(x), w.q_a_norm, cfg.rms_eps))
+        qr = rms_norm(w.wq_a(x), w.q_a_norm, cfg.rms_eps)
+        q = w.wq_b(qr)
     q = q.view(T, H, N + R)
+    idx = select(x, qr) if select is not None else None
     kv = w.wkv_a(x)                                                    # [T, L + R]
     c = rms_norm(kv[:, :L], w.kv_a_norm, cfg.rms_eps)                  # [T, L]
     k_pe = rope.apply(kv[:, L:].reshape(T, 1, R), cos, sin)            # [T, 1, R]
@@ -62,6 +74,11 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
     kc[0, p0:p0 + T] = torch.cat((c, k_pe[:, 0]), dim=-1)
     S = p0 + T
     k = kc[None, :, :S]                                                # [1, 1, S, L + R]
+    if idx is not None and T == 1:
+        k, mask = kc[None, :, idx[0]], None                            # [1, 1, k, L + R]
+    elif idx is not None:
+        keep = torch.zeros(T, S, dtype=torch.bool, device=x.device).scatter_(1, idx, True)
+        mask = keep if mask is None else keep & mask
     o = F.scaled_dot_product_attention(Q.transpose(0, 1)[None], k, k[..., :L], attn_mask=mask,
                                        scale=cfg.kq_scale, enable_gqa=True)   # [1, H, T, L]
     o = torch.einsum("htl,hvl->thv", o[0], w.v_b)                      # [T, H, V]

@@ -2,8 +2,9 @@
 
 Every architecture in ``config.ARCHS`` is one pre-norm residual stack; what differs (rope
 pairing and extent, q/k norm, biases, router semantics, shared experts, dense leading layers)
-is carried by the config and by which tensors the store holds. The residual stream stays in
-float32 (as ggml keeps activations); matrices are applied in the compute dtype.
+is carried by the config and by which tensors the store holds. An architecture with layer
+kinds of its own (``archs``: glm-dsa's indexed MLA) supplies the attention step. The residual
+stream stays in float32 (as ggml keeps activations); matrices are applied in the compute dtype.
 
 ``forward(ids)`` appends ``len(ids)`` positions to the KV cache and returns float32 logits of
 the last position (``logits="last"``), of every position (``"all"``) or none (``"none"``).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .archs import arch_module
 from .attention import KVCache, attention, causal_mask
 from .config import ModelConfig
 from .loader import TrunkWeights
@@ -41,6 +43,9 @@ class Model:
         self.device, self.dtype = device, dtype
         self.rope = Rope(cfg, device)
         self.cache = KVCache(cfg, cfg.n_layers, n_ctx, dtype, device)
+        mod = arch_module(cfg.spec)
+        self.attend = mod.Attention(cfg, self.cache) if mod is not None else \
+            mla_attention if cfg.mla else attention
         self.lookahead = lookahead
         self.lookahead_k = cfg.n_expert_used + max(0, lookahead_margin)
         self.hidden: torch.Tensor | None = None      # t_h_nextn of the last hidden=True forward
@@ -88,7 +93,7 @@ class Model:
         x = self.trunk.embed.lookup(ids, torch.float32)                # [T, D] residual
         cos, sin = self.rope.tables(p0, T)
         mask = causal_mask(p0, T, self.device)
-        attend = mla_attention if cfg.mla else attention
+        attend = self.attend
         for blk in self.trunk.blocks:
             L = blk.layer
             h = rms_norm(x, blk.attn_norm, cfg.rms_eps).to(self.dtype)
