@@ -67,6 +67,7 @@ class Geometry:
     key_length: int
     value_length: int
     mla_latent: int = 0                    # >0: MLA, elements cached per token per layer
+    indexer_keys: tuple[int, ...] = ()     # DSA indexer key elements cached per token, per layer
     swa: tuple[bool, ...] = ()             # sliding-window layers (empty: none)
     sliding_window: int = 0
     expert_types: Mapping[str, int] = field(default_factory=dict)
@@ -137,6 +138,7 @@ class Geometry:
             "n_vocab": self.n_vocab, "n_ctx_train": self.n_ctx_train,
             "kv_heads": sorted(set(self.kv_heads)), "key_length": self.key_length,
             "value_length": self.value_length, "mla_latent": self.mla_latent,
+            "indexer_keys": sum(self.indexer_keys),
             "swa_layers": sum(self.swa), "sliding_window": self.sliding_window,
             "expert_bytes": max(self.expert_bytes), "slot_bytes": self.slot_bytes,
             "decode_expert_bytes": self.decode_expert_bytes,
@@ -155,6 +157,8 @@ def _kv_elements(g: Geometry, positions: int) -> int:
     for i in range(g.n_layers):
         per = g.mla_latent if g.mla_latent else g.kv_heads[i] * (g.key_length + g.value_length)
         swa = bool(g.swa) and g.swa[i] and g.sliding_window > 0
+        if g.indexer_keys:
+            per += g.indexer_keys[i]
         total += per * (min(positions, g.sliding_window) if swa else positions)
     return total
 

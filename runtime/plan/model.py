@@ -86,8 +86,15 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
     val_len = _int(a("attention.value_length"), head_dim)
     mla = 0
     kv_lora = _int(a("attention.kv_lora_rank"))
-    if arch.startswith("deepseek") and kv_lora:
+    if (arch.startswith("deepseek") or arch == "glm-dsa") and kv_lora:
         mla = kv_lora + _int(a("rope.dimension_count"), 64)
+    indexer_keys: tuple[int, ...] = ()
+    if arch == "glm-dsa":                 # one key per position on each full indexer layer
+        from ..model.archs.glm_dsa import full_indexer_layers
+        full = full_indexer_layers(a("attention.indexer.types"), n_layers,
+                                   _int(a("context_length")))
+        dim = _int(a("attention.indexer.key_length"))
+        indexer_keys = tuple(dim if f else 0 for f in full)
     window = _int(a("attention.sliding_window"))
     swa: tuple[bool, ...] = ()
     if arch == "gpt-oss" and window:      # llama.cpp: set_swa_pattern(2), even layers slide
@@ -151,7 +158,8 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
         embd_bytes=embd.nbytes if embd is not None else 0,
         nextn_trunk_bytes=nextn_trunk, nextn_expert_bytes=nextn_experts,
         total_expert_bytes=int(summary.get("expert_bytes") or 0),
-        kv_heads=kv_heads, key_length=key_len, value_length=val_len, mla_latent=mla, swa=swa,
+        kv_heads=kv_heads, key_length=key_len, value_length=val_len, mla_latent=mla,
+        indexer_keys=indexer_keys, swa=swa,
         sliding_window=window, expert_types=dict(summary.get("expert_types") or {}),
         notes=tuple(notes))
 

@@ -31,7 +31,8 @@ from ..indexer import IndexerConfig, IndexerWeights, Selection, add_key_cache, i
 from ..mla import MLAWeights, mla_attention
 from ..rope import Rope
 
-__all__ = ["DSAWeights", "Attention", "configure", "load_attention", "GLM_5_2_INDEXER_TYPES"]
+__all__ = ["DSAWeights", "Attention", "configure", "load_attention", "GLM_5_2_INDEXER_TYPES",
+           "full_indexer_layers"]
 
 #: llama.cpp's default for GLM-5.2 files without ``attention.indexer.types`` (78 layers)
 GLM_5_2_INDEXER_TYPES = (True, True) + (True, False, False, False) * 19
@@ -50,6 +51,15 @@ def _bools(v: Any, n: int) -> list[bool]:
     return [bool(x) for x in vals]
 
 
+def full_indexer_layers(types: Any, n_layers: int, n_ctx_train: int) -> list[bool]:
+    """Which of ``n_layers`` layers run the indexer (the others reuse a selection), from
+    ``attention.indexer.types`` or, without it, llama.cpp's default for the context length."""
+    if types is None:
+        default = (True,) * n_layers if n_ctx_train < _PRE_5_2_CTX else GLM_5_2_INDEXER_TYPES
+        return list(default[:n_layers]) + [False] * max(0, n_layers - len(default))
+    return _bools(types, n_layers)
+
+
 def configure(cfg: ModelConfig, get: Callable[..., Any], path: str | None) -> ModelConfig:
     def bad(problem: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"glm-dsa: {problem}", path=path,
@@ -66,12 +76,7 @@ def configure(cfg: ModelConfig, get: Callable[..., Any], path: str | None) -> Mo
         raise bad("no attention.q_lora_rank (the indexer's query reads the q_a latent)")
     if cfg.n_rot > dim:
         raise bad(f"rope.dimension_count {cfg.n_rot} exceeds the indexer key length {dim}")
-    types = get("attention.indexer.types")
-    if types is None:
-        default = (True,) * n if cfg.n_ctx_train < _PRE_5_2_CTX else GLM_5_2_INDEXER_TYPES
-        full = list(default[:n]) + [False] * max(0, n - len(default))
-    else:
-        full = _bools(types, n)
+    full = full_indexer_layers(get("attention.indexer.types"), n, cfg.n_ctx_train)
     if len(full) < n:
         raise bad(f"attention.indexer.types has {len(full)} entries for {n} layers")
     if not full[0]:

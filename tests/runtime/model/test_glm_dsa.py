@@ -280,3 +280,22 @@ def test_bad_indexer_metadata_is_a_typed_error(built, key, value, needle):
     with pytest.raises(UnsupportedModelError, match=needle) as e:
         ModelConfig.from_gguf(kv, path="model.gguf")
     assert "convert_hf_to_gguf" in str(e.value)
+
+
+@pytest.mark.parametrize("ctx", [8, 64])
+def test_plan_counts_the_latent_and_indexer_caches_as_the_runtime_holds_them(built, ctx):
+    from expertfs.runtime.plan.geometry import kv_cache_bytes
+    from expertfs.runtime.plan.model import geometry_from_store
+    _, _, _, store, _ = built
+    g = geometry_from_store(store)
+    with Store.open(store) as st:
+        eng = Engine(st, DirectProvider(st, "cpu"),
+                     EngineOptions(dtype="float32", fused="off", n_ctx=ctx))
+        try:
+            cache = eng.model.cache
+            cache.reserve(ctx)                          # every position of the context held
+            assert cache.capacity == ctx
+            assert kv_cache_bytes(g, ctx, "f32") == cache.nbytes
+            assert sum(g.indexer_keys) > 0 and cache.stream_nbytes("indexer_k") > 0
+        finally:
+            eng.close()
