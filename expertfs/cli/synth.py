@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", metavar="SPEC",
                    help="types per tensor role, e.g. experts=Q4_K,down=Q6_K,attn=Q8_0,embd=Q6_K,"
                         "output=Q6_K; or a preset (default, q4_k_m, q3_k_m, iq2_m, mxfp4_moe, "
-                        "mixed) or one type for all")
+                        "maya-s, mixed) or one type for all")
     p.add_argument("--fuse-gate-up", action="store_true",
                    help="write ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps (deepseek2)")
     p.add_argument("--split-max-size", type=size_arg, metavar="SIZE",

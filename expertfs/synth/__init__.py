@@ -5,7 +5,8 @@
     paths = synthesize(cfg, "glm-air-4l.gguf", split_max_bytes=2 << 30)
 
 Architectures: qwen3moe, glm4moe (with its NextN block), llama (Mixtral-style MoE), deepseek2
-(MLA), gpt-oss. Tensor names, shapes, order, F32 rules and metadata are those of
+(MLA), gpt-oss, glm-dsa (GLM-5.2: MLA + the DSA indexer) and glm5-next (GLM-5.3-Flash: KDA and
+MLA layers, the k-pool indexer, mHC streams). Tensor names, shapes, order, F32 rules and metadata are those of
 ``convert_hf_to_gguf``; quantized tensors hold valid blocks whose weights have std about
 1/sqrt(fan_in). Writing streams: memory does not grow with the model.
 """

@@ -9,7 +9,10 @@ layernorm``, ``self_attn.*``), and a NextN block's ``eh_proj``/``enorm``/``hnorm
 its ``shared_head`` last, as the sort puts them.
 
 ``Init`` says how a tensor is filled: ``W`` weights of std 1/sqrt(fan_in) (fan_in = ne[0], the
-length ggml contracts over), ``NORM`` ones with a little noise, ``BIAS`` small noise.
+length ggml contracts over), ``NORM`` ones with a little noise, ``BIAS`` small noise, ``DECAY``
+a KDA ``ssm_a`` (−exp(A_log) with A_log uniform in [0, ln 16], the usual initialisation).
+
+The GLM-5 family (``glm-dsa``, ``glm5-next``) has its blocks in ``archs_dsa.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterator
 
-from .config import SynthConfig
+from .config import DSA_ARCHES, SynthConfig
 from .quant import Role
 
 __all__ = ["Init", "TensorPlan", "plan_tensors"]
@@ -29,6 +32,7 @@ class Init(str, Enum):
     W = "weight"
     NORM = "norm"
     BIAS = "bias"
+    DECAY = "decay"
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,9 @@ def _nextn_tail(c: SynthConfig, p: str) -> list[TensorPlan]:
 
 
 def _block(c: SynthConfig, i: int) -> list[TensorPlan]:
+    if c.arch in DSA_ARCHES:
+        from .archs_dsa import dsa_block
+        return dsa_block(c, i)
     p, e, x = f"blk.{i}", c.n_embd, c.n_experts
     nextn = i >= c.n_layers
     moe = c.is_moe_block(i)

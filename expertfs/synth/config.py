@@ -18,11 +18,12 @@ from .quant import QuantSpec, parse_quant
 __all__ = ["SynthConfig", "ARCHES", "MAX_LAYERS"]
 
 #: llama.cpp architectures synth can write, by ``general.architecture``
-ARCHES = ("qwen3moe", "glm4moe", "llama", "deepseek2", "gpt-oss")
+ARCHES = ("qwen3moe", "glm4moe", "llama", "deepseek2", "gpt-oss", "glm5-next", "glm-dsa")
 MAX_LAYERS = 512             # LLAMA_MAX_LAYERS
 MAX_EXPERTS = 512            # LLAMA_MAX_EXPERTS
 _FUSED_OK = ("deepseek2",)   # arches whose loader has create_tensor_gate_up_exps
-_NEXTN_OK = ("glm4moe", "deepseek2")
+_NEXTN_OK = ("glm4moe", "deepseek2", "glm5-next", "glm-dsa")
+DSA_ARCHES = ("glm5-next", "glm-dsa")     # MLA + the DSA lightning indexer
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,23 @@ class SynthConfig:
     v_head_dim: int = 0
     # gpt-oss
     sliding_window: int = 0
+    # DSA indexer (glm-dsa, glm5-next); a layer's indexer is full when
+    # max(i - indexer_offset + 1, 0) % indexer_freq == 0 (transformers' schedule), shared otherwise
+    indexer_heads: int = 0
+    indexer_head_dim: int = 0
+    indexer_top_k: int = 0
+    indexer_freq: int = 1
+    indexer_offset: int = 2
+    indexer_kpool: int = 0           # glm5-next k-pool compression
+    # glm5-next: KDA layers (MLA where i % kda_interval == kda_interval - 1), mHC streams
+    kda_interval: int = 0
+    kda_head_dim: int = 0
+    ssm_conv_kernel: int = 0
+    kda_gate_lower_bound: float = 0.0    # 0 = not written
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 0.0        # 0 = not written
     # rope scaling, as convert_hf_to_gguf writes it
     rope_scaling: str = ""           # "" | "yarn" | "linear"
     rope_scaling_factor: float = 0.0
@@ -110,10 +128,21 @@ class SynthConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.arch == "deepseek2"
+        return self.arch in ("deepseek2", *DSA_ARCHES)
 
     def is_moe_block(self, i: int) -> bool:
         return i >= self.n_dense_lead
+
+    def is_kda_block(self, i: int) -> bool:
+        """A glm5-next KDA (linear attention) layer; NextN blocks are MLA."""
+        k = self.kda_interval
+        return self.arch == "glm5-next" and i < self.n_layers and k > 0 and i % k != k - 1
+
+    def indexer_full(self, i: int) -> bool:
+        """The layer runs its own indexer (and has its tensors); NextN blocks always do."""
+        if i >= self.n_layers:
+            return True
+        return max(i - self.indexer_offset + 1, 0) % max(self.indexer_freq, 1) == 0
 
     # ---- checks -------------------------------------------------------------------------
 
@@ -160,6 +189,8 @@ class SynthConfig:
             if self.q_lora_rank and self.n_layers in (26, 27):
                 raise bad(f"llama.cpp treats a {self.n_layers}-layer deepseek2 as V2-Lite (no "
                           "q_lora_rank) and would not find attn_q_a", "pick another --layers")
+        if self.arch in DSA_ARCHES:
+            self._validate_dsa(bad)
         if self.arch == "gpt-oss" and self.sliding_window < 1:
             raise bad("gpt-oss needs attention.sliding_window", "set sliding_window")
         if self.arch in ("qwen3moe", "llama") and self.rope_dim not in (0, self.head_dim):
@@ -170,3 +201,24 @@ class SynthConfig:
                       "equal n_ff_exp", "set both to the same value")
         self.quant_spec  # parses, raising UsageError on a bad spec
         return self
+
+    def _validate_dsa(self, bad) -> None:
+        if min(self.q_lora_rank, self.kv_lora_rank, self.qk_nope_dim, self.v_head_dim,
+               self.indexer_heads, self.indexer_head_dim, self.indexer_top_k) < 1:
+            raise bad("MLA with the DSA indexer needs q_lora_rank, kv_lora_rank, qk_nope_dim, "
+                      "v_head_dim and the indexer heads, head size and top-k",
+                      f"use SynthConfig.tiny({self.arch!r}) or a --like preset")
+        if self.arch == "glm-dsa" and self.qk_rope_dim < 1:
+            raise bad("glm-dsa ropes part of each head", "set qk_rope_dim")
+        if self.arch == "glm5-next":
+            if self.qk_rope_dim:
+                raise bad("glm5-next's MLA is nope-only", "set qk_rope_dim to 0")
+            if self.hc_mult != 4:
+                raise bad(f"hc_mult {self.hc_mult}: llama.cpp supports 4 mHC streams only",
+                          "set hc_mult to 4")
+            if self.indexer_kpool < 2 or self.indexer_top_k % self.indexer_kpool:
+                raise bad(f"index top-k {self.indexer_top_k} is not a multiple of k-pool "
+                          f"{self.indexer_kpool} (> 1)", "pick a k-pool dividing the top-k")
+            if min(self.kda_interval, self.kda_head_dim, self.ssm_conv_kernel) < 1:
+                raise bad("KDA layers need kda_interval, kda_head_dim and ssm_conv_kernel",
+                          "use SynthConfig.tiny('glm5-next') or --like GLM-5.3-Flash")

@@ -73,6 +73,9 @@ class TensorData:
 
     def _small_f32(self, plan: TensorPlan, key: int) -> np.ndarray:
         rng = _rng(self.seed, key, 0)
+        if plan.init is Init.DECAY:
+            a_log = rng.uniform(0.0, np.log(16.0), plan.n_elements)
+            return (-np.exp(a_log)).astype(np.float32)
         w = rng.standard_normal(plan.n_elements, dtype=np.float32) * np.float32(plan.sigma)
         if plan.init is Init.NORM:
             w += np.float32(1.0)

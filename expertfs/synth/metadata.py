@@ -2,7 +2,9 @@
 
 The keys, their value types and their order are the ones ``convert_hf_to_gguf`` produces for the
 architecture: ``general.*``, the generic ``TextModel.set_gguf_parameters`` keys, the
-architecture's own keys (LC ``conversion/{qwen,glm,llama,deepseek,gpt_oss}.py``), the tokenizer
+architecture's own keys (LC ``conversion/{qwen,glm,llama,deepseek,gpt_oss}.py``; the GLM-5
+family's ``GlmMoeDsaModel``/``Glm5NextModel``, its new keys written by name as the pinned gguf-py
+has no ``add_*`` for them), the tokenizer
 (``_set_vocab_gpt2`` + ``SpecialVocab``), and ``general.quantization_version`` last. Using
 ``GGUFWriter`` as the builder means every key has exactly the GGUF type the converter gives it.
 """
@@ -31,7 +33,11 @@ def _generic(w: GGUFWriter, c: SynthConfig) -> None:
     w.add_embedding_length(c.n_embd)
     w.add_feed_forward_length(c.n_ff)
     w.add_head_count(c.n_head)
-    w.add_head_count_kv(c.n_head_kv)
+    if c.arch == "glm5-next":                       # 0 marks a KDA layer, 1 an MLA layer
+        w.add_array(f"{c.arch}.attention.head_count_kv",
+                    [0 if c.is_kda_block(i) else 1 for i in range(c.block_count)])
+    else:
+        w.add_head_count_kv(c.n_head_kv)
     if c.rope_scaling:
         w.add_rope_scaling_type(_SCALING[c.rope_scaling])
         w.add_rope_scaling_factor(c.rope_scaling_factor)
@@ -41,7 +47,8 @@ def _generic(w: GGUFWriter, c: SynthConfig) -> None:
                 w.add_rope_scaling_yarn_beta_fast(c.yarn_beta_fast)
             if c.yarn_beta_slow:
                 w.add_rope_scaling_yarn_beta_slow(c.yarn_beta_slow)
-    w.add_rope_freq_base(c.rope_freq_base)
+    if c.arch != "glm5-next":                      # nope-only: no rope_theta in its config
+        w.add_rope_freq_base(c.rope_freq_base)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_expert_count(c.n_experts)
     w.add_expert_used_count(c.n_expert_used)
@@ -53,6 +60,9 @@ def _generic(w: GGUFWriter, c: SynthConfig) -> None:
     if c.arch in ("qwen3moe", "glm4moe", "gpt-oss"):   # HF configs with head_dim
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+    if c.arch == "glm-dsa":                         # head_dim set before the generic keys
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_dim)
+        w.add_value_length(c.kv_lora_rank)
     w.add_file_type(file_type(c.quant_spec))
 
 
@@ -99,6 +109,74 @@ def _arch(w: GGUFWriter, c: SynthConfig) -> None:
     elif c.arch == "gpt-oss":                       # GptOssModel.set_gguf_parameters
         w.add_sliding_window(c.sliding_window)
         w.add_expert_feed_forward_length(c.n_ff_exp)
+    elif c.arch == "glm-dsa":
+        _glm_dsa(w, c)
+    elif c.arch == "glm5-next":
+        _glm5_next(w, c)
+
+
+def _moe_dsa(w: GGUFWriter, c: SynthConfig) -> None:
+    w.add_expert_feed_forward_length(c.n_ff_exp)
+    w.add_expert_shared_count(c.n_expert_shared)
+    if c.expert_weights_scale:
+        w.add_expert_weights_scale(c.expert_weights_scale)
+    if c.expert_weights_norm is not None:
+        w.add_expert_weights_norm(c.expert_weights_norm)
+
+
+def _indexer(w: GGUFWriter, c: SynthConfig) -> None:
+    k = f"{c.arch}.attention.indexer"
+    w.add_uint32(f"{k}.head_count", c.indexer_heads)
+    w.add_uint32(f"{k}.key_length", c.indexer_head_dim)
+    w.add_uint32(f"{k}.top_k", c.indexer_top_k)
+    if c.arch == "glm5-next":
+        w.add_uint32(f"{k}.kpool", c.indexer_kpool)
+        w.add_bool(f"{k}.kpool_select_tail", True)
+    w.add_array(f"{k}.types", [c.indexer_full(i) for i in range(c.n_layers)])
+
+
+def _glm_dsa(w: GGUFWriter, c: SynthConfig) -> None:
+    """GlmMoeDsaModel.set_gguf_parameters (DeepseekV2Model's keys, then rope, NextN, indexer)."""
+    w.add_leading_dense_block_count(c.n_dense_lead)
+    w.add_vocab_size(c.n_vocab)
+    w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_dim + c.qk_rope_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    _moe_dsa(w, c)
+    w.add_rope_dimension_count(c.qk_rope_dim)
+    if c.n_nextn:
+        w.add_nextn_predict_layers(c.n_nextn)
+    _indexer(w, c)
+
+
+def _glm5_next(w: GGUFWriter, c: SynthConfig) -> None:
+    """Glm5NextModel.set_gguf_parameters, in its order."""
+    a = c.arch
+    w.add_vocab_size(c.n_vocab)
+    w.add_float32(f"{a}.attention.layer_norm_epsilon", 1e-6)
+    if c.n_nextn:
+        w.add_nextn_predict_layers(c.n_nextn)
+    w.add_uint32(f"{a}.ssm.conv_kernel", c.ssm_conv_kernel)
+    w.add_uint32(f"{a}.kda.head_dim", c.kda_head_dim)
+    if c.kda_gate_lower_bound:
+        w.add_float32(f"{a}.kda.gate_lower_bound", c.kda_gate_lower_bound)
+    w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_rope_dimension_count(0)
+    w.add_key_length(c.kv_lora_rank)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    _indexer(w, c)
+    w.add_uint32(f"{a}.hyper_connection.count", c.hc_mult)
+    w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", c.hc_sinkhorn_iters)
+    w.add_float32(f"{a}.hyper_connection.epsilon", c.hc_eps)
+    w.add_leading_dense_block_count(c.n_dense_lead)
+    _moe_dsa(w, c)
+    if c.swiglu_limit:
+        w.add_array(f"{a}.swiglu_clamp_exp", [float(c.swiglu_limit)] * c.block_count)
+        w.add_array(f"{a}.swiglu_clamp_shexp", [float(c.swiglu_limit)] * c.block_count)
 
 
 def _tokenizer(w: GGUFWriter, c: SynthConfig) -> None:

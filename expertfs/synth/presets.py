@@ -23,6 +23,15 @@ _GPT_OSS = dict(arch="gpt-oss", n_embd=2880, n_head=64, n_head_kv=8, head_dim=64
                 sliding_window=128, rope_scaling="yarn", rope_scaling_factor=32.0,
                 rope_orig_ctx=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0, quant="mxfp4_moe")
 
+# GLM-5 family, both from zai-org config.json as transformers 5.24 defaults them: 154880 tokens,
+# 1 shared expert, sigmoid routing with exp_probs_b (1 group), top-8, scaling 2.5, 3 dense
+# blocks, one NextN block, MLA kv_lora 512 / v 256, indexer 32 heads x 128 top-2048
+_GLM5 = dict(n_head=64, n_head_kv=1, n_ff=12288, n_ff_exp=2048, n_expert_used=8, n_expert_shared=1,
+             n_dense_lead=3, n_nextn=1, n_vocab=154880, n_ctx_train=1048576, rms_eps=1e-5,
+             qk_norm=False, kv_lora_rank=512, v_head_dim=256, expert_weights_scale=2.5,
+             expert_weights_norm=True, expert_group_count=1, expert_group_used_count=1,
+             probs_bias=True, indexer_heads=32, indexer_head_dim=128, indexer_top_k=2048)
+
 PRESETS: dict[str, dict[str, object]] = {
     # Qwen/Qwen3-30B-A3B config.json; slime scripts/models/qwen3-30B-A3B.sh
     "Qwen3-30B-A3B": dict(_QWEN3, name="Qwen3-30B-A3B", n_layers=48, n_embd=2048, n_head=32,
@@ -63,6 +72,22 @@ PRESETS: dict[str, dict[str, object]] = {
                         probs_bias=True, rope_scaling="yarn", rope_scaling_factor=40.0,
                         rope_orig_ctx=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
                         yarn_log_mul=0.1),
+    # zai-org/GLM-5.3-Flash (transformers Glm5NextTextConfig defaults): 45 layers, hidden 4096,
+    # 288 experts of 2048, KDA on 3 of 4 layers (64 heads x 128, conv 4, gate lower bound -5),
+    # nope-only MLA q_lora 1536 nope 256, indexer k-pool 16 (full on every MLA layer), mHC 4
+    # streams (20 Sinkhorn iterations, eps 1e-6), SwiGLU clamp 10
+    "GLM-5.3-Flash": dict(_GLM5, arch="glm5-next", name="GLM-5.3-Flash", n_layers=45, n_embd=4096,
+                          head_dim=256, n_experts=288, q_lora_rank=1536, qk_nope_dim=256,
+                          qk_rope_dim=0, indexer_kpool=16, indexer_freq=1, kda_interval=4,
+                          kda_head_dim=128, ssm_conv_kernel=4, kda_gate_lower_bound=-5.0,
+                          hc_mult=4, swiglu_limit=10.0),
+    # zai-org/GLM-5.2 (GlmMoeDsaConfig defaults, the GLM-5 geometry: 78 layers, hidden 6144, 256
+    # experts, MLA q_lora 2048 nope 192 rope 64, rope_theta 10000) with 5.2's 1M context and its
+    # indexer schedule (full on layers 0-2 and every 4th after: llama.cpp's
+    # GLM_5_2_DEFAULT_INDEXER_TYPES)
+    "GLM-5.2": dict(_GLM5, arch="glm-dsa", name="GLM-5.2", n_layers=78, n_embd=6144, head_dim=256,
+                    n_experts=256, q_lora_rank=2048, qk_nope_dim=192, qk_rope_dim=64,
+                    rope_dim=64, rope_freq_base=10000.0, indexer_freq=4, indexer_offset=3),
 }
 
 _TINY: dict[str, dict[str, object]] = {
@@ -82,6 +107,22 @@ _TINY: dict[str, dict[str, object]] = {
                     qkv_bias=True, rms_eps=1e-5, rope_freq_base=150000.0, sliding_window=128,
                     rope_scaling="yarn", rope_scaling_factor=32.0, rope_orig_ctx=4096,
                     yarn_beta_fast=32.0, yarn_beta_slow=1.0, quant="mxfp4_moe"),
+    # KDA, MLA, KDA, MLA (full then shared indexer), 1 dense block, a NextN block
+    "glm5-next": dict(_GLM5, arch="glm5-next", name="tiny glm5-next", n_layers=4, n_embd=256,
+                      n_head=4, head_dim=64, n_ff=512, n_ff_exp=256, n_experts=8,
+                      n_expert_used=2, n_dense_lead=1, n_vocab=1024, n_ctx_train=4096,
+                      q_lora_rank=256, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=0,
+                      v_head_dim=64, indexer_heads=2, indexer_head_dim=64, indexer_top_k=32,
+                      indexer_kpool=4, indexer_freq=4, indexer_offset=2, kda_interval=2,
+                      kda_head_dim=64, ssm_conv_kernel=4, kda_gate_lower_bound=-5.0, hc_mult=4,
+                      swiglu_limit=10.0),
+    # full, full, shared, full indexers; 1 dense block, a NextN block
+    "glm-dsa": dict(_GLM5, arch="glm-dsa", name="tiny glm-dsa", n_layers=4, n_embd=256, n_head=4,
+                    head_dim=96, n_ff=512, n_ff_exp=256, n_experts=8, n_expert_used=2,
+                    n_dense_lead=1, n_vocab=1024, n_ctx_train=4096, q_lora_rank=256,
+                    kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, rope_dim=32, v_head_dim=64,
+                    indexer_heads=2, indexer_head_dim=64, indexer_top_k=32, indexer_freq=2,
+                    indexer_offset=2),
 }
 
 

@@ -6,11 +6,16 @@ A spec is comma-separated items applied left to right:
 - a bare type name (``Q8_0``) sets every role to that type;
 - ``role=TYPE`` sets one role. Roles: ``embd`` (token_embd, nextn.embed_tokens), ``output``
   (output, nextn.shared_head_head), ``attn`` (attention projections, nextn.eh_proj),
-  ``experts`` (routed gate/up, fused gate_up), ``down`` (routed down), ``shexp`` (shared
-  expert), ``dense`` (leading dense FFN).
+  ``experts`` (routed gate/up, fused gate_up), ``down`` (routed down), ``down_more`` (routed
+  down on the layers llama-quantize's ``use_more_bits`` picks: the first and last eighth and
+  every third between; ``down``'s type unless set), ``shexp`` (shared expert), ``dense``
+  (leading dense FFN), ``kda`` (the KDA linear-attention matrices of glm5-next), ``indexer``
+  (the DSA indexer's ``attn_k``/``attn_q_b``).
 
-Norms, biases, the router (``ffn_gate_inp``), ``exp_probs_b`` and attention sinks are always F32,
-as ``convert_hf_to_gguf`` and ``llama-quantize`` write them.
+Norms, biases, the router (``ffn_gate_inp``), ``exp_probs_b``, attention sinks, the mHC mixing
+weights (``hc_*``), ``ssm_a``, ``ssm_dt``, ``ssm_conv1d_*``, ``indexer.proj`` and
+``indexer_compressor_*`` are always F32, as ``convert_hf_to_gguf`` and ``llama-quantize`` write
+them.
 
 A tensor whose rows are not a whole number of the chosen type's blocks gets llama-quantize's
 fallback type (``tensor_type_fallback`` in src/llama-quant.cpp), then F16 if that does not fit.
@@ -32,7 +37,7 @@ from ..formats.ggml import GGMLType, block_size, parse_type
 from ..formats.random_blocks import SUPPORTED_TYPES
 
 __all__ = ["Role", "QuantSpec", "parse_quant", "MIXED_TYPES", "PRESETS", "fallback_type",
-           "file_type"]
+           "file_type", "use_more_bits"]
 
 T = GGMLType
 
@@ -45,11 +50,15 @@ class Role(str, Enum):
     DOWN = "down"
     SHEXP = "shexp"
     DENSE = "dense"
-    F32 = "f32"            # norms, biases, router, exp_probs_b, sinks: never quantized
+    KDA = "kda"
+    INDEXER = "indexer"
+    DOWN_MORE = "down_more"
+    F32 = "f32"            # norms, biases, router, mixing weights, sinks: never quantized
 
 
 QUANT_ROLES = tuple(r for r in Role if r is not Role.F32)
-EXPERT_ROLES = (Role.EXPERTS, Role.DOWN)
+EXPERT_ROLES = (Role.EXPERTS, Role.DOWN, Role.DOWN_MORE)
+_FILLED = tuple(r for r in QUANT_ROLES if r is not Role.DOWN_MORE)   # down_more follows down
 
 MIXED_TYPES = (T.Q4_K, T.Q6_K, T.Q8_0, T.MXFP4, T.IQ2_XXS, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K,
                T.IQ3_XXS, T.F16, T.Q4_0, T.IQ1_S, T.IQ2_S, T.Q5_0, T.IQ3_S, T.BF16, T.IQ2_XS,
@@ -57,7 +66,7 @@ MIXED_TYPES = (T.Q4_K, T.Q6_K, T.Q8_0, T.MXFP4, T.IQ2_XXS, T.Q5_K, T.Q3_K, T.IQ4
 
 
 def _all(t: GGMLType) -> dict[Role, GGMLType]:
-    return {r: t for r in QUANT_ROLES}
+    return {r: t for r in _FILLED}
 
 
 def _preset(base: GGMLType, **over: GGMLType) -> dict[Role, GGMLType]:
@@ -76,6 +85,10 @@ PRESETS: dict[str, dict[Role, GGMLType]] = {
     "q3_k_m": _preset(T.Q3_K, down=T.Q4_K, attn=T.Q4_K, output=T.Q6_K),
     "iq2_m": _preset(T.IQ2_S, down=T.IQ3_S, attn=T.Q4_K, embd=T.Q4_K, output=T.Q6_K),
     "mxfp4_moe": _preset(T.Q8_0, experts=T.MXFP4, down=T.MXFP4),
+    # the community GLM-5.3-Flash Maya-S-v2 mix: IQ2_XXS gate/up, IQ2_S down with IQ3_XXS on
+    # the use_more_bits layers, Q6_K trunk, Q8_0 KDA and indexer matrices (F32 as listed above)
+    "maya-s": _preset(T.Q6_K, experts=T.IQ2_XXS, down=T.IQ2_S, down_more=T.IQ3_XXS, kda=T.Q8_0,
+                      indexer=T.Q8_0),
 }
 
 
@@ -88,7 +101,16 @@ class QuantSpec:
     text: str = ""
 
     def role_type(self, role: Role) -> GGMLType | None:
-        return dict(self.roles).get(role)
+        d = dict(self.roles)
+        if role is Role.DOWN_MORE and role not in d:
+            role = Role.DOWN
+        return d.get(role)
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quantize's choice of layers that get a better ``ffn_down`` (src/llama-quant.cpp)."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
 
 
 def parse_quant(text: str) -> QuantSpec:

@@ -90,6 +90,7 @@ FAMILIES: dict[str, Family] = {
                                  ("<|call|>", CONTROL)),
                       eos="<|return|>", bos="<|startoftext|>", pad="<|endoftext|>", template=_HARMONY),
 }
+FAMILIES["glm5-next"] = FAMILIES["glm-dsa"] = FAMILIES["glm4moe"]    # _set_vocab_glm, as GLM-4.5
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels
                                 f"{kernels.status()['reason']}")
 
 
-def make_store(tmp_path_factory, arch: str) -> str:
+def make_store(tmp_path_factory, arch: str, quant: str = "q4_k_m") -> str:
     from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
     d = tmp_path_factory.mktemp(f"kern_{arch}")
     g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny(arch).replace(quant="q4_k_m", n_layers=3), str(g))
+    synthesize(SynthConfig.tiny(arch).replace(quant=quant, n_layers=3), str(g))
     repack([str(g)], str(s))
     return str(s)
 
@@ -80,8 +80,35 @@ def glm_store(tmp_path_factory):
     return make_store(tmp_path_factory, "glm4moe")
 
 
+@pytest.fixture(scope="module")
+def maya_store(tmp_path_factory):
+    """The Maya-S mix: IQ2_XXS gate/up, IQ2_S / IQ3_XXS down, Q6_K trunk."""
+    return make_store(tmp_path_factory, "qwen3moe", "maya-s")
+
+
+def test_iq_mix_decodes_natively_and_equals_eager(maya_store, monkeypatch):
+    """The lattice IQ types take the native layer call (not the torch fallback) and the exact
+    logits equal the eager torch path's; q8 is on."""
+    taken = []
+    moe = kernels.moe
+
+    def counting(*a, **k):
+        y = moe(*a, **k)
+        taken.append(y is not None)
+        return y
+    steps = [5, 17, 300, 42, 7, 99]
+    eager = decode_logits(maya_store, steps, fused="off")
+    monkeypatch.setattr(kernels, "moe", counting)
+    exact = decode_logits(maya_store, steps)
+    q8 = decode_logits(maya_store, steps, act_quant="q8")
+    assert taken and all(taken)
+    scale = float(eager.abs().max())
+    assert torch.allclose(exact, eager, atol=1e-4 * scale, rtol=0)
+    assert 100 * float((exact - eager).abs().max()) < float((q8 - exact).abs().max()) < 0.25 * scale
+
+
 @pytest.mark.parametrize("act_quant", ["off", "q8"])
-@pytest.mark.parametrize("which", ["store", "glm_store"])
+@pytest.mark.parametrize("which", ["store", "glm_store", "maya_store"])
 def test_decode_overlapping_reads_equals_one_call_bit_for_bit(request, which, act_quant):
     """A RAM tier of a few experts: most decode steps find some experts resident and others
     missing, compute the resident ones' gate/up rows (and the shared expert) while the rest are
