@@ -10,6 +10,14 @@ peak RSS from the kernel (wait4). Prints a table and, with ``--json``, the raw f
     sudo .venv/bin/python bench/bench_repack.py --sizes 1G,4G,10G --dir /work/scratch
 
 Needs root for drop_caches (without it the runs are warm and say so).
+
+``--in-place MODEL.gguf`` measures ``repack --consume-source`` instead, on an existing model
+(which it destroys): a normal repack of it first, then the in-place one, each with the file
+system's used bytes sampled (statvfs) in a thread, the source hashed before and the in-place
+store unpacked and hashed after. Prints the peak disk as a multiple of the model's size and
+the time ratio.
+
+    sudo .venv/bin/python bench/bench_repack.py --in-place /work/big.gguf
 """
 
 from __future__ import annotations
@@ -82,6 +90,64 @@ def run_size(size: int, like: str, d: str, repeats: int) -> dict:
             "peak_rss": max(r["repack_rss"] for r in rows), "best": best}
 
 
+def _used(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def sampled(cmd: list[str], where: str) -> tuple[float, int]:
+    """Wall seconds of ``cmd`` and the peak used bytes of ``where``'s file system meanwhile."""
+    import threading
+    peak, stop = [_used(where)], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.02):
+            peak[0] = max(peak[0], _used(where))
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        dt, _ = timed(cmd)
+    finally:
+        stop.set()
+        t.join()
+    return dt, max(peak[0], _used(where))
+
+
+def _xxh(path: str) -> str:
+    import xxhash
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while b := f.read(16 << 20):
+            h.update(b)
+    return h.hexdigest()
+
+
+def run_in_place(model: str) -> dict:
+    d = os.path.dirname(os.path.abspath(model))
+    size = os.path.getsize(model)
+    store, back = model + ".efs", model + ".back.gguf"
+    want = _xxh(model)
+    drop_caches()
+    base = _used(d)
+    normal_s, normal_peak = sampled([BIN, "repack", model, "-o", store, "--json"], d)
+    shutil.rmtree(store)
+    drop_caches()
+    base2 = _used(d)
+    inplace_s, inplace_peak = sampled([BIN, "repack", model, "-o", store, "--consume-source",
+                                       "--json"], d)
+    gone = not os.path.exists(model)
+    subprocess.run([BIN, "unpack", store, "-o", back], check=True, stdout=subprocess.DEVNULL)
+    same = _xxh(back) == want
+    os.unlink(back)
+    shutil.rmtree(store)
+    return {"model_bytes": size, "normal_s": normal_s, "in_place_s": inplace_s,
+            "time_ratio": inplace_s / normal_s,
+            "normal_peak_x_model": (normal_peak - base + size) / size,
+            "in_place_peak_x_model": (inplace_peak - base2 + size) / size,
+            "in_place_peak_extra_bytes": inplace_peak - base2,
+            "source_deleted": gone, "unpack_bit_exact": same}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1G,4G", help="model sizes, e.g. 1G,4G,10G")
@@ -90,7 +156,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the synthesised models")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--in-place", metavar="MODEL.gguf",
+                    help="measure repack --consume-source on this model (destroys it)")
     a = ap.parse_args()
+    if a.in_place:
+        print(json.dumps(run_in_place(a.in_place), indent=2))
+        return 0
     results = {}
     for s in a.sizes.split(","):
         size = parse_size(s)

@@ -76,4 +76,9 @@ def describe(info: dict[str, Any]) -> list[str]:
         lines.append(f"  extents: {info['extents']}, alignment {fmt_bytes(info['alignment'])}, "
                      f"experts.bin {fmt_bytes(info['experts_file_bytes'])}, trunk.bin "
                      f"{fmt_bytes(info['trunk_file_bytes'])}")
+        made = info.get("in_place")
+        if made:
+            lines.append(f"  made in place (repack --consume-source) from "
+                         f"{', '.join(made['sources'])}, {fmt_bytes(made['released_bytes'])} "
+                         "released as it went")
     return lines

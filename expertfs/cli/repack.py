@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from ..units import fmt_bytes
 from ..store.repack import repack
@@ -22,14 +25,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replace an existing store (only once the new one is complete)")
     p.add_argument("--restart", action="store_true",
                    help="ignore an interrupted repack's progress and start over")
+    p.add_argument("--consume-source", action="store_true",
+                   help="DESTRUCTIVE: build the store in place of the GGUF, releasing its bytes "
+                   "(hole punching) as the store takes them over and deleting the GGUF once the "
+                   "store is complete, so the disk needs room for about one copy window, not a "
+                   "second model; crash-safe (run it again to resume) and unpack gives the GGUF "
+                   "back bit for bit. Refused on file systems that cannot punch holes and on "
+                   "symlinked or hard-linked sources")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    with progress_bar("repack", not args.json) as bar:
-        res = repack(args.model, args.output, alignment=args.align, force=args.force,
-                     resume=not args.restart, progress=bar)
+    if args.consume_source:
+        with _in_place_bar(not args.json) as (bar, freed):
+            res = repack(args.model, args.output, alignment=args.align, force=args.force,
+                         resume=not args.restart, progress=bar, consume_source=True,
+                         on_freed=freed)
+    else:
+        with progress_bar("repack", not args.json) as bar:
+            res = repack(args.model, args.output, alignment=args.align, force=args.force,
+                         resume=not args.restart, progress=bar)
     d = res.as_dict()
     if args.json:
         print_json(d)
@@ -40,4 +56,29 @@ def run(args: argparse.Namespace) -> int:
           f"{fmt_bytes(d['expert_bytes'])} experts + {fmt_bytes(d['trunk_bytes'])} trunk{resumed}")
     print(f"copied {fmt_bytes(res.bytes_copied)} in {res.seconds:.2f} s ({fmt_bytes(rate)}/s), "
           f"{'O_DIRECT' if res.direct_io else 'buffered'} writes")
+    if args.consume_source:
+        print(f"built in place: released {fmt_bytes(d['in_place']['released_bytes'])} of the "
+              f"source as it went; deleted {', '.join(d['in_place']['sources'])}")
     return 0
+
+
+@contextmanager
+def _in_place_bar(enabled: bool) -> Iterator[tuple[Callable[[int, int], None], Callable[[int], None]]]:
+    """The progress bar of an in-place repack: bytes stored, and the source's disk freed so far."""
+    if not enabled or not sys.stderr.isatty():
+        yield (lambda done, total: None), (lambda n: None)
+        return
+    from tqdm import tqdm
+    bar = tqdm(desc="repack in place", unit="B", unit_scale=True, unit_divisor=1024,
+               dynamic_ncols=True, file=sys.stderr, leave=True, postfix="freed 0 B")
+    try:
+        def update(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+        def freed(n: int) -> None:
+            bar.set_postfix_str(f"freed {fmt_bytes(n)}")
+        yield update, freed
+    finally:
+        bar.close()

@@ -129,6 +129,12 @@ class Index:
         with self.env.begin() as txn:
             return [unpack_tensor(k, v) for k, v in txn.cursor(db=self._tensors)]
 
+    def tensor(self, index: int) -> TensorRecord | None:
+        k = tensor_key(index)
+        with self.env.begin() as txn:
+            v = txn.get(k, db=self._tensors)
+            return None if v is None else unpack_tensor(k, v)
+
     def extent(self, layer: int, expert: int) -> Extent | None:
         k = expert_key(layer, expert)
         with self.env.begin() as txn:

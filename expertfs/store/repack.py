@@ -6,6 +6,11 @@ synced first, then one LMDB transaction with the finished records and the resume
 repack killed at any moment leaves either no store or a complete one, and running it again
 resumes from the last checkpoint when the sources and options are unchanged (and restarts
 cleanly when they are not). A full disk removes the partial store and says so.
+
+With ``consume_source`` the GGUF's bytes are released as the store takes them over (see
+``consume``: the release rule, and why a resumed run never reads a released byte); the outputs
+are then sparse instead of preallocated, and a full disk keeps the partial store once any
+source byte is released, since it holds the only copy.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import shutil
 import struct
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,9 +32,10 @@ import lmdb
 import xxhash
 import zstandard
 
-from ..errors import DiskFullError, ExpertfsError, UsageError
+from ..errors import DiskFullError, ExpertfsError, IntegrityError, UsageError
 from ..formats.gguf_read import GGUFModel
 from ..formats.gguf_split import read_model
+from . import consume as cs
 from .index import Index
 from .layout import (EXPERTS_FILE, FORMAT_VERSION, INDEX_DIR, KIND_EXPERT, TRUNK_FILE,
                      TensorRecord)
@@ -69,12 +76,13 @@ def encode_kv_blob(model: GGUFModel) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
-def _fingerprint(model: GGUFModel, alignment: int, window_bytes: int) -> str:
+def _fingerprint(model: GGUFModel, alignment: int, window_bytes: int, in_place: bool = False) -> str:
     h = xxhash.xxh3_128()
-    h.update(json.dumps([FORMAT_VERSION, alignment, window_bytes]).encode())
+    h.update(json.dumps([FORMAT_VERSION, alignment, window_bytes] + (["in place"] if in_place
+                                                                     else [])).encode())
     for s in model.shards:
-        st = os.stat(s.path)
-        h.update(struct.pack("<QQ", st.st_size, st.st_mtime_ns))
+        st = os.stat(s.path)       # in place, punching holes changes the mtime: size and header
+        h.update(struct.pack("<QQ", st.st_size, 0 if in_place else st.st_mtime_ns))
         with open(s.path, "rb") as f:
             h.update(f.read(s.data_offset))
     return h.hexdigest()
@@ -113,20 +121,27 @@ def _lock(partial: str) -> int:
     return fd
 
 
-def _open_partial(partial: str, fp: str, plan: RepackPlan, resume: bool) -> tuple[Index, int, int]:
-    """The partial index and the resume point (windows done, payload bytes done)."""
+def _open_partial(partial: str, fp: str, plan: RepackPlan,
+                  resume: bool) -> tuple[Index, int, int, int]:
+    """The partial index and the resume point (windows done, payload done, windows released)."""
     idx_path = os.path.join(partial, INDEX_DIR)
+    consuming = os.path.exists(os.path.join(partial, cs.CONSUMING))
     if resume and os.path.exists(os.path.join(idx_path, "data.mdb")):
         try:
             idx = Index.open(idx_path, write=True)
             prog = json.loads(idx.meta("progress") or b"{}")
             if prog.get("fingerprint") == fp:
                 log.info("resuming %s after %d windows", partial, prog["windows"])
-                return idx, int(prog["windows"]), int(prog["payload"])
+                return idx, int(prog["windows"]), int(prog["payload"]), int(prog.get("released", 0))
             idx.close()
             log.info("%s holds another repack (sources or options changed): starting over", partial)
         except (ExpertfsError, lmdb.Error, ValueError, KeyError):
             log.info("%s is unreadable: starting over", partial)
+    if consuming:
+        raise UsageError("holds bytes an interrupted `repack --consume-source` already released "
+                         "from the source, so it cannot start over", path=partial,
+                         fix="run that command again, with the same sources, -o, --align and "
+                         "--consume-source and without --restart, to finish the store")
     for name in os.listdir(partial):
         if name != _LOCK:
             p = os.path.join(partial, name)
@@ -137,8 +152,8 @@ def _open_partial(partial: str, fp: str, plan: RepackPlan, resume: bool) -> tupl
                                    layer_of(t.name) if layer_of(t.name) is not None else -1, 0, t.nbytes, 0)
                       for i, t in enumerate(m.tensors) if plan.kinds[i] == KIND_EXPERT]
     idx.commit(tensors=expert_tensors, meta={"progress": json.dumps(
-        {"fingerprint": fp, "windows": 0, "payload": 0}).encode()})
-    return idx, 0, 0
+        {"fingerprint": fp, "windows": 0, "payload": 0, "released": 0}).encode()})
+    return idx, 0, 0, 0
 
 
 def _fsync_path(path: str) -> None:
@@ -177,17 +192,32 @@ def _publish(partial: str, out: str) -> None:
 
 def repack(sources: list[str] | str, out: str, *, alignment: int = 4096, force: bool = False,
            window_bytes: int = DEFAULT_WINDOW, resume: bool = True,
-           progress: Callable[[int, int], None] | None = None) -> RepackResult:
+           progress: Callable[[int, int], None] | None = None, consume_source: bool = False,
+           on_freed: Callable[[int], None] | None = None) -> RepackResult:
     """Repack a GGUF (or all shards of a split GGUF) into a store at ``out``.
 
-    ``progress(done, total)`` is called with payload bytes after every window.
+    ``progress(done, total)`` is called with payload bytes after every window. With
+    ``consume_source`` the source files are emptied as the store fills and deleted once it is
+    published (destructive; ``consume``); ``on_freed(bytes)`` reports the disk freed so far.
     """
     t0 = time.perf_counter()
     out = os.path.abspath(os.fspath(out))
+    if consume_source:
+        done = cs.already_published(out, [sources] if isinstance(sources, str) else sources)
+        if done is not None:
+            total = done["expert_bytes"] + done["trunk_bytes"]
+            return RepackResult(out, total, 0, time.perf_counter() - t0, True, done)
     model = read_model(sources)
     plan = plan_repack(model, alignment)
+    fp = _fingerprint(model, plan.alignment, window_bytes, consume_source)
+    if consume_source:
+        cs.check_sources(model.paths)
     _check_output(out, model, force)
     partial = out + PARTIAL_SUFFIX
+    if consume_source:
+        if not os.path.exists(os.path.join(partial, cs.CONSUMING)):
+            cs.check_exact(model)
+        cs.check_space(plan, out, window_bytes, CHECKPOINT_BYTES)
     try:
         os.makedirs(partial, exist_ok=True)
     except OSError as e:
@@ -195,38 +225,55 @@ def repack(sources: list[str] | str, out: str, *, alignment: int = 4096, force: 
     lock = _lock(partial)
     try:
         try:
-            return _run(model, plan, partial, out, window_bytes, resume, progress, t0)
+            return _run(model, plan, partial, out, fp, window_bytes, resume, progress, t0,
+                        consume_source, on_freed)
         except lmdb.Error as e:
-            if "No space" in str(e) or "MDB_MAP_FULL" in str(e):
-                raise OSError(errno.ENOSPC, str(e)) from None
+            if "No space" in str(e) or "MDB_MAP_FULL" in str(e) or _full(partial):
+                raise OSError(errno.ENOSPC, str(e)) from None   # (tmpfs says EIO when full)
             raise
     except OSError as e:
+        if is_disk_full(e) and os.path.exists(os.path.join(partial, cs.CONSUMING)):
+            raise DiskFullError(f"the file system is full ({e.strerror or e}); the partial store "
+                                "was kept: it holds bytes already released from the source",
+                                path=out, fix="free space, then run the same command again to "
+                                "resume") from None
         if is_disk_full(e):
             shutil.rmtree(partial, ignore_errors=True)
             raise DiskFullError(f"the file system is full ({e.strerror or e}); needed "
                                 f"{plan.experts_size + plan.trunk_size} bytes for the store",
-                                path=out, fix="free space or choose another -o; the partial "
+                                path=out, fix="free space or choose another -o (or build the "
+                                "store in place of the GGUF with --consume-source); the partial "
                                 "store was removed") from None
         raise write_error(partial, e) from None
     finally:
         os.close(lock)
 
 
-def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, window_bytes: int,
-         resume: bool, progress: Callable[[int, int], None] | None, t0: float) -> RepackResult:
-    fp = _fingerprint(model, plan.alignment, window_bytes)
-    idx, skip, done_payload = _open_partial(partial, fp, plan, resume)
+def _full(path: str) -> bool:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
+def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, fp: str, window_bytes: int,
+         resume: bool, progress: Callable[[int, int], None] | None, t0: float,
+         in_place: bool, on_freed: Callable[[int], None] | None) -> RepackResult:
+    idx, skip, done_payload, released = _open_partial(partial, fp, plan, resume)
     outs: dict[str, tuple[int, bool]] = {}
-    writer = None
+    writer = consumer = None
     try:
-        outs[TRUNK_FILE] = open_output(os.path.join(partial, TRUNK_FILE), plan.trunk_size)
-        outs[EXPERTS_FILE] = open_output(os.path.join(partial, EXPERTS_FILE), plan.experts_size)
+        for name, size in ((TRUNK_FILE, plan.trunk_size), (EXPERTS_FILE, plan.experts_size)):
+            outs[name] = open_output(os.path.join(partial, name), size, prealloc=not in_place)
+        if in_place:
+            consumer = cs.Consumer(model, partial, {n: os.path.join(partial, n) for n in outs},
+                                   on_freed)
         writer = WindowWriter(plan, outs, window_capacity(plan, window_bytes))
-        summary = _write_all(model, plan, idx, outs, writer, fp, window_bytes, skip,
-                             done_payload, progress)
+        summary = _write_all(model, plan, idx, outs, writer, fp, window_bytes,
+                             (skip, done_payload, released), progress, consumer)
     finally:
         if writer is not None:
             writer.close()
+        if consumer is not None:
+            consumer.close()
         for fd, _ in outs.values():
             os.close(fd)
         idx.close()
@@ -235,30 +282,62 @@ def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, window_byte
     os.unlink(os.path.join(partial, _LOCK))
     _fsync_path(partial)
     _publish(partial, out)
+    if in_place:
+        cs.finish_in_place(out, model.paths)
     total = plan.expert_payload + plan.trunk_payload
     return RepackResult(out, done_payload, total - done_payload, time.perf_counter() - t0,
                         all(d for _, d in outs.values()), summary)
 
 
 def _write_all(model: GGUFModel, plan: RepackPlan, idx: Index, outs: dict[str, tuple[int, bool]],
-               writer: WindowWriter, fp: str, window_bytes: int, skip: int, done_payload: int,
-               progress: Callable[[int, int], None] | None) -> dict[str, Any]:
-    """Write every window after the first ``skip``, checkpointing; returns the summary."""
+               writer: WindowWriter, fp: str, window_bytes: int, start: tuple[int, int, int],
+               progress: Callable[[int, int], None] | None,
+               consumer: cs.Consumer | None) -> dict[str, Any]:
+    """Write every window after the first ``start[0]``, checkpointing (and, in place, releasing
+    the source bytes of each checkpoint's windows); returns the summary."""
     total = plan.expert_payload + plan.trunk_payload
+    skip, done_payload, released = start
     pending = Completed([], [])
-    state = {"windows": skip, "payload": done_payload, "since": 0}
+    state = {"windows": skip, "payload": done_payload, "since": 0, "released": released,
+             "released_payload": 0}
+    unreleased: list[Window] = []
+    releasing: list[tuple[Future[None], int, int]] = []   # the batch in flight, at most one
+
+    def progress_meta(windows: int, payload: int) -> dict[str, bytes]:
+        return {"progress": json.dumps({"fingerprint": fp, "windows": windows, "payload": payload,
+                                        "released": state["released"]}).encode()}
+
+    def wait_release() -> None:
+        if not releasing:
+            return
+        fut, n, payload = releasing.pop()
+        try:
+            fut.result()
+        except (IntegrityError, OSError):   # rewind to what is released: the rest is rewritten
+            idx.commit(meta=progress_meta(state["released"], state["released_payload"]))
+            raise
+        state["released"], state["released_payload"] = n, payload
+
+    def release(sums: dict[tuple[int, ...], int] | Index) -> None:
+        wait_release()
+        batch = list(unreleased)
+        unreleased.clear()
+        releasing.append((pool.submit(consumer.release, batch, sums), state["windows"],
+                          state["payload"]))
 
     def checkpoint() -> None:
         for fd, is_direct in outs.values():
             os.fdatasync(fd)
             if not is_direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        meta = {"progress": json.dumps({"fingerprint": fp, "windows": state["windows"],
-                                        "payload": state["payload"]}).encode()}
-        idx.commit(tensors=pending.trunk, extents=pending.extents, meta=meta)
+        idx.commit(tensors=pending.trunk, extents=pending.extents,
+                   meta=progress_meta(state["windows"], state["payload"]))
+        sums = cs.checksums(pending.extents, pending.trunk) if consumer is not None else {}
         pending.extents.clear()
         pending.trunk.clear()
         state["since"] = 0
+        if consumer is not None:
+            release(sums)
 
     def on_window(w: Window, done: Completed) -> None:
         pending.extents.extend(done.extents)
@@ -266,25 +345,47 @@ def _write_all(model: GGUFModel, plan: RepackPlan, idx: Index, outs: dict[str, t
         state["windows"] += 1
         state["payload"] += w.payload
         state["since"] += w.length
+        if consumer is not None:
+            unreleased.append(w)
         if progress:
             progress(state["payload"], total)
         if w.checkpoint and state["since"] >= CHECKPOINT_BYTES:
             checkpoint()
 
     todo = windows(plan, window_bytes)
-    for _ in range(skip):
-        next(todo)
-    if progress:
-        progress(done_payload, total)
-    writer.run(todo, on_window)
-    checkpoint()
+    for i in range(skip):
+        w = next(todo)
+        if consumer is not None and i < released:
+            consumer.mark_released([w])
+            state["released_payload"] += w.payload
+        elif consumer is not None:
+            unreleased.append(w)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertfs-release")
+    try:
+        if consumer is not None:
+            release(idx)        # windows durable but not yet released when the last run died
+            wait_release()
+        if progress:
+            progress(done_payload, total)
+        writer.run(todo, on_window)
+        checkpoint()
+        wait_release()
+    finally:
+        pool.shutdown(wait=True)
     summary = model_summary(model, plan)
+    if consumer is not None:
+        summary["in_place"] = {
+            "fingerprint": fp, "released_bytes": consumer.freed,
+            "sources": [os.path.basename(p) for p in model.paths],
+            "headers": [[os.path.basename(f.path), f.size, f.data_offset,
+                         cs.head_digest(f.path, f.data_offset)] for f in model.shards]}
     idx.commit(meta={
         "format_version": struct.pack("<I", FORMAT_VERSION),
         "gguf_kv": encode_kv_blob(model),
         "gguf_version": struct.pack("<I", model.shards[0].version),
         "summary": json.dumps(summary, sort_keys=True).encode(),
-        "complete": b"1",
-    }, delete_meta=["progress"])
+        "complete": b"1",          # in place the resume point stays until published: see _run
+        **(progress_meta(state["windows"], state["payload"]) if consumer is not None else {}),
+    }, delete_meta=["progress"] if consumer is None else [])
     idx.env.sync(True)
     return summary

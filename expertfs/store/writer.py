@@ -39,8 +39,10 @@ def is_disk_full(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _DISK_FULL
 
 
-def open_output(path: str, size: int, direct: bool = True) -> tuple[int, bool]:
-    """Open (creating) an output file, preallocated to ``size``; returns (fd, is_direct)."""
+def open_output(path: str, size: int, direct: bool = True,
+                prealloc: bool = True) -> tuple[int, bool]:
+    """Open (creating) an output file of ``size`` bytes, preallocated unless ``prealloc`` is
+    false (then sparse: blocks are allocated as they are written); returns (fd, is_direct)."""
     flags = os.O_WRONLY | os.O_CREAT
     fd = -1
     if direct and hasattr(os, "O_DIRECT"):
@@ -53,7 +55,7 @@ def open_output(path: str, size: int, direct: bool = True) -> tuple[int, bool]:
     is_direct = fd >= 0
     if fd < 0:
         fd = os.open(path, flags, 0o644)
-    if size:
+    if size and prealloc:
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
