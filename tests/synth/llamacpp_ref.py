@@ -7,35 +7,31 @@ A tiny random transformers model of an architecture is built from a geometry (se
 a NextN block (the real checkpoints carry one; transformers does not model it) and a small GLM
 tokenizer. ``convert_hf_to_gguf.py`` then runs in a child process with the vendored ``gguf-py``
 first on ``sys.path`` and ``get_vocab_base_pre`` patched to ``glm4`` (the tiny tokenizer's hash is
-unknown to it). The result is read back with expertfs's own GGUF reader.
+unknown to it), by tools/llamacpp_convert.py. The result is read back with expertfs's own GGUF
+reader.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from llamacpp_convert import ConverterUnavailable, source_dir
+from llamacpp_convert import convert as convert_hf
 
 __all__ = ["llamacpp_dir", "build_glm5_next", "build_glm_dsa", "convert", "read_layout"]
 
-_SDIST = Path(os.path.expanduser("~/.cache/expertfs/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 _SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
              "<|user|>", "<|assistant|>", "<|observation|>"]
 
 
 def llamacpp_dir() -> Path | None:
-    """The vendored llama.cpp of llama-cpp-python 0.3.36, or None when the sdist is missing."""
-    try:    # tools/llamacpp_convert.py, when present, knows where it is
-        from llamacpp_convert import llamacpp_dir as found    # type: ignore[import-not-found]
-        p = found()
-        if p:
-            return Path(p)
-    except Exception:
-        pass
-    ok = (_SDIST / "convert_hf_to_gguf.py").is_file() and (_SDIST / "gguf-py").is_dir()
-    return _SDIST if ok else None
+    """The vendored llama.cpp of llama-cpp-python 0.3.36 (downloaded into the cache if needed by
+    tools/llamacpp_convert.py), or None when it cannot be had."""
+    try:
+        return source_dir()
+    except ConverterUnavailable:
+        return None
 
 
 def _tokenizer(out: Path) -> None:
@@ -117,30 +113,9 @@ def build_glm_dsa(out: Path, g: dict, seed: int = 0) -> None:
           src, None)
 
 
-_CHILD = """
-import sys
-lc = sys.argv[1]
-sys.path[:0] = [lc + "/gguf-py", lc]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", sys.argv[4]]
-import convert_hf_to_gguf
-convert_hf_to_gguf.main()
-"""
-
-
-def convert(model_dir: Path, out: Path, outtype: str = "q8_0", lc: Path | None = None) -> Path:
-    """Run llama.cpp's converter on ``model_dir``; returns the GGUF path."""
-    lc = lc or llamacpp_dir()
-    if lc is None:
-        raise FileNotFoundError("llama-cpp-python 0.3.36 sdist (vendor/llama.cpp) not found")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["NO_LOCAL_GGUF"] = ""
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(lc), str(model_dir), str(out), outtype],
-                       capture_output=True, text=True, env=env, cwd=str(lc), timeout=600)
-    if r.returncode:
-        raise RuntimeError(f"convert_hf_to_gguf failed:\n{r.stderr[-4000:]}")
-    return out
+def convert(model_dir: Path, out: Path, outtype: str = "q8_0") -> Path:
+    """Run llama.cpp's converter on ``model_dir`` (tools/llamacpp_convert.py); the GGUF path."""
+    return convert_hf(model_dir, out, outtype=outtype)
 
 
 def read_layout(path: Path) -> tuple[list[tuple[str, tuple[int, ...], str]], dict]:
