@@ -41,7 +41,8 @@ class KVCache:
     ``kv_lora`` values are also the values: no separate value tensors. A layer kind with more
     per-position state (the DSA indexer's keys) registers a side stream (``add_stream``):
     ``streams[name][layer]`` is ``[1, capacity, dim]`` (None for the layers without one) and
-    grows, rolls back and counts in ``nbytes`` with the keys."""
+    grows, rolls back and counts in ``nbytes`` with the keys. A layer without a KV cache (a
+    linear-attention layer, ``drop``) holds None."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int, n_ctx: int, dtype: torch.dtype,
                  device: torch.device, initial: int = 256) -> None:
@@ -54,12 +55,20 @@ class KVCache:
         self.k = [self._alloc(self.kd) for _ in range(n_layers)]
         self.v = [self._alloc(self.vd) for _ in range(n_layers)] if self.vd else []
         self.streams: dict[str, list[torch.Tensor | None]] = {}
+        self.state_bytes = 0            # fixed per-sequence state held beside the cache (KDA)
         self.pos = 0
 
     def add_stream(self, name: str, dims: list[int]) -> None:
         """One ``[1, capacity, dims[layer]]`` tensor per layer (none where the dim is 0)."""
         self.streams[name] = [torch.zeros(1, self.capacity, d, dtype=self.dtype,
                                           device=self.device) if d else None for d in dims]
+
+    def drop(self, layers: list[int]) -> None:
+        """No keys or values for ``layers`` (they keep a state of their own)."""
+        for i in layers:
+            self.k[i] = None                                   # type: ignore[call-overload]
+            if self.v:
+                self.v[i] = None                               # type: ignore[call-overload]
 
     def _alloc(self, d: int, n: int | None = None) -> torch.Tensor:
         return torch.zeros(self.kv_heads, n or self.capacity, d, dtype=self.dtype,
@@ -75,6 +84,8 @@ class KVCache:
         cap = min(self.n_ctx, max(need, 2 * self.capacity))
         for lst, d in ((self.k, self.kd), (self.v, self.vd)):
             for i, t in enumerate(lst):
+                if t is None:
+                    continue
                 new = self._alloc(d, cap)
                 new[:, :self.pos] = t[:, :self.pos]
                 lst[i] = new
@@ -92,8 +103,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v) + \
-            sum(self.stream_nbytes(n) for n in self.streams)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None) + \
+            sum(self.stream_nbytes(n) for n in self.streams) + self.state_bytes
 
     def stream_nbytes(self, name: str) -> int:
         return sum(t.numel() * t.element_size() for t in self.streams[name] if t is not None)

@@ -19,6 +19,8 @@ llama.cpp's ``llama-model.cpp`` per architecture:
 - An architecture with layer kinds of its own names its module in ``runtime/model/archs``
   (``ArchSpec.module``): that module's ``configure`` reads its own keys into ``ModelConfig.ext``
   (glm-dsa: the DSA indexer's ``IndexerConfig``) and it builds its attention weights and step.
+  glm5-next's ``attention.head_count_kv`` is a per-layer array (read by its module) and its MLA
+  has no RoPE (``rope.dimension_count`` 0).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class ArchSpec:
     nextn: bool = False            # may carry NextN blocks
     mla: bool = False              # DeepSeek multi-head latent attention
     module: str | None = None      # runtime.model.archs.<module> composes the layers
+    kv_per_layer: bool = False     # attention.head_count_kv is a per-layer array read by the
+                                   # module (glm5-next: 0 = KDA, 1 = MLA)
+    nope: bool = False             # rope.dimension_count may be 0 (no RoPE at all)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -60,6 +65,8 @@ ARCHS: dict[str, ArchSpec] = {
                           mla=True),
     "glm-dsa": ArchSpec(ROPE_NORM, None, GATING_SIGMOID, None, True, "ffn_norm", nextn=True,
                         mla=True, module="glm_dsa"),
+    "glm5-next": ArchSpec(ROPE_NORM, None, GATING_SIGMOID, None, True, "ffn_norm", nextn=True,
+                          mla=True, module="glm5_next", kv_per_layer=True, nope=True),
 }
 
 
@@ -158,7 +165,8 @@ class ModelConfig:
         n_nextn = int(a("nextn_predict_layers", 0) or 0)
         n_embd = int(a("embedding_length", 0))
         n_head = _scalar(a("attention.head_count", 0), "attention.head_count", path)
-        n_head_kv = _scalar(a("attention.head_count_kv", n_head), "attention.head_count_kv", path)
+        n_head_kv = n_head if spec.kv_per_layer else \
+            _scalar(a("attention.head_count_kv", n_head), "attention.head_count_kv", path)
         head_dim = int(a("attention.key_length", 0) or (n_embd // max(n_head, 1)))
         n_experts = int(a("expert_count", 0) or 0)
         n_used = _scalar(a("expert_used_count", 0) or 0, "expert_used_count", path)
@@ -186,7 +194,8 @@ class ModelConfig:
             n_expert_used=n_used, n_expert_shared=int(a("expert_shared_count", 0) or 0),
             n_dense_lead=int(a("leading_dense_block_count", 0) or 0),
             rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope=spec.rope, n_rot=int(a("rope.dimension_count", 0) or head_dim),
+            rope=spec.rope,
+            n_rot=int(a("rope.dimension_count", 0) or (0 if spec.nope else head_dim)),
             rope_base=float(a("rope.freq_base", 10000.0)),
             rope_freq_scale=1.0 / factor if scaling in ("linear", "yarn") and factor > 0 else 1.0,
             rope_yarn=scaling == "yarn",
@@ -219,7 +228,8 @@ class ModelConfig:
                       " heads")
         if self.n_head % self.n_head_kv:
             raise bad(f"{self.n_head} heads is not a multiple of {self.n_head_kv} KV heads")
-        if self.n_rot % 2 or not 0 < self.n_rot <= self.head_dim:
+        if self.n_rot % 2 or not 0 < self.n_rot <= self.head_dim and \
+                not (self.spec.nope and self.n_rot == 0):
             raise bad(f"rope dimension {self.n_rot} for head_dim {self.head_dim}")
         if not 1 <= self.n_expert_used <= self.n_experts:
             raise bad(f"top-{self.n_expert_used} of {self.n_experts} experts")

@@ -4,6 +4,8 @@
 expert comes either as the provider's ``ExpertWeights`` (ggml bytes, multiplied through
 ``dequant.linear``) or as a ``FloatExpert`` from the dequantized-expert cache; a fused
 ``gate_up`` part is split in rows ``[0, n_ff)`` = gate and ``[n_ff, 2 n_ff)`` = up.
+A ``limit`` > 0 is llama.cpp's ``swiglu_clamp`` (glm5-next's ``swiglu_clamp_exp``/``_shexp``):
+``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..experts.protocol import ExpertWeights, QWeight
 from .qmatvec import decode_matvec
 from .weights import Linear
 
-__all__ = ["DenseFFN", "FloatExpert", "expert_ffn", "to_float_expert"]
+__all__ = ["DenseFFN", "FloatExpert", "expert_ffn", "swiglu", "to_float_expert"]
 
 
 @dataclass
@@ -28,9 +30,16 @@ class DenseFFN:
     gate: Linear
     up: Linear
     down: Linear
+    limit: float = 0.0                 # swiglu clamp; 0 = none
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(swiglu(self.gate(x), self.up(x), self.limit))
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return F.silu(g) * u
 
 
 @dataclass
@@ -51,7 +60,7 @@ def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tens
 
 
 def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = False,
-               act_quant: str | None = None) -> torch.Tensor:
+               act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor:
     """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: products of
     one token (up to ``qmatvec.NATIVE_MAX_TOKENS`` with the native kernels) go through
     ``qmatvec`` where the type has one;
@@ -69,7 +78,7 @@ def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = Fa
         g, u = lin(x, gu).chunk(2, dim=-1)
     else:
         g, u = lin(x, p[Role.GATE]), lin(x, p[Role.UP])
-    return lin(F.silu(g) * u, p[Role.DOWN])
+    return lin(swiglu(g, u, limit), p[Role.DOWN])
 
 
 _MATRICES = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN)

@@ -34,9 +34,11 @@ from .attention import KVCache
 from .weights import Linear
 
 __all__ = ["IndexerConfig", "IndexerWeights", "Selection", "STREAM", "add_key_cache",
-           "indexer_select", "score_chunk_rows"]
+           "indexer_select", "score_chunk_rows", "KPoolWeights", "KG_STREAM", "POOL_STREAM",
+           "add_kpool_cache", "kpool_select"]
 
 STREAM = "indexer_k"
+KG_STREAM, POOL_STREAM = "indexer_kg", "indexer_pool"
 #: score rows are computed in chunks of at most this many (query, head, position) products
 SCORE_CHUNK = 1 << 24
 
@@ -49,6 +51,8 @@ class IndexerConfig:
     n_rot: int                       # RoPE dims at the start of each head (0: none)
     full: tuple[bool, ...]           # per trunk layer: runs its own indexer
     k_norm_eps: float = 1e-6         # the key LayerNorm's eps (transformers' value)
+    kpool: int = 1                   # glm5-next: keys pooled in groups of kpool (1 = none)
+    select_tail: bool = False        # attention.indexer.kpool_select_tail
 
     @property
     def scale(self) -> float:
@@ -69,6 +73,12 @@ class IndexerWeights:
     k_norm: torch.Tensor             # [D] float32        indexer.k_norm.weight
     k_norm_b: torch.Tensor | None    # [D] float32        indexer.k_norm.bias
     proj: Linear                     # [H, n_embd]        indexer.proj (F32 in files)
+
+
+@dataclass
+class KPoolWeights(IndexerWeights):
+    gate: Linear | None = None       # [D, n_embd]        indexer_compressor_gate (F32)
+    ape: torch.Tensor | None = None  # [kpool, D] float32 indexer_compressor_ape
 
 
 class Selection:
@@ -127,3 +137,65 @@ def indexer_select(x: torch.Tensor, qr: torch.Tensor, w: IndexerWeights, icfg: I
         score.masked_fill_(torch.arange(S, device=x.device)[None, :] > rows, float("-inf"))
         out[a:b] = score.topk(k, dim=-1).indices
     return out
+
+
+# --- glm5-next: the k-pool indexer ----------------------------------------------------------
+#
+# Keys are scored per pool of ``kpool`` consecutive positions (pool p = positions
+# [p·kpool, (p+1)·kpool)), llama.cpp's ``build_kpool_select`` / transformers'
+# ``Glm5NextTextIndexer``: a complete pool's key is ``Σ_j softmax_j(gate_j + ape_j) ⊙ key_j``
+# (per channel, over the pool's positions; ``gate = indexer_compressor_gate · x``), a pool is
+# visible to a query once its last position is, the top ``min(top_k / kpool, pools)`` visible
+# pools are attended in full, and with ``select_tail`` also the query's incomplete pool (the
+# visible positions after its last complete pool). No RoPE. Per full layer the cache holds each
+# position's key | gate (``KG_STREAM``, 2·D, for the pools still open and for rollback) and the
+# pooled keys, pool p's D values spread over its kpool rows (``POOL_STREAM``, D / kpool each).
+
+
+def add_kpool_cache(cache: KVCache, icfg: IndexerConfig) -> None:
+    cache.add_stream(KG_STREAM, [2 * icfg.head_dim if f else 0 for f in icfg.full])
+    cache.add_stream(POOL_STREAM, [icfg.head_dim // icfg.kpool if f else 0 for f in icfg.full])
+
+
+def kpool_select(x: torch.Tensor, qr: torch.Tensor, w: KPoolWeights, icfg: IndexerConfig,
+                 cache: KVCache, layer: int) -> torch.Tensor | None:
+    """``x [T, n_embd]``, ``qr [T, q_lora]`` → a boolean keep mask ``[T, S]`` (causal within
+    it), or None while every query's selection is everything it sees. Writes this batch's
+    key | gate rows at ``cache.pos`` and pools the pools this batch completes."""
+    T, H, D, P = x.shape[0], icfg.n_head, icfg.head_dim, icfg.kpool
+    p0 = cache.pos
+    S = p0 + T
+    kg = cache.streams[KG_STREAM][layer][0]                       # [cap, 2D]
+    k = F.layer_norm(w.wk(x).float(), (D,), w.k_norm, w.k_norm_b, icfg.k_norm_eps)
+    kg[p0:S] = torch.cat((k, w.gate(x).float()), dim=-1).to(kg.dtype)
+    pool = cache.streams[POOL_STREAM][layer][0]                   # [cap, D / P]
+    a, n_pool = p0 // P, S // P                                   # pools a .. n_pool-1 close now
+    if n_pool > a:
+        rows = kg[a * P:n_pool * P].float().view(n_pool - a, P, 2 * D)
+        prob = torch.softmax(rows[..., D:] + w.ape, dim=1)        # over the pool's positions
+        pool[a * P:n_pool * P] = (prob * rows[..., :D]).sum(1).reshape(-1, D // P).to(pool.dtype)
+    n_top = min(icfg.top_k // P, n_pool)
+    if icfg.select_tail and n_pool <= icfg.top_k // P:
+        return None                                               # every visible pool + tail
+    dev = x.device
+    seen = torch.arange(T, device=dev)[:, None] + p0 + 1          # [T, 1] positions visible
+    keep = torch.zeros(T, S, dtype=torch.bool, device=dev)
+    if n_top:
+        keys = pool[:n_pool * P].float().reshape(n_pool, D)
+        q = w.wq_b(qr).float().view(T, H, D)
+        wt = w.proj(x).float() * icfg.scale                       # [T, H]
+        closed = (torch.arange(n_pool, device=dev)[None, :] + 1) * P <= seen   # [T, pools]
+        step = score_chunk_rows(H, n_pool)
+        for r in range(0, T, step):
+            e = min(T, r + step)
+            qk = torch.einsum("thd,pd->thp", q[r:e], keys).relu_()
+            score = torch.einsum("th,thp->tp", wt[r:e], qk).masked_fill_(~closed[r:e],
+                                                                          float("-inf"))
+            top = score.topk(n_top, dim=-1)
+            chosen = torch.zeros(e - r, n_pool, dtype=torch.bool, device=dev).scatter_(
+                1, top.indices, top.values > float("-inf"))
+            keep[r:e, :n_pool * P] = chosen.repeat_interleave(P, dim=1)
+    if icfg.select_tail:
+        pos = torch.arange(S, device=dev)[None, :]
+        keep |= (pos >= seen // P * P) & (pos < seen)
+    return keep

@@ -125,6 +125,8 @@ class _Builder:
         else:
             blk.dense = DenseFFN(self.lin(p + "ffn_gate"), self.lin(p + "ffn_up"),
                                  self.lin(p + "ffn_down"))
+        if mod is not None and hasattr(mod, "finish_block"):
+            mod.finish_block(self, blk)         # per-layer FFN settings (swiglu clamps)
         return blk
 
     def nextn_extras(self, blk: BlockWeights) -> None:

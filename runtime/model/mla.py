@@ -53,7 +53,9 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
 
     ``select(x, qr)`` (``qr`` the normed q_a latent, None without q_lora) → ``[T, k]`` cached
     positions per query (int64; causality still applies), or None for dense attention; it
-    runs before this batch's latents are counted (``cache.pos`` is still the first row's)."""
+    runs before this batch's latents are counted (``cache.pos`` is still the first row's); a
+    boolean ``[T, S]`` answer is a keep mask instead (glm5-next's k-pool selection).
+    ``rope.dimension_count`` 0 (glm5-next): no RoPE part, the cache holds the latent only."""
     T, H, N, R, L = x.shape[0], cfg.n_head, cfg.qk_nope, cfg.n_rot, cfg.kv_lora_rank
     qr = None
     if w.wq is not None:
@@ -65,16 +67,22 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
     idx = select(x, qr) if select is not None else None
     kv = w.wkv_a(x)                                                    # [T, L + R]
     c = rms_norm(kv[:, :L], w.kv_a_norm, cfg.rms_eps)                  # [T, L]
-    k_pe = rope.apply(kv[:, L:].reshape(T, 1, R), cos, sin)            # [T, 1, R]
-    q_pe = rope.apply(q[..., N:], cos, sin)                            # [T, H, R]
     q_abs = torch.einsum("thn,hln->thl", q[..., :N], w.k_b)            # [T, H, L]
-    Q = torch.cat((q_abs, q_pe), dim=-1)                               # [T, H, L + R]
     p0 = cache.pos
     kc = cache.k[layer]                                                # [1, cap, L + R]
-    kc[0, p0:p0 + T] = torch.cat((c, k_pe[:, 0]), dim=-1)
+    if R:
+        k_pe = rope.apply(kv[:, L:].reshape(T, 1, R), cos, sin)        # [T, 1, R]
+        q_pe = rope.apply(q[..., N:], cos, sin)                        # [T, H, R]
+        Q = torch.cat((q_abs, q_pe), dim=-1)                           # [T, H, L + R]
+        kc[0, p0:p0 + T] = torch.cat((c, k_pe[:, 0]), dim=-1)
+    else:                                                              # nope-only (glm5-next)
+        Q = q_abs
+        kc[0, p0:p0 + T] = c
     S = p0 + T
     k = kc[None, :, :S]                                                # [1, 1, S, L + R]
-    if idx is not None and T == 1:
+    if idx is not None and idx.dtype == torch.bool:                    # a [T, S] keep mask
+        mask = idx if mask is None else idx & mask
+    elif idx is not None and T == 1:
         k, mask = kc[None, :, idx[0]], None                            # [1, 1, k, L + R]
     elif idx is not None:
         keep = torch.zeros(T, S, dtype=torch.bool, device=x.device).scatter_(1, idx, True)

@@ -3,7 +3,8 @@
 Every architecture in ``config.ARCHS`` is one pre-norm residual stack; what differs (rope
 pairing and extent, q/k norm, biases, router semantics, shared experts, dense leading layers)
 is carried by the config and by which tensors the store holds. An architecture with layer
-kinds of its own (``archs``: glm-dsa's indexed MLA) supplies the attention step. The residual
+kinds of its own (``archs``: glm-dsa's indexed MLA) supplies the attention step, and may run
+the blocks itself (``forward_blocks``: glm5-next's mHC residual streams). The residual
 stream stays in float32 (as ggml keeps activations); matrices are applied in the compute dtype.
 
 ``forward(ids)`` appends ``len(ids)`` positions to the KV cache and returns float32 logits of
@@ -46,6 +47,7 @@ class Model:
         mod = arch_module(cfg.spec)
         self.attend = mod.Attention(cfg, self.cache) if mod is not None else \
             mla_attention if cfg.mla else attention
+        self._blocks = getattr(mod, "forward_blocks", None)     # an arch's own stack (mHC)
         self.lookahead = lookahead
         self.lookahead_k = cfg.n_expert_used + max(0, lookahead_margin)
         self.hidden: torch.Tensor | None = None      # t_h_nextn of the last hidden=True forward
@@ -56,6 +58,8 @@ class Model:
         return self.cache.pos
 
     def reset(self, pos: int = 0) -> None:
+        if hasattr(self.attend, "reset"):               # state beside the cache (KDA)
+            self.attend.reset(pos, self.cache.pos)
         self.cache.reset(pos)
         if self.runner.lookahead is not None:
             self.runner.lookahead.reset_pending()
@@ -94,7 +98,9 @@ class Model:
         cos, sin = self.rope.tables(p0, T)
         mask = causal_mask(p0, T, self.device)
         attend = self.attend
-        for blk in self.trunk.blocks:
+        if self._blocks is not None:
+            x = self._blocks(self, x, cos, sin, mask)
+        for blk in self.trunk.blocks if self._blocks is None else ():
             L = blk.layer
             h = rms_norm(x, blk.attn_norm, cfg.rms_eps).to(self.dtype)
             x = x + attend(h, blk.attn, cfg, self.rope, cos, sin, self.cache, L, mask).float()

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 class MoEWeights:
     router: RouterWeights
     shared: DenseFFN | None = None
+    limit: float = 0.0           # the routed experts' swiglu clamp (0 = none): the native
+                                 # fused products have none, so such a layer runs expert_ffn
 
 
 @dataclass
@@ -201,23 +203,24 @@ class ExpertRunner:
         self.stats.pairs += T * k
         try:
             out = weights = shared = None
-            if T == 1 and self.fused and not self.dq.enabled:
+            fused = self.fused and not w.limit
+            if T == 1 and fused and not self.dq.enabled:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
                                                         prefetch_next)
             prefetch_next()
             if T > 1:
-                out = self._batched(layer, x, ids, wts, experts, counts_h)
+                out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit)
             elif out is None:
                 if weights is None:
                     weights = self._weights(layer, experts)
-                if self.fused:
+                if fused:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
                                         self.act_quant)
                 if out is None:
                     out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
                     for j, e in enumerate(experts):
-                        out.add_(expert_ffn(x, weights[e], self.fused, self.act_quant)
-                                 .float() * wts[0, j])
+                        out.add_(expert_ffn(x, weights[e], self.fused, self.act_quant,
+                                            w.limit).float() * wts[0, j])
         finally:
             self.provider.release(layer)
         if w.shared is not None:
@@ -225,7 +228,7 @@ class ExpertRunner:
         return out.to(x.dtype)
 
     def _batched(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-                 experts: list[int], counts: list[int]) -> torch.Tensor:
+                 experts: list[int], counts: list[int], limit: float = 0.0) -> torch.Tensor:
         """A batch's routed output: each used expert (ascending) applied to its tokens and added
         in. When the layer needs more experts than the compute tier holds at once, they are
         fetched in parts, each computed and released before the next (the same sums in the same
@@ -247,6 +250,6 @@ class ExpertRunner:
                 a, b = start[e], start[e] + counts[e]
                 t = tok[a:b]
                 y = expert_ffn(x.index_select(0, t), weights[e], self.fused,
-                               self.act_quant).float()
+                               self.act_quant, limit).float()
                 out.index_add_(0, t, y * wsorted[a:b, None])
         return out

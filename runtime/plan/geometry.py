@@ -68,6 +68,8 @@ class Geometry:
     value_length: int
     mla_latent: int = 0                    # >0: MLA, elements cached per token per layer
     indexer_keys: tuple[int, ...] = ()     # DSA indexer key elements cached per token, per layer
+    state_bytes: int = 0                   # fixed per-sequence state, any context (KDA layers'
+                                           # conv windows + recurrent states, float32)
     swa: tuple[bool, ...] = ()             # sliding-window layers (empty: none)
     sliding_window: int = 0
     expert_types: Mapping[str, int] = field(default_factory=dict)
@@ -138,7 +140,7 @@ class Geometry:
             "n_vocab": self.n_vocab, "n_ctx_train": self.n_ctx_train,
             "kv_heads": sorted(set(self.kv_heads)), "key_length": self.key_length,
             "value_length": self.value_length, "mla_latent": self.mla_latent,
-            "indexer_keys": sum(self.indexer_keys),
+            "indexer_keys": sum(self.indexer_keys), "state_bytes": self.state_bytes,
             "swa_layers": sum(self.swa), "sliding_window": self.sliding_window,
             "expert_bytes": max(self.expert_bytes), "slot_bytes": self.slot_bytes,
             "decode_expert_bytes": self.decode_expert_bytes,
@@ -155,7 +157,8 @@ class Geometry:
 def _kv_elements(g: Geometry, positions: int) -> int:
     total = 0
     for i in range(g.n_layers):
-        per = g.mla_latent if g.mla_latent else g.kv_heads[i] * (g.key_length + g.value_length)
+        per = (g.mla_latent if g.kv_heads[i] else 0) if g.mla_latent else \
+            g.kv_heads[i] * (g.key_length + g.value_length)      # glm5-next: 0 heads = KDA
         swa = bool(g.swa) and g.swa[i] and g.sliding_window > 0
         if g.indexer_keys:
             per += g.indexer_keys[i]
@@ -170,9 +173,10 @@ def kv_bytes_per_token(g: Geometry, kv_type: str = "f16") -> int:
 
 
 def kv_cache_bytes(g: Geometry, ctx: int, kv_type: str = "f16") -> int:
-    """Bytes of the KV cache holding ``ctx`` positions in every decoder layer."""
+    """Bytes of the KV cache holding ``ctx`` positions in every decoder layer, plus the fixed
+    state of the recurrent layers (``state_bytes``, float32 whatever ``kv_type``)."""
     if kv_type not in KV_TYPES:
         raise UsageError(f"KV cache type {kv_type!r} is not known", fix=f"use one of {', '.join(KV_TYPES)}")
     if ctx < 0:
         raise UsageError(f"context length {ctx} < 0", fix="give --ctx 1 or more")
-    return math.ceil(_kv_elements(g, ctx) * KV_TYPES[kv_type])
+    return math.ceil(_kv_elements(g, ctx) * KV_TYPES[kv_type]) + g.state_bytes

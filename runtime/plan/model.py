@@ -56,6 +56,22 @@ def _per_layer(v: Any, n: int, default: int) -> tuple[int, ...]:
     return (int(v),) * n
 
 
+def _glm5_next_cache(a: Any, n_layers: int, kv_heads: tuple[int, ...],
+                     kv_lora: int) -> tuple[int, tuple[int, ...], int]:
+    """glm5-next as the runtime holds it: the latent per position on the MLA layers; on each
+    full indexer layer key | gate (2·D) plus the k-pool compressed key (D / kpool) per
+    position; the KDA layers' fixed state (``KDAState.layer_bytes``)."""
+    from ..model.kda import KDAConfig, KDAState
+    dim = _int(a("attention.indexer.key_length"))
+    kpool = max(1, _int(a("attention.indexer.kpool"), 1))
+    types = a("attention.indexer.types")
+    full = _per_layer(types, n_layers, 1) if types is not None else (1,) * n_layers
+    keys = tuple(2 * dim + dim // kpool if f and h else 0 for f, h in zip(full, kv_heads))
+    kcfg = KDAConfig(_int(a("attention.head_count"), 1), _int(a("kda.head_dim")),
+                     _int(a("ssm.conv_kernel"), 1))
+    return kv_lora, keys, sum(1 for h in kv_heads if not h) * KDAState.layer_bytes(kcfg)
+
+
 def _layer_of(name: str) -> int | None:
     if name.startswith("blk."):
         head = name.split(".", 2)[1]
@@ -89,6 +105,9 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
     if (arch.startswith("deepseek") or arch == "glm-dsa") and kv_lora:
         mla = kv_lora + _int(a("rope.dimension_count"), 64)
     indexer_keys: tuple[int, ...] = ()
+    state_bytes = 0
+    if arch == "glm5-next" and kv_lora:   # nope-only MLA layers (head_count_kv 1) + KDA (0)
+        mla, indexer_keys, state_bytes = _glm5_next_cache(a, n_layers, kv_heads, kv_lora)
     if arch == "glm-dsa":                 # one key per position on each full indexer layer
         from ..model.archs.glm_dsa import full_indexer_layers
         full = full_indexer_layers(a("attention.indexer.types"), n_layers,
@@ -159,7 +178,7 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
         nextn_trunk_bytes=nextn_trunk, nextn_expert_bytes=nextn_experts,
         total_expert_bytes=int(summary.get("expert_bytes") or 0),
         kv_heads=kv_heads, key_length=key_len, value_length=val_len, mla_latent=mla,
-        indexer_keys=indexer_keys, swa=swa,
+        indexer_keys=indexer_keys, state_bytes=state_bytes, swa=swa,
         sliding_window=window, expert_types=dict(summary.get("expert_types") or {}),
         notes=tuple(notes))
 
