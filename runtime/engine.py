@@ -326,6 +326,10 @@ class Engine:
                 finally:
                     self.provider.release(blk.layer)
 
+    def can_reset(self, pos: int) -> bool:
+        """Can ``reset(pos)`` keep the first ``pos`` positions (else reset to 0 and re-run)?"""
+        return self.model.can_reset(pos)
+
     def reset(self, pos: int = 0) -> None:
         self.model.reset(pos)
         for o in self._observers:

@@ -57,6 +57,11 @@ class Model:
     def pos(self) -> int:
         return self.cache.pos
 
+    def can_reset(self, pos: int) -> bool:
+        """Can the model go back to ``pos`` (a recurrent state may keep only recent positions)?"""
+        check = getattr(self.attend, "can_reset", None)
+        return check is None or check(pos, self.cache.pos)
+
     def reset(self, pos: int = 0) -> None:
         if hasattr(self.attend, "reset"):               # state beside the cache (KDA)
             self.attend.reset(pos, self.cache.pos)

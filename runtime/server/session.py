@@ -96,6 +96,8 @@ class Session:
                 break
             common += 1
         keep = min(common, len(ids) - 1)
+        if not eng.can_reset(keep):            # a recurrent state that cannot go back that far
+            keep = 0
         self.cached = []                       # until the prefill succeeds the cache is unknown
         eng.reset(keep)
         t0 = time.perf_counter()

@@ -224,6 +224,10 @@ class Attention:
         self.p0, self.window = p0, decoding and T > 1
         self.ckpt = {}
 
+    def can_reset(self, pos: int, cur: int) -> bool:
+        """Can the KDA state go back to ``pos`` from ``cur`` (see ``reset``)?"""
+        return pos >= cur or pos == 0 or pos in self.ckpt
+
     def reset(self, pos: int, cur: int) -> None:
         if pos >= cur:
             return

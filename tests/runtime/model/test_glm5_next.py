@@ -269,9 +269,11 @@ def test_rollback_restores_the_kda_state_inside_a_decode_window(built):
         eng.logits(TOKENS[:14])
         rows = eng.verify(TOKENS[14:19]).numpy()           # a decode window of 5 rows
         assert np.abs(rows - ref[14:19]).max() <= TOL
+        assert eng.can_reset(16) and eng.can_reset(0) and not eng.can_reset(9)
         eng.reset(16)                                      # two of them accepted
         tail = eng.logits(TOKENS[16:], reset=False).numpy()
         assert np.abs(tail - ref[16:]).max() <= TOL
+        assert not eng.can_reset(9)
         with pytest.raises(UsageError, match="cannot roll back"):
             eng.reset(9)
         eng.reset(0)

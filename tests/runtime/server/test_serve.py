@@ -139,3 +139,34 @@ def test_stop_matcher_holds_back_partial_stops():
         if hit:
             break
     assert "".join(out) == "hello " and hit
+
+
+def test_a_prompt_prefix_is_reused_only_where_the_engine_can_go_back():
+    """A recurrent state that cannot rewind to the shared prefix is re-run from 0."""
+    from types import SimpleNamespace
+
+    from expertfs.runtime.server.session import Session
+
+    class Eng:
+        def __init__(self, rewind: bool) -> None:
+            self.rewind, self.calls = rewind, []
+            self.provider = SimpleNamespace(stats=SimpleNamespace(bytes_read=0, requests=0,
+                                                                  hits={}))
+
+        def can_reset(self, pos):
+            return self.rewind or pos == 0
+
+        def reset(self, pos=0):
+            self.calls.append(("reset", pos))
+
+        def prefill(self, ids):
+            self.calls.append(("prefill", len(ids)))
+            raise RuntimeError("stop here")
+
+    for rewind, keep in ((True, 3), (False, 0)):
+        eng = Eng(rewind)
+        s = Session(eng, SimpleNamespace())
+        s.cached = [1, 2, 3, 4]
+        with pytest.raises(RuntimeError, match="stop here"):
+            s.run(SimpleNamespace(), [1, 2, 3, 9, 9], lambda _: None, lambda: False)
+        assert eng.calls == [("reset", keep), ("prefill", 5 - keep)]
