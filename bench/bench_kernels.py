@@ -48,14 +48,19 @@ from expertfs.formats.random_blocks import make_blocks
 
 DEFAULT_TYPES = ("q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "q2_k", "q3_k", "iq4_xs", "mxfp4",
                  "q5_0", "q5_1", "q4_1", "bf16", "f16", "iq4_nl", "iq2_xxs", "iq2_s", "iq3_xxs",
-                 "iq2_xs", "iq3_s", "iq1_s", "iq1_m")
+                 "iq2_xs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")
 
 
 def weight(t: GGMLType, rows: int, cols: int, seed: int) -> torch.Tensor:
     """Valid ggml bytes of a ``rows × cols`` matrix (synth's blocks: gguf-py's quantization
     where it can, random valid blocks with sane scales otherwise)."""
+    rng = np.random.default_rng(seed)
+    if t in (GGMLType.TQ1_0, GGMLType.TQ2_0):       # synth has no TQ: gguf-py quantizes them
+        from gguf import quants
+        w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(quants.quantize(w, t)).reshape(-1))
     n = rows * cols // block_size(t)
-    return torch.from_numpy(make_blocks(t, n, 0.02, np.random.default_rng(seed)).reshape(-1))
+    return torch.from_numpy(make_blocks(t, n, 0.02, rng).reshape(-1))
 
 
 def timer(threads: int):

@@ -9,7 +9,8 @@ loop over blocks): one code path for CPU and CUDA. Results equal gguf-py's numpy
 Modules, one concept each: ``fields`` (reading block fields), ``tables`` (IQ grids and value
 tables from gguf-py, cached per device), ``simple`` (F32/F16/BF16), ``legacy`` (Q4_0 ... Q8_0),
 ``kquants`` (Q2_K ... Q6_K), ``iq_grid`` (IQ1/IQ2/IQ3), ``iq4`` (IQ4_NL/IQ4_XS), ``mxfp4``,
-``dispatch`` (the type table, checks, ``dequantize``) and ``fused`` (``linear``).
+``ternary`` (TQ1_0/TQ2_0), ``dispatch`` (the type table, checks, ``dequantize``) and ``fused``
+(``linear``).
 """
 
 from .dispatch import KERNELS, SUPPORTED_TYPES, dequantize, dequantize_blocks

@@ -20,6 +20,7 @@ from .kquants import dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, deq
 from .legacy import dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1, dequant_q8_0
 from .mxfp4 import dequant_mxfp4
 from .simple import dequant_bf16, dequant_f16, dequant_f32
+from .ternary import dequant_tq1_0, dequant_tq2_0
 
 __all__ = ["KERNELS", "SUPPORTED_TYPES", "dequantize", "dequantize_blocks", "resolve_type",
            "check_bytes"]
@@ -36,7 +37,7 @@ KERNELS: dict[GGMLType, Kernel] = {
     T.IQ2_XXS: dequant_iq2_xxs, T.IQ2_XS: dequant_iq2_xs, T.IQ2_S: dequant_iq2_s,
     T.IQ3_XXS: dequant_iq3_xxs, T.IQ3_S: dequant_iq3_s, T.IQ1_S: dequant_iq1_s,
     T.IQ1_M: dequant_iq1_m, T.IQ4_NL: dequant_iq4_nl, T.IQ4_XS: dequant_iq4_xs,
-    T.MXFP4: dequant_mxfp4,
+    T.MXFP4: dequant_mxfp4, T.TQ1_0: dequant_tq1_0, T.TQ2_0: dequant_tq2_0,
 }
 del T
 

@@ -7,14 +7,15 @@ Two numerics, chosen per call by ``act_quant``:
   equals ``F.linear(x, dequantize(W))`` up to float rounding (weights enter as scale × integer,
   factored per sub-block: ``Σ_s d·sc_s·Σ q·x − dmin·m_s·Σ x``).
 - ``"q8"`` (opt-in, lossy): activations quantized the way llama.cpp quantizes them (Q8_K for
-  the K-quants and the IQ types but IQ4_NL, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL, Q8_1 for
+  the K-quants, the IQ types but IQ4_NL and the TQ types, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL, Q8_1 for
   Q4_1/Q5_1, fp16/bf16 rounding for F16/BF16) and integer dot products per block: llama.cpp's
   own numerics. Its
   quality cost against the exact mode is measured by ``bench/bench_decode_actquant.py``.
 
 Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1, BF16, F16,
 IQ4_NL, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (the lattice IQ types' codebooks
-handed over from gguf-py at load, ``iq_tables``).
+handed over from gguf-py at load, ``iq_tables``), TQ1_0, TQ2_0 (q8: Q8_K activations, llama.cpp's
+``ggml_vec_dot_tq*_q8_K``).
 
 ``matvec(x, raw, type, shape)`` is ``x [T, in] @ W.T`` for a weight of torch shape
 ``(out, in)`` given as its ggml bytes; ``moe(x, w, gate, up, down, ...)`` is one decode step

@@ -24,12 +24,14 @@ TYPES = frozenset({GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0, G
                    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.MXFP4,
                    GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_1, GGMLType.BF16, GGMLType.F16,
                    GGMLType.IQ4_NL, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
-                   GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M})
+                   GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M,
+                   GGMLType.TQ1_0, GGMLType.TQ2_0})
 
 #: Types whose q8 mode uses Q8_K activations (rows must be whole 256-element blocks).
 _K = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
                 GGMLType.IQ4_XS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
-                GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M})
+                GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M,
+                GGMLType.TQ1_0, GGMLType.TQ2_0})
 
 
 def act_quant_mode(name: str | None) -> int:

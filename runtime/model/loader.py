@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import StoreError
+from ...formats.ggml import GGMLType
 from .archs import arch_module
 from .attention import AttentionWeights
 from .mla import MLAWeights
@@ -161,6 +162,14 @@ def _matrices(reader: TrunkReader, cfg: ModelConfig, nextn: bool) -> list[RawTen
     return out
 
 
+def _kept_quantized(device: torch.device) -> frozenset:
+    """The quantized types the fused one-token products take from their bytes on ``device``."""
+    from .. import kernels as native
+    if torch.device(device).type != "cpu" or not native.available():
+        return SUPPORTED
+    return SUPPORTED | (native.TYPES - {GGMLType.F16, GGMLType.BF16})
+
+
 def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
                device: torch.device, trunk_mode: str = "auto",
                float_budget: int | None = None, nextn: bool = True,
@@ -168,9 +177,10 @@ def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
     """Dequantize (or keep) every trunk tensor of ``cfg``'s model from ``reader``.
 
     ``fused``: one-token products of quantized matrices go through ``qmatvec`` (and under
-    ``trunk_mode="auto"`` the types it supports stay quantized)."""
+    ``trunk_mode="auto"`` the types it supports stay quantized: its compiled types, and on the
+    CPU every quantized type of the native kernels when they are built)."""
     float_names = plan_float(_matrices(reader, cfg, nextn), trunk_mode, dtype, float_budget,
-                             SUPPORTED if fused else frozenset())
+                             _kept_quantized(device) if fused else frozenset())
     b = _Builder(reader, cfg, dtype, device, float_names, fused)
     embed = Embedding(reader.get("token_embd.weight"), device)
     if embed.shape != (cfg.n_vocab, cfg.n_embd):

@@ -138,7 +138,10 @@ def _fused_kernel(ggml_type: Any) -> Callable | None:
     """The runtime's compiled decode matvec for this type (``runtime.model.qmatvec``), if it is
     there and supports it; None otherwise (any import or API mismatch included)."""
     try:
+        from .. import kernels as native
         from ..model import qmatvec
+        if ggml_type in native.TYPES and native.available():
+            return qmatvec.decode_matvec         # the native kernels take every type of theirs
         if qmatvec.available() and ggml_type in qmatvec.SUPPORTED:
             return qmatvec.fused_matvec
     except Exception:

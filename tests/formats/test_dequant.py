@@ -23,14 +23,15 @@ from expertfs.formats.dequant import (SUPPORTED_TYPES, QuantShapeError, Unsuppor
 from expertfs.formats.ggml import GGMLType as T, block_size, row_bytes, type_size
 
 ALL = sorted(SUPPORTED_TYPES, key=int)
-QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
+QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.TQ1_0,
+               T.TQ2_0]
 
 #: Byte offsets of the fp16 fields (d, dmin, m) inside one block (ggml-common.h).
 F16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
-    T.IQ1_S: (0,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.IQ1_S: (0,), T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),
 }
 
 
@@ -155,7 +156,7 @@ def test_type_given_as_int_or_name() -> None:
     assert torch.equal(dequantize(raw, "q4_0", (2, 64)), ref)
 
 
-@pytest.mark.parametrize("bad", [T.Q8_K, T.TQ1_0, T.TQ2_0, T.I8, 999, "nope"])
+@pytest.mark.parametrize("bad", [T.Q8_K, T.I8, 999, "nope"])
 def test_unsupported_types_are_refused_by_name(bad) -> None:
     with pytest.raises(UnsupportedQuantError) as err:
         dequantize(torch.zeros(292, dtype=torch.uint8), bad, (1, 256))

@@ -26,7 +26,7 @@ enum : int {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ2_XXS = 16,
     T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22,
-    T_IQ4_XS = 23, T_IQ1_M = 29, T_BF16 = 30, T_MXFP4 = 39,
+    T_IQ4_XS = 23, T_IQ1_M = 29, T_BF16 = 30, T_TQ1_0 = 34, T_TQ2_0 = 35, T_MXFP4 = 39,
 };
 
 // Activation formats a kernel consumes.
@@ -115,7 +115,17 @@ void avx2_silu_mul(float* g, const float* u, int64_t n);
 // entries are packed as ggml packs them: byte j of an entry is its element j (IQ1: int8
 // -1/0/1). ksigns_mask: byte j of entry k is 0xFF where bit j of ksigns[k] is set, else 0x01
 // (a sign vector for _mm256_sign_epi8), derived from ksigns. `ok` once every table is set.
+// The f_* tables are the small grids (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S) as float32, one entry
+// of 8 (IQ3: 4) floats per index, and f_ksigns / f_bits the sign bits of ksigns[k] / of the
+// byte k as float sign masks (0x80000000 where set): the exact kernels load those weights as
+// floats, no conversion (the large grids stay int8, to stay in the L1 cache).
 struct IqTables {
+    alignas(32) float f_iq2xxs[256 * 8];
+    alignas(32) float f_iq2xs[512 * 8];
+    alignas(32) float f_iq3xxs[256 * 4];
+    alignas(32) float f_iq3s[512 * 4];
+    alignas(32) uint32_t f_ksigns[128 * 8];
+    alignas(32) uint32_t f_bits[256 * 8];
     uint64_t iq2xxs[256];
     uint64_t iq2xs[512];
     uint64_t iq2s[1024];
@@ -134,13 +144,16 @@ extern IqTables g_iq;
 // Returns nullptr, or what is wrong.
 const char* set_iq_table(const char* name, const uint8_t* data, int64_t nbytes);
 bool is_iq_grid(int type);                // needs g_iq
+bool is_iq_family(int type);              // the lattice types and TQ1_0 / TQ2_0 (kern_iq.cpp)
 
-// The lattice IQ types in the portable unit (kern_iq.cpp): a block's floats as ggml's
+// The lattice IQ types and the ternary TQ1_0 / TQ2_0 in the portable unit (kern_iq.cpp): a
+// block's floats as ggml's
 // dequantize_row_* computes them, and the q8 dot product of a row with Q8_K activations.
 void deq_block_iq(int type, const uint8_t* b, float* y);
 float vdot_q8_iq(int type, const uint8_t* row, int64_t cols, const Q8K* y);
 
-// The lattice IQ types' AVX2 kernels (kern_iq_avx2.cpp); nullptr when not implemented.
+// The lattice IQ types' and TQ1_0 / TQ2_0's AVX2 kernels (kern_iq_avx2.cpp); nullptr when not
+// implemented.
 RowsFn avx2_iq_rows(int type, int mode);
 
 // Scalar helpers shared by the units.

@@ -15,6 +15,11 @@
 //    (grid + delta), delta = -0.125 where bit 15 of qh is set, else 0.125.
 //  - IQ1_M qs[32], qh[16], scales:u16[4]: d (fp16) in the top nibbles of the scale words,
 //    3-bit scales per 16 weights, a delta sign per 8 weights (bit 3 of each qh nibble).
+//  - TQ1_0 qs[48], qh[4], d: five base-3 digits per byte, digit n of byte q being
+//    ((q * 3^n mod 256) * 3) >> 8; elements 0..159 are digit n of qs[0..31] (n major),
+//    160..239 of qs[32..47], 240..255 digits 0..3 of qh[0..3]; w = d * (digit - 1).
+//  - TQ2_0 qs[64], d: 2-bit codes t, element 32 n + j of each 128 is bits 2n.. of byte j;
+//    w = d * (t - 1).
 //
 // Exact mode dequantizes a block the way ggml's dequantize_row_* does (kern_scalar.cpp's
 // exact_rows does the float dot); q8 mode follows ggml-cpu's ggml_vec_dot_iq*_q8_K_generic:
@@ -62,6 +67,28 @@ inline float iq1m_d(const uint8_t* b) {
                                    (s3 & 0xf000)));
 }
 
+// The float forms (kern.h) of table k of set_iq_table's slots, from its bytes just stored.
+void float_tables(int k) {
+    struct F { const int8_t* src; float* dst; int n; };
+    const F fs[6] = {
+        {(const int8_t*)g_iq.iq2xxs, g_iq.f_iq2xxs, 256 * 8},
+        {(const int8_t*)g_iq.iq2xs, g_iq.f_iq2xs, 512 * 8},
+        {nullptr, nullptr, 0},                                          // iq2s: int8 only
+        {(const int8_t*)g_iq.iq3xxs, g_iq.f_iq3xxs, 256 * 4},
+        {(const int8_t*)g_iq.iq3s, g_iq.f_iq3s, 512 * 4},
+        {nullptr, nullptr, 0},                                          // iq1s: int8 only
+    };
+    if (k < 6) {
+        for (int i = 0; i < fs[k].n; ++i) fs[k].dst[i] = (float)fs[k].src[i];
+    } else if (k == 6) {
+        for (int i = 0; i < 128; ++i)
+            for (int j = 0; j < 8; ++j)
+                g_iq.f_ksigns[8 * i + j] = (g_iq.ksigns[i] >> j) & 1 ? 0x80000000u : 0u;
+    }
+    for (int i = 0; i < 256; ++i)
+        for (int j = 0; j < 8; ++j) g_iq.f_bits[8 * i + j] = (i >> j) & 1 ? 0x80000000u : 0u;
+}
+
 }  // namespace
 
 const char* set_iq_table(const char* name, const uint8_t* data, int64_t nbytes) {
@@ -79,6 +106,7 @@ const char* set_iq_table(const char* name, const uint8_t* data, int64_t nbytes) 
         if (s.k == 7 && memcmp(data, KV_IQ4NL_BUILTIN, 16) != 0)
             return "differs from the kvalues_iq4nl the IQ4_XS / IQ4_NL kernels use";
         memcpy(s.dst, data, (size_t)nbytes);
+        float_tables(s.k);
         if (s.k == 6)
             for (int k = 0; k < 128; ++k) {
                 uint64_t m = 0;
@@ -93,6 +121,34 @@ const char* set_iq_table(const char* name, const uint8_t* data, int64_t nbytes) 
         return nullptr;
     }
     return "unknown table";
+}
+
+bool is_iq_family(int type) {
+    return type == T_TQ1_0 || type == T_TQ2_0 || is_iq_grid(type);
+}
+
+// TQ1_0's base-3 digit `n` of element byte q, minus one (-1, 0, 1).
+static inline int tq1_digit(uint8_t q, int n) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const uint8_t m = (uint8_t)(q * pow3[n]);
+    return (((int)m * 3) >> 8) - 1;
+}
+
+// The 256 integer weights (t - 1) of a TQ1_0 / TQ2_0 block in element order.
+static void tq_ints(int type, const uint8_t* b, int8_t* q) {
+    if (type == T_TQ2_0) {
+        for (int h = 0; h < 2; ++h)
+            for (int n = 0; n < 4; ++n)
+                for (int j = 0; j < 32; ++j)
+                    q[128 * h + 32 * n + j] = (int8_t)(((b[32 * h + j] >> (2 * n)) & 3) - 1);
+        return;
+    }
+    for (int n = 0; n < 5; ++n)
+        for (int j = 0; j < 32; ++j) q[32 * n + j] = (int8_t)tq1_digit(b[j], n);
+    for (int n = 0; n < 5; ++n)
+        for (int j = 0; j < 16; ++j) q[160 + 16 * n + j] = (int8_t)tq1_digit(b[32 + j], n);
+    for (int n = 0; n < 4; ++n)
+        for (int j = 0; j < 4; ++j) q[240 + 4 * n + j] = (int8_t)tq1_digit(b[48 + j], n);
 }
 
 bool is_iq_grid(int type) {
@@ -211,6 +267,13 @@ void deq_block_iq(int type, const uint8_t* b, float* y) {
         }
         break;
     }
+    case T_TQ1_0: case T_TQ2_0: {
+        const float d = f16at(b + (type == T_TQ1_0 ? 52 : 64));
+        int8_t q[256];
+        tq_ints(type, b, q);
+        for (int j = 0; j < 256; ++j) y[j] = d * (float)q[j];
+        break;
+    }
     default:
         break;
     }
@@ -301,13 +364,22 @@ static float int_block(int type, const uint8_t* b, int8_t* q, int* ls) {
         }
         return 0.125f;
     }
+    case T_TQ1_0: case T_TQ2_0:
+        tq_ints(type, b, q);
+        for (int g = 0; g < 16; ++g) ls[g] = 1;
+        return 1.f;
     default:
         return 0.f;
     }
 }
 
 static float block_d(int type, const uint8_t* b) {
-    return type == T_IQ1_M ? iq1m_d(b) : f16at(b);
+    switch (type) {
+        case T_IQ1_M: return iq1m_d(b);
+        case T_TQ1_0: return f16at(b + 52);
+        case T_TQ2_0: return f16at(b + 64);
+        default: return f16at(b);
+    }
 }
 
 float vdot_q8_iq(int type, const uint8_t* row, int64_t cols, const Q8K* y) {
@@ -321,6 +393,8 @@ float vdot_q8_iq(int type, const uint8_t* row, int64_t cols, const Q8K* y) {
         case T_IQ3_S: bytes = 110; break;
         case T_IQ1_S: bytes = 50; break;
         case T_IQ1_M: bytes = 56; break;
+        case T_TQ1_0: bytes = 54; break;
+        case T_TQ2_0: bytes = 66; break;
         default: return 0.f;
     }
     float sumf = 0.f;

@@ -88,7 +88,7 @@ static const TypeInfo TYPES[] = {
     {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210}, {T_IQ4_XS, 256, 136},
     {T_MXFP4, 32, 17}, {T_IQ4_NL, 32, 18}, {T_IQ2_XXS, 256, 66}, {T_IQ2_XS, 256, 74},
     {T_IQ2_S, 256, 82}, {T_IQ3_XXS, 256, 98}, {T_IQ3_S, 256, 110}, {T_IQ1_S, 256, 50},
-    {T_IQ1_M, 256, 56},
+    {T_IQ1_M, 256, 56}, {T_TQ1_0, 256, 54}, {T_TQ2_0, 256, 66},
 };
 
 const TypeInfo* type_info(int type) {
@@ -101,7 +101,7 @@ int q8_format(int type) {
     switch (type) {
         case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS:
         case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S: case T_IQ3_XXS: case T_IQ3_S: case T_IQ1_S:
-        case T_IQ1_M:
+        case T_IQ1_M: case T_TQ1_0: case T_TQ2_0:
             return X_Q8K;
         case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_MXFP4: case T_IQ4_NL: return X_Q8_0;
         case T_Q4_1: case T_Q5_1: return X_Q8_1;
@@ -514,7 +514,7 @@ static float vdot_q8(int type, const uint8_t* row, int64_t cols, const void* qv)
         return sumf;
     }
     const Q8K* y = (const Q8K*)qv;
-    if (is_iq_grid(type)) return vdot_q8_iq(type, row, cols, y);
+    if (is_iq_family(type)) return vdot_q8_iq(type, row, cols, y);
     for (int64_t i = 0; i < nb; ++i) {
         const uint8_t* b = row + i * ti->bytes;
         const int8_t* q8 = y[i].qs;
@@ -671,7 +671,7 @@ EFS_SCALAR(Q4_0) EFS_SCALAR(Q4_1) EFS_SCALAR(Q5_0) EFS_SCALAR(Q5_1) EFS_SCALAR(Q
 EFS_SCALAR(Q2_K) EFS_SCALAR(Q3_K) EFS_SCALAR(Q4_K) EFS_SCALAR(Q5_K) EFS_SCALAR(Q6_K)
 EFS_SCALAR(IQ4_XS) EFS_SCALAR(MXFP4) EFS_EX(F16) EFS_EX(BF16)
 EFS_SCALAR(IQ4_NL) EFS_SCALAR(IQ2_XXS) EFS_SCALAR(IQ2_XS) EFS_SCALAR(IQ2_S) EFS_SCALAR(IQ3_XXS)
-EFS_SCALAR(IQ3_S) EFS_SCALAR(IQ1_S) EFS_SCALAR(IQ1_M)
+EFS_SCALAR(IQ3_S) EFS_SCALAR(IQ1_S) EFS_SCALAR(IQ1_M) EFS_SCALAR(TQ1_0) EFS_SCALAR(TQ2_0)
 
 RowsFn scalar_rows(int type, int mode) {
 #define EFS_CASE(T) case T_##T: return mode == 0 ? ex_##T : q8_##T;
@@ -680,7 +680,7 @@ RowsFn scalar_rows(int type, int mode) {
         EFS_CASE(Q2_K) EFS_CASE(Q3_K) EFS_CASE(Q4_K) EFS_CASE(Q5_K) EFS_CASE(Q6_K)
         EFS_CASE(IQ4_XS) EFS_CASE(MXFP4) EFS_CASE(IQ4_NL)
         EFS_CASE(IQ2_XXS) EFS_CASE(IQ2_XS) EFS_CASE(IQ2_S) EFS_CASE(IQ3_XXS) EFS_CASE(IQ3_S)
-        EFS_CASE(IQ1_S) EFS_CASE(IQ1_M)
+        EFS_CASE(IQ1_S) EFS_CASE(IQ1_M) EFS_CASE(TQ1_0) EFS_CASE(TQ2_0)
         // F16 / BF16 in q8 mode: the float dot on fp16/bf16-rounded activations (X_F16R /
         // X_BF16R), as ggml_vec_dot_f16 / _bf16 with float accumulation.
         case T_F16: return ex_F16;

@@ -533,7 +533,8 @@ pybind11::dict info() {
     pybind11::list types;
     static const int all[] = {T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q2_K,
                               T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS, T_MXFP4, T_IQ4_NL,
-                              T_IQ2_XXS, T_IQ2_XS, T_IQ2_S, T_IQ3_XXS, T_IQ3_S, T_IQ1_S, T_IQ1_M};
+                              T_IQ2_XXS, T_IQ2_XS, T_IQ2_S, T_IQ3_XXS, T_IQ3_S, T_IQ1_S, T_IQ1_M,
+                              T_TQ1_0, T_TQ2_0};
     for (int t : all)
         if (type_info(t) != nullptr) types.append(t);
     d["types"] = types;

@@ -293,7 +293,7 @@ def test_not_applicable_and_bad_input():
     raw = weight(T.Q4_K, 8, 256, 1)
     x = torch.randn(1, 256)
     assert kernels.matvec(x.double(), raw, T.Q4_K, (8, 256)) is None
-    assert kernels.matvec(x, raw, T.TQ2_0, (8, 256)) is None            # no native kernel
+    assert kernels.matvec(x, raw, T.Q8_K, (8, 256)) is None             # no native kernel
     assert kernels.matvec(x[:, :128], weight(T.Q4_0, 8, 128, 2), T.Q4_0, (8, 128),
                           act_quant="q8") is not None
     with pytest.raises(ValueError, match="unknown activation quantization"):

@@ -1,7 +1,8 @@
-"""Native kernels of IQ4_NL and the lattice IQ types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
-IQ1_S, IQ1_M): exact mode equals F.linear on the reference dequantisation (formats.dequant,
+"""Native kernels of IQ4_NL, the lattice IQ types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+IQ1_S, IQ1_M) and the ternary TQ1_0 / TQ2_0: exact mode equals F.linear on the reference dequantisation (formats.dequant,
 itself tested against gguf-py) per type, ISA and shape; q8 mode equals the product with the
-activations as llama.cpp quantizes them (Q8_K, Q8_0 for IQ4_NL); the MoE calls equal the
+activations as llama.cpp quantizes them (Q8_K, Q8_0 for IQ4_NL; TQ also bit for bit against
+a numpy transcription of ``ggml_vec_dot_tq*_q8_K_generic``); the MoE calls equal the
 expert loop and, computed in parts, the one call bit for bit; the codebooks come from gguf-py.
 """
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable
                                 f"{kernels.status()['reason']}")
 
 GRID = [T.IQ2_XXS, T.IQ2_S, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
-ALL = [T.IQ4_NL] + GRID
+TERNARY = [T.TQ1_0, T.TQ2_0]
+ALL = [T.IQ4_NL] + GRID + TERNARY
 
 
 def isas() -> list[str]:
@@ -41,9 +43,16 @@ def isa(request):
 
 
 def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Random valid blocks (formats.random_blocks) of a ``rows × cols`` matrix, as bytes."""
+    """Random valid blocks (formats.random_blocks; TQ: random bytes, every code included, and
+    a random fp16 d) of a ``rows × cols`` matrix, as bytes."""
     bs = 32 if t == T.IQ4_NL else 256
-    b = make_blocks(t, rows * cols // bs, cols ** -0.5, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    if t in TERNARY:
+        b = rng.integers(0, 256, (rows * cols // bs, 54 if t == T.TQ1_0 else 66), dtype=np.uint8)
+        d = (rng.uniform(0.5, 1.5, b.shape[0]) * cols ** -0.5).astype(np.float16)
+        b[:, -2:] = d.view(np.uint8).reshape(-1, 2)
+    else:
+        b = make_blocks(t, rows * cols // bs, cols ** -0.5, rng)
     return torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy())
 
 
@@ -100,8 +109,9 @@ MIXES = [((T.IQ2_XXS, T.IQ2_XXS, T.IQ2_S), False, 256),      # Maya-style gate/u
          ((T.IQ3_XXS, T.IQ3_XXS, T.IQ2_S), False, 256),
          ((T.IQ2_XXS, T.IQ2_XXS, T.IQ4_NL), False, 160),     # IQ4_NL down: ff % 256 != 0
          ((T.IQ1_M, T.IQ1_M, T.IQ1_S), True, 256),
-         ((T.IQ2_XS, T.IQ3_S, T.IQ4_NL), False, 256)]
-MIX_IDS = ["maya", "iq3xxs-iq2s", "iq4nl-down", "iq1-fused", "mixed"]
+         ((T.IQ2_XS, T.IQ3_S, T.IQ4_NL), False, 256),
+         ((T.TQ1_0, T.TQ1_0, T.TQ2_0), False, 256)]
+MIX_IDS = ["maya", "iq3xxs-iq2s", "iq4nl-down", "iq1-fused", "mixed", "ternary"]
 
 
 @pytest.mark.parametrize("isa", isas(), indirect=True)
@@ -137,7 +147,7 @@ def test_moe_equals_expert_loop_and_float_weights(types, fused, ff, isa):
 
 @pytest.mark.parametrize("aq", ["off", "q8"])
 @pytest.mark.parametrize("isa", isas(), indirect=True)
-@pytest.mark.parametrize("types,fused,ff", MIXES[:4], ids=MIX_IDS[:4])
+@pytest.mark.parametrize("types,fused,ff", MIXES[:4] + MIXES[5:], ids=MIX_IDS[:4] + MIX_IDS[5:])
 def test_moe_in_parts_equals_one_call_bit_for_bit(types, fused, ff, isa, aq):
     D, n = 512, 5
     gate, up, down = _experts(types, n, D, ff, fused, 21)
@@ -198,7 +208,63 @@ def test_tables_come_from_gguf_py_and_are_checked():
 def test_types_are_routed_and_others_fall_back():
     assert set(ALL) <= kernels.TYPES
     x = torch.randn(1, 256)
-    raw = torch.zeros(8 * 66, dtype=torch.uint8)            # TQ2_0: no native kernel
-    assert kernels.matvec(x, raw, T.TQ2_0, (8, 256)) is None
+    raw = torch.zeros(8 * 292, dtype=torch.uint8)           # Q8_K: no native kernel
+    assert kernels.matvec(x, raw, T.Q8_K, (8, 256)) is None
     raw = weight(T.IQ4_NL, 8, 96, 1)                         # IQ4_NL q8 on 96 columns: Q8_0
     assert kernels.matvec(torch.randn(1, 96), raw, T.IQ4_NL, (8, 96), act_quant="q8") is not None
+
+
+
+def _tq_ints(raw: np.ndarray, t: T) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 256) integer weights t - 1 and (n,) float32 d of TQ blocks, in element order."""
+    if t == T.TQ2_0:
+        q = raw[:, :64].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (q & 3).reshape(-1, 256).astype(np.int64) - 1
+        return q, raw[:, 64:66].copy().view(np.float16).astype(np.float32).ravel()
+    pow3 = np.array([1, 3, 9, 27, 81], np.uint8).reshape(5, 1)
+    parts = [raw[:, None, :32] * pow3, raw[:, None, 32:48] * pow3, raw[:, None, 48:52] * pow3[:4]]
+    q = np.concatenate([p.reshape(raw.shape[0], -1) for p in parts], axis=1)
+    q = ((q.astype(np.int64) * 3) >> 8) - 1
+    return q, raw[:, 52:54].copy().view(np.float16).astype(np.float32).ravel()
+
+
+def _q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_K_ref: qs and d per 256 elements."""
+    xb = x.astype(np.float32).reshape(-1, 256)
+    mx = xb[np.arange(len(xb)), np.abs(xb).argmax(1)]
+    iscale = (np.float32(-127.0) / mx).astype(np.float32)          # test data: no zero block
+    q = np.minimum(127, np.rint((iscale[:, None] * xb).astype(np.float32))).astype(np.int64)
+    return q, (np.float32(1.0) / iscale).astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", ["scalar"], indirect=True)
+@pytest.mark.parametrize("t", TERNARY, ids=lambda t: t.name)
+def test_tq_q8_is_llama_vec_dot_bit_for_bit(t, isa):
+    """Scalar q8 is ggml_vec_dot_tq*_q8_K_generic: sumf += (float)isum * (d * dy) per block."""
+    cols, rows = 768, 9
+    nb = cols // 256
+    raw = weight(t, rows, cols, int(t) + 5)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(3))
+    got = kernels.matvec(x, raw, t, (rows, cols), act_quant="q8").numpy().ravel()
+    q, d = _tq_ints(raw.numpy().reshape(rows * nb, -1), t)
+    qy, dy = _q8k(x.numpy())
+    ref = np.zeros(rows, np.float32)
+    for r in range(rows):
+        s = np.float32(0)
+        for i in range(nb):
+            isum = np.float32(int((q[r * nb + i] * qy[i]).sum()))
+            s = np.float32(s + isum * np.float32(d[r * nb + i] * dy[i]))
+        ref[r] = s
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_fused_trunk_keeps_every_native_quantized_type():
+    """trunk_mode=auto with fused products: natively handled types stay quantized on the CPU
+    (the compiled set elsewhere), and the planner's probe times them through the native path."""
+    from expertfs.runtime.model import loader, qmatvec
+    from expertfs.runtime.plan.probe import _fused_kernel
+    keep = loader._kept_quantized(torch.device("cpu"))
+    assert qmatvec.SUPPORTED | {T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ2_XXS, T.IQ1_M, T.TQ1_0} <= keep
+    assert T.F16 not in keep and T.BF16 not in keep
+    assert loader._kept_quantized(torch.device("meta")) == qmatvec.SUPPORTED
+    assert _fused_kernel(T.IQ2_S) is qmatvec.decode_matvec
