@@ -218,7 +218,8 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     kv = kv_cache_bytes(g, box.ctx, kv_type)
     trunk = g.trunk_resident(trunk_mode, DTYPE_BYTES[dev])
     kv_note = (f"{box.ctx} positions x {kv_bytes_per_token(g, kv_type) / 1024:.0f} KiB "
-               f"({kv_type}{', MLA latent' if g.mla_latent else ''})")
+               f"({kv_type}{', MLA latent' if g.mla_latent else ''})"
+               + (f" + {g.state_bytes / 2**20:.0f} MiB recurrent state" if g.state_bytes else ""))
     t_note = (f"{trunk_mode}: " + ("dequantized at load to " + ("bfloat16" if dev == "gpu" else "float32")
                                    if trunk_mode == "float" else "ggml bytes, dequantized per call"))
     runnable = True

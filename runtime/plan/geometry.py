@@ -168,8 +168,8 @@ def _kv_elements(g: Geometry, positions: int) -> int:
 
 def kv_bytes_per_token(g: Geometry, kv_type: str = "f16") -> int:
     """KV-cache bytes one position adds in every full-attention layer (SWA layers stop at their
-    window)."""
-    return kv_cache_bytes(g, 1, kv_type)
+    window); the recurrent layers' fixed state is not per position (``state_bytes``)."""
+    return kv_cache_bytes(g, 1, kv_type) - g.state_bytes
 
 
 def kv_cache_bytes(g: Geometry, ctx: int, kv_type: str = "f16") -> int:
