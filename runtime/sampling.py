@@ -5,17 +5,22 @@ divided by the temperature, cut to the ``top_k`` largest (0 = all), then to the 
 whose probability reaches ``top_p`` (1 = all; the most likely token always survives), and one
 token is drawn with a ``torch.Generator`` seeded from ``seed``: the same seed, logits and
 parameters give the same tokens. Sampling runs on the CPU on a float32 copy of the logits.
+
+``penalize`` applies OpenAI's presence and frequency penalties before sampling: the logit of
+token ``j`` drops by ``c[j] * frequency + (c[j] > 0) * presence``, ``c[j]`` being how many times
+``j`` was generated so far.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
 from ..errors import UsageError
 
-__all__ = ["SamplingParams", "Sampler", "nucleus"]
+__all__ = ["SamplingParams", "Sampler", "nucleus", "penalize"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,18 @@ def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torc
         keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
         probs, idx = probs[:keep], idx[:keep]
     return probs / probs.sum(), idx
+
+
+def penalize(logits: torch.Tensor, counts: Mapping[int, int], presence: float = 0.0,
+             frequency: float = 0.0) -> torch.Tensor:
+    """``logits [n_vocab]`` as a float32 CPU copy, less the presence and frequency penalties of
+    the tokens in ``counts`` (token id → times generated)."""
+    lg = logits.detach().float().cpu().clone()
+    if counts and (presence or frequency):
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        c = torch.tensor([float(counts[i]) for i in counts])
+        lg[ids] -= c * frequency + (c > 0).float() * presence
+    return lg
 
 
 class Sampler:

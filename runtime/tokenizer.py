@@ -125,45 +125,82 @@ class GGUFTokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids: Sequence[int], *, special: bool = False) -> str:
+    def decode(self, ids: Sequence[int], *, special: bool = False,
+               keep: frozenset[int] = frozenset()) -> str:
         """Text of ``ids`` as llama.cpp renders it: control and unknown tokens only when
-        ``special``, unused (padding) tokens never."""
-        keep = [int(i) for i in ids
-                if int(i) not in self._unused and (special or int(i) not in self._special)]
-        return self._tok.decode(keep, skip_special_tokens=False)
+        ``special`` (or listed in ``keep``), unused (padding) tokens never."""
+        kept = [int(i) for i in ids if int(i) not in self._unused
+                and (special or int(i) not in self._special or int(i) in keep)]
+        return self._tok.decode(kept, skip_special_tokens=False)
 
-    def detokenizer(self) -> Detokenizer:
-        return Detokenizer(self)
+    def detokenizer(self, keep: frozenset[int] = frozenset()) -> Detokenizer:
+        """A streaming decoder; control tokens in ``keep`` are rendered as their text."""
+        return Detokenizer(self, keep)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *,
-                            add_generation_prompt: bool = True) -> str:
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for (a control token: its name)."""
+        t = self.tokens[int(token)]
+        if int(token) in self._special or self.types[int(token)] == USER_DEFINED:
+            return t.encode()
+        inv = _byte_decoder()
+        return bytes(inv[ch] for ch in t) if all(ch in inv for ch in t) else t.encode()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
         if not self.chat_template:
             raise UsageError("the model has no chat template (tokenizer.chat_template)",
                              fix="run without --chat")
         bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
         return render_chat(str(self.chat_template), messages, bos_token=bos, eos_token=eos,
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, **extra)
 
 
 class Detokenizer:
     """Incremental decoding: ``push(id)`` returns the new complete text (UTF-8 safe)."""
 
-    def __init__(self, tok: GGUFTokenizer) -> None:
-        self.tok, self.ids, self.emitted = tok, [], ""
+    def __init__(self, tok: GGUFTokenizer, keep: frozenset[int] = frozenset()) -> None:
+        self.tok, self.ids, self.emitted, self.keep = tok, [], "", keep
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
-        text = self.tok.decode(self.ids)
+        text = self.tok.decode(self.ids, keep=self.keep)
         if text.endswith("\ufffd"):                 # an unfinished multi-byte character
             return ""
         new, self.emitted = text[len(self.emitted):], text
         return new
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable character → byte map (the inverse of ``bytes_to_unicode``)."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+              + list(range(ord("®"), ord("ÿ") + 1)))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_DECODER
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
 def _opt_int(kv: Mapping[str, Any], key: str) -> int | None:
     v = _value(kv, key)
     return None if v is None else int(v)
+
+
+def _jsonable(o: Any) -> Any:
+    """What ``tojson`` writes for a value ``json`` cannot: a ``map``/``select`` filter's
+    generator as a list (templates pipe those into ``tojson``)."""
+    if hasattr(o, "__iter__") and not isinstance(o, (str, bytes, dict)):
+        return list(o)
+    raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
 
 def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str = "",
@@ -179,7 +216,7 @@ def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
+        x, indent=indent, ensure_ascii=ensure_ascii, default=_jsonable)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:

@@ -16,7 +16,8 @@ __all__ = ["register", "run"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a store",
                        description="Serve a store over HTTP: /v1/chat/completions, "
-                       "/v1/completions (streaming with \"stream\": true), /v1/models, /health. "
+                       "/v1/completions (streaming with \"stream\": true), /v1/models, /health, "
+                       "/apply-template. Runs on uvloop when installed. "
                        "Responses carry llama.cpp-style timings plus expert hit rates and MB read.")
     p.add_argument("store")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
@@ -33,7 +34,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--ctx", type=int, default=4096, help="context length (4096)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads")
+    p.add_argument("--trunk", choices=("auto", "float", "quant"), default="auto",
+                   help="dequantize trunk matrices at load (float) or keep them quantized")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="a Jinja chat template to use instead of the store's own")
     p.set_defaults(func=run)
+
+
+def _event_loop():
+    """A uvloop loop when uvloop is installed (the ``async`` extra), else asyncio's own."""
+    import asyncio
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,12 +68,19 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx)
+    opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx, trunk=args.trunk)
     ram = _ram_tier(args, opts.device)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     eng.start_warm()                    # the cache fills while no request is waiting
     try:
         tok = GGUFTokenizer(eng.kv, args.store)
+        if args.chat_template_file:
+            try:
+                with open(args.chat_template_file, encoding="utf-8") as f:
+                    tok.chat_template = f.read()
+            except OSError as e:
+                raise UsageError(f"--chat-template-file: {e}",
+                                 fix="give a readable Jinja template file") from None
         name = args.model_id or os.path.basename(os.path.normpath(args.store))
         cfg = ServerConfig(name, api_key=args.api_key, max_waiting=args.max_waiting,
                            queue_timeout=args.queue_timeout)
@@ -66,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
         print(f"expertfs serve: {name} on http://{args.host}:{args.port} "
               f"(OpenAI API under /v1; Ctrl-C stops)", file=sys.stderr)
-        web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)
+        web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True,
+                    loop=_event_loop())
     finally:
         eng.close()
     return 0

@@ -15,7 +15,6 @@ import json
 import logging
 import sys
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -23,6 +22,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from ...errors import ExpertfsError
+from .respond import chunk, final, last_chunk, response_id
 from .schema import CompletionRequest, RequestError, parse_chat, parse_completion
 from .session import Outcome, Session
 
@@ -110,7 +110,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                    ) -> web.StreamResponse:
-        if config.api_key and request.path.startswith("/v1/"):
+        if config.api_key and (request.path.startswith("/v1/") or request.path == "/apply-template"):
             given = request.headers.get("Authorization", "")
             if given != f"Bearer {config.api_key}":
                 return _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
@@ -147,35 +147,35 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         finally:
             gate.release()
 
-    async def _generate(req: CompletionRequest, ids: list[int], emit: Callable[[str], None],
+    async def _generate(req: CompletionRequest, ids: list[int], emit: Callable[[dict[str, Any]], None],
                         cancelled: Callable[[], bool]) -> Outcome:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, session.run, req, ids, emit, cancelled)
+        return await loop.run_in_executor(pool, session.run, req, ids, lambda s: None, cancelled,
+                                          emit)
 
     async def _whole(req: CompletionRequest, ids: list[int]) -> web.Response:
-        out = await _generate(req, ids, lambda s: None, lambda: False)
-        return web.json_response(_final(req, out, config.model_id))
+        out = await _generate(req, ids, lambda d: None, lambda: False)
+        return web.json_response(final(req, out, config.model_id))
 
     async def _stream(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[str | None] = asyncio.Queue()
+        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         gone = {"flag": False}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        rid = _id(req)
+        rid = response_id(req)
         task = asyncio.ensure_future(_generate(
-            req, ids, lambda s: loop.call_soon_threadsafe(q.put_nowait, s), lambda: gone["flag"]))
+            req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d), lambda: gone["flag"]))
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
         try:
             if req.chat:
-                await _send(resp, _chunk(req, rid, config.model_id, {"role": "assistant", "content": ""}))
+                await _send(resp, chunk(req, rid, config.model_id, {"role": "assistant", "content": ""}))
             while True:
-                piece = await q.get()
-                if piece is None:
+                delta = await q.get()
+                if delta is None:
                     break
-                delta = {"content": piece} if req.chat else piece
-                await _send(resp, _chunk(req, rid, config.model_id, delta))
+                await _send(resp, chunk(req, rid, config.model_id, delta))
             try:
                 out = await task
             except Exception as e:             # headers are sent: report in-band, end the stream
@@ -185,11 +185,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
                 await _send(resp, err.body())
                 await resp.write(b"data: [DONE]\n\n")
                 return resp
-            last = _chunk(req, rid, config.model_id, {} if req.chat else "", out.finish_reason)
-            last["timings"] = out.timings
-            if req.include_usage:
-                last["usage"] = _usage(out)
-            await _send(resp, last)
+            await _send(resp, last_chunk(req, rid, config.model_id, out))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             gone["flag"] = True
@@ -203,6 +199,11 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     async def complete(request: web.Request) -> web.StreamResponse:
         return await completion(request, False)
 
+    async def apply_template(request: web.Request) -> web.Response:
+        """llama.cpp's ``/apply-template``: the prompt a chat request renders to."""
+        req = parse_chat(await body_of(request))
+        return web.json_response({"prompt": session.render(req)})
+
     async def not_found(request: web.Request) -> web.Response:
         return _error(404, f"no route {request.method} {request.path}", code="not_found")
 
@@ -211,6 +212,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", complete)
+    app.router.add_post("/apply-template", apply_template)
     app.router.add_route("*", "/{tail:.*}", not_found)
 
     async def close_pool(app: web.Application) -> None:
@@ -221,37 +223,3 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-
-def _id(req: CompletionRequest) -> str:
-    return ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def _usage(out: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
-
-
-def _chunk(req: CompletionRequest, rid: str, model: str, delta: Any,
-           finish: str | None = None) -> dict[str, Any]:
-    if req.chat:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice]}
-
-
-def _final(req: CompletionRequest, out: Outcome, model: str) -> dict[str, Any]:
-    finish = "stop" if out.finish_reason == "stop" else "length"
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": _id(req), "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": _usage(out), "timings": out.timings}

@@ -1,9 +1,12 @@
 """OpenAI request bodies → ``CompletionRequest``, or a ``RequestError`` with status and message.
 
-Covers ``/v1/chat/completions`` (``messages``) and ``/v1/completions`` (``prompt``): model,
-max_tokens (max_completion_tokens), temperature, top_p, top_k, seed, stop, stream, n (1 only).
-Unknown fields are ignored, as OpenAI-compatible servers do; wrong types and ranges are 400s
-that name the parameter.
+Covers ``/v1/chat/completions`` (``messages``, ``tools``, ``tool_choice``) and
+``/v1/completions`` (``prompt``): model, max_tokens / max_completion_tokens, temperature, top_p,
+top_k, seed, stop, stream, stream_options, logprobs / top_logprobs, presence_penalty,
+frequency_penalty, n (1 only). Every other field is refused with a 400 that names it (a field
+the server would otherwise drop changes what a client gets back), except the few that describe
+the caller rather than the generation (``user``, ``metadata``, ...), which are accepted as such.
+Wrong types and ranges are 400s that name the parameter.
 """
 
 from __future__ import annotations
@@ -11,10 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RequestError", "CompletionRequest", "parse_chat", "parse_completion", "MAX_TOKENS_CAP"]
+__all__ = ["RequestError", "CompletionRequest", "parse_chat", "parse_completion", "MAX_TOKENS_CAP",
+           "MAX_TOP_LOGPROBS"]
 
 MAX_TOKENS_CAP = 1 << 16
+MAX_TOP_LOGPROBS = 20
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+           "stream_options", "n", "presence_penalty", "frequency_penalty", "logprobs",
+           # about the caller, not the generation
+           "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                   "parallel_tool_calls", "response_format", "modalities"}
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 
 
 class RequestError(Exception):
@@ -33,7 +45,7 @@ class RequestError(Exception):
 @dataclass(frozen=True)
 class CompletionRequest:
     chat: bool
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     prompt: str | None
     model: str | None
     max_tokens: int
@@ -44,10 +56,20 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: Any = None
 
 
 def _bad(msg: str, param: str) -> RequestError:
     return RequestError(400, msg, param=param, code="invalid_value")
+
+
+def _unsupported(msg: str, param: str) -> RequestError:
+    return RequestError(400, msg, param=param, code="unsupported_parameter")
 
 
 def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
@@ -62,11 +84,23 @@ def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
     return int(v) if integer else float(v)
 
 
-def _common(body: Any, default_max: int) -> dict[str, Any]:
+def _flag(body: dict[str, Any], key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be true or false", key)
+    return v
+
+
+def _common(body: Any, default_max: int, known: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object", code="invalid_json")
+    for k in body:
+        if k not in known:
+            raise _unsupported(f"the parameter '{k}' is not supported by this server", k)
     n = body.get("n", 1)
-    if n != 1:
+    if n not in (1, None):
         raise _bad("only n=1 is supported", "n")
     stop = body.get("stop")
     if stop is None:
@@ -80,12 +114,15 @@ def _common(body: Any, default_max: int) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be true or false", "stream")
+    stream = _flag(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
+    for k in opts:
+        if k != "include_usage":
+            raise _unsupported(f"stream_options.{k} is not supported", f"stream_options.{k}")
+    if body.get("store"):
+        raise _unsupported("'store': true is not supported (nothing is stored)", "store")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return {
         "model": model,
@@ -94,12 +131,82 @@ def _common(body: Any, default_max: int) -> dict[str, Any]:
         "top_p": _num(body, "top_p", 1.0, 1e-6, 1.0),
         "top_k": _num(body, "top_k", 0, 0, 1 << 20, integer=True),
         "seed": _num(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True),
+        "presence_penalty": _num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "stop": stops, "stream": stream, "include_usage": bool(opts.get("include_usage", False)),
     }
 
 
+def _content(m: dict[str, Any], i: int) -> str | None:
+    """A message's text (``None`` when it has none: templates get ``""``)."""
+    content = m.get("content")
+    if isinstance(content, list):          # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and
+                   isinstance(p.get("text"), str) for p in content):
+            raise _unsupported(f"messages[{i}].content: only text parts are supported",
+                               f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise _bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
+    return content
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    import json
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(f"{param} must be a list", param)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{param}[{j}] needs function.name", f"{param}[{j}]")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):          # templates index into the arguments: give them the object
+            try:
+                parsed = json.loads(args or "{}")
+                args = parsed if isinstance(parsed, dict) else args
+            except json.JSONDecodeError:
+                pass
+        out.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, Any]:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise _bad("'tool_choice' needs 'tools'", "tool_choice")
+        return None, None
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list", "tools")
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise _unsupported(f"tools[{j}]: only function tools are supported", f"tools[{j}]")
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"tools[{j}] needs function.name", f"tools[{j}].function.name")
+    if choice is None:
+        choice = "auto"
+    if choice not in ("auto", "none"):
+        raise _unsupported(f"tool_choice {choice!r} is not supported: the server cannot force a "
+                           "call (no constrained decoding); use 'auto' or 'none'", "tool_choice")
+    return tuple({"type": "function", **t} for t in tools), choice
+
+
 def parse_chat(body: Any, default_max: int = 256) -> CompletionRequest:
-    c = _common(body, default_max)
+    c = _common(body, default_max, _CHAT)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _unsupported("only response_format {'type': 'text'} is supported", "response_format")
+    mods = body.get("modalities")
+    if mods is not None and mods != ["text"]:
+        raise _unsupported("only the 'text' modality is supported", "modalities")
+    logprobs = _flag(body, "logprobs")
+    top = _num(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+    if body.get("top_logprobs") is not None and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("'messages' must be a non-empty list", "messages")
@@ -107,26 +214,33 @@ def parse_chat(body: Any, default_max: int = 256) -> CompletionRequest:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise _bad(f"messages[{i}] needs a 'role' of {', '.join(_ROLES)}", f"messages[{i}].role")
-        content = m.get("content", "")
-        if isinstance(content, list):          # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and
-                       isinstance(p.get("text"), str) for p in content):
-                raise _bad(f"messages[{i}].content: only text parts are supported",
-                           f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
-    return CompletionRequest(True, tuple(out), None, **c)
+        msg: dict[str, Any] = {"role": m["role"], "content": _content(m, i) or ""}
+        if m.get("tool_calls") and m["role"] == "assistant":
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        for k in ("name", "tool_call_id", "reasoning_content", "thinking"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        out.append(msg)
+    tools, choice = _tools(body)
+    return CompletionRequest(True, tuple(out), None, **c, logprobs=logprobs, top_logprobs=top,
+                             tools=tools, tool_choice=choice)
 
 
 def parse_completion(body: Any, default_max: int = 16) -> CompletionRequest:
-    c = _common(body, default_max)
+    c = _common(body, default_max, _COMPLETION)
+    if body.get("echo"):
+        raise _unsupported("'echo': true is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise _unsupported("only best_of=1 is supported", "best_of")
+    if body.get("suffix"):
+        raise _unsupported("'suffix' (insertion) is not supported", "suffix")
+    lp = body.get("logprobs")
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
+        raise _bad("'logprobs' must be an integer between 0 and 5", "logprobs")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _bad("'prompt' must be a string", "prompt")
-    return CompletionRequest(False, None, prompt, **c)
+    return CompletionRequest(False, None, prompt, **c, logprobs=lp is not None,
+                             top_logprobs=lp or 0)

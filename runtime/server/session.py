@@ -1,4 +1,5 @@
-"""One generation at a time on an ``Engine``: prompt-prefix reuse, stop strings, timings.
+"""One generation at a time on an ``Engine``: prompt-prefix reuse, stop strings, logprobs,
+penalties, tool calls, timings.
 
 ``Session.run`` is blocking (the server calls it on its single generation thread). The KV
 cache keeps the previous request's tokens; a new prompt that starts with them (a chat that
@@ -7,17 +8,27 @@ grows turn by turn) only prefills the new part. Figures follow llama.cpp's serve
 cache_n) plus the expert hit rates and bytes read for this request. Given a speculator
 (``spec``: a ``runtime.mtp.Speculator`` attached to the engine), tokens come from speculative
 steps (same greedy tokens, same sampled distribution) and the timings add the drafts accepted
-and verified.
+and verified; a request with penalties or logprobs decodes one token at a time instead.
+
+Logprobs are the log-softmax of the logits the sampler was given (after the presence and
+frequency penalties, before temperature, top-k and top-p). Each token's entry goes out with
+the first text it shows, so a token held back as a possible stop string is reported when its
+text is, and one cut by a stop string is reported only if some of its text was shown.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..sampling import Sampler, SamplingParams
+import torch
+
+from ..sampling import Sampler, SamplingParams, penalize
 from .schema import CompletionRequest, RequestError
+from .tools import ToolStream, ToolSyntax, syntax_for
 
 __all__ = ["Session", "Outcome", "StopMatcher"]
 
@@ -56,20 +67,56 @@ class Outcome:
     completion_tokens: int
     finish_reason: str
     timings: dict[str, Any] = field(default_factory=dict)
+    content: str = ""                          # chat: text that is not a tool call
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+#: ``on_delta(delta)``: ``{"text"}`` (raw text), ``{"content"}``, ``{"reasoning_content"}`` or
+#: ``{"tool_calls": [call]}``, each with the ``"logprobs"`` entries it carries (maybe empty).
+Emit = Callable[[dict[str, Any]], None]
 
 
 class Session:
     def __init__(self, engine: Any, tokenizer: Any, spec: Any = None) -> None:
         self.engine, self.tok, self.spec = engine, tokenizer, spec
         self.cached: list[int] = []            # the tokens whose K/V the engine holds
+        self._keep: dict[str, frozenset[int]] = {}
+
+    def tool_syntax(self, req: CompletionRequest) -> ToolSyntax | None:
+        """The syntax tool calls come back in, for a chat request that offers tools."""
+        if not req.chat or not req.tools or req.tool_choice == "none":
+            return None
+        return syntax_for(str(getattr(self.tok, "chat_template", "") or ""))
+
+    def render(self, req: CompletionRequest) -> str:
+        """The chat prompt: the messages (and the tools) through the model's chat template."""
+        msgs = [dict(m) for m in req.messages or ()]
+        try:
+            text = self.tok.apply_chat_template(msgs)
+            if req.tools and req.tool_choice != "none":
+                with_tools = self.tok.apply_chat_template(
+                    msgs, tools=[dict(t) for t in req.tools], tool_choice=req.tool_choice)
+                if with_tools == text:
+                    raise RequestError(400, "the model's chat template does not take tools "
+                                       "(it renders the same prompt with and without them)",
+                                       param="tools", code="tools_unsupported")
+                if self.tool_syntax(req) is None:
+                    raise RequestError(400, "the model's chat template takes tools in a syntax "
+                                       "this server cannot parse back", param="tools",
+                                       code="tools_unsupported")
+                text = with_tools
+        except RequestError:
+            raise
+        except Exception as e:                 # a template that raises is the request's fault
+            raise RequestError(400, f"the chat template failed on these messages: {e}",
+                               param="messages") from None
+        return text
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         if req.chat:
-            try:
-                text = self.tok.apply_chat_template(list(req.messages))
-            except Exception as e:             # a template that raises is the request's fault
-                raise RequestError(400, f"the chat template failed on these messages: {e}",
-                                   param="messages") from None
+            text = self.render(req)
             ids = self.tok.encode(text, add_bos=False)
             if self.tok.bos_id is not None and self.tok.add_bos and (not ids or ids[0] != self.tok.bos_id) \
                     and not text.startswith(self.tok.tokens[self.tok.bos_id]):
@@ -85,8 +132,31 @@ class Session:
                                param="max_tokens", code="context_length_exceeded")
         return ids
 
+    def _preserved(self, syntax: ToolSyntax) -> frozenset[int]:
+        """Control tokens the syntax's markers are: decoded as text so the parser sees them."""
+        if syntax.name not in self._keep:
+            names = set(syntax.markers)
+            self._keep[syntax.name] = frozenset(i for i, t in enumerate(self.tok.tokens) if t in names)
+        return self._keep[syntax.name]
+
+    def _entry(self, logits: torch.Tensor, t: int, top: int) -> dict[str, Any]:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        e = self._tok_entry(t, float(lp[t]))
+        if top:
+            vals, idx = torch.topk(lp, min(top, lp.numel()))
+            e["top_logprobs"] = [self._tok_entry(int(i), float(v)) for v, i in zip(vals, idx)]
+        else:
+            e["top_logprobs"] = []
+        return e
+
+    def _tok_entry(self, t: int, lp: float) -> dict[str, Any]:
+        b = self.tok.token_bytes(t)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
     def run(self, req: CompletionRequest, ids: list[int], emit: Callable[[str], None],
-            cancelled: Callable[[], bool]) -> Outcome:
+            cancelled: Callable[[], bool], on_delta: Emit | None = None) -> Outcome:
+        """Generate for ``req``: ``emit`` gets the shown text piece by piece, ``on_delta`` the
+        response deltas (content, tool calls, logprobs) built from it."""
         eng, tok = self.engine, self.tok
         stats = eng.provider.stats
         b0, r0, h0 = stats.bytes_read, stats.requests, dict(stats.hits)
@@ -105,40 +175,54 @@ class Session:
         t1 = time.perf_counter()
         self.cached = list(ids)
         sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed))
+        penal = bool(req.presence_penalty or req.frequency_penalty)
+        counts: Counter[int] = Counter()
         stop = StopMatcher(req.stop)
-        detok = tok.detokenizer()
-        spec = self.spec
+        syntax = self.tool_syntax(req)
+        tools = ToolStream(syntax, req.tools or ()) if syntax is not None else None
+        detok = tok.detokenizer(self._preserved(syntax)) if syntax is not None else tok.detokenizer()
+        out = _Collector(req.chat, on_delta or (lambda d: None), tools)
+        spec = self.spec if not (penal or req.logprobs) else None
         m0 = (spec.stats.drafted, spec.stats.accepted) if spec is not None else (0, 0)
         seq: list[int] = []                    # tokens taken, in order
         queue: list[int] = []                  # a speculative step's tokens not taken yet
-        n, finish = 0, "length"
+        n, finish, cut = 0, "length", False
         while n < req.max_tokens:
             if cancelled():
                 finish = "cancelled"
                 break
-            if not seq:
-                t = sampler(logits)
-            elif spec is not None:
+            if spec is not None and seq:
                 if not queue:
                     queue = spec.step(seq[-1], sampler, req.max_tokens - n)
                 t = queue.pop(0)
             else:
-                t = sampler(eng.decode(seq[-1]))
+                lg = logits if not seq else eng.decode(seq[-1])
+                if penal:
+                    lg = penalize(lg, counts, req.presence_penalty, req.frequency_penalty)
+                t = sampler(lg)
+                if req.logprobs:
+                    out.pending.append((len(stop.text), self._entry(lg, t, req.top_logprobs)))
             seq.append(t)
+            counts[t] += 1
             if t in tok.stop_ids:
+                out.pending = [p for p in out.pending if p[0] < len(stop.text)]
                 finish = "stop"
                 break
             n += 1
             piece, hit = stop.push(detok.push(t))
             if piece:
                 emit(piece)
+            out.push(piece, stop.sent if not hit else len(stop.text))
             if hit:
-                finish = "stop"
+                finish, cut = "stop", True
                 break
         self.cached = (ids + seq + queue)[:eng.pos]     # what the KV cache holds
-        rest = stop.flush() if finish != "stop" else ""
-        if rest:
-            emit(rest)
+        if not cut and finish != "cancelled":
+            rest = stop.flush()
+            if rest:
+                emit(rest)
+            out.push(rest, len(stop.text) + 1)
+        out.finish(len(stop.text) + (0 if cut else 1))
         t2 = time.perf_counter()
         reqs = max(1, stats.requests - r0)
         hits = {k: (v - h0.get(k, 0)) / reqs for k, v in stats.hits.items()}
@@ -156,4 +240,63 @@ class Session:
         if spec is not None:
             timings["draft_n"] = spec.stats.drafted - m0[0]
             timings["draft_n_accepted"] = spec.stats.accepted - m0[1]
-        return Outcome(stop.text, len(ids), n, finish, timings)
+        if out.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        return Outcome(stop.text, len(ids), n, finish, timings, content=out.content,
+                       reasoning=out.reasoning, tool_calls=out.tool_calls, logprobs=out.logprobs)
+
+
+class _Collector:
+    """Shown text → emitted deltas (through the tool parser for a chat with tools), each
+    carrying the logprob entries of the tokens whose text starts before what is shown."""
+
+    def __init__(self, chat: bool, emit: Emit, tools: ToolStream | None) -> None:
+        self.chat, self.emit, self.tools = chat, emit, tools
+        self.pending: list[tuple[int, dict[str, Any]]] = []   # (text offset, entry)
+        self.logprobs: list[dict[str, Any]] = []
+        self.carry: list[dict[str, Any]] = []                 # released, not sent yet
+        self.content, self.reasoning = "", ""
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def _release(self, upto: int) -> None:
+        while self.pending and self.pending[0][0] < upto:
+            off, e = self.pending.pop(0)
+            e["text_offset"] = off
+            self.logprobs.append(e)
+            self.carry.append(e)
+
+    def push(self, piece: str, shown: int) -> None:
+        self._release(shown)
+        if not self.chat:
+            if piece or self.carry:
+                self.emit({"text": piece, "logprobs": self.carry})
+                self.carry = []
+            self.content += piece
+            return
+        events = self.tools.push(piece) if self.tools is not None else (
+            [("content", piece)] if piece else [])
+        self._events(events)
+
+    def _events(self, events: list[tuple[str, Any]]) -> None:
+        for kind, v in events:
+            if kind == "tool":
+                call = {"index": len(self.tool_calls), "id": "call_" + uuid.uuid4().hex[:24],
+                        "type": "function", "function": v}
+                self.tool_calls.append(call)
+                self.emit({"tool_calls": [call], "logprobs": self.carry})
+            elif kind == "reasoning":
+                self.reasoning += v
+                self.emit({"reasoning_content": v, "logprobs": self.carry})
+            else:
+                self.content += v
+                self.emit({"content": v, "logprobs": self.carry})
+            self.carry = []
+
+    def finish(self, upto: int) -> None:
+        self._release(upto)
+        self.pending = []
+        if self.chat and self.tools is not None:
+            self._events(self.tools.finish())
+        if self.carry:                          # entries with no text left to go with
+            self.emit({"logprobs": self.carry})
+            self.carry = []
