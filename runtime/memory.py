@@ -3,17 +3,23 @@
 The limit is the smallest of physical RAM and the memory cgroup's cap (v2 ``memory.max`` or
 v1 ``memory.limit_in_bytes``), because a container or a ``systemd-run -p MemoryMax=`` box
 counts the page cache too: a RAM tier sized from physical RAM inside a small cgroup pushes the
-memory-mapped trunk out, and every token then re-reads it from disk.
+memory-mapped trunk out, and every token then re-reads it from disk. ``EXPERTFS_MEMORY_LIMIT``
+sets a cap without a cgroup. ``host_budget`` is the one memory model: ``expertfs run`` sizes
+its default RAM tier with it and ``expertfs plan`` reports the same budget, item by item.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
-__all__ = ["physical_memory", "cgroup_limit", "memory_limit", "default_ram_tier",
-           "RUNTIME_OVERHEAD", "KV_GROWTH_PEAK", "kv_reserve", "check_budget",
-           "resident_trunk_bytes"]
+from ..errors import UsageError
+
+__all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
+           "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
+           "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "os_headroom", "runtime_overhead",
+           "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +27,15 @@ log = logging.getLogger(__name__)
 #: the trunk and the KV cache: the CPU runtime's peak resident memory beyond those three, with
 #: a margin.
 RUNTIME_OVERHEAD = 384 << 20
+#: ... plus the CUDA libraries' host side on a GPU run.
+RUNTIME_OVERHEAD_CUDA = 1 << 30
+#: Left to the OS and other processes when the limit is the machine's RAM (no cap): an eighth
+#: of it, at least 3 GiB (a quarter of a smaller box).
+OS_HEADROOM_MIN = 3 << 30
+OS_HEADROOM_FRACTION = 0.125
+#: A cap to plan under without a cgroup (``EXPERTFS_MEMORY_LIMIT=6G``): read by ``expertfs run``
+#: and ``expertfs plan`` as a cgroup cap would be.
+LIMIT_ENV = "EXPERTFS_MEMORY_LIMIT"
 #: The KV cache grows by doubling up to the context limit; while it grows the old and the new
 #: buffers coexist, so its peak is 1.5x its size at the limit.
 KV_GROWTH_PEAK = 1.5
@@ -69,42 +84,138 @@ def cgroup_limit() -> int | None:
     return min(limits) if limits else None
 
 
-def memory_limit() -> int:
-    cg = cgroup_limit()
+def _env_limit() -> int | None:
+    text = os.environ.get(LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    from ..units import parse_size
+    try:
+        v = parse_size(text)
+    except ValueError:
+        raise UsageError(f"{LIMIT_ENV}={text!r} is not a size",
+                         fix=f"set {LIMIT_ENV} to a size such as 8G, or unset it") from None
+    if v <= 0:
+        raise UsageError(f"{LIMIT_ENV}={text!r}", fix=f"set {LIMIT_ENV} to a positive size")
+    return v
+
+
+def limit_and_source() -> tuple[int, str]:
+    """(bytes this process may use, where the figure comes from): ``"env"``
+    (``EXPERTFS_MEMORY_LIMIT``), ``"cgroup"`` or ``"physical"``, the smallest of them."""
     phys = physical_memory()
-    return min(phys, cg) if cg else phys
+    best = (phys, "physical")
+    for v, src in ((cgroup_limit(), "cgroup"), (_env_limit(), "env")):
+        if v is not None and v < best[0]:
+            best = (v, src)
+    return best
 
 
-def kv_reserve(kv_bytes: int) -> int:
-    """Host memory to keep for a KV cache of ``kv_bytes`` at the context limit (its growth peak)."""
-    return int(kv_bytes * KV_GROWTH_PEAK)
+def memory_limit() -> int:
+    return limit_and_source()[0]
 
 
-def default_ram_tier(trunk_bytes: int, limit: int | None = None, cap: int = 4 << 30,
-                     kv_bytes: int = 0) -> int:
-    """A RAM tier that leaves room for the trunk, the KV cache at the context limit
-    (``kv_bytes``, when it lives in host memory), the runtime and the OS: at most ``cap``, at
-    most a quarter of physical RAM, and at most what the memory limit leaves after them (never
-    below 64 MiB: the caller says when that is too small)."""
-    limit = memory_limit() if limit is None else limit
-    room = limit - trunk_bytes - RUNTIME_OVERHEAD - kv_reserve(kv_bytes)
-    return max(64 << 20, min(cap, physical_memory() // 4, room))
+def os_headroom(limit: int, source: str = "physical") -> int:
+    """Memory the run leaves to the OS and other processes: none under a cap (a cgroup, the
+    environment variable, a plan's ``--memory-limit``: the cap is this process's own), else
+    an eighth of RAM, at least 3 GiB (a quarter on boxes under 12 GiB)."""
+    if source != "physical":
+        return 0
+    return max(int(limit * OS_HEADROOM_FRACTION), min(OS_HEADROOM_MIN, limit // 4))
+
+
+def runtime_overhead(cuda: bool = False) -> int:
+    """The runtime's own resident memory beside the tiers, the trunk and the KV cache."""
+    return RUNTIME_OVERHEAD + (RUNTIME_OVERHEAD_CUDA if cuda else 0)
+
+
+def kv_reserve(kv_bytes: int, state_bytes: int = 0) -> int:
+    """Host memory to keep for a KV cache of ``kv_bytes`` at the context limit: its growth peak
+    (``KV_GROWTH_PEAK``); ``state_bytes`` of it (recurrent layers' fixed state) do not grow."""
+    state = min(max(0, state_bytes), kv_bytes)
+    return int((kv_bytes - state) * KV_GROWTH_PEAK) + state
+
+
+_LABEL = {"kv_cache": "KV cache", "os_headroom": "OS headroom"}
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """Host memory of one run, every byte named: what the limit holds beside the RAM tier, and
+    the default tier (``slab``: what ``expertfs run`` takes as its ``--ram`` by default, the
+    staging slots of a GPU run included)."""
+
+    limit: int
+    source: str                    # "physical" | "cgroup" | "env" | "limit" (given)
+    headroom: int
+    runtime: int
+    trunk: int
+    kv: int                        # the KV cache's reserve (growth peak), state included
+    workspace: int = 0
+    staging: int = 0               # GPU runs: read slots carved from the slab
+    experts: int | None = None     # bytes of every expert the tier could hold (None: unbounded)
+
+    @property
+    def fixed(self) -> int:
+        return self.headroom + self.runtime + self.trunk + self.kv + self.workspace
+
+    @property
+    def room(self) -> int:
+        """What the limit leaves for the slab (may be negative)."""
+        return self.limit - self.fixed
+
+    @property
+    def slab(self) -> int:
+        room = max(0, self.room)
+        return room if self.experts is None else min(room, self.experts + self.staging)
+
+    def items(self) -> list[tuple[str, int]]:
+        return [("os_headroom", self.headroom), ("runtime", self.runtime), ("trunk", self.trunk),
+                ("kv_cache", self.kv), ("workspace", self.workspace)]
+
+    def warning(self, ram_bytes: int) -> str | None:
+        """A warning when a slab of ``ram_bytes`` and the rest exceed the limit."""
+        if ram_bytes <= self.room:
+            return None
+        parts = " + ".join(f"{_LABEL.get(name, name)} {n >> 20} MiB"
+                           for name, n in self.items()[1:] if n)
+        head = f" (after {self.headroom >> 20} MiB left to the OS)" if self.headroom else ""
+        return (f"RAM tier {ram_bytes >> 20} MiB + {parts} exceed this process's memory limit "
+                f"of {self.limit >> 20} MiB{head}: the trunk would be evicted and re-read from "
+                f"disk every token (or the process killed); use --ram {max(0, self.room) >> 20}M "
+                f"or less, or a smaller --ctx")
+
+
+def host_budget(trunk_bytes: int, kv_bytes: int = 0, *, state_bytes: int = 0,
+                workspace: int = 0, staging: int = 0, cuda: bool = False,
+                experts: int | None = None, limit: int | None = None,
+                source: str | None = None) -> HostBudget:
+    """The host budget of a run: ``limit`` (default: this process's, ``limit_and_source``; a
+    given one counts as a cap unless ``source`` says "physical"), less the OS headroom, the
+    runtime, the trunk, the KV cache's reserve and the workspace. ``expertfs run`` and
+    ``expertfs plan`` both size the RAM tier with this function."""
+    if limit is None:
+        limit, src = limit_and_source()
+        source = source or src
+    source = source or "limit"
+    return HostBudget(limit, source, os_headroom(limit, source), runtime_overhead(cuda),
+                      max(0, trunk_bytes), kv_reserve(kv_bytes, state_bytes), max(0, workspace),
+                      max(0, staging), experts)
+
+
+def default_ram_tier(trunk_bytes: int, limit: int | None = None, cap: int | None = None,
+                     kv_bytes: int = 0, **kw) -> int:
+    """``host_budget(...).slab``, at most ``cap`` and never below 64 MiB or every expert (the
+    caller says when that is too small)."""
+    b = host_budget(trunk_bytes, kv_bytes, limit=limit, **kw)
+    floor = 64 << 20 if b.experts is None else min(64 << 20, b.experts + b.staging)
+    return max(floor, b.slab if cap is None else min(cap, b.slab))
 
 
 def check_budget(ram_bytes: int, trunk_bytes: int, limit: int | None = None,
-                 kv_bytes: int = 0) -> str | None:
+                 kv_bytes: int = 0, **kw) -> str | None:
     """A warning when the RAM tier, the trunk, the KV cache and the runtime exceed the memory
     limit."""
-    limit = memory_limit() if limit is None else limit
-    rest = trunk_bytes + RUNTIME_OVERHEAD + kv_reserve(kv_bytes)
-    if ram_bytes + rest <= limit:
-        return None
-    fit = max(0, limit - rest)
-    kv = f" + KV cache {kv_reserve(kv_bytes) >> 20} MiB" if kv_bytes else ""
-    return (f"RAM tier {ram_bytes >> 20} MiB + trunk {trunk_bytes >> 20} MiB{kv} + runtime "
-            f"{RUNTIME_OVERHEAD >> 20} MiB exceed this process's memory limit of {limit >> 20} MiB: "
-            f"the trunk would be evicted and re-read from disk every token (or the process "
-            f"killed); use --ram {fit >> 20}M or less, or a smaller --ctx")
+    return host_budget(trunk_bytes, kv_bytes, limit=limit, **kw).warning(ram_bytes)
 
 
 def resident_trunk_bytes(store) -> int:

@@ -22,9 +22,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _path_table() -> dict[str, str] | None:
+    """The runtime's compute path per ggml type on this machine's CPU (None without torch)."""
+    try:
+        from ..runtime.plan.paths import path_table
+        return path_table("cpu")
+    except ImportError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     target = args.path[0] if len(args.path) == 1 else args.path
-    info = inspect_path(target)
+    info = inspect_path(target, compute_paths=_path_table())
     if args.extents:
         info["extent_list"] = list(iter_extents(target))
     if args.json:
@@ -72,6 +81,15 @@ def describe(info: dict[str, Any]) -> list[str]:
                      f"{fmt_bytes(info['expert_bytes_per_token'])}")
     lines.append(f"  expert types: {_types(info['expert_types'])}")
     lines.append(f"  trunk types: {_types(info['trunk_types'])}")
+    cp = info.get("compute_paths")
+    if cp:
+        for role in ("experts", "trunk"):
+            lines.append(f"  {role} compute (CPU): "
+                         + (", ".join(f"{t} {p}" for t, p in cp[role].items()) or "-"))
+        slow = [t for t, p in cp["experts"].items() if p == "torch dequant"]
+        if slow:
+            lines.append(f"  warning: expert type(s) {', '.join(slow)} have no native kernel "
+                         "here: every expert product dequantizes through torch (far slower)")
     if info["kind"] == "store":
         lines.append(f"  extents: {info['extents']}, alignment {fmt_bytes(info['alignment'])}, "
                      f"experts.bin {fmt_bytes(info['experts_file_bytes'])}, trunk.bin "

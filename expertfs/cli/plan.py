@@ -20,7 +20,9 @@ __all__ = ["register", "run", "like_model", "geometry_from_synth", "geometry_fro
 _EPILOG = """\
 Each placement expert run can execute (gpu: trunk, KV cache and experts on the GPU with a VRAM
 tier above a RAM tier; cpu: everything on the CPU) with the trunk float or quantized is
-budgeted: OS headroom (RAM/8, at least 3 GiB or RAM/4; --headroom), the runtime, trunk and KV cache,
+budgeted as expertfs run sizes its default --ram (one function): OS headroom (RAM/8, at least
+3 GiB or RAM/4, none under a cap: a cgroup, EXPERTFS_MEMORY_LIMIT, --memory-limit; --headroom),
+the runtime, trunk and KV cache,
 workspace and staging, then the expert tiers (the RAM tier pinned when it fits the pin budget,
 RAM/4 by default). The prediction replays routing through the cache simulator at those tier
 sizes and adds the per-token terms: storage (NVMe bytes / measured GB/s), PCIe copies,
@@ -51,11 +53,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--like", metavar="MODEL", help="plan a known model's geometry instead (e.g. "
                    "GLM-4.5-Air, Qwen3-235B-A22B; see `expertfs synth --help`)")
     p.add_argument("--quant", default="default", help="with --like: the quant mix (synth --quant)")
-    p.add_argument("--ram", metavar="SIZE", help="RAM of the box, e.g. 32G (default: this machine)")
+    p.add_argument("--ram", metavar="SIZE", help="RAM of the box, e.g. 32G (default: this "
+                   "machine's, or its memory cap: a cgroup, EXPERTFS_MEMORY_LIMIT)")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="plan under a cap, as expertfs run does in a cgroup or under "
+                        "EXPERTFS_MEMORY_LIMIT=SIZE: no OS headroom inside it")
     p.add_argument("--vram", metavar="SIZE", help="VRAM of the GPU, e.g. 24G; 0 for CPU only "
                                                   "(default: this machine's first CUDA device, else 0)")
     p.add_argument("--ctx", type=int, default=None,
-                   help="context length of the KV cache (8192, or the model's if shorter)")
+                   help="context length of the KV cache (4096 as expertfs run, or the model's "
+                        "if shorter)")
     p.add_argument("--kv-type", default="auto",
                    help="KV cache element type: auto (the compute dtype: bf16 GPU, f32 CPU), f16, "
                         "bf16, f32, q8_0")
@@ -133,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--synthetic takes preset names", fix="e.g. --synthetic diffuse,mixed")
     req = PlanRequest(target=args.target,
                       ram=_size(args.ram, "--ram"), vram=_size(args.vram, "--vram"), ctx=args.ctx,
+                      memory_limit=_size(args.memory_limit, "--memory-limit"),
                       kv_type=args.kv_type, headroom=_size(args.headroom, "--headroom"),
                       pin_budget=_size(args.pin_budget, "--pin-budget"), placement=args.placement,
                       trunk=args.trunk, io_profile=args.io_profile, trace=args.trace,

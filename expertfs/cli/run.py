@@ -115,20 +115,39 @@ def _device(name: str) -> str:
     return name
 
 
-def _ram_tier(args: argparse.Namespace, device: str) -> int:
-    """``--ram``, or a default that fits beside the trunk and the KV cache at ``--ctx`` (on the
-    CPU it is host memory) in this process's memory limit (a cgroup cap counts); a budget that
-    would push the trunk out of memory is warned about."""
-    from ..runtime.memory import check_budget, default_ram_tier, resident_trunk_bytes
-    from ..runtime.plan.geometry import kv_cache_bytes
+def _log_paths(g, device: str, fused: str) -> None:
+    """One line per ggml type that falls back to torch dequantization (WARNING for expert
+    tensors, INFO for the trunk's), and every type's path at INFO."""
+    from ..runtime.plan.paths import describe_paths
+    summary, slow = describe_paths(g, device, fused != "off")
+    log.info("compute paths on %s: %s", device, summary)
+    for t, role in slow:
+        (log.warning if role == "experts" else log.info)(
+            "%s tensors of type %s have no native kernel here: they run through torch "
+            "dequantization (far slower)", role, t)
+
+
+def _ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
+    """``--ram``, or the default ``expertfs plan`` reports for this box: what the memory limit
+    (a cgroup cap or ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the
+    runtime, the trunk, the KV cache at ``--ctx`` (on the CPU it is host memory) and the
+    workspace (``runtime.plan.host.run_host_budget``); a budget that would push the trunk out
+    of memory is warned about."""
+    from ..runtime.plan.host import run_host_budget
     from ..runtime.plan.model import geometry_of_store
+    from ..runtime.plan.paths import kept_types
     from ..store.reader import Store
     kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
+    on = "cpu" if device == "cpu" else "gpu"
     with Store.open(args.store) as s:
-        trunk = resident_trunk_bytes(s)
-        kv = kv_cache_bytes(geometry_of_store(s), args.ctx, kv_type) if device == "cpu" else 0
-    ram = args.ram if args.ram is not None else default_ram_tier(trunk, kv_bytes=kv)
-    warning = check_budget(ram, trunk, kv_bytes=kv)
+        g = geometry_of_store(s)
+    _log_paths(g, device, fused)
+    vram_experts = (args.vram // g.slot_bytes) if on == "gpu" else 0
+    budget = run_host_budget(g, args.ctx, on, args.trunk, kv_type=kv_type if on == "cpu" else None,
+                             kept_types=kept_types(device, fused != "off"),
+                             vram_tier_experts=vram_experts)
+    ram = args.ram if args.ram is not None else (budget.slab or 64 << 20)   # 0: no room
+    warning = budget.warning(ram)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
     return ram
@@ -178,7 +197,8 @@ def _open(args: argparse.Namespace):
     mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                      draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     opts = mtp.engine_options(opts)
-    ram = _ram_tier(args, opts.device)
+    ram = _ram_tier(args, opts.device, fused)
+    args.ram_tier_bytes = ram
     extra = {"warm_start": False} if args.no_warm_start and args.provider != "direct" else None
     eng = Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
                       options=opts, provider_options=extra)
@@ -336,6 +356,7 @@ def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = Non
         "mb_read_per_token": dec_bytes / max(1, n_dec) / 1e6,
         "hit_rate": {k: (v - hits0.get(k, 0)) / requests for k, v in ps.hits.items()},
         "stall_s": ps.stall_seconds - stall0,
+        "ram_tier_bytes": getattr(args, "ram_tier_bytes", None),
     }
     if preload_s is not None:
         summary["preload_s"] = preload_s

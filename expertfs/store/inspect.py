@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 from ..errors import UnsupportedModelError
@@ -14,8 +15,23 @@ from .summary import model_summary
 __all__ = ["inspect_path", "iter_extents"]
 
 
-def inspect_path(path: str | list[str]) -> dict[str, Any]:
-    """Summary of a store folder or a GGUF (its first shard, or every shard)."""
+def inspect_path(path: str | list[str], compute_paths: Mapping[str, str] | None = None
+                 ) -> dict[str, Any]:
+    """Summary of a store folder or a GGUF (its first shard, or every shard). ``compute_paths``
+    (ggml type → the compute path the runtime takes, given by the caller: the store does not
+    know the runtime) adds ``compute_paths: {"experts": {type: path}, "trunk": {...}}``."""
+    info = _inspect(path)
+    if compute_paths is not None:
+        info["compute_paths"] = {
+            "experts": {t: compute_paths.get(t, "torch dequant")
+                        for t in sorted(info.get("expert_types") or {})},
+            "trunk": {t: ("float (torch)" if t in ("F16", "BF16")
+                          else compute_paths.get(t, "torch dequant"))
+                      for t in sorted(info.get("trunk_types") or {})}}
+    return info
+
+
+def _inspect(path: str | list[str]) -> dict[str, Any]:
     paths = [path] if isinstance(path, str) else list(path)
     if len(paths) == 1 and os.path.isdir(paths[0]) and is_store(paths[0]):
         with Store.open(paths[0]) as s:

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import memory as _memory
+
 __all__ = ["SCHEMA", "GiB", "MiB", "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "RUNTIME_HOST",
            "RUNTIME_HOST_CUDA", "VRAM_RESERVE_MIN", "VRAM_RESERVE_FRACTION", "PIN_BUDGET_FRACTION",
            "PAGEABLE_FACTOR", "QUEUE_DEPTH", "CPU_DEQUANT_CHUNK", "GPU_DEQUANT_CHUNK",
@@ -49,10 +51,11 @@ SCHEMA = "expertfs.store.plan/1"
 GiB = 1 << 30
 MiB = 1 << 20
 
-OS_HEADROOM_MIN = 3 * GiB          # never give the OS less (page cache, desktop, other processes)
-OS_HEADROOM_FRACTION = 0.125       # ... or an eighth of RAM, whichever is larger
-RUNTIME_HOST = 768 * MiB           # python, torch, numpy, lmdb, the store index
-RUNTIME_HOST_CUDA = 1 * GiB        # plus the CUDA libraries' host side on a GPU run
+# the host side is ``runtime.memory``'s, the model ``expertfs run`` sizes its RAM tier with
+OS_HEADROOM_MIN = _memory.OS_HEADROOM_MIN          # left to the OS on an uncapped box ...
+OS_HEADROOM_FRACTION = _memory.OS_HEADROOM_FRACTION  # ... or an eighth of RAM; none under a cap
+RUNTIME_HOST = _memory.RUNTIME_OVERHEAD            # python, torch, kernels, staging, allocator
+RUNTIME_HOST_CUDA = _memory.RUNTIME_OVERHEAD_CUDA  # plus the CUDA libraries' host side on a GPU run
 VRAM_RESERVE_MIN = 1 * GiB         # CUDA context, allocator slack, a display
 VRAM_RESERVE_FRACTION = 0.05
 PIN_BUDGET_FRACTION = 0.25         # runtime default pin budget: a quarter of RAM
@@ -73,7 +76,11 @@ TRUNK_MODES = ("float", "quant")
 
 ASSUMPTIONS: dict[str, Any] = {
     "os_headroom": f"max({OS_HEADROOM_FRACTION:g} x RAM, min({OS_HEADROOM_MIN // GiB} GiB, RAM / 4)) "
-                   "unless --headroom",
+                   "on an uncapped box, none under a cap (cgroup, EXPERTFS_MEMORY_LIMIT, "
+                   "--memory-limit), unless --headroom",
+    "host_budget": "runtime.memory.host_budget, the function expertfs run sizes its default "
+                   "RAM tier with: limit - headroom - runtime - trunk - KV reserve - workspace",
+    "kv_growth_peak": _memory.KV_GROWTH_PEAK,
     "runtime_host_bytes": RUNTIME_HOST, "runtime_host_cuda_bytes": RUNTIME_HOST_CUDA,
     "vram_reserve": f"max({VRAM_RESERVE_MIN // GiB} GiB, {VRAM_RESERVE_FRACTION:g} x VRAM)",
     "pin_budget": f"{PIN_BUDGET_FRACTION:g} x RAM unless --pin-budget (EXPERTFS_PIN_BUDGET)",

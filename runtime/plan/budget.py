@@ -5,9 +5,11 @@ Pure: no file is read and nothing is timed here. The inputs are plain values: ``
 (the model, ``plan.geometry``) and ``Box`` (RAM, VRAM, context); ``layout`` budgets one
 (placement, trunk mode), ``candidates`` all of them, and every byte that comes out is named.
 
-RAM: OS headroom (1/8 of RAM, at least 3 GiB or a quarter of a smaller box), the runtime itself,
-the trunk and KV cache when they live on the CPU, CPU workspace, on GPU runs the staging slots
-the runtime carves from its RAM budget (min(16, k) + 1), then the RAM tier. The tier is pinned
+RAM is ``run_host_budget``, the budget ``expertfs run`` sizes its default ``--ram`` with
+(``runtime.memory.host_budget``): OS headroom (1/8 of RAM, at least 3 GiB or a quarter of a
+smaller box; none under a cap), the runtime itself, the trunk and the KV cache's reserve when
+they live on the CPU, CPU workspace, on GPU runs the staging slots the runtime carves from its
+RAM budget (min(16, k) + 1), then the RAM tier. The tier is pinned
 when the host slab fits the pin budget (``EXPERTFS_PIN_BUDGET``, default RAM/4, as the runtime
 does): a larger one stays pageable and uploads run at ``PAGEABLE_FACTOR`` of the pinned rate.
 VRAM: a reserve (CUDA context, allocator slack), the trunk and KV cache, workspace with one
@@ -21,32 +23,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...errors import UsageError
-from .assumptions import (CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUANT_CHUNK,
-                          OS_HEADROOM_FRACTION, OS_HEADROOM_MIN, PAGEABLE_FACTOR,
-                          PIN_BUDGET_FRACTION, PLACEMENTS, QUEUE_DEPTH, RUNTIME_HOST,
-                          RUNTIME_HOST_CUDA, TRUNK_MODES, VRAM_RESERVE_FRACTION, VRAM_RESERVE_MIN,
-                          GiB, MiB)
+from .. import memory as _memory
+from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION, PLACEMENTS,
+                          QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION, VRAM_RESERVE_MIN, GiB,
+                          MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
+from .host import LIMIT_SOURCES, os_headroom, run_host_budget, trunk_host_bytes, workspace_bytes
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
-           "layout", "candidates", "max_ctx_on_gpu"]
-
-
-def os_headroom(ram: int) -> int:
-    """RAM left to the OS: an eighth of RAM, at least 3 GiB (a quarter on boxes under 12 GiB)."""
-    return max(int(ram * OS_HEADROOM_FRACTION), min(OS_HEADROOM_MIN, ram // 4))
-
-
-def workspace_bytes(g: Geometry, ctx: int, device: str) -> int:
-    """Activations and temporaries of one decode step on ``device`` ("cpu" or "gpu"): a dequant
-    chunk, the logits, attention scores at ``ctx``, hidden states."""
-    chunk = CPU_DEQUANT_CHUNK if device == "cpu" else GPU_DEQUANT_CHUNK
-    dequant = min(g.largest_matrix_elements, chunk) * DEQUANT_BYTES_PER_ELEMENT
-    logits = g.n_vocab * 4
-    scores = 2 * g.n_head * ctx * 4
-    hidden = 16 * max(g.n_embd, max((m.rows for layer in g.expert_parts for m in layer), default=0)) * 4
-    return dequant + logits + scores + hidden
-
+           "layout", "candidates", "max_ctx_on_gpu", "LIMIT_SOURCES", "trunk_host_bytes",
+           "run_host_budget"]
 
 # ------------------------------------------------------------------------------------------------
 # the box and the memory budget
@@ -61,6 +47,7 @@ class Box:
     headroom: int | None = None    # OS headroom override
     pin_budget: int | None = None  # pinned-memory limit (None: the runtime's RAM/4)
     label: str = ""                # "this machine's RAM and VRAM", "as given"
+    limit_source: str = "physical"  # "physical": the box's RAM (OS headroom kept); else a cap
 
     def __post_init__(self) -> None:
         if self.ram <= 0:
@@ -75,6 +62,9 @@ class Box:
         if self.headroom is not None and not 0 <= self.headroom < self.ram:
             raise UsageError(f"headroom {self.headroom} bytes of {self.ram} of RAM",
                              fix="give --headroom below --ram")
+        if self.limit_source not in LIMIT_SOURCES:
+            raise UsageError(f"memory limit source {self.limit_source!r}",
+                             fix=f"use one of {', '.join(LIMIT_SOURCES)}")
         if self.pin_budget is not None and self.pin_budget < 0:
             raise UsageError(f"pin budget {self.pin_budget}", fix="give --pin-budget >= 0")
 
@@ -262,17 +252,22 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
                  "" if vslots else "below one layer's experts: no VRAM tier")
         vram_pool = Pool("vram", box.vram, tuple(items), vslots * slot, vslots, tnote)
 
-    headroom = box.headroom if box.headroom is not None else os_headroom(box.ram)
-    h_note = "--headroom" if box.headroom is not None else (
-        f"RAM/8, at least min({OS_HEADROOM_MIN // GiB} GiB, RAM/4)")
-    ram_items = [Item("os_headroom", headroom, h_note),
-                 Item("runtime", RUNTIME_HOST + (RUNTIME_HOST_CUDA if pl.gpu else 0),
-                      "python, torch" + (", CUDA host side" if pl.gpu else ""))]
+    hb = run_host_budget(g, box.ctx, dev, trunk_mode, experts_on_gpu=pl.experts == "gpu",
+                         kv_type=kv_type, limit=box.ram, source=box.limit_source,
+                         headroom=box.headroom)
+    h_note = ("--headroom" if box.headroom is not None else
+              f"RAM/8, at least min({OS_HEADROOM_MIN // GiB} GiB, RAM/4)"
+              if box.limit_source == "physical" else f"none: the limit is a cap ({box.limit_source})")
+    ram_items = [Item("os_headroom", hb.headroom, h_note),
+                 Item("runtime", hb.runtime, "python, torch, kernels, allocator"
+                      + (", CUDA host side" if pl.gpu else "") + " (measured peaks)")]
     if dev == "cpu":
-        ram_items += [Item("trunk", trunk, t_note), Item("kv_cache", kv, kv_note)]
-    if "cpu" in (pl.trunk, pl.experts):
-        ram_items.append(Item("workspace", workspace_bytes(g, box.ctx, "cpu"),
-                              "CPU activations, logits, dequant chunk"))
+        host_note = t_note + ("" if hb.trunk == trunk else ", untied embedding not resident")
+        ram_items += [Item("trunk", hb.trunk, host_note),
+                      Item("kv_cache", hb.kv, kv_note + (f", growth peak {_memory.KV_GROWTH_PEAK:g}x"
+                                                         if hb.kv > kv else ""))]
+    if hb.workspace:
+        ram_items.append(Item("workspace", hb.workspace, "CPU activations, logits, dequant chunk"))
     staging = min(QUEUE_DEPTH, k) + 1 if pl.gpu else 0
     if staging:
         ram_items.append(Item("staging", staging * slot,

@@ -87,6 +87,11 @@ def format_plan(p: Plan) -> str:
                                                 for m_ in layer if m_.ggml_type == t)) if used else ""
             src = r.cost(main).gbps.source if used else ""
             lines.append(f"  {dev.upper()} dequant+matmul: {costs}  [{src}]")
+            cp = p.probes.get("compute_paths") if dev == "cpu" else None
+            if cp:
+                lines.append("  CPU compute paths: experts " + ", ".join(
+                    f"{t} {x}" for t, x in cp["experts"].items()) + "; trunk " + ", ".join(
+                    f"{t} {x}" for t, x in cp["trunk"].items()))
             lines.append(f"  {dev.upper()} memory {r.mem_gbps.slow:.0f}-{r.mem_gbps.fast:.0f} GB/s, "
                          f"{r.op_s.fast * 1e6:.1f}-{r.op_s.slow * 1e6:.1f} us per small op  "
                          f"[{r.mem_gbps.source}]")
@@ -115,6 +120,11 @@ def format_plan(p: Plan) -> str:
                else f"at most {o.bound:.2f} tok/s (not simulated)" if o.bound is not None
                else "does not fit")
             + ("" if o.memory.placement.supported else " (not in expertfs run)") for o in alts))
+    cp = p.probes.get("compute_paths") or {}
+    slow = [t for t, x in (cp.get("experts") or {}).items() if x == "torch dequant"]
+    if slow and "cpu" == p.memory.placement.experts:
+        lines.append(f"warning: expert type(s) {', '.join(slow)} have no native kernel here: "
+                     "torch dequantization, far slower than the rates of native types")
     if p.notes:
         lines.append("")
         for n in p.notes:

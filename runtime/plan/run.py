@@ -33,9 +33,11 @@ class PlanRequest:
     target: str | None = None              # a store folder or a .gguf
     model: Any = None                      # or a GGUF described in memory (gguf_read.GGUFModel)
     source: str | None = None              # what the plan calls ``model`` ("--like NAME ...")
-    ram: int | None = None                 # None: this machine's
+    ram: int | None = None                 # None: this machine's (its cgroup cap counts)
+    memory_limit: int | None = None        # a cap below ``ram`` (as a cgroup or
+                                           # EXPERTFS_MEMORY_LIMIT): no OS headroom inside it
     vram: int | None = None                # None: this machine's first CUDA device, else 0
-    ctx: int | None = None                 # None: 8192, or the training context if shorter
+    ctx: int | None = None                 # None: run's 4096, or the training context if shorter
     kv_type: str = "auto"
     headroom: int | None = None
     pin_budget: int | None = None
@@ -67,21 +69,32 @@ def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
     return storage_from_profile(data, k, label=f"profile {path}")
 
 
+DEFAULT_CTX = 4096                         # expertfs run's --ctx default
+
+
 def _box(req: PlanRequest, n_ctx_train: int) -> Box:
-    from .probe import cuda_memory, host_memory
+    from ..memory import limit_and_source
+    from .probe import cuda_memory
 
     here = []
-    ram = req.ram
+    ram, source = req.ram, "physical"
     if ram is None:
-        ram = host_memory()
-        here.append("RAM")
+        ram, source = limit_and_source()   # what expertfs run reads: cgroup, environment, RAM
+        here.append("RAM" if source == "physical" else f"memory limit ({source})")
+    if req.memory_limit is not None:
+        if req.memory_limit <= 0:
+            raise UsageError(f"--memory-limit {req.memory_limit}", fix="give a size such as 6G")
+        if req.memory_limit < ram or source == "physical":
+            ram, source = min(ram, req.memory_limit), "limit"
     vram = req.vram
     if vram is None:
         vram = cuda_memory()
         here.append("VRAM")
     label = ("this machine's " + " and ".join(here)) if here else "as given"
-    ctx = req.ctx if req.ctx is not None else min(8192, n_ctx_train or 8192)
-    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label)
+    if source == "limit":
+        label += ", capped by --memory-limit"
+    ctx = req.ctx if req.ctx is not None else min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
+    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label, source)
 
 
 RoutingFor = Callable[[Memory], RoutingRange]
@@ -210,11 +223,23 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
         if got is not None:
             gpu, pcie, detail["gpu"] = got
     rates = Rates(storage, pcie, cpu, gpu)
+    detail["compute_paths"] = _compute_paths(g)
 
     # --- routing and the choice ------------------------------------------------------------
     routing_for = simulator_routing(g, req, say)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     return make_plan(g, box, options, rates, probes=detail, forced=forced)
+
+
+def _compute_paths(g: Geometry) -> dict[str, Any]:
+    """Which CPU path each expert and trunk type takes in ``expertfs run`` on this machine."""
+    from .paths import path_table, paths_for
+    try:
+        table = path_table("cpu")
+    except ImportError:                       # no torch: nothing to say
+        return {}
+    return {"experts": paths_for({m.ggml_type for layer in g.expert_parts for m in layer}, table),
+            "trunk": paths_for({m.ggml_type for m in g.trunk_matrices}, table, trunk=True)}
 
 
 def _cuda() -> bool:

@@ -36,7 +36,7 @@ def tiny_store(tmp_path_factory) -> Path:
 def test_like_json_fits(capsys) -> None:
     d = run_json(capsys, "--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "24G", *FAST)
     assert d["status"] == "fits" and d["exit_code"] == 0
-    assert d["box"] == {"ram_bytes": 32 << 30, "vram_bytes": 24 << 30, "ctx": 8192, "kv_type": "auto",
+    assert d["box"] == {"ram_bytes": 32 << 30, "vram_bytes": 24 << 30, "ctx": 4096, "kv_type": "auto",
                         "label": "as given", "pin_budget": 8 << 30}
     assert d["placement"]["where"] == "gpu" and d["budget"]["vram"]["tier_experts"] > 0
     assert d["budget"]["kv_type"] == "bf16"
@@ -176,3 +176,100 @@ def test_run_flags_give_the_planned_tiers_in_the_runtime(capsys, tiny_store, vra
     vt = b["vram"]["tier_experts"] if b["vram"] else 0
     assert vt <= slots.vram <= vt + slack
     assert flags["--device"] == ("cuda" if vram != "0" else "cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# one memory model: plan's RAM tier is the one expertfs run picks under the same limit
+
+
+def _cap(capsys, store, ctx: int, share: float) -> str:
+    """A cap (bytes) that leaves ``share`` of the store's experts beside the rest."""
+    d = run_json(capsys, str(store), "--memory-limit", "64G", "--vram", "0", "--ctx", str(ctx),
+                 "--placement", "cpu", "--trunk", "quant", *FAST)
+    b = d["budget"]
+    return str(b["ram"]["fixed_bytes"] + int(share * b["decode_experts"] * b["slot_bytes"]))
+
+
+@pytest.mark.parametrize("ctx, share", [(128, 0.3), (4096, 0.5), (512, 0.8), (256, 4.0)])
+def test_plan_tier_is_runs_default_under_the_same_cap(capsys, monkeypatch, tiny_store, ctx,
+                                                      share) -> None:
+    """``plan --memory-limit X`` and ``run`` under ``EXPERTFS_MEMORY_LIMIT=X`` (as a cgroup cap)
+    size the same RAM tier: plan's "run it:" --ram is run's default."""
+    import argparse
+
+    from expertfs.cli.run import _ram_tier
+
+    limit = _cap(capsys, tiny_store, ctx, share)
+    d = run_json(capsys, str(tiny_store), "--memory-limit", limit, "--vram", "0", "--ctx",
+                 str(ctx), "--placement", "cpu", "--trunk", "quant", *FAST)
+    monkeypatch.setenv("EXPERTFS_MEMORY_LIMIT", limit)
+    ns = argparse.Namespace(store=str(tiny_store), ctx=ctx, dtype="auto", trunk="quant",
+                            ram=None, vram=0, command="run")
+    ram = _ram_tier(ns, "cpu")
+    b = d["budget"]
+    slot = b["slot_bytes"]
+    assert b["ram"]["items"][0] == {"name": "os_headroom", "bytes": 0,
+                                    "note": "none: the limit is a cap (limit)"}
+    assert b["host_slab_bytes"] // slot == ram // slot == b["ram"]["tier_experts"]
+    if share < 1:
+        assert 0 < b["ram"]["tier_experts"] < b["decode_experts"]         # the cap binds
+    else:
+        assert b["ram"]["tier_experts"] == b["decode_experts"]
+    assert "--ram " in d["run"] and d["box"]["ram_bytes"] == int(limit)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_run_json_reports_the_tier_plan_predicted(capsys, monkeypatch, tiny_store) -> None:
+    limit = _cap(capsys, tiny_store, 64, 0.5)
+    d = run_json(capsys, str(tiny_store), "--memory-limit", limit, "--vram", "0", "--ctx", "64",
+                 "--placement", "cpu", "--trunk", "quant", *FAST)
+    monkeypatch.setenv("EXPERTFS_MEMORY_LIMIT", limit)
+    assert main(["run", str(tiny_store), "-p", "hi", "-n", "2", "--ctx", "64", "--trunk", "quant",
+                 "--device", "cpu", "--json", "-t", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    slot = d["budget"]["slot_bytes"]
+    assert r["ram_tier_bytes"] // slot == d["budget"]["host_slab_bytes"] // slot
+    assert 0 < d["budget"]["ram"]["tier_experts"] < d["budget"]["decode_experts"]
+
+
+def test_plan_says_which_compute_path_each_type_takes(capsys, tiny_store) -> None:
+    d = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", *FAST)
+    cp = d["measurements"]["compute_paths"]
+    assert set(cp) == {"experts", "trunk"} and cp["experts"]
+    paths = {"native kernel", "compiled torch", "torch dequant", "float (torch)"}
+    assert set(cp["experts"].values()) <= paths and set(cp["trunk"].values()) <= paths
+    assert main(["plan", str(tiny_store), "--ram", "16G", "--vram", "0", *FAST]) == 0
+    assert "CPU compute paths: experts " in capsys.readouterr().out
+
+
+def test_inspect_says_which_compute_path_each_type_takes(capsys, tiny_store) -> None:
+    """The store's inspect knows no runtime: the CLI passes the path table in."""
+    from expertfs.runtime.plan.paths import DEQUANT, path_table
+    from expertfs.store.inspect import inspect_path
+
+    assert "compute_paths" not in inspect_path(str(tiny_store))
+    table = dict(path_table("cpu"), Q8_0=DEQUANT)          # as if Q8_0 had no native path
+    info = inspect_path(str(tiny_store), compute_paths=table)
+    assert set(info["compute_paths"]["experts"]) == set(info["expert_types"])
+    assert main(["inspect", str(tiny_store)]) == 0
+    out = capsys.readouterr().out
+    assert "experts compute (CPU): " in out and "trunk compute (CPU): " in out
+
+
+def test_run_logs_a_type_without_a_native_path_once(caplog, monkeypatch, tiny_store) -> None:
+    import logging
+
+    from expertfs.cli import run as run_cli
+    from expertfs.runtime.plan import paths
+    from expertfs.runtime.plan.model import geometry_of_store
+    from expertfs.store.reader import Store
+
+    with Store.open(str(tiny_store)) as s:
+        g = geometry_of_store(s)
+    etype = sorted({m.ggml_type for layer in g.expert_parts for m in layer})[0]
+    real = paths.path_table
+    monkeypatch.setattr(paths, "path_table", lambda *a, **k: dict(real(*a, **k), **{etype: paths.DEQUANT}))
+    with caplog.at_level(logging.INFO, logger=run_cli.__name__):
+        run_cli._log_paths(g, "cpu", "auto")
+    warn = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warn) == 1 and etype in warn[0].getMessage() and "torch" in warn[0].getMessage()

@@ -8,16 +8,45 @@ from expertfs.runtime.cache.sizing import SlotGeometry, plan_slots
 
 def test_default_tier_leaves_room_for_trunk_and_runtime(monkeypatch):
     monkeypatch.setattr(memory, "physical_memory", lambda: 32 << 30)
-    assert memory.default_ram_tier(1 << 30, limit=32 << 30) == 4 << 30          # capped at 4G
-    small = memory.default_ram_tier(1 << 30, limit=2 << 30)                       # a 2 GiB cgroup
+    # the machine's RAM: the OS keeps an eighth of it (4 GiB of 32)
+    big = memory.default_ram_tier(1 << 30, limit=32 << 30, source="physical")
+    assert big == (28 << 30) - (1 << 30) - memory.RUNTIME_OVERHEAD
+    assert memory.default_ram_tier(1 << 30, limit=32 << 30, cap=4 << 30) == 4 << 30
+    small = memory.default_ram_tier(1 << 30, limit=2 << 30)                       # a 2 GiB cap
     assert small == (2 << 30) - (1 << 30) - memory.RUNTIME_OVERHEAD
     assert memory.default_ram_tier(3 << 30, limit=2 << 30) == 64 << 20            # floor
+    # bounded by the experts there are (and a GPU run's staging slots)
+    assert memory.default_ram_tier(1 << 30, limit=8 << 30, experts=1 << 30, staging=5) == \
+        (1 << 30) + 5
 
 
 def test_budget_warning_names_a_fitting_size():
     assert memory.check_budget(1 << 30, 1 << 30, limit=4 << 30) is None
     w = memory.check_budget(2 << 30, 1 << 30, limit=2 << 30)
     assert w and f"--ram {((1 << 30) - memory.RUNTIME_OVERHEAD) >> 20}M" in w
+
+
+def test_environment_caps_the_limit(monkeypatch):
+    monkeypatch.setattr(memory, "physical_memory", lambda: 32 << 30)
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    monkeypatch.delenv(memory.LIMIT_ENV, raising=False)
+    assert memory.limit_and_source() == (32 << 30, "physical")
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: 8 << 30)
+    assert memory.limit_and_source() == (8 << 30, "cgroup")
+    monkeypatch.setenv(memory.LIMIT_ENV, "2G")
+    assert memory.limit_and_source() == (2 << 30, "env")
+    b = memory.host_budget(1 << 30)
+    assert b.limit == 2 << 30 and b.source == "env" and b.headroom == 0
+    monkeypatch.setenv(memory.LIMIT_ENV, "lots")
+    import pytest
+    from expertfs.errors import UsageError
+    with pytest.raises(UsageError, match=memory.LIMIT_ENV):
+        memory.limit_and_source()
+
+
+def test_fixed_state_does_not_grow():
+    assert memory.kv_reserve(1000, state_bytes=400) == 900 + 400
+    assert memory.kv_reserve(1000) == 1500
 
 
 def test_the_kv_cache_at_the_context_limit_is_left_room(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 
 from expertfs.cli.plan import geometry_from_like, geometry_from_synth
 from expertfs.errors import UsageError
+from expertfs.runtime import memory
 from expertfs.runtime.plan.assumptions import GiB
 from expertfs.runtime.plan.budget import Box, candidates, layout, max_ctx_on_gpu, os_headroom
 from expertfs.runtime.plan.geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
@@ -134,7 +135,7 @@ def test_budget_glm_air_32g_24g_by_hand() -> None:
     slot, k = g.slot_bytes, g.k
     ram, vram = m.ram, m.vram
     assert ram.item("os_headroom") == 4 * GiB                       # 32 GiB / 8 > 3 GiB
-    assert ram.item("runtime") == 768 * 2**20 + GiB
+    assert ram.item("runtime") == memory.RUNTIME_OVERHEAD + memory.RUNTIME_OVERHEAD_CUDA
     assert ram.item("staging") == (k + 1) * slot and m.staging_slots == 9   # min(16, k) + 1
     assert ram.item("trunk") == 0 and vram.item("trunk") == g.trunk_bytes
     assert m.kv_type == "bf16" and vram.item("kv_cache") == 1_543_503_872
@@ -167,14 +168,18 @@ def test_float_trunk_sizes() -> None:
     q = sum(m.nbytes * m.count for m in air.trunk_matrices + air.nextn_matrices)
     assert air.trunk_resident("float", 2) == air.trunk_bytes - q + 2 * el
     m = layout(air, Box(64 * GiB, 0), "cpu", "float")
-    assert m.ram.item("trunk") == air.trunk_bytes - q + 4 * el and m.kv_type == "f32"
+    # resident on the CPU: float32 matrices, and not the untied embedding (read a row per token)
+    assert not any(m_.tied for m_ in air.trunk_matrices)
+    assert m.ram.item("trunk") == air.trunk_bytes - q + 4 * el - air.embd_bytes
+    assert m.kv_type == "f32"
 
 
 def test_budget_cpu_only() -> None:
     g = like("GLM-4.5-Air")
     m = layout(g, Box(64 * GiB, 0), "cpu", "quant")
     assert m.vram is None and m.placement.trunk == "cpu" and not m.pinned and m.staging_slots == 0
-    assert m.ram.item("trunk") == g.trunk_bytes and m.ram.item("kv_cache") == m.kv_bytes
+    assert m.ram.item("trunk") == g.trunk_bytes - g.embd_bytes             # untied embedding
+    assert m.ram.item("kv_cache") == memory.kv_reserve(m.kv_bytes)           # its growth peak
     assert m.kv_bytes == 2 * 1_543_503_872                          # float32 KV on the CPU
     assert m.ram.tier_slots == (64 * GiB - m.ram.fixed) // g.slot_bytes
     assert [c.placement.name for c in candidates(g, Box(64 * GiB, 0))] == ["cpu/float", "cpu/quant"]
@@ -199,7 +204,7 @@ def test_trunk_too_big_for_vram_stays_in_ram() -> None:
     assert "keep the trunk in RAM" in note.text
     h = layout(g, box, "hybrid", "quant")
     assert h.runnable and h.placement.trunk == "cpu" and h.placement.experts == "gpu"
-    assert h.ram.item("trunk") == g.trunk_bytes and h.vram.item("trunk") == 0
+    assert h.ram.item("trunk") == g.trunk_bytes - g.embd_bytes and h.vram.item("trunk") == 0
     p = plan_for(g, box, tokens=16)
     assert p.memory.placement.where == "cpu"           # what expert run can do
     assert any(n.code == "trunk_not_in_vram" for n in p.notes)
@@ -480,3 +485,32 @@ def test_bound_prunes_without_changing_the_choice() -> None:
 def predict_option_full(g, box, mem, rates, routing_for):
     from expertfs.runtime.plan.predict import Option, predict_option
     return predict_option(g, box, mem, rates, routing_for(mem)) if mem.runnable else Option(mem)
+
+
+@pytest.mark.parametrize("name, ram, ctx", [("Qwen3-30B-A3B", 24 * GiB, 4096),
+                                            ("Qwen3-30B-A3B", 6 * GiB, 512),
+                                            ("GLM-4.5-Air", 32 * GiB, 8192),
+                                            ("GLM-5.3-Flash", 48 * GiB, 4096),
+                                            ("DeepSeek-V3", 64 * GiB, 2048)])
+@pytest.mark.parametrize("source", ["physical", "limit"])
+def test_plan_ram_pool_is_runs_host_budget(name, ram, ctx, source) -> None:
+    """The plan's CPU budget is ``run_host_budget``, the function ``expertfs run`` sizes its
+    default ``--ram`` with: the same headroom, runtime, trunk, KV reserve (with the fixed
+    recurrent state of glm5-next's KDA layers) and workspace, and the same tier."""
+    from expertfs.runtime.plan.host import run_host_budget
+
+    g = like(name)
+    m = layout(g, Box(ram, 0, ctx=ctx, limit_source=source), "cpu", "quant")
+    hb = run_host_budget(g, ctx, "cpu", "quant", limit=ram, source=source)
+    assert dict(hb.items()) == {i.name: i.nbytes for i in m.ram.items}
+    assert m.ram.tier_slots == min(hb.slab // g.slot_bytes, g.n_decode_experts)
+    assert (hb.headroom == 0) == (source == "limit")
+    assert hb.kv == memory.kv_reserve(kv_cache_bytes(g, ctx, "f32"), g.state_bytes)
+    if name == "GLM-5.3-Flash":
+        assert g.state_bytes > 0 and hb.kv < int(1.5 * kv_cache_bytes(g, ctx, "f32"))
+    # a GPU run: no trunk or KV cache in RAM, staging slots carved from the slab
+    v = layout(g, Box(ram, 24 * GiB, ctx=ctx, limit_source=source), "gpu", "quant")
+    if v.runnable:
+        hv = run_host_budget(g, ctx, "gpu", "quant", limit=ram, source=source,
+                             vram_tier_experts=v.vram.tier_slots)
+        assert v.host_slab <= hv.slab < v.host_slab + g.slot_bytes

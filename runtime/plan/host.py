@@ -1,0 +1,97 @@
+"""The host side of a run's memory, shared by ``expertfs run`` and ``expertfs plan``: the
+trunk a run keeps resident, the CPU workspace, and ``run_host_budget`` (the model's
+``runtime.memory.host_budget``, which sizes ``run``'s default ``--ram`` and ``plan``'s RAM
+pool). Pure: plain values in, bytes out."""
+
+from __future__ import annotations
+
+from dataclasses import replace as _replace
+
+from .. import memory as _memory
+from ..memory import HostBudget
+from .assumptions import CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUANT_CHUNK, QUEUE_DEPTH
+from .geometry import DTYPE_BYTES, Geometry, kv_cache_bytes
+
+__all__ = ["LIMIT_SOURCES", "os_headroom", "workspace_bytes", "trunk_host_bytes",
+           "run_host_budget"]
+
+LIMIT_SOURCES = ("physical", "cgroup", "env", "limit")
+
+
+def os_headroom(ram: int, source: str = "physical") -> int:
+    """RAM left to the OS: an eighth of RAM, at least 3 GiB (a quarter on boxes under 12 GiB);
+    none under a cap (``runtime.memory.os_headroom``)."""
+    return _memory.os_headroom(ram, source)
+
+
+def workspace_bytes(g: Geometry, ctx: int, device: str) -> int:
+    """Activations and temporaries of one decode step on ``device`` ("cpu" or "gpu"): a dequant
+    chunk, the logits, attention scores at ``ctx``, hidden states."""
+    chunk = CPU_DEQUANT_CHUNK if device == "cpu" else GPU_DEQUANT_CHUNK
+    dequant = min(g.largest_matrix_elements, chunk) * DEQUANT_BYTES_PER_ELEMENT
+    logits = g.n_vocab * 4
+    scores = 2 * g.n_head * ctx * 4
+    hidden = 16 * max(g.n_embd, max((m.rows for layer in g.expert_parts for m in layer), default=0)) * 4
+    return dequant + logits + scores + hidden
+
+
+def trunk_host_bytes(g: Geometry, mode: str, device: str = "cpu",
+                     kept_types: frozenset[str] | None = None,
+                     float_budget: int | None = None) -> int:
+    """Trunk bytes a run keeps resident in host memory: none when the trunk is on the GPU;
+    else ggml bytes, with the matrices the mode dequantizes at load in float32, and without an
+    untied token embedding (read a row per token from the mapped file). ``mode`` "auto" is the
+    runtime's rule (``runtime.model.weights.plan_float``): the ``kept_types`` (those with a
+    fused product) stay quantized, the others are dequantized unless their float size passes
+    ``float_budget``, then the largest stay quantized until the rest fits."""
+    if device != "cpu":
+        return 0
+    untied = not any(m.tied for m in g.trunk_matrices)
+    base = g.trunk_bytes - (g.embd_bytes if untied else 0)
+    if mode == "quant":
+        return max(0, base)
+    el = DTYPE_BYTES["cpu"]
+    mats = [m for m in (*g.trunk_matrices, *g.nextn_matrices) if m.ggml_type != "F32"]
+    if mode == "auto":
+        mats = [m for m in mats if m.ggml_type not in (kept_types or ())]
+        if float_budget is not None:
+            total = sum(m.count * m.elements * el for m in mats)
+            mats = sorted(mats, key=lambda m: -m.elements)
+            while mats and total > float_budget:                       # the largest stay quantized
+                m = mats.pop(0)
+                total -= m.count * m.elements * el
+    extra = sum(m.count * (m.elements * el - (0 if m.tied else m.nbytes)) for m in mats)
+    return max(0, base + extra)
+
+
+def run_host_budget(g: Geometry, ctx: int, device: str = "cpu", trunk_mode: str = "quant", *,
+                    experts_on_gpu: bool | None = None,
+                    kv_type: str | None = None, limit: int | None = None,
+                    source: str | None = None, headroom: int | None = None,
+                    kept_types: frozenset[str] | None = None, vram_tier_experts: int = 0,
+                    ) -> HostBudget:
+    """The host budget ``expertfs run`` sizes its default ``--ram`` with, for ``g`` at ``ctx``
+    on ``device`` ("cpu" or "gpu"): ``runtime.memory.host_budget`` with this model's trunk,
+    KV cache (and fixed recurrent state), workspace and, on a GPU run, staging slots. The
+    slab is bounded by the experts the VRAM tier does not hold. ``expertfs plan`` budgets RAM
+    with the same function."""
+    gpu = device != "cpu"
+    gpu_experts = gpu if experts_on_gpu is None else experts_on_gpu
+    kt = kv_type or ("bf16" if gpu else "f32")
+    kv = 0 if gpu else kv_cache_bytes(g, ctx, kt)
+    if limit is None:
+        limit, src = _memory.limit_and_source()
+        source = source or src
+    fb = limit // 4 if trunk_mode == "auto" else None      # the engine's float trunk budget
+    staging = (min(QUEUE_DEPTH, g.k) + 1) * g.slot_bytes if gpu_experts else 0
+    left = max(0, g.n_decode_experts - vram_tier_experts)
+    b = _memory.host_budget(trunk_host_bytes(g, trunk_mode, "gpu" if gpu else "cpu", kept_types, fb),
+                            kv, state_bytes=0 if gpu else g.state_bytes,
+                            workspace=0 if gpu and gpu_experts else workspace_bytes(g, ctx, "cpu"),
+                            staging=staging, cuda=gpu or gpu_experts,
+                            experts=left * g.slot_bytes, limit=limit, source=source)
+    if headroom is not None:
+        b = _replace(b, headroom=headroom)
+    return b
+
+

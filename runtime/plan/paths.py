@@ -1,0 +1,75 @@
+"""Which compute path each ggml type takes in ``expertfs run``: a native kernel, a compiled
+torch one-token product, or torch dequantization (``formats.dequant``: correct, far slower on
+the CPU), so a type without a native path is never silently slow. ``expertfs inspect`` (given
+``path_table``: the store does not import the runtime), ``expertfs plan`` and ``expertfs run``
+report it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = ["NATIVE", "COMPILED", "DEQUANT", "FLOAT", "path_table", "paths_for", "slow_types",
+           "kept_types", "describe_paths"]
+
+NATIVE = "native kernel"
+COMPILED = "compiled torch"
+DEQUANT = "torch dequant"
+FLOAT = "float (torch)"
+_FLOAT_TYPES = frozenset({"F32", "F64"})
+
+
+def path_table(device: str = "cpu", fused: bool = True) -> dict[str, str]:
+    """Every ggml type's path on ``device`` ("cpu" or "cuda"/"gpu"): on the CPU the native
+    kernels' types when they are built (``runtime.kernels``), then the compiled torch products
+    (``runtime.model.qmatvec``) when ``fused``, else torch dequantization."""
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+    from ..model.qmatvec import SUPPORTED
+
+    native = {t.name for t in kernels.TYPES} if device == "cpu" and kernels.available() else set()
+    compiled = {t.name for t in SUPPORTED} if fused else set()
+    out = {}
+    for t in GGMLType:
+        out[t.name] = (FLOAT if t.name in _FLOAT_TYPES else NATIVE if t.name in native
+                       else COMPILED if t.name in compiled else DEQUANT)
+    return out
+
+
+def paths_for(types: Iterable[str], table: Mapping[str, str], trunk: bool = False
+              ) -> dict[str, str]:
+    """``{type: path}`` for ``types`` (a type the table lacks: torch dequant); trunk F16/BF16
+    matrices are used as float."""
+    return {t: FLOAT if trunk and t in ("F16", "BF16") else table.get(t, DEQUANT)
+            for t in sorted(set(types))}
+
+
+def slow_types(paths: Mapping[str, str]) -> list[str]:
+    """The types of ``paths`` that fall back to torch dequantization."""
+    return [t for t, p in paths.items() if p == DEQUANT]
+
+
+def kept_types(device: str = "cpu", fused: bool = True) -> frozenset[str]:
+    """The ggml types ``--trunk auto`` keeps quantized (``runtime.model.loader``'s rule): those
+    with a fused one-token product, on the CPU every native kernel's (not F16/BF16)."""
+    if not fused:
+        return frozenset()
+    from .. import kernels
+    from ..model.qmatvec import SUPPORTED
+    types = {t.name for t in SUPPORTED}
+    if device == "cpu" and kernels.available():
+        types |= {t.name for t in kernels.TYPES}
+    return frozenset(types - {"F16", "BF16"})
+
+
+def describe_paths(g, device: str = "cpu", fused: bool = True
+                   ) -> tuple[str, list[tuple[str, str]]]:
+    """(one line naming every expert and trunk type's path, the (type, "experts"|"trunk")
+    pairs that fall back to torch dequantization on the CPU) for a ``plan.Geometry``."""
+    table = path_table("cpu" if device == "cpu" else "cuda", fused)
+    exp = paths_for({m.ggml_type for layer in g.expert_parts for m in layer}, table)
+    trunk = paths_for({m.ggml_type for m in g.trunk_matrices}, table, trunk=True)
+    line = ("experts " + ", ".join(f"{t} {p}" for t, p in exp.items()) + "; trunk "
+            + ", ".join(f"{t} {p}" for t, p in trunk.items()))
+    slow = [] if device != "cpu" else (
+        [(t, "experts") for t in slow_types(exp)] + [(t, "trunk") for t in slow_types(trunk)])
+    return line, slow
