@@ -108,12 +108,14 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Seque
 def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
         up: Sequence[torch.Tensor] | None, down: Sequence[torch.Tensor],
         types: tuple[GGMLType, GGMLType, GGMLType], n_ff: int,
-        act_quant: str | None = None) -> torch.Tensor | None:
+        act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor | None:
     """One token through n experts: ``Σ_j w[j] · down_j(silu(gate_j x) · up_j x)``.
 
     ``x [1, n_embd]`` float32 CPU; ``w [n]``; ``gate``/``up``/``down`` the experts' ggml bytes
     (``up`` None or empty: each ``gate`` is a fused gate_up, gate rows first); ``types`` the
-    (gate, up, down) ggml types. Returns ``[1, n_embd]`` float32, or None when not applicable.
+    (gate, up, down) ggml types. ``limit`` > 0: llama.cpp's ``swiglu_clamp``,
+    ``silu(min(gate, limit)) · clamp(up, -limit, limit)``. Returns ``[1, n_embd]`` float32, or
+    None when not applicable.
     """
     mode = _moe_mode(act_quant)
     D = int(x.shape[-1])
@@ -125,7 +127,8 @@ def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
     mod = load()
     if mod is None:
         return None
-    return mod.moe(x, w, list(gate), list(up or ()), list(down), tg, tu, td, int(n_ff), mode)
+    return mod.moe(x, w, list(gate), list(up or ()), list(down), tg, tu, td, int(n_ff), mode,
+                   float(limit))
 
 
 def _moe_mode(act_quant: str | None) -> int:
@@ -134,9 +137,10 @@ def _moe_mode(act_quant: str | None) -> int:
 
 def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor] | None,
                types: tuple[GGMLType, GGMLType], n_ff: int,
-               act_quant: str | None = None) -> torch.Tensor | None:
-    """``moe``'s first phase: ``silu(gate_j x) · up_j x`` per expert, ``[n, n_ff]`` float32
-    (each row independent of the others in the call); None when not applicable."""
+               act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor | None:
+    """``moe``'s first phase: ``silu(gate_j x) · up_j x`` per expert (clamped as ``moe``'s
+    ``limit``), ``[n, n_ff]`` float32 (each row independent of the others in the call); None
+    when not applicable."""
     mode = _moe_mode(act_quant)
     D = int(x.shape[-1])
     tg, tu = int(types[0]), int(types[1])
@@ -146,7 +150,7 @@ def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch
     mod = load()
     if mod is None:
         return None
-    return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode)
+    return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode, float(limit))
 
 
 def moe_down_rows(h: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGMLType,

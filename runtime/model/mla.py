@@ -81,13 +81,53 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
     S = p0 + T
     k = kc[None, :, :S]                                                # [1, 1, S, L + R]
     if idx is not None and idx.dtype == torch.bool:                    # a [T, S] keep mask
-        mask = idx if mask is None else idx & mask
-    elif idx is not None and T == 1:
+        if mask is not None:
+            idx = idx & mask
+        if T == 1:
+            idx = idx[0].nonzero()[:, 0][None]                         # [1, k] its positions
+        else:
+            n = int(idx.sum(1).max())
+            if 2 * n > S:                                              # dense is as cheap
+                mask, idx = idx, None
+            else:                                                      # kept positions first
+                order = torch.argsort(idx.to(torch.uint8), dim=1, descending=True, stable=True)
+                return _out(_sparse(Q, kc[0], order[:, :n], idx.gather(1, order[:, :n]), L,
+                                    cfg.kq_scale), w, cfg)
+    if idx is not None and T == 1:
         k, mask = kc[None, :, idx[0]], None                            # [1, 1, k, L + R]
-    elif idx is not None:
-        keep = torch.zeros(T, S, dtype=torch.bool, device=x.device).scatter_(1, idx, True)
-        mask = keep if mask is None else keep & mask
+    elif idx is not None:                                              # [T, k] positions
+        valid = idx <= torch.arange(p0, S, device=x.device)[:, None]   # causal (top-k pads)
+        if mask is not None:
+            valid &= mask.gather(1, idx)
+        return _out(_sparse(Q, kc[0], idx, valid, L, cfg.kq_scale), w, cfg)
     o = F.scaled_dot_product_attention(Q.transpose(0, 1)[None], k, k[..., :L], attn_mask=mask,
                                        scale=cfg.kq_scale, enable_gqa=True)   # [1, H, T, L]
-    o = torch.einsum("htl,hvl->thv", o[0], w.v_b)                      # [T, H, V]
+    return _out(o[0].transpose(0, 1), w, cfg)
+
+
+def _out(o: torch.Tensor, w: MLAWeights, cfg: ModelConfig) -> torch.Tensor:
+    """Per-head output latents ``[T, H, L]`` → ``[T, D]`` (``Wv_b`` per head, then ``Wo``)."""
+    T, H = o.shape[0], o.shape[1]
+    o = torch.einsum("thl,hvl->thv", o, w.v_b)                         # [T, H, V]
     return w.wo(o.reshape(T, H * cfg.v_head_mla))
+
+
+#: sparse attention gathers the selected latents of at most this many (query, position, dim)
+SPARSE_CHUNK = 1 << 23
+
+
+def _sparse(Q: torch.Tensor, kc: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, L: int,
+            scale: float) -> torch.Tensor:
+    """Each query's attention over its own selected positions only: ``Q [T, H, L + R]``,
+    the cache ``kc [cap, L + R]``, ``idx``/``valid [T, k]`` (positions, and which of them
+    count) → ``[T, H, L]``; ``O(T·k)`` instead of the dense ``O(T·S)``, in chunks of rows."""
+    T, n = idx.shape
+    out = torch.empty(T, Q.shape[1], L, dtype=Q.dtype, device=Q.device)
+    step = max(1, SPARSE_CHUNK // max(1, n * kc.shape[1]))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        kg = kc[idx[a:b]]                                              # [t, k, L + R]
+        s = torch.einsum("thd,tkd->thk", Q[a:b], kg) * scale
+        s.masked_fill_(~valid[a:b, None, :], float("-inf"))
+        out[a:b] = torch.einsum("thk,tkl->thl", torch.softmax(s, dim=-1), kg[..., :L])
+    return out

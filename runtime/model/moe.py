@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 class MoEWeights:
     router: RouterWeights
     shared: DenseFFN | None = None
-    limit: float = 0.0           # the routed experts' swiglu clamp (0 = none): the native
-                                 # fused products have none, so such a layer runs expert_ffn
+    limit: float = 0.0           # the routed experts' swiglu clamp (0 = none)
 
 
 @dataclass
@@ -118,8 +117,7 @@ class ExpertRunner:
         return out
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
-                    shared: DenseFFN | None,
-                    then: Callable[[], None]
+                    shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0
                     ) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
         """One decode step that computes the resident experts (gate/up, then their down rows)
         and the shared expert while the missing ones are read, then the rest and the weighted
@@ -138,7 +136,7 @@ class ExpertRunner:
             return None, {**ready, **finish()}, None
         D = x.shape[1]
         hit_w = [ready[e] for e in hit]
-        h_hit = native_hidden(x, hit_w, self.act_quant)
+        h_hit = native_hidden(x, hit_w, self.act_quant, limit)
         v_hit = None if h_hit is None else native_down_rows(h_hit, hit_w, D, self.act_quant)
         sh = shared(x).float() if shared is not None and v_hit is not None else None
         rest = finish()
@@ -147,7 +145,7 @@ class ExpertRunner:
             return None, weights, None
         miss = [e for e in experts if e not in ready]
         miss_w = [rest[e] for e in miss]
-        h_miss = native_hidden(x, miss_w, self.act_quant)
+        h_miss = native_hidden(x, miss_w, self.act_quant, limit)
         v_miss = None if h_miss is None else native_down_rows(h_miss, miss_w, D, self.act_quant)
         if v_miss is None:
             return None, weights, sh
@@ -203,10 +201,10 @@ class ExpertRunner:
         self.stats.pairs += T * k
         try:
             out = weights = shared = None
-            fused = self.fused and not w.limit
+            fused = self.fused
             if T == 1 and fused and not self.dq.enabled:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
-                                                        prefetch_next)
+                                                        prefetch_next, w.limit)
             prefetch_next()
             if T > 1:
                 out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit)
@@ -215,7 +213,7 @@ class ExpertRunner:
                     weights = self._weights(layer, experts)
                 if fused:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
-                                        self.act_quant)
+                                        self.act_quant, w.limit)
                 if out is None:
                     out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
                     for j, e in enumerate(experts):

@@ -266,25 +266,26 @@ def _native_parts(experts: list, D: int) -> tuple | None:
 
 
 def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
-                    act_quant: str | None) -> torch.Tensor | None:
+                    act_quant: str | None, limit: float = 0.0) -> torch.Tensor | None:
     """One native call for the layer, or None when not applicable."""
     p = _native_parts(experts, x.shape[1])
     if p is None:
         return None
     G, U, Dn, types, n_ff = p
-    return native.moe(x, w, G, U, Dn, types, n_ff, act_quant)
+    return native.moe(x, w, G, U, Dn, types, n_ff, act_quant, limit)
 
 
-def native_hidden(x: torch.Tensor, experts: list,
-                  act_quant: str | None = None) -> torch.Tensor | None:
+def native_hidden(x: torch.Tensor, experts: list, act_quant: str | None = None,
+                  limit: float = 0.0) -> torch.Tensor | None:
     """The first phase of the native layer call for some of its experts: ``[n, n_ff]`` rows
-    ``silu(gate_j x) · up_j x`` (each row the same whatever else shares the call), or None."""
+    ``silu(gate_j x) · up_j x`` (each row the same whatever else shares the call; ``limit``:
+    the swiglu clamp), or None."""
     p = None if not experts or x.dim() != 2 or x.shape[0] != 1 else _native_parts(experts,
                                                                                  x.shape[1])
     if p is None:
         return None
     G, U, _, types, n_ff = p
-    return native.moe_hidden(x, G, U, types[:2], n_ff, act_quant)
+    return native.moe_hidden(x, G, U, types[:2], n_ff, act_quant, limit)
 
 
 def native_down_rows(h: torch.Tensor, experts: list, n_embd: int,
@@ -306,16 +307,16 @@ def native_combine(v: torch.Tensor, w: torch.Tensor, order: list[int]) -> torch.
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
-                  act_quant: str | None = None) -> torch.Tensor | None:
+                  act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor | None:
     """One decode step through ``experts`` (``ExpertWeights`` with GATE, UP and DOWN parts, or
     GATE_UP and DOWN for the native kernels): ``Σ_j w[j] · expert_j(x)`` as ``[1, n_embd]``
     float32, or None when not applicable. ``act_quant="q8"``: llama.cpp's activation
-    quantization (native kernels only)."""
+    quantization (native kernels only). ``limit`` > 0: the swiglu clamp (native kernels only)."""
     if experts and x.dim() == 2 and x.shape[0] == 1:
-        y = _native_experts(x, w, experts, act_quant)
+        y = _native_experts(x, w, experts, act_quant, limit)
         if y is not None:
             return y
-    if (_state["ok"] is False or x.device.type != "cpu" or x.dtype != torch.float32
+    if (limit or _state["ok"] is False or x.device.type != "cpu" or x.dtype != torch.float32
             or x.shape[0] != 1 or not experts):
         return None
     parts = []

@@ -4,6 +4,8 @@
 // ggml-cpu's ggml_vec_dot_*_generic (integer sums per block, combined in float).
 #include "kern.h"
 
+#include <algorithm>
+
 #include <math.h>
 #include <string.h>
 
@@ -191,7 +193,14 @@ void quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum) {
     }
 }
 
-void silu_mul(float* g, const float* u, int64_t n) {
+void silu_mul(float* g, const float* u, int64_t n, float limit) {
+    if (limit > 0.f) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = std::min(g[i], limit), v = std::max(std::min(u[i], limit), -limit);
+            g[i] = x / (1.f + expf(-x)) * v;
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 

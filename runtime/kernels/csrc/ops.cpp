@@ -226,11 +226,13 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
 // moe_down_rows / moe_combine so that a layer computed in parts (resident experts while the
 // others load) gives bit-identical results to one call.
 
-// Phase 1: h[e] = silu(gate_e x) * up_e x, written into h (n * ff floats). Rows are
+// Phase 1: h[e] = silu(gate_e x) * up_e x, written into h (n * ff floats); limit > 0:
+// llama.cpp's swiglu_clamp, silu(min(gate, limit)) * clamp(up, -limit, limit). Rows are
 // independent, so the result does not depend on which experts share the call.
 void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
                   const std::vector<const uint8_t*>& G, const std::vector<const uint8_t*>& U,
-                  int64_t rbg, int64_t rbu, int64_t tg, int64_t tu, int64_t mode, float* h) {
+                  int64_t rbg, int64_t rbu, int64_t tg, int64_t tu, int64_t mode, float* h,
+                  float limit) {
     const RowsFn fg = rows_fn((int)tg, (int)mode), fu = rows_fn((int)tu, (int)mode);
     TORCH_CHECK(fg && fu, "expertfs kernels: no kernel for these types");
     pybind11::gil_scoped_release nogil;
@@ -257,9 +259,9 @@ void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
         fg(G[e], rbg, r0, r1, D, xg, 1, ge, 0, 1.f, 0);
         fu(U[e], rbu, r0, r1, D, xu, 1, ue, 0, 1.f, 0);
         if (g_isa >= ISA_AVX2)
-            avx2_silu_mul(ge + r0, ue + r0, r1 - r0);
+            avx2_silu_mul(ge + r0, ue + r0, r1 - r0, limit);
         else
-            silu_mul(ge + r0, ue + r0, r1 - r0);
+            silu_mul(ge + r0, ue + r0, r1 - r0, limit);
     });
 }
 
@@ -360,7 +362,7 @@ Experts check_experts(const std::vector<at::Tensor>& gate, const std::vector<at:
 // `up` empty: each gate tensor is a fused gate_up (rows [0, ff) gate, [ff, 2 ff) up).
 at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at::Tensor>& gate,
                const std::vector<at::Tensor>& up, const std::vector<at::Tensor>& down,
-               int64_t tg, int64_t tu, int64_t td, int64_t ff, int64_t mode) {
+               int64_t tg, int64_t tu, int64_t td, int64_t ff, int64_t mode, double limit) {
     TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe takes one token");
     const int64_t D = x_.size(1);
     const at::Tensor x = check_x(x_, D);
@@ -369,7 +371,7 @@ at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at:
     const at::Tensor w = w_.to(at::kFloat).contiguous();
     std::vector<float> h((size_t)(ex.n * ff));
     hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
-                 h.data());
+                 h.data(), (float)limit);
     at::Tensor y = at::empty({1, D}, x.options());   // the first expert writes, the rest add
     std::unique_ptr<float[]> v(new float[(size_t)(ex.n * D)]);  // every element written
     down_phase(h.data(), ex.n, ff, D, ex.Dn, ex.rbd, td, mode, v.get(), w.data_ptr<float>(),
@@ -380,14 +382,14 @@ at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at:
 // Phase 1 alone: [n, ff] float32, h[e] = silu(gate_e x) * up_e x.
 at::Tensor moe_hidden(const at::Tensor& x_, const std::vector<at::Tensor>& gate,
                       const std::vector<at::Tensor>& up, int64_t tg, int64_t tu, int64_t ff,
-                      int64_t mode) {
+                      int64_t mode, double limit) {
     TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe_hidden takes one token");
     const int64_t D = x_.size(1);
     const at::Tensor x = check_x(x_, D);
     const Experts ex = check_experts(gate, up, nullptr, D, tg, tu, 0, ff, mode);
     at::Tensor h = at::empty({ex.n, ff}, x.options());
     hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
-                 h.data_ptr<float>());
+                 h.data_ptr<float>(), (float)limit);
     return h;
 }
 
@@ -560,10 +562,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("moe", &efs::moe, "one decode step through a layer's selected experts",
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("gate"), pybind11::arg("up"),
           pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"),
-          pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"));
+          pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"),
+          pybind11::arg("limit") = 0.0);
     m.def("moe_hidden", &efs::moe_hidden, "phase 1 of moe: silu(gate x) * up x per expert",
           pybind11::arg("x"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("tg"),
-          pybind11::arg("tu"), pybind11::arg("ff"), pybind11::arg("mode"));
+          pybind11::arg("tu"), pybind11::arg("ff"), pybind11::arg("mode"),
+          pybind11::arg("limit") = 0.0);
     m.def("moe_down_rows", &efs::moe_down_rows, "phase 2's unscaled rows down_e h[e], [n, D]",
           pybind11::arg("h"), pybind11::arg("down"), pybind11::arg("td"), pybind11::arg("D"),
           pybind11::arg("mode"));

@@ -123,9 +123,24 @@ def _hf_config(cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("glm5_next"), "f32")
+
+
+@pytest.fixture(scope="module")
+def built_f16(tmp_path_factory):
+    """The same model with every weight rounded to float16 (in transformers too), converted to
+    F16, which is then lossless: the experts run on the native F16 kernels."""
+    return _build(tmp_path_factory.mktemp("glm5_next_f16"), "f16")
+
+
+def _build(d, outtype: str):
     from safetensors.torch import save_file
-    d = tmp_path_factory.mktemp("glm5_next")
     text, head = _model(SEED)
+    if outtype == "f16":
+        with torch.no_grad():
+            for v in (*text.state_dict().values(), *head.state_dict().values()):
+                if v.is_floating_point():
+                    v.copy_(v.half().float())
     hf = d / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(_hf_config(text.config)))
@@ -138,10 +153,12 @@ def built(tmp_path_factory):
     nx[p + "eh_proj.weight"] = torch.randn(D, 2 * D, generator=g) * 0.05
     for n in ("enorm", "hnorm", "shared_head.norm"):
         nx[p + n + ".weight"] = 1.0 + 0.2 * torch.randn(D, generator=g)
+    if outtype == "f16":
+        nx = {k: v.half().float() for k, v in nx.items()}
     save_file({**_checkpoint(text, head), **nx}, hf / "model.safetensors",
               metadata={"format": "pt"})
     try:
-        gguf = convert(hf, d / "model-F32.gguf", outtype="f32")
+        gguf = convert(hf, d / f"model-{outtype.upper()}.gguf", outtype=outtype)
     except ConverterUnavailable as e:
         pytest.skip(f"llama.cpp's converter is unavailable: {e}")
     store = str(d / "model.efs")
@@ -237,6 +254,30 @@ def test_logits_equal_transformers(built, batch):
     print(f"max |d| {batch}: {d:.3g}")
     assert d <= TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("batch", [512, 5, 1], ids=["whole", "batches-of-5", "one-by-one"])
+def test_logits_equal_transformers_through_the_clamped_native_experts(built_f16, batch,
+                                                                     monkeypatch):
+    """fused on: one-token steps take the native MoE kernel with the SwiGLU clamp inside."""
+    from expertfs.runtime import kernels
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    limits = []
+    moe = kernels.moe
+
+    def counting(*a, **k):
+        y = moe(*a, **k)
+        limits.append((a[8] if len(a) > 8 else k.get("limit", 0.0)) if y is not None else None)
+        return y
+    monkeypatch.setattr(kernels, "moe", counting)
+    ref = built_f16[3]
+    ours = _ours(built_f16[2], prefill_batch=batch, fused="on")
+    d = np.abs(ours - ref).max()
+    print(f"max |d| {batch} fused: {d:.3g}")
+    assert d <= TOL and (ours.argmax(-1) == ref.argmax(-1)).all()
+    if batch == 1:                      # every MoE block of every step, clamped, native
+        assert len(limits) == (N_LAYERS - 1) * len(TOKENS) and set(limits) == {1.5}
 
 
 def test_config_as_llama_cpp_reads_it(built):

@@ -179,10 +179,11 @@ def test_the_sparse_selection_changes_the_logits(built):
     assert d[:TOP_K].max() < 1e-5 and d[TOP_K:].min() > 1e-2
 
 
+@pytest.mark.parametrize("fused", ["off", "on"])
 @pytest.mark.parametrize("batch", [512, 5, 1], ids=["whole", "batches-of-5", "one-by-one"])
-def test_logits_equal_transformers(built, batch):
+def test_logits_equal_transformers(built, batch, fused):
     _, _, _, store, ref = built
-    ours = _ours(store, prefill_batch=batch)
+    ours = _ours(store, prefill_batch=batch, fused=fused)
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()

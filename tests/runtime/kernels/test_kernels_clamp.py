@@ -1,0 +1,127 @@
+"""The native MoE kernels with llama.cpp's SwiGLU clamp (``ggml_swiglu_clamp``, glm5-next's
+``swiglu_clamp_exp``): ``silu(min(gate, limit)) · clamp(up, -limit, limit)``. Clamped rows
+equal the torch reference (``runtime.model.ffn.swiglu`` on the kernels' own products, and the
+whole layer on gguf-py-tested float weights) on every ISA, exact and q8, with the clamp biting;
+computed in parts (``moe_hidden`` / ``moe_down_rows`` / ``moe_combine``) they equal one call bit
+for bit; ``limit`` 0 is the unclamped product.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertfs.formats.dequant import dequantize
+from expertfs.formats.ggml import GGMLType as T
+from expertfs.formats.ggml import block_size
+from expertfs.formats.random_blocks import make_blocks
+from expertfs.runtime import kernels
+from expertfs.runtime.model.ffn import swiglu
+
+MOD = kernels.load()
+pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
+                                f"{kernels.status()['reason']}")
+
+LIMIT = 0.5
+
+
+def isas() -> list[str]:
+    best = MOD.info()["best_isa"] if MOD is not None else "scalar"
+    return {"scalar": ["scalar"], "avx2": ["scalar", "avx2"],
+            "avx512": ["scalar", "avx2", "avx512"]}[best]
+
+
+@pytest.fixture
+def isa(request):
+    MOD.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        MOD.set_isa("best")
+
+
+def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
+    b = make_blocks(t, rows * cols // block_size(t), cols ** -0.5, np.random.default_rng(seed))
+    return torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy())
+
+
+def experts(types, n, D, ff, fused, seed):
+    tg, tu, td = types
+    gate = [weight(tg, 2 * ff if fused else ff, D, seed + j) for j in range(n)]
+    up = None if fused else [weight(tu, ff, D, seed + 50 + j) for j in range(n)]
+    down = [weight(td, D, ff, seed + 100 + j) for j in range(n)]
+    return gate, up, down
+
+
+def gate_up(x, gate, up, types, D, ff, j, aq):
+    if up is None:
+        return kernels.matvec(x, gate[j], types[0], (2 * ff, D), aq).chunk(2, -1)
+    return (kernels.matvec(x, gate[j], types[0], (ff, D), aq),
+            kernels.matvec(x, up[j], types[1], (ff, D), aq))
+
+
+MIXES = [((T.IQ2_XXS, T.IQ2_XXS, T.IQ2_S), False, 256),      # maya-s gate/up, down
+         ((T.Q4_K, T.Q4_K, T.Q6_K), False, 256),
+         ((T.Q8_0, T.Q8_0, T.IQ4_NL), True, 160),            # fused gate_up, 160-row experts
+         ((T.F16, T.F16, T.F16), False, 100)]                # rows not a multiple of 8
+MIX_IDS = ["maya", "q4k-q6k", "fused-q8_0", "f16-tail"]
+
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("types,fused,ff", MIXES, ids=MIX_IDS)
+def test_clamped_moe_equals_the_torch_reference(types, fused, ff, isa):
+    D, n = 512, 4
+    gate, up, down = experts(types, n, D, ff, fused, 31)
+    x = 3 * torch.randn(1, D, generator=torch.Generator().manual_seed(4))
+    w = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    for aq in ("off", "q8"):
+        h = kernels.moe_hidden(x, gate, up, types[:2], ff, aq, LIMIT)
+        ref_h, ref, bites = [], torch.zeros(1, D), 0
+        for j in range(n):
+            g, u = gate_up(x, gate, up, types, D, ff, j, aq)
+            bites += int((g > LIMIT).sum() + (u.abs() > LIMIT).sum())
+            ref_h.append(swiglu(g, u, LIMIT))
+            ref += w[j] * kernels.matvec(ref_h[-1], down[j], types[2], (D, ff), aq)
+        ref_h = torch.cat(ref_h)
+        assert bites > n * ff // 2                                   # the clamp bites
+        assert torch.allclose(h, ref_h, atol=1e-6 * float(ref_h.abs().max()), rtol=1e-5), aq
+        got = kernels.moe(x, w, gate, up, down, types, ff, aq, LIMIT)
+        assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0), aq
+        free = kernels.moe(x, w, gate, up, down, types, ff, aq)
+        assert torch.equal(free, kernels.moe(x, w, gate, up, down, types, ff, aq, 0.0))
+        assert not torch.allclose(free, got, atol=1e-2 * float(ref.abs().max()), rtol=0)
+    tg, tu, td = types                                               # float weights, exact
+    ref = torch.zeros(1, D)
+    for j in range(n):
+        if fused:
+            g, u = F.linear(x, dequantize(gate[j], tg, (2 * ff, D))).chunk(2, -1)
+        else:
+            g = F.linear(x, dequantize(gate[j], tg, (ff, D)))
+            u = F.linear(x, dequantize(up[j], tu, (ff, D)))
+        ref += w[j] * F.linear(swiglu(g, u, LIMIT), dequantize(down[j], td, (D, ff)))
+    got = kernels.moe(x, w, gate, up, down, types, ff, "off", LIMIT)
+    assert torch.allclose(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("aq", ["off", "q8"])
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("types,fused,ff", MIXES, ids=MIX_IDS)
+def test_clamped_moe_in_parts_equals_one_call_bit_for_bit(types, fused, ff, aq, isa):
+    D, n = 512, 6
+    gate, up, down = experts(types, n, D, ff, fused, 41)
+    x = 3 * torch.randn(1, D, generator=torch.Generator().manual_seed(5))
+    w = torch.rand(n, generator=torch.Generator().manual_seed(6))
+    want = kernels.moe(x, w, gate, up, down, types, ff, aq, LIMIT)
+    for first in ([0, 2, 3], [5], [1, 2, 3, 4, 5]):
+        parts = (first, [j for j in range(n) if j not in first])
+        vs = []
+        for part in parts:
+            h = kernels.moe_hidden(x, [gate[j] for j in part],
+                                   None if up is None else [up[j] for j in part],
+                                   types[:2], ff, aq, LIMIT)
+            vs.append(kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq))
+        row = {j: i for i, j in enumerate(parts[0] + parts[1])}
+        got = kernels.moe_combine(torch.cat(vs), w, [row[j] for j in range(n)])
+        assert torch.equal(got, want), first
