@@ -18,10 +18,9 @@ from gguf import quants
 from expertfs.formats.dequant import dequantize
 from expertfs.formats.ggml import type_size
 from expertfs.runtime import kernels
+from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
 
-MOD = kernels.load()
-pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
-                                f"{kernels.status()['reason']}")
+pytestmark = NEEDS_NATIVE
 
 ALL = [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4, T.Q5_0,
        T.Q5_1, T.Q4_1, T.BF16, T.F16]
@@ -29,21 +28,6 @@ _F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
                T.IQ4_XS: (0,)}
 _Q8_1 = (T.Q4_1, T.Q5_1)
 _K = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
-
-
-def isas() -> list[str]:
-    best = MOD.info()["best_isa"] if MOD is not None else "scalar"
-    return {"scalar": ["scalar"], "avx2": ["scalar", "avx2"],
-            "avx512": ["scalar", "avx2", "avx512"]}[best]
-
-
-@pytest.fixture
-def isa(request):
-    MOD.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        MOD.set_isa("best")
 
 
 def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -165,17 +149,17 @@ def test_q8k_quantizer_bytes_equal_ggml_reference():
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)) * 3
     x[1, :256] = 0.0                                   # amax == 0: d = 0, qs = 0
     x[2, 7], x[2, 9] = 4.0, -4.0                       # a tie: the first one sets the sign
-    for isa in isas():
-        MOD.set_isa(isa)
+    for name in isas():
+        MOD.set_isa(name)
         try:
             b = MOD.quantize_q8k_bytes(x).numpy().reshape(3, 2, 292)
         finally:
             MOD.set_isa("best")
         for r in range(3):
             d, q, bs = q8k_numpy(x[r].numpy())
-            assert np.array_equal(b[r, :, :4].copy().view(np.float32)[:, 0], d), isa
-            assert np.array_equal(b[r, :, 4:260].view(np.int8), q), isa
-            assert np.array_equal(b[r, :, 260:].copy().view(np.int16), bs), isa
+            assert np.array_equal(b[r, :, :4].copy().view(np.float32)[:, 0], d), name
+            assert np.array_equal(b[r, :, 4:260].view(np.int8), q), name
+            assert np.array_equal(b[r, :, 260:].copy().view(np.int16), bs), name
 
 
 def test_act_dequant_is_what_q8_multiplies():

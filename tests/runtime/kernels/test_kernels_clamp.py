@@ -19,27 +19,11 @@ from expertfs.formats.ggml import block_size
 from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
 from expertfs.runtime.model.ffn import swiglu
+from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
 
-MOD = kernels.load()
-pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
-                                f"{kernels.status()['reason']}")
+pytestmark = NEEDS_NATIVE
 
 LIMIT = 0.5
-
-
-def isas() -> list[str]:
-    best = MOD.info()["best_isa"] if MOD is not None else "scalar"
-    return {"scalar": ["scalar"], "avx2": ["scalar", "avx2"],
-            "avx512": ["scalar", "avx2", "avx512"]}[best]
-
-
-@pytest.fixture
-def isa(request):
-    MOD.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        MOD.set_isa("best")
 
 
 def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -17,29 +17,13 @@ from expertfs.formats.dequant import dequantize
 from expertfs.formats.ggml import GGMLType as T
 from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
+from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
 
-MOD = kernels.load()
-pytestmark = pytest.mark.skipif(MOD is None, reason=f"native kernels unavailable: "
-                                f"{kernels.status()['reason']}")
+pytestmark = NEEDS_NATIVE
 
 GRID = [T.IQ2_XXS, T.IQ2_S, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 TERNARY = [T.TQ1_0, T.TQ2_0]
 ALL = [T.IQ4_NL] + GRID + TERNARY
-
-
-def isas() -> list[str]:
-    best = MOD.info()["best_isa"] if MOD is not None else "scalar"
-    return {"scalar": ["scalar"], "avx2": ["scalar", "avx2"],
-            "avx512": ["scalar", "avx2", "avx512"]}[best]
-
-
-@pytest.fixture
-def isa(request):
-    MOD.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        MOD.set_isa("best")
 
 
 def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from expertfs.runtime import kernels
-from test_kernels import isa  # noqa: F401  (fixture: kernels.set_isa for the test, then best)
+from support.native import isa  # noqa: F401  (fixture: kernels.set_isa for the test, then best)
 from expertfs.runtime.model import rope as rope_mod
 from expertfs.runtime.model.config import ROPE_NEOX
 
