@@ -31,6 +31,7 @@ import torch
 
 from ..errors import UsageError
 from .experts.protocol import ExpertProvider, WarmStart
+from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
 from .model import DequantCache, ExpertRunner, Model, ModelConfig, Router, TrunkReader, load_trunk
 from .prefetch.lookahead import LookaheadStats
@@ -162,9 +163,10 @@ class Engine:
         self._warm = provider if isinstance(provider, WarmStart) else None
         if self._warm is not None:
             provider.hold_warm()
-        self.trunk = load_trunk(self.reader, self.config, dtype=self.dtype, device=self.device,
-                                trunk_mode=options.trunk, float_budget=budget,
-                                nextn=options.load_nextn, fused=fused)
+        with device_memory(f"the trunk on {self.device}", fix=TRUNK_FIX):
+            self.trunk = load_trunk(self.reader, self.config, dtype=self.dtype,
+                                    device=self.device, trunk_mode=options.trunk,
+                                    float_budget=budget, nextn=options.load_nextn, fused=fused)
         self.load_seconds = time.perf_counter() - t0
         look = LookaheadStats(options.lookahead_margin) if options.lookahead else None
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
@@ -175,9 +177,10 @@ class Engine:
             t1 = time.perf_counter()
             self._precompile()
             self.compile_seconds = time.perf_counter() - t1
-        self.model = Model(self.config, self.trunk, self.runner, device=self.device,
-                           dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
-                           lookahead_margin=options.lookahead_margin)
+        with device_memory(f"the KV cache on {self.device}", fix=KV_FIX):
+            self.model = Model(self.config, self.trunk, self.runner, device=self.device,
+                               dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
+                               lookahead_margin=options.lookahead_margin)
         if fused:
             from . import kernels
             if kernels.available():
@@ -252,7 +255,9 @@ class Engine:
         obs = self._observers
         was, self.runner.decoding = self.runner.decoding, decoding
         try:
-            out = self.model.forward(self._ids(tokens), logits=logits, hidden=bool(obs))
+            with device_memory(f"{len(tokens)} tokens at position {self.model.pos} (KV cache "
+                               "growth, activations)", fix=KV_FIX):
+                out = self.model.forward(self._ids(tokens), logits=logits, hidden=bool(obs))
         finally:
             self.runner.decoding = was
         for o in obs:

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
+from ._tiers import ram_tier as _ram_tier
 
 __all__ = ["register", "run"]
 
@@ -55,7 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ram", type=size_arg, default=None,
                    help="RAM tier for experts (default: up to 4G, a quarter of RAM, and what "
                    "the memory limit leaves beside the trunk)")
-    p.add_argument("--vram", type=size_arg, default=0, help="VRAM tier for experts (default 0)")
+    p.add_argument("--vram", type=size_arg, default=None,
+                   help="VRAM tier for experts (default: on CUDA, what free device memory leaves "
+                        "beside the trunk, KV cache and workspace; 0: none)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--ctx", type=int, default=4096, help="context length limit (4096)")
@@ -113,44 +116,6 @@ def _device(name: str) -> str:
     if name != "cpu" and not name.startswith("cuda"):
         raise UsageError(f"unknown --device {name!r}", fix="use cpu, cuda, cuda:N or auto")
     return name
-
-
-def _log_paths(g, device: str, fused: str) -> None:
-    """One line per ggml type that falls back to torch dequantization (WARNING for expert
-    tensors, INFO for the trunk's), and every type's path at INFO."""
-    from ..runtime.plan.paths import describe_paths
-    summary, slow = describe_paths(g, device, fused != "off")
-    log.info("compute paths on %s: %s", device, summary)
-    for t, role in slow:
-        (log.warning if role == "experts" else log.info)(
-            "%s tensors of type %s have no native kernel here: they run through torch "
-            "dequantization (far slower)", role, t)
-
-
-def _ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
-    """``--ram``, or the default ``expertfs plan`` reports for this box: what the memory limit
-    (a cgroup cap or ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the
-    runtime, the trunk, the KV cache at ``--ctx`` (on the CPU it is host memory) and the
-    workspace (``runtime.plan.host.run_host_budget``); a budget that would push the trunk out
-    of memory is warned about."""
-    from ..runtime.plan.host import run_host_budget
-    from ..runtime.plan.model import geometry_of_store
-    from ..runtime.plan.paths import kept_types
-    from ..store.reader import Store
-    kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
-    on = "cpu" if device == "cpu" else "gpu"
-    with Store.open(args.store) as s:
-        g = geometry_of_store(s)
-    _log_paths(g, device, fused)
-    vram_experts = (args.vram // g.slot_bytes) if on == "gpu" else 0
-    budget = run_host_budget(g, args.ctx, on, args.trunk, kv_type=kv_type if on == "cpu" else None,
-                             kept_types=kept_types(device, fused != "off"),
-                             vram_tier_experts=vram_experts)
-    ram = args.ram if args.ram is not None else (budget.slab or 64 << 20)   # 0: no room
-    warning = budget.warning(ram)
-    if warning:
-        print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
-    return ram
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -212,6 +177,8 @@ def _open(args: argparse.Namespace):
 def _stats(eng, spec) -> dict[str, Any]:
     """``eng.stats()`` with the speculation's figures (``"mtp"``, ``"route_tail_skip"``)."""
     st = eng.stats()
+    if hasattr(eng.provider, "describe"):          # slots, bytes, pinned bytes of the tiers
+        st["tiers"] = eng.provider.describe()
     if spec is not None:
         st.update(spec.report())
     return st
@@ -357,6 +324,8 @@ def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = Non
         "hit_rate": {k: (v - hits0.get(k, 0)) / requests for k, v in ps.hits.items()},
         "stall_s": ps.stall_seconds - stall0,
         "ram_tier_bytes": getattr(args, "ram_tier_bytes", None),
+        "vram_tier_bytes": args.vram, "vram_plan": getattr(args, "vram_plan", None),
+        "pinned_bytes": st.get("tiers", {}).get("pinned_bytes", 0),
     }
     if preload_s is not None:
         summary["preload_s"] = preload_s

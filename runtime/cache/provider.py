@@ -230,6 +230,7 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
             "ram_slots": s.ram, "staging_slots": s.staging, "vram_slots": s.vram,
             "compute_slots": s.compute, "prefetch_slots": s.prefetch,
             "ram_bytes": c.host.nbytes, "vram_bytes": c.dev.nbytes if c.dev is not None else 0,
-            "pinned": c.host.pinned, "pin_note": c.host.pin_note,
+            "pinned": c.host.pinned, "pinned_bytes": c.host.pinned_bytes,
+            "pin_note": c.host.pin_note,
             "backend": self.reader.backend_name, "history": self.history is not None,
         }

@@ -4,7 +4,8 @@ Every slot holds one expert whatever its size: the slot is the store's largest e
 up to the page, so any expert fits any slot and a tier is a plain array of slots (no
 fragmentation, no allocator in the hot path). The host slab comes from
 :class:`expertfs.runtime.io.HostSlab` (page-aligned for O_DIRECT, pinned with cudaHostRegister
-when CUDA is present, within the :class:`PinBudget`, pageable with a warning otherwise); the
+when CUDA is present, as many slots as the :class:`PinBudget` allows, the rest pageable; free
+pinned slots are handed out first); the
 device slab is one ``torch.empty`` on the CUDA device, or a page-aligned CPU slab when the
 "device" is the CPU.
 
@@ -29,6 +30,7 @@ from expertfs.store.layout import Extent
 from ..experts.protocol import QWeight, weights_from_buffer
 from ..io import PAGE, HostSlab, PinBudget, aligned_empty
 from .copier import Fence, host_wait
+from .vram import device_memory
 
 __all__ = ["SlotPool"]
 
@@ -51,14 +53,22 @@ class SlotPool:
                                   alignment=alignment)
             self.tensor = self._slab.tensor
             self.pinned, self.pin_note = self._slab.pinned, self._slab.pin_note
+            self.pinned_slots = self._slab.pinned_slots
         else:
             n = n_slots * self.stride
-            self.tensor = (torch.empty(n, dtype=torch.uint8, device=device)
-                           if device.type == "cuda" else aligned_empty(n, alignment=alignment))
-            self.pinned, self.pin_note = False, "device memory"
+            if device.type == "cuda":
+                with device_memory(f"the {name} tier's slab of {n_slots} expert slots",
+                                   nbytes=n, fix="give a smaller --vram (or --vram 0)"):
+                    self.tensor = torch.empty(n, dtype=torch.uint8, device=device)
+            else:
+                self.tensor = aligned_empty(n, alignment=alignment)
+            self.pinned, self.pin_note, self.pinned_slots = False, "device memory", 0
         st = self.stride
         self._views = [self.tensor[i * st:i * st + slot_bytes] for i in range(n_slots)]
-        self._free = deque(range(n_slots))      # FIFO: the longest free, whose copies are done
+        # FIFO each (the longest free, whose copies are done); pinned slots first, so staging
+        # reads and uploads go through page-locked memory whenever a pinned slot is free
+        self._free = deque(range(self.pinned_slots))
+        self._free_pageable = deque(range(self.pinned_slots, n_slots))
         self.fence: list[Fence] = [None] * n_slots
         self.base = self.tensor.data_ptr()
         self._parts: dict[tuple[int, int], Mapping[Any, QWeight]] = {}
@@ -69,7 +79,11 @@ class SlotPool:
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_pageable)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pinned_slots * self.stride
 
     def view(self, i: int) -> torch.Tensor:
         """Slot ``i`` as a flat uint8 tensor of ``slot_bytes`` (a view into the slab)."""
@@ -96,9 +110,12 @@ class SlotPool:
     def alloc(self, *, host_write: bool) -> int | None:
         """A free slot, or None. ``host_write``: the caller writes it from the host (a storage
         read), so any asynchronous copy still touching it is waited for first."""
-        if not self._free:
+        if self._free:
+            i = self._free.popleft()
+        elif self._free_pageable:
+            i = self._free_pageable.popleft()
+        else:
             return None
-        i = self._free.popleft()
         if host_write and self.fence[i] is not None:
             host_wait(self.fence[i])
             self.fence[i] = None
@@ -107,11 +124,11 @@ class SlotPool:
     def free(self, i: int, fence: Fence = None) -> None:
         if fence is not None:
             self.fence[i] = fence
-        self._free.append(i)
+        (self._free if i < self.pinned_slots else self._free_pageable).append(i)
 
     def close(self) -> None:
         if self._slab is not None:
             self._slab.close()
-        self._free = deque()
+        self._free, self._free_pageable = deque(), deque()
         self._views = []
         self._parts = {}

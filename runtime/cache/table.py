@@ -4,10 +4,17 @@
 every expert resident in the tier the forward pass reads (the device tier, or the host tier on a
 CPU-only run), -1 for the others. A CUDA forward pass can map its router's top-k ids to slots
 and gather weights from the slab without a sync to the host. ``host`` is the mechanism's mirror
-(numpy, updated at once). On CUDA the device copy is written on the copy stream, in order with
-the uploads: a set is queued after the upload of the expert and before the upload's event, so
-a compute stream that waited on that event sees it; a clear is queued before anything else
-is written into the freed slot. On CPU both are one array.
+(numpy, updated at once). On CPU both are one array.
+
+On a device the table is never written element by element (an indexing assignment from a
+Python scalar is a blocking host-to-device copy: every upload would synchronise the copy
+stream). Updates are collected on the host and written by :meth:`flush` as one batch: one small
+host buffer (pinned on CUDA), one ``non_blocking`` copy and one ``index_copy_``, queued on the
+current stream. ``set_now`` flushes (call it from the copy stream, after the upload of the
+expert and before the upload's event: ``Copier.copy(then=...)``); ``clear`` only records, so
+the -1 reaches the device with the next flush, which the copy stream queues after it waited on
+the freed slot's fence: a kernel still reading the victim's row before its release sees its
+slot until it is done.
 """
 
 from __future__ import annotations
@@ -21,17 +28,29 @@ __all__ = ["SlotTable"]
 
 
 class SlotTable:
-    def __init__(self, n_layers: int, n_experts: int, device: torch.device, copier: Copier) -> None:
+    def __init__(self, n_layers: int, n_experts: int, device: torch.device, copier: Copier,
+                 *, mirror: bool = False) -> None:
+        """``mirror``: keep a separate device copy even on a non-CUDA device (tests)."""
         self.host = np.full((n_layers, n_experts), -1, dtype=np.int32)
         self.copier = copier
-        if device.type == "cuda":
-            self.device = torch.full((n_layers, n_experts), -1, dtype=torch.int32, device=device)
-            # the fill above runs on the current stream; later writes run on the copy stream
-            copier.stream.wait_stream(torch.cuda.current_stream(device))
-            self._shared = False
-        else:
+        self._E = n_experts
+        self._pending: dict[int, int] = {}      # flat index -> slot, not yet on the device
+        self._pin = device.type == "cuda"
+        self.writes = 0                         # batches written to the device copy
+        if device.type == "cpu" and not mirror:
             self.device = torch.from_numpy(self.host)
             self._shared = True
+            return
+        self.device = torch.full((n_layers, n_experts), -1, dtype=torch.int32, device=device)
+        self._shared = False
+        if device.type == "cuda":
+            # the fill above runs on the current stream; later writes run on the copy stream
+            copier.stream.wait_stream(torch.cuda.current_stream(device))
+
+    @property
+    def pending(self) -> int:
+        """Updates recorded on the host and not yet written to the device copy."""
+        return len(self._pending)
 
     def lookup(self, layer_index: int, expert: int) -> int:
         return int(self.host[layer_index, expert])
@@ -41,16 +60,40 @@ class SlotTable:
         return self.device[layer_index]
 
     def set_now(self, layer_index: int, expert: int, slot: int) -> None:
-        """Write both copies; on CUDA the device write is queued on the current stream, so call
-        it from the copy stream (``Copier.copy(then=...)`` or ``Copier.on_stream``)."""
+        """Write both copies (with any pending clears); on a device the write is queued on the
+        current stream, so call it from the copy stream (``Copier.copy(then=...)``)."""
         self.host[layer_index, expert] = slot
         if not self._shared:
-            self.device[layer_index, expert] = slot
+            self._pending[layer_index * self._E + expert] = int(slot)
+            self.flush()
 
     def clear(self, layer_index: int, expert: int) -> None:
-        """Mark an expert absent, ordered before later copies on the copy stream."""
+        """Mark an expert absent: at once on the host, on the device with the next flush (the
+        upload into its freed slot, after the copy stream waited on the slot's fence)."""
         if self.host[layer_index, expert] < 0:
             return
         self.host[layer_index, expert] = -1
         if not self._shared:
-            self.copier.on_stream(lambda: self.device[layer_index, expert].fill_(-1))
+            self._pending[layer_index * self._E + expert] = -1
+
+    def flush(self) -> None:
+        """Write the pending updates to the device copy on the current stream: one host buffer,
+        one non-blocking copy, one ``index_copy_``; the host never waits."""
+        if self._shared or not self._pending:
+            return
+        n = len(self._pending)
+        arr = np.empty(2 * n, dtype=np.int32)
+        arr[:n] = np.fromiter(self._pending.keys(), dtype=np.int32, count=n)
+        arr[n:] = np.fromiter(self._pending.values(), dtype=np.int32, count=n)
+        self._pending.clear()
+        self._write(torch.from_numpy(arr))
+        self.writes += 1
+
+    def _write(self, batch: torch.Tensor) -> None:
+        """``batch``: n flat indices then their n slots (int32, host)."""
+        n = batch.numel() // 2
+        if self._pin:
+            # the caching host allocator keeps a pinned block until the copies that read it ran
+            batch = batch.pin_memory()
+        d = batch.to(self.device, non_blocking=True)
+        self.device.view(-1).index_copy_(0, d[:n].long(), d[n:])

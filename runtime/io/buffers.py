@@ -3,8 +3,10 @@
 O_DIRECT needs the buffer address, the file offset and the length on the alignment (4 KiB
 here, the safe value for NVMe). ``torch.empty`` is not page-aligned; an anonymous ``mmap`` is,
 and ``torch.frombuffer`` over it is zero-copy, so every buffer the engine allocates comes from
-one. Pinning (``cudaHostRegister`` through torch) happens only when CUDA is present, only up to
-the :class:`PinBudget`, and a failure falls back to pageable memory with a logged warning.
+one. Pinning (``cudaHostRegister`` through torch) happens only when CUDA is present, as far as
+the :class:`PinBudget` goes (a slab larger than what is left is pinned in part, slot by slot), and
+a failure is cleared from the CUDA runtime and falls back to pageable memory with a
+:class:`PinWarning`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -24,7 +27,7 @@ from expertfs.units import parse_size
 from .errors import IOUsageError
 
 __all__ = ["PAGE", "aligned_empty", "host_view", "is_device_buffer", "address_of", "nbytes_of",
-           "PinBudget", "default_pin_budget", "HostSlab"]
+           "PinBudget", "PinWarning", "default_pin_budget", "HostSlab"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,13 @@ class PinBudget:
             self.used += n
             return True
 
+    def reserve_up_to(self, n: int, unit: int) -> int:
+        """Reserve as much of ``n`` bytes as fits, in whole ``unit``s; returns the bytes taken."""
+        with self._lock:
+            take = min(n, max(0, self.limit - self.used) // unit * unit)
+            self.used += take
+            return take
+
     def release(self, n: int) -> None:
         with self._lock:
             self.used = max(0, self.used - n)
@@ -167,6 +177,11 @@ def default_pin_budget() -> PinBudget:
     return _default_budget
 
 
+class PinWarning(RuntimeWarning):
+    """Host memory could not be page-locked (or unlocked): what failed, the CUDA error, and the
+    consequence (pageable memory: host-to-device copies of it are synchronous)."""
+
+
 def _cuda_host_register(ptr: int, nbytes: int) -> int:
     return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
 
@@ -175,11 +190,49 @@ def _cuda_host_unregister(ptr: int) -> int:
     return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
 
+_cudart_lib: Any = None
+
+
+def _cuda_get_last_error() -> int:
+    """``cudaGetLastError()``: returns and clears the runtime's pending error (torch's cudart
+    bindings lack it, so it is called from the libcudart torch loaded; -1 if none is found).
+    A failed ``cudaHostRegister`` leaves its error pending: the next kernel launch check of
+    unrelated work would raise it."""
+    global _cudart_lib
+    if _cudart_lib is None:
+        import glob
+        names = [None, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+        names += sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia",
+                                               "cuda_runtime", "lib", "libcudart.so*")))
+        for name in names:
+            try:
+                lib = ctypes.CDLL(name)
+                fn = lib.cudaGetLastError
+            except (OSError, AttributeError):
+                continue
+            fn.restype = ctypes.c_int
+            _cudart_lib = fn
+            break
+        else:
+            _cudart_lib = False
+    return int(_cudart_lib()) if _cudart_lib else -1
+
+
+def _cuda_error_name(err: int) -> str:
+    try:
+        return f"{err} ({torch.cuda.cudart().cudaGetErrorString(err)})"
+    except Exception:                       # noqa: BLE001 - the name is only for the message
+        return str(err)
+
+
 class HostSlab:
     """``n_slots`` page-aligned slots of ``slot_bytes`` in one anonymous mapping.
 
     ``pin``: "auto" pins when CUDA is available, True asks for it (warns when impossible),
-    False never pins. ``pinned`` says what happened and ``pin_note`` why.
+    False never pins. As many leading slots as the :class:`PinBudget` allows are pinned
+    (``pinned_slots``, ``pinned_bytes``), the rest stay pageable; ``pinned`` is True when all
+    are, and ``pin_note`` says what happened and why. A failed ``cudaHostRegister`` is cleared
+    from the CUDA runtime and reported as a :class:`PinWarning`; the slab stays pageable.
     """
 
     def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | str = "auto",
@@ -193,10 +246,16 @@ class HostSlab:
         self.nbytes = self.stride * n_slots
         self.tensor = aligned_empty(self.nbytes, alignment=alignment, huge=True)
         self.pinned = False
+        self.pinned_bytes = 0
         self.pin_note = "not pinned (pin=False)"
         self._budget = budget if budget is not None else default_pin_budget()
         if pin is True or pin == "auto":
             self._pin(required=pin is True)
+
+    @property
+    def pinned_slots(self) -> int:
+        """Slots ``0 .. pinned_slots - 1`` are page-locked."""
+        return self.pinned_bytes // self.stride
 
     def _pin(self, *, required: bool) -> None:
         level = logging.WARNING if required else logging.DEBUG
@@ -204,25 +263,35 @@ class HostSlab:
             self.pin_note = "not pinned: CUDA is not available"
             log.log(level, "host slab of %d bytes %s", self.nbytes, self.pin_note)
             return
-        if not self._budget.try_reserve(self.nbytes):
-            self.pin_note = (f"not pinned: {self.nbytes} bytes would exceed the pin budget "
-                             f"({self._budget.used} of {self._budget.limit} bytes in use; "
-                             "raise EXPERTFS_PIN_BUDGET or use fewer slots)")
-            log.warning("host slab %s", self.pin_note)
+        n = self._budget.reserve_up_to(self.nbytes, self.stride)
+        budget = (f"pin budget {self._budget.limit} bytes, {self._budget.used} in use; "
+                  "raise EXPERTFS_PIN_BUDGET to pin more")
+        if n == 0:
+            self.pin_note = f"not pinned: the {budget}"
+            log.log(level, "host slab of %d bytes %s", self.nbytes, self.pin_note)
             return
         try:
-            err = _cuda_host_register(self.tensor.data_ptr(), self.nbytes)
+            err = _cuda_host_register(self.tensor.data_ptr(), n)
         except (RuntimeError, AttributeError) as e:
             err, detail = -1, str(e)
         else:
-            detail = f"cudaHostRegister returned {err}"
+            detail = f"cudaHostRegister of {n} bytes returned {_cuda_error_name(err)}"
         if err != 0:
-            self._budget.release(self.nbytes)
-            self.pin_note = f"not pinned: {detail}; using pageable memory (slower uploads)"
-            log.warning("host slab of %d bytes %s", self.nbytes, self.pin_note)
+            _cuda_get_last_error()               # clear it: it is handled here
+            self._budget.release(n)
+            self.pin_note = f"not pinned: {detail}; using pageable memory (synchronous uploads)"
+            warnings.warn(PinWarning(
+                f"host slab of {self.nbytes} bytes {self.pin_note}. Fix: lower "
+                "EXPERTFS_PIN_BUDGET or --ram, or raise the locked-memory limit (ulimit -l)"),
+                stacklevel=3)
             return
-        self.pinned = True
-        self.pin_note = "pinned with cudaHostRegister"
+        self.pinned_bytes = n
+        self.pinned = n == self.nbytes
+        self.pin_note = ("pinned with cudaHostRegister" if self.pinned else
+                         f"{self.pinned_slots} of {self.n_slots} slots pinned ({budget}); "
+                         "the rest pageable")
+        if not self.pinned:
+            log.log(level, "host slab of %d bytes: %s", self.nbytes, self.pin_note)
 
     def slot(self, i: int) -> torch.Tensor:
         if not 0 <= i < self.n_slots:
@@ -231,10 +300,22 @@ class HostSlab:
         return self.tensor[i * self.stride:i * self.stride + self.slot_bytes]
 
     def close(self) -> None:
-        if self.pinned:
-            _cuda_host_unregister(self.tensor.data_ptr())
-            self._budget.release(self.nbytes)
-            self.pinned = False
+        n, self.pinned_bytes, self.pinned = self.pinned_bytes, 0, False
+        if not n:
+            return
+        self._budget.release(n)
+        try:
+            err = _cuda_host_unregister(self.tensor.data_ptr())
+        except (RuntimeError, AttributeError) as e:
+            err, detail = -1, str(e)
+        else:
+            detail = f"returned {_cuda_error_name(err)}"
+        if err != 0:
+            _cuda_get_last_error()
+            warnings.warn(PinWarning(
+                f"cudaHostUnregister of a {n}-byte host slab {detail}: the memory may stay "
+                "page-locked until the process exits. Fix: close slabs before CUDA shuts down"),
+                stacklevel=2)
 
     def __enter__(self) -> HostSlab:
         return self

@@ -114,3 +114,33 @@ def test_bad_input_is_one_line_exit_2(model, capsys, argv, msg):
 def test_missing_store_exit_2(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.efs"), "-p", "x"]) == 2
     assert "no such store" in capsys.readouterr().err
+
+
+def test_json_reports_the_tiers_and_pinned_bytes(model, capsys):
+    _, _, store = model
+    assert main(["run", store, "-p", "Beautiful", "-n", "2", "--json", "-t", "1",
+                 "--device", "cpu"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["vram_tier_bytes"] == 0 and r["vram_plan"] is None      # CPU: no VRAM tier
+    assert r["pinned_bytes"] == 0 == r["stats"]["tiers"]["pinned_bytes"]  # CPU: nothing pinned
+    assert r["stats"]["tiers"]["ram_bytes"] > 0
+
+
+def test_default_vram_tier_from_free_device_memory(model, monkeypatch):
+    """``--vram`` unset on CUDA: free memory (faked) less trunk, KV, workspace and reserve."""
+    import argparse
+
+    from expertfs.cli import _tiers
+    from expertfs.runtime.plan.model import geometry_of_store
+    from expertfs.store.reader import Store
+    _, _, store = model
+    with Store.open(store) as s:
+        g = geometry_of_store(s)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (40 << 30, 48 << 30))
+    args = argparse.Namespace(store=store, vram=None, ctx=4096, dtype="auto", trunk="auto")
+    tier = _tiers.vram_tier(args, "cuda", g)
+    p = args.vram_plan
+    assert tier == p["tier"] == g.slot_bytes * g.n_decode_experts      # all experts fit
+    assert p["trunk"] > 0 and p["kv"] > 0 and p["reserve"] >= 512 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 48 << 30))
+    assert _tiers.vram_tier(args, "cuda", g) == 0                       # nothing left: 0

@@ -197,3 +197,76 @@ def test_deferred_copies_never_show_wrong_bytes(store, monkeypatch, seed, ram, v
             assert st.uploads == st.requests                 # a device copy per get
     finally:
         p.close()
+
+
+class OrderedTableCopier(FakeAsyncCopier):
+    """As above, and the slot table's device writes are copy-stream ops too: a write queued
+    from a copy's ``then`` runs after that copy's waits, one queued outside any copy (the old
+    clear, through ``on_stream``) waits for nothing."""
+
+    def __init__(self, device, seed=0):
+        super().__init__(device, seed)
+        self._need = None
+
+    def _enqueue(self, op, after, then):
+        need = max((f.n for f in after if isinstance(f, ComputeMark)), default=0)
+        self._need = need
+        try:
+            return super()._enqueue(op, after, then)
+        finally:
+            self._need = None
+
+    def on_stream(self, fn) -> None:
+        self.gpu.copies.append((fn, 0))
+
+    def defer(self, fn) -> None:
+        self.gpu.copies.append((fn, self._need or 0))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_device_slot_table_writes_follow_the_slot_fence(store, monkeypatch, seed):
+    """A mirrored (device-like) slot table under the fake GPU: every kernel sees, in the table's
+    device copy, the slot of each expert it reads, so no clear of a victim reaches the device
+    before the kernels that read the victim ran; and each table write is one batch."""
+    fakes = []
+
+    def factory(device):
+        fakes.append(OrderedTableCopier(device, seed))
+        return fakes[-1]
+    real_table = tiers.SlotTable
+
+    def table_factory(n_layers, n_experts, device, copier):
+        t = real_table(n_layers, n_experts, device, copier, mirror=True)
+        write = t._write
+        t._write = lambda batch: copier.defer(lambda: write(batch.clone()))
+        return t
+    monkeypatch.setattr(tiers, "Copier", factory)
+    monkeypatch.setattr(tiers, "SlotTable", table_factory)
+    slot = max(store.extent(la, 0).length for la in store.layers)
+    p = TieredProvider(store, ram_bytes=7 * slot, vram_bytes=6 * slot, backend="buffered",
+                       warm_start=False, record_usage=False, staging_slots=3)
+    fake, table = fakes[0], p.cache.table
+    assert not table._shared
+    rng = random.Random(seed)
+    seen = []
+
+    def kernel(want):
+        def run():
+            got = [int(table.device[li, ex]) for li, ex, _ in want]
+            assert got == [d for _, _, d in want]
+            seen.append(len(want))
+        return run
+    try:
+        for _ in range(80):
+            layer = rng.choice(store.layers)
+            p.get(layer, rng.sample(range(N_EXPERTS), K))
+            want = [(*divmod(e.key, N_EXPERTS), e.dev_slot) for e in p.cache.held[layer]]
+            fake.kernel(kernel(want))
+            p.release(layer)
+        fake.synchronize()
+        assert len(seen) == 80
+        assert p.stats.uploads > 0 and p.stats.evictions["vram"] > 0
+        assert table.writes <= p.stats.uploads and table.pending <= 1
+        assert (table.device.numpy()[table.host >= 0] == table.host[table.host >= 0]).all()
+    finally:
+        p.close()

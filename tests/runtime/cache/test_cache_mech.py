@@ -152,3 +152,44 @@ def test_fixture_store_geometry(tmp_path):
         assert len(lengths) == 2                  # slots must fit the largest extent
     finally:
         store.close()
+
+
+def test_device_slot_table_batches_non_blocking_writes():
+    """On a device (torch's meta device here) a set is one non-blocking copy of a host batch and
+    one index_copy_, never an indexing assignment from a scalar (a blocking copy on CUDA); a
+    clear is only recorded, and written with the next set."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append((str(func.overloadpacket), dict(kwargs or {})))
+            return func(*args, **(kwargs or {}))
+
+    t = SlotTable(3, 8, torch.device("meta"), Copier(CPU))
+    assert t.device.device.type == "meta" and not t._shared
+    with Ops() as rec:
+        t.clear(1, 5)                                   # absent: nothing
+        t.set_now(1, 5, 7)
+        t.clear(1, 5)
+        assert t.pending == 1
+        t.set_now(2, 3, 4)
+    names = [n for n, _ in rec.ops]
+    assert names.count("aten.index_copy_") == 2 and t.writes == 2 and t.pending == 0
+    assert not {"aten.fill_", "aten.index_put_", "aten.copy_"} & set(names), names
+    moves = [kw for n, kw in rec.ops if n == "aten._to_copy" and kw.get("device") is not None]
+    assert len(moves) == 2 and all(kw.get("non_blocking") for kw in moves)
+    assert t.lookup(1, 5) == -1 and t.lookup(2, 3) == 4
+
+
+def test_mirrored_slot_table_contents():
+    t = SlotTable(2, 4, CPU, Copier(CPU), mirror=True)
+    t.set_now(0, 1, 3)
+    t.set_now(1, 2, 0)
+    t.clear(0, 1)
+    assert int(t.device[0, 1]) == 3                     # not yet: waits for the next flush
+    t.set_now(0, 0, 3)                                  # the freed slot's upload
+    assert t.device.tolist() == [[3, -1, -1, -1], [-1, -1, 0, -1]] == t.host.tolist()

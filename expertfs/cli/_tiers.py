@@ -1,0 +1,70 @@
+"""The tiers ``expertfs run`` (and ``serve``) size when not told: the RAM tier from the memory
+limit (``runtime.plan.host.run_host_budget``) and, on CUDA without ``--vram``, the VRAM tier
+from free device memory (``runtime.cache.vram.plan_vram``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["ram_tier", "vram_tier"]
+
+log = logging.getLogger("expertfs.cli.run")
+
+
+def _log_paths(g, device: str, fused: str) -> None:
+    """One line per ggml type that falls back to torch dequantization (WARNING for expert
+    tensors, INFO for the trunk's), and every type's path at INFO."""
+    from ..runtime.plan.paths import describe_paths
+    summary, slow = describe_paths(g, device, fused != "off")
+    log.info("compute paths on %s: %s", device, summary)
+    for t, role in slow:
+        (log.warning if role == "experts" else log.info)(
+            "%s tensors of type %s have no native kernel here: they run through torch "
+            "dequantization (far slower)", role, t)
+
+
+def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
+    """``--ram``, or the default ``expertfs plan`` reports for this box: what the memory limit
+    (a cgroup cap or ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the
+    runtime, the trunk, the KV cache at ``--ctx`` (on the CPU it is host memory) and the
+    workspace (``runtime.plan.host.run_host_budget``); a budget that would push the trunk out
+    of memory is warned about."""
+    from ..runtime.plan.host import run_host_budget
+    from ..runtime.plan.model import geometry_of_store
+    from ..runtime.plan.paths import kept_types
+    from ..store.reader import Store
+    kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
+    on = "cpu" if device == "cpu" else "gpu"
+    with Store.open(args.store) as s:
+        g = geometry_of_store(s)
+    _log_paths(g, device, fused)
+    if args.vram is None:
+        args.vram = vram_tier(args, device, g) if on == "gpu" else 0
+    vram_experts = (args.vram // g.slot_bytes) if on == "gpu" else 0
+    budget = run_host_budget(g, args.ctx, on, args.trunk, kv_type=kv_type if on == "cpu" else None,
+                             kept_types=kept_types(device, fused != "off"),
+                             vram_tier_experts=vram_experts)
+    ram = args.ram if args.ram is not None else (budget.slab or 64 << 20)   # 0: no room
+    warning = budget.warning(ram)
+    if warning:
+        print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
+    return ram
+
+
+def vram_tier(args: argparse.Namespace, device: str, g) -> int:
+    """The default VRAM tier on CUDA (``runtime.cache.vram.plan_vram``), kept in
+    ``args.vram_plan`` for the JSON summary."""
+    from ..runtime.cache.vram import plan_vram
+    from ..runtime.plan.geometry import kv_cache_bytes
+    from ..runtime.plan.host import workspace_bytes
+    el = 4 if getattr(args, "dtype", "auto") in ("float32", "fp32", "f32") else 2
+    per_expert = max((sum(m.elements for m in layer) for layer in g.expert_parts), default=0)
+    plan = plan_vram(trunk=g.trunk_resident("quant" if args.trunk == "quant" else "float", el),
+                     kv=kv_cache_bytes(g, args.ctx, "f32" if el == 4 else "bf16"),
+                     workspace=workspace_bytes(g, args.ctx, "gpu") + g.k * per_expert * (4 + el),
+                     experts=g.slot_bytes * g.n_decode_experts, min_tier=g.k * g.slot_bytes,
+                     device=device)
+    args.vram_plan = {**vars(plan), "tier": plan.tier}
+    return plan.tier
