@@ -19,7 +19,8 @@ from ...errors import UsageError
 from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
 from .budget import Box, Memory, Note, _gib
-from .geometry import Geometry, Matrix, kv_bytes_per_token, kv_cache_bytes
+from .geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
+from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
                     stated_pcie, stated_storage, storage_from_profile)
 
@@ -106,12 +107,6 @@ class Prediction:
 _IO_TERMS = ("storage", "pcie")
 
 
-def _compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, quantized: bool = False
-                  ) -> float:
-    cost = rates.quant_cost if quantized else rates.cost
-    return sum(cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
-
-
 def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
     """Seconds per token, term by term, at the slow and the fast end (see the module docstring)."""
     pl = mem.placement
@@ -137,16 +132,20 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                           f"{r.d2h_bytes_per_token / MiB:.0f} MiB demoted (full duplex: the larger "
                           f"counts) at {rates.pcie.slow * f:.1f}-{rates.pcie.fast * f:.1f} GB/s"
                           + ("" if mem.pinned else " (pageable)")))
-    ex = both(lambda e: g.k * sum(_compute_cost(exp_rates, parts, e, quantized=True)
-                                  for parts in g.expert_parts))
+    ex = both(lambda e: sum(_layer_cost(exp_rates, parts, g.k, e) for parts in g.expert_parts))
+    native = sum(1 for parts in g.expert_parts if layer_key(parts, g.k) in exp_rates.layers)
+    how = (f"runtime.kernels.moe on {native} of {len(g.moe_layers)} layers" if native
+           else "dequant+matmul")
     terms.append(Term("experts", *ex,
                       f"{g.k} x {len(g.moe_layers)} experts ({g.token_expert_bytes / MiB:.0f} MiB "
-                      f"incl. padding) dequant+matmul on the {pl.experts.upper()}"))
-    n_exp = g.k * len(g.moe_layers)
-    terms.append(Term("expert_overhead", n_exp * EXPERT_OVERHEAD_S[0], n_exp * EXPERT_OVERHEAD_S[1],
-                      f"{n_exp} experts x {EXPERT_OVERHEAD_S[1] * 1e6:.0f}-"
-                      f"{EXPERT_OVERHEAD_S[0] * 1e6:.0f} us of runtime work each (stated, "
-                      "calibrated once)"))
+                      f"incl. padding), {how} on the {pl.experts.upper()}"))
+    measured = exp_rates.layer_s is not None and pl.trunk == pl.experts == "cpu"
+    if not measured:
+        n_exp = g.k * len(g.moe_layers)
+        terms.append(Term("expert_overhead", n_exp * EXPERT_OVERHEAD_S[0],
+                          n_exp * EXPERT_OVERHEAD_S[1],
+                          f"{n_exp} experts x {EXPERT_OVERHEAD_S[1] * 1e6:.0f}-"
+                          f"{EXPERT_OVERHEAD_S[0] * 1e6:.0f} us of runtime work each (stated)"))
     mats = g.trunk_compute(pl.trunk_mode, pl.trunk)
     tr = both(lambda e: _compute_cost(trunk_rates, mats, e, quantized=pl.trunk_mode == "quant"))
     terms.append(Term("trunk", *tr, f"{sum(m.nbytes * m.count for m in mats) / MiB:.0f} MiB of "
@@ -159,10 +158,18 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                         f"{trunk_rates.mem_gbps.slow:.0f}-"
                                         f"{trunk_rates.mem_gbps.fast:.0f} GB/s"))
     syncs = (1 if pl.experts == "gpu" else 0) + (2 if pl.experts != pl.trunk else 0)
-    dp = both(lambda e: g.n_layers * (OPS_PER_LAYER * trunk_rates.op_s.at(e)
-                                     + syncs * rates.gpu.sync_s.at(e)))
-    terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x ({OPS_PER_LAYER} small ops"
-                                       + (f" + {syncs} device syncs" if syncs else "") + ")"))
+    if measured:
+        lr, tk = exp_rates.layer_s, exp_rates.token_s or Range(0.0, 0.0)
+        dp = both(lambda e: g.n_layers * lr.at(e) + tk.at(e))
+        terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x {lr.fast * 1e6:.0f}-"
+                                           f"{lr.slow * 1e6:.0f} us + {tk.fast * 1e6:.0f}-"
+                                           f"{tk.slow * 1e6:.0f} us a token of the runtime's "
+                                           f"own work ({lr.source.split(':')[0]})"))
+    else:
+        dp = both(lambda e: g.n_layers * (OPS_PER_LAYER * trunk_rates.op_s.at(e)
+                                         + syncs * rates.gpu.sync_s.at(e)))
+        terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x ({OPS_PER_LAYER} small ops"
+                                           + (f" + {syncs} device syncs" if syncs else "") + ")"))
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS)
     fast = max([compute_fast] + [t.fast_s for t in terms if t.name in _IO_TERMS])

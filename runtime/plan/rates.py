@@ -58,6 +58,13 @@ class DeviceRates:
     #: the runtime's compiled one-token kernels for quantized matrices (experts, and a quantized
     #: trunk), where measured: they replace ``linear`` for those types
     fused: Mapping[str, LinearCost] = field(default_factory=dict)
+    #: a routed-expert layer's k experts in one native call (``runtime.kernels.moe``), by
+    #: ``plan.native.layer_key``: replaces the per-matrix costs of those layers
+    layers: Mapping[str, LinearCost] = field(default_factory=dict)
+    #: the runtime's own seconds per decoder layer and per token beyond the products, from a
+    #: real decode (``plan.overhead``); None: the stated per-op and per-expert model
+    layer_s: Range | None = None
+    token_s: Range | None = None
 
     def cost(self, ggml_type: str) -> LinearCost:
         c = self.linear.get(ggml_type) or self.linear.get("*")
@@ -72,6 +79,9 @@ class DeviceRates:
     def as_dict(self) -> dict[str, Any]:
         return {"linear": {t: c.as_dict() for t, c in self.linear.items()},
                 "fused": {t: c.as_dict() for t, c in self.fused.items()},
+                "layers": {t: c.as_dict() for t, c in self.layers.items()},
+                "layer_s": self.layer_s.as_dict() if self.layer_s else None,
+                "token_s": self.token_s.as_dict() if self.token_s else None,
                 "mem_gbps": self.mem_gbps.as_dict(), "op_s": self.op_s.as_dict(),
                 "sync_s": self.sync_s.as_dict()}
 

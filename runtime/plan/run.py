@@ -49,7 +49,8 @@ class PlanRequest:
     policy: str = DEFAULT_POLICY
     tokens: int = DEFAULT_TOKENS
     seed: int = 0
-    probe: bool = True
+    probe: bool = True                     # measure what this machine's cache lacks
+    use_cache: bool = True                 # without probe: this machine's cached rates if any
     pcie_gen: int = 4
     gpu_gbps: float | None = None          # stated GPU memory bandwidth (fast end; slow = 0.6x)
 
@@ -177,11 +178,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail: dict[str, Any] = {}
     if req.io_profile:
         storage, detail["storage"] = read_io_profile(req.io_profile, g.k)
-    elif req.probe and data_path and os.path.isfile(data_path):
-        from .probe import probe_storage
-        say("measuring storage")
-        store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
-        storage, detail["storage"] = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
+    elif data_path and os.path.isfile(data_path) and (req.probe or req.use_cache):
+        storage, detail["storage"] = _storage(req, g, data_path, say)
     else:
         storage = stated_storage()
     runnable = [m for m in mems if m.runnable]
@@ -197,12 +195,10 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     types = sorted({m.ggml_type for m in expert_mats} | {m.ggml_type for m in g.trunk_matrices})
     cpu = stated_cpu()
     cpu_mats = mats_on("cpu")
-    if req.probe and cpu_mats:
-        from .probe import probe_cpu
-        say("measuring CPU dequant+matmul")
-        cpu_only = not any(m.placement.gpu for m in runnable)      # the CPU decides the answer
-        quant = expert_mats + [m for m in g.trunk_matrices if not m.tied]
-        cpu, detail["cpu"] = probe_cpu(cpu_mats, fused_mats=quant if cpu_only else ())
+    if cpu_mats and (req.probe or req.use_cache):
+        from .boxcache import cpu_rates
+        say("measuring the CPU kernels" if req.probe else "reading cached rates")
+        cpu, detail["cpu"] = cpu_rates(g, cpu_mats, probe=req.probe)
     gpu_mem = None
     if req.gpu_gbps is not None:
         if req.gpu_gbps <= 0:
@@ -229,6 +225,26 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     routing_for = simulator_routing(g, req, say)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     return make_plan(g, box, options, rates, probes=detail, forced=forced)
+
+
+def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range, dict[str, Any]]:
+    """The drive at the engine's pattern: this device's cached figure, else measured now
+    (with ``probe``) and cached, else the stated default."""
+    from . import boxcache
+    data, key = boxcache.load(), boxcache.storage_key(data_path)
+    hit = data.get(key)
+    if isinstance(hit, dict) and "slow" in hit:
+        return (Range(float(hit["slow"]), float(hit["fast"]), "measured earlier on this device: "
+                      + str(hit.get("source", ""))), {"cache": key})
+    if not req.probe:
+        return stated_storage(), {}
+    from .probe import probe_storage
+    say("measuring storage")
+    store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
+    rng, detail = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
+    data[key] = rng.as_dict()
+    boxcache.save(data)
+    return rng, detail
 
 
 def _compute_paths(g: Geometry) -> dict[str, Any]:

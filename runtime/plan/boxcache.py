@@ -1,0 +1,151 @@
+"""This machine's measured rates, kept between plans: a JSON under ``~/.cache/expertfs/``
+(``EXPERTFS_PLAN_CACHE`` names another file) keyed by the CPU model, the native kernels' ISA
+and build, torch's thread count (CPU entries) and the device holding a store (storage
+entries). ``cpu_rates`` measures only what the cache lacks for a model and stores it;
+``--no-probe`` reads the cache and measures nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+from .geometry import Geometry
+from .rates import DeviceRates, LinearCost, Range, stated_cpu
+
+__all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates"]
+
+
+def cache_path() -> str:
+    env = os.environ.get("EXPERTFS_PLAN_CACHE")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "expertfs", "plan-rates.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_key() -> str:
+    import torch
+
+    from .native import kernel_info
+    k = kernel_info()
+    native = f"{k.get('isa')}|{k.get('build')}" if k.get("available") else "no-native"
+    return f"cpu|{_cpu_model()}|{native}|threads {torch.get_num_threads()}"
+
+
+def storage_key(path: str) -> str:
+    try:
+        return f"storage|dev {os.stat(path).st_dev}"
+    except OSError:
+        return "storage|unknown"
+
+
+def load() -> dict[str, Any]:
+    try:
+        with open(cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save(data: dict[str, Any]) -> None:
+    """Write the cache (a failure to write is not an error: the next plan measures again)."""
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+_EARLIER = {"on": False}             # set while an entry read from the cache is rebuilt
+
+
+def _range(d: dict[str, Any]) -> Range:
+    src = str(d.get("source", ""))
+    if _EARLIER["on"]:
+        src = src.replace("measured now", "measured earlier on this machine (cached)")
+    return Range(float(d["slow"]), float(d["fast"]), src)
+
+
+def _cost(d: dict[str, Any]) -> LinearCost:
+    return LinearCost(_range(d["overhead_s"]), _range(d["gbps"]))
+
+
+def _from_entry(e: dict[str, Any]) -> DeviceRates:
+    base = stated_cpu()
+    linear = dict(base.linear)
+    linear.update({t: _cost(c) for t, c in e.get("linear", {}).items()})
+    return DeviceRates("cpu", linear,
+                       _range(e["mem_gbps"]) if "mem_gbps" in e else base.mem_gbps,
+                       _range(e["op_s"]) if "op_s" in e else base.op_s, base.sync_s,
+                       {t: _cost(c) for t, c in e.get("fused", {}).items()},
+                       {t: _cost(c) for t, c in e.get("layers", {}).items()},
+                       _range(e["layer_s"]) if e.get("layer_s") else base.layer_s,
+                       _range(e["token_s"]) if e.get("token_s") else base.token_s)
+
+
+def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
+              ) -> tuple[DeviceRates, dict[str, Any]]:
+    """The CPU's rates for ``g``: the cached figures of this machine, with whatever ``g``
+    needs and the cache lacks measured now (``probe``) and added to it."""
+    from .native import layer_key, probe_expert_layers, probe_trunk_types
+
+    data = load()
+    key = cpu_key()
+    entry = dict(data.get(key) or {})
+    detail: dict[str, Any] = {"cache": cache_path(), "key": key, "measured": []}
+    if probe:
+        quant = [m for m in cpu_mats if m.ggml_type not in ("F32", "F16", "BF16")]
+        fused = dict(entry.get("fused", {}))
+        missing = [m for m in quant if m.ggml_type not in fused]
+        if missing:
+            got, d = probe_trunk_types(missing, budget_s=1.5)
+            fused.update({t: c.as_dict() for t, c in got.items()})
+            detail["measured"] += d
+        layers = dict(entry.get("layers", {}))
+        want = {layer_key(p, g.k) for p in g.expert_parts}
+        if want - set(layers):
+            got, d = probe_expert_layers(g, budget_s=2.0, known=list(layers))
+            layers.update({t: c.as_dict() for t, c in got.items()})
+            detail["measured"] += d
+        if "mem_gbps" not in entry or any(m.ggml_type not in entry.get("linear", {})
+                                          for m in cpu_mats if m.ggml_type not in fused):
+            from .probe import probe_cpu
+            rest = [m for m in cpu_mats if m.ggml_type not in fused]
+            r, d = probe_cpu(rest, budget_s=1.0)
+            entry["linear"] = {**entry.get("linear", {}),
+                               **{t: c.as_dict() for t, c in r.linear.items() if t != "*"}}
+            entry["mem_gbps"], entry["op_s"] = r.mem_gbps.as_dict(), r.op_s.as_dict()
+            detail["torch"] = d
+        if not entry.get("layer_s"):
+            from .overhead import probe_overhead
+            lay, tok, d = probe_overhead(k=4)
+            entry["layer_s"], entry["token_s"] = lay.as_dict(), tok.as_dict()
+            detail["overhead"] = d
+        entry["fused"], entry["layers"] = fused, layers
+        data[key] = entry
+        save(data)
+    detail["from_cache"] = bool(entry) and not detail["measured"] and "overhead" not in detail \
+        and "torch" not in detail
+    _EARLIER["on"] = detail["from_cache"]
+    try:
+        return (_from_entry(entry) if entry else stated_cpu()), detail
+    finally:
+        _EARLIER["on"] = False

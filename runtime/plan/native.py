@@ -1,0 +1,183 @@
+"""The CPU rates of the paths ``expertfs run`` takes, measured on this machine: the native
+kernels (``runtime.kernels``: ``matvec`` for trunk products, ``moe`` for a layer's k routed
+experts in one call) per ggml type and the ISA they run, and the compiled torch product or
+torch dequantization only for a type the kernels lack (``plan.paths``). Each figure is the
+time of a call at the model's own shapes (big matrices capped, scaled by bytes), the slow end
+its 30th percentile and the fast end its best, so a loaded machine widens the range instead
+of moving it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .geometry import Geometry, Matrix
+from .rates import DeviceRates, LinearCost, Range
+
+__all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trunk_types",
+           "probe_expert_layers"]
+
+_CAP = 24 << 20                      # bytes of one timed matrix: past the caches, short to time
+
+
+def _times(fn: Callable[[], Any], reps: int, budget_s: float) -> list[float]:
+    fn()
+    out: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(out) < reps and (not out or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _typical(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(0.3 * len(s)))]
+
+
+def kernel_info() -> dict[str, Any]:
+    """The native kernels' build and ISA here (``available`` False without them)."""
+    try:
+        from .. import kernels
+        from ..kernels import build
+        if not kernels.available():
+            return {"available": False}
+        st = kernels.status()
+        return {"available": True, "isa": st.get("isa"), "build": build._build_name(),
+                "threads": st.get("threads")}
+    except Exception as e:                       # no compiler, a failed build: no native path
+        return {"available": False, "reason": f"{type(e).__name__}: {e}"}
+
+
+def _raw(ggml_type: str, rows: int, cols: int, seed: int = 0):
+    from .probe import _weight_bytes
+    return _weight_bytes(ggml_type, rows, cols, seed)
+
+
+def _native_types() -> frozenset[str]:
+    try:
+        from .. import kernels
+        return frozenset(t.name for t in kernels.TYPES) if kernels.available() else frozenset()
+    except Exception:
+        return frozenset()
+
+
+def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str, LinearCost], list]:
+    """``{type: LinearCost}`` of ``runtime.kernels.matvec`` for each natively computed type of
+    ``mats`` (its largest matrix, capped, and a small one: overhead + bytes / rate)."""
+    import torch
+
+    from ...formats.ggml import GGMLType, row_bytes
+    from .. import kernels
+
+    native = _native_types()
+    big: dict[str, Matrix] = {}
+    for m in mats:
+        if m.ggml_type in native and (m.ggml_type not in big or m.elements > big[m.ggml_type].elements):
+            big[m.ggml_type] = m
+    out: dict[str, LinearCost] = {}
+    detail = []
+    isa = kernel_info().get("isa")
+    per = budget_s / max(1, len(big))
+    for ty, m in big.items():
+        t = GGMLType[ty]
+        rb = row_bytes(t, m.cols)
+        rows = max(1, min(m.rows, _CAP // max(1, rb)))
+        small_rows = min(rows, 16)
+        try:
+            raw, x = _raw(ty, rows, m.cols), torch.randn(1, m.cols)
+            if kernels.matvec(x, raw, t, (rows, m.cols)) is None:
+                continue
+            tb = _times(lambda: kernels.matvec(x, raw, t, (rows, m.cols)), 9, per * 0.7)
+            rs = raw[: small_rows * rb]
+            ts = _times(lambda: kernels.matvec(x, rs, t, (small_rows, m.cols)), 15, per * 0.3)
+        except Exception:                         # a type the build refuses: no native figure
+            continue
+        nb, ns = rows * rb, small_rows * rb
+        src = f"measured now: runtime.kernels.matvec {ty} {rows}x{m.cols} ({isa})"
+
+        def fit(b: float, s: float) -> tuple[float, float]:
+            rate = (nb - ns) / (b - s) if b > s and nb > ns else nb / b
+            return max(0.0, s - ns / rate), rate
+
+        o_slow, r_slow = fit(_typical(tb), _typical(ts))
+        o_fast, r_fast = fit(min(tb), min(ts))
+        out[ty] = LinearCost(Range(max(o_slow, o_fast), min(o_slow, o_fast), src),
+                             Range(min(r_slow, r_fast) / 1e9, max(r_slow, r_fast) / 1e9, src))
+        detail.append({"type": ty, "shape": [rows, m.cols], "kernel": "runtime.kernels.matvec",
+                       "isa": isa, "big_s": tb, "small_s": ts})
+    return out, detail
+
+
+def compute_cost(rates: DeviceRates, mats: Sequence[Matrix], end: str, quantized: bool = False
+                 ) -> float:
+    """Seconds of ``mats``' products at ``end`` (``quantized``: the fused/native cost)."""
+    cost = rates.quant_cost if quantized else rates.cost
+    return sum(cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
+
+
+def layer_cost(rates: DeviceRates, parts: Sequence[Matrix], k: int, end: str) -> float:
+    """One routed-expert layer's k experts: the measured native layer call when there is one,
+    else k times each matrix's product."""
+    c = rates.layers.get(layer_key(parts, k))
+    if c is not None:
+        return c.seconds(k * sum(m.nbytes for m in parts), end)
+    return k * compute_cost(rates, parts, end, quantized=True)
+
+
+def layer_key(parts: Sequence[Matrix], k: int) -> str:
+    """What a routed-expert layer's cost depends on: the parts' types and shapes, and k."""
+    return "+".join(f"{m.ggml_type}:{m.rows}x{m.cols}" for m in parts) + f"@k{k}"
+
+
+def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = ()
+                        ) -> tuple[dict[str, LinearCost], list]:
+    """``{layer_key: LinearCost}`` of one decode step through k experts with
+    ``runtime.kernels.moe`` (gate, up, SiLU, down, weighted sum in one call), for each distinct
+    layer of ``g`` whose types the kernels take (``known`` keys are skipped: cached)."""
+    import torch
+
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+
+    native = _native_types()
+    todo: dict[str, tuple[Matrix, ...]] = {}
+    for parts in g.expert_parts:
+        key = layer_key(parts, g.k)
+        if key not in known and len(parts) in (2, 3) and all(m.ggml_type in native for m in parts):
+            todo.setdefault(key, parts)
+    out: dict[str, LinearCost] = {}
+    detail = []
+    isa = kernel_info().get("isa")
+    per = budget_s / max(1, len(todo))
+    for key, parts in todo.items():
+        down = parts[-1]
+        fused_gu = len(parts) == 2
+        n_ff = down.cols
+        layer_bytes = sum(m.nbytes for m in parts)
+        # at most _CAP bytes of distinct experts, reused if k needs more (the kernels read each)
+        n_dist = max(1, min(g.k, _CAP // max(1, layer_bytes)))
+        try:
+            ws = [[_raw(m.ggml_type, m.rows, m.cols, seed=i) for m in parts] for i in range(n_dist)]
+            pick = [ws[i % n_dist] for i in range(g.k)]
+            x = torch.randn(1, down.rows)
+            w = torch.full((g.k,), 1.0 / g.k)
+            types = tuple(GGMLType[m.ggml_type] for m in (parts[0], parts[0] if fused_gu else parts[1],
+                                                           down))
+
+            def call():
+                return kernels.moe(x, w, [p[0] for p in pick], None if fused_gu else [p[1] for p in pick],
+                                   [p[-1] for p in pick], types, n_ff)
+            if call() is None:
+                continue
+            ts = _times(call, 9, per)
+        except Exception:
+            continue
+        nb = g.k * layer_bytes
+        src = (f"measured now: runtime.kernels.moe {key.split('@')[0]} x {g.k} experts ({isa})")
+        out[key] = LinearCost(Range(0.0, 0.0, src), Range(nb / _typical(ts) / 1e9, nb / min(ts) / 1e9, src))
+        detail.append({"layer": key, "kernel": "runtime.kernels.moe", "isa": isa,
+                       "distinct_experts": n_dist, "times_s": ts})
+    return out, detail
