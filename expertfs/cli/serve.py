@@ -12,13 +12,21 @@ from ._common import size_arg
 
 __all__ = ["register", "run"]
 
+# runtime.server.body's defaults (not imported here: that pulls in aiohttp for every command)
+BODY_TIMEOUT, MAX_DEPTH = 30.0, 64
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a store",
                        description="Serve a store over HTTP: /v1/chat/completions, "
                        "/v1/completions (streaming with \"stream\": true), /v1/models, /health, "
                        "/apply-template. Runs on uvloop when installed. "
-                       "Responses carry llama.cpp-style timings plus expert hit rates and MB read.")
+                       "Responses carry llama.cpp-style timings plus expert hit rates and MB read. "
+                       "Request limits: a body larger than --max-body is a 413, one that takes "
+                       "longer than --body-timeout to arrive a 408, one nested deeper than "
+                       "--max-depth a 400 (strict JSON: no NaN/Infinity, no lone UTF-16 "
+                       "surrogates); more than --max-waiting queued requests a 503 with "
+                       "Retry-After.")
     p.add_argument("store")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
@@ -29,6 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may queue behind the running one (8); more get 503")
     p.add_argument("--queue-timeout", type=float, default=300.0,
                    help="seconds a request may wait for the model (300)")
+    p.add_argument("--max-body", type=size_arg, default=4 << 20,
+                   help="largest request body accepted, e.g. 4M (4 MiB); larger is a 413")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
+                   help=f"seconds a request body may take to arrive ({BODY_TIMEOUT:g}); "
+                   "slower is a 408")
+    p.add_argument("--max-depth", type=int, default=MAX_DEPTH,
+                   help=f"deepest nesting of JSON arrays and objects in a body ({MAX_DEPTH}); "
+                   "deeper is a 400")
     p.add_argument("--ram", type=size_arg, default=None, help="RAM tier for experts")
     p.add_argument("--vram", type=size_arg, default=0, help="VRAM tier for experts")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -66,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"expertfs serve: warning: listening on {args.host} without --api-key",
               file=sys.stderr)
+    if args.max_body < 1 or args.body_timeout <= 0 or args.max_depth < 2:
+        raise UsageError("--max-body, --body-timeout and --max-depth must be positive "
+                         "(--max-depth at least 2)", fix="e.g. --max-body 4M --body-timeout 30 "
+                         "--max-depth 64")
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx, trunk=args.trunk)
@@ -83,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                                  fix="give a readable Jinja template file") from None
         name = args.model_id or os.path.basename(os.path.normpath(args.store))
         cfg = ServerConfig(name, api_key=args.api_key, max_waiting=args.max_waiting,
-                           queue_timeout=args.queue_timeout)
+                           queue_timeout=args.queue_timeout, max_body=args.max_body,
+                           body_timeout=args.body_timeout, max_depth=args.max_depth)
         app = build_app(Session(eng, tok), cfg)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
         print(f"expertfs serve: {name} on http://{args.host}:{args.port} "

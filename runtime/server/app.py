@@ -4,8 +4,8 @@ One generation runs at a time (the engine and its expert caches are one machine'
 ``max_waiting`` more may queue, in arrival order, for up to ``queue_timeout`` seconds; beyond
 that a request is refused at once with 503 and ``Retry-After``. Generation runs on one worker
 thread; streamed tokens reach the event loop through ``call_soon_threadsafe``, so the loop never
-blocks on the model. A client that disconnects mid-stream stops its generation at the next
-token.
+blocks on the model. A client that disconnects, streaming or not, stops its generation at the
+next token. Bodies are read within the limits ``body`` documents (size, time, nesting).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from ...errors import ExpertfsError
+from .body import BODY_TIMEOUT, MAX_DEPTH, read_json
 from .respond import chunk, final, last_chunk, response_id
 from .schema import CompletionRequest, RequestError, parse_chat, parse_completion
 from .session import Outcome, Session
@@ -38,6 +39,8 @@ class ServerConfig:
     max_waiting: int = 8
     queue_timeout: float = 300.0
     max_body: int = 4 << 20
+    body_timeout: float = BODY_TIMEOUT
+    max_depth: int = MAX_DEPTH
 
 
 class _Gate:
@@ -84,10 +87,13 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     try:
         return await handler(request)
     except RequestError as e:
-        return web.json_response(e.body(), status=e.status,
+        resp = web.json_response(e.body(), status=e.status,
                                  headers={"Retry-After": "1"} if e.status == 503 else None)
-    except web.HTTPRequestEntityTooLarge:
-        return _error(413, "the request body is too large", code="body_too_large")
+        if e.status in (408, 413):             # the rest of the body is not read: hang up
+            resp.force_close()
+        return resp
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(413, f"the request body is too large: {e.text}", code="body_too_large")
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -126,11 +132,8 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
             {"id": config.model_id, "object": "model", "created": created, "owned_by": "expertfs"}]})
 
     async def body_of(request: web.Request) -> Any:
-        try:
-            raw = await request.read()
-            return json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        return await read_json(request, max_body=config.max_body, timeout=config.body_timeout,
+                               max_depth=config.max_depth)
 
     async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await body_of(request)
@@ -143,7 +146,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         try:
             if req.stream:
                 return await _stream(request, req, ids)
-            return await _whole(req, ids)
+            return await _whole(request, req, ids)
         finally:
             gate.release()
 
@@ -153,8 +156,16 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         return await loop.run_in_executor(pool, session.run, req, ids, lambda s: None, cancelled,
                                           emit)
 
-    async def _whole(req: CompletionRequest, ids: list[int]) -> web.Response:
-        out = await _generate(req, ids, lambda d: None, lambda: False)
+    async def _whole(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.Response:
+        gone = {"flag": False}
+        task = asyncio.ensure_future(_generate(req, ids, lambda d: None,
+                                               lambda: gone["flag"] or _gone(request)))
+        try:
+            out = await asyncio.shield(task)
+        except asyncio.CancelledError:         # the handler cancelled on a disconnect
+            gone["flag"] = True
+            await asyncio.wait([task])         # the engine must finish before the next request
+            raise
         return web.json_response(final(req, out, config.model_id))
 
     async def _stream(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.StreamResponse:
@@ -166,7 +177,8 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         await resp.prepare(request)
         rid = response_id(req)
         task = asyncio.ensure_future(_generate(
-            req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d), lambda: gone["flag"]))
+            req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
+            lambda: gone["flag"] or _gone(request)))
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
         try:
             if req.chat:
@@ -189,7 +201,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             gone["flag"] = True
-            await asyncio.shield(task)         # the engine must finish before the next request
+            await asyncio.wait([task])         # the engine must finish before the next request
             raise
         return resp
 
@@ -219,6 +231,12 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         pool.shutdown(wait=True)
     app.on_cleanup.append(close_pool)
     return app
+
+
+def _gone(request: web.Request) -> bool:
+    """Whether the client has disconnected (read from the generation thread: one attribute)."""
+    t = request.transport
+    return t is None or t.is_closing()
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

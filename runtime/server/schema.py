@@ -1,7 +1,7 @@
 """OpenAI request bodies → ``CompletionRequest``, or a ``RequestError`` with status and message.
 
 Covers ``/v1/chat/completions`` (``messages``, ``tools``, ``tool_choice``) and
-``/v1/completions`` (``prompt``): model, max_tokens / max_completion_tokens, temperature, top_p,
+``/v1/completions`` (``prompt``: a string or token ids, or a list of one of either): model, max_tokens / max_completion_tokens, temperature, top_p,
 top_k, seed, stop, stream, stream_options, logprobs / top_logprobs, presence_penalty,
 frequency_penalty, n (1 only). Every other field is refused with a 400 that names it (a field
 the server would otherwise drop changes what a client gets back), except the few that describe
@@ -62,6 +62,7 @@ class CompletionRequest:
     top_logprobs: int = 0
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: Any = None
+    prompt_tokens: tuple[int, ...] | None = None     # a prompt given as token ids
 
 
 def _bad(msg: str, param: str) -> RequestError:
@@ -237,10 +238,30 @@ def parse_completion(body: Any, default_max: int = 16) -> CompletionRequest:
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
         raise _bad("'logprobs' must be an integer between 0 and 5", "logprobs")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise _bad("'prompt' must be a string", "prompt")
+    prompt, tokens = _prompt(body.get("prompt"))
     return CompletionRequest(False, None, prompt, **c, logprobs=lp is not None,
-                             top_logprobs=lp or 0)
+                             top_logprobs=lp or 0, prompt_tokens=tokens)
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """The API's four prompt forms: a string, token ids, or a list of either (a batch: one
+    prompt per request is served here)."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if _is_ids(prompt):
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and (
+            all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt)):
+        raise _unsupported(f"a batch of {len(prompt)} prompts is not supported: send one "
+                           "prompt per request", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], None
+    if isinstance(prompt, list) and len(prompt) == 1 and _is_ids(prompt[0]):
+        return None, tuple(prompt[0])
+    raise _bad("'prompt' must be a string, a list of token ids (integers), or a list holding "
+               "one of either", "prompt")

@@ -83,6 +83,7 @@ class Session:
         self.engine, self.tok, self.spec = engine, tokenizer, spec
         self.cached: list[int] = []            # the tokens whose K/V the engine holds
         self._keep: dict[str, frozenset[int]] = {}
+        self._longest: int | None = None
 
     def tool_syntax(self, req: CompletionRequest) -> ToolSyntax | None:
         """The syntax tool calls come back in, for a chat request that offers tools."""
@@ -117,11 +118,21 @@ class Session:
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         if req.chat:
             text = self.render(req)
+            self._fits(text, req.max_tokens)
             ids = self.tok.encode(text, add_bos=False)
             if self.tok.bos_id is not None and self.tok.add_bos and (not ids or ids[0] != self.tok.bos_id) \
                     and not text.startswith(self.tok.tokens[self.tok.bos_id]):
                 ids = [self.tok.bos_id] + ids
+        elif req.prompt_tokens is not None:     # token ids go to the model as they are
+            ids = list(req.prompt_tokens)
+            n = self.tok.n_vocab
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < n), None)
+            if bad is not None:
+                raise RequestError(400, f"prompt[{bad}]: token id {ids[bad]} is not in the "
+                                   f"vocabulary (0..{n - 1})", param="prompt",
+                                   code="invalid_value")
         else:
+            self._fits(req.prompt, req.max_tokens)
             ids = self.tok.encode(req.prompt)
         if not ids:
             raise RequestError(400, "the prompt is empty", param="prompt")
@@ -131,6 +142,17 @@ class Session:
                                f"({req.max_tokens}) exceeds the context of {n_ctx} tokens",
                                param="max_tokens", code="context_length_exceeded")
         return ids
+
+    def _fits(self, text: str, max_tokens: int) -> None:
+        """Refuse, before tokenizing it, a text too long for the context whatever its tokens
+        (each token spells at most as many characters as its longest entry in the vocabulary)."""
+        if self._longest is None:
+            self._longest = max((len(t) for t in getattr(self.tok, "tokens", ()) or ()), default=0)
+        n_ctx = self.engine.options.n_ctx
+        if self._longest and len(text) > (n_ctx - max_tokens) * max(self._longest, 1):
+            raise RequestError(400, f"the prompt ({len(text)} characters) plus max_tokens "
+                               f"({max_tokens}) exceeds the context of {n_ctx} tokens",
+                               param="max_tokens", code="context_length_exceeded")
 
     def _preserved(self, syntax: ToolSyntax) -> frozenset[int]:
         """Control tokens the syntax's markers are: decoded as text so the parser sees them."""
