@@ -20,7 +20,8 @@ llama.cpp's ``llama-model.cpp`` per architecture:
   (``ArchSpec.module``): that module's ``configure`` reads its own keys into ``ModelConfig.ext``
   (glm-dsa: the DSA indexer's ``IndexerConfig``) and it builds its attention weights and step.
   glm5-next's ``attention.head_count_kv`` is a per-layer array (read by its module) and its MLA
-  has no RoPE (``rope.dimension_count`` 0).
+  has no RoPE (``rope.dimension_count`` 0). gpt-oss (module ``gpt_oss``): NEOX RoPE with YaRN's
+  correction range unrounded, the router's SOFTMAX_WEIGHT gating (top-k logits, then softmax).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ ARCHS: dict[str, ArchSpec] = {
                         mla=True, module="glm_dsa"),
     "glm5-next": ArchSpec(ROPE_NORM, None, GATING_SIGMOID, None, True, "ffn_norm", nextn=True,
                           mla=True, module="glm5_next", kv_per_layer=True, nope=True),
+    "gpt-oss": ArchSpec(ROPE_NEOX, GATING_SOFTMAX_WEIGHT, GATING_SOFTMAX_WEIGHT, False, False,
+                        "post_attention_norm", module="gpt_oss"),
 }
 
 
@@ -103,6 +106,8 @@ class ModelConfig:
     rope_orig_ctx: int = 0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True     # floor/ceil YaRN's correction range (llama.cpp always does;
+                                   # gpt-oss defines it unrounded)
     gating: int = GATING_SOFTMAX
     norm_w: bool = True
     w_scale: float = 0.0           # 0 = no scaling (llama.cpp's scale_w false)

@@ -5,7 +5,10 @@ expert comes either as the provider's ``ExpertWeights`` (ggml bytes, multiplied 
 ``dequant.linear``) or as a ``FloatExpert`` from the dequantized-expert cache; a fused
 ``gate_up`` part is split in rows ``[0, n_ff)`` = gate and ``[n_ff, 2 n_ff)`` = up.
 A ``limit`` > 0 is llama.cpp's ``swiglu_clamp`` (glm5-next's ``swiglu_clamp_exp``/``_shexp``):
-``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
+``silu(min(gate, limit)) * clamp(up, -limit, limit)``. An ``alpha`` > 0 is gpt-oss's variant
+(llama.cpp ``swiglu_oai``): ``g · sigmoid(alpha · g) · (u + 1)`` on the clamped ``g``, ``u``.
+An expert's bias parts (gpt-oss: ``GATE_BIAS``, ``UP_BIAS``, ``DOWN_BIAS``, its own row of the
+``ffn_*_exps.bias`` tensors) are added after their matrix.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ...formats.dequant import dequantize, linear as qlinear
+from ...formats.ggml import GGMLType
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights, QWeight
 from .qmatvec import decode_matvec
@@ -36,9 +40,12 @@ class DenseFFN:
         return self.down(swiglu(self.gate(x), self.up(x), self.limit))
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float = 0.0,
+           alpha: float = 0.0) -> torch.Tensor:
     if limit > 0:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    if alpha > 0:
+        return g * torch.sigmoid(g * alpha) * (u + 1)
     return F.silu(g) * u
 
 
@@ -59,12 +66,24 @@ def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tens
     return qlinear(x, w.raw, w.ggml_type, w.shape) if y is None else y
 
 
+def _bias(y: torch.Tensor, b: QWeight | torch.Tensor | None) -> torch.Tensor:
+    """``y + b`` for an expert's bias part (ggml bytes or a float tensor), ``y`` if none."""
+    if b is None:
+        return y
+    if isinstance(b, QWeight):
+        b = b.raw.view(torch.float32) if b.ggml_type == GGMLType.F32 else \
+            dequantize(b.raw, b.ggml_type, b.shape, dtype=torch.float32)
+    return y + b.to(y.dtype)
+
+
 def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = False,
-               act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor:
+               act_quant: str | None = None, limit: float = 0.0,
+               alpha: float = 0.0) -> torch.Tensor:
     """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: products of
     one token (up to ``qmatvec.NATIVE_MAX_TOKENS`` with the native kernels) go through
     ``qmatvec`` where the type has one;
-    ``act_quant="q8"`` there uses llama.cpp's 8-bit activations (native kernels only)."""
+    ``act_quant="q8"`` there uses llama.cpp's 8-bit activations (native kernels only);
+    ``limit``/``alpha``: ``swiglu``'s; bias parts are added (gpt-oss)."""
     p = e.parts
     if isinstance(e, FloatExpert):
         lin = F.linear
@@ -77,15 +96,17 @@ def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = Fa
     if gu is not None:
         g, u = lin(x, gu).chunk(2, dim=-1)
     else:
-        g, u = lin(x, p[Role.GATE]), lin(x, p[Role.UP])
-    return lin(swiglu(g, u, limit), p[Role.DOWN])
+        g = _bias(lin(x, p[Role.GATE]), p.get(Role.GATE_BIAS))
+        u = _bias(lin(x, p[Role.UP]), p.get(Role.UP_BIAS))
+    return _bias(lin(swiglu(g, u, limit, alpha), p[Role.DOWN]), p.get(Role.DOWN_BIAS))
 
 
-_MATRICES = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN)
+_MATRICES = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN, Role.GATE_BIAS, Role.UP_BIAS,
+             Role.DOWN_BIAS)
 
 
 def to_float_expert(e: ExpertWeights, dtype: torch.dtype) -> FloatExpert:
-    """Dequantize every matrix of ``e`` (on its device) into ``dtype``."""
+    """Dequantize every matrix (and bias) of ``e`` (on its device) into ``dtype``."""
     parts = {}
     n = 0
     for role in _MATRICES:

@@ -37,6 +37,8 @@ class MoEWeights:
     router: RouterWeights
     shared: DenseFFN | None = None
     limit: float = 0.0           # the routed experts' swiglu clamp (0 = none)
+    alpha: float = 0.0           # gpt-oss's swiglu_oai (0 = plain SwiGLU); its experts carry
+                                 # biases, so the one-call native layer paths do not apply
 
 
 @dataclass
@@ -202,23 +204,24 @@ class ExpertRunner:
         try:
             out = weights = shared = None
             fused = self.fused
-            if T == 1 and fused and not self.dq.enabled:
+            whole = fused and not w.alpha               # the one-call layer products
+            if T == 1 and whole and not self.dq.enabled:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
                                                         prefetch_next, w.limit)
             prefetch_next()
             if T > 1:
-                out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit)
+                out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit, w.alpha)
             elif out is None:
                 if weights is None:
                     weights = self._weights(layer, experts)
-                if fused:
+                if whole:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
                                         self.act_quant, w.limit)
                 if out is None:
                     out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
                     for j, e in enumerate(experts):
                         out.add_(expert_ffn(x, weights[e], self.fused, self.act_quant,
-                                            w.limit).float() * wts[0, j])
+                                            w.limit, w.alpha).float() * wts[0, j])
         finally:
             self.provider.release(layer)
         if w.shared is not None:
@@ -226,7 +229,8 @@ class ExpertRunner:
         return out.to(x.dtype)
 
     def _batched(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-                 experts: list[int], counts: list[int], limit: float = 0.0) -> torch.Tensor:
+                 experts: list[int], counts: list[int], limit: float = 0.0,
+                 alpha: float = 0.0) -> torch.Tensor:
         """A batch's routed output: each used expert (ascending) applied to its tokens and added
         in. When the layer needs more experts than the compute tier holds at once, they are
         fetched in parts, each computed and released before the next (the same sums in the same
@@ -248,6 +252,6 @@ class ExpertRunner:
                 a, b = start[e], start[e] + counts[e]
                 t = tok[a:b]
                 y = expert_ffn(x.index_select(0, t), weights[e], self.fused,
-                               self.act_quant, limit).float()
+                               self.act_quant, limit, alpha).float()
                 out.index_add_(0, t, y * wsorted[a:b, None])
         return out

@@ -7,7 +7,9 @@ applied to the first ``n_rot`` dims of each head (the rest pass through, glm4moe
 rotary). NEOX pairs dim ``i`` with ``i + n_rot/2`` (HF ``rotate_half``); NORM pairs ``2i`` with
 ``2i+1`` (GPT-J style; the llama converter permutes q/k so that this equals HF's rotation).
 Linear scaling multiplies ``theta`` by ``freq_scale``; YaRN blends interpolated and extrapolated
-``theta`` per dim with ggml's ramp and scales cos/sin by ``1 + 0.1 ln(1/freq_scale)``. The
+``theta`` per dim with ggml's ramp and scales cos/sin by ``1 + 0.1 ln(1/freq_scale)``; the
+ramp's correction range is floored/ceiled as ggml does unless ``yarn_truncate`` is off (gpt-oss,
+as transformers and the model's reference compute it). The
 angles are computed in float64 and rounded once, which keeps both peers within float32 rounding.
 """
 
@@ -49,10 +51,11 @@ class Rope:
         fs = cfg.rope_freq_scale
         self.mscale = 1.0
         if cfg.rope_yarn and fs != 1.0:
-            lo = max(0.0, math.floor(_yarn_corr_dim(self.n_rot, cfg.rope_orig_ctx,
-                                                    cfg.yarn_beta_fast, cfg.rope_base)))
-            hi = min(self.n_rot - 1.0, math.ceil(_yarn_corr_dim(self.n_rot, cfg.rope_orig_ctx,
-                                                                cfg.yarn_beta_slow, cfg.rope_base)))
+            lo = _yarn_corr_dim(self.n_rot, cfg.rope_orig_ctx, cfg.yarn_beta_fast, cfg.rope_base)
+            hi = _yarn_corr_dim(self.n_rot, cfg.rope_orig_ctx, cfg.yarn_beta_slow, cfg.rope_base)
+            if cfg.yarn_truncate:                                      # ggml always rounds
+                lo, hi = math.floor(lo), math.ceil(hi)
+            lo, hi = max(0.0, lo), min(self.n_rot - 1.0, hi)
             y = (i - lo) / max(0.001, hi - lo)                         # ggml: i0/2 == i
             ramp = 1.0 - y.clamp(0.0, 1.0)                             # ext_factor = 1
             self.freq = theta * fs * (1.0 - ramp) + theta * ramp

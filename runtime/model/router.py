@@ -2,7 +2,7 @@
 
 ::
 
-    logits = W_gate_inp @ x                         float32, [T, E]
+    logits = W_gate_inp @ x (+ ffn_gate_inp.bias)   float32, [T, E]
     probs  = softmax(logits) | sigmoid(logits) | logits (SOFTMAX_WEIGHT)
     sel    = probs + exp_probs_b                    the bias chooses, it never weighs
     groups (n_group > 1): score = sum of the top-2 sel per group; keep the best n_group_used
@@ -33,6 +33,7 @@ W_SUM_MIN = 6.103515625e-5       # llama.cpp's clamp of the weight sum (2**-14)
 class RouterWeights:
     weight: torch.Tensor             # [E, n_embd] float32
     probs_bias: torch.Tensor | None  # [E] float32 (exp_probs_b)
+    bias: torch.Tensor | None = None  # [E] float32 added to the logits (gpt-oss ffn_gate_inp.bias)
 
 
 class Router:
@@ -43,7 +44,7 @@ class Router:
         self.native = self.n_group <= 1 and self.gating in (GATING_SOFTMAX, GATING_SIGMOID)
 
     def probs(self, x: torch.Tensor, w: RouterWeights) -> torch.Tensor:
-        logits = F.linear(x.float(), w.weight)                    # [T, E]
+        logits = F.linear(x.float(), w.weight, w.bias)            # [T, E]
         if self.gating == GATING_SOFTMAX:
             return logits.softmax(-1)
         if self.gating == GATING_SIGMOID:
@@ -67,7 +68,7 @@ class Router:
     def top(self, x: torch.Tensor, w: RouterWeights, k: int) -> torch.Tensor:
         """The top-``k`` ids ``[T, k]`` best first, without their weights (a guess of the
         choice: the lookahead's); one token's from one native call where the kernels take it."""
-        if self.native and x.shape[0] == 1:
+        if self.native and x.shape[0] == 1 and w.bias is None:
             r = native.route(x, w.weight, w.probs_bias, k, self.gating == GATING_SIGMOID,
                              False, W_SUM_MIN, 1.0)
             if r is not None:
@@ -78,7 +79,7 @@ class Router:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x [T, n_embd]`` → ``(ids [T, k] int64, weights [T, k] float32, probs [T, E])``;
         one token's choice comes from one native call where the kernels take it (probs None)."""
-        if self.native and x.shape[0] == 1:
+        if self.native and x.shape[0] == 1 and w.bias is None:
             r = native.route(x, w.weight, w.probs_bias, self.k, self.gating == GATING_SIGMOID,
                              self.norm_w, W_SUM_MIN, self.w_scale or 1.0)
             if r is not None:
