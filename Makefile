@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test bench-repack clean
+.PHONY: setup kernels demo lint test bench-repack clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,7 +13,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,async,bench]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
+
+# the native CPU kernels, compiled once ahead of the first run (without a C++ compiler the
+# runtime uses its torch paths: this says so and does not fail)
+kernels: $(STAMP)
+	$(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	from expertfs.runtime import kernels; kernels.load()"
 
 demo: setup
 	$(BIN)/expertfs demo

@@ -82,7 +82,7 @@ def synthetic(d: str, tokens: list[int]) -> list[dict]:
 
 def given(paths: list[str], text: str) -> list[dict]:
     from expertfs.store.repack import repack
-    from expertfs.runtime.tokenizer import GGUFTokenizer
+    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
     from expertfs.store.reader import Store
     rows = []
     for g in paths:

@@ -71,7 +71,7 @@ class FastEngine:
 
 def tiny_tokenizer(folder: str | Path) -> Any:
     """The tiny synthesised qwen3moe store's tokenizer (with its chat template)."""
-    from expertfs.runtime.tokenizer import GGUFTokenizer
+    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
     from expertfs.formats.gguf_read import read_gguf
     from expertfs.synth import SynthConfig, synthesize
     path = synthesize(SynthConfig.tiny("qwen3moe"), str(Path(folder) / "m.gguf"))

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if level > logging.INFO:                # a first-run kernel build is shown, with progress
+        logging.getLogger("expertfs.runtime.kernels.build.progress").setLevel(logging.INFO)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -82,7 +82,7 @@ def _generate(store: str, ram: int, n: int) -> None:
     from ..runtime.engine import Engine
     from ..runtime.generate import generate
     from ..runtime.sampling import Sampler
-    from ..runtime.tokenizer import GGUFTokenizer
+    from ..runtime.tokenizer.gguf import GGUFTokenizer
     with Engine.open(store, ram_bytes=ram) as eng:
         tok = GGUFTokenizer(eng.kv)
         prompt = tok.encode("Beautiful is better than ugly. Explicit is better than implicit.")

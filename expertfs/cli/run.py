@@ -278,7 +278,7 @@ class _Status:
 def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = None) -> int:
     from ..runtime.generate import generate
     from ..runtime.sampling import Sampler, SamplingParams
-    from ..runtime.tokenizer import GGUFTokenizer
+    from ..runtime.tokenizer.gguf import GGUFTokenizer
     tok = GGUFTokenizer(eng.kv, eng.store.path)
     text = args.prompt
     if args.chat:

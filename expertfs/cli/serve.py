@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.engine import Engine, EngineOptions
     from ..runtime.server import ServerConfig, build_app
     from ..runtime.server.session import Session
-    from ..runtime.tokenizer import GGUFTokenizer
+    from ..runtime.tokenizer.gguf import GGUFTokenizer
     from .run import _device, _ram_tier
 
     if not 0 < args.port < 65536:

@@ -13,7 +13,9 @@ an out-of-memory kill) and would make every later load wait for it forever, so t
 the kernel lock removes it. The build needs a C++ compiler (``$CXX`` or
 ``c++``) and ninja; without them, or when ``EXPERTFS_NATIVE=0``, or when the build fails,
 ``load()`` returns None, the reason is logged once (warning) and kept in ``status()``, and the
-runtime uses its torch paths.
+runtime uses its torch paths. A real build (no module in the folder yet) is announced at INFO
+(what, why, how long it usually takes), with an elapsed-time line every ``PROGRESS_S`` seconds
+and an end line; the CLI shows these records (``make setup`` builds the kernels ahead).
 
 The code is portable C++ plus an AVX2+FMA+F16C unit and an AVX-512 (F+VL) unit whose
 functions carry target attributes, so one build runs on any x86-64 CPU; the CPU is checked
@@ -39,6 +41,9 @@ from typing import Any
 __all__ = ["load", "status", "cache_dir", "SOURCES"]
 
 log = logging.getLogger(__name__)
+#: The first-run build's start, progress and end lines (the CLI shows these at its default
+#: verbosity: a build takes minutes and would otherwise look like a hang).
+progress = logging.getLogger(__name__ + ".progress")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp",
@@ -46,6 +51,8 @@ SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern
 HEADERS = ("kern.h", "pool.h", "small_ops.h", "kern_avx2_util.h")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
           "-Wno-maybe-uninitialized")     # GCC 12 false positives in its AVX-512 headers
+
+PROGRESS_S = 20.0                 # seconds between "still building" lines
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "tried": False, "reason": None, "seconds": None,
@@ -98,7 +105,7 @@ def _build_lock(bdir: Path):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another process building the native kernels in %s", bdir)
+            progress.info("waiting for another process building the native kernels in %s", bdir)
             fcntl.flock(f, fcntl.LOCK_EX)
         stale = bdir / "lock"
         if stale.exists():
@@ -113,6 +120,31 @@ def _short(e: BaseException) -> str:
     lines = text.splitlines()
     diag = [ln for ln in lines if ": error:" in ln or ": fatal error:" in ln]
     return f"{type(e).__name__}: {(diag or lines or [''])[0][:300]}"
+
+
+@contextlib.contextmanager
+def _announce(bdir: Path, name: str):
+    """Log a build's start, its progress from a timer thread, and its end."""
+    if (bdir / f"{name}.so").exists():            # already built: a load, not a build
+        yield
+        return
+    progress.info("building the native CPU kernels (C++, %d sources) into %s: the first run for "
+             "this torch and source version compiles them once, usually in one to two minutes; "
+             "later runs load them in a moment", len(SOURCES), bdir)
+    t0, done = time.perf_counter(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(PROGRESS_S):
+            progress.info("still building the native CPU kernels (%.0f s so far)",
+                     time.perf_counter() - t0)
+    th = threading.Thread(target=tick, name="expertfs-kernel-build", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        done.set()
+        th.join()
+    progress.info("native CPU kernels built in %.0f s", time.perf_counter() - t0)
 
 
 def load() -> ModuleType | None:
@@ -132,7 +164,7 @@ def load() -> ModuleType | None:
                 bdir = cache_dir() / name
                 bdir.mkdir(parents=True, exist_ok=True)
                 _state["build_dir"] = str(bdir)
-                with _build_lock(bdir):
+                with _build_lock(bdir), _announce(bdir, name):
                     mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
                                              extra_cflags=list(CFLAGS),
                                              build_directory=str(bdir), verbose=False)
@@ -144,7 +176,8 @@ def load() -> ModuleType | None:
         _state["module"], _state["reason"] = mod, reason
         _state["tried"] = True
         if mod is None:
-            log.warning("native CPU kernels unavailable: %s; using the torch paths", reason)
+            log.warning("native CPU kernels unavailable: %s; using the torch paths instead "
+                        "(correct, but decoding is slower)", reason)
         else:
             info = mod.info()
             log.info("native CPU kernels loaded (%s, %.1f s) from %s", info["isa"],

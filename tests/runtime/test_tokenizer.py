@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from expertfs.errors import UnsupportedModelError, UsageError
-from expertfs.runtime.tokenizer import PRE_SPLITS, GGUFTokenizer, render_chat
+from expertfs.runtime.tokenizer.gguf import PRE_SPLITS, GGUFTokenizer, render_chat
 from expertfs.synth.tokenizer import FAMILIES, build_vocab
 
 TEXTS = [
@@ -111,7 +111,9 @@ def test_chat_template_is_sandboxed():
 
 
 def test_unsupported_tokenizers_are_typed_errors():
-    with pytest.raises(UnsupportedModelError, match="tokenizer model"):
+    with pytest.raises(UnsupportedModelError, match="tokenizer model 'bert' .*pre-tokenizer"):
+        GGUFTokenizer(_kv("qwen3moe", **{"tokenizer.ggml.model": "bert"}))
+    with pytest.raises(UnsupportedModelError, match="SPM tokenizer .*scores"):
         GGUFTokenizer(_kv("qwen3moe", **{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(UnsupportedModelError, match="pre-tokenizer"):
         GGUFTokenizer(_kv("qwen3moe", **{"tokenizer.ggml.pre": "no-such"}))

@@ -13,7 +13,7 @@ from support.mtp_model import build_model, engine, one_thread  # noqa: F401
 
 from expertfs.runtime.server.schema import parse_completion  # noqa: E402
 from expertfs.runtime.server.session import Session  # noqa: E402
-from expertfs.runtime.tokenizer import GGUFTokenizer  # noqa: E402
+from expertfs.runtime.tokenizer.gguf import GGUFTokenizer  # noqa: E402
 
 PROMPT = "def main(args):\n    return"
 

@@ -15,7 +15,7 @@ from expertfs.runtime.engine import Engine, EngineOptions
 from expertfs.runtime.sampling import penalize
 from expertfs.runtime.server.schema import parse_chat
 from expertfs.runtime.server.session import Session
-from expertfs.runtime.tokenizer import GGUFTokenizer
+from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
 
 from serve_live import TEMPLATES, build_store, live_server, template  # noqa: E402
 

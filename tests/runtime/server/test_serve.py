@@ -13,7 +13,7 @@ from expertfs.store.repack import repack
 from expertfs.runtime.engine import Engine, EngineOptions
 from expertfs.runtime.server import ServerConfig, build_app
 from expertfs.runtime.server.session import Session, StopMatcher
-from expertfs.runtime.tokenizer import GGUFTokenizer
+from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
 from expertfs.synth import SynthConfig, synthesize
 
 

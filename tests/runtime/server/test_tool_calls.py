@@ -18,7 +18,7 @@ from expertfs.runtime.server import ServerConfig, build_app
 from expertfs.runtime.server.session import Session
 from expertfs.runtime.server.tools import (DEEPSEEK, GLM, HARMONY, HERMES, ToolStream, parse_all,
                                            syntax_for)
-from expertfs.runtime.tokenizer import GGUFTokenizer, render_chat
+from expertfs.runtime.tokenizer.gguf import GGUFTokenizer, render_chat
 
 from serve_live import TEMPLATES, build_store, template  # noqa: E402
 

@@ -2,8 +2,10 @@
 
 Byte-level BPE (``tokenizer.ggml.model = "gpt2"``): the vocabulary is ``tokenizer.ggml.tokens``
 (already in GPT-2's byte alphabet), the merges ``tokenizer.ggml.merges``; the pre-tokenizer is
-the regex llama.cpp uses for ``tokenizer.ggml.pre`` (``PRE_SPLITS``, from LC
-``src/llama-vocab.cpp``: several regexes split in turn), then the byte-level mapping. Token
+the regex llama.cpp uses for ``tokenizer.ggml.pre`` (``PRE_SPLITS`` in tokenizer_pre.py, from LC
+``src/llama-vocab.cpp``: several regexes split in turn), then the byte-level mapping.
+SentencePiece BPE (``"llama"``: Mixtral, Phi-3.5-MoE) is built by tokenizer_spm.py. Any other
+model, or a pre-tokenizer llama.cpp does not name, is refused naming both. Token
 types follow llama.cpp: CONTROL (3) tokens are special (matched in text only when
 ``parse_special``, dropped when decoding), USER_DEFINED (4) tokens always match whole, UNUSED
 (5) padding tokens decode to nothing. BOS is
@@ -18,47 +20,13 @@ import json
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from ..errors import UnsupportedModelError, UsageError
+from ...errors import UnsupportedModelError, UsageError
+from .pre import NO_BOS_PRE, PRE_SPLITS
+from .spm import build_spm, spm_token_bytes
 
 __all__ = ["GGUFTokenizer", "PRE_SPLITS", "render_chat"]
 
 UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 2, 3, 4, 5
-
-_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
-          r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DEEPSEEK3 = (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
-
-#: ``tokenizer.ggml.pre`` → (regexes applied in turn, ignore_merges, default add_bos)
-PRE_SPLITS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
-    "default": (_DEFAULT, False, False),
-    **{k: ((_LLAMA3,), True, True) for k in ("llama3", "llama-v3", "llama-bpe", "falcon3",
-                                              "falcon-h1", "pixtral", "midm-2.0", "lfm2")},
-    **{k: ((_LLAMA3,), False, False) for k in ("dbrx", "smaug-bpe", "chatglm-bpe")},
-    **{k: ((_LLAMA3,), True, False) for k in ("glm4", "glm5")},
-    **{k: ((_QWEN2,), False, False) for k in ("qwen2", "deepseek-r1-qwen", "stablelm2",
-                                              "hunyuan", "grok-2")},
-    "qwen35": ((_QWEN35,), False, False),
-    **{k: ((_GPT2,), False, False) for k in ("gpt-2", "phi-2", "mpt", "olmo", "jais")},
-    **{k: ((_GPT4O,), False, False) for k in ("gpt-4o", "minimax-m2", "llama4")},
-    "tekken": ((_TEKKEN,), True, True),
-    "deepseek-v3": (_DEEPSEEK3, False, False),
-}
 
 
 def _value(kv: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -70,31 +38,34 @@ class GGUFTokenizer:
     """``encode(text) -> ids``, ``decode(ids) -> text`` and a streaming ``Detokenizer``."""
 
     def __init__(self, kv: Mapping[str, Any], path: str | None = None) -> None:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken
         model = _value(kv, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise UnsupportedModelError(f"tokenizer model {model!r} is not supported", path=path,
-                                        fix="byte-level BPE ('gpt2') tokenizers are supported; "
-                                            "run with --tokens instead of a prompt")
-        pre = str(_value(kv, "tokenizer.ggml.pre", "default") or "default")
-        if pre not in PRE_SPLITS:
-            raise UnsupportedModelError(f"pre-tokenizer {pre!r} is not supported", path=path,
-                                        fix="known: " + ", ".join(sorted(PRE_SPLITS)))
-        splits, ignore_merges, add_bos_default = PRE_SPLITS[pre]
         tokens = list(_value(kv, "tokenizer.ggml.tokens", []))
         types = [int(t) for t in _value(kv, "tokenizer.ggml.token_type", [1] * len(tokens))]
-        merges = [tuple(m.split(" ", 1)) for m in _value(kv, "tokenizer.ggml.merges", [])]
-        self.tokens, self.types = tokens, types
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
-                         byte_fallback=False, fuse_unk=False)
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
+        self.tokens, self.types, self.spm = tokens, types, model == "llama"
+        pre = str(_value(kv, "tokenizer.ggml.pre", "default") or "default")
+        if model == "gpt2":
+            tok, add_bos_default = _byte_level_bpe(kv, tokens, pre, path)
+        elif model == "llama":
+            scores = list(_value(kv, "tokenizer.ggml.scores", []))
+            if len(scores) != len(tokens):
+                raise UnsupportedModelError(
+                    f"SPM tokenizer (pre-tokenizer {pre!r}) has {len(scores)} scores for "
+                    f"{len(tokens)} tokens", path=path,
+                    fix="reconvert the model with llama.cpp's convert_hf_to_gguf.py, or run "
+                        "with --tokens instead of a prompt")
+            unk_id = _opt_int(kv, "tokenizer.ggml.unknown_token_id")
+            tok = build_spm(tokens, scores, unk=None if unk_id is None else tokens[unk_id],
+                            add_space_prefix=bool(_value(kv, "tokenizer.ggml.add_space_prefix",
+                                                         True)))
+            add_bos_default = True
+        else:
+            raise UnsupportedModelError(
+                f"tokenizer model {model!r} (pre-tokenizer {pre!r}) is not supported", path=path,
+                fix="byte-level BPE ('gpt2') and SentencePiece ('llama') tokenizers are "
+                    "supported; run with --tokens instead of a prompt")
         special = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == CONTROL]
+                   for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)]
         user = [AddedToken(t, special=False, normalized=False)
                 for t, ty in zip(tokens, types) if ty == USER_DEFINED]
         tok.add_special_tokens(special)
@@ -104,7 +75,7 @@ class GGUFTokenizer:
         self.bos_id = _opt_int(kv, "tokenizer.ggml.bos_token_id")
         self.eos_id = _opt_int(kv, "tokenizer.ggml.eos_token_id")
         self.eot_id = _opt_int(kv, "tokenizer.ggml.eot_token_id")
-        if pre in ("glm4", "glm5", "chatglm-bpe"):
+        if model == "gpt2" and pre in NO_BOS_PRE:
             self.bos_id = None                       # llama.cpp: special_bos_id = NULL
         self.add_bos = bool(_value(kv, "tokenizer.ggml.add_bos_token", add_bos_default))
         self.chat_template = _value(kv, "tokenizer.chat_template")
@@ -142,6 +113,8 @@ class GGUFTokenizer:
         t = self.tokens[int(token)]
         if int(token) in self._special or self.types[int(token)] == USER_DEFINED:
             return t.encode()
+        if self.spm:
+            return spm_token_bytes(t, self.types[int(token)])
         inv = _byte_decoder()
         return bytes(inv[ch] for ch in t) if all(ch in inv for ch in t) else t.encode()
 
@@ -169,6 +142,31 @@ class Detokenizer:
             return ""
         new, self.emitted = text[len(self.emitted):], text
         return new
+
+
+def _byte_level_bpe(kv: Mapping[str, Any], tokens: list[str], pre: str,
+                    path: str | None) -> tuple[Any, bool]:
+    """The HF ``Tokenizer`` (without added tokens) for byte-level BPE with llama.cpp's
+    pre-tokenizer ``pre``, and whether that pre-tokenizer adds BOS by default."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    if pre not in PRE_SPLITS:
+        raise UnsupportedModelError(f"pre-tokenizer {pre!r} is not supported", path=path,
+                                    fix="run with --tokens instead of a prompt; known: "
+                                        + ", ".join(sorted(PRE_SPLITS)))
+    splits, ignore_merges, add_bos_default = PRE_SPLITS[pre]
+    merges = [tuple(m.split(" ", 1)) for m in _value(kv, "tokenizer.ggml.merges", [])]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     ignore_merges=ignore_merges, byte_fallback=False, fuse_unk=False)
+    tok = Tokenizer(bpe)
+    try:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    except Exception as e:                      # a regex the regex engine refuses
+        raise UnsupportedModelError(f"pre-tokenizer {pre!r} cannot be built: {e}", path=path,
+                                    fix="run with --tokens instead of a prompt") from None
+    tok.decoder = decoders.ByteLevel()
+    return tok, add_bos_default
 
 
 def _byte_decoder() -> dict[str, int]:
