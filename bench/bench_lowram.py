@@ -51,12 +51,56 @@ def last_json(text: str) -> dict:
     return json.loads(text[text.index("{"):])
 
 
-def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Namespace) -> dict:
+def prompt_args(a: argparse.Namespace, peer: str) -> list[str]:
+    """The same prompt text for both (``PROMPT``, or ``--prompt-tokens``' longer one)."""
+    text = a.prompt_text or PROMPT
+    return ["--prompt", text] if peer == "llama" else ["-p", text]
+
+
+def long_prompt(store: str, n: int) -> str:
+    """``PROMPT``'s words repeated until the model's tokenizer makes at least ``n`` tokens of
+    them (the peers' prompt_n are reported: their tokenizers may differ by a token)."""
+    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
+    with Store.open(store) as st:
+        tok = GGUFTokenizer(st.gguf_kv(), store)
+    words, text = PROMPT.split(), ""
+    i = 0
+    while len(tok.encode(text)) < n:
+        text += (" " if text else "") + words[i % len(words)]
+        i += 1
+    return text
+
+
+def prefill_tok_s(r: dict) -> float:
+    """Prompt tokens per second of either peer's figures."""
+    if "prefill_tokens_per_s" in r:
+        return float(r["prefill_tokens_per_s"])
+    return r.get("prompt_n", 0) / r["ttft_s"] if r.get("ttft_s") else 0.0
+
+
+def synth(a: argparse.Namespace) -> None:
+    """``--like`` cut to ``--layers`` or ``--size``; ``--experts``/``--vocab`` 0 and no
+    ``--nextn`` keep the preset's."""
+    from expertfs.synth import SynthConfig, layers_for_size, synthesize
+    from expertfs.units import parse_size
+    over: dict = {"quant": a.quant}
+    for key, v in (("n_experts", a.experts), ("n_vocab", a.vocab)):
+        if v:
+            over[key] = v
+    if a.nextn is not None:
+        over["n_nextn"] = a.nextn
+    cfg = SynthConfig.like(a.like, layers=a.layers or None, **over)
+    synthesize(cfg if a.layers else layers_for_size(cfg, parse_size(a.size)), a.model)
+
+
+def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Namespace,
+          warm: bool = False) -> dict:
     with readahead(dev, ra) as kb:
         r = run_capped([sys.executable, os.path.join(os.path.dirname(__file__), "llama_decode.py"),
-                        model, "--prompt", PROMPT, "-n", str(a.n), "-t", str(a.threads),
+                        model, *prompt_args(a, "llama"), "-n", str(a.n), "-t", str(a.threads),
                         "--temp", str(a.temp), "--seed", str(a.seed), "--ctx", str(a.ctx)],
-                       cap, dev, timeout=a.timeout, env=peer_environ())
+                       cap, dev, timeout=a.timeout, env=peer_environ(),
+                       warm=(model,) if warm else ())
     if r.returncode != 0:
         return {"peer": "llama.cpp", "failed": r.returncode, "stderr": r.stderr[-400:],
                 "readahead_kb": kb, "peak": r.peak_bytes}
@@ -68,7 +112,7 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
 
 def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace,
                  trace: str | None = None, preload: bool = False) -> dict:
-    argv = [os.path.join(BIN, "expertfs"), "run", store, "-p", PROMPT, "-n", str(a.n),
+    argv = [os.path.join(BIN, "expertfs"), "run", store, *prompt_args(a, "expertfs"), "-n", str(a.n),
             "-t", str(a.threads), "--ram", str(ram), "--ctx", str(a.ctx), "--ignore-eos",
             "--temp", str(a.temp), "--seed", str(a.seed), "--json"]
     argv += ["--preload"] if preload else ["--no-warm-start"]
@@ -94,51 +138,8 @@ def simulated_bytes(trace: str, ram: int) -> dict:
     return {"bytes_nvme": pol["bytes_nvme"], "hit_rate": pol["hit_rate"], "tokens": pol["tokens"]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="GGUF path (synthesised if missing)")
-    ap.add_argument("--size", default="6G", help="size to synthesise (default 6G)")
-    ap.add_argument("--like", default="Qwen3-30B-A3B")
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--quant", default="experts=Q4_0,down=Q4_0")
-    ap.add_argument("--vocab", type=int, default=32768,
-                    help="synthesised vocabulary (the presets' 150k one makes a 1 GB trunk)")
-    ap.add_argument("--cap", type=float, default=1 / 3, help="cgroup cap as a fraction of the model")
-    ap.add_argument("-n", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--temp", type=float, default=1.0,
-                    help="sampling temperature for both (default 1.0: greedy decoding of random "
-                         "weights repeats one token, the same experts every step, which "
-                         "flatters every cache)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--ctx", type=int, default=512, help="context limit for both peers (512)")
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="alternating runs of llama.cpp at 128 KB readahead and expertfs; the "
-                         "median of each is reported (3)")
-    ap.add_argument("--resident", action="store_true", help="also compare with no cap, warm")
-    ap.add_argument("--expertfs-args", default="", help="extra flags for expertfs run")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    if not os.path.exists(a.model):
-        subprocess.run([os.path.join(BIN, "expertfs"), "synth", "--like", a.like, "--experts",
-                        str(a.experts), "--size", a.size, "--quant", a.quant, "--vocab",
-                        str(a.vocab), "-o", a.model], check=True)
-    store = a.model[:-5] + ".efs" if a.model.endswith(".gguf") else a.model + ".efs"
-    if not os.path.exists(store):
-        subprocess.run([os.path.join(BIN, "expertfs"), "repack", a.model, "-o", store], check=True,
-                       stdout=subprocess.DEVNULL)
-    size = os.path.getsize(a.model)
-    cap = int(size * a.cap)
-    dev = block_device_of(a.model)
-    info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
-                                     capture_output=True, text=True, check=True).stdout)
-    with Store.open(store) as st:                                   # as expertfs run sizes it
-        trunk = resident_trunk_bytes(st)
-        kv = kv_cache_bytes(geometry_of_store(st), a.ctx, "f32")    # CPU: host memory
-    ram = default_ram_tier(trunk, limit=cap, kv_bytes=kv)           # what expertfs run picks
-    res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
-                 "expert_bytes_per_token": info.get("expert_bytes_per_token")}
+def capped(res: dict, store: str, cap: int, dev: str, ram: int, a: argparse.Namespace) -> None:
+    """llama.cpp at the default readahead, then it at 128 KB and expertfs alternating."""
     res["llama_default"] = llama(a.model, cap, dev, None, a)
     # the two close peers alternate, --rounds times, the order swapped every round: this disk
     # drifts by more than the gap being measured; each keeps its median run
@@ -164,15 +165,88 @@ def main() -> int:
     e = res["expertfs"]
     if "failed" not in e and e.get("mb_read_per_token"):
         res["roofline_tok_s"] = bw / (e["mb_read_per_token"] * 1e6)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF path (synthesised if missing)")
+    ap.add_argument("--size", default="6G", help="size to synthesise (default 6G)")
+    ap.add_argument("--like", default="Qwen3-30B-A3B")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="synthesise this many decoder layers instead of --size")
+    ap.add_argument("--experts", type=int, default=64, help="routed experts (0: the preset's)")
+    ap.add_argument("--nextn", type=int, default=None,
+                    help="NextN blocks to synthesise (default: the preset's)")
+    ap.add_argument("--quant", default="experts=Q4_0,down=Q4_0",
+                    help="synth --quant spec or preset (e.g. maya-s, q4_k_m)")
+    ap.add_argument("--vocab", type=int, default=32768,
+                    help="synthesised vocabulary, 0: the preset's (the presets' 150k one makes a "
+                         "1 GB trunk)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="a prompt of about N tokens for both (the default text's words "
+                         "repeated; prefill length)")
+    ap.add_argument("--cap", type=float, default=1 / 3,
+                    help="cgroup cap as a fraction of the model (0: no capped runs)")
+    ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temp", type=float, default=1.0,
+                    help="sampling temperature for both (default 1.0: greedy decoding of random "
+                         "weights repeats one token, the same experts every step, which "
+                         "flatters every cache)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=512, help="context limit for both peers (512)")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating runs of llama.cpp at 128 KB readahead and expertfs; the "
+                         "median of each is reported (3)")
+    ap.add_argument("--resident", action="store_true", help="also compare with no cap, warm")
+    ap.add_argument("--resident-rounds", type=int, default=1,
+                    help="alternating resident runs of each, median reported (1)")
+    ap.add_argument("--expertfs-args", default="", help="extra flags for expertfs run")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if not os.path.exists(a.model):
+        synth(a)
+    store = a.model[:-5] + ".efs" if a.model.endswith(".gguf") else a.model + ".efs"
+    if not os.path.exists(store):
+        subprocess.run([os.path.join(BIN, "expertfs"), "repack", a.model, "-o", store], check=True,
+                       stdout=subprocess.DEVNULL)
+    a.prompt_text = long_prompt(store, a.prompt_tokens) if a.prompt_tokens else None
+    size = os.path.getsize(a.model)
+    cap = int(size * a.cap)
+    dev = block_device_of(a.model)
+    info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
+                                     capture_output=True, text=True, check=True).stdout)
+    with Store.open(store) as st:                                   # as expertfs run sizes it
+        trunk = resident_trunk_bytes(st)
+        kv = kv_cache_bytes(geometry_of_store(st), a.ctx, "f32")    # CPU: host memory
+    ram = default_ram_tier(trunk, limit=cap, kv_bytes=kv)           # what expertfs run picks
+    res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
+                 "expert_bytes_per_token": info.get("expert_bytes_per_token")}
+    if a.cap:
+        capped(res, store, cap, dev, ram, a)
     if a.resident:
-        res["llama_resident"] = llama(a.model, None, dev, None, a)
-        res["expertfs_resident"] = expertfs_run(store, None, dev, 2 * size, a, preload=True)
+        # both peers alternate too, the model in memory for each: llama.cpp with the GGUF read
+        # back into the page cache after the drop, expertfs with --preload; the median kept
+        rr: list[dict] = []
+        for rnd in range(a.resident_rounds):
+            row = {}
+            for peer in (("llama", "expertfs") if rnd % 2 == 0 else ("expertfs", "llama")):
+                row[peer] = (llama(a.model, None, dev, None, a, warm=True) if peer == "llama"
+                             else expertfs_run(store, None, dev, 2 * size, a, preload=True))
+            rr.append(row)
+        res["resident_rounds"] = rr
+        for peer, key in (("llama", "decode_tok_s"), ("expertfs", "decode_tokens_per_s")):
+            ok = sorted((r[peer] for r in rr if "failed" not in r[peer]), key=lambda d: d[key])
+            res[peer + "_resident"] = ok[(len(ok) - 1) // 2] if ok else rr[0][peer]
     if a.json:
         print(json.dumps(res, indent=2, default=str))
         return 0
     print(f"model {fmt_bytes(size)}, cap {fmt_bytes(cap)} ({a.cap:.2f}), expertfs RAM tier "
-          f"{fmt_bytes(ram)}, disk {bw / 1e9:.2f} GB/s (random expert reads, QD8)")
-    print(f"{'run':<18} {'decode tok/s':>12} {'TTFT s':>8} {'MB/token':>9} {'peak':>10}")
+          f"{fmt_bytes(ram)}, disk {res.get('disk_bytes_per_s', 0) / 1e9:.2f} GB/s (random "
+          f"expert reads, QD8); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'run':<18} {'decode tok/s':>12} {'TTFT s':>8} {'prefill tok/s':>13} {'prompt':>6} "
+          f"{'MB/token':>9} {'peak':>10}")
     for k in ("llama_default", "llama_ra128", "expertfs", "llama_resident", "expertfs_resident"):
         r = res.get(k)
         if not r:
@@ -182,10 +256,11 @@ def main() -> int:
             continue
         tps = r.get("decode_tok_s", r.get("decode_tokens_per_s", 0))
         ttft = r.get("ttft_s", r.get("time_to_first_token_s", 0))
-        print(f"{k:<18} {tps:12.3f} {ttft:8.2f} {r.get('mb_read_per_token', 0):9.1f} "
-              f"{fmt_bytes(r.get('peak', 0)):>10}")
-    e, l0, l1 = res["expertfs"], res["llama_default"], res["llama_ra128"]
-    if all("failed" not in x for x in (e, l0, l1)):
+        print(f"{k:<18} {tps:12.3f} {ttft:8.2f} {prefill_tok_s(r):13.2f} "
+              f"{r.get('prompt_n', r.get('prompt_tokens', 0)):>6} "
+              f"{r.get('mb_read_per_token', 0):9.1f} {fmt_bytes(r.get('peak', 0)):>10}")
+    e, l0, l1 = res.get("expertfs"), res.get("llama_default"), res.get("llama_ra128")
+    if a.cap and all("failed" not in x for x in (e, l0, l1)):
         et = e["decode_tokens_per_s"]
         print(f"expertfs / llama.cpp default readahead: {et / l0['decode_tok_s']:.2f}x")
         print(f"expertfs / llama.cpp readahead 128 KB:  {et / l1['decode_tok_s']:.2f}x (medians "
@@ -201,8 +276,13 @@ def main() -> int:
             print(f"expertfs / disk roofline ({res['roofline_tok_s']:.2f} tok/s): "
                   f"{et / res['roofline_tok_s']:.2f}")
     if a.resident and "failed" not in res["llama_resident"] and "failed" not in res["expertfs_resident"]:
-        print(f"resident: expertfs / llama.cpp: "
-              f"{res['expertfs_resident']['decode_tokens_per_s'] / res['llama_resident']['decode_tok_s']:.2f}x")
+        er, lr = res["expertfs_resident"], res["llama_resident"]
+        print(f"resident: expertfs / llama.cpp: decode "
+              f"{er['decode_tokens_per_s'] / lr['decode_tok_s']:.2f}x, prefill "
+              f"{prefill_tok_s(er) / max(prefill_tok_s(lr), 1e-9):.2f}x (medians of "
+              f"{a.resident_rounds} alternating runs; decode per round: " + ", ".join(
+                  f"{r['expertfs']['decode_tokens_per_s'] / r['llama']['decode_tok_s']:.2f}x"
+                  for r in res["resident_rounds"] if all("failed" not in r[p] for p in r)) + ")")
     return 0
 
 

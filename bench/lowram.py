@@ -121,10 +121,19 @@ class Run:
     disk_read: int
 
 
+def page_in(paths: tuple[str, ...]) -> None:
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
 def run_capped(argv: list[str], limit: int | None, dev: str, timeout: float = 1800,
-               env: dict[str, str] | None = None) -> Run:
-    """Run ``argv`` cold (caches dropped) under a memory cap (None: no cap)."""
+               env: dict[str, str] | None = None, warm: tuple[str, ...] = ()) -> Run:
+    """Run ``argv`` cold (caches dropped) under a memory cap (None: no cap); ``warm``: with
+    these files read back into the page cache after the drop (a resident mmap peer)."""
     drop_caches()
+    page_in(warm)
     cg = MemCgroup(limit) if limit else None
     try:
         cmd = cg.wrap(argv) if cg else argv

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Where a GLM-5 token's time goes: the KDA, indexer, MLA and mHC shares of a decode step.
+
+The runtime keeps no per-layer-kind timers, so this wraps the functions the glm5-next and
+glm-dsa forwards call (``runtime.model.archs.glm5_next`` / ``glm_dsa``: ``kda_attention``,
+``kpool_select`` / ``indexer_select``, ``mla_attention``, ``hc_block``) with wall-clock timers,
+in one process, the store resident (every expert in the RAM tier before the prompt), after
+an untimed warm-up. MLA is reported without the indexer it calls; mHC is ``hc_block`` less the
+attention or FFN it wraps; "rest" is everything else of the step (MoE and dense FFN, router,
+embedding, output head, sampling-free argmax). CPU only (no device sync). The timers
+themselves cost a few microseconds per call, so the sum runs slightly slow; shares are what
+this prints, beside plain (untimed) rounds for reference.
+
+    .venv/bin/python bench/glm5_share.py STORE.efs -n 16 --prompt-tokens 128 -t 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from expertfs.runtime.openmp import configure  # noqa: I001
+
+configure()
+
+import torch
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self.inner = 0.0                     # time of callees to subtract from the current span
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            outer, self.inner = self.inner, 0.0
+            try:
+                return fn(*args, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                self.t[name] = self.t.get(name, 0.0) + dt - self.inner
+                self.inner = outer + dt
+        return timed
+
+
+def install(timers: Timers) -> None:
+    from expertfs.runtime.model.archs import glm5_next as g5
+    from expertfs.runtime.model.archs import glm_dsa as gd
+    for mod in (g5, gd):
+        for fn, name in (("kda_attention", "KDA"), ("kpool_select", "indexer"),
+                         ("indexer_select", "indexer"), ("mla_attention", "MLA")):
+            if hasattr(mod, fn):
+                setattr(mod, fn, timers.wrap(name, getattr(mod, fn)))
+    orig = g5.hc_block
+
+    def hc_block(s, w, cfg, fn):                # the wrapped attention/FFN is not mHC time
+        inner = [0.0]
+
+        def timed_fn(h):
+            t1 = time.perf_counter()
+            try:
+                return fn(h)
+            finally:
+                inner[0] += time.perf_counter() - t1
+        t0 = time.perf_counter()
+        try:
+            return orig(s, w, cfg, timed_fn)
+        finally:
+            dt = time.perf_counter() - t0 - inner[0]
+            timers.t["mHC"] = timers.t.get("mHC", 0.0) + dt
+
+    g5.hc_block = hc_block
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store")
+    ap.add_argument("-n", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from expertfs.runtime.engine import Engine
+    size = os.path.getsize(os.path.join(a.store, "experts.bin"))
+    eng = Engine.open(a.store, provider="tiered", ram_bytes=size + (64 << 20))
+    eng.warm()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 1000, (a.prompt_tokens,), generator=g).tolist()
+    steps = torch.randint(1, 1000, (a.n,), generator=g).tolist()
+
+    def run(n: int) -> float:
+        eng.reset()
+        eng.prefill(prompt)
+        t0 = time.perf_counter()
+        for t in steps[:n]:
+            eng.decode(t)
+        return time.perf_counter() - t0
+
+    run(2)                                           # warm-up
+    plain = min(run(a.n) for _ in range(2))
+    timers = Timers()
+    install(timers)
+    eng.reset()
+    eng.prefill(prompt)
+    timers.t.clear()
+    t0 = time.perf_counter()
+    for t in steps:
+        eng.decode(t)
+    total = time.perf_counter() - t0
+    eng.close()
+    t = dict(timers.t)
+    t["rest"] = total - sum(t.values())
+    res = {"store": a.store, "n": a.n, "prompt_tokens": a.prompt_tokens, "threads": a.threads,
+           "plain_ms_per_token": 1e3 * plain / a.n, "timed_ms_per_token": 1e3 * total / a.n,
+           "ms_per_token": {k: 1e3 * v / a.n for k, v in t.items()},
+           "share": {k: v / total for k, v in t.items()}, "load_avg": os.getloadavg()}
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{a.store}: decode after a {a.prompt_tokens}-token prompt, {a.n} steps, "
+          f"{a.threads} threads; plain {res['plain_ms_per_token']:.1f} ms/token, timed "
+          f"{res['timed_ms_per_token']:.1f}; load average {res['load_avg'][0]:.1f}")
+    for k, v in sorted(res["ms_per_token"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:8s} {v:8.2f} ms/token  {100 * res['share'][k]:5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
