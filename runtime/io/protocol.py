@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .buffers import host_view, is_device_buffer, nbytes_of
-from .errors import IOUsageError
+from .errors import IOEngineError, IOUsageError
 from .retry import RetryPolicy, read_fully
 from .scheduler import Priority, ReadFuture, ReadScheduler
 
@@ -153,9 +153,12 @@ class FileHandle:
 
     def pread(self, buf: Any, offset: int, size: int | None = None, *,
               priority: Priority = Priority.DEMAND, tag: Any = None,
-              then: Callable[[int], Any] | None = None, block: bool = True) -> ReadFuture:
+              then: Callable[[int], Any] | None = None, block: bool = True,
+              fail: Callable[[IOEngineError], BaseException] | None = None) -> ReadFuture:
         """Queue a read of ``size`` bytes at ``offset`` into ``buf``; the future's result is the
-        byte count, or ``then(count)`` run on the worker thread when given (e.g. a checksum)."""
+        byte count, or ``then(count)`` run on the worker thread when given (e.g. a checksum).
+        ``fail`` turns a read that failed after its retries into the error the future raises
+        (e.g. one naming what was being read)."""
         if self._closed:
             raise IOUsageError("read on a closed file", path=self.path, fix="open the file again")
         size = self.check_range(buf, offset, size)
@@ -163,11 +166,23 @@ class FileHandle:
         raw, path, policy = self.raw, self.path, self.retry
 
         def job() -> Any:
-            n = read_fully(lambda s, e, o: raw.pread_into(dest, s, e, o), path=path, offset=offset,
-                           size=size, policy=policy)
+            try:
+                n = read_fully(lambda s, e, o: raw.pread_into(dest, s, e, o), path=path,
+                               offset=offset, size=size, policy=policy)
+            except IOEngineError as e:
+                if fail is None:
+                    raise
+                raise fail(e) from e
             return then(n) if then is not None else n
 
         return self.scheduler.submit(job, priority=priority, tag=tag, block=block)
+
+    def read_now(self, buf: Any, offset: int, size: int) -> int:
+        """Read in the calling thread, past the queue (a worker re-reading what it just read)."""
+        size = self.check_range(buf, offset, size)
+        dest = self.raw.prepare(buf)
+        return read_fully(lambda s, e, o: self.raw.pread_into(dest, s, e, o), path=self.path,
+                          offset=offset, size=size, policy=self.retry)
 
     def read(self, buf: Any, offset: int, size: int | None = None) -> int:
         """Blocking read: ``pread(...).result()``."""

@@ -4,8 +4,13 @@
 ``extent(layer, expert) -> Extent``, i.e. ``expertfs.store.reader.Store``) or a plain ``(path,
 extents)`` pair to an open :class:`.protocol.FileHandle`. ``verify`` says when the parts'
 xxh3 checksums are checked: ``"first"`` (default: the first read of each expert through this
-reader), ``"always"`` or ``"never"``. A mismatch raises :class:`ExpertIntegrityError` naming
-the layer, expert and part; bytes that fail are never handed out.
+reader), ``"always"`` or ``"never"``. A mismatch is read again (``rereads`` times: a fault on
+the way, not on the drive, goes away) and then raises :class:`ExpertIntegrityError` naming the
+layer, expert and part; bytes that fail are never handed out. A read that fails after the I/O
+engine's retries raises :class:`IOFaultError` naming the expert. After every read the experts
+file is checked to be the one opened (same inode, size and modification time): a store replaced,
+truncated or rewritten under the reader raises :class:`StoreChangedError` instead of handing out
+bytes that may not match the index.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from expertfs.store.layout import Extent, Part
 
 from .auto import open_file
 from .buffers import aligned_empty, host_view, is_device_buffer, nbytes_of
-from .errors import ExpertIntegrityError, IOUsageError
+from .errors import (ExpertIntegrityError, IOEngineError, IOFaultError, IOUsageError,
+                     StoreChangedError)
 from .protocol import DEFAULT_QUEUE_DEPTH, FileHandle, IOBackend
 from .retry import RetryPolicy
 from .scheduler import Priority, ReadFuture
@@ -82,7 +88,7 @@ class ExpertReader:
                  backend: str | IOBackend = "auto", queue_depth: int = DEFAULT_QUEUE_DEPTH,
                  max_pending: int | None = None, verify: str = "first",
                  retry: RetryPolicy | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+                 cache_dir: str | os.PathLike[str] | None = None, rereads: int = 2) -> None:
         if verify not in VERIFY_MODES:
             raise IOUsageError(f"verify={verify!r} is not one of {', '.join(VERIFY_MODES)}",
                                fix="use 'first' (default), 'always' or 'never'")
@@ -93,13 +99,20 @@ class ExpertReader:
         self.alignment = alignment or getattr(store, "alignment", None) or 4096
         self._extents = _Extents(store, extents)
         self.verify = verify
+        self.rereads = max(0, int(rereads))
         self.handle: FileHandle = open_file(self.path, backend=backend, queue_depth=queue_depth,
                                             max_pending=max_pending, retry=retry,
                                             cache_dir=cache_dir)
+        try:
+            self._identity = _identity(os.stat(self.path))
+        except OSError:
+            self.handle.close()
+            raise
         self._lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()
         self._inflight: dict[tuple[int, int], ReadFuture] = {}
-        self.stats = {"reads": 0, "bytes": 0, "verified": 0, "integrity_errors": 0, "joined": 0}
+        self.stats = {"reads": 0, "bytes": 0, "verified": 0, "integrity_errors": 0, "joined": 0,
+                      "rereads": 0, "recovered": 0}
 
     @property
     def backend_name(self) -> str:
@@ -119,16 +132,57 @@ class ExpertReader:
         """A buffer for one extent, aligned for O_DIRECT."""
         return aligned_empty(extent.length, alignment=self.alignment)
 
-    def _check(self, extent: Extent, buf: Any) -> None:
+    def _mismatch(self, extent: Extent, buf: Any) -> tuple[Part, int] | None:
         for p in extent.parts:
             got = xxhash.xxh3_64_intdigest(self._host_bytes(part_bytes(buf, p)))
             if got != p.checksum:
+                return p, got
+        return None
+
+    def _check(self, extent: Extent, buf: Any) -> None:
+        """Checksum every part; on a mismatch read the extent again up to ``rereads`` times."""
+        bad = self._mismatch(extent, buf)
+        reads = 1
+        while bad is not None and reads <= self.rereads:
+            with self._lock:
+                self.stats["rereads"] += 1
+            log.warning("%s: expert (layer %d, expert %d) failed its checksum; reading it again",
+                        self.path, extent.layer, extent.expert)
+            self.handle.read_now(buf, extent.offset, extent.length)
+            self.check_store(extent.layer, extent.expert)
+            reads += 1
+            bad = self._mismatch(extent, buf)
+            if bad is None:
                 with self._lock:
-                    self.stats["integrity_errors"] += 1
-                role = getattr(p.role, "name", str(p.role))
-                raise ExpertIntegrityError(path=self.path, layer=extent.layer, expert=extent.expert,
-                                           role=role, offset=extent.offset + p.rel_offset,
-                                           nbytes=p.nbytes, expected=p.checksum, actual=got)
+                    self.stats["recovered"] += 1
+        if bad is None:
+            return
+        p, got = bad
+        with self._lock:
+            self.stats["integrity_errors"] += 1
+        role = getattr(p.role, "name", str(p.role))
+        raise ExpertIntegrityError(path=self.path, layer=extent.layer, expert=extent.expert,
+                                   role=role, offset=extent.offset + p.rel_offset,
+                                   nbytes=p.nbytes, expected=p.checksum, actual=got, attempts=reads)
+
+    def check_store(self, layer: int | None = None, expert: int | None = None) -> None:
+        """Raise :class:`StoreChangedError` if the experts file is no longer the one opened."""
+        try:
+            now = _identity(os.stat(self.path))
+        except FileNotFoundError:
+            raise StoreChangedError("the file was removed", path=self.path, layer=layer,
+                                    expert=expert) from None
+        change = _change(self._identity, now)
+        if change:
+            raise StoreChangedError(change, path=self.path, layer=layer, expert=expert)
+
+    def _failed(self, layer: int, expert: int, err: IOEngineError) -> BaseException:
+        """A read that failed after its retries: a changed store explains it first."""
+        try:
+            self.check_store(layer, expert)
+        except StoreChangedError as changed:
+            return changed
+        return err.for_expert(layer, expert) if isinstance(err, IOFaultError) else err
 
     @staticmethod
     def _host_bytes(view: Any) -> Any:
@@ -165,6 +219,7 @@ class ExpertReader:
                                path=self.path, fix="size slots to the largest extent of the store")
 
         def done(n: int) -> ExpertBuffer:
+            self.check_store(layer, expert)
             check = mode == "always" or (mode == "first" and key not in self._verified)
             if check:
                 self._check(extent, buf)
@@ -177,7 +232,7 @@ class ExpertReader:
             return ExpertBuffer(extent, buf, check)
 
         fut = self.handle.pread(buf, extent.offset, extent.length, priority=priority, tag=key,
-                                then=done)
+                                then=done, fail=lambda err: self._failed(layer, expert, err))
         if into is None:
             with self._lock:
                 self._inflight[key] = fut
@@ -209,3 +264,21 @@ class ExpertReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _change(was: tuple[int, int, int, int], now: tuple[int, int, int, int]) -> str | None:
+    """What happened to the file between two identities, or None when nothing did."""
+    if was[:2] != now[:2]:
+        return (f"it was replaced by another file (inode {was[1]} is now {now[1]}); the open "
+                "file is the old one")
+    if now[2] < was[2]:
+        return f"it was truncated from {was[2]} to {now[2]} bytes"
+    if now[2] != was[2]:
+        return f"it grew from {was[2]} to {now[2]} bytes"
+    if now[3] != was[3]:
+        return "it was rewritten in place (its modification time changed)"
+    return None

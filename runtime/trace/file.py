@@ -30,7 +30,10 @@ class TraceWriter:
     """Streaming writer: ``with TraceWriter(path, header) as w: w.add(...)``; memory is one chunk.
 
     ``close()`` (or leaving the ``with`` normally) writes the End record; after an exception the
-    file is left without it, so readers report it as unfinished rather than trust it.
+    file is left without it, so readers report it as unfinished rather than trust it. The header
+    and each chunk are handed to the OS as they are written, so a writer killed at any point
+    leaves a file complete up to its last chunk (and perhaps part of the next, which readers
+    detect).
     """
 
     def __init__(self, path: str | os.PathLike[str], header: TraceHeader, *, chunk_rows: int = 4096,
@@ -44,6 +47,7 @@ class TraceWriter:
             raise TraceError(f"cannot create: {e.strerror}", path=self.path,
                              fix="check the directory exists and is writable") from None
         self._f.write(header.pack())
+        self._f.flush()
 
     def add(self, token: int, layer: int, experts: Sequence[int] | np.ndarray,
             weights: Sequence[float] | np.ndarray, draft_experts: Any = None,
@@ -71,6 +75,7 @@ class TraceWriter:
         if self._f is None:
             raise TraceError("write after close", path=self.path, fix="open a new TraceWriter")
         self._f.write(data)
+        self._f.flush()
         self.n_rows += n
         self.n_chunks += 1
 
@@ -103,8 +108,10 @@ class TraceReader:
     """Streaming reader: the header on open, then ``chunks()`` decodes one chunk at a time.
 
     Every chunk is checked (length, checksum, ids in range) before it is yielded. A file whose End
-    record is missing raises ``TraceError`` after its last complete chunk unless
-    ``allow_partial=True``, which logs a warning instead.
+    record is missing (its writer was killed mid-write, or is still running) raises ``TraceError``
+    after its last complete chunk unless ``allow_partial=True``: then the file is read as complete
+    up to there, a warning says so, and ``complete`` is False with ``note`` saying where it stops.
+    ``rows`` and ``n_chunks`` count what was read.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, allow_partial: bool = False) -> None:
@@ -121,6 +128,8 @@ class TraceReader:
             raise
         self._data_start = self._f.tell()
         self.complete: bool | None = None      # known after a full pass
+        self.note = ""                         # where an unfinished file stops
+        self.rows = self.n_chunks = 0
 
     def chunks(self) -> Iterator[TraceChunk]:
         f, path = self._f, self.path
@@ -153,6 +162,7 @@ class TraceReader:
             chunk = self._decode(dctx, comp, n, digest, n_chunks)
             rows += n
             n_chunks += 1
+            self.rows, self.n_chunks = rows, n_chunks
             yield chunk
 
     def _check_end(self, f: BinaryIO, rows: int, n_chunks: int) -> None:
@@ -171,9 +181,10 @@ class TraceReader:
     def _partial(self, problem: str) -> bool:
         """A cut-short file: True (stop quietly) when allowed, else a TraceError."""
         self.complete = False
+        self.note = problem
         if not self.allow_partial:
             raise TraceError(problem, path=self.path, fix=_FIX_PARTIAL)
-        log.warning("%s: %s; using the complete chunks", self.path, problem)
+        log.warning("%s: an unfinished trace, read as complete up to here: %s", self.path, problem)
         return True
 
     def _decode(self, dctx: zstandard.ZstdDecompressor, comp: bytes, n: int, digest: int,
@@ -210,7 +221,8 @@ class TraceReader:
 
 def read_trace(path: str | os.PathLike[str], *, allow_partial: bool = False
                ) -> tuple[TraceHeader, TraceChunk]:
-    """The whole trace as one in-memory chunk (for offline analysis such as the Belady bound)."""
+    """The whole trace as one in-memory chunk (for offline analysis such as the Belady bound);
+    with ``allow_partial`` an unfinished file gives its complete chunks (see ``TraceReader``)."""
     with TraceReader(path, allow_partial=allow_partial) as r:
         parts = list(r.chunks())
         h = r.header

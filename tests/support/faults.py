@@ -3,7 +3,8 @@
 Each :class:`Fault` hits reads that cover ``offset`` (any read when ``None``), ``times`` times
 (``-1``: every time): ``"eio"`` raises ``OSError(errno)``, ``"short"`` reads only ``keep``
 bytes (half when ``None``), ``"delay"`` sleeps ``delay_s`` first, ``"corrupt"`` flips one byte
-of what was read. ``hits`` counts what fired, per kind.
+of what was read. ``hits`` counts what fired, per kind. :class:`FaultyRun` is a decode through
+the tiered provider reading through it (the decode fault tests and ``tools/fault_run.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from expertfs.runtime.io.errors import IOUsageError
 from expertfs.runtime.io.protocol import Availability, IOBackend, RawFile
 
-__all__ = ["Fault", "FaultInjectingBackend"]
+__all__ = ["Fault", "FaultInjectingBackend", "FaultyRun"]
 
 _KINDS = ("eio", "short", "delay", "corrupt")
 
@@ -111,3 +112,45 @@ class FaultInjectingBackend(IOBackend):
 
     def open_raw(self, path: str | os.PathLike[str]) -> RawFile:
         return _FaultyFile(self.inner.open_raw(path), self)
+
+
+class FaultyRun:
+    """A greedy decode on the store at ``path`` through the tiered provider, every expert read
+    through a :class:`FaultInjectingBackend` (``faults``), with fast retries and a RAM tier of
+    ``slots`` experts (small, so decode steps read experts again)."""
+
+    def __init__(self, path: Any, *, verify: str = "first", slots: int = 10,
+                 prompt: tuple[int, ...] = (1, 2, 3, 4, 5), n: int = 6) -> None:
+        from expertfs.runtime.cache.provider import TieredProvider
+        from expertfs.runtime.engine import Engine, EngineOptions
+        from expertfs.runtime.io import RetryPolicy, get_backend
+        from expertfs.store.reader import Store
+        self.prompt, self.n = list(prompt), n
+        self.store = Store.open(str(path))
+        self.faults = FaultInjectingBackend(get_backend("buffered"))
+        prov = TieredProvider(self.store, ram_bytes=slots * self.store.extent(1, 0).length,
+                              backend=self.faults, warm_start=False, record_usage=False,
+                              verify=verify)
+        self.reader = prov.reader
+        self.reader.handle.retry = RetryPolicy(attempts=3, backoff_s=0.0001, max_backoff_s=0.001)
+        self.eng = Engine(self.store, prov, EngineOptions(fused="off"))
+
+    def tokens(self, before_decode: Any = None) -> list[int]:
+        """Prefill, call ``before_decode(self)`` (inject a fault, damage the store), decode."""
+        self.eng.reset()
+        logits = self.eng.prefill(self.prompt)
+        if before_decode is not None:
+            before_decode(self)
+        out: list[int] = []
+        for _ in range(self.n):
+            out.append(int(logits.argmax()))
+            logits = self.eng.decode(out[-1])
+        return out
+
+    def clear(self) -> None:
+        with self.faults.lock:
+            self.faults.faults.clear()
+
+    def close(self) -> None:
+        self.eng.close()
+        self.store.close()
