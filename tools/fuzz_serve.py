@@ -3,8 +3,10 @@
 Bodies come from hypothesis strategies, per endpoint, from valid-but-odd to garbage: wrong
 types, huge numbers, NaN/Infinity, deep nesting, invalid UTF-8 and lone surrogates, huge
 strings, duplicate keys, wrong content types and methods, truncated bodies. Every answer must
-be a 2xx (a stream ends with ``[DONE]`` and carries no error) or a 4xx whose body is an OpenAI
-error (``{"error": {"message", "type", "param", "code"}}``, a 503 with ``Retry-After``); a 5xx,
+be a 2xx (a stream ends with ``[DONE]``, or ``message_stop`` for the Anthropic Messages API,
+and carries no error) or a 4xx whose body is an OpenAI error (``{"error": {"message", "type",
+"param", "code"}}``; Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under
+``/v1/messages``; a 503 with ``Retry-After``); a 5xx,
 a malformed 4xx or an answer slower than the per-request timeout (a hang) is a failure, and
 the server must still answer ``/health`` at the end.
 
@@ -33,9 +35,12 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-ENDPOINTS = ("chat", "completions", "models", "health", "apply-template")
+ENDPOINTS = ("chat", "completions", "models", "health", "apply-template", "messages",
+             "count-tokens", "metrics")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-         "models": "/v1/models", "health": "/health", "apply-template": "/apply-template"}
+         "models": "/v1/models", "health": "/health", "apply-template": "/apply-template",
+         "messages": "/v1/messages", "count-tokens": "/v1/messages/count_tokens",
+         "metrics": "/metrics"}
 
 
 class FastEngine:
@@ -129,6 +134,38 @@ chat_body = st.fixed_dictionaries({"messages": st.lists(message, max_size=4) | j
                                   optional=CHAT) | json_value
 completion_body = st.fixed_dictionaries({"prompt": prompt}, optional=COMPLETION) | json_value
 
+# the Anthropic Messages API
+BLOCK_TYPES = ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", None]
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(BLOCK_TYPES)},
+    optional={"text": text | json_value, "id": text, "name": text | st.just("get_weather"),
+              "input": st.just({"city": "Paris"}) | json_value, "tool_use_id": text,
+              "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                "text": text}), max_size=2)
+              | json_value, "is_error": scalar, "thinking": text, "cache_control": json_value})
+a_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", None])},
+    optional={"content": text | st.lists(block, max_size=3) | json_value})
+A_TOOL = {"name": "get_weather", "description": "weather",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+MESSAGES = {
+    "model": COMMON["model"], "max_tokens": small_max, "system": text | st.lists(block, max_size=2)
+    | json_value, "stop_sequences": st.lists(text, max_size=4) | json_value,
+    "temperature": st.floats(-1, 2) | json_value, "top_p": st.floats(-0.5, 1.5) | scalar,
+    "top_k": st.integers(-2, 2000) | scalar, "stream": st.booleans() | scalar,
+    "metadata": st.fixed_dictionaries({}, optional={"user_id": text}) | json_value,
+    "tools": st.just([A_TOOL]) | st.lists(json_value, max_size=2) | json_value,
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}, {"type": "any"},
+                                    {"type": "tool", "name": "get_weather"},
+                                    {"type": "auto", "disable_parallel_tool_use": True}, "auto"])
+    | json_value, "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled",
+                                                                      "budget_tokens": 1024}])
+    | json_value, "service_tier": text, "unknown_" + "field": json_value}
+messages_body = st.fixed_dictionaries({"messages": st.lists(a_message, max_size=4) | json_value},
+                                      optional=MESSAGES) | json_value
+BODIES = {"completions": completion_body, "messages": messages_body,
+          "count-tokens": messages_body}
+
 CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "text/plain",
                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
                  "application/json; charset=utf-16", "", "image/png"]
@@ -181,42 +218,63 @@ def raw_body(draw: Any, body: st.SearchStrategy[Any]) -> bytes:
 def cases(draw: Any, endpoint: str) -> tuple[str, str, bytes, dict[str, str]]:
     """(method, path, body, headers) for ``endpoint``."""
     path = PATHS[endpoint]
-    if endpoint in ("models", "health"):
+    if endpoint in ("models", "health", "metrics"):
         method = draw(st.sampled_from(["GET"] * 4 + ["POST", "PUT", "DELETE", "HEAD", "PATCH"]))
         data = draw(raw_body(json_value)) if method != "GET" or draw(st.booleans()) else b""
         if draw(st.booleans()):
             path += "?" + draw(st.sampled_from(["a=1", "x=%ff", "&&", "q=" + "z" * 2000]))
     else:
         method = draw(st.sampled_from(["POST"] * 12 + ["GET", "PUT"]))
-        data = draw(raw_body(completion_body if endpoint == "completions" else chat_body))
+        data = draw(raw_body(BODIES.get(endpoint, chat_body)))
     ctype = draw(st.sampled_from(CONTENT_TYPES))
     return method, path, data, {"Content-Type": ctype} if ctype else {}
 
 
 # ---- checking answers -------------------------------------------------------------------
 
-def verdict(status: int, headers: Any, raw: bytes) -> tuple[str, str | None]:
-    """("2xx" | "4xx" | "5xx" | "bad", why) for one answer."""
+def _error_ok(raw: bytes, anthropic: bool) -> bool:
+    try:
+        body = json.loads(raw)
+        err = body["error"]
+        if anthropic:
+            return (body["type"] == "error" and isinstance(err["message"], str)
+                    and bool(err["message"]) and isinstance(err["type"], str))
+        return (isinstance(err["message"], str) and bool(err["message"])
+                and isinstance(err["type"], str) and "param" in err and "code" in err)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def _anthropic_stream_ok(text: str) -> bool:
+    """Events in the Messages API's order: message_start first, message_stop last, no error."""
+    names = [line[7:] for line in text.split("\n") if line.startswith("event: ")]
+    return (bool(names) and names[0] == "message_start" and names[-1] == "message_stop"
+            and "error" not in names and names.count("content_block_start")
+            == names.count("content_block_stop"))
+
+
+def verdict(status: int, headers: Any, raw: bytes, path: str = "") -> tuple[str, str | None]:
+    """("2xx" | "4xx" | "5xx" | "bad", why) for one answer (to a request for ``path``: errors
+    under /v1/messages are Anthropic's shape, the others OpenAI's)."""
+    anthropic = path.startswith("/v1/messages")
     if status >= 500:
         return "5xx", raw[:300].decode("utf-8", "replace")
     if status >= 400:
-        try:
-            err = json.loads(raw)["error"]
-            ok = (isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
-                  and "param" in err and "code" in err)
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            return "bad", f"{status} not an OpenAI error: {raw[:200]!r}"
+        if not _error_ok(raw, anthropic):
+            return "bad", f"{status} not an {'Anthropic' if anthropic else 'OpenAI'} error: " \
+                f"{raw[:200]!r}"
         if status == 503 and "Retry-After" not in headers:
             return "bad", "503 without Retry-After"
         return "4xx", None
     if 200 <= status < 300:
         if headers.get("Content-Type", "").startswith("text/event-stream"):
             text = raw.decode()
-            if not text.rstrip().endswith("data: [DONE]") or '"error"' in text:
+            if anthropic:
+                if not _anthropic_stream_ok(text):
+                    return "bad", f"stream: {text[-300:]}"
+            elif not text.rstrip().endswith("data: [DONE]") or '"error"' in text:
                 return "bad", f"stream: {text[-300:]}"
-        elif raw:
+        elif raw and not headers.get("Content-Type", "").startswith("text/plain"):
             json.loads(raw)
         return "2xx", None
     return "bad", f"status {status}"
@@ -250,7 +308,7 @@ class Harness:
         try:
             status, headers, raw = self.loop.run_until_complete(
                 asyncio.wait_for(self._send(*case), self.timeout))
-            kind, why = verdict(status, headers, raw)
+            kind, why = verdict(status, headers, raw, case[1])
         except asyncio.TimeoutError:
             kind, why = "hang", f"no answer in {self.timeout:g} s"
         except Exception as e:                 # the connection died: the server dropped it

@@ -1,4 +1,5 @@
-"""``expertfs serve STORE``: an OpenAI-compatible server (chat and text completions, streaming)."""
+"""``expertfs serve STORE``: an OpenAI-compatible server (chat and text completions, streaming),
+the Anthropic Messages API and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a store",
                        description="Serve a store over HTTP: /v1/chat/completions, "
                        "/v1/completions (streaming with \"stream\": true), /v1/models, /health, "
-                       "/apply-template. Runs on uvloop when installed. "
+                       "/apply-template; the Anthropic Messages API at /v1/messages (and "
+                       "/v1/messages/count_tokens); Prometheus metrics at /metrics. "
+                       "Runs on uvloop when installed. "
                        "Responses carry llama.cpp-style timings plus expert hit rates and MB read. "
                        "Request limits: a body larger than --max-body is a 413, one that takes "
                        "longer than --body-timeout to arrive a 408, one nested deeper than "
@@ -31,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
     p.add_argument("--api-key", default=os.environ.get("EXPERTFS_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ (or EXPERTFS_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/ "
+                   "(or EXPERTFS_API_KEY)")
     p.add_argument("--model-id", help="the model name clients see (default: the store's name)")
     p.add_argument("--max-waiting", type=int, default=8,
                    help="requests that may queue behind the running one (8); more get 503")

@@ -1,4 +1,5 @@
-"""The aiohttp application: OpenAI routes, auth, a bounded queue, JSON errors for everything.
+"""The aiohttp application: OpenAI routes, the Anthropic Messages API (``anthropic_app``),
+``/metrics`` (``metrics``), auth, a bounded queue, JSON errors for everything.
 
 One generation runs at a time (the engine and its expert caches are one machine's resources);
 ``max_waiting`` more may queue, in arrival order, for up to ``queue_timeout`` seconds; beyond
@@ -21,8 +22,11 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from ...errors import ExpertfsError
+from ...errors import ExpertfsError, IntegrityError
+from ..io.errors import IOEngineError
+from .anthropic_app import add_messages_routes, anthropic_errors
 from .body import BODY_TIMEOUT, MAX_DEPTH, read_json
+from .metrics import ARRIVAL, Metrics
 from .respond import chunk, final, last_chunk, response_id
 from .schema import CompletionRequest, RequestError, parse_chat, parse_completion
 from .session import Outcome, Session
@@ -98,6 +102,9 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         if e.status < 400:
             raise
         return _error(e.status, e.reason or "error", code=str(e.status))
+    except (IOEngineError, IntegrityError) as e:   # the store could not be read: say which
+        log.error("storage read failed: %s", e)
+        return _error(503, str(e), kind="server_error", code="storage_error")
     except ExpertfsError as e:
         log.error("request failed: %s", e)
         return _error(500, str(e), kind="server_error", code="engine_error")
@@ -112,14 +119,18 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     gate = _Gate(config.max_waiting)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertfs-generate")
     created = int(time.time())
+    metrics = Metrics(lambda: session.engine.provider.stats, lambda: gate.waiting,
+                      lambda: int(gate.lock.locked()))
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                    ) -> web.StreamResponse:
         if config.api_key and (request.path.startswith("/v1/") or request.path == "/apply-template"):
             given = request.headers.get("Authorization", "")
-            if given != f"Bearer {config.api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+            if given != f"Bearer {config.api_key}" and \
+                    request.headers.get("x-api-key") != config.api_key:
+                return _error(401, "missing or wrong API key (Authorization: Bearer KEY, "
+                              "or x-api-key: KEY)",
                               code="invalid_api_key", kind="authentication_error")
         return await handler(request)
 
@@ -151,15 +162,19 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
             gate.release()
 
     async def _generate(req: CompletionRequest, ids: list[int], emit: Callable[[dict[str, Any]], None],
-                        cancelled: Callable[[], bool]) -> Outcome:
+                        cancelled: Callable[[], bool], request: web.Request | None = None) -> Outcome:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, session.run, req, ids, lambda s: None, cancelled,
-                                          emit)
+        started = time.perf_counter()
+        out = await loop.run_in_executor(pool, session.run, req, ids, lambda s: None, cancelled,
+                                         emit)
+        metrics.observe(out, request.get(ARRIVAL, started) if request is not None else started,
+                        started)
+        return out
 
     async def _whole(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.Response:
         gone = {"flag": False}
         task = asyncio.ensure_future(_generate(req, ids, lambda d: None,
-                                               lambda: gone["flag"] or _gone(request)))
+                                               lambda: gone["flag"] or _gone(request), request))
         try:
             out = await asyncio.shield(task)
         except asyncio.CancelledError:         # the handler cancelled on a disconnect
@@ -178,7 +193,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         rid = response_id(req)
         task = asyncio.ensure_future(_generate(
             req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
-            lambda: gone["flag"] or _gone(request)))
+            lambda: gone["flag"] or _gone(request), request))
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
         try:
             if req.chat:
@@ -192,8 +207,12 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
                 out = await task
             except Exception as e:             # headers are sent: report in-band, end the stream
                 log.error("generation failed mid-stream: %s", e)
-                err = e if isinstance(e, RequestError) else RequestError(
-                    500, str(e), kind="server_error", code="engine_error")
+                if isinstance(e, RequestError):
+                    err = e
+                elif isinstance(e, (IOEngineError, IntegrityError)):
+                    err = RequestError(503, str(e), kind="server_error", code="storage_error")
+                else:
+                    err = RequestError(500, str(e), kind="server_error", code="engine_error")
                 await _send(resp, err.body())
                 await resp.write(b"data: [DONE]\n\n")
                 return resp
@@ -219,12 +238,16 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     async def not_found(request: web.Request) -> web.Response:
         return _error(404, f"no route {request.method} {request.path}", code="not_found")
 
-    app = web.Application(middlewares=[_errors, auth], client_max_size=config.max_body)
+    app = web.Application(middlewares=[metrics.middleware, anthropic_errors, _errors, auth],
+                          client_max_size=config.max_body)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics.handler)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", complete)
     app.router.add_post("/apply-template", apply_template)
+    add_messages_routes(app, session=session, model_id=config.model_id, gate=gate,
+                        queue_timeout=config.queue_timeout, body_of=body_of, generate=_generate)
     app.router.add_route("*", "/{tail:.*}", not_found)
 
     async def close_pool(app: web.Application) -> None:

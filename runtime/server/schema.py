@@ -26,6 +26,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "parallel_tool_calls", "response_format", "modalities"}
+#: message fields that are text when given
+_TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content", "thinking", "reasoning")
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 
 
@@ -153,25 +155,19 @@ def _content(m: dict[str, Any], i: int) -> str | None:
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    import json
+    """The calls as given (each whole: the template reads ``id``, ``type`` and ``function``);
+    ``function.arguments`` may be an object or its JSON string, which rendering decodes once."""
     param = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise _bad(f"{param} must be a list", param)
-    out = []
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise _bad(f"{param}[{j}] needs function.name", f"{param}[{j}]")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):          # templates index into the arguments: give them the object
-            try:
-                parsed = json.loads(args or "{}")
-                args = parsed if isinstance(parsed, dict) else args
-            except json.JSONDecodeError:
-                pass
-        out.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
+        if not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise _bad(f"{param}[{j}].function.arguments must be an object or its JSON string",
+                       f"{param}[{j}].function.arguments")
+    return calls
 
 
 def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, Any]:
@@ -215,12 +211,15 @@ def parse_chat(body: Any, default_max: int = 256) -> CompletionRequest:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise _bad(f"messages[{i}] needs a 'role' of {', '.join(_ROLES)}", f"messages[{i}].role")
-        msg: dict[str, Any] = {"role": m["role"], "content": _content(m, i) or ""}
-        if m.get("tool_calls") and m["role"] == "assistant":
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
-        for k in ("name", "tool_call_id", "reasoning_content", "thinking"):
-            if isinstance(m.get(k), str):
-                msg[k] = m[k]
+        # the whole message reaches the template, less null fields (as transformers drops
+        # them); a missing or null content is "", which every template takes
+        msg: dict[str, Any] = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = _content(m, i) or ""
+        if "tool_calls" in msg:
+            msg["tool_calls"] = _tool_calls(msg["tool_calls"], i)
+        for k in _TEXT_FIELDS:
+            if k in msg and not isinstance(msg[k], str):
+                raise _bad(f"messages[{i}].{k} must be a string", f"messages[{i}].{k}")
         out.append(msg)
     tools, choice = _tools(body)
     return CompletionRequest(True, tuple(out), None, **c, logprobs=logprobs, top_logprobs=top,

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..sampling import Sampler, SamplingParams, penalize
+from ..tokenizer.chat import ChatTemplateError
 from .schema import CompletionRequest, RequestError
 from .tools import ToolStream, ToolSyntax, syntax_for
 
@@ -41,6 +42,7 @@ class StopMatcher:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.sent = 0
+        self.matched: str | None = None        # the stop string that cut the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         """Add ``piece``; returns (text safe to emit now, stopped)."""
@@ -48,6 +50,7 @@ class StopMatcher:
         cut = min((i for i in (self.text.find(s, max(0, self.sent - self.hold))
                                for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
+            self.matched = next(s for s in self.stops if self.text.startswith(s, cut))
             self.text = self.text[:cut]
             out, self.sent = self.text[self.sent:], len(self.text)
             return out, True
@@ -71,6 +74,7 @@ class Outcome:
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    stop_sequence: str | None = None           # the stop string that ended it, if one did
 
 
 #: ``on_delta(delta)``: ``{"text"}`` (raw text), ``{"content"}``, ``{"reasoning_content"}`` or
@@ -111,8 +115,9 @@ class Session:
         except RequestError:
             raise
         except Exception as e:                 # a template that raises is the request's fault
-            raise RequestError(400, f"the chat template failed on these messages: {e}",
-                               param="messages") from None
+            msg = str(e) if isinstance(e, ChatTemplateError) else (
+                f"the chat template failed on these messages: {e}")
+            raise RequestError(400, msg, param="messages") from None
         return text
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
@@ -265,7 +270,8 @@ class Session:
         if out.tool_calls and finish == "stop":
             finish = "tool_calls"
         return Outcome(stop.text, len(ids), n, finish, timings, content=out.content,
-                       reasoning=out.reasoning, tool_calls=out.tool_calls, logprobs=out.logprobs)
+                       reasoning=out.reasoning, tool_calls=out.tool_calls, logprobs=out.logprobs,
+                       stop_sequence=stop.matched)
 
 
 class _Collector:

@@ -11,16 +11,16 @@ types follow llama.cpp: CONTROL (3) tokens are special (matched in text only whe
 (5) padding tokens decode to nothing. BOS is
 prepended when ``tokenizer.ggml.add_bos_token`` says so (default per pre-tokenizer, as in
 llama.cpp). ``ignore_merges`` (llama3, glm4, tekken): a word that is itself a token is not
-split. Chat templates (``tokenizer.chat_template``) render in a Jinja sandbox.
+split. Chat templates (``tokenizer.chat_template``) render as transformers renders
+them (chat.py).
 """
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from ...errors import UnsupportedModelError, UsageError
+from ...errors import UnsupportedModelError
+from .chat import ChatTemplateError, render_chat
 from .pre import NO_BOS_PRE, PRE_SPLITS
 from .spm import build_spm, spm_token_bytes
 
@@ -75,6 +75,9 @@ class GGUFTokenizer:
         self.bos_id = _opt_int(kv, "tokenizer.ggml.bos_token_id")
         self.eos_id = _opt_int(kv, "tokenizer.ggml.eos_token_id")
         self.eot_id = _opt_int(kv, "tokenizer.ggml.eot_token_id")
+        self._special_ids = {n: _opt_int(kv, f"tokenizer.ggml.{k}_token_id") for n, k in (
+            ("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("sep", "seperator"),
+            ("pad", "padding"), ("cls", "cls"), ("mask", "mask"))}
         if model == "gpt2" and pre in NO_BOS_PRE:
             self.bos_id = None                       # llama.cpp: special_bos_id = NULL
         self.add_bos = bool(_value(kv, "tokenizer.ggml.add_bos_token", add_bos_default))
@@ -118,15 +121,25 @@ class GGUFTokenizer:
         inv = _byte_decoder()
         return bytes(inv[ch] for ch in t) if all(ch in inv for ch in t) else t.encode()
 
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens the GGUF names, as transformers' ``special_tokens_map`` gives
+        them to chat templates (``bos_token``, ``eos_token``, ...)."""
+        out = {}
+        for name, i in self._special_ids.items():
+            if i is not None and 0 <= i < len(self.tokens):
+                out[f"{name}_token"] = self.tokens[i]
+        return out
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The chat template over ``messages`` (``extra``: ``tools`` and template variables),
+        rendered as transformers renders it; a ``ChatTemplateError`` when it refuses them."""
         if not self.chat_template:
-            raise UsageError("the model has no chat template (tokenizer.chat_template)",
-                             fix="run without --chat")
-        bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
-        eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
-        return render_chat(str(self.chat_template), messages, bos_token=bos, eos_token=eos,
-                           add_generation_prompt=add_generation_prompt, **extra)
+            raise ChatTemplateError("the model has no chat template (tokenizer.chat_template), "
+                                    "so it cannot take chat messages; give it a plain prompt")
+        return render_chat(str(self.chat_template), messages,
+                           add_generation_prompt=add_generation_prompt,
+                           **{**self.special_tokens_map(), **extra})
 
 
 class Detokenizer:
@@ -191,36 +204,3 @@ _BYTE_DECODER: dict[str, int] | None = None
 def _opt_int(kv: Mapping[str, Any], key: str) -> int | None:
     v = _value(kv, key)
     return None if v is None else int(v)
-
-
-def _jsonable(o: Any) -> Any:
-    """What ``tojson`` writes for a value ``json`` cannot: a ``map``/``select`` filter's
-    generator as a list (templates pipe those into ``tojson``)."""
-    if hasattr(o, "__iter__") and not isinstance(o, (str, bytes, dict)):
-        return list(o)
-    raise TypeError(f"{type(o).__name__} is not JSON serializable")
-
-
-def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str = "",
-                eos_token: str = "", add_generation_prompt: bool = True,
-                **extra: Any) -> str:
-    """Render a HF-style chat template in a sandboxed Jinja environment."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(msg: str) -> None:
-        raise TemplateError(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii, default=_jsonable)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(
-            messages=messages, bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt, **extra)
-    except TemplateError as e:
-        raise UsageError(f"the chat template failed: {e}",
-                         fix="run without --chat, or fix tokenizer.chat_template") from None

@@ -84,3 +84,30 @@ def test_a_request_that_waits_past_the_queue_timeout_is_a_503(tok):
         return (await slow).status, late
     (first, late), sess = _serve(tok, go, queue_timeout=0.2)
     assert first == 200 and late == (503, "1", "queue_timeout") and sess.runs == ["long"]
+
+
+class Failing(Session):
+    """A store that cannot be read mid-request: the typed read error, as the reader raises it."""
+
+    def run(self, req, ids, emit, cancelled, on_delta=None):
+        from expertfs.runtime.io.errors import IOFaultError
+        raise IOFaultError("EIO", path="experts.bin", offset=0, size=4096, attempts=3,
+                           layer=3, expert=7)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_store_read_failure_is_a_503_naming_it_not_a_500(tok, stream):
+    sess = Failing(FastEngine(tok.n_vocab, n_ctx=256), tok)
+
+    async def main():
+        async with TestClient(TestServer(build_app(sess, ServerConfig("tiny")))) as c:
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                      "stream": stream})
+            return r.status, await r.text()
+    status, body = asyncio.run(main())
+    if stream:                              # headers were sent: the error is in the stream
+        assert status == 200 and '"storage_error"' in body and "layer 3, expert 7" in body
+    else:
+        assert status == 503
+        err = json.loads(body)["error"]
+        assert err["code"] == "storage_error" and "layer 3, expert 7" in err["message"]

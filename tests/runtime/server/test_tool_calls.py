@@ -70,7 +70,6 @@ def test_text_that_is_not_a_call_is_kept():
 
 @pytest.mark.parametrize("name,syntax,takes_tools", [
     ("Qwen-Qwen3-0.6B.jinja", HERMES, True), ("GLM-4.6.jinja", GLM, True),
-    ("llama-cpp-deepseek-r1.jinja", DEEPSEEK, True),
     ("deepseek-ai-DeepSeek-V3.1.jinja", DEEPSEEK, False),    # writes calls, lists no tools
     ("openai-gpt-oss-120b.jinja", HARMONY, True)])
 def test_a_call_the_real_template_writes_parses_back(name, syntax, takes_tools):
