@@ -28,3 +28,27 @@ def isa(request):
         yield request.param
     finally:
         MOD.set_isa("best")
+
+
+def assert_thread_independent(experts: tuple, types: tuple, ff: int, raw, raw_type,
+                              shape: tuple[int, int]) -> None:
+    """``moe`` (both numerics) and a several-token ``matvec`` give the same bits on 1 and 2
+    threads: the kernels' work split never changes an accumulation order."""
+    import torch
+
+    from expertfs.runtime import kernels
+    gate, up, down = experts
+    D = shape[1]
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(1))
+    w = torch.rand(len(gate), generator=torch.Generator().manual_seed(2))
+    old = torch.get_num_threads()
+    out = {}
+    try:
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            out[th] = [kernels.moe(x, w, gate, up, down, types, ff, aq) for aq in ("off", "q8")]
+            out[th] += [kernels.matvec(x.expand(3, D).contiguous(), raw, raw_type, shape)]
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(out[1], out[2]):
+        assert torch.equal(a, b)

@@ -18,7 +18,8 @@ from gguf import quants
 from expertfs.formats.dequant import dequantize
 from expertfs.formats.ggml import type_size
 from expertfs.runtime import kernels
-from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
+from support.native import (MOD, NEEDS_NATIVE, assert_thread_independent,  # noqa: F401
+                            isa, isas)                               # (isa: a fixture)
 
 pytestmark = NEEDS_NATIVE
 
@@ -254,23 +255,9 @@ def test_moe_in_parts_equals_one_call_bit_for_bit(types, fused, aq, isa):
 
 
 def test_results_do_not_depend_on_threads():
-    D, ff, n = 512, 256, 4
-    types = (T.Q4_K, T.Q4_K, T.Q6_K)
-    gate, up, down = _experts(types, n, D, ff, False, 3)
-    x = torch.randn(1, D, generator=torch.Generator().manual_seed(1))
-    w = torch.rand(n, generator=torch.Generator().manual_seed(2))
-    raw = weight(T.Q4_K, 300, D, 9)
-    old = torch.get_num_threads()
-    out = {}
-    try:
-        for th in (1, 2):
-            torch.set_num_threads(th)
-            out[th] = [kernels.moe(x, w, gate, up, down, types, ff, aq) for aq in ("off", "q8")]
-            out[th] += [kernels.matvec(x.expand(3, D).contiguous(), raw, T.Q4_K, (300, D))]
-    finally:
-        torch.set_num_threads(old)
-    for a, b in zip(out[1], out[2]):
-        assert torch.equal(a, b)
+    D, ff, types = 512, 256, (T.Q4_K, T.Q4_K, T.Q6_K)
+    assert_thread_independent(_experts(types, 4, D, ff, False, 3), types, ff,
+                              weight(T.Q4_K, 300, D, 9), T.Q4_K, (300, D))
 
 
 def test_not_applicable_and_bad_input():
