@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from .anthropic import StreamShaper, error_body, message, parse_messages
+from .conn import client_gone, run_whole
 from .schema import CompletionRequest, RequestError
 
 __all__ = ["add_messages_routes", "anthropic_errors", "PREFIX"]
@@ -41,9 +42,6 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
     return resp
 
 
-def _gone(request: web.Request) -> bool:
-    t = request.transport
-    return t is None or t.is_closing()
 
 
 async def _event(resp: web.StreamResponse, name: str, data: dict[str, Any]) -> None:
@@ -80,15 +78,7 @@ def add_messages_routes(app: web.Application, *, session: Any, model_id: str, ga
 
     async def _whole(request: web.Request, req: CompletionRequest, ids: list[int],
                      single: bool) -> web.Response:
-        gone = {"flag": False}
-        task = asyncio.ensure_future(generate(req, ids, lambda d: None,
-                                              lambda: gone["flag"] or _gone(request), request))
-        try:
-            out = await asyncio.shield(task)
-        except asyncio.CancelledError:         # the handler cancelled on a disconnect
-            gone["flag"] = True
-            await asyncio.wait([task])         # the engine must finish before the next request
-            raise
+        out = await run_whole(generate, request, req, ids)
         return web.json_response(message(out, model_id, single))
 
     async def _stream(request: web.Request, req: CompletionRequest, ids: list[int],
@@ -102,7 +92,7 @@ def add_messages_routes(app: web.Application, *, session: Any, model_id: str, ga
         shaper = StreamShaper(model_id, len(ids), single)
         task = asyncio.ensure_future(generate(
             req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
-            lambda: gone["flag"] or _gone(request), request))
+            lambda: gone["flag"] or client_gone(request), request))
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
         try:
             for name, data in shaper.start():

@@ -25,6 +25,7 @@ from aiohttp import web
 from ...errors import ExpertfsError, IntegrityError
 from ..io.errors import IOEngineError
 from .anthropic_app import add_messages_routes, anthropic_errors
+from .conn import client_gone, run_whole
 from .body import BODY_TIMEOUT, MAX_DEPTH, read_json
 from .metrics import ARRIVAL, Metrics
 from .respond import chunk, final, last_chunk, response_id
@@ -172,15 +173,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         return out
 
     async def _whole(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.Response:
-        gone = {"flag": False}
-        task = asyncio.ensure_future(_generate(req, ids, lambda d: None,
-                                               lambda: gone["flag"] or _gone(request), request))
-        try:
-            out = await asyncio.shield(task)
-        except asyncio.CancelledError:         # the handler cancelled on a disconnect
-            gone["flag"] = True
-            await asyncio.wait([task])         # the engine must finish before the next request
-            raise
+        out = await run_whole(_generate, request, req, ids)
         return web.json_response(final(req, out, config.model_id))
 
     async def _stream(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.StreamResponse:
@@ -193,7 +186,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         rid = response_id(req)
         task = asyncio.ensure_future(_generate(
             req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
-            lambda: gone["flag"] or _gone(request), request))
+            lambda: gone["flag"] or client_gone(request), request))
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
         try:
             if req.chat:
@@ -256,10 +249,6 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     return app
 
 
-def _gone(request: web.Request) -> bool:
-    """Whether the client has disconnected (read from the generation thread: one attribute)."""
-    t = request.transport
-    return t is None or t.is_closing()
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
