@@ -5,7 +5,8 @@ synthesised stores and memory caps (``EXPERTFS_MEMORY_LIMIT``, read by both as a
         --store 'tiny6:--layers 6 --experts 16 --top-k 4 --vocab 2048 --quant q4_k_m' \
         --store 'q30b4:--like Qwen3-30B-A3B --layers 4 --quant q4_k_m' --caps none,0.5 --rounds 3
 
-Per (store, cap): plan once (its probes are cached per box), then ``run`` ``--rounds`` times,
+Per (store, cap): plan once for a run of ``-n`` tokens (its probes are cached per box; the
+first reads into the empty tiers are spread over those tokens), then ``run`` ``--rounds`` times,
 rows alternated round by round so a loaded box slows every row alike; the median tok/s is
 compared with the predicted range (ratio = measured / the range's geometric midpoint). The
 stores are deleted at the end unless ``--keep``.
@@ -65,7 +66,7 @@ def main() -> int:
             size = sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store))
             for cap in a.caps.split(","):
                 limit = None if cap == "none" else int(float(cap) * size) + (400 << 20)
-                plan = json.loads(_ef("plan", store, "--ctx", str(a.ctx), "--json",
+                plan = json.loads(_ef("plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json",
                                       *(["--no-probe"] if a.no_probe else []), env=_env(limit)))
                 p = plan.get("prediction") or {}
                 rows.append({"store": name, "size": size, "cap": cap, "limit": limit,
@@ -78,7 +79,8 @@ def main() -> int:
                           "--ctx", str(a.ctx), "--json", env=_env(r["limit"]))
                 r["run"].append(json.loads(out)["decode_tokens_per_s"])
         load = os.getloadavg()[0]
-        print(f"load average at the end: {load:.1f} on {os.cpu_count()} CPUs; medians of {a.rounds}")
+        print(f"load average at the end: {load:.1f} on {os.cpu_count()} CPUs; medians of {a.rounds}"
+              f" runs of {a.n} tokens")
         print(f"{'store':<8} {'GiB':>5} {'cap':>5} {'limit':>9} {'plan tok/s':>17} {'run tok/s':>10}"
               f" {'runs':>24} {'ratio':>6} in?")
         for r in rows:

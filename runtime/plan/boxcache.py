@@ -7,6 +7,7 @@ entries). ``cpu_rates`` measures only what the cache lacks for a model and store
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from typing import Any
@@ -45,11 +46,15 @@ def cpu_key() -> str:
     return f"cpu|{_cpu_model()}|{native}|threads {torch.get_num_threads()}"
 
 
-def storage_key(path: str) -> str:
+def storage_key(path: str, read_bytes: int = 0) -> str:
+    """The device holding ``path`` and, with ``read_bytes``, the size class of one read (a
+    power of two: a drive's rate depends on the read size, so a store of small experts says
+    nothing of one with large)."""
+    size = f"|reads 2^{round(math.log2(read_bytes))}" if read_bytes > 0 else ""
     try:
-        return f"storage|dev {os.stat(path).st_dev}"
+        return f"storage|dev {os.stat(path).st_dev}{size}"
     except OSError:
-        return "storage|unknown"
+        return f"storage|unknown{size}"
 
 
 def load() -> dict[str, Any]:

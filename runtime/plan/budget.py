@@ -48,6 +48,7 @@ class Box:
     pin_budget: int | None = None  # pinned-memory limit (None: the runtime's RAM/4)
     label: str = ""                # "this machine's RAM and VRAM", "as given"
     limit_source: str = "physical"  # "physical": the box's RAM (OS headroom kept); else a cap
+    n_predict: int = 64            # tokens a run generates (run's -n): its first reads spread over them
 
     def __post_init__(self) -> None:
         if self.ram <= 0:
@@ -62,6 +63,8 @@ class Box:
         if self.headroom is not None and not 0 <= self.headroom < self.ram:
             raise UsageError(f"headroom {self.headroom} bytes of {self.ram} of RAM",
                              fix="give --headroom below --ram")
+        if self.n_predict < 1:
+            raise UsageError(f"{self.n_predict} tokens to generate", fix="give -n 1 or more")
         if self.limit_source not in LIMIT_SOURCES:
             raise UsageError(f"memory limit source {self.limit_source!r}",
                              fix=f"use one of {', '.join(LIMIT_SOURCES)}")

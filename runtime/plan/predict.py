@@ -19,21 +19,19 @@ from ...errors import UsageError
 from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
 from .budget import Box, Memory, Note, _gib
+from .coldstart import WARM_SHARE, first_read_bytes, first_read_seconds
 from .geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
                     stated_pcie, stated_storage, storage_from_profile)
 
 __all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange", "Term",
-           "Prediction", "Option", "Plan", "PCIE_GENS", "predict", "predict_option", "ideal_routing", "choose",
-           "advise", "make_plan", "plan_to_dict", "stated_storage", "stated_pcie", "stated_cpu",
-           "stated_gpu", "storage_from_profile"]
+           "Prediction", "Option", "Plan", "PCIE_GENS", "predict", "predict_option", "ideal_routing",
+           "choose", "advise", "make_plan", "plan_to_dict", "stated_storage", "stated_pcie",
+           "stated_cpu", "stated_gpu", "storage_from_profile"]
 
 
-# ------------------------------------------------------------------------------------------------
 # routing (from the simulator) and the prediction
-
-
 @dataclass(frozen=True)
 class Routing:
     """Cache behaviour at the planned tiers, per token, from replaying a trace."""
@@ -99,12 +97,12 @@ class Prediction:
                 "dominant_slow": self.dominant_slow, "dominant_fast": self.dominant_fast,
                 "terms": {t.name: {**t.as_dict(), "share_slow": t.slow_s / total_slow}
                           for t in self.terms},
-                "combine": "slow = sum of the terms at pessimistic rates; fast = max(storage, "
-                           "pcie, compute) at optimistic rates, compute = experts + trunk + "
-                           "attention + dispatch"}
+                "combine": "slow = sum of the terms at pessimistic rates; fast = max(storage "
+                           "+ first_reads, pcie, compute) at optimistic rates, compute = experts "
+                           "+ trunk + attention + dispatch"}
 
 
-_IO_TERMS = ("storage", "pcie")
+_IO_TERMS = {"storage": "storage", "first_reads": "storage", "pcie": "pcie"}   # term: its channel
 
 
 def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
@@ -123,6 +121,13 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{r.nvme_bytes_per_token / MiB:.0f} MiB/token read (miss {r.miss_rate:.1%} of "
                       f"{g.token_expert_bytes / MiB:.0f} MiB) at {rates.storage.slow:.2f}-"
                       f"{rates.storage.fast:.2f} GB/s"))
+    tier, n = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0), box.n_predict
+    cold = both(lambda e: first_read_bytes(g, 1 - routing.at(e).miss_rate, n, tier))
+    as_misses = (1 - routing.slow.miss_rate) * g.token_expert_bytes / (rates.storage.slow * 1e9)
+    terms.append(Term("first_reads", min(as_misses, first_read_seconds(
+        cold[0], n, rates.storage.slow * WARM_SHARE)), first_read_seconds(cold[1], n, rates.storage.fast),
+                      f"{cold[0] / MiB:.0f} MiB read once into the empty tiers over a run of {n} "
+                      f"tokens ({cold[0] / n / MiB:.1f} MiB/token)"))
     if pl.experts == "gpu":
         f = 1.0 if mem.pinned else PAGEABLE_FACTOR
         p = both(lambda e: max(routing.at(e).h2d_bytes_per_token, routing.at(e).d2h_bytes_per_token)
@@ -172,17 +177,14 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                            + (f" + {syncs} device syncs" if syncs else "") + ")"))
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS)
-    fast = max([compute_fast] + [t.fast_s for t in terms if t.name in _IO_TERMS])
-    dom_slow = max(terms, key=lambda t: t.slow_s).name
-    io_fast = max((t for t in terms if t.name in _IO_TERMS), key=lambda t: t.fast_s)
-    dom_fast = io_fast.name if io_fast.fast_s >= compute_fast else "compute"
+    io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}
+    fast, dom_slow = max(compute_fast, *io.values()), max(terms, key=lambda t: t.slow_s).name
+    io_fast = max(io, key=lambda c: io[c])
+    dom_fast = io_fast if io[io_fast] >= compute_fast else "compute"
     return Prediction(tuple(terms), slow, fast, dom_slow, dom_fast)
 
 
-# ------------------------------------------------------------------------------------------------
 # advice, the choice between placements, and the whole plan
-
-
 def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRange | None,
            rates: Rates | None, box: Box) -> list[Note]:
     """Plain words about what limits decode and what to change."""
@@ -204,6 +206,10 @@ def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRa
         out.append(Note("info", "storage_bound",
                         f"decode is storage-bound ({share:.0%} of the slow-end time): a faster "
                         f"drive or backend lifts it in proportion{more}"))
+    elif dom == "first_reads":
+        out.append(Note("info", "first_reads", f"the first reads into the empty tiers dominate a "
+                        f"{box.n_predict}-token run ({share:.0%}): longer runs amortise them, "
+                        "`expertfs run --preload` reads them before decoding"))
     elif dom in ("experts", "trunk") and where == "cpu":
         gpu = ("a GPU that holds the trunk (see above)" if box.vram > 0 and dom == "trunk"
                else "a GPU (--vram)")
@@ -312,6 +318,7 @@ class Plan:
         if m.vram is not None:
             args.append(f"--vram {size(m.vram.tier_bytes)}")
         args += [f"--trunk {m.placement.trunk_mode}", f"--ctx {self.box.ctx}"]
+        args += [f"-n {self.box.n_predict}"] if self.box.n_predict != 64 else []
         return " ".join(args)
 
 

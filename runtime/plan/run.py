@@ -48,6 +48,7 @@ class PlanRequest:
     synthetic: tuple[str, ...] = DEFAULT_SYNTHETIC
     policy: str = DEFAULT_POLICY
     tokens: int = DEFAULT_TOKENS
+    n_predict: int = 64                    # tokens the run generates (run's -n default)
     seed: int = 0
     probe: bool = True                     # measure what this machine's cache lacks
     use_cache: bool = True                 # without probe: this machine's cached rates if any
@@ -95,7 +96,8 @@ def _box(req: PlanRequest, n_ctx_train: int) -> Box:
     if source == "limit":
         label += ", capped by --memory-limit"
     ctx = req.ctx if req.ctx is not None else min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
-    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label, source)
+    return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label, source,
+               req.n_predict)
 
 
 RoutingFor = Callable[[Memory], RoutingRange]
@@ -231,7 +233,7 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     """The drive at the engine's pattern: this device's cached figure, else measured now
     (with ``probe``) and cached, else the stated default."""
     from . import boxcache
-    data, key = boxcache.load(), boxcache.storage_key(data_path)
+    data, key = boxcache.load(), boxcache.storage_key(data_path, g.slot_bytes)
     hit = data.get(key)
     if isinstance(hit, dict) and "slow" in hit:
         return (Range(float(hit["slow"]), float(hit["fast"]), "measured earlier on this device: "

@@ -108,8 +108,8 @@ def test_like_every_preset_plans(name: str) -> None:
     assert p.exit_code == 0 and p.prediction is not None and p.memory.placement.supported
     pr = p.prediction
     assert 0 < pr.tok_s_low <= pr.tok_s_high < math.inf
-    assert {t.name for t in pr.terms} == {"storage", "pcie", "experts", "expert_overhead", "trunk", "attention",
-                                          "dispatch"}
+    assert {t.name for t in pr.terms} == {"storage", "first_reads", "pcie", "experts",
+                                          "expert_overhead", "trunk", "attention", "dispatch"}
     json.dumps(plan_to_dict(p))
 
 
@@ -301,10 +301,11 @@ def test_prediction_arithmetic() -> None:
     assert t["pcie"].slow_s == pytest.approx(2000 * mib / 10e9)        # the larger direction
     assert t["pcie"].fast_s == pytest.approx(900 * mib / 20e9)
     assert pr.slow_s == pytest.approx(sum(x.slow_s for x in pr.terms))
-    compute = sum(x.fast_s for x in pr.terms if x.name not in ("storage", "pcie"))
-    assert pr.fast_s == pytest.approx(max(compute, t["storage"].fast_s, t["pcie"].fast_s))
+    compute = sum(x.fast_s for x in pr.terms if x.name not in ("storage", "first_reads", "pcie"))
+    drive = t["storage"].fast_s + t["first_reads"].fast_s
+    assert pr.fast_s == pytest.approx(max(compute, drive, t["pcie"].fast_s))
     assert pr.tok_s_low == pytest.approx(1 / pr.slow_s) and pr.tok_s_low < pr.tok_s_high
-    assert pr.dominant_slow == "storage"
+    assert pr.dominant_slow in ("storage", "first_reads")
     assert all(x.slow_s >= x.fast_s for x in pr.terms)
     kv = kv_cache_bytes(g, 8192, "bf16")
     assert t["attention"].slow_s == pytest.approx(kv / (rates.gpu.mem_gbps.slow * 1e9))
@@ -376,8 +377,8 @@ def test_json_schema() -> None:
         assert b["tier_bytes"] == b["tier_experts"] * d["budget"]["slot_bytes"]
     pr = d["prediction"]
     assert pr["tok_s_low"] <= pr["tok_s_high"]
-    assert set(pr["terms"]) == {"storage", "pcie", "experts", "expert_overhead", "trunk", "attention",
-                                          "dispatch"}
+    assert set(pr["terms"]) == {"storage", "first_reads", "pcie", "experts", "expert_overhead",
+                                "trunk", "attention", "dispatch"}
     for t in pr["terms"].values():
         assert {"slow_s", "fast_s", "detail", "share_slow"} <= set(t)
     assert sum(t["share_slow"] for t in pr["terms"].values()) == pytest.approx(1.0)

@@ -26,7 +26,7 @@ def test_prediction_contains_a_measured_run(tmp_path, capsys, monkeypatch) -> No
     gguf = synthesize(cfg, str(tmp_path / "t.gguf"))[0]
     store = str(tmp_path / "t.efs")
     repack(str(gguf), store)
-    assert main(["plan", store, "--ctx", "256", "--tokens", "16", "--json"]) == 0
+    assert main(["plan", store, "--ctx", "256", "--tokens", "16", "-n", "48", "--json"]) == 0
     pred = json.loads(capsys.readouterr().out)["prediction"]
     best = 0.0
     for _ in range(3):                       # the best of three runs: load only slows a run

@@ -1,0 +1,84 @@
+"""The first reads of a run into its empty tiers (``plan.coldstart``) and how ``predict``
+counts them: pure arithmetic on given rates and routing."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertfs.cli.plan import geometry_from_like
+from expertfs.errors import UsageError
+from expertfs.runtime.plan import boxcache
+from expertfs.runtime.plan.assumptions import GiB
+from expertfs.runtime.plan.budget import Box, layout
+from expertfs.runtime.plan.coldstart import (WARM_SHARE, distinct_experts, first_read_bytes,
+                                             first_read_seconds)
+from expertfs.runtime.plan.predict import (Range, Rates, Routing, RoutingRange, predict,
+                                           stated_cpu, stated_gpu, stated_pcie)
+
+_G = {}
+
+
+def qwen():
+    if "q" not in _G:
+        _G["q"] = geometry_from_like("Qwen3-30B-A3B")
+    return _G["q"]
+
+
+def test_distinct_experts_by_hand() -> None:
+    assert distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert distinct_experts(128, 8, 2) == pytest.approx(8 + 8 * (1 - 8 / 128))
+    assert distinct_experts(128, 8, 48) == pytest.approx(128 * (1 - (120 / 128) ** 48))
+    assert distinct_experts(128, 8, 10_000) == pytest.approx(128)
+    assert distinct_experts(16, 16, 3) == pytest.approx(16)
+    assert distinct_experts(128, 8, 0) == 0.0
+
+
+def test_first_read_bytes_scale_with_hits_and_stop_at_the_tiers() -> None:
+    g = qwen()
+    touched = distinct_experts(g.n_experts, g.k, 48) * sum(g.extent_bytes)
+    big = 10 ** 15
+    assert first_read_bytes(g, 1.0, 48, big) == pytest.approx(touched)
+    assert first_read_bytes(g, 0.25, 48, big) == pytest.approx(0.25 * touched)
+    assert first_read_bytes(g, 0.0, 48, big) == 0.0                 # misses are read anyway
+    assert first_read_bytes(g, 1.0, 48, GiB) == GiB                 # never more than the tiers
+    assert first_read_seconds(2e9, 100, 1.0) == pytest.approx(0.02)
+    assert first_read_seconds(0.0, 100, 1.0) == 0.0
+
+
+def _routing(miss: float) -> RoutingRange:
+    r = Routing("r", True, "wlfu", 100, 0.0, 1 - miss, miss, 0.0, 0.0, 0.0)
+    return RoutingRange(r, r)
+
+
+def test_predict_first_reads_term() -> None:
+    g = qwen()
+    box = Box(64 * GiB, 0, ctx=512, n_predict=48)
+    mem = layout(g, box, "cpu", "quant")
+    rates = Rates(Range(1.0, 3.0, "t"), stated_pcie(4), stated_cpu(), stated_gpu(["Q4_K"]))
+    pr = predict(g, mem, _routing(0.0), rates, box)
+    t = pr.term("first_reads")
+    cold = first_read_bytes(g, 1.0, 48, mem.ram.tier_bytes)
+    assert t.slow_s == pytest.approx(min(cold / 48 / (1.0 * WARM_SHARE * 1e9),
+                                         g.token_expert_bytes / 1e9))    # never worse than misses
+    assert t.fast_s == pytest.approx(cold / 48 / 3e9)
+    io = ("storage", "first_reads")
+    compute = sum(x.fast_s for x in pr.terms if x.name not in io)
+    drive = sum(x.fast_s for x in pr.terms if x.name in io)
+    assert pr.fast_s == pytest.approx(max(compute, drive))          # one drive, overlapped
+    assert pr.slow_s == pytest.approx(sum(x.slow_s for x in pr.terms))
+    # a longer run amortises the same reads
+    long = predict(g, mem, _routing(0.0), rates, Box(64 * GiB, 0, ctx=512, n_predict=4800))
+    assert long.term("first_reads").fast_s < t.fast_s / 30
+    assert long.tok_s_low > pr.tok_s_low and long.tok_s_high >= pr.tok_s_high
+
+
+def test_box_rejects_no_tokens() -> None:
+    with pytest.raises(UsageError):
+        Box(GiB, 0, n_predict=0)
+
+
+def test_storage_key_separates_read_sizes(tmp_path) -> None:
+    p = str(tmp_path)
+    assert boxcache.storage_key(p, 100 << 10) != boxcache.storage_key(p, 3 << 20)
+    assert boxcache.storage_key(p, 3 << 20) == boxcache.storage_key(p, (3 << 20) + 4096)
+    assert boxcache.storage_key(p).startswith("storage|dev ")
