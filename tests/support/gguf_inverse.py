@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["IdSpace", "dequantised", "requantise", "types_of", "maya_types"]
+__all__ = ["IdSpace", "dequantised", "requantise", "types_of", "maya_types",
+           "assert_q8_0_holds_the_model"]
 
 _MAX_ID = 1 << 24
 
@@ -105,6 +106,15 @@ def dequantised(path: str | Path) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
     return {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             for t in GGUFReader(str(path)).tensors}
+
+
+def assert_q8_0_holds_the_model(space: "IdSpace", index, q8_0: str | Path) -> None:
+    """The inverted mapping is right: each dequantised Q8_0 tensor is the transformers tensor it
+    came from, to within a Q8_0 step (half a step, and the F16 rounding of the scale)."""
+    real, deq = space.gather(index), dequantised(q8_0)
+    for name, v in real.items():
+        step = np.abs(v).max() / 127
+        assert np.abs(deq[name].reshape(v.shape) - v).max() <= 0.6 * step + 1e-7, name
 
 
 def types_of(path: str | Path) -> dict[str, str]:
