@@ -19,6 +19,7 @@ never dropped.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import re
 from typing import Any, Sequence
 
@@ -27,7 +28,7 @@ __all__ = ["ToolSyntax", "syntax_for", "ToolStream", "parse_all"]
 Event = tuple[str, Any]
 
 
-class ToolSyntax:
+class ToolSyntax(ABC):
     """A family whose calls sit between ``call_start`` and ``call_end`` markers."""
 
     def __init__(self, name: str, call_start: str, call_end: str, opener: str | None = None,
@@ -38,8 +39,10 @@ class ToolSyntax:
         #: every marker the syntax uses: control tokens with these names must be decoded
         self.markers = tuple(sorted({call_start, call_end, self.opener, *closers, *inner}))
 
+    @abstractmethod
     def parse_call(self, body: str, tools: Sequence[dict[str, Any]]) -> dict[str, str] | None:
-        raise NotImplementedError
+        """One call's ``{"name", "arguments"}`` from the text between the markers, or None when
+        it is not a call (the text then stays content)."""
 
 
 class _Hermes(ToolSyntax):
