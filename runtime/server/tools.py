@@ -19,7 +19,6 @@ never dropped.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 import re
 from typing import Any, Sequence
 
@@ -28,7 +27,7 @@ __all__ = ["ToolSyntax", "syntax_for", "ToolStream", "parse_all"]
 Event = tuple[str, Any]
 
 
-class ToolSyntax(ABC):
+class ToolSyntax:
     """A family whose calls sit between ``call_start`` and ``call_end`` markers."""
 
     def __init__(self, name: str, call_start: str, call_end: str, opener: str | None = None,
@@ -39,10 +38,11 @@ class ToolSyntax(ABC):
         #: every marker the syntax uses: control tokens with these names must be decoded
         self.markers = tuple(sorted({call_start, call_end, self.opener, *closers, *inner}))
 
-    @abstractmethod
     def parse_call(self, body: str, tools: Sequence[dict[str, Any]]) -> dict[str, str] | None:
         """One call's ``{"name", "arguments"}`` from the text between the markers, or None when
-        it is not a call (the text then stays content)."""
+        it is not a call (the text then stays content). The marker-delimited families define
+        it; harmony's messages are parsed by their own state machine (``_HarmonyState``)."""
+        return None
 
 
 class _Hermes(ToolSyntax):
@@ -101,7 +101,7 @@ class _DeepSeek(ToolSyntax):
 
 
 class _Harmony(ToolSyntax):
-    pass
+    """Harmony's markers (its messages go through ``_HarmonyState``, not ``parse_call``)."""
 
 
 HERMES = _Hermes("hermes", "<tool_call>", "</tool_call>")
