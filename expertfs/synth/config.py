@@ -89,6 +89,7 @@ class SynthConfig:
     yarn_beta_fast: float = 0.0
     yarn_beta_slow: float = 0.0
     yarn_log_mul: float = 0.0
+    tokenizer: str = ""              # tokenizer family (synth/tokenizer.py FAMILIES); "" = the arch's
     fuse_gate_up: bool = False       # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     quant: str = "default"
     seed: int = 0
@@ -121,6 +122,10 @@ class SynthConfig:
     @property
     def block_count(self) -> int:
         return self.n_layers + self.n_nextn
+
+    @property
+    def tokenizer_family(self) -> str:
+        return self.tokenizer or self.arch
 
     @property
     def quant_spec(self) -> QuantSpec:

@@ -180,13 +180,16 @@ def _glm5_next(w: GGUFWriter, c: SynthConfig) -> None:
 
 
 def _tokenizer(w: GGUFWriter, c: SynthConfig) -> None:
-    v = build_vocab(c.arch, c.n_vocab)
+    v = build_vocab(c.tokenizer_family, c.n_vocab)
     fam = v.family
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(fam.model)
     w.add_tokenizer_pre(fam.pre)
     w.add_token_list(list(v.tokens))
+    if fam.model == "llama":                        # _set_vocab_sentencepiece
+        w.add_token_scores(list(v.scores))
     w.add_token_types(list(v.token_types))
-    w.add_token_merges(list(v.merges))
+    if fam.model != "llama":
+        w.add_token_merges(list(v.merges))
     if fam.bos is not None:
         w.add_bos_token_id(v.id_of(fam.bos))
     w.add_eos_token_id(v.id_of(fam.eos))
@@ -194,8 +197,13 @@ def _tokenizer(w: GGUFWriter, c: SynthConfig) -> None:
         w.add_pad_token_id(v.id_of(fam.pad))
     if fam.eot is not None:
         w.add_eot_token_id(v.id_of(fam.eot))
+    if fam.unk is not None:
+        w.add_unk_token_id(v.id_of(fam.unk))
     if fam.add_bos is not None:
         w.add_add_bos_token(fam.add_bos)
+    if fam.model == "llama":
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(True)
     w.add_chat_template(fam.template)
 
 
@@ -226,18 +234,21 @@ def metadata_kv(c: SynthConfig) -> list[bytes]:
 def _encoded(c: SynthConfig) -> tuple[bytes, ...]:
     out = []
     for k, v, t, s in metadata_items(c):
-        out.append(_vocab_entry(c.arch, c.n_vocab, k) if k in _VOCAB_KEYS else encode_kv(k, v, t, s))
+        out.append(_vocab_entry(c.tokenizer_family, c.n_vocab, k) if k in _VOCAB_KEYS else encode_kv(k, v, t, s))
     return tuple(out)
 
 
-_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+               "tokenizer.ggml.scores")
 
 
 @lru_cache(maxsize=16)
-def _vocab_entry(arch: str, n_vocab: int, key: str) -> bytes:
+def _vocab_entry(family: str, n_vocab: int, key: str) -> bytes:
     # the vocabulary is most of the header; layer-count searches re-encode only the rest
-    v = build_vocab(arch, n_vocab)
+    v = build_vocab(family, n_vocab)
     if key == "tokenizer.ggml.token_type":
         return encode_kv(key, list(v.token_types), GGUFValueType.ARRAY, GGUFValueType.INT32)
+    if key == "tokenizer.ggml.scores":
+        return encode_kv(key, list(v.scores), GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
     items = v.tokens if key == "tokenizer.ggml.tokens" else v.merges
     return encode_kv(key, list(items), GGUFValueType.ARRAY, GGUFValueType.STRING)

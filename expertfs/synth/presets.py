@@ -57,7 +57,8 @@ PRESETS: dict[str, dict[str, object]] = {
     "Mixtral-8x7B": dict(arch="llama", name="Mixtral-8x7B", n_layers=32, n_embd=4096, n_head=32,
                          n_head_kv=8, head_dim=128, n_ff=14336, n_ff_exp=14336, n_experts=8,
                          n_expert_used=2, n_vocab=32000, n_ctx_train=32768,
-                         rope_freq_base=1_000_000.0, rms_eps=1e-5, qk_norm=False),
+                         rope_freq_base=1_000_000.0, rms_eps=1e-5, qk_norm=False,
+                         tokenizer="mixtral"),
     # deepseek-ai/DeepSeek-V3 config.json (61 layers, 3 dense, 256 experts top-8 in 8 groups
     # keep 4, MLA q_lora 1536 kv_lora 512 nope 128 rope 64 v 128, yarn 40 over 4096,
     # mscale_all_dim 1 → yarn_log_multiplier 0.1). The converter drops its MTP layer
@@ -72,6 +73,32 @@ PRESETS: dict[str, dict[str, object]] = {
                         probs_bias=True, rope_scaling="yarn", rope_scaling_factor=40.0,
                         rope_orig_ctx=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
                         yarn_log_mul=0.1),
+    # moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's MLA and widths with 64 heads, 1 dense
+    # layer, 384 experts top-8 in 1 group, routed_scaling_factor 2.827, rope_theta 50000, yarn 32
+    # over 4096 (beta_fast 1, beta_slow 1, mscale_all_dim 1), vocab 163840, tokenizer kimi-k2
+    "Kimi-K2": dict(arch="deepseek2", name="Kimi-K2", n_layers=61, n_embd=7168, n_head=64,
+                    n_head_kv=1, head_dim=192, n_ff=18432, n_ff_exp=2048, n_experts=384,
+                    n_expert_used=8, n_expert_shared=1, n_dense_lead=1, n_vocab=163840,
+                    n_ctx_train=131072, rope_freq_base=50000.0, rope_dim=64, rms_eps=1e-6,
+                    qk_norm=False, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128,
+                    qk_rope_dim=64, v_head_dim=128, gating=2, expert_weights_scale=2.827,
+                    expert_weights_norm=True, expert_group_count=1, expert_group_used_count=1,
+                    probs_bias=True, rope_scaling="yarn", rope_scaling_factor=32.0,
+                    rope_orig_ctx=4096, yarn_beta_fast=1.0, yarn_beta_slow=1.0,
+                    yarn_log_mul=0.1, tokenizer="kimi-k2"),
+    # deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers, 1 dense (10944), 64 experts of 1408
+    # top-6 + 2 shared, softmax routing without top-k norm, 16 heads, no q_lora, kv_lora 512,
+    # nope 128 rope 64 v 128, yarn 40 over 4096 (mscale_all_dim 0.707), vocab 102400
+    "DeepSeek-V2-Lite": dict(arch="deepseek2", name="DeepSeek-V2-Lite", n_layers=27, n_embd=2048,
+                             n_head=16, n_head_kv=1, head_dim=192, n_ff=10944, n_ff_exp=1408,
+                             n_experts=64, n_expert_used=6, n_expert_shared=2, n_dense_lead=1,
+                             n_vocab=102400, n_ctx_train=163840, rope_freq_base=10000.0,
+                             rope_dim=64, rms_eps=1e-6, qk_norm=False, kv_lora_rank=512,
+                             qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, gating=1,
+                             expert_weights_scale=1.0, expert_weights_norm=False,
+                             rope_scaling="yarn", rope_scaling_factor=40.0, rope_orig_ctx=4096,
+                             yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_log_mul=0.0707,
+                             tokenizer="deepseek-llm"),
     # zai-org/GLM-5.3-Flash (transformers Glm5NextTextConfig defaults): 45 layers, hidden 4096,
     # 288 experts of 2048, KDA on 3 of 4 layers (64 heads x 128, conv 4, gate lower bound -5),
     # nope-only MLA q_lora 1536 nope 256, indexer k-pool 16 (full on every MLA layer), mHC 4

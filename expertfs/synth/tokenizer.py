@@ -10,8 +10,11 @@ tokenizer (``tokenizer.ggml.model = "gpt2"``):
   tokens such as ``<think>``);
 - ``[PAD{i}]`` fillers (token_type 5 UNUSED) up to the vocabulary size, as the converter pads.
 
-Mixtral's real tokenizer is SentencePiece; synth gives the ``llama`` arch a byte-level BPE with
-``pre = "llama-bpe"`` instead, which llama.cpp loads as it loads Llama 3.
+A family is picked by ``SynthConfig.tokenizer`` (default: the architecture's). The tiny ``llama``
+arch gets a byte-level BPE with ``pre = "llama-bpe"`` (as llama.cpp loads Llama 3); the
+``Mixtral-8x7B`` preset gets Mixtral's own SentencePiece shape (``tokenizer.ggml.model = "llama"``,
+tokenizer_spm.py). ``kimi-k2`` and ``deepseek-llm`` are the byte-level BPE families of Kimi-K2
+and DeepSeek-V2 (both ``deepseek2`` in llama.cpp), with their special tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import UsageError
+from .tokenizer_spm import spm_vocab
 
 __all__ = ["Vocab", "Family", "FAMILIES", "build_vocab", "bytes_to_unicode", "MAX_MERGES", "learn_merges",
            "training_text"]
@@ -46,6 +50,14 @@ _DEEPSEEK = ("{{- bos_token }}{%- for message in messages %}{%- if message['role
              "{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}{%- else %}"
              "{{- message['content'] }}{%- endif %}{%- endfor %}"
              "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}")
+_KIMI = ("{%- for message in messages %}{{- '<|im_' + message['role'] + '|>' + message['role'] + "
+         "'<|im_middle|>' + message['content'] + '<|im_end|>' }}{%- endfor %}"
+         "{%- if add_generation_prompt %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}")
+_DEEPSEEK_V2 = ("{{- bos_token }}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+                "{{- 'User: ' + message['content'] + '\\n\\n' }}{%- elif message['role'] == 'assistant' %}"
+                "{{- 'Assistant: ' + message['content'] + eos_token }}{%- else %}"
+                "{{- message['content'] + '\\n\\n' }}{%- endif %}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}")
 _HARMONY = ("{%- for message in messages %}{{- '<|start|>' + message['role'] + '<|message|>' + "
             "message['content'] + '<|end|>' }}{%- endfor %}"
             "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
@@ -63,6 +75,8 @@ class Family:
     eot: str | None = None
     add_bos: bool | None = None
     template: str = _CHATML
+    model: str = "gpt2"              # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SPM)
+    unk: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -90,6 +104,32 @@ FAMILIES: dict[str, Family] = {
                                  ("<|call|>", CONTROL)),
                       eos="<|return|>", bos="<|startoftext|>", pad="<|endoftext|>", template=_HARMONY),
 }
+_KIMI_SPECIALS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "[EOT]", "<|im_system|>",
+                  "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                  "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                  "<|im_middle|>", "[UNK]", "[PAD]")
+# families a preset names (SynthConfig.tokenizer), beside the per-arch defaults above
+FAMILIES.update({
+    # moonshotai/Kimi-K2-Instruct tokenizer_config.json: tiktoken BPE, chat turns
+    # <|im_{role}|>{role}<|im_middle|>...<|im_end|>, eos <|im_end|>, no BOS added
+    "kimi-k2": Family("kimi-k2", tuple((t, CONTROL) for t in _KIMI_SPECIALS), eos="<|im_end|>",
+                      bos="[BOS]", pad="[PAD]", add_bos=False, template=_KIMI),
+    # deepseek-ai/DeepSeek-V2-Lite-Chat tokenizer_config.json: BOS added, pad = eos,
+    # "User: ... Assistant:" turns
+    "deepseek-llm": Family("deepseek-llm", (("<｜begin▁of▁sentence｜>", CONTROL),
+                                            ("<｜end▁of▁sentence｜>", CONTROL),
+                                            ("<｜fim▁hole｜>", USER_DEFINED),
+                                            ("<｜fim▁begin｜>", USER_DEFINED),
+                                            ("<｜fim▁end｜>", USER_DEFINED)),
+                           eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>",
+                           pad="<｜end▁of▁sentence｜>", add_bos=True, template=_DEEPSEEK_V2),
+    # mistralai/Mixtral-8x7B-Instruct-v0.1: SentencePiece, <unk> <s> </s> then byte tokens;
+    # [INST] is plain text in v0.1
+    "mixtral": Family("llama", (("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)),
+                      eos="</s>", bos="<s>", add_bos=True, template=_MISTRAL, model="llama",
+                      unk="<unk>"),
+})
 FAMILIES["glm5-next"] = FAMILIES["glm-dsa"] = FAMILIES["glm4moe"]    # _set_vocab_glm, as GLM-4.5
 
 
@@ -99,6 +139,7 @@ class Vocab:
     token_types: tuple[int, ...]
     merges: tuple[str, ...]
     family: Family
+    scores: tuple[float, ...] = ()
 
     def id_of(self, token: str | None) -> int | None:
         return None if token is None else self.tokens.index(token)
@@ -164,9 +205,17 @@ def learn_merges(n_merges: int) -> tuple[tuple[str, str], ...]:
 
 
 @lru_cache(maxsize=16)
-def build_vocab(arch: str, n_vocab: int) -> Vocab:
-    """The full vocabulary of ``n_vocab`` tokens for ``arch``'s tokenizer family."""
-    fam = FAMILIES[arch]
+def build_vocab(family: str, n_vocab: int) -> Vocab:
+    """The full vocabulary of ``n_vocab`` tokens of a tokenizer family (``FAMILIES``: an
+    architecture's default or a preset's)."""
+    try:
+        fam = FAMILIES[family]
+    except KeyError:
+        raise UsageError(f"unknown tokenizer family {family!r}",
+                         fix=f"use one of {', '.join(FAMILIES)}") from None
+    if fam.model == "llama":
+        tokens, types, scores = spm_vocab(fam.specials, n_vocab, MAX_MERGES)
+        return Vocab(tuple(tokens), tuple(types), (), fam, tuple(scores))
     room = n_vocab - 256 - len(fam.specials)
     if room < 0:
         raise UsageError(f"vocabulary of {n_vocab} tokens cannot hold 256 byte tokens and "
