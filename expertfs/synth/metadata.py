@@ -90,6 +90,10 @@ def _arch(w: GGUFWriter, c: SynthConfig) -> None:
         w.add_vocab_size(c.n_vocab)
         if c.q_lora_rank:
             w.add_q_lora_rank(c.q_lora_rank)
+        elif c.n_layers not in (26, 27):
+            # llama.cpp reads a deepseek2 without q_lora as "lite" only at 26 or 27 layers and
+            # otherwise requires the key: a cut of such a model states its 0
+            w.add_q_lora_rank(0)
         w.add_kv_lora_rank(c.kv_lora_rank)
         w.add_key_length(c.kv_lora_rank + c.qk_rope_dim)
         w.add_value_length(c.kv_lora_rank)

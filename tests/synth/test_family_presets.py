@@ -109,3 +109,17 @@ def test_quick_start(cuts, preset, tmp_path, capsys):
                  "-t", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert isinstance(out, dict)
+
+
+def test_a_cut_of_a_model_without_q_lora_states_it_for_llama_cpp():
+    """llama.cpp reads a deepseek2 without q_lora as 'lite' only at 26 or 27 layers and
+    otherwise requires attention.q_lora_rank: a cut states its 0 (the full model writes none,
+    as the converter does)."""
+    from expertfs.synth import SynthConfig
+    from expertfs.synth.metadata import metadata_items
+    from expertfs.synth.presets import like_fields
+    full = SynthConfig(**like_fields("DeepSeek-V2-Lite"))
+    cut = full.replace(n_layers=2, n_experts=16, n_vocab=2048)
+    keys = {k: v for k, v, *_ in metadata_items(cut)}
+    assert keys["deepseek2.attention.q_lora_rank"] == 0
+    assert "deepseek2.attention.q_lora_rank" not in {k for k, *_ in metadata_items(full)}
