@@ -52,3 +52,22 @@ def assert_thread_independent(experts: tuple, types: tuple, ff: int, raw, raw_ty
         torch.set_num_threads(old)
     for a, b in zip(out[1], out[2]):
         assert torch.equal(a, b)
+
+
+def moe_in_parts(x, w, experts: tuple, types: tuple, ff: int, aq: str, first: list[int]):
+    """A layer computed in two parts as a decode step with misses does it (``first``'s experts,
+    then the others: ``moe_hidden`` and ``moe_down_rows`` for each, ``moe_combine`` in routing
+    order). Returns the two parts, their down rows and the combined output."""
+    import torch
+
+    from expertfs.runtime import kernels
+    gate, up, down = experts
+    n, D = len(gate), x.shape[1]
+    parts = (first, [j for j in range(n) if j not in first])
+    vs = []
+    for part in parts:
+        h = kernels.moe_hidden(x, [gate[j] for j in part],
+                               None if up is None else [up[j] for j in part], types[:2], ff, aq)
+        vs.append(kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq))
+    row = {j: i for i, j in enumerate(parts[0] + parts[1])}
+    return parts, vs, kernels.moe_combine(torch.cat(vs), w, [row[j] for j in range(n)])

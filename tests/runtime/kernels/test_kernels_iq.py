@@ -18,7 +18,7 @@ from expertfs.formats.ggml import GGMLType as T
 from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
 from support.native import (MOD, NEEDS_NATIVE, assert_thread_independent,  # noqa: F401
-                            isa, isas)                               # (isa: a fixture)
+                            isa, isas, moe_in_parts)                 # (isa: a fixture)
 
 pytestmark = NEEDS_NATIVE
 
@@ -140,15 +140,7 @@ def test_moe_in_parts_equals_one_call_bit_for_bit(types, fused, ff, isa, aq):
     w = torch.rand(n, generator=torch.Generator().manual_seed(6))
     want = kernels.moe(x, w, gate, up, down, types, ff, aq)
     for first in ([0, 2], [4], [1, 2, 3, 4]):
-        parts = (first, [j for j in range(n) if j not in first])
-        vs = []
-        for part in parts:
-            h = kernels.moe_hidden(x, [gate[j] for j in part],
-                                   None if up is None else [up[j] for j in part],
-                                   types[:2], ff, aq)
-            vs.append(kernels.moe_down_rows(h, [down[j] for j in part], types[2], D, aq))
-        row = {j: i for i, j in enumerate(parts[0] + parts[1])}
-        got = kernels.moe_combine(torch.cat(vs), w, [row[j] for j in range(n)])
+        parts, vs, got = moe_in_parts(x, w, (gate, up, down), types, ff, aq, first)
         assert torch.equal(got, want), first
 
 
