@@ -271,16 +271,8 @@ def test_store_verifies_and_unpacks_to_the_same_gguf(built, tmp_path):
     ("attention.indexer.types", [True, False], "2 entries"),
 ])
 def test_bad_indexer_metadata_is_a_typed_error(built, key, value, needle):
-    from expertfs.errors import UnsupportedModelError
-    from expertfs.runtime.model.config import ModelConfig
-    with Store.open(built[3]) as st:
-        kv = dict(st.gguf_kv())
-    kv.pop("glm-dsa." + key)
-    if value is not None:
-        kv["glm-dsa." + key] = value
-    with pytest.raises(UnsupportedModelError, match=needle) as e:
-        ModelConfig.from_gguf(kv, path="model.gguf")
-    assert "convert_hf_to_gguf" in str(e.value)
+    from support.metadata import assert_metadata_refused
+    assert_metadata_refused(built[3], "glm-dsa", key, value, needle)
 
 
 @pytest.mark.parametrize("ctx", [8, 64])
