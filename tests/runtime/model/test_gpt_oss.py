@@ -179,13 +179,8 @@ def built_mxfp4(tmp_path_factory):
 
 
 def _ours(store: str, tokens=TOKENS, **opts) -> np.ndarray:
-    opts = {"device": DEVICE, "dtype": "float32", "fused": "off", **opts}
-    with Store.open(store) as st:
-        eng = Engine(st, DirectProvider(st, opts["device"]), EngineOptions(**opts))
-        try:
-            return eng.logits(tokens).numpy()
-        finally:
-            eng.close()
+    from support.oracle import engine_logits
+    return engine_logits(store, tokens, DEVICE, **opts)
 
 
 def test_the_seed_gives_every_top_k_a_clear_gap_and_the_clamp_bites(built):

@@ -34,13 +34,8 @@ def _ref(model, tokens=TOKENS) -> np.ndarray:
 
 
 def _ours(store: str, tokens=TOKENS, **opts) -> np.ndarray:
-    opts = {"device": DEVICE, "dtype": "float32", "fused": "off", **opts}
-    with Store.open(store) as st:
-        eng = Engine(st, DirectProvider(st, opts["device"]), EngineOptions(**opts))
-        try:
-            return eng.logits(tokens).numpy()
-        finally:
-            eng.close()
+    from support.oracle import engine_logits
+    return engine_logits(store, tokens, DEVICE, **opts)
 
 
 @pytest.fixture(scope="module")
