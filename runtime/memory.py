@@ -19,7 +19,8 @@ from ..errors import UsageError
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
            "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
            "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "os_headroom", "runtime_overhead",
-           "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes"]
+           "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
+           "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,12 @@ LIMIT_ENV = "EXPERTFS_MEMORY_LIMIT"
 #: The KV cache grows by doubling up to the context limit; while it grows the old and the new
 #: buffers coexist, so its peak is 1.5x its size at the limit.
 KV_GROWTH_PEAK = 1.5
+#: A sliding-window layer keeps a ring of this many windows of positions: the window, and as
+#: many more to roll back to (a new request that shares a prefix with the last one).
+SWA_RING_WINDOWS = 2
+#: ... and, when the context is longer than its ring, this many copies of the ring taken one
+#: window after a prompt's end, so a later request can go back to where that prompt ended.
+SWA_CHECKPOINTS = 2
 _UNLIMITED = 1 << 60
 
 
@@ -126,6 +133,18 @@ def os_headroom(limit: int, source: str = "physical") -> int:
 def runtime_overhead(cuda: bool = False) -> int:
     """The runtime's own resident memory beside the tiers, the trunk and the KV cache."""
     return RUNTIME_OVERHEAD + (RUNTIME_OVERHEAD_CUDA if cuda else 0)
+
+
+def swa_ring(window: int, n_ctx: int) -> int:
+    """Positions in a sliding-window layer's ring at context ``n_ctx``."""
+    return max(1, min(n_ctx, SWA_RING_WINDOWS * window))
+
+
+def swa_positions(window: int, n_ctx: int) -> int:
+    """Positions a sliding-window layer holds at context ``n_ctx``: its ring, and the ring's
+    checkpoints when the ring is shorter than the context."""
+    ring = swa_ring(window, n_ctx)
+    return ring * (1 + SWA_CHECKPOINTS) if n_ctx > ring else min(ring, max(0, n_ctx))
 
 
 def kv_reserve(kv_bytes: int, state_bytes: int = 0) -> int:

@@ -42,7 +42,9 @@ class KVCache:
     per-position state (the DSA indexer's keys) registers a side stream (``add_stream``):
     ``streams[name][layer]`` is ``[1, capacity, dim]`` (None for the layers without one) and
     grows, rolls back and counts in ``nbytes`` with the keys. A layer without a KV cache (a
-    linear-attention layer, ``drop``) holds None."""
+    linear-attention layer, ``drop``) holds None. A sliding-window layer may keep a ring of a
+    fixed number of positions instead (``ring``: position ``p`` in slot ``p % size``; it does
+    not grow, and its architecture's attention step reads and writes it)."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int, n_ctx: int, dtype: torch.dtype,
                  device: torch.device, initial: int = 256) -> None:
@@ -56,6 +58,7 @@ class KVCache:
         self.v = [self._alloc(self.vd) for _ in range(n_layers)] if self.vd else []
         self.streams: dict[str, list[torch.Tensor | None]] = {}
         self.state_bytes = 0            # fixed per-sequence state held beside the cache (KDA)
+        self.rings: dict[int, int] = {}  # layer -> ring size (positions), fixed
         self.pos = 0
 
     def add_stream(self, name: str, dims: list[int]) -> None:
@@ -69,6 +72,14 @@ class KVCache:
             self.k[i] = None                                   # type: ignore[call-overload]
             if self.v:
                 self.v[i] = None                               # type: ignore[call-overload]
+
+    def ring(self, layers: list[int], size: int) -> None:
+        """``layers`` keep ``size`` positions each, in a ring that does not grow."""
+        for i in layers:
+            self.rings[i] = size
+            self.k[i] = self._alloc(self.kd, size)
+            if self.v:
+                self.v[i] = self._alloc(self.vd, size)
 
     def _alloc(self, d: int, n: int | None = None) -> torch.Tensor:
         return torch.zeros(self.kv_heads, n or self.capacity, d, dtype=self.dtype,
@@ -84,7 +95,7 @@ class KVCache:
         cap = min(self.n_ctx, max(need, 2 * self.capacity))
         for lst, d in ((self.k, self.kd), (self.v, self.vd)):
             for i, t in enumerate(lst):
-                if t is None:
+                if t is None or i in self.rings:
                     continue
                 new = self._alloc(d, cap)
                 new[:, :self.pos] = t[:, :self.pos]

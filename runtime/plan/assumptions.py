@@ -94,7 +94,9 @@ ASSUMPTIONS: dict[str, Any] = {
                           "source": "calibrated once: expert run on the demo store, 2-core VM"},
     "tiers": "exclusive (an expert is in VRAM or in RAM), slots of the largest extent",
     "kv_cache": "decoder layers only (not NextN); MLA caches the latent (kv_lora_rank + rope dims); "
-                "sliding-window layers hold min(ctx, window) positions; auto type = compute dtype",
+                f"sliding-window layers hold a ring of min(ctx, {_memory.SWA_RING_WINDOWS} windows) "
+                f"positions and {_memory.SWA_CHECKPOINTS} copies of it when ctx is longer; "
+                "auto type = compute dtype",
     "choice": "the placement and trunk mode with the highest predicted sqrt(low x high) tok/s "
               "among those expert run supports",
     "not_modelled": "prefill, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",

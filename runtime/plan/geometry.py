@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import UsageError
+from ..memory import swa_positions
 
 __all__ = ["KV_TYPES", "DTYPE_BYTES", "FLOAT_TYPE", "Matrix", "Geometry", "kv_bytes_per_token",
            "kv_cache_bytes"]
@@ -154,22 +155,27 @@ class Geometry:
         }
 
 
-def _kv_elements(g: Geometry, positions: int) -> int:
+def _kv_elements(g: Geometry, positions: int, swa_layers: bool = True) -> int:
     total = 0
     for i in range(g.n_layers):
         per = (g.mla_latent if g.kv_heads[i] else 0) if g.mla_latent else \
             g.kv_heads[i] * (g.key_length + g.value_length)      # glm5-next: 0 heads = KDA
         swa = bool(g.swa) and g.swa[i] and g.sliding_window > 0
+        if swa and not swa_layers:
+            continue
         if g.indexer_keys:
             per += g.indexer_keys[i]
-        total += per * (min(positions, g.sliding_window) if swa else positions)
+        total += per * (swa_positions(g.sliding_window, positions) if swa else positions)
     return total
 
 
 def kv_bytes_per_token(g: Geometry, kv_type: str = "f16") -> int:
     """KV-cache bytes one position adds in every full-attention layer (SWA layers stop at their
-    window); the recurrent layers' fixed state is not per position (``state_bytes``)."""
-    return kv_cache_bytes(g, 1, kv_type) - g.state_bytes
+    ring, ``memory.swa_positions``); the recurrent layers' fixed state is not per position
+    (``state_bytes``)."""
+    if kv_type not in KV_TYPES:
+        raise UsageError(f"KV cache type {kv_type!r} is not known", fix=f"use one of {', '.join(KV_TYPES)}")
+    return math.ceil(_kv_elements(g, 1, swa_layers=False) * KV_TYPES[kv_type])
 
 
 def kv_cache_bytes(g: Geometry, ctx: int, kv_type: str = "f16") -> int:

@@ -221,10 +221,12 @@ def test_logits_equal_transformers(built, batch, fused):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.parametrize("fused", ["off", "on"])
 @pytest.mark.parametrize("batch", [512, 5, 1], ids=["whole", "batches-of-5", "one-by-one"])
-def test_mxfp4_experts_equal_transformers(built_mxfp4, batch):
+def test_mxfp4_experts_equal_transformers(built_mxfp4, batch, fused):
     """The converter's MXFP4 experts, multiplied from their bytes (the native kernels' MXFP4
-    products where they are built), against transformers on the same values."""
+    products where they are built; ``off``: the torch products, the path CUDA takes), against
+    transformers on the same values."""
     from expertfs.formats.ggml import GGMLType
     model, store, ref = built_mxfp4
     gap, clamped = _probe(model)
@@ -234,7 +236,7 @@ def test_mxfp4_experts_equal_transformers(built_mxfp4, batch):
         types = {q.ggml_type for q in p.get(0, [0])[0].parts.values()}
         p.release(0)
     assert GGMLType.MXFP4 in types
-    ours = _ours(store, prefill_batch=batch, fused="on")
+    ours = _ours(store, prefill_batch=batch, fused=fused)
     assert np.abs(ours - ref).max() <= TOL
 
 
@@ -280,3 +282,82 @@ def test_bad_window_is_a_typed_error(built):
     with pytest.raises(UnsupportedModelError, match="sliding_window") as e:
         ModelConfig.from_gguf(kv, path="model.gguf")
     assert "convert_hf_to_gguf" in str(e.value)
+
+
+def _full_cache(monkeypatch):
+    """Sliding layers with a ring as long as the context: the whole-context cache."""
+    from expertfs.runtime.model.archs import gpt_oss
+    monkeypatch.setattr(gpt_oss, "swa_ring", lambda window, n_ctx: n_ctx)
+
+
+@pytest.mark.parametrize("batch", [12, 5, 1], ids=["batches-of-12", "batches-of-5", "one-by-one"])
+def test_ring_cache_equals_the_whole_context_cache(built, batch, monkeypatch):
+    """The sliding layers' ring (two windows, wrapped: the prompt is three windows long) gives
+    the logits of a cache of the whole context, bit for bit, one token at a time and in batches
+    longer than the ring's spare positions."""
+    _, store, ref = built
+    with Store.open(store) as st:
+        with Engine(st, DirectProvider(st, DEVICE),
+                    EngineOptions(device=DEVICE, dtype="float32", fused="off")) as eng:
+            assert eng.model.cache.k[0].shape[1] == 2 * WINDOW < len(TOKENS)
+    ring = _ours(store, prefill_batch=batch)
+    _full_cache(monkeypatch)
+    full = _ours(store, prefill_batch=batch)
+    assert np.array_equal(ring, full)
+    assert np.abs(ring - ref).max() <= TOL
+
+
+def test_kv_cache_bytes_at_ctx_as_the_plan_counts_them(built):
+    from expertfs.runtime.plan.geometry import kv_cache_bytes
+    from expertfs.runtime.plan.model import geometry_of_store
+    _, store, _ = built
+    with Store.open(store) as st:
+        g = geometry_of_store(st)
+        for n_ctx in (12, 4096):
+            with Engine(st, DirectProvider(st, DEVICE), EngineOptions(
+                    device=DEVICE, dtype="float32", fused="off", n_ctx=n_ctx)) as eng:
+                eng.model.cache.reserve(n_ctx)
+                assert eng.model.cache.nbytes == kv_cache_bytes(g, n_ctx, "f32")
+        # full layers at the context, sliding ones at a ring of 2 windows and its 2 copies
+        per = 2 * 16 * 2 * 4
+        assert kv_cache_bytes(g, 4096, "f32") == 2 * per * 4096 + 2 * per * 3 * 2 * WINDOW
+
+
+def test_rollback_past_the_ring_is_refused_and_a_prompt_end_is_kept(built):
+    """Going back more than the ring holds is refused (the server then prefills again); the
+    checkpoint taken one window after a prompt's end lets a later request go back there."""
+    from expertfs.errors import UsageError
+    _, store, ref = built
+    with Store.open(store) as st:
+        with Engine(st, DirectProvider(st, DEVICE),
+                    EngineOptions(device=DEVICE, dtype="float32", fused="off")) as eng:
+            eng.logits(TOKENS)
+            assert eng.can_reset(0) and eng.can_reset(len(TOKENS) - 2 * WINDOW + WINDOW - 1)
+            assert not eng.can_reset(3)
+            with pytest.raises(UsageError, match="cannot go back"):
+                eng.reset(3)
+            eng.reset()
+            eng.prefill(TOKENS[:10])
+            for t in TOKENS[10:]:
+                eng.decode(t)
+            assert eng.can_reset(11) and eng.can_reset(9) and not eng.can_reset(8)
+            eng.reset(11)
+            tail = eng.logits(TOKENS[11:], reset=False).numpy()
+    assert np.abs(tail - ref[11:]).max() <= TOL
+
+
+@pytest.mark.parametrize("batch", [512, 1], ids=["whole", "one-by-one"])
+def test_bfloat16_as_cuda_runs_it(built, batch):
+    """The compute dtype CUDA defaults to (bfloat16 matrices and KV cache, float32 sinks,
+    biases, scores and residual), on the torch paths: transformers' top-1 at every position."""
+    _, store, ref = built
+    with Store.open(store) as st:
+        with Engine(st, DirectProvider(st, DEVICE), EngineOptions(
+                device=DEVICE, dtype="bfloat16", fused="off", prefill_batch=batch)) as eng:
+            ours = eng.logits(TOKENS).numpy()
+            cache, att = eng.model.cache, eng.model.attend
+            assert {t.dtype for t in cache.k + cache.v} == {torch.bfloat16}
+            assert {t.device.type for c in att.ckpts for t in c.k + c.v} == {torch.device(DEVICE).type}
+            assert eng.trunk.blocks[0].attn.sinks.dtype == torch.float32
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert np.median(np.abs(ours - ref)) < 0.05

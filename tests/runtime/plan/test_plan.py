@@ -87,8 +87,10 @@ def test_kv_sliding_window_layers() -> None:
     g = like("gpt-oss-120b")                   # 36 layers, even ones slide over 128 positions
     per_layer = 8 * (64 + 64) * 2
     assert sum(g.swa) == 18 and g.sliding_window == 128
-    assert kv_cache_bytes(g, 8192) == 18 * 8192 * per_layer + 18 * 128 * per_layer
-    assert kv_cache_bytes(g, 100) == 36 * 100 * per_layer       # below the window: all layers grow
+    ring = 2 * 128                             # two windows, and two copies of it past them
+    assert kv_bytes_per_token(g) == 18 * per_layer                 # the full layers grow
+    assert kv_cache_bytes(g, 8192) == 18 * 8192 * per_layer + 18 * 3 * ring * per_layer
+    assert kv_cache_bytes(g, 200) == 36 * 200 * per_layer       # within the ring: all layers grow
 
 
 def test_kv_errors() -> None:
