@@ -44,6 +44,7 @@ from expertfs.store.reader import Store  # noqa: E402
 from expertfs.units import fmt_bytes  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
+DEFAULT_QUANT = "experts=Q4_0,down=Q4_0"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun"
 
 
@@ -82,8 +83,9 @@ def synth(a: argparse.Namespace) -> None:
     """``--like`` cut to ``--layers`` or ``--size``; ``--experts``/``--vocab`` 0 and no
     ``--nextn`` keep the preset's."""
     from expertfs.synth import SynthConfig, layers_for_size, synthesize
+    from expertfs.synth.presets import like_fields
     from expertfs.units import parse_size
-    over: dict = {"quant": a.quant}
+    over: dict = {"quant": a.quant or like_fields(a.like).get("quant") or DEFAULT_QUANT}
     for key, v in (("n_experts", a.experts), ("n_vocab", a.vocab)):
         if v:
             over[key] = v
@@ -177,8 +179,10 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=64, help="routed experts (0: the preset's)")
     ap.add_argument("--nextn", type=int, default=None,
                     help="NextN blocks to synthesise (default: the preset's)")
-    ap.add_argument("--quant", default="experts=Q4_0,down=Q4_0",
-                    help="synth --quant spec or preset (e.g. maya-s, q4_k_m)")
+    ap.add_argument("--quant", default=None,
+                    help="synth --quant spec or preset (e.g. maya-s, q4_k_m; default: the "
+                         "--like preset's own mix where it has one, gpt-oss's mxfp4_moe, "
+                         f"else {DEFAULT_QUANT})")
     ap.add_argument("--vocab", type=int, default=32768,
                     help="synthesised vocabulary, 0: the preset's (the presets' 150k one makes a "
                          "1 GB trunk)")
@@ -212,6 +216,8 @@ def main() -> int:
         subprocess.run([os.path.join(BIN, "expertfs"), "repack", a.model, "-o", store], check=True,
                        stdout=subprocess.DEVNULL)
     a.prompt_text = long_prompt(store, a.prompt_tokens) if a.prompt_tokens else None
+    from expertfs.runtime import kernels
+    kernels.load()          # built here, uncapped: a compiler under the cap is OOM-killed
     size = os.path.getsize(a.model)
     cap = int(size * a.cap)
     dev = block_device_of(a.model)
