@@ -120,21 +120,24 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
         return {e.expert: weights(e) for e in self._acquire(layer, experts, True)}
 
     def get_begin(self, layer: int, experts: Sequence[int]
-                  ) -> tuple[dict[int, ExpertWeights], Callable[[], dict[int, ExpertWeights]]]:
+                  ) -> tuple[dict[int, ExpertWeights], Callable[..., dict[int, ExpertWeights]]]:
         """``get`` in two halves, so a layer can compute its resident experts while the others
         load: the weights of the experts ready now, and a function that waits for the rest and
-        returns theirs. Where the cache cannot defer (a device tier), everything is ready."""
+        returns theirs (``finish(only)``: waits for and returns only those of ``only``, so a
+        batch can compute each expert as its read lands). Where the cache cannot defer (a
+        device tier), everything is ready."""
         if not self.cache.defers:
-            return self.get(layer, experts), dict
+            return self.get(layer, experts), lambda only=None: {}
         cache = self.cache
         entries = self._acquire(layer, experts, False)
         weights = cache.weights
         pending = [e for e in entries if e.state is State.LOADING]
         ready = {e.expert: weights(e) for e in entries if e.state is not State.LOADING}
 
-        def finish() -> dict[int, ExpertWeights]:
-            cache.finish(pending)
-            return {e.expert: weights(e) for e in pending}
+        def finish(only: Sequence[int] | None = None) -> dict[int, ExpertWeights]:
+            part = pending if only is None else [e for e in pending if e.expert in only]
+            cache.finish(part)
+            return {e.expert: weights(e) for e in part}
         return ready, finish
 
     def _acquire(self, layer: int, experts: Sequence[int], wait: bool) -> list:

@@ -92,9 +92,10 @@ class ExpertProvider(Protocol):
 @runtime_checkable
 class SplitGet(Protocol):
     def get_begin(self, layer: int, experts: Sequence[int]
-                  ) -> tuple[dict[int, ExpertWeights], Callable[[], dict[int, ExpertWeights]]]:
-        """``get`` in two halves: (weights of the experts resident now, ``finish()`` that waits
-        for the others and returns theirs); ``release(layer)`` as after ``get``."""
+                  ) -> tuple[dict[int, ExpertWeights], Callable[..., dict[int, ExpertWeights]]]:
+        """``get`` in two halves: (weights of the experts resident now, ``finish(only=None)``
+        that waits for the others, or only for those of ``only``, and returns theirs);
+        ``release(layer)`` as after ``get``."""
 
 
 @runtime_checkable

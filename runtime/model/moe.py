@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ class MoEStats:
     fetches: int = 0             # experts asked of the provider (once per batch and layer)
     dq_hits: int = 0             # experts served by the dequantized cache
     overlapped: int = 0          # decode steps that computed resident experts during reads
+    streamed: int = 0            # batch experts computed before the batch's last read landed
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -117,6 +118,42 @@ class ExpertRunner:
                 else:
                     out[e] = w
         return out
+
+    def _weights_each(self, layer: int, experts: list[int]) -> Iterator[tuple[int, Any]]:
+        """``(expert, weights)`` of ``experts`` in their order, each as soon as it is ready: the
+        misses' reads are all issued first (full queue depth), then each is awaited only when its
+        turn comes, so the products of the experts already in run while the rest are read. The
+        same weights as ``_weights`` (dequant-cache hits included), in the same order."""
+        if self._split is None:
+            weights = self._weights(layer, experts)
+            yield from ((e, weights[e]) for e in experts)
+            return
+        floats: dict[int, Any] = {}
+        need = experts
+        if self.dq.enabled:
+            need = []
+            for e in experts:
+                f = self.dq.get(layer, e)
+                if f is None:
+                    need.append(e)
+                else:
+                    floats[e] = f
+            self.stats.dq_hits += len(experts) - len(need)
+        ready, finish = self._split.get_begin(layer, need) if need else ({}, None)
+        self.stats.fetches += len(need)
+        late = [e for e in need if e not in ready]
+        if late:
+            self.stats.streamed += experts.index(late[-1])
+        for e in experts:
+            w = floats.get(e)
+            if w is None:
+                w = ready.get(e)
+                if w is None:
+                    w = finish([e])[e]
+                if self.dq.enabled:
+                    w = to_float_expert(w, self.dtype)
+                    self.dq.put(layer, e, w)
+            yield e, w
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
                     shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0
@@ -232,8 +269,8 @@ class ExpertRunner:
                  experts: list[int], counts: list[int], limit: float = 0.0,
                  alpha: float = 0.0) -> torch.Tensor:
         """A batch's routed output: each used expert (ascending) applied to its tokens and added
-        in. When the layer needs more experts than the compute tier holds at once, they are
-        fetched in parts, each computed and released before the next (the same sums in the same
+        in, each as soon as its read lands (``_weights_each``). When the layer needs more
+        experts than the compute tier holds at once, they are fetched in parts, each computed and released before the next (the same sums in the same
         order); the caller releases the last."""
         k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)                # [T*k], by expert
@@ -246,12 +283,10 @@ class ExpertRunner:
         for p in range(0, len(experts), room):
             if p:
                 self.provider.release(layer)
-            part = experts[p:p + room]
-            weights = self._weights(layer, part)
-            for e in part:
+            for e, we in self._weights_each(layer, experts[p:p + room]):
                 a, b = start[e], start[e] + counts[e]
                 t = tok[a:b]
-                y = expert_ffn(x.index_select(0, t), weights[e], self.fused,
+                y = expert_ffn(x.index_select(0, t), we, self.fused,
                                self.act_quant, limit, alpha).float()
                 out.index_add_(0, t, y * wsorted[a:b, None])
         return out

@@ -35,3 +35,20 @@ def test_batch_wider_than_the_tier_runs_in_parts(store, fused):
         got = e.logits(tokens)
         assert e.provider.stats.misses >= e.config.n_experts
     assert torch.equal(got, want)
+
+
+def test_batch_computes_experts_as_their_reads_land(store):
+    """A cold tier wide enough for the layer: the batch's misses are all issued, then each
+    expert is computed when its own read is in (the products of the first overlap the reads
+    of the rest), with the same logits as a resident run."""
+    tokens = list(range(3, 400, 13))
+    with Engine.open(store, provider="direct", fused="auto") as e:
+        want = e.logits(tokens)
+    with Engine.open(store, provider="tiered", ram_bytes=1 << 30, fused="auto",
+                     provider_options={"warm_start": False, "backend": "buffered",
+                                       "record_usage": False}) as e:
+        assert not 0 < e.provider.max_experts_per_get < e.config.n_experts   # one part
+        got = e.logits(tokens)
+        assert e.provider.stats.misses >= e.config.n_experts
+        assert e.runner.stats.streamed > 0
+    assert torch.equal(got, want)
