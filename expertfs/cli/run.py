@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
 from ._tiers import ram_tier as _ram_tier
@@ -174,6 +174,23 @@ def _open(args: argparse.Namespace):
         raise
 
 
+def _prefill_reads(store: str, nbytes: int, seconds: float) -> dict[str, Any]:
+    """The prompt's reads: MB, MB/s over the time to the first token, and the drive's rate at
+    one expert per read as ``plan`` measured it on this device (None: never measured)."""
+    from ..runtime.plan import boxcache
+    from ..runtime.plan.model import load_geometry
+    drive = None
+    try:
+        g, data_path = load_geometry(store)
+        if data_path:
+            drive = boxcache.drive_rate(data_path, g.slot_bytes)
+    except (OSError, ValueError, ExpertfsError):
+        drive = None
+    return {"prefill_read_mb": nbytes / 1e6,
+            "prefill_read_mb_s": nbytes / seconds / 1e6 if seconds > 0 else 0.0,
+            "drive_mb_s": drive / 1e6 if drive else None}
+
+
 def _stats(eng, spec) -> dict[str, Any]:
     """``eng.stats()`` with the speculation's figures (``"mtp"``, ``"route_tail_skip"``)."""
     st = eng.stats()
@@ -327,6 +344,8 @@ def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = Non
         "vram_tier_bytes": args.vram, "vram_plan": getattr(args, "vram_plan", None),
         "pinned_bytes": st.get("tiers", {}).get("pinned_bytes", 0),
     }
+    if t_first is not None:
+        summary.update(_prefill_reads(args.store, bytes_prefill, ttft))
     if preload_s is not None:
         summary["preload_s"] = preload_s
     if args.json:
@@ -334,6 +353,13 @@ def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = Non
                      **summary, "stats": st})
         return 0
     sys.stdout.write("\n")
+    if summary.get("prefill_read_mb"):
+        drive = summary["drive_mb_s"]
+        print(f"prefill read {summary['prefill_read_mb']:.0f} MB at "
+              f"{summary['prefill_read_mb_s']:.0f} MB/s ("
+              + (f"{100 * summary['prefill_read_mb_s'] / drive:.0f}% of the drive's "
+                 f"{drive:.0f} MB/s)" if drive else "the drive's rate: run expertfs plan once)"),
+              file=sys.stderr)
     hits = " ".join(f"{k} {100 * v:.0f}%" for k, v in summary["hit_rate"].items()) or "-"
     print(f"prompt {len(prompt)} tokens, first token after {ttft:.2f} s; "
           f"{len(out_ids)} generated at {summary['decode_tokens_per_s']:.2f} tok/s; "

@@ -15,7 +15,7 @@ from typing import Any
 from .geometry import Geometry
 from .rates import DeviceRates, LinearCost, Range, stated_cpu
 
-__all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates"]
+__all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate"]
 
 
 def cache_path() -> str:
@@ -64,6 +64,18 @@ def load() -> dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def drive_rate(data_path: str, read_bytes: int) -> float | None:
+    """The cached read rate (bytes/s, the fast end) of the drive holding ``data_path`` at reads
+    of ``read_bytes``, as ``plan`` measured it; None when this device was never measured."""
+    hit = load().get(storage_key(data_path, read_bytes))
+    if isinstance(hit, dict) and "fast" in hit:
+        try:
+            return float(hit["fast"]) * 1e9
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def save(data: dict[str, Any]) -> None:

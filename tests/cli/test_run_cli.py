@@ -144,3 +144,21 @@ def test_default_vram_tier_from_free_device_memory(model, monkeypatch):
     assert p["trunk"] > 0 and p["kv"] > 0 and p["reserve"] >= 512 << 20
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 48 << 30))
     assert _tiers.vram_tier(args, "cuda", g) == 0                       # nothing left: 0
+
+
+def test_json_reports_the_prefills_reads_against_the_drive(model, capsys, tmp_path, monkeypatch):
+    """A cold tier: the prompt's reads (MB, MB/s) are reported, beside the drive's rate when
+    plan has measured this device (here: a cache entry written as plan writes it)."""
+    from expertfs.runtime.plan import boxcache
+    from expertfs.runtime.plan.model import load_geometry
+    _, _, store = model
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    argv = ["run", store, "-p", "Beautiful is better", "-n", "2", "--json", "-t", "1",
+            "--provider", "tiered", "--ram", "1G", "--no-warm-start", "--ignore-eos"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prefill_read_mb"] > 0 and r["prefill_read_mb_s"] > 0 and r["drive_mb_s"] is None
+    g, data = load_geometry(store)
+    boxcache.save({boxcache.storage_key(data, g.slot_bytes): {"slow": 0.5, "fast": 1.5}})
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["drive_mb_s"] == pytest.approx(1500)
