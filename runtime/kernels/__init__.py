@@ -18,7 +18,8 @@ handed over from gguf-py at load, ``iq_tables``), TQ1_0, TQ2_0 (q8: Q8_K activat
 ``ggml_vec_dot_tq*_q8_K``).
 
 ``matvec(x, raw, type, shape)`` is ``x [T, in] @ W.T`` for a weight of torch shape
-``(out, in)`` given as its ggml bytes; ``moe(x, w, gate, up, down, ...)`` is one decode step
+``(out, in)`` given as its ggml bytes; ``dequant(raw, type, shape)`` is that W as float32 (for
+products wider than the several-token kernels); ``moe(x, w, gate, up, down, ...)`` is one decode step
 through a layer's selected experts in one call (every expert's gate and up rows, SiLU·up, then
 each output row summed over the experts' down rows, weighted), parallel over rows and experts
 on torch's intra-op threads; ``moe_hidden``, ``moe_down_rows`` and ``moe_combine`` are its
@@ -30,11 +31,13 @@ callers fall back to their torch paths.
 """
 
 from .build import load, status
-from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, act_quant_mode, attn_decode, available, matvec,
+from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, act_quant_mode, attn_decode, available, dequant,
+                  matvec,
                   max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, rms_norm,
                   route, set_spin_us, set_threads)
 
-__all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "moe", "moe_hidden",
+__all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "dequant", "moe",
+           "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "max_tokens", "WIDE_TYPES"]

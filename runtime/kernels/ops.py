@@ -11,7 +11,7 @@ import torch
 from ...formats.ggml import GGMLType
 from .build import load
 
-__all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "moe", "moe_hidden",
+__all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "max_tokens", "WIDE_TYPES"]
@@ -103,6 +103,19 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Seque
     if mod is None:
         return None
     return mod.matvec(x, raw.reshape(-1), t, rows, cols, mode)
+
+
+def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]) -> torch.Tensor | None:
+    """W of torch ``shape (out, in)`` as float32 ``[out, in]`` from ggml bytes ``raw`` (CPU,
+    contiguous rows), each weight as the exact kernels use it; None when not applicable."""
+    rows, cols = int(shape[0]), int(shape[1])
+    t = int(ggml_type)
+    if not raw.is_cpu or not _applies(t, cols, 0):
+        return None
+    mod = load()
+    if mod is None or not hasattr(mod, "dequant"):
+        return None
+    return mod.dequant(raw.reshape(-1), t, rows, cols)
 
 
 def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],

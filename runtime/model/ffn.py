@@ -24,6 +24,7 @@ from ...formats.ggml import GGMLType
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights, QWeight
 from .qmatvec import decode_matvec
+from .wide import wide_linear
 from .weights import Linear
 
 __all__ = ["DenseFFN", "FloatExpert", "expert_ffn", "swiglu", "to_float_expert"]
@@ -63,7 +64,7 @@ def _q(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tensor:
     y = decode_matvec(x, w.raw, w.ggml_type, w.shape, act_quant)
-    return qlinear(x, w.raw, w.ggml_type, w.shape) if y is None else y
+    return wide_linear(x, w.raw, w.ggml_type, w.shape) if y is None else y
 
 
 def _bias(y: torch.Tensor, b: QWeight | torch.Tensor | None) -> torch.Tensor:

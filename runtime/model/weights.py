@@ -26,6 +26,7 @@ from ...errors import StoreError
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType, row_bytes
 from .qmatvec import decode_matvec
+from .wide import wide_linear
 
 __all__ = ["RawTensor", "TrunkReader", "Linear", "Embedding", "plan_float"]
 
@@ -127,6 +128,7 @@ class Linear:
             y = decode_matvec(x, q.raw, q.ggml_type, q.shape)     # native up to its token limit
             if y is not None:
                 return y if self.bias is None else y + self.bias
+            return wide_linear(x, q.raw, q.ggml_type, q.shape, self.bias)   # wider batches
         return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias)
 
 

@@ -79,6 +79,10 @@ int q8_format(int type);
 
 // Kernel tables. `mode`: 0 exact, 1 q8. nullptr when the type/mode is not implemented.
 RowsFn scalar_rows(int type, int mode);
+// Rows [r0, r1) of W (row_bytes each, `cols` weights) as float32 into y (r1 - r0 rows of
+// `cols`), each block as ggml's dequantize_row_* gives it (the exact kernels' weights).
+void dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
+                  int64_t cols, float* y);
 RowsFn avx2_rows(int type, int mode);
 bool avx2_compiled();
 RowsFn avx512_rows(int type, int mode);   // only the types that have an AVX-512 kernel

@@ -682,6 +682,18 @@ EFS_SCALAR(IQ4_XS) EFS_SCALAR(MXFP4) EFS_EX(F16) EFS_EX(BF16)
 EFS_SCALAR(IQ4_NL) EFS_SCALAR(IQ2_XXS) EFS_SCALAR(IQ2_XS) EFS_SCALAR(IQ2_S) EFS_SCALAR(IQ3_XXS)
 EFS_SCALAR(IQ3_S) EFS_SCALAR(IQ1_S) EFS_SCALAR(IQ1_M) EFS_SCALAR(TQ1_0) EFS_SCALAR(TQ2_0)
 
+void dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+                  int64_t cols, float* y) {
+    const TypeInfo* ti = type_info(type);
+    const int B = ti->block;
+    const int64_t nb = cols / B;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* row = W + r * rb;
+        float* out = y + (r - r0) * cols;
+        for (int64_t i = 0; i < nb; ++i) deq_block(type, row + i * ti->bytes, out + i * B);
+    }
+}
+
 RowsFn scalar_rows(int type, int mode) {
 #define EFS_CASE(T) case T_##T: return mode == 0 ? ex_##T : q8_##T;
     switch (type) {

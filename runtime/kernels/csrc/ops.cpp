@@ -430,6 +430,27 @@ at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_,
     return y;
 }
 
+// W [rows, cols] as float32 from the ggml bytes `raw` (rows x row_bytes): the weights the
+// exact kernels multiply by, for products too wide for them (dequantize, then one matmul).
+at::Tensor dequant(const at::Tensor& raw, int64_t type, int64_t rows, int64_t cols) {
+    const TypeInfo* ti = check_type(type, cols, 0);
+    const int64_t rb = cols / ti->block * ti->bytes;
+    check_raw(raw, rows, rb, "weight");
+    at::Tensor y = at::empty({rows, cols}, at::kFloat);
+    if (rows == 0) return y;
+    const uint8_t* W = raw.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    const int64_t rc = rows_per_chunk(rows, cols);
+    {
+        pybind11::gil_scoped_release nogil;
+        par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
+            const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
+            dequant_rows((int)type, W, rb, r0, r1, cols, yp + r0 * cols);
+        });
+    }
+    return y;
+}
+
 // The activations as the q8 mode sees them, dequantized (for tests): [T, cols] float32.
 at::Tensor act_dequant(const at::Tensor& x_, int64_t type) {
     const int64_t cols = x_.size(1);
@@ -574,6 +595,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("moe_combine", &efs::moe_combine, "phase 2's weighted sum of moe_down_rows' rows",
           pybind11::arg("v"), pybind11::arg("w"), pybind11::arg("order"));
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");
+    m.def("dequant", &efs::dequant, "W [rows, cols] float32 from ggml bytes",
+          pybind11::arg("raw"), pybind11::arg("type"), pybind11::arg("rows"),
+          pybind11::arg("cols"));
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");

@@ -1,0 +1,67 @@
+"""The native dequantization (``kernels.dequant``) gives every weight of every native type bit
+for bit as gguf-py's ``quants.dequantize`` does, and ``wide_linear`` (the products of batches
+wider than the several-token kernels) equals ``formats.dequant.linear`` exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from expertfs.formats.dequant import linear as torch_linear
+from expertfs.formats.ggml import GGMLType, block_size
+from expertfs.formats.random_blocks import make_blocks
+from expertfs.runtime import kernels
+from expertfs.runtime.model.wide import CHUNK_ELEMS, wide_linear
+from support.native import NEEDS_NATIVE
+
+pytestmark = NEEDS_NATIVE
+
+TYPES = sorted(kernels.TYPES, key=int)
+
+
+def weight(t: GGMLType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Valid bytes: gguf-py's quantization of random floats where it quantizes the type, else
+    random valid blocks."""
+    rng = np.random.default_rng(seed)
+    try:
+        q = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T(int(t)))
+        return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1).copy())
+    except (NotImplementedError, ValueError, KeyError):
+        n = rows * cols // block_size(t)
+        return torch.from_numpy(make_blocks(t, n, 0.05, rng).reshape(-1).copy()).view(torch.uint8)
+
+
+def cols_of(t: GGMLType) -> int:
+    return 512 if block_size(t) <= 256 else block_size(t) * 2
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_dequant_equals_gguf_py(t):
+    rows, cols = 24, cols_of(t)
+    raw = weight(t, rows, cols, int(t))
+    want = quants.dequantize(raw.numpy().reshape(rows, -1), T(int(t))).astype(np.float32)
+    got = kernels.dequant(raw, t, (rows, cols))
+    assert got is not None and got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), want.reshape(rows, cols), equal_nan=True)
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ2_XXS,
+                               GGMLType.MXFP4], ids=lambda t: t.name)
+def test_wide_linear_equals_the_torch_path(t):
+    cols = 512
+    rows = CHUNK_ELEMS // cols * 2 + 40                 # three chunks, the last one short
+    raw = weight(t, rows, cols, 7)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(wide_linear(x, raw, t, (rows, cols), bias),
+                       torch_linear(x, raw, t, (rows, cols), bias))
+    small = raw[:8 * len(raw) // rows]                    # one chunk
+    assert torch.equal(wide_linear(x, small, t, (8, cols)), torch_linear(x, small, t, (8, cols)))
+
+
+def test_dequant_refuses_what_it_does_not_take():
+    raw = torch.zeros(2 * 32 * 4, dtype=torch.uint8)
+    assert kernels.dequant(raw, GGMLType.F32, (2, 32)) is None
