@@ -143,7 +143,9 @@ def attention(x: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, rope: Rope
     S = p0 + T
     qh = q.transpose(0, 1)[None]                               # [1, H, T, D]
     kh, vh = kc[None, :, :S], vc[None, :, :S]                  # [1, K, S, D]
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=cfg.kq_scale,
+    causal = p0 == 0 and mask is not None      # a prompt from the start: the causal kernels
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=None if causal else mask,
+                                       is_causal=causal, scale=cfg.kq_scale,
                                        enable_gqa=H != K)      # [1, H, T, Dv]
     return w.wo(o[0].transpose(0, 1).reshape(T, H * cfg.v_head_dim))
 
