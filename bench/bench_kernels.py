@@ -20,8 +20,14 @@ more threads: wall time, best of ``--rounds``.
 
 ``speed-up`` is eager / native: what the native exact kernel gains over dequantize + F.linear.
 
+``--isa-compare``: instead, each type's native products (exact and q8) on every vector ISA this
+CPU runs (avx2, avx512: ``kernels.set_isa``), per ``--shapes`` (rows x cols) and ``--tokens``,
+the ISAs alternating round by round; µs per product and avx2 / avx512.
+
     .venv/bin/python bench/bench_kernels.py [-t 1] [--types q4_k,q6_k] [--layer iq2_xxs,iq2_xxs,iq2_s]
         [--json]
+    .venv/bin/python bench/bench_kernels.py --isa-compare -t 2 --types iq2_xxs,iq2_s
+        [--shapes 2048x4096,4096x2048] [--tokens 1,8]
 """
 
 from __future__ import annotations
@@ -135,6 +141,54 @@ def layer(types: tuple[GGMLType, GGMLType, GGMLType], D: int, ff: int, k: int, p
     return out
 
 
+def isa_compare(types: list[GGMLType], shapes: list[tuple[int, int]], tokens: list[int],
+                threads: int, rounds: int) -> dict:
+    """{type: {"RxC/nt": {"exact"|"q8": {isa: µs}}}} for the vector ISAs of this CPU."""
+    from expertfs.runtime import kernels
+    mod = kernels.load()
+    isas = {"avx2": ["avx2"], "avx512": ["avx2", "avx512"]}.get(mod.info()["best_isa"], [])
+    clk, out = timer(threads), {}
+    try:
+        for t in types:
+            for rows, cols in shapes:
+                raw = weight(t, rows, cols, 1)
+                for nt in tokens:
+                    x = torch.randn(nt, cols)
+                    n = max(3, int(4e7 / (rows * cols * nt)))
+                    cell = out.setdefault(t.name, {}).setdefault(f"{rows}x{cols}/{nt}", {})
+                    for aq in ("off", "q8"):
+                        res = cell.setdefault("exact" if aq == "off" else "q8", {})
+                        for name in isas:               # warm-up
+                            mod.set_isa(name)
+                            kernels.matvec(x, raw, t, (rows, cols), aq)
+                        for _ in range(rounds):
+                            for name in isas:
+                                mod.set_isa(name)
+                                t0 = clk()
+                                for _ in range(n):
+                                    kernels.matvec(x, raw, t, (rows, cols), aq)
+                                us = (clk() - t0) / n * 1e6
+                                res[name] = min(res.get(name, float("inf")), us)
+    finally:
+        mod.set_isa("best")
+    return out
+
+
+def print_isa_compare(res: dict, threads: int) -> None:
+    print(f"µs per product, best of rounds, {threads} thread(s); ratio = avx2 / avx512; load "
+          f"average {os.getloadavg()[0]:.1f}")
+    print(f"  {'type':8s} {'shape/tokens':>16s}" + "".join(
+        f"{m + ' ' + c:>14s}" for m in ("exact", "q8") for c in ("avx2", "avx512", "ratio")))
+    for name, cells in res.items():
+        for key, modes in cells.items():
+            line = f"  {name:8s} {key:>16s}"
+            for m in ("exact", "q8"):
+                a, z = modes[m].get("avx2"), modes[m].get("avx512")
+                line += f"{a:14.0f}" if a else f"{'-':>14s}"
+                line += f"{z:14.0f}{a / z:13.2f}x" if a and z else f"{'-':>14s}{'-':>14s}"
+            print(line)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-t", "--threads", type=int, default=1)
@@ -147,11 +201,25 @@ def main() -> int:
     ap.add_argument("--layer", default="q4_k,q4_k,q6_k",
                     help="gate,up,down types of the layer call (q4_k,q4_k,q6_k)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--isa-compare", action="store_true",
+                    help="time each type on every vector ISA of this CPU (see the docstring)")
+    ap.add_argument("--shapes", default="2048x4096,4096x2048", help="rows x cols (--isa-compare)")
+    ap.add_argument("--tokens", default="1,8", help="tokens per product (--isa-compare)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertfs.runtime import kernels
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.status()['reason']}")
+    if a.isa_compare:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+        res = isa_compare([GGMLType[n.upper()] for n in a.types.split(",")], shapes,
+                          [int(v) for v in a.tokens.split(",")], a.threads, a.rounds)
+        if a.json:
+            print(json.dumps({"threads": a.threads, "load_avg": os.getloadavg(),
+                              "us_per_product": res}, indent=2))
+        else:
+            print_isa_compare(res, a.threads)
+        return 0
     D, ff = a.n_embd, a.n_ff
     rows = {}
     for name in a.types.split(","):

@@ -161,6 +161,10 @@ float vdot_q8_iq(int type, const uint8_t* row, int64_t cols, const Q8K* y);
 // The lattice IQ types' and TQ1_0 / TQ2_0's AVX2 kernels (kern_iq_avx2.cpp); nullptr when not
 // implemented.
 RowsFn avx2_iq_rows(int type, int mode);
+// Their and IQ4_NL's AVX-512 (F, VL, BW) kernels (kern_iq_avx512.cpp), bit for bit the AVX2
+// ones' results (which they call for the token counts where those are as fast); nullptr where
+// a type and mode keep the AVX2 kernel.
+RowsFn avx512_iq_rows(int type, int mode);
 
 // Scalar helpers shared by the units.
 float fp16_to_fp32(uint16_t h);

@@ -48,8 +48,20 @@ int detect_isa() {
 const int g_best = detect_isa();
 int g_isa = g_best;
 
+// The IQ types' AVX-512 unit also needs AVX512BW (byte and word lanes).
+bool detect_bw() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return g_best >= ISA_AVX512 && __builtin_cpu_supports("avx512bw");
+#else
+    return false;
+#endif
+}
+const bool g_bw = detect_bw();
+
 RowsFn rows_fn(int type, int mode) {
     RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
+    if (!f && g_isa >= ISA_AVX512 && g_bw) f = avx512_iq_rows(type, mode);
     if (!f && g_isa >= ISA_AVX2) f = avx2_rows(type, mode);
     return f ? f : scalar_rows(type, mode);
 }
@@ -64,24 +76,29 @@ struct Prep {
     void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt) {
         xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
         if (fmt == X_EXACT) {
+            // Per token [xp | xz | s16 | s32], each token's block and its xz starting on a
+            // 64-byte boundary when cols % 32 == 0: a 512-bit load of a vector that is not
+            // 64-byte aligned spans two cache lines.
             const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
-            const int64_t per = cols + cols / 16 + cols / 32 + (z ? cols : 0);
-            f.resize((size_t)(per * nt));
+            const int64_t per = (cols + (z ? cols : 0) + cols / 16 + cols / 32 + 15) / 16 * 16;
+            f.resize((size_t)(per * nt + 16));
+            float* f0 = f.data();
+            f0 += (16 - ((uintptr_t)f0 / sizeof(float)) % 16) % 16;   // to the next 64 bytes
             for (int t = 0; t < nt; ++t) {
                 const float* xt = x + t * xstride;
-                float* base = f.data() + t * per;
+                float* base = f0 + t * per;
+                float* sb = base + cols + (z ? cols : 0);
                 xs[t].x = xt;
                 if (cols % 32 == 0) {
                     perm32(xt, base, cols);
                     xs[t].xp = base;
                 }
-                sums16(xt, base + cols, base + cols + cols / 16, cols);
-                xs[t].s16 = base + cols;
-                xs[t].s32 = base + cols + cols / 16;
+                sums16(xt, sb, sb + cols / 16, cols);
+                xs[t].s16 = sb;
+                xs[t].s32 = sb + cols / 16;
                 if (z) {
-                    float* zb = base + cols + cols / 16 + cols / 32;
-                    perm128(xt, zb, cols);
-                    xs[t].xz = zb;
+                    perm128(xt, base + cols, cols);
+                    xs[t].xz = base + cols;
                 }
             }
         } else if (fmt == X_Q8K) {
@@ -561,6 +578,13 @@ pybind11::dict info() {
     for (int t : all)
         if (type_info(t) != nullptr) types.append(t);
     d["types"] = types;
+    pybind11::list ze, zq;              // the types with AVX-512 IQ kernels in use here
+    for (int t : all) {
+        if (g_bw && avx512_iq_rows(t, 0) != nullptr) ze.append(t);
+        if (g_bw && avx512_iq_rows(t, 1) != nullptr) zq.append(t);
+    }
+    d["avx512_iq_exact_types"] = ze;
+    d["avx512_iq_q8_types"] = zq;
     d["iq_tables"] = g_iq.ok;
     return d;
 }

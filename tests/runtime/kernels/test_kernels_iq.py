@@ -82,6 +82,41 @@ def test_q8_equals_llama_numerics(t, isa):
     assert not torch.equal(got, kernels.matvec(x, raw, t, (rows, cols)))   # the mode is on
 
 
+@pytest.mark.skipif("avx512" not in isas(), reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("aq", ["off", "q8"])
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_avx512_gives_the_avx2_bits(t, aq):
+    """Logits do not depend on the ISA: the AVX-512 kernels (q8: passes of 2 to 8 tokens;
+    exact: larger passes, not the IQ2 types or IQ4_NL; the rest keeps the AVX2 kernels) give
+    the AVX2 kernels' results bit for bit, per shape (IQ4_NL: rows of 96 and 160, not
+    multiples of 256; an odd block at the end) and token count (passes of each size, and
+    AVX-512 passes followed by AVX2 ones), and equal the reference dequantisation's product."""
+    info = MOD.info()
+    assert int(t) in info["avx512_iq_q8_types"]               # the AVX-512 kernels are in use
+    assert set(info["avx512_iq_exact_types"]) <= {int(u) for u in ALL}
+    if t in (T.IQ1_S, T.TQ2_0):
+        assert int(t) in info["avx512_iq_exact_types"]
+    for k, cols in enumerate(cols_for(t)):
+        rows = 29 + 8 * k
+        raw = weight(t, rows, cols, int(t) * 3 + k)
+        W = dequantize(raw, t, (rows, cols))
+        x = torch.randn(17, cols, generator=torch.Generator().manual_seed(k))
+        x[1, :32] = 0.0
+        for nt in (1, 2, 4, 5, 8, 12, 17):
+            got = {}
+            for name in ("avx2", "avx512"):
+                MOD.set_isa(name)
+                try:
+                    got[name] = kernels.matvec(x[:nt], raw, t, (rows, cols), aq)
+                finally:
+                    MOD.set_isa("best")
+            assert torch.equal(got["avx2"], got["avx512"]), (cols, nt)
+            xr = x[:nt] if aq == "off" else MOD.act_dequant(x[:nt], int(t))
+            ref = F.linear(xr.double(), W.double()).float()
+            err = (got["avx512"] - ref).abs()
+            assert (err <= bound(x[:nt], W) + 1e-6 * ref.abs()).all(), (cols, nt)
+
+
 def _experts(types, n, D, ff, fused, seed):
     tg, tu, td = types
     gate = [weight(tg, 2 * ff if fused else ff, D, seed + j) for j in range(n)]

@@ -1,0 +1,328 @@
+// AVX-512 (F, VL, BW) kernels of the lattice IQ types, TQ1_0 / TQ2_0 and (q8 mode) IQ4_NL,
+// used where the CPU has them (ops.cpp checks) and where they beat the AVX2 units
+// (kern_iq_avx2.cpp, kern_avx2.cpp); every other type, path and token count keeps its AVX2
+// kernel (rows_exz, rows_q8z, avx512_iq_rows say which). Same rules as kern_avx512.cpp: target
+// attributes on every function, only <immintrin.h> and C headers. The group decoders are the
+// AVX2 unit's (kern_iq_avx2_types.h), inlined here.
+//
+// The results are the AVX2 kernels' bit for bit, so a model's logits do not depend on the ISA.
+// The gain is mostly that a group is decoded once for more tokens: 8 per pass (the AVX2 exact
+// kernels take 4, the AVX2 q8 kernels decode again for each token).
+//
+//  - exact: the AVX2 kernel keeps, per token, two accumulators of 8 lanes (the two 16-element
+//    halves of each group: lane j of half h sums w[16h+j] x[16h+j] + w[16h+8+j] x[16h+8+j]
+//    times the half's scale) and adds them at the end. Here one vector of 16 lanes holds both,
+//    in the activations' perm32 order (kern_avx2.cpp): the first 16 floats of a group are its
+//    elements {0..3, 16..19, 4..7, 20..23}, the next 16 the same plus 8, so each lane does the
+//    same two products, in the same order, as one AVX2 lane; the weights are put into that
+//    order by one two-source permute per 16, and a row's two halves are permuted back before
+//    the AVX2 unit's horizontal sum.
+//  - q8: two groups (IQ4_NL: two blocks) per vector, integer dot products with the activations
+//    (the same int16 pairs as the AVX2 maddubs, so the same saturation, which these weights
+//    never reach), times ls by one madd, folded to the AVX2 unit's 8 int32 lanes per block
+//    before the same float combination.
+#include "kern.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include "kern_iq_avx2_types.h"
+
+#define EFS_Z __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
+#define EFS_ZI __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"), \
+                              always_inline)) inline
+
+namespace efs {
+namespace {
+
+// --- exact mode ------------------------------------------------------------------------------
+
+// [a0..3, c0..3, a4..7, c4..7]: the perm32 order of two 8-float vectors a (elements e..e+7)
+// and c (e+16..e+23) of a group.
+EFS_ZI __m512 perm_pair(__m256 a, __m256 c) {
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    return _mm512_permutex2var_ps(_mm512_castps256_ps512(a), idx, _mm512_castps256_ps512(c));
+}
+
+// The AVX2 unit's a0 + a1 (8 lanes) from the 16 lanes in perm32 order, then its hsum.
+EFS_ZI float fold_hsum(__m512 a) {
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    const __m512 p = _mm512_permutexvar_ps(idx, a);
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(p),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))));
+}
+
+// A group's weights in perm32 order: wa (elements {0..3, 16..19, 4..7, 20..23}) and wb (the
+// same plus 8), from the AVX2 decoder's 4 x 8 floats.
+template <class D>
+EFS_ZI void w_perm(const uint8_t* b, int ib, __m512& wa, __m512& wb) {
+    __m256 w[4];
+    D::w(b, ib, w);
+    wa = perm_pair(w[0], w[2]);
+    wb = perm_pair(w[1], w[3]);
+}
+
+template <int NT, class D>
+EFS_Z void ex_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m512 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+            const float df = D::d(b) * D::F;
+            for (int ib = 0; ib < 8; ++ib) {
+                int l0, l1;
+                D::ls(b, ib, &l0, &l1);
+                const __m512 s0 = _mm512_set1_ps(df * (float)l0);
+                const __m512 s = D::PAIR ? _mm512_mask_blend_ps(0xF0F0, s0,
+                                                                _mm512_set1_ps(df * (float)l1))
+                                         : s0;
+                __m512 wa, wb;
+                w_perm<D>(b, ib, wa, wb);
+                for (int t = 0; t < NT; ++t) {
+                    const float* x = xp[t] + 256 * i + 32 * ib;
+                    __m512 h = _mm512_mul_ps(wa, _mm512_loadu_ps(x));
+                    h = _mm512_fmadd_ps(wb, _mm512_loadu_ps(x + 16), h);
+                    acc[t] = _mm512_fmadd_ps(h, s, acc[t]);
+                }
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, fold_hsum(acc[t]));
+    }
+}
+
+// The smallest pass of tokens that takes the AVX-512 exact kernel (0: none does). Below it
+// the AVX2 kernel is as fast or faster (measured): it decodes the weights once per 4 tokens as
+// well, so what is left is the wider lanes, which CPUs that split 512-bit operations in two
+// halves do not have, against a lane shuffle per 16 weights. The IQ2 types' cheap decoders
+// never gain; the larger passes gain from decoding once per 8 tokens.
+template <class D> constexpr int EX_FROM = 5;
+template <> constexpr int EX_FROM<IQ2XXS> = 0;
+template <> constexpr int EX_FROM<IQ2XS> = 0;
+template <> constexpr int EX_FROM<IQ2S> = 0;
+template <> constexpr int EX_FROM<IQ3XXS> = 4;
+template <> constexpr int EX_FROM<TQ1> = 4;
+template <> constexpr int EX_FROM<TQ2> = 4;
+
+// Passes of up to 8 tokens; a pass below EX_FROM goes to the AVX2 kernel.
+template <class D, int TYPE>
+EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
+    static const RowsFn avx2 = avx2_rows(TYPE, 0);
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        const int n = nt - t0 < 8 ? nt - t0 : 8;
+        float* yt = y + (int64_t)t0 * ys;
+        const XPrep* x = xs + t0;
+        if (n < EX_FROM<D>) {
+            avx2(W, rb, r0, r1, cols, x, n, yt, ys, alpha, accumulate);
+            continue;
+        }
+        const Out o{yt, ys, alpha, accumulate};
+        switch (n) {
+            case 4: ex_iq_z<4, D>(W, rb, r0, r1, cols, x, o); break;
+            case 5: ex_iq_z<5, D>(W, rb, r0, r1, cols, x, o); break;
+            case 6: ex_iq_z<6, D>(W, rb, r0, r1, cols, x, o); break;
+            case 7: ex_iq_z<7, D>(W, rb, r0, r1, cols, x, o); break;
+            default: ex_iq_z<8, D>(W, rb, r0, r1, cols, x, o); break;
+        }
+    }
+}
+
+// --- q8 mode ---------------------------------------------------------------------------------
+
+// int16 lanes: l0 in the first 128 bits, l1, l2, l3 in the next (the bytes of ls4).
+EFS_ZI __m512i ls_lanes(uint32_t ls4) {
+    const __m512i ctl = _mm512_set_epi32(
+        (int)0x80038003, (int)0x80038003, (int)0x80038003, (int)0x80038003,
+        (int)0x80028002, (int)0x80028002, (int)0x80028002, (int)0x80028002,
+        (int)0x80018001, (int)0x80018001, (int)0x80018001, (int)0x80018001,
+        (int)0x80008000, (int)0x80008000, (int)0x80008000, (int)0x80008000);
+    return _mm512_shuffle_epi8(_mm512_set1_epi32((int)ls4), ctl);
+}
+
+template <int NT, class D>
+EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const int64_t ahead = pf_ahead(rb);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+            __m512i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
+            for (int ib = 0; ib < 8; ib += 2) {
+                int l0, l1, l2, l3;
+                D::ls(b, ib, &l0, &l1);
+                D::ls(b, ib + 1, &l2, &l3);
+                if (!D::PAIR) { l1 = l0; l3 = l2; }
+                const __m512i ls = ls_lanes((uint32_t)l0 | (uint32_t)l1 << 8 |
+                                            (uint32_t)l2 << 16 | (uint32_t)l3 << 24);
+                const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(D::q(b, ib)),
+                                                     D::q(b, ib + 1), 1);
+                const __m512i aq = _mm512_abs_epi8(q);
+                const __mmask64 neg = _mm512_movepi8_mask(q);
+                for (int t = 0; t < NT; ++t) {
+                    const __m512i qy = _mm512_loadu_si512((const void*)(y[t][i].qs + 32 * ib));
+                    const __m512i p = _mm512_maddubs_epi16(aq, _mm512_mask_sub_epi8(qy, neg, zero,
+                                                                                    qy));
+                    sumi[t] = _mm512_add_epi32(sumi[t], _mm512_madd_epi16(p, ls));
+                }
+            }
+            const float d = D::d(b);
+            for (int t = 0; t < NT; ++t) {
+                const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[t]),
+                                                    _mm512_extracti64x4_epi64(sumi[t], 1));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d * D::F),
+                                         _mm256_cvtepi32_ps(s8), acc[t]);
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
+    }
+}
+
+// IQ4_NL (blocks of 32: d, qs[16]) against Q8_0 activations, as the AVX2 unit's vd_b32: per
+// block acc += (d * dy) * float(8 int32 sums), then hsum(acc) + 0.
+template <int NT>
+EFS_Z void q8_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 32;
+    const QX8* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const QX8*)xs[t].q;
+    const __m512i tbl = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i dup = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+    const __m512i sh = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2, b += 36) {
+            // [lo nibbles | hi nibbles] of block i, then of block i + 1, as kvalues
+            const __m512i v = _mm512_castsi256_si512(_mm256_set_m128i(loadu128(b + 20),
+                                                                      loadu128(b + 2)));
+            const __m512i q = _mm512_shuffle_epi8(tbl, _mm512_and_si512(
+                _mm512_srlv_epi64(_mm512_permutexvar_epi64(dup, v), sh), m4));
+            const __m512i aq = _mm512_abs_epi8(q);
+            const __mmask64 neg = _mm512_movepi8_mask(q);
+            const float d0 = f16(b), d1 = f16(b + 18);
+            for (int t = 0; t < NT; ++t) {
+                const QX8* yi = y[t] + i;
+                const __m512i qy = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(loadu256((const uint8_t*)yi[0].qs)),
+                    loadu256((const uint8_t*)yi[1].qs), 1);
+                const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(
+                    _mm512_maddubs_epi16(aq, _mm512_mask_sub_epi8(qy, neg, zero, qy)), ones));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * yi[0].d), _mm512_castps512_ps256(p),
+                                         acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * yi[1].d), _mm256_castpd_ps(
+                    _mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)), acc[t]);
+            }
+        }
+        if (i < nb) {
+            const __m256i q = _mm256_shuffle_epi8(_mm512_castsi512_si256(tbl),
+                                                  nibbles(loadu128(b + 2)));
+            const __m256i aq = _mm256_sign_epi8(q, q);
+            const float d0 = f16(b);
+            for (int t = 0; t < NT; ++t) {
+                const __m256i qy = loadu256((const uint8_t*)y[t][i].qs);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq,
+                    _mm256_sign_epi8(qy, q)), _mm256_set1_epi16(1));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * y[t][i].d), _mm256_cvtepi32_ps(p),
+                                         acc[t]);
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) + 0.f);
+    }
+}
+
+template <class D>
+struct Q8Kern {
+    template <int NT>
+    EFS_ZI static void run(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                           const XPrep* xs, Out o) {
+        q8_iq_z<NT, D>(W, rb, r0, r1, cols, xs, o);
+    }
+};
+struct IQ4NL {};
+template <>
+struct Q8Kern<IQ4NL> {
+    template <int NT>
+    EFS_ZI static void run(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                           const XPrep* xs, Out o) {
+        q8_iq4nl_z<NT>(W, rb, r0, r1, cols, xs, o);
+    }
+};
+
+// Passes of up to 8 tokens; a pass of one token goes to the AVX2 kernel (measured no faster
+// here: no decode is shared then, and 512-bit operations split in two halves cost what two
+// 256-bit ones do).
+template <class D, int TYPE>
+EFS_Z void rows_q8z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
+    static const RowsFn avx2 = avx2_rows(TYPE, 1);
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        const int n = nt - t0 < 8 ? nt - t0 : 8;
+        float* yt = y + (int64_t)t0 * ys;
+        const XPrep* x = xs + t0;
+        const Out o{yt, ys, alpha, accumulate};
+        switch (n) {
+            case 1: avx2(W, rb, r0, r1, cols, x, 1, yt, ys, alpha, accumulate); break;
+            case 2: Q8Kern<D>::template run<2>(W, rb, r0, r1, cols, x, o); break;
+            case 3: Q8Kern<D>::template run<3>(W, rb, r0, r1, cols, x, o); break;
+            case 4: Q8Kern<D>::template run<4>(W, rb, r0, r1, cols, x, o); break;
+            case 5: Q8Kern<D>::template run<5>(W, rb, r0, r1, cols, x, o); break;
+            case 6: Q8Kern<D>::template run<6>(W, rb, r0, r1, cols, x, o); break;
+            case 7: Q8Kern<D>::template run<7>(W, rb, r0, r1, cols, x, o); break;
+            default: Q8Kern<D>::template run<8>(W, rb, r0, r1, cols, x, o); break;
+        }
+    }
+}
+
+template <class D, int TYPE>
+RowsFn ex_fn() {
+    if constexpr (EX_FROM<D> > 0) return rows_exz<D, TYPE>;
+    return nullptr;
+}
+
+}  // namespace
+
+RowsFn avx512_iq_rows(int type, int mode) {
+    // exact mode: none for the IQ2 types (EX_FROM) and IQ4_NL (its AVX2 kernel pairs blocks
+    // whose activations lie apart, a bit-identical AVX-512 form would gather them)
+#define EFS_CASE(T, D) case T: return mode == 1 ? rows_q8z<D, T> : ex_fn<D, T>();
+    switch (type) {
+        EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
+        EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)
+        EFS_CASE(T_IQ1_M, IQ1M) EFS_CASE(T_TQ1_0, TQ1) EFS_CASE(T_TQ2_0, TQ2)
+        case T_IQ4_NL: return mode == 1 ? rows_q8z<IQ4NL, T_IQ4_NL> : nullptr;
+        default: return nullptr;
+    }
+#undef EFS_CASE
+}
+
+}  // namespace efs
+
+#else  // not x86
+
+namespace efs {
+RowsFn avx512_iq_rows(int, int) { return nullptr; }
+}  // namespace efs
+
+#endif
