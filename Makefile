@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel here
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,async,bench]'
+	$(BIN)/pip install -q -e '.[test,async,serve,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP) kernels

@@ -8,7 +8,9 @@ parameters give the same tokens. Sampling runs on the CPU on a float32 copy of t
 
 ``penalize`` applies OpenAI's presence and frequency penalties before sampling: the logit of
 token ``j`` drops by ``c[j] * frequency + (c[j] > 0) * presence``, ``c[j]`` being how many times
-``j`` was generated so far.
+``j`` was generated so far. ``bias`` adds OpenAI's ``logit_bias`` (token id → -100..100) to the
+logits, and ``allow`` keeps only the tokens a constraint (a grammar's token mask) allows: the
+others become ``-inf``, so greedy and sampled choices alike are among the allowed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ..errors import UsageError
 
-__all__ = ["SamplingParams", "Sampler", "nucleus", "penalize"]
+__all__ = ["SamplingParams", "Sampler", "nucleus", "penalize", "bias", "allow"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,26 @@ def penalize(logits: torch.Tensor, counts: Mapping[int, int], presence: float = 
         c = torch.tensor([float(counts[i]) for i in counts])
         lg[ids] -= c * frequency + (c > 0).float() * presence
     return lg
+
+
+def bias(logits: torch.Tensor, biases: Mapping[int, float]) -> torch.Tensor:
+    """``logits [n_vocab]`` as a float32 CPU copy plus ``biases`` (token id → value; ids
+    beyond the logits are ignored)."""
+    lg = logits.detach().float().cpu().clone()
+    ids = [i for i in biases if 0 <= i < lg.numel()]
+    if ids:
+        lg[torch.tensor(ids, dtype=torch.long)] += torch.tensor([float(biases[i]) for i in ids])
+    return lg
+
+
+def allow(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits [n_vocab]`` as a float32 CPU copy with every token ``allowed [n]`` (bool) does
+    not allow set to ``-inf`` (tokens past ``n`` too)."""
+    lg = logits.detach().float().cpu().clone()
+    n = min(lg.numel(), allowed.numel())
+    keep = torch.zeros(lg.numel(), dtype=torch.bool)
+    keep[:n] = allowed[:n]
+    return lg.masked_fill_(~keep, float("-inf"))
 
 
 class Sampler:

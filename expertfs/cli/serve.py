@@ -14,7 +14,7 @@ from ._common import size_arg
 __all__ = ["register", "run"]
 
 # runtime.server.body's defaults (not imported here: that pulls in aiohttp for every command)
-BODY_TIMEOUT, MAX_DEPTH = 30.0, 64
+BODY_TIMEOUT, MAX_DEPTH, HEADER_TIMEOUT = 30.0, 64, 30.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "Runs on uvloop when installed. "
                        "Responses carry llama.cpp-style timings plus expert hit rates and MB read. "
                        "Request limits: a body larger than --max-body is a 413, one that takes "
-                       "longer than --body-timeout to arrive a 408, one nested deeper than "
+                       "longer than --body-timeout to arrive a 408 (a head slower than "
+                       "--header-timeout is disconnected), one nested deeper than "
                        "--max-depth a 400 (strict JSON: no NaN/Infinity, no lone UTF-16 "
                        "surrogates); more than --max-waiting queued requests a 503 with "
                        "Retry-After.")
@@ -46,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
                    help=f"seconds a request body may take to arrive ({BODY_TIMEOUT:g}); "
                    "slower is a 408")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                   help=f"seconds a request's head (request line and headers) may take to "
+                   f"arrive, an idle keep-alive connection included ({HEADER_TIMEOUT:g}); "
+                   "slower connections are closed")
     p.add_argument("--max-depth", type=int, default=MAX_DEPTH,
                    help=f"deepest nesting of JSON arrays and objects in a body ({MAX_DEPTH}); "
                    "deeper is a 400")
@@ -86,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"expertfs serve: warning: listening on {args.host} without --api-key",
               file=sys.stderr)
-    if args.max_body < 1 or args.body_timeout <= 0 or args.max_depth < 2:
-        raise UsageError("--max-body, --body-timeout and --max-depth must be positive "
-                         "(--max-depth at least 2)", fix="e.g. --max-body 4M --body-timeout 30 "
-                         "--max-depth 64")
+    if args.max_body < 1 or args.body_timeout <= 0 or args.header_timeout <= 0 \
+            or args.max_depth < 2:
+        raise UsageError("--max-body, --body-timeout, --header-timeout and --max-depth must be "
+                         "positive (--max-depth at least 2)", fix="e.g. --max-body 4M "
+                         "--body-timeout 30 --header-timeout 30 --max-depth 64")
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx, trunk=args.trunk)
@@ -108,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         name = args.model_id or os.path.basename(os.path.normpath(args.store))
         cfg = ServerConfig(name, api_key=args.api_key, max_waiting=args.max_waiting,
                            queue_timeout=args.queue_timeout, max_body=args.max_body,
-                           body_timeout=args.body_timeout, max_depth=args.max_depth)
+                           body_timeout=args.body_timeout, max_depth=args.max_depth,
+                           header_timeout=args.header_timeout)
         app = build_app(Session(eng, tok), cfg)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
         print(f"expertfs serve: {name} on http://{args.host}:{args.port} "

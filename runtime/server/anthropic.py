@@ -5,8 +5,8 @@ Requests (``POST /v1/messages``, ``/v1/messages/count_tokens``): ``model``, ``sy
 or text blocks), ``messages`` (``user``/``assistant``; content a string or ``text``,
 ``tool_use``, ``tool_result``, ``thinking`` and ``redacted_thinking`` blocks), ``max_tokens``
 (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``tools`` (custom tools
-with an ``input_schema``), ``tool_choice`` (``auto`` and ``none``: ``any`` and ``tool`` would
-need constrained decoding, so they are refused), ``stream``, ``metadata``, ``service_tier``,
+with an ``input_schema``), ``tool_choice`` (``auto``, ``none``, and ``any`` and ``tool``, which
+force a call through constrained decoding), ``stream``, ``metadata``, ``service_tier``,
 ``thinking`` (``disabled`` only), and the fields that describe the caller (``service_tier``,
 ``cache_control``, ``inference_geo``, ...). Any other field, and any other block type (images,
 documents), is a 400 that names it. The messages become the OpenAI-style ones the chat
@@ -144,13 +144,16 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, Any
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise _bad("'tool_choice' must be an object with a 'type' of auto, any, tool or none",
                        "tool_choice")
-        if choice["type"] in ("any", "tool"):
-            raise _unsupported(f"tool_choice {choice['type']!r} is not supported: the server "
-                               "cannot force a call (no constrained decoding); use 'auto' or "
-                               "'none'", "tool_choice")
         single = _flag(choice, "disable_parallel_tool_use")
-        choice = choice["type"]
+        if choice["type"] == "tool":
+            if not isinstance(choice.get("name"), str) or not choice["name"]:
+                raise _bad("tool_choice {'type': 'tool'} needs a 'name'", "tool_choice.name")
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            choice = {"any": "required"}.get(choice["type"], choice["type"])
     if tools is None or tools == []:
+        if choice not in (None, "auto", "none"):
+            raise _bad("tool_choice 'any' or 'tool' needs 'tools'", "tool_choice")
         return None, None, False
     if not isinstance(tools, list):
         raise _bad("'tools' must be a list", "tools")
@@ -171,6 +174,9 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, Any
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
+    if isinstance(choice, dict) and choice["function"]["name"] not in {t["name"] for t in tools}:
+        raise _bad(f"tool_choice names the tool {choice['function']['name']!r}, which is not in "
+                   "'tools'", "tool_choice.name")
     return tuple(out), choice or "auto", single
 
 
@@ -227,7 +233,7 @@ def parse_messages(body: Any, count_only: bool = False) -> tuple[CompletionReque
         top_p=max(_num(body, "top_p", 1.0, 0.0, 1.0), 1e-6),
         top_k=_num(body, "top_k", 0, 0, 1 << 20, integer=True), seed=0,
         stop=tuple(s for s in stops if s), stream=_flag(body, "stream"), include_usage=True,
-        tools=tools, tool_choice=choice)
+        tools=tools, tool_choice=choice, parallel_tool_calls=not single)
     return req, single
 
 
@@ -254,10 +260,12 @@ def tool_block(call: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(args, dict):
         return {"type": "text", "text": json.dumps({"name": fn["name"],
                                                     "arguments": fn.get("arguments")})}
+    return {"type": "tool_use", "id": _toolu(call), "name": fn["name"], "input": args}
+
+
+def _toolu(call: dict[str, Any]) -> str:
     cid = str(call.get("id", ""))
-    return {"type": "tool_use", "id": "toolu_" + (cid[5:] if cid.startswith("call_")
-                                                  else uuid.uuid4().hex[:24]),
-            "name": fn["name"], "input": args}
+    return "toolu_" + (cid[5:] if cid.startswith("call_") else uuid.uuid4().hex[:24])
 
 
 def usage(out: Outcome) -> dict[str, int]:
@@ -284,6 +292,7 @@ class StreamShaper:
     def __init__(self, model: str, input_tokens: int, single: bool = False) -> None:
         self.model, self.input_tokens, self.single = model, input_tokens, single
         self.index, self.open, self.calls = -1, None, 0
+        self.skip: set[int] = set()             # calls past the first when only one may be made
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         msg = {"id": message_id(), "type": "message", "role": "assistant", "model": self.model,
@@ -320,9 +329,20 @@ class StreamShaper:
             ev += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             ev.append(self._delta({"type": "thinking_delta", "thinking": d["reasoning_content"]}))
         for call in d.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            if "id" not in call:                 # more of a streaming call's arguments
+                if call["index"] not in self.skip and fn.get("arguments"):
+                    ev.append(self._delta({"type": "input_json_delta",
+                                           "partial_json": fn["arguments"]}))
+                continue
             if self.single and self.calls:
+                self.skip.add(call["index"])
                 continue
             self.calls += 1
+            if not fn.get("arguments"):          # its arguments follow as they are written
+                ev += self._block("tool_use", {"type": "tool_use", "id": _toolu(call),
+                                               "name": fn["name"], "input": {}})
+                continue
             b = tool_block(call)
             if b["type"] == "text":
                 ev += self._block("text", {"type": "text", "text": ""})

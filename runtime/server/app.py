@@ -6,7 +6,8 @@ One generation runs at a time (the engine and its expert caches are one machine'
 that a request is refused at once with 503 and ``Retry-After``. Generation runs on one worker
 thread; streamed tokens reach the event loop through ``call_soon_threadsafe``, so the loop never
 blocks on the model. A client that disconnects, streaming or not, stops its generation at the
-next token. Bodies are read within the limits ``body`` documents (size, time, nesting).
+next token. Heads and bodies are read within the limits ``body`` documents (size, time,
+nesting).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ...errors import ExpertfsError, IntegrityError
 from ..io.errors import IOEngineError
 from .anthropic_app import add_messages_routes, anthropic_errors
 from .conn import client_gone, run_whole
-from .body import BODY_TIMEOUT, MAX_DEPTH, read_json
+from .body import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_DEPTH, read_json
 from .metrics import ARRIVAL, Metrics
 from .respond import chunk, final, last_chunk, response_id
 from .schema import CompletionRequest, RequestError, parse_chat, parse_completion
@@ -46,6 +47,7 @@ class ServerConfig:
     max_body: int = 4 << 20
     body_timeout: float = BODY_TIMEOUT
     max_depth: int = MAX_DEPTH
+    header_timeout: float = HEADER_TIMEOUT
 
 
 class _Gate:
@@ -231,8 +233,12 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     async def not_found(request: web.Request) -> web.Response:
         return _error(404, f"no route {request.method} {request.path}", code="not_found")
 
+    # aiohttp closes a connection whose next request head is not whole within its keep-alive
+    # timeout (counted from the connection's opening or its previous response): that is the
+    # head timeout, whatever the runner was given
     app = web.Application(middlewares=[metrics.middleware, anthropic_errors, _errors, auth],
-                          client_max_size=config.max_body)
+                          client_max_size=config.max_body,
+                          handler_args={"keepalive_timeout": config.header_timeout})
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handler)
     app.router.add_get("/v1/models", models)

@@ -5,7 +5,11 @@ The limits (``ServerConfig`` and ``expertfs serve`` options, each named in its e
 - ``max_body`` bytes (413 ``body_too_large``);
 - ``body_timeout`` seconds for the whole body to arrive (408 ``body_timeout``), so a client
   that sends it a byte at a time holds a connection for a bounded time;
-- ``max_depth`` levels of nested arrays and objects (400 ``body_too_deep``).
+- ``max_depth`` levels of nested arrays and objects (400 ``body_too_deep``);
+- ``header_timeout`` seconds for a request's head (its request line and headers) to arrive,
+  counted from the connection's opening or the end of its previous response (so an idle
+  keep-alive connection too): a client that sends its headers a byte at a time, or nothing,
+  is disconnected (no response can be framed before the head is whole).
 
 The JSON is strict: UTF-8 (or the UTF-16/32 that RFC 8259 detection names), no ``NaN`` or
 ``Infinity``, integers of at most 4,300 digits; a duplicated key keeps its last value (as
@@ -22,10 +26,11 @@ from typing import Any
 
 from .schema import RequestError
 
-__all__ = ["MAX_DEPTH", "BODY_TIMEOUT", "read_json", "decode_json"]
+__all__ = ["MAX_DEPTH", "BODY_TIMEOUT", "HEADER_TIMEOUT", "read_json", "decode_json"]
 
 MAX_DEPTH = 64
 BODY_TIMEOUT = 30.0
+HEADER_TIMEOUT = 30.0
 
 
 def _no_constant(name: str) -> Any:

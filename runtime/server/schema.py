@@ -3,7 +3,9 @@
 Covers ``/v1/chat/completions`` (``messages``, ``tools``, ``tool_choice``) and
 ``/v1/completions`` (``prompt``: a string or token ids, or a list of one of either): model, max_tokens / max_completion_tokens, temperature, top_p,
 top_k, seed, stop, stream, stream_options, logprobs / top_logprobs, presence_penalty,
-frequency_penalty, n (1 only). Every other field is refused with a 400 that names it (a field
+frequency_penalty, logit_bias, n (1 only); chat also ``response_format`` (text, json_object,
+json_schema), ``tool_choice`` (none, auto, required, or a named function) and
+``parallel_tool_calls`` (false: the reply ends with its first call). Every other field is refused with a 400 that names it (a field
 the server would otherwise drop changes what a client gets back), except the few that describe
 the caller rather than the generation (``user``, ``metadata``, ...), which are accepted as such.
 Wrong types and ranges are 400s that name the parameter.
@@ -21,7 +23,7 @@ MAX_TOKENS_CAP = 1 << 16
 MAX_TOP_LOGPROBS = 20
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-           "stream_options", "n", "presence_penalty", "frequency_penalty", "logprobs",
+           "stream_options", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
            # about the caller, not the generation
            "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -65,6 +67,20 @@ class CompletionRequest:
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: Any = None
     prompt_tokens: tuple[int, ...] | None = None     # a prompt given as token ids
+    logit_bias: dict[int, float] | None = None
+    response_format: dict[str, Any] | None = None    # json_object or json_schema (not text)
+    parallel_tool_calls: bool = True                 # False: the reply ends after one call
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The tool a named ``tool_choice`` forces."""
+        c = self.tool_choice
+        return c["function"]["name"] if isinstance(c, dict) else None
+
+    @property
+    def must_call(self) -> bool:
+        """Whether the reply must be a tool call (``required`` or a named function)."""
+        return bool(self.tools) and (self.tool_choice == "required" or self.forced_tool is not None)
 
 
 def _bad(msg: str, param: str) -> RequestError:
@@ -128,6 +144,7 @@ def _common(body: Any, default_max: int, known: set[str]) -> dict[str, Any]:
         raise _unsupported("'store': true is not supported (nothing is stored)", "store")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return {
+        "logit_bias": _logit_bias(body.get("logit_bias")),
         "model": model,
         "max_tokens": _num(body, key, default_max, 0, MAX_TOKENS_CAP, integer=True),
         "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
@@ -138,6 +155,49 @@ def _common(body: Any, default_max: int, known: set[str]) -> dict[str, Any]:
         "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "stop": stops, "stream": stream, "include_usage": bool(opts.get("include_usage", False)),
     }
+
+
+def _logit_bias(v: Any) -> dict[int, float] | None:
+    """``{"token id": bias}``: ids as decimal strings, biases between -100 and 100."""
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.strip().isdigit() and k.strip().isascii()
+                and len(k.strip()) <= 12):
+            raise _bad(f"logit_bias: the key {k[:24]!r} is not a token id (a non-negative "
+                       "integer as a string)", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise _bad(f"logit_bias[{k!r}] must be a number between -100 and 100, got {b!r}",
+                       "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not js["name"]:
+            raise _bad("response_format.json_schema must be an object with a 'name'",
+                       "response_format.json_schema")
+        if not isinstance(js.get("schema", {}), dict):
+            raise _bad("response_format.json_schema.schema must be a JSON Schema object",
+                       "response_format.json_schema.schema")
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise _bad("response_format.json_schema.strict must be true or false",
+                       "response_format.json_schema.strict")
+        return {"type": "json_schema", "json_schema": js}
+    raise _unsupported(f"response_format type {kind!r} is not supported: use text, json_object "
+                       "or json_schema", "response_format")
 
 
 def _content(m: dict[str, Any], i: int) -> str | None:
@@ -186,17 +246,25 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, Any
             raise _bad(f"tools[{j}] needs function.name", f"tools[{j}].function.name")
     if choice is None:
         choice = "auto"
-    if choice not in ("auto", "none"):
-        raise _unsupported(f"tool_choice {choice!r} is not supported: the server cannot force a "
-                           "call (no constrained decoding); use 'auto' or 'none'", "tool_choice")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or \
+                not isinstance(fn.get("name"), str):
+            raise _unsupported("tool_choice must be 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if fn["name"] not in {t["function"]["name"] for t in tools}:
+            raise _bad(f"tool_choice names the function {fn['name']!r}, which is not in "
+                       "'tools'", "tool_choice")
+        choice = {"type": "function", "function": {"name": fn["name"]}}
+    elif choice not in ("auto", "none", "required"):
+        raise _bad(f"tool_choice {choice!r} is not one of none, auto, required or a named "
+                   "function", "tool_choice")
     return tuple({"type": "function", **t} for t in tools), choice
 
 
 def parse_chat(body: Any, default_max: int = 256) -> CompletionRequest:
     c = _common(body, default_max, _CHAT)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise _unsupported("only response_format {'type': 'text'} is supported", "response_format")
+    rf = _response_format(body.get("response_format"))
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise _unsupported("only the 'text' modality is supported", "modalities")
@@ -222,8 +290,12 @@ def parse_chat(body: Any, default_max: int = 256) -> CompletionRequest:
                 raise _bad(f"messages[{i}].{k} must be a string", f"messages[{i}].{k}")
         out.append(msg)
     tools, choice = _tools(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     return CompletionRequest(True, tuple(out), None, **c, logprobs=logprobs, top_logprobs=top,
-                             tools=tools, tool_choice=choice)
+                             tools=tools, tool_choice=choice, response_format=rf,
+                             parallel_tool_calls=parallel is not False)
 
 
 def parse_completion(body: Any, default_max: int = 16) -> CompletionRequest:

@@ -11,9 +11,13 @@ steps (same greedy tokens, same sampled distribution) and the timings add the dr
 and verified; a request with penalties or logprobs decodes one token at a time instead.
 
 Logprobs are the log-softmax of the logits the sampler was given (after the presence and
-frequency penalties, before temperature, top-k and top-p). Each token's entry goes out with
-the first text it shows, so a token held back as a possible stop string is reported when its
-text is, and one cut by a stop string is reported only if some of its text was shown.
+frequency penalties, ``logit_bias`` and a grammar's mask, before temperature, top-k and top-p).
+A grammar (``grammar``: ``response_format`` JSON, or a forced tool call, whose opening the
+prompt ends with) masks each step's logits and ends the generation once it is complete; a
+request with a grammar or ``logit_bias`` decodes one token at a time too. Each token's entry
+goes out with the first text it shows, so a token held back as a possible stop string is
+reported when its text is, and one cut by a stop string is reported only if some of its text
+was shown.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..sampling import Sampler, SamplingParams, penalize
+from ..sampling import Sampler, SamplingParams, allow, bias, penalize
 from ..tokenizer.chat import ChatTemplateError
+from . import grammar
 from .schema import CompletionRequest, RequestError
 from .tools import ToolStream, ToolSyntax, syntax_for
 
@@ -78,7 +83,9 @@ class Outcome:
 
 
 #: ``on_delta(delta)``: ``{"text"}`` (raw text), ``{"content"}``, ``{"reasoning_content"}`` or
-#: ``{"tool_calls": [call]}``, each with the ``"logprobs"`` entries it carries (maybe empty).
+#: ``{"tool_calls": [call]}`` (OpenAI's stream deltas: a call's first has its ``id``, ``type`` and
+#: ``function.name``, the next ones more of ``function.arguments``), each with the
+#: ``"logprobs"`` entries it carries (maybe empty).
 Emit = Callable[[dict[str, Any]], None]
 
 
@@ -112,6 +119,7 @@ class Session:
                                        "this server cannot parse back", param="tools",
                                        code="tools_unsupported")
                 text = with_tools
+                text += self.grammar(req)[0]
         except RequestError:
             raise
         except Exception as e:                 # a template that raises is the request's fault
@@ -120,9 +128,34 @@ class Session:
             raise RequestError(400, msg, param="messages") from None
         return text
 
+    def grammar(self, req: CompletionRequest) -> tuple[str, str | None, frozenset[int]]:
+        """(the text the prompt ends with, the grammar, the tokens decoded as text) for a
+        request that forces a tool call or a JSON reply; ``("", None, ...)`` for the rest."""
+        syntax = self.tool_syntax(req)
+        keep = self._preserved(syntax) if syntax is not None else frozenset()
+        if req.must_call and syntax is not None:
+            grammar.need("tool_choice")
+            prefix, g = grammar.call_grammar(syntax, req.tools or (), req.forced_tool)
+            grammar.check(g, self.tok, keep, "tool_choice")
+            return prefix, g, keep
+        if req.response_format is not None:
+            grammar.need("response_format")
+            g = grammar.json_grammar(req.response_format)
+            grammar.check(g, self.tok, keep, "response_format")
+            return "", g, keep
+        return "", None, keep
+
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
+        if req.logit_bias:
+            bad = next((t for t in req.logit_bias if t >= self.tok.n_vocab), None)
+            if bad is not None:
+                raise RequestError(400, f"logit_bias: token id {bad} is not in the vocabulary "
+                                   f"(0..{self.tok.n_vocab - 1})", param="logit_bias",
+                                   code="invalid_value")
         if req.chat:
-            text = self.render(req)
+            text = self.render(req)            # checks a forced call's grammar
+            if req.response_format is not None and not req.must_call:
+                self.grammar(req)              # a 400 here for a schema that cannot be enforced
             self._fits(text, req.max_tokens)
             ids = self.tok.encode(text, add_bos=False)
             if self.tok.bos_id is not None and self.tok.add_bos and (not ids or ids[0] != self.tok.bos_id) \
@@ -171,7 +204,8 @@ class Session:
         e = self._tok_entry(t, float(lp[t]))
         if top:
             vals, idx = torch.topk(lp, min(top, lp.numel()))
-            e["top_logprobs"] = [self._tok_entry(int(i), float(v)) for v, i in zip(vals, idx)]
+            e["top_logprobs"] = [self._tok_entry(int(i), float(v)) for v, i in zip(vals, idx)
+                                 if torch.isfinite(v)]       # not the tokens a mask forbids
         else:
             e["top_logprobs"] = []
         return e
@@ -203,13 +237,17 @@ class Session:
         self.cached = list(ids)
         sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed))
         penal = bool(req.presence_penalty or req.frequency_penalty)
+        prefix, g, text_ids = self.grammar(req) if req.chat else ("", None, frozenset())
+        rule = grammar.Constraint(g, tok, text_ids) if g is not None else None
         counts: Counter[int] = Counter()
         stop = StopMatcher(req.stop)
         syntax = self.tool_syntax(req)
         tools = ToolStream(syntax, req.tools or ()) if syntax is not None else None
         detok = tok.detokenizer(self._preserved(syntax)) if syntax is not None else tok.detokenizer()
         out = _Collector(req.chat, on_delta or (lambda d: None), tools)
-        spec = self.spec if not (penal or req.logprobs) else None
+        if prefix:                             # a forced call's opening, in the prompt
+            out.push(prefix, 0)
+        spec = self.spec if not (penal or req.logprobs or req.logit_bias or rule) else None
         m0 = (spec.stats.drafted, spec.stats.accepted) if spec is not None else (0, 0)
         seq: list[int] = []                    # tokens taken, in order
         queue: list[int] = []                  # a speculative step's tokens not taken yet
@@ -226,6 +264,10 @@ class Session:
                 lg = logits if not seq else eng.decode(seq[-1])
                 if penal:
                     lg = penalize(lg, counts, req.presence_penalty, req.frequency_penalty)
+                if req.logit_bias:
+                    lg = bias(lg, req.logit_bias)
+                if rule is not None:
+                    lg = allow(lg, rule.allowed())
                 t = sampler(lg)
                 if req.logprobs:
                     out.pending.append((len(stop.text), self._entry(lg, t, req.top_logprobs)))
@@ -236,12 +278,17 @@ class Session:
                 finish = "stop"
                 break
             n += 1
+            if rule is not None:
+                rule.consume(t)
             piece, hit = stop.push(detok.push(t))
             if piece:
                 emit(piece)
             out.push(piece, stop.sent if not hit else len(stop.text))
             if hit:
                 finish, cut = "stop", True
+                break
+            if rule is not None and rule.done or out.ended and not req.parallel_tool_calls:
+                finish = "stop"                 # the grammar is complete, or the one call is
                 break
         self.cached = (ids + seq + queue)[:eng.pos]     # what the KV cache holds
         if not cut and finish != "cancelled":
@@ -285,6 +332,7 @@ class _Collector:
         self.carry: list[dict[str, Any]] = []                 # released, not sent yet
         self.content, self.reasoning = "", ""
         self.tool_calls: list[dict[str, Any]] = []
+        self.ended = False                                    # a call has been closed
 
     def _release(self, upto: int) -> None:
         while self.pending and self.pending[0][0] < upto:
@@ -307,11 +355,21 @@ class _Collector:
 
     def _events(self, events: list[tuple[str, Any]]) -> None:
         for kind, v in events:
-            if kind == "tool":
+            self.ended = self.ended or kind in ("tool", "tool_end")
+            if kind in ("tool", "tool_start"):       # a whole call, or one that streams
+                fn = v if kind == "tool" else {"name": v, "arguments": ""}
                 call = {"index": len(self.tool_calls), "id": "call_" + uuid.uuid4().hex[:24],
-                        "type": "function", "function": v}
+                        "type": "function", "function": dict(fn)}
                 self.tool_calls.append(call)
-                self.emit({"tool_calls": [call], "logprobs": self.carry})
+                self.emit({"tool_calls": [{**call, "function": dict(fn)}],
+                           "logprobs": self.carry})
+            elif kind in ("tool_args", "tool_end"):  # the next piece of its arguments
+                call = self.tool_calls[-1]
+                call["function"]["arguments"] += v
+                if v or self.carry:
+                    self.emit({"tool_calls": [{"index": call["index"],
+                                               "function": {"arguments": v}}],
+                               "logprobs": self.carry})
             elif kind == "reasoning":
                 self.reasoning += v
                 self.emit({"reasoning_content": v, "logprobs": self.carry})

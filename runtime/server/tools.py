@@ -12,8 +12,12 @@ Families, told apart by what their template writes:
   the ``final`` channel is content, ``analysis`` is reasoning, a recipient makes a call.
 
 Events are ``("content", text)``, ``("reasoning", text)`` and ``("tool", {"name", "arguments"})``
-with ``arguments`` a JSON string. Text that does not parse as a call is given back as content,
-never dropped.
+with ``arguments`` a JSON string. A call streams as it is written once its name is: ``("tool_start",
+name)``, then ``("tool_args", text)`` pieces of the arguments as the model writes them (held
+back where they could be the call's closing), then ``("tool_end", text)``, the rest; the pieces
+join into the call's arguments (GLM's, not JSON as written, come whole in ``tool_end``). Text
+that does not parse as a call, and whose name was not seen, is given back as content, never
+dropped.
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ import json
 import re
 from typing import Any, Sequence
 
-__all__ = ["ToolSyntax", "syntax_for", "ToolStream", "parse_all"]
+from .harmony import Event, HarmonyState, add_content, partial, send_args
 
-Event = tuple[str, Any]
+__all__ = ["ToolSyntax", "syntax_for", "ToolStream", "parse_all", "assemble"]
 
 
 class ToolSyntax:
     """A family whose calls sit between ``call_start`` and ``call_end`` markers."""
 
     def __init__(self, name: str, call_start: str, call_end: str, opener: str | None = None,
-                 closers: Sequence[str] = (), inner: Sequence[str] = ()) -> None:
+                 closers: Sequence[str] = (), inner: Sequence[str] = (),
+                 forced: tuple[str, str, str] = ("", "", "")) -> None:
         self.name, self.call_start, self.call_end = name, call_start, call_end
+        #: how a call is written right after the generation prompt: (the text before the
+        #: name, between the name and the arguments, after the arguments)
+        self.forced = forced
         self.opener = opener or call_start
         self.closers = tuple(closers)
         #: every marker the syntax uses: control tokens with these names must be decoded
@@ -44,8 +52,30 @@ class ToolSyntax:
         it; harmony's messages are parsed by their own state machine (``_HarmonyState``)."""
         return None
 
+    #: whether the arguments are written as JSON text (streamed as written) or not (GLM)
+    raw_args = True
+
+    def head(self, body: str) -> tuple[str, int] | None:
+        """(the name, where the arguments start in ``body``) once a call's opening is whole."""
+        return None
+
+    def tail(self, args: str) -> str:
+        """The arguments' text, less what closes the call after them."""
+        return args.strip()
+
+
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
+
 
 class _Hermes(ToolSyntax):
+    def head(self, body):
+        m = _HERMES_HEAD.match(body)
+        return (m.group(1), m.end()) if m else None
+
+    def tail(self, args):
+        args = args.rstrip()
+        return (args[:-1] if args.endswith("}") else args).strip()   # the object around it
+
     def parse_call(self, body, tools):
         try:
             obj = json.loads(body.strip())
@@ -60,7 +90,16 @@ class _Hermes(ToolSyntax):
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
+_GLM_HEAD = re.compile(r"\s*([^\s<]+)\s*(?=<|\n)")
+
+
 class _GLM(ToolSyntax):
+    raw_args = False
+
+    def head(self, body):
+        m = _GLM_HEAD.match(body)
+        return (m.group(1), m.end()) if m else None
+
     def parse_call(self, body, tools):
         name = body.split("<arg_key>", 1)[0].strip()
         if not name or "\n" in name or "<" in name:
@@ -82,7 +121,18 @@ class _GLM(ToolSyntax):
 _FENCE = re.compile(r"^\s*([^\n`]+?)\s*\n```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)
 
 
+_DS_HEAD = re.compile(r"\s*function<｜tool▁sep｜>([^\n`]+?)\s*\n```(?:json)?[ \t]*\n|"
+                      r"\s*(?!function<)([^<\n]+?)<｜tool▁sep｜>")
+
+
 class _DeepSeek(ToolSyntax):
+    def head(self, body):
+        m = _DS_HEAD.match(body)
+        return ((m.group(1) or m.group(2)).strip(), m.end()) if m else None
+
+    def tail(self, args):
+        return args.strip().rstrip("`").strip()                      # R1's closing fence
+
     def parse_call(self, body, tools):
         if "<｜tool▁sep｜>" not in body:
             return None
@@ -104,14 +154,22 @@ class _Harmony(ToolSyntax):
     """Harmony's markers (its messages go through ``_HarmonyState``, not ``parse_call``)."""
 
 
-HERMES = _Hermes("hermes", "<tool_call>", "</tool_call>")
+HERMES = _Hermes("hermes", "<tool_call>", "</tool_call>",
+                 forced=('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"))
 GLM = _GLM("glm", "<tool_call>", "</tool_call>",
-           inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
-DEEPSEEK = _DeepSeek("deepseek", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                     opener="<｜tool▁calls▁begin｜>", closers=("<｜tool▁calls▁end｜>",),
-                     inner=("<｜tool▁sep｜>",))
+           inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+           forced=("<tool_call>", "\n", "</tool_call>"))
+_DS = dict(opener="<｜tool▁calls▁begin｜>", closers=("<｜tool▁calls▁end｜>",), inner=("<｜tool▁sep｜>",))
+DEEPSEEK = _DeepSeek("deepseek", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", **_DS,
+                     forced=("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
+#: R1 and V3: ``function<｜tool▁sep｜>NAME`` and the arguments in a fenced json block
+DEEPSEEK_R1 = _DeepSeek("deepseek-r1", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", **_DS,
+                        forced=("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+                                "\n```json\n", "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
 HARMONY = _Harmony("harmony", "<|channel|>", "<|end|>",
-                   inner=("<|start|>", "<|message|>", "<|constrain|>", "<|call|>", "<|return|>"))
+                   inner=("<|start|>", "<|message|>", "<|constrain|>", "<|call|>", "<|return|>"),
+                   forced=(" to=functions.", "<|channel|>commentary json<|message|>", "<|call|>"))
 
 
 def syntax_for(template: str) -> ToolSyntax | None:
@@ -121,7 +179,7 @@ def syntax_for(template: str) -> ToolSyntax | None:
     if "<tool_call>" in template:
         return HERMES
     if "<｜tool▁call▁begin｜>" in template:
-        return DEEPSEEK
+        return DEEPSEEK_R1 if "```json" in template else DEEPSEEK
     if "to=functions" in template or "<|call|>" in template:
         return HARMONY
     return None
@@ -136,21 +194,15 @@ def _properties(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     return {}
 
 
-def _partial(text: str, marker: str) -> int:
-    """How many trailing characters of ``text`` could begin ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ToolStream:
     """Streamed text → content and tool-call events for one syntax."""
 
     def __init__(self, syntax: ToolSyntax, tools: Sequence[dict[str, Any]]) -> None:
         self.syntax, self.tools = syntax, tools
         self.buf, self.inside = "", False
-        self._h = _HarmonyState() if isinstance(syntax, _Harmony) else None
+        self.open: str | None = None            # the name of the call being streamed
+        self.at, self.sent = 0, ""              # where its arguments start; what went out
+        self._h = HarmonyState() if isinstance(syntax, _Harmony) else None
 
     def push(self, piece: str) -> list[Event]:
         if self._h is not None:
@@ -161,11 +213,11 @@ class ToolStream:
             if not self.inside:
                 i = self.buf.find(self.syntax.opener)
                 if i < 0:
-                    k = _partial(self.buf, self.syntax.opener)
-                    _content(out, self.buf[:len(self.buf) - k])
+                    k = partial(self.buf, self.syntax.opener)
+                    add_content(out, self.buf[:len(self.buf) - k])
                     self.buf = self.buf[len(self.buf) - k:]
                     return out
-                _content(out, self.buf[:i])
+                add_content(out, self.buf[:i])
                 self.buf, self.inside = self.buf[i:], True
                 if self.syntax.opener != self.syntax.call_start:
                     self.buf = self.buf[len(self.syntax.opener):]
@@ -181,14 +233,20 @@ class ToolStream:
             for c in s.closers:
                 if rest.startswith(c):
                     rest = rest[len(c):].lstrip()
-            if not rest or s.call_start.startswith(rest) or rest.startswith(s.call_start) \
-                    and s.call_end not in rest:
+            if not rest or s.call_start.startswith(rest):
+                return False
+            if rest.startswith(s.call_start) and s.call_end not in rest:
+                self._stream(out, rest[len(s.call_start):])
                 return False
             if rest.startswith(s.call_start):
                 j = rest.index(s.call_end)
-                call = s.parse_call(rest[len(s.call_start):j], self.tools)
-                if call is None:
-                    _content(out, rest[:j + len(s.call_end)])
+                body = rest[len(s.call_start):j]
+                if self.open is None:
+                    self._stream(out, body)
+                if self.open is not None:
+                    self._close(out, body)
+                elif (call := s.parse_call(body, self.tools)) is None:
+                    add_content(out, rest[:j + len(s.call_end)])
                 else:
                     out.append(("tool", call))
                 self.buf = rest[j + len(s.call_end):]
@@ -199,101 +257,62 @@ class ToolStream:
             self.buf = orig if orig.lstrip() == rest else rest
             return True
 
+    def _stream(self, out: list[Event], body: str) -> None:
+        """The news of the unclosed call whose text so far is ``body``."""
+        s = self.syntax
+        if self.open is None:
+            h = s.head(body)
+            if h is None:
+                return
+            self.open, self.at, self.sent = h[0], h[1], ""
+            out.append(("tool_start", h[0]))
+        if s.raw_args:
+            args = body[self.at:]
+            send_args(out, self, s.tail(args[:len(args) - partial(args, s.call_end)]))
+
+    def _close(self, out: list[Event], body: str) -> None:
+        if self.syntax.raw_args:
+            final = self.syntax.tail(body[self.at:]) or "{}"
+        else:
+            call = self.syntax.parse_call(body, self.tools)
+            final = call["arguments"] if call is not None else "{}"
+        out.append(("tool_end", final[len(self.sent):]))
+        self.open = None
+
     def finish(self) -> list[Event]:
         if self._h is not None:
             return self._h.finish()
         out: list[Event] = []
         rest, self.buf = self.buf, ""
+        if self.open is not None:               # a call the end of generation closed
+            self._close(out, rest.strip()[len(self.syntax.call_start):])
+            return out
         if self.inside and rest.strip().startswith(self.syntax.call_start):
             call = self.syntax.parse_call(rest.strip()[len(self.syntax.call_start):], self.tools)
             if call is not None:                # a call the end of generation closed
                 out.append(("tool", call))
                 return out
         if rest.strip() and rest.strip() not in self.syntax.closers:
-            _content(out, rest)
-        return out
-
-
-def _content(out: list[Event], text: str) -> None:
-    if text:
-        if out and out[-1][0] == "content":
-            out[-1] = ("content", out[-1][1] + text)
-        else:
-            out.append(("content", text))
-
-
-_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
-_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
-
-
-class _HarmonyState:
-    """Harmony messages: a header up to ``<|message|>``, then a body up to ``<|end|>``."""
-
-    ENDS = ("<|end|>", "<|call|>", "<|return|>")
-
-    def __init__(self) -> None:
-        self.buf, self.kind, self.name = "", None, ""   # kind None: in a header
-
-    def push(self, piece: str) -> list[Event]:
-        self.buf += piece
-        out: list[Event] = []
-        while True:
-            if self.kind is None:
-                i = self.buf.find("<|message|>")
-                if i < 0:
-                    return out
-                header, self.buf = self.buf[:i], self.buf[i + len("<|message|>"):]
-                m = _RECIPIENT.search(header)
-                ch = _CHANNEL.search(header)
-                self.name = m.group(1) if m else ""
-                self.kind = "tool" if m else ("reasoning" if ch and ch.group(1) == "analysis"
-                                              else "content")
-                continue
-            ends = [(self.buf.find(e), e) for e in self.ENDS if e in self.buf]
-            if ends:
-                j, e = min(ends)
-                self._body(out, self.buf[:j], True)
-                self.buf, self.kind = self.buf[j + len(e):], None
-                if self.buf.startswith("<|start|>"):
-                    self.buf = self.buf[len("<|start|>"):]
-                continue
-            k = max(_partial(self.buf, e) for e in self.ENDS)
-            if self.kind != "tool":
-                self._body(out, self.buf[:len(self.buf) - k], False)
-                self.buf = self.buf[len(self.buf) - k:]
-            return out
-
-    def _body(self, out: list[Event], text: str, done: bool) -> None:
-        if self.kind == "tool":
-            if done:
-                out.append(("tool", {"name": self.name, "arguments": text.strip() or "{}"}))
-            return
-        if text:
-            if self.kind == "content":
-                _content(out, text)
-            else:
-                out.append(("reasoning", text))
-
-    def finish(self) -> list[Event]:
-        out: list[Event] = []
-        if self.kind is None:
-            _content(out, self.buf)
-        else:
-            self._body(out, self.buf, True)
-        self.buf, self.kind = "", None
+            add_content(out, rest)
         return out
 
 
 def parse_all(syntax: ToolSyntax, tools: Sequence[dict[str, Any]], text: str) -> list[Event]:
-    """Every event in a whole generated ``text``."""
+    """Every event in a whole generated ``text``, streamed calls assembled (``assemble``)."""
     s = ToolStream(syntax, tools)
-    return _merge(s.push(text) + s.finish())
+    return assemble(s.push(text) + s.finish())
 
 
-def _merge(events: list[Event]) -> list[Event]:
+def assemble(events: list[Event]) -> list[Event]:
+    """``events`` with each streamed call (``tool_start``, ``tool_args``..., ``tool_end``) as
+    one ``("tool", {"name", "arguments"})`` and neighbouring texts of a kind joined."""
     out: list[Event] = []
     for kind, v in events:
-        if kind != "tool" and out and out[-1][0] == kind:
+        if kind == "tool_start":
+            out.append(("tool", {"name": v, "arguments": ""}))
+        elif kind in ("tool_args", "tool_end"):
+            out[-1][1]["arguments"] += v
+        elif kind != "tool" and out and out[-1][0] == kind:
             out[-1] = (kind, out[-1][1] + v)
         else:
             out.append((kind, v))

@@ -90,3 +90,23 @@ def test_sampled_generation_is_reproducible(store):
             s = Sampler(SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7))
             runs.append([st.token for st in generate(eng, [4, 5, 6], s, 10)])
     assert runs[0] == runs[1]
+
+
+def test_bias_adds_to_the_named_tokens_only():
+    from expertfs.runtime.sampling import bias
+    lg = torch.zeros(4)
+    out = bias(lg, {1: 100.0, 3: -100.0, 9: 5.0})          # id 9 is past the vocabulary
+    assert out.tolist() == [0.0, 100.0, 0.0, -100.0] and lg.tolist() == [0.0] * 4
+    assert Sampler()(out) == 1
+
+
+def test_allow_restricts_greedy_and_sampled_choices():
+    from expertfs.runtime.sampling import allow
+    g = torch.Generator().manual_seed(1)
+    allowed = torch.tensor([False, True, False, True, False, False])
+    for _ in range(50):
+        lg = torch.randn(8, generator=g) * 5               # two ids past the mask: never allowed
+        out = allow(lg, allowed)
+        assert Sampler()(out) in (1, 3)
+        assert Sampler(SamplingParams(temperature=2.0, top_k=5, top_p=0.9,
+                                      seed=int(torch.randint(0, 99, (1,), generator=g))))(out) in (1, 3)

@@ -102,7 +102,8 @@ def test_the_key_in_either_header(server):
 @pytest.mark.parametrize("kw,name", [
     ({"extra_body": {"logit_bias": {"1": 2}}}, "logit_bias"),
     ({"extra_body": {"mcp_servers": []}}, "mcp_servers"),
-    ({"tools": [TOOL], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),                    # no tools to call
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"extra_body": {"temperature": 1.5}}, "temperature"),
     ({"output_config": {"effort": "low"}}, "output_config"),
@@ -201,7 +202,8 @@ def test_a_streamed_tool_call_arrives_as_input_json_deltas(tool_client):
     _check_tool_reply(final)
     events = list(tool_client.messages.create(stream=True, **kw))
     deltas = [e.delta for e in events if e.type == "content_block_delta"]
-    assert any(d.type == "input_json_delta" for d in deltas)
+    parts = [d.partial_json for d in deltas if d.type == "input_json_delta"]
+    assert len(parts) > 3 and json.loads("".join(parts)) == {"city": "Paris", "days": 3}
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]
     assert starts == ["text", "tool_use"]
 

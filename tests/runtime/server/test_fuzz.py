@@ -124,3 +124,6 @@ def test_the_limits_are_documented_in_serve_help():
     for flag in ("--max-body", "--body-timeout", "--max-depth", "--max-waiting"):
         assert flag in text
     assert (serve.BODY_TIMEOUT, serve.MAX_DEPTH) == (BODY_TIMEOUT, MAX_DEPTH)
+    from expertfs.runtime.server.body import HEADER_TIMEOUT
+    if hasattr(serve, "HEADER_TIMEOUT"):       # once serve has --header-timeout
+        assert serve.HEADER_TIMEOUT == HEADER_TIMEOUT and "--header-timeout" in text

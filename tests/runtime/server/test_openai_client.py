@@ -167,14 +167,21 @@ def test_max_completion_tokens(client):
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),                 # not a token id
+    ({"logit_bias": {"1": 101}}, "logit_bias"),               # beyond -100..100
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),          # not in the vocabulary
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "wibble"}}}}}}, "response_format"),
     ({"n": 2}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"tools": TOOLS}, "tools"),                       # the store's template cannot take tools
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),             # no tools to call
     ({"functions": [TOOLS[0]["function"]]}, "functions"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
@@ -215,3 +222,55 @@ def test_tools_reach_a_real_template_and_tool_results_go_back(tiny_store):
                                       temperature=0)
         assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50     # the tools are in it
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_logit_bias_is_added_to_the_logits_before_sampling(client, reference):
+    tok, logits = reference
+    base = client.chat.completions.create(model="m.efs", messages=MSG, max_tokens=1,
+                                          temperature=0, logprobs=True)
+    top = _ids(tok, base.choices[0].logprobs.content)[0]
+    favour = (top + 7) % tok.n_vocab
+    while tok.types[favour] != 1:                    # a normal token
+        favour = (favour + 1) % tok.n_vocab
+    bias = {str(top): -100, str(favour): 3.5}
+    r = client.chat.completions.create(model="m.efs", messages=MSG, max_tokens=4, temperature=0,
+                                       logprobs=True, logit_bias=bias)
+    lp = r.choices[0].logprobs.content
+    ids = _ids(tok, lp)
+    for e, t, lg in zip(lp, ids, logits(MSG, ids)):
+        want = lg.clone()
+        want[top] -= 100
+        want[favour] += 3.5
+        assert t == int(torch.argmax(want)) != top
+        assert e.logprob == pytest.approx(float(torch.log_softmax(want, -1)[t]), abs=1e-4)
+    forced = client.completions.create(model="m.efs", prompt="Beautiful is", max_tokens=3,
+                                       temperature=1, logit_bias={str(favour): 100})
+    assert forced.choices[0].text == tok.decode([favour] * 3)
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_replies_of_random_weights_parse_and_match(client, stream):
+    """The synthesised model's weights are random: only the grammar makes the reply valid."""
+    from expertfs.runtime.server import grammar
+    jsonschema = pytest.importorskip("jsonschema")
+    if not grammar.available():
+        pytest.skip("llguidance (the serve extra) is not installed")
+    for seed in (1, 2):
+        kw = dict(model="m.efs", messages=MSG, max_tokens=120, temperature=1, seed=seed,
+                  response_format={"type": "json_schema", "json_schema": {
+                      "name": "person", "schema": PERSON, "strict": True}})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            r = client.chat.completions.create(**kw).choices[0]
+            text, finish = r.message.content, r.finish_reason
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), PERSON)

@@ -1,7 +1,7 @@
 """Slow and vanishing clients against the application on a loopback port, over a slow
 scripted engine: a disconnect (streamed or not) cancels the generation within a token, a body
-sent a byte at a time is cut off by ``body_timeout`` with a 408, and the other clients are
-served meanwhile."""
+sent a byte at a time is cut off by ``body_timeout`` with a 408, a head sent a byte at a time (or
+never) by ``header_timeout``, and the other clients are served meanwhile."""
 
 from __future__ import annotations
 
@@ -166,3 +166,43 @@ def test_a_client_gone_while_queued_never_runs_to_the_end(tok, cancel_handlers):
     else:                                              # it runs, and stops at its first token
         assert [o.finish_reason for o in sess.outcomes] == ["length", "cancelled", "length"]
         assert sess.outcomes[1].completion_tokens <= 1
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_head_sent_a_byte_at_a_time_or_never_is_cut_off_and_others_are_served(tok, idle):
+    """Slowloris: a connection whose request line and headers do not arrive within
+    ``header_timeout`` is closed, while other clients are answered meanwhile."""
+    async def go(server, sess):
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        head = _request("/v1/completions", {"prompt": "slow", "max_tokens": 2}).split(b"\r\n\r\n")[0]
+
+        async def dribble():
+            try:
+                for b in head if not idle else b"":
+                    w.write(bytes([b]))
+                    await w.drain()
+                    await asyncio.sleep(0.05)
+            except ConnectionResetError:         # hung up on mid-head
+                return False
+            return True
+
+        feeder = asyncio.ensure_future(dribble())
+        t0 = time.monotonic()
+        async with ClientSession(timeout=ClientTimeout(total=10)) as c:
+            for _ in range(3):
+                async with c.post(f"http://127.0.0.1:{server.port}/v1/completions",
+                                  json={"prompt": "fast", "max_tokens": 3}) as other:
+                    assert other.status == 200
+        other_s = time.monotonic() - t0
+        try:
+            answer = await asyncio.wait_for(r.read(4096), 10)   # b"": the server hung up
+        except ConnectionResetError:
+            answer = b""
+        cut_s = time.monotonic() - t0
+        sent = feeder.done() and feeder.result()
+        feeder.cancel()
+        w.close()
+        return answer, cut_s, other_s, sent
+    (answer, cut_s, other_s, sent), _ = _serve(tok, go, header_timeout=0.6)
+    assert answer == b"" and 0.4 < cut_s < 5 and other_s < cut_s
+    assert idle or not sent                  # cut off before its head was whole

@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from expertfs.runtime.engine import Engine, EngineOptions
 from expertfs.runtime.server import ServerConfig, build_app
 from expertfs.runtime.server.session import Session
-from expertfs.runtime.server.tools import (DEEPSEEK, GLM, HARMONY, HERMES, ToolStream, parse_all,
-                                           syntax_for)
+from expertfs.runtime.server.tools import (DEEPSEEK, DEEPSEEK_R1, GLM, HARMONY, HERMES, ToolStream,
+                                           assemble, parse_all, syntax_for)
 from expertfs.runtime.tokenizer.gguf import GGUFTokenizer, render_chat
 
 from serve_live import TEMPLATES, build_store, template  # noqa: E402
@@ -58,8 +58,12 @@ def test_each_family_parses_whole_and_streamed(syntax, text, content):
     for ch in text:
         events += s.push(ch)
     events += s.finish()
-    assert _calls(events) == [CALL]
+    assert _calls(assemble(events)) == [CALL]
     assert "".join(v for k, v in events if k == "content") == content
+    kinds = [k for k, _ in events if k.startswith("tool")]
+    assert kinds[0] == "tool_start" and kinds[-1] == "tool_end"     # the call streamed
+    if syntax is not GLM:                   # GLM's arguments are not JSON as written
+        assert kinds.count("tool_args") > 5                         # piece by piece
 
 
 def test_text_that_is_not_a_call_is_kept():
@@ -71,6 +75,7 @@ def test_text_that_is_not_a_call_is_kept():
 @pytest.mark.parametrize("name,syntax,takes_tools", [
     ("Qwen-Qwen3-0.6B.jinja", HERMES, True), ("GLM-4.6.jinja", GLM, True),
     ("deepseek-ai-DeepSeek-V3.1.jinja", DEEPSEEK, False),    # writes calls, lists no tools
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", DEEPSEEK_R1, False),
     ("openai-gpt-oss-120b.jinja", HARMONY, True)])
 def test_a_call_the_real_template_writes_parses_back(name, syntax, takes_tools):
     src = template(name)
@@ -157,11 +162,29 @@ def test_the_server_returns_tool_calls(qwen_tok, stream):
     else:
         events = [json.loads(x[6:]) for x in raw.split("\n\n") if x.startswith("data: {")]
         deltas = [e["choices"][0]["delta"] for e in events]
-        calls = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert all(c["index"] == 0 for c in calls)
+        pieces = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert all(c["index"] == 0 for c in pieces) and len(pieces) > 5   # arguments stream
+        assert pieces[0]["function"] == {"name": "get_weather", "arguments": ""}
+        assert all("id" not in c and "name" not in c["function"] for c in pieces[1:])
+        calls = [{**pieces[0], "function": {"name": "get_weather", "arguments": "".join(
+            c["function"]["arguments"] for c in pieces)}}]
         content = "".join(d.get("content") or "" for d in deltas)
         finish = events[-1]["choices"][0]["finish_reason"]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
         == [("get_weather", CALL["arguments"])]
     assert calls[0]["id"].startswith("call_") and content == "Let me look.\n"
     assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(qwen_tok, parallel):
+    from expertfs.runtime.server.schema import parse_chat
+    tok = qwen_tok
+    two = OUTPUTS[0][1] + "\n" + OUTPUTS[0][1].replace("Let me look.\n", "")
+    script = tok.encode(two, add_bos=False)
+    sess = Session(_Scripted(tok.n_vocab, script, tok.tokens.index("<|im_end|>")), tok)
+    req = parse_chat({"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+                      "max_tokens": 400, "temperature": 0, "parallel_tool_calls": parallel})
+    out = sess.run(req, sess.prompt_ids(req), lambda s: None, lambda: False)
+    assert len(out.tool_calls) == (2 if parallel else 1) and out.finish_reason == "tool_calls"
+    assert (out.completion_tokens < len(script)) == (not parallel)
