@@ -9,7 +9,7 @@
 
 The provider is any ``ExpertProvider``; ``make_provider`` picks the tiered cache when it is
 installed and falls back to the uncached ``DirectProvider`` with a logged warning. Prefill runs
-in batches of ``prefill_batch`` tokens, each touched expert fetched once per batch and layer.
+in batches of ``prefill_batch`` tokens, each touched expert fetched once per batch and layer;
 ``trace(path)`` records every routing decision in the routing-trace format (``runtime.trace``).
 
 The engine knows nothing of speculative decoding: ``runtime.mtp.attach(engine, MTPOptions(...))``
@@ -71,6 +71,7 @@ class EngineOptions:
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
                                           # tier (None: k + margin + 1; 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward
+    prefill_prefetch: bool = False        # a prompt batch prefetches L+1's gate-predicted experts
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
     act_quant: str = "off"                # "q8": llama.cpp's 8-bit activations in the native
@@ -180,13 +181,12 @@ class Engine:
         with device_memory(f"the KV cache on {self.device}", fix=KV_FIX):
             self.model = Model(self.config, self.trunk, self.runner, device=self.device,
                                dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
-                               lookahead_margin=options.lookahead_margin)
-        if fused:
-            from . import kernels
-            if kernels.available():
-                # the kernels' pool keeps today's thread count; small steps' torch ops use one
-                kernels.set_threads(torch.get_num_threads())
-                self.model.small_steps_one_thread = True
+                               lookahead_margin=options.lookahead_margin,
+                               prefill_prefetch=options.prefill_prefetch)
+        from . import kernels
+        if fused and kernels.available():
+            kernels.set_threads(torch.get_num_threads())     # the pool keeps today's count;
+            self.model.small_steps_one_thread = True         # small steps' torch ops use one
         self.times = StepTimes()
         self.compile_seconds = getattr(self, "compile_seconds", 0.0)
         self._trace = None

@@ -74,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep up to SIZE of experts dequantized in RAM (0 = off)")
     p.add_argument("--lookahead", action="store_true",
                    help="prefetch layer L+1's predicted experts while layer L runs")
+    p.add_argument("--prefill-prefetch", action="store_true",
+                   help="a prompt batch prefetches the next layer's gate-predicted experts "
+                        "behind its own reads (off: it measured slower under a cap)")
     p.add_argument("--lookahead-margin", type=int, default=2, metavar="M",
                    help="experts beyond top-k prefetched per token (2)")
     p.add_argument("--prefetch-slots", type=int, default=None, metavar="N",
@@ -158,7 +161,8 @@ def _open(args: argparse.Namespace):
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
                          fused=fused, act_quant=args.act_quant,
                          lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
-                         prefetch_slots=args.prefetch_slots)
+                         prefetch_slots=args.prefetch_slots,
+                         prefill_prefetch=args.prefill_prefetch)
     mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                      draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     opts = mtp.engine_options(opts)

@@ -39,7 +39,8 @@ SMALL_STEP_CONTEXT = 1024
 class Model:
     def __init__(self, cfg: ModelConfig, trunk: TrunkWeights, runner: ExpertRunner, *,
                  device: torch.device, dtype: torch.dtype, n_ctx: int,
-                 lookahead: bool = False, lookahead_margin: int = 2) -> None:
+                 lookahead: bool = False, lookahead_margin: int = 2,
+                 prefill_prefetch: bool = False) -> None:
         self.cfg, self.trunk, self.runner = cfg, trunk, runner
         self.device, self.dtype = device, dtype
         self.rope = Rope(cfg, device)
@@ -50,6 +51,7 @@ class Model:
         self._blocks = getattr(mod, "forward_blocks", None)     # an arch's own stack (mHC)
         self.lookahead = lookahead
         self.lookahead_k = cfg.n_expert_used + max(0, lookahead_margin)
+        self.prefill_prefetch = prefill_prefetch
         self.hidden: torch.Tensor | None = None      # t_h_nextn of the last hidden=True forward
         self.small_steps_one_thread = False          # set by the engine with the native kernels
 
@@ -70,15 +72,19 @@ class Model:
             self.runner.lookahead.reset_pending()
 
     def _predict(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """Layer ``layer+1``'s router on this layer's residual stream (its own FFN norm)."""
+        """Layer ``layer+1``'s router on this layer's residual stream (its own FFN norm): with
+        the lookahead on, or for a prompt batch with ``prefill_prefetch`` (top-k per token: the
+        batch's union is what the next layer will mostly read)."""
         nxt = layer + 1
-        if not self.lookahead or nxt >= self.cfg.n_layers:
+        batch = x.shape[0] > 1 and self.prefill_prefetch and not self.lookahead
+        if not (self.lookahead or batch) or nxt >= self.cfg.n_layers:
             return None
         blk = self.trunk.blocks[nxt]
         if blk.moe is None:
             return None
         xp = rms_norm(x, blk.ffn_norm, self.cfg.rms_eps)
-        return nxt, self.runner.router.top(xp, blk.moe.router, self.lookahead_k)
+        k = self.cfg.n_expert_used if batch else self.lookahead_k
+        return nxt, self.runner.router.top(xp, blk.moe.router, k)
 
     def forward(self, ids: torch.Tensor, logits: str = "last",
                 hidden: bool = False) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,13 +120,17 @@ class ExpertRunner:
                     out[e] = w
         return out
 
-    def _weights_each(self, layer: int, experts: list[int]) -> Iterator[tuple[int, Any]]:
+    def _weights_each(self, layer: int, experts: list[int],
+                      then: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
         """``(expert, weights)`` of ``experts`` in their order, each as soon as it is ready: the
         misses' reads are all issued first (full queue depth), then each is awaited only when its
         turn comes, so the products of the experts already in run while the rest are read. The
-        same weights as ``_weights`` (dequant-cache hits included), in the same order."""
+        same weights as ``_weights`` (dequant-cache hits included), in the same order.
+        ``then()`` runs once the reads are issued (prefetches queue behind them)."""
         if self._split is None:
             weights = self._weights(layer, experts)
+            if then is not None:
+                then()
             yield from ((e, weights[e]) for e in experts)
             return
         floats: dict[int, Any] = {}
@@ -141,6 +146,8 @@ class ExpertRunner:
             self.stats.dq_hits += len(experts) - len(need)
         ready, finish = self._split.get_begin(layer, need) if need else ({}, None)
         self.stats.fetches += len(need)
+        if then is not None:
+            then()
         late = [e for e in need if e not in ready]
         if late:
             self.stats.streamed += experts.index(late[-1])
@@ -232,7 +239,9 @@ class ExpertRunner:
             nonlocal pending
             if pending:
                 pending = False
-                ranked = list(dict.fromkeys(pred))
+                # a batch's predictions most wanted first; one token's in rank order
+                ranked = [e for e, _ in Counter(pred).most_common()] if T > 1 else \
+                    list(dict.fromkeys(pred))
                 self.provider.prefetch(predict[0], ranked)
                 if self.lookahead is not None:
                     self.lookahead.predict(predict[0], set(ranked))
@@ -245,10 +254,11 @@ class ExpertRunner:
             if T == 1 and whole and not self.dq.enabled:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
                                                         prefetch_next, w.limit)
-            prefetch_next()
             if T > 1:
-                out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit, w.alpha)
+                out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit, w.alpha,
+                                    prefetch_next)
             elif out is None:
+                prefetch_next()
                 if weights is None:
                     weights = self._weights(layer, experts)
                 if whole:
@@ -267,11 +277,13 @@ class ExpertRunner:
 
     def _batched(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
                  experts: list[int], counts: list[int], limit: float = 0.0,
-                 alpha: float = 0.0) -> torch.Tensor:
+                 alpha: float = 0.0, then: Callable[[], None] | None = None) -> torch.Tensor:
         """A batch's routed output: each used expert (ascending) applied to its tokens and added
         in, each as soon as its read lands (``_weights_each``). When the layer needs more
         experts than the compute tier holds at once, they are fetched in parts, each computed and released before the next (the same sums in the same
-        order); the caller releases the last."""
+        order); the caller releases the last. ``then()`` (the next layer's prefetch) runs once
+        this layer's reads are issued, when the layer is fetched in one part (in parts the tier
+        has no room to read ahead)."""
         k = ids.shape[1]
         order = torch.argsort(ids.flatten(), stable=True)                # [T*k], by expert
         tok = order // k                                                 # token of each pair
@@ -283,7 +295,8 @@ class ExpertRunner:
         for p in range(0, len(experts), room):
             if p:
                 self.provider.release(layer)
-            for e, we in self._weights_each(layer, experts[p:p + room]):
+            for e, we in self._weights_each(layer, experts[p:p + room],
+                                            then if room >= len(experts) else None):
                 a, b = start[e], start[e] + counts[e]
                 t = tok[a:b]
                 y = expert_ffn(x.index_select(0, t), we, self.fused,

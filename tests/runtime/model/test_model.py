@@ -141,7 +141,7 @@ def _engine(store, **opts):
 
 def test_each_expert_fetched_once_per_batch_and_layer(glm):
     store, ref = glm
-    st, spy, eng = _engine(store, prefill_batch=len(TOKENS))
+    st, spy, eng = _engine(store, prefill_batch=len(TOKENS), prefill_prefetch=False)
     try:
         got = eng.logits(TOKENS).numpy()
         cfg = eng.config
@@ -155,6 +155,27 @@ def test_each_expert_fetched_once_per_batch_and_layer(glm):
         assert len(ids) == len(set(ids)) and len(ids) <= cfg.n_experts
     assert spy.releases == moe_layers
     assert spy.prefetches == []                            # lookahead off by default
+
+
+def test_prompt_batch_prefetches_the_next_layers_predicted_experts(glm):
+    """With ``prefill_prefetch`` a prompt batch hands the next MoE layer's gate predictions
+    (the batch's union, most wanted first) to the provider after its own reads; decode steps
+    do not (the lookahead is off); results are unchanged."""
+    store, ref = glm
+    st, spy, eng = _engine(store, prefill_batch=len(TOKENS), prefill_prefetch=True)
+    try:
+        got = eng.logits(TOKENS).numpy()
+        eng.decode(3)
+        cfg = eng.config
+    finally:
+        eng.close()
+        st.close()
+    assert np.abs(got - ref).max() < 1e-4
+    moe_layers = [i for i in range(cfg.n_layers) if i >= cfg.n_dense_lead]
+    # every MoE layer but a first one, predicted from the layer before it; the batch only
+    assert [la for la, _ in spy.prefetches] == [la for la in moe_layers if la > 0]
+    for la, ids in spy.prefetches:
+        assert ids and len(ids) == len(set(ids)) and len(ids) <= cfg.n_experts
 
 
 def test_lookahead_prefetches_next_layer_and_scores(glm):
