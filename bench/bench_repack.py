@@ -18,6 +18,16 @@ store unpacked and hashed after. Prints the peak disk as a multiple of the model
 the time ratio.
 
     sudo .venv/bin/python bench/bench_repack.py --in-place /work/big.gguf
+
+``--compare MODEL.gguf`` times, round after round (the order rotating), ``cp MODEL COPY &&
+sync``, a normal repack, ``repack --consume-source`` and, with ``--full-readback``, the same
+reading every window back whole, each of a fresh copy of the model made untimed just before
+(the in-place run destroys its source; the copy then replaces the model for the others). The
+page cache is dropped before each, the peak disk is sampled, the first in-place store is
+checked byte for byte against the model (``expertfs verify --source``), and the medians are
+printed. Needs twice the model's size free; the model is kept.
+
+    sudo .venv/bin/python bench/bench_repack.py --compare /work/m.gguf --rounds 3 --full-readback
 """
 
 from __future__ import annotations
@@ -148,6 +158,63 @@ def run_in_place(model: str) -> dict:
             "source_deleted": gone, "unpack_bit_exact": same}
 
 
+def _rm(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else \
+        (os.path.exists(path) and os.unlink(path))
+
+
+def _one(kind: str, model: str, d: str) -> tuple[float, float]:
+    """(seconds, peak extra disk as a multiple of the model) of one cold run of ``kind``.
+
+    Every run reads a copy of the model written just before it (untimed): the in-place one
+    must, since it destroys its source, so the others do too (the copy replaces the model),
+    and no run is timed while the disk still absorbs a write the others did not make."""
+    size = os.path.getsize(model)
+    copy, store = model + ".copy.gguf", model + ".cmp.efs"
+    for p in (copy, store):
+        _rm(p)
+    shutil.copyfile(model, copy)
+    if not kind.startswith("consume"):
+        os.replace(copy, model)
+    drop_caches()
+    base = _used(d)
+    if kind == "cp":
+        t0 = time.perf_counter()
+        subprocess.run(["cp", model, copy], check=True)
+        subprocess.run(["sync"], check=True)
+        dt, peak = time.perf_counter() - t0, _used(d)
+    elif kind == "normal":                       # peaks count the model: (model + extra) / model
+        dt, peak = sampled([BIN, "repack", model, "-o", store, "--json"], d)
+        base -= size
+    else:
+        base -= size                             # the copy being consumed is the model here
+        dt, peak = sampled([BIN, "repack", copy, "-o", store, "--consume-source", "--json"]
+                           + (["--full-readback"] if kind == "consume-full" else []), d)
+    return dt, (peak - base) / size
+
+
+def run_compare(model: str, rounds: int, full: bool) -> dict:
+    import statistics
+    d = os.path.dirname(os.path.abspath(model))
+    kinds = ["cp", "normal", "consume"] + (["consume-full"] if full else [])
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+    checked = None
+    for r in range(rounds):
+        for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            runs[k].append(_one(k, model, d))
+            store = model + ".cmp.efs"
+            if k.startswith("consume") and checked is None:
+                checked = subprocess.run([BIN, "verify", store, "--source", model],
+                                         stdout=subprocess.DEVNULL).returncode == 0
+            for p in (model + ".copy.gguf", store):
+                _rm(p)
+    med = {k: statistics.median(t for t, _ in v) for k, v in runs.items()}
+    return {"model_bytes": os.path.getsize(model), "rounds": rounds, "runs": runs,
+            "median_s": med, "over_normal": {k: med[k] / med["normal"] for k in kinds},
+            "peak_disk_x_model": {k: max(p for _, p in v) for k, v in runs.items() if k != "cp"},
+            "in_place_store_equals_model": checked}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1G,4G", help="model sizes, e.g. 1G,4G,10G")
@@ -158,7 +225,26 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--in-place", metavar="MODEL.gguf",
                     help="measure repack --consume-source on this model (destroys it)")
+    ap.add_argument("--compare", metavar="MODEL.gguf",
+                    help="cp vs repack vs repack --consume-source of copies of this model")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--full-readback", action="store_true",
+                    help="with --compare, also time --consume-source --full-readback")
     a = ap.parse_args()
+    if a.compare:
+        res = run_compare(a.compare, a.rounds, a.full_readback)
+        if a.json:
+            print(json.dumps(res, indent=2))
+            return 0
+        print(f"model {fmt_bytes(res['model_bytes'])}, {a.rounds} rounds, medians")
+        print(f"{'run':>14} {'median s':>9} {'x normal':>9} {'peak disk':>10}  each run (s)")
+        for k, v in res["runs"].items():
+            peak = res["peak_disk_x_model"].get(k)
+            print(f"{k:>14} {res['median_s'][k]:9.2f} {res['over_normal'][k]:9.2f} "
+                  f"{'' if peak is None else f'{peak:9.3f}x':>10}  "
+                  + " ".join(f"{t:.2f}" for t, _ in v))
+        print(f"in-place store equals the model byte for byte: {res['in_place_store_equals_model']}")
+        return 0
     if a.in_place:
         print(json.dumps(run_in_place(a.in_place), indent=2))
         return 0

@@ -7,6 +7,7 @@ import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from ..errors import UsageError
 from ..units import fmt_bytes
 from ..store.repack import repack
 from ._common import print_json, progress_bar, size_arg
@@ -32,16 +33,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "second model; crash-safe (run it again to resume) and unpack gives the GGUF "
                    "back bit for bit. Refused on file systems that cannot punch holes and on "
                    "symlinked or hard-linked sources")
+    p.add_argument("--full-readback", action="store_true",
+                   help="with --consume-source: read each window back whole and check it "
+                   "against its checksums before releasing the source bytes it holds (slower: "
+                   "the model is read twice), instead of checking that every block was written "
+                   "and reading back spots of it")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.full_readback and not args.consume_source:
+        raise UsageError("--full-readback only applies to --consume-source (a normal repack "
+                         "releases nothing)", path=args.output,
+                         fix="add --consume-source, or drop --full-readback")
     if args.consume_source:
         with _in_place_bar(not args.json) as (bar, freed):
             res = repack(args.model, args.output, alignment=args.align, force=args.force,
                          resume=not args.restart, progress=bar, consume_source=True,
-                         on_freed=freed)
+                         on_freed=freed, full_readback=args.full_readback)
     else:
         with progress_bar("repack", not args.json) as bar:
             res = repack(args.model, args.output, alignment=args.align, force=args.force,

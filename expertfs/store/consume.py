@@ -6,8 +6,7 @@ when every byte in it is released, and a byte is released only when
 1. it is a tensor byte and the one schedule ``Copy`` that reads it (each source tensor byte is
    read by exactly one) belongs to a window before a durable checkpoint: the store files were
    fdatasync'ed and the LMDB transaction with the window's records and the resume point has
-   committed; and those windows were read back from the store and every part and trunk tensor
-   they complete matched its checksum in the index; or
+   committed; and those windows passed the read-back check below; or
 2. it is padding between tensors or after the last, which the pre-flight check found zero
    (unpack writes zeros there, so the file comes back bit for bit).
 
@@ -18,6 +17,35 @@ layer), which is not source order, so the released bytes of a shard are kept as 
 intervals and a window releases the blocks it completes, wherever they are. Once the store is
 published the source files, by then their headers and holes, are deleted (a split GGUF's
 shards are emptied one window at a time, in the plan's order, and deleted together).
+
+Read-back check. Every checksum in the index is computed while copying, from the very buffer
+that is then written with one ``pwrite`` (O_DIRECT where the file system allows it: the device
+is handed those bytes, not a copy), and the buffer is not refilled until that write has
+returned. The writer refuses to write a window over one written before it, so a checked window
+is not touched again. So once the checkpoint's fdatasync has returned and its transaction has
+committed, the released bytes exist in the store, durably, and their checksums are in the index
+(``verify`` and ``unpack`` check them). What remains is the storage stack losing or misplacing
+a write it acknowledged; before punching, a window is checked against that from what is now
+durable, without reading it all again (which would read the model twice):
+
+- ``SEEK_HOLE``: every block of the window is allocated and written in the file system (the
+  outputs are sparse in place, so a write that never landed is a hole). A file system that
+  stores zero blocks as holes (ZFS with compression) makes this fail on zero runs; the
+  window is then read back whole, as below.
+- spot reads: its first and last 4 KiB block and one at a random place in every 2 MiB
+  (``SPOT_STRIDE``) are read back, with O_DIRECT so the device answers, not the page cache
+  (where O_DIRECT is refused, as on tmpfs, the page cache is the storage itself, or was dropped
+  after the fdatasync), and each must equal the digest the writer took of that block in the
+  buffer it wrote. Any run of two strides or more that the device lost, left stale or wrote
+  elsewhere holds a whole stride, so it cannot pass; a shorter one is caught with the
+  probability of a spot falling in it; bytes altered inside a write that did land are the
+  device's error correction's to find, as for every other file on that disk.
+
+Windows written by an earlier run (the spot digests died with it) and every window with
+``full_readback`` are read back whole instead, and every part and trunk tensor they complete
+must match its checksum in the index. Either way a mismatch releases nothing of the batch and
+rewinds the resume point to what was released, so running the command again rewrites those
+windows from the source.
 
 Crash safety. The resume point records ``windows`` (written and durable) and ``released``
 (windows whose bytes are released). A resumed run verifies and punches windows
@@ -33,6 +61,8 @@ import bisect
 import json
 import mmap
 import os
+import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import xxhash
@@ -47,11 +77,14 @@ from .layout import INDEX_DIR
 from .reader import Store, is_store
 from .windows import Window
 
-__all__ = ["CONSUMING", "Consumer", "checksums", "check_sources", "check_exact", "check_space",
-           "fs_type", "punch_hole", "delete_sources", "head_digest", "already_published",
-           "finish_in_place"]
+__all__ = ["CONSUMING", "Consumer", "Spots", "spot_digests", "checksums", "check_sources",
+           "check_exact", "check_space", "fs_type", "punch_hole", "delete_sources", "head_digest",
+           "already_published", "finish_in_place"]
 
 CONSUMING = "consuming"             # the marker file in the partial store
+SPOT_BLOCK = 4096                   # a spot read: one block, the smallest window alignment
+SPOT_STRIDE = 2 << 20               # one spot at a random place in every 2 MiB of a window
+SPOT_READERS = 8                    # spot reads in flight at once
 
 
 class _Released:
@@ -80,12 +113,20 @@ class _Released:
         return (lo, hi) if hi > lo else None
 
 
+Spots = list[tuple[int, int]]        # (offset in the window, xxh3-64 of the block there)
+
+
 class Consumer:
-    """Verifies windows read back from the store, then releases their source bytes."""
+    """Checks windows read back from the store, then releases their source bytes."""
 
     def __init__(self, model: GGUFModel, partial: str, store_files: dict[str, str],
-                 on_freed: Callable[[int], None] | None = None) -> None:
+                 on_freed: Callable[[int], None] | None = None,
+                 full_readback: bool = False) -> None:
         self.model, self.partial, self.files, self.on_freed = model, partial, store_files, on_freed
+        self.full = full_readback
+        self._rng = random.Random(os.urandom(16))    # spots nobody can predict or line up with
+        self._spot: mmap.mmap | None = None
+        self._pool = ThreadPoolExecutor(SPOT_READERS, thread_name_prefix="expertfs-spot")
         self.fds = [os.open(p, os.O_RDWR) for p in model.paths]
         self.sets = [_Released(max(4096, os.fstat(fd).st_blksize)) for fd in self.fds]
         for s, f in zip(self.sets, model.shards):
@@ -94,10 +135,17 @@ class Consumer:
         self._buf: mmap.mmap | None = None
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         for fd in self.fds:
             os.close(fd)
-        if self._buf is not None:
-            self._buf.close()
+        for b in (self._buf, self._spot):
+            if b is not None:
+                b.close()
+
+    def digests(self, w: Window, buf: mmap.mmap) -> Spots | None:
+        """The writer's ``sample``: digests of the window's spot blocks in the buffer it is about
+        to write (None with ``full_readback``: those windows are read back whole)."""
+        return None if self.full else spot_digests(w.length, buf, self._rng)
 
     @property
     def freed(self) -> int:
@@ -109,13 +157,18 @@ class Consumer:
             for c in w.copies:
                 self.sets[c.shard].add(c.src_off, c.src_off + c.length)
 
-    def release(self, wins: list[Window], sums: dict[tuple[int, ...], int] | Index) -> None:
-        """Verify ``wins`` (durable already) read back from the store against ``sums`` (item →
-        checksum, or the index to look them up in), then punch what they complete. Safe to run
-        in one other thread while later windows are written: it touches only its own state."""
-        if not wins:
+    def release(self, batch: list[tuple[Window, Spots | None]],
+                sums: dict[tuple[int, ...], int] | Index) -> None:
+        """Check the windows of ``batch`` (durable already; a checkpoint's, so no item continues
+        past it) read back from the store: by their spots, or whole against ``sums`` (item →
+        checksum, or the index to look them up in) where a window has none or has a hole; then
+        punch what they complete. Safe to run in one other thread while later windows are
+        written: it touches only its own state."""
+        if not batch:
             return
-        self._verify(sums, wins)
+        wins = [w for w, _ in batch]
+        if self.full or any(s is None for _, s in batch) or not self._spot_check(batch):
+            self._verify(sums, wins)
         self._mark_consuming()
         todo: dict[int, list[tuple[int, int]]] = {}
         for w in wins:
@@ -146,6 +199,51 @@ class Consumer:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(self.partial)
+
+    def _spot_check(self, batch: list[tuple[Window, Spots | None]]) -> bool:
+        """False when a window has a hole (then it is read back whole); IntegrityError when a
+        spot differs from what was written. The spots are read a few at a time: each is one
+        small read queued behind the writer's large ones, so it is latency, not bandwidth."""
+        fds = {name: _open_direct(p) for name, p in self.files.items()}
+        try:
+            todo = []
+            for w, spots in batch:
+                fd, direct = fds[w.file]
+                if os.lseek(fd, w.dst_off, os.SEEK_HOLE) < w.dst_off + w.length:
+                    return False
+                todo += [(fd, direct, w.file, w.dst_off + off, want) for off, want in spots or ()]
+            if not todo:
+                return True
+            if self._spot is None or len(self._spot) < len(todo) * SPOT_BLOCK:
+                if self._spot is not None:
+                    self._spot.close()
+                self._spot = mmap.mmap(-1, len(todo) * SPOT_BLOCK)
+            mv, views = memoryview(self._spot), []
+            try:
+                views = [mv[i * SPOT_BLOCK:(i + 1) * SPOT_BLOCK] for i in range(len(todo))]
+
+                def read(i: int) -> None:
+                    fd, direct, name, off, _ = todo[i]
+                    self._read(fd, views[i], off, self.files[name])
+                    if not direct:
+                        os.posix_fadvise(fd, off, SPOT_BLOCK, os.POSIX_FADV_DONTNEED)
+                list(self._pool.map(read, range(len(todo))))
+                for v, (_, _, name, off, want) in zip(views, todo):
+                    if xxhash.xxh3_64_intdigest(v) != want:
+                        raise IntegrityError(
+                            f"read back from the store, the 4 KiB at byte {off} differ from "
+                            "what was written there; the source bytes of that checkpoint were "
+                            "not released", path=self.files[name], fix="check the disk "
+                            "(dmesg), then run the same command again: it rewrites them from "
+                            "the source")
+            finally:
+                for v in views:
+                    v.release()
+                mv.release()
+        finally:
+            for fd, _ in fds.values():
+                os.close(fd)
+        return True
 
     def _verify(self, sums: dict[tuple[int, ...], int] | Index, wins: list[Window]) -> None:
         size = max(w.length for w in wins)
@@ -183,6 +281,23 @@ class Consumer:
                 raise ExpertfsError(f"ends at byte {off + pos} while reading back what was just "
                                     "written", path=path, fix="check the disk and run again")
             pos += n
+
+
+def spot_digests(length: int, buf: mmap.mmap | bytes, rng: random.Random) -> Spots:
+    """The spots of a window of ``length`` bytes (a multiple of ``SPOT_BLOCK``): its first and
+    last block and one at a random place in every ``SPOT_STRIDE``, with their digests in ``buf``."""
+    n, per = length // SPOT_BLOCK, SPOT_STRIDE // SPOT_BLOCK
+    picks = {0, n - 1} | {c + rng.randrange(min(per, n - c)) for c in range(0, n, per)}
+    return [(b * SPOT_BLOCK, xxhash.xxh3_64_intdigest(buf[b * SPOT_BLOCK:(b + 1) * SPOT_BLOCK]))
+            for b in sorted(picks)]
+
+
+def _open_direct(path: str) -> tuple[int, bool]:
+    """A read-only fd on ``path``, O_DIRECT where the file system allows it."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+    except OSError:
+        return os.open(path, os.O_RDONLY), False
 
 
 def head_digest(path: str, n: int) -> str:

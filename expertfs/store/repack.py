@@ -193,12 +193,14 @@ def _publish(partial: str, out: str) -> None:
 def repack(sources: list[str] | str, out: str, *, alignment: int = 4096, force: bool = False,
            window_bytes: int = DEFAULT_WINDOW, resume: bool = True,
            progress: Callable[[int, int], None] | None = None, consume_source: bool = False,
-           on_freed: Callable[[int], None] | None = None) -> RepackResult:
+           on_freed: Callable[[int], None] | None = None,
+           full_readback: bool = False) -> RepackResult:
     """Repack a GGUF (or all shards of a split GGUF) into a store at ``out``.
 
     ``progress(done, total)`` is called with payload bytes after every window. With
     ``consume_source`` the source files are emptied as the store fills and deleted once it is
-    published (destructive; ``consume``); ``on_freed(bytes)`` reports the disk freed so far.
+    published (destructive; ``consume``); ``on_freed(bytes)`` reports the disk freed so far;
+    ``full_readback`` reads every window back whole before releasing it, not just spots of it.
     """
     t0 = time.perf_counter()
     out = os.path.abspath(os.fspath(out))
@@ -226,7 +228,7 @@ def repack(sources: list[str] | str, out: str, *, alignment: int = 4096, force: 
     try:
         try:
             return _run(model, plan, partial, out, fp, window_bytes, resume, progress, t0,
-                        consume_source, on_freed)
+                        consume_source, on_freed, full_readback)
         except lmdb.Error as e:
             if "No space" in str(e) or "MDB_MAP_FULL" in str(e) or _full(partial):
                 raise OSError(errno.ENOSPC, str(e)) from None   # (tmpfs says EIO when full)
@@ -256,7 +258,8 @@ def _full(path: str) -> bool:
 
 def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, fp: str, window_bytes: int,
          resume: bool, progress: Callable[[int, int], None] | None, t0: float,
-         in_place: bool, on_freed: Callable[[int], None] | None) -> RepackResult:
+         in_place: bool, on_freed: Callable[[int], None] | None,
+         full_readback: bool = False) -> RepackResult:
     idx, skip, done_payload, released = _open_partial(partial, fp, plan, resume)
     outs: dict[str, tuple[int, bool]] = {}
     writer = consumer = None
@@ -265,8 +268,9 @@ def _run(model: GGUFModel, plan: RepackPlan, partial: str, out: str, fp: str, wi
             outs[name] = open_output(os.path.join(partial, name), size, prealloc=not in_place)
         if in_place:
             consumer = cs.Consumer(model, partial, {n: os.path.join(partial, n) for n in outs},
-                                   on_freed)
-        writer = WindowWriter(plan, outs, window_capacity(plan, window_bytes))
+                                   on_freed, full_readback)
+        writer = WindowWriter(plan, outs, window_capacity(plan, window_bytes),
+                              sample=consumer.digests if consumer is not None else None)
         summary = _write_all(model, plan, idx, outs, writer, fp, window_bytes,
                              (skip, done_payload, released), progress, consumer)
     finally:
@@ -300,7 +304,7 @@ def _write_all(model: GGUFModel, plan: RepackPlan, idx: Index, outs: dict[str, t
     pending = Completed([], [])
     state = {"windows": skip, "payload": done_payload, "since": 0, "released": released,
              "released_payload": 0}
-    unreleased: list[Window] = []
+    unreleased: list[tuple[Window, cs.Spots | None]] = []   # spots: None if written before
     releasing: list[tuple[Future[None], int, int]] = []   # the batch in flight, at most one
 
     def progress_meta(windows: int, payload: int) -> dict[str, bytes]:
@@ -346,7 +350,7 @@ def _write_all(model: GGUFModel, plan: RepackPlan, idx: Index, outs: dict[str, t
         state["payload"] += w.payload
         state["since"] += w.length
         if consumer is not None:
-            unreleased.append(w)
+            unreleased.append((w, done.spots))
         if progress:
             progress(state["payload"], total)
         if w.checkpoint and state["since"] >= CHECKPOINT_BYTES:
@@ -359,7 +363,7 @@ def _write_all(model: GGUFModel, plan: RepackPlan, idx: Index, outs: dict[str, t
             consumer.mark_released([w])
             state["released_payload"] += w.payload
         elif consumer is not None:
-            unreleased.append(w)
+            unreleased.append((w, None))
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertfs-release")
     try:
         if consumer is not None:

@@ -7,6 +7,10 @@ Outputs are written with O_DIRECT where the file system allows it (the page cach
 alone); elsewhere buffered, synced and dropped at each checkpoint. Source pages are dropped
 once read (``POSIX_FADV_DONTNEED``) so a repack on a low-RAM box does not evict the user's
 working set.
+
+Each file's windows are written in increasing, non-overlapping order (checked before every
+write), so a window once written is never touched again by this run: what ``--consume-source``
+verified of it stays true until the store is published.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import xxhash
 
-from ..errors import DiskFullError, ExpertfsError, FormatError
+from ..errors import DiskFullError, ExpertfsError, FormatError, IntegrityError
 from ..formats.moe_names import layer_of
 from .layout import Extent, Part, TensorRecord, KIND_TRUNK
 from .plan import RepackPlan
@@ -72,15 +76,22 @@ class Completed:
 
     extents: list[Extent]
     trunk: list[TensorRecord]
+    spots: Any = None           # what ``sample`` took of the window's buffer before the write
 
 
 class WindowWriter:
-    """Fills and writes windows in order; ``run`` calls ``on_window`` after each one."""
+    """Fills and writes windows in order; ``run`` calls ``on_window`` after each one.
+
+    ``sample(window, buffer)``, if given, is called with each window's filled buffer after it is
+    hashed and before it is written; its result is ``Completed.spots``."""
 
     def __init__(self, plan: RepackPlan, out_fds: dict[str, tuple[int, bool]], capacity: int,
-                 depth: int = 3, readers: int = 2) -> None:
+                 depth: int = 3, readers: int = 2,
+                 sample: Callable[[Window, mmap.mmap], Any] | None = None) -> None:
         self.plan = plan
         self.out = out_fds
+        self.sample = sample
+        self._ends: dict[str, int] = {}
         self.src = [os.open(p, os.O_RDONLY) for p in plan.model.paths]
         self.bufs = [mmap.mmap(-1, max(capacity, mmap.PAGESIZE)) for _ in range(depth)]
         self.pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="expertfs-read")
@@ -137,6 +148,12 @@ class WindowWriter:
     # --- writing ----------------------------------------------------------------------------
 
     def _write(self, w: Window, buf: mmap.mmap) -> None:
+        if w.dst_off < self._ends.get(w.file, 0):
+            raise IntegrityError(f"window at byte {w.dst_off} overlaps one written before it "
+                                 "(a bug in the copy schedule); nothing was written there",
+                                 path=w.file, fix="report this; repack without "
+                                 "--consume-source meanwhile")
+        self._ends[w.file] = w.dst_off + w.length
         fd, _ = self.out[w.file]
         mv = memoryview(buf)
         try:
@@ -199,6 +216,8 @@ class WindowWriter:
             w, buf, fut = pending.popleft()
             fut.result()
             done = self._hash(w, buf)
+            if self.sample is not None:
+                done.spots = self.sample(w, buf)
             self._write(w, buf)
             free.append(buf)
             submit()
