@@ -47,8 +47,10 @@ class SamplingParams:
 def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens sampling may choose from ``logits [n_vocab]`` at ``p`` (not greedy): their
     probabilities (float32, summing to 1) and ids, most likely first, after temperature, top-k
-    and top-p."""
-    lg = logits.detach().float().cpu() / p.temperature
+    and top-p. Computed in float64 from the logits less their maximum, so a temperature too
+    small for float32 (down to the smallest positive double) is greedy, never inf or NaN."""
+    lg = logits.detach().double().cpu()
+    lg = (lg - lg.max()) / p.temperature
     if p.top_k and p.top_k < lg.numel():
         vals, idx = torch.topk(lg, p.top_k)
     else:
@@ -58,7 +60,7 @@ def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torc
         cum = torch.cumsum(probs, dim=-1)
         keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
         probs, idx = probs[:keep], idx[:keep]
-    return probs / probs.sum(), idx
+    return (probs / probs.sum()).float(), idx
 
 
 def penalize(logits: torch.Tensor, counts: Mapping[int, int], presence: float = 0.0,

@@ -1,22 +1,24 @@
 """Request fuzzing for ``expertfs serve``, in process against the aiohttp application.
 
-Bodies come from hypothesis strategies, per endpoint, from valid-but-odd to garbage: wrong
-types, huge numbers, NaN/Infinity, deep nesting, invalid UTF-8 and lone surrogates, huge
-strings, duplicate keys, wrong content types and methods, truncated bodies. Every answer must
-be a 2xx (a stream ends with ``[DONE]``, or ``message_stop`` for the Anthropic Messages API,
-and carries no error) or a 4xx whose body is an OpenAI error (``{"error": {"message", "type",
-"param", "code"}}``; Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under
-``/v1/messages``; a 503 with ``Retry-After``); a 5xx,
-a malformed 4xx or an answer slower than the per-request timeout (a hang) is a failure, and
-the server must still answer ``/health`` at the end.
+Bodies come from hypothesis strategies (``fuzz_bodies``), per endpoint, from valid-but-odd to
+garbage: wrong types, huge numbers, NaN/Infinity, deep nesting, invalid UTF-8 and lone
+surrogates, huge strings, duplicate keys, wrong content types and methods, truncated bodies.
+Every answer must be a 2xx (a stream ends with ``[DONE]``, or ``message_stop`` for the Anthropic
+Messages API, and carries no error) or a 4xx whose body is an OpenAI error (``{"error":
+{"message", "type", "param", "code"}}``; Anthropic's ``{"type": "error", "error": {"type",
+"message"}}`` under ``/v1/messages``; a 503 with ``Retry-After``); a 5xx, a malformed 4xx or an
+answer slower than the per-request timeout (a hang) is a failure, and the server must still
+answer ``/health`` at the end. A chat the server accepted with a JSON ``response_format`` or a
+forced ``tool_choice`` must keep it once finished (``unkept``).
 
 The model is ``FastEngine``: seeded random logits over a real tokenizer's vocabulary (the tiny
-synthesised qwen3moe store's), so the server's whole path (templates, tokenizer, sampling,
-stop strings, logprobs, tool parsing, streaming) runs at the speed of the HTTP layer. The
-suite (``tests/runtime/server/test_fuzz.py``) runs a few seeded examples per endpoint; this
-script runs many::
+synthesised qwen3moe store's, with llama.cpp's Qwen3 chat template, which takes tools), so the
+server's whole path (templates, tokenizer, sampling, stop strings, logprobs, tool parsing,
+streaming) runs at the speed of the HTTP layer. The suite
+(``tests/runtime/server/test_fuzz.py``) runs a few seeded examples per endpoint; this script
+runs many::
 
-    .venv/bin/python tools/fuzz_serve.py --count 10000 --seed 0 --time-limit 600
+    .venv/bin/python tools/fuzz_serve.py --count 10000 --seed 0 --time-limit 400
 """
 
 from __future__ import annotations
@@ -33,14 +35,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
-ENDPOINTS = ("chat", "completions", "models", "health", "apply-template", "messages",
-             "count-tokens", "metrics")
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-         "models": "/v1/models", "health": "/health", "apply-template": "/apply-template",
-         "messages": "/v1/messages", "count-tokens": "/v1/messages/count_tokens",
-         "metrics": "/metrics"}
+from fuzz_bodies import ENDPOINTS, cases  # noqa: F401  (the suite imports them here)
 
 
 class FastEngine:
@@ -74,163 +70,107 @@ class FastEngine:
         return self._logits()
 
 
-def tiny_tokenizer(folder: str | Path) -> Any:
-    """The tiny synthesised qwen3moe store's tokenizer (with its chat template)."""
+def tiny_tokenizer(folder: str | Path, template: str | None = None) -> Any:
+    """The tiny synthesised qwen3moe store's tokenizer, with its own chat template (which takes
+    no tools) or ``template``."""
     from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
     from expertfs.formats.gguf_read import read_gguf
     from expertfs.synth import SynthConfig, synthesize
     path = synthesize(SynthConfig.tiny("qwen3moe"), str(Path(folder) / "m.gguf"))
-    return GGUFTokenizer(read_gguf(path[0] if isinstance(path, list) else path).kv)
+    tok = GGUFTokenizer(read_gguf(path[0] if isinstance(path, list) else path).kv)
+    if template is not None:
+        tok.chat_template = template
+    return tok
 
 
-# ---- strategies -------------------------------------------------------------------------
-
-ODD_TEXT = ["", " ", "\x00", "\ud800", "a\udfffb", "<|im_end|>", "<|im_start|>user\n", "{{ 7*7 }}",
-            "{% for x in range(99999999) %}", "\u202e\u200b", "😀" * 3, "\\u0000", "é" * 50,
-            "a" * 5000, "\n" * 200]
-HUGE_INTS = [2 ** 31, 2 ** 63, -(2 ** 63) - 1, 2 ** 64, 10 ** 30, -1, 0]
-text = st.text(max_size=40) | st.sampled_from(ODD_TEXT)
-number = (st.integers(-1000, 1000) | st.sampled_from(HUGE_INTS)
-          | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([0.0, -0.0, 1e308]))
-scalar = st.none() | st.booleans() | number | text
-json_value = st.recursive(scalar, lambda c: st.lists(c, max_size=4)
-                          | st.dictionaries(text, c, max_size=4), max_leaves=12)
-
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}
-ROLES = ["system", "user", "assistant", "tool", "developer", "wizard", "", None]
-content = (text | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                                  "text": text}), max_size=3) | json_value)
-message = st.fixed_dictionaries(
-    {"role": st.sampled_from(ROLES)},
-    optional={"content": content, "name": text, "tool_call_id": text,
-              "tool_calls": st.lists(st.fixed_dictionaries(
-                  {"id": text, "type": st.just("function"),
-                   "function": st.fixed_dictionaries({"name": text, "arguments": text | json_value})}),
-                  max_size=2) | json_value})
-small_max = st.integers(0, 24) | st.sampled_from([-1, 1.5, "8", 100000, 2 ** 63, None])
-COMMON = {
-    "model": st.sampled_from(["tiny", "", "other", None]) | json_value,
-    "max_tokens": small_max, "temperature": st.floats(-1, 3) | json_value,
-    "top_p": st.floats(-0.5, 1.5) | scalar, "top_k": st.integers(-2, 2000) | scalar,
-    "seed": number | scalar, "stop": text | st.lists(text, max_size=6) | json_value,
-    "stream": st.booleans() | scalar,
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": scalar}) | json_value,
-    "n": st.sampled_from([1, 2, 0, None, "1"]), "presence_penalty": number,
-    "frequency_penalty": number, "user": text, "metadata": json_value,
-    "unknown_" + "field": json_value,
-}
-CHAT = {**COMMON, "max_completion_tokens": small_max, "logprobs": st.booleans() | scalar,
-        "top_logprobs": st.integers(-1, 30) | scalar,
-        "tools": st.just([TOOL]) | st.lists(json_value, max_size=2) | json_value,
-        "tool_choice": st.sampled_from(["auto", "none", "required", None]) | json_value,
-        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | json_value,
-        "parallel_tool_calls": scalar, "modalities": json_value}
-prompt = (text | st.lists(text, max_size=3) | st.lists(st.integers(-5, 1100), max_size=12)
-          | st.lists(st.lists(st.integers(0, 1100), max_size=6), max_size=3) | json_value)
-COMPLETION = {**COMMON, "logprobs": st.integers(-1, 7) | scalar, "echo": scalar,
-              "best_of": scalar, "suffix": scalar}
-chat_body = st.fixed_dictionaries({"messages": st.lists(message, max_size=4) | json_value},
-                                  optional=CHAT) | json_value
-completion_body = st.fixed_dictionaries({"prompt": prompt}, optional=COMPLETION) | json_value
-
-# the Anthropic Messages API
-BLOCK_TYPES = ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", None]
-block = st.fixed_dictionaries(
-    {"type": st.sampled_from(BLOCK_TYPES)},
-    optional={"text": text | json_value, "id": text, "name": text | st.just("get_weather"),
-              "input": st.just({"city": "Paris"}) | json_value, "tool_use_id": text,
-              "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                "text": text}), max_size=2)
-              | json_value, "is_error": scalar, "thinking": text, "cache_control": json_value})
-a_message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "system", None])},
-    optional={"content": text | st.lists(block, max_size=3) | json_value})
-A_TOOL = {"name": "get_weather", "description": "weather",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
-MESSAGES = {
-    "model": COMMON["model"], "max_tokens": small_max, "system": text | st.lists(block, max_size=2)
-    | json_value, "stop_sequences": st.lists(text, max_size=4) | json_value,
-    "temperature": st.floats(-1, 2) | json_value, "top_p": st.floats(-0.5, 1.5) | scalar,
-    "top_k": st.integers(-2, 2000) | scalar, "stream": st.booleans() | scalar,
-    "metadata": st.fixed_dictionaries({}, optional={"user_id": text}) | json_value,
-    "tools": st.just([A_TOOL]) | st.lists(json_value, max_size=2) | json_value,
-    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}, {"type": "any"},
-                                    {"type": "tool", "name": "get_weather"},
-                                    {"type": "auto", "disable_parallel_tool_use": True}, "auto"])
-    | json_value, "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled",
-                                                                      "budget_tokens": 1024}])
-    | json_value, "service_tier": text, "unknown_" + "field": json_value}
-messages_body = st.fixed_dictionaries({"messages": st.lists(a_message, max_size=4) | json_value},
-                                      optional=MESSAGES) | json_value
-BODIES = {"completions": completion_body, "messages": messages_body,
-          "count-tokens": messages_body}
-
-CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "text/plain",
-                 "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                 "application/json; charset=utf-16", "", "image/png"]
-
-
-def _deep(n: int, opener: str) -> bytes:
-    closer = {"[": "]", "{": "}"}[opener]
-    inner = '{"a":' * n + "1" + "}" * n if opener == "{" else "[" * n + "]" * n
-    return ('{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + inner + "}"
-            if closer == "}" else inner).encode()
-
-
-@st.composite
-def raw_body(draw: Any, body: st.SearchStrategy[Any]) -> bytes:
-    """A body as bytes: JSON, or JSON spoiled at the byte level."""
-    value = draw(body)
+def llama_template(name: str) -> str | None:
+    """A chat template: a file, or one of llama.cpp's ``models/templates`` (None if absent)."""
+    if Path(name).is_file():
+        return Path(name).read_text(encoding="utf-8")
+    from llamacpp_convert import ConverterUnavailable, source_dir
     try:
-        data = json.dumps(value, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
-    except (ValueError, RecursionError):
-        data = b"{}"
-    how = draw(st.sampled_from(["plain"] * 6 + ["truncate", "deep", "dup", "nan", "binary",
-                                                 "huge_str", "huge_int", "bad_utf8", "empty"]))
-    if how == "truncate" and data:
-        data = data[:draw(st.integers(0, len(data) - 1))]
-    elif how == "deep":
-        data = _deep(draw(st.sampled_from([10, 63, 65, 500, 1000, 5000, 100000])),
-                     draw(st.sampled_from("[{")))
-    elif how == "dup" and data.startswith(b"{") and len(data) > 2:
-        data = b'{"max_tokens": 1, "max_tokens": "x", "stream": true, ' + data[1:]
-    elif how == "nan":
-        data = data.replace(b"1", draw(st.sampled_from([b"NaN", b"Infinity", b"-Infinity"])), 1) \
-            if b"1" in data else b'{"max_tokens": NaN}'
-    elif how == "binary":
-        data = draw(st.binary(max_size=64))
-    elif how == "huge_str":
-        n = draw(st.sampled_from([10 ** 5, 10 ** 6, 3 << 20]))
-        data = b'{"messages": [{"role": "user", "content": "' + b"ab " * (n // 3) + \
-            b'"}], "prompt": "' + b"x" * 10 + b'"}'
-    elif how == "huge_int":
-        data = b'{"max_tokens": 1' + b"0" * draw(st.sampled_from([20, 400, 5000])) + b"}"
-    elif how == "bad_utf8" and data:
-        i = draw(st.integers(0, len(data)))
-        data = data[:i] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80"])) + data[i:]
-    elif how == "empty":
-        data = b""
-    return data
-
-
-@st.composite
-def cases(draw: Any, endpoint: str) -> tuple[str, str, bytes, dict[str, str]]:
-    """(method, path, body, headers) for ``endpoint``."""
-    path = PATHS[endpoint]
-    if endpoint in ("models", "health", "metrics"):
-        method = draw(st.sampled_from(["GET"] * 4 + ["POST", "PUT", "DELETE", "HEAD", "PATCH"]))
-        data = draw(raw_body(json_value)) if method != "GET" or draw(st.booleans()) else b""
-        if draw(st.booleans()):
-            path += "?" + draw(st.sampled_from(["a=1", "x=%ff", "&&", "q=" + "z" * 2000]))
-    else:
-        method = draw(st.sampled_from(["POST"] * 12 + ["GET", "PUT"]))
-        data = draw(raw_body(BODIES.get(endpoint, chat_body)))
-    ctype = draw(st.sampled_from(CONTENT_TYPES))
-    return method, path, data, {"Content-Type": ctype} if ctype else {}
+        path = source_dir() / "models" / "templates" / name
+    except ConverterUnavailable:
+        return None
+    return path.read_text(encoding="utf-8") if path.is_file() else None
 
 
 # ---- checking answers -------------------------------------------------------------------
+
+def _reply(headers: Any, raw: bytes) -> tuple[str, list[dict[str, Any]], str | None]:
+    """(content, tool calls, finish reason) of a chat answer, whole or streamed."""
+    if not headers.get("Content-Type", "").startswith("text/event-stream"):
+        choice = json.loads(raw)["choices"][0]
+        msg = choice["message"]
+        return msg.get("content") or "", msg.get("tool_calls") or [], choice["finish_reason"]
+    content, calls, finish = "", {}, None
+    for line in raw.decode().split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        ev = json.loads(line[6:])
+        if not ev.get("choices"):               # an in-band error (verdict has judged it)
+            continue
+        choice = ev["choices"][0]
+        d, finish = choice.get("delta") or {}, choice.get("finish_reason") or finish
+        content += d.get("content") or ""
+        for c in d.get("tool_calls") or []:
+            call = calls.setdefault(c["index"], {"function": {"name": "", "arguments": ""}})
+            f = c.get("function") or {}
+            call["function"]["name"] += f.get("name") or ""
+            call["function"]["arguments"] += f.get("arguments") or ""
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def unkept(case: tuple[str, str, bytes, dict[str, str]], headers: Any, raw: bytes
+           ) -> tuple[str | None, str | None]:
+    """(what was checked, why it failed) for a chat answer the server accepted with a JSON
+    ``response_format`` or a forced tool call, once it says it finished: the content must be
+    JSON (matching the schema, when jsonschema is installed), the call one of the tools, the
+    named one if named, its arguments a JSON object."""
+    if case[1] != "/v1/chat/completions":
+        return None, None
+    try:
+        body = json.loads(case[2])
+        rf, choice, tools = body.get("response_format"), body.get("tool_choice"), body.get("tools")
+    except (ValueError, AttributeError):
+        return None, None
+    content, calls, finish = _reply(headers, raw)
+    if finish not in ("stop", "tool_calls"):
+        return None, None
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        names = {t["function"]["name"] for t in tools}
+        if isinstance(choice, dict):
+            names = {choice["function"]["name"]}
+        if not calls:
+            return "call", f"no tool call for tool_choice {choice!r}: {content[:200]!r}"
+        for c in calls:
+            try:
+                args = json.loads(c["function"]["arguments"])
+            except ValueError:
+                args = None
+            if c["function"]["name"] not in names or not isinstance(args, dict):
+                return "call", f"call {c['function']} for tool_choice {choice!r}"
+        return "call", None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in ("json_object", "json_schema") or calls:
+        return None, None
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return "json", f"{kind} reply is not JSON: {content[:200]!r}"
+    if kind == "json_object" and not isinstance(value, dict):
+        return "json", f"json_object reply is not an object: {content[:200]!r}"
+    try:
+        import jsonschema
+    except ImportError:
+        return "json", None
+    if kind != "json_schema":
+        return "json", None
+    try:
+        jsonschema.validate(value, rf["json_schema"].get("schema", {}))
+    except jsonschema.ValidationError as e:
+        return "json", f"reply {content[:200]!r} does not match the schema: {e.message}"
+    return "json", None
 
 def _error_ok(raw: bytes, anthropic: bool) -> bool:
     try:
@@ -290,6 +230,7 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         self.timeout = timeout
         self.counts: Counter[str] = Counter()
+        self.checked: Counter[str] = Counter()  # JSON replies and forced calls checked
         self.failures: list[tuple[tuple[str, str, bytes, dict[str, str]], str]] = []
         app = build_app(session, ServerConfig("tiny", **{"max_body": 1 << 20, **config}))
 
@@ -309,6 +250,10 @@ class Harness:
             status, headers, raw = self.loop.run_until_complete(
                 asyncio.wait_for(self._send(*case), self.timeout))
             kind, why = verdict(status, headers, raw, case[1])
+            if kind == "2xx":
+                what, broke = unkept(case, headers, raw)
+                self.checked.update([what] if what else [])
+                kind, why = ("unkept", broke) if broke else (kind, why)
         except asyncio.TimeoutError:
             kind, why = "hang", f"no answer in {self.timeout:g} s"
         except Exception as e:                 # the connection died: the server dropped it
@@ -335,10 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=600.0, help="seconds in all (600)")
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds per request (20)")
+    ap.add_argument("--show", type=int, default=120, help="bytes of each failing body shown")
+    ap.add_argument("--template", default="Qwen-Qwen3-0.6B.jinja",
+                    help="chat template, one that takes tools: a file or a name in llama.cpp's "
+                    "models/templates (Qwen-Qwen3-0.6B.jinja); '' for the tiny store's own")
     args = ap.parse_args(argv)
+    template = llama_template(args.template) if args.template else None
+    if args.template and template is None:
+        print(f"fuzz_serve: template {args.template} not found; the tiny store's own (no tools)")
     with tempfile.TemporaryDirectory() as d:
-        tok = tiny_tokenizer(d)
-    h = Harness(Session(FastEngine(tok.n_vocab, seed=args.seed), tok), timeout=args.timeout)
+        tok = tiny_tokenizer(d, template)
+    h = Harness(Session(FastEngine(tok.n_vocab, n_ctx=4096, seed=args.seed), tok),
+                timeout=args.timeout)            # a context the tool prompts fit in
     t0, per = time.monotonic(), -(-args.count // len(ENDPOINTS))
 
     class Stop(Exception):
@@ -361,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     c = h.counts
     print(f"requests {sum(c.values()) - 1}  2xx {c['2xx'] - 1}  4xx {c['4xx']}  5xx {c['5xx']}  "
           f"hangs {c['hang']}  malformed {c['bad']}  dropped {c['dropped']}  "
-          f"server alive {alive}  {time.monotonic() - t0:.0f} s")
+          f"unkept {c['unkept']} (of {h.checked['json']} JSON replies, {h.checked['call']} "
+          f"forced calls)  server alive {alive}  {time.monotonic() - t0:.0f} s")
     for case, why in h.failures[:10]:
-        print(f"  {case[0]} {case[1]} {case[2][:120]!r}: {why}")
+        print(f"  {case[0]} {case[1]} {case[2][:args.show]!r}: {why}")
     return 0 if alive and not h.failures else 1
 
 

@@ -127,3 +127,9 @@ def test_the_limits_are_documented_in_serve_help():
     from expertfs.runtime.server.body import HEADER_TIMEOUT
     if hasattr(serve, "HEADER_TIMEOUT"):       # once serve has --header-timeout
         assert serve.HEADER_TIMEOUT == HEADER_TIMEOUT and "--header-timeout" in text
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40])
+def test_a_tiny_temperature_is_not_a_500(harness, temperature):
+    status, _, raw = _post(harness, json.dumps({**MSG, "temperature": temperature}).encode())
+    assert status == 200, raw[:300]
