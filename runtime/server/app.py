@@ -1,5 +1,6 @@
 """The aiohttp application: OpenAI routes, the Anthropic Messages API (``anthropic_app``),
-``/metrics`` (``metrics``), auth, a bounded queue, JSON errors for everything.
+``/metrics`` (``metrics``), the chat page at ``/`` (``static/chat.html``), auth, a bounded
+queue, JSON errors for everything.
 
 One generation runs at a time (the engine and its expert caches are one machine's resources);
 ``max_waiting`` more may queue, in arrival order, for up to ``queue_timeout`` seconds; beyond
@@ -19,6 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -36,6 +38,10 @@ from .session import Outcome, Session
 __all__ = ["ServerConfig", "build_app"]
 
 log = logging.getLogger(__name__)
+
+_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+             "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'self'; "
+             "frame-ancestors 'none'")
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,17 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "model": config.model_id,
-                                  "busy": gate.lock.locked(), "waiting": gate.waiting})
+                                  "busy": gate.lock.locked(), "waiting": gate.waiting,
+                                  "auth": bool(config.api_key)})
+
+    page = (Path(__file__).parent / "static" / "chat.html").read_bytes()
+
+    async def chat_page(request: web.Request) -> web.Response:
+        """The chat page: one static file, its script and style inline, talking to this origin
+        only (its Content-Security-Policy lets it reach nothing else)."""
+        return web.Response(body=page, content_type="text/html", charset="utf-8", headers={
+            "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+            "Content-Security-Policy": _PAGE_CSP})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -239,6 +255,7 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[metrics.middleware, anthropic_errors, _errors, auth],
                           client_max_size=config.max_body,
                           handler_args={"keepalive_timeout": config.header_timeout})
+    app.router.add_get("/", chat_page)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handler)
     app.router.add_get("/v1/models", models)

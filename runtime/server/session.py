@@ -3,7 +3,9 @@ penalties, tool calls, timings.
 
 ``Session.run`` is blocking (the server calls it on its single generation thread). The KV
 cache keeps the previous request's tokens; a new prompt that starts with them (a chat that
-grows turn by turn) only prefills the new part. Figures follow llama.cpp's server ``timings``
+grows turn by turn) only prefills the new part; a model that keeps only some positions to go
+back to (a sliding window's ring, a recurrent state) resumes from the longest shared prefix it
+can (``resume_point``). Figures follow llama.cpp's server ``timings``
 (prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms, predicted_per_second,
 cache_n) plus the expert hit rates and bytes read for this request. Given a speculator
 (``spec``: a ``runtime.mtp.Speculator`` attached to the engine), tokens come from speculative
@@ -36,7 +38,7 @@ from . import grammar
 from .schema import CompletionRequest, RequestError
 from .tools import ToolStream, ToolSyntax, syntax_for
 
-__all__ = ["Session", "Outcome", "StopMatcher"]
+__all__ = ["Session", "Outcome", "StopMatcher", "resume_point"]
 
 
 class StopMatcher:
@@ -87,6 +89,15 @@ class Outcome:
 #: ``function.name``, the next ones more of ``function.arguments``), each with the
 #: ``"logprobs"`` entries it carries (maybe empty).
 Emit = Callable[[dict[str, Any]], None]
+
+
+def resume_point(engine: Any, pos: int) -> int:
+    """The longest prefix of at most ``pos`` positions ``engine`` can go back to: a sliding
+    window's ring or a recurrent state keeps only some (recent ones, checkpoints after recent
+    prompts), so probe downwards; 0 always can."""
+    while pos > 0 and not engine.can_reset(pos):
+        pos -= 1
+    return pos
 
 
 class Session:
@@ -221,14 +232,9 @@ class Session:
         eng, tok = self.engine, self.tok
         stats = eng.provider.stats
         b0, r0, h0 = stats.bytes_read, stats.requests, dict(stats.hits)
-        common = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            common += 1
-        keep = min(common, len(ids) - 1)
-        if not eng.can_reset(keep):            # a recurrent state that cannot go back that far
-            keep = 0
+        common = next((i for i, (a, b) in enumerate(zip(self.cached, ids)) if a != b),
+                      min(len(self.cached), len(ids)))
+        keep = resume_point(eng, min(common, len(ids) - 1))
         self.cached = []                       # until the prefill succeeds the cache is unknown
         eng.reset(keep)
         t0 = time.perf_counter()
