@@ -28,6 +28,15 @@ the ISAs alternating round by round; µs per product and avx2 / avx512.
         [--json]
     .venv/bin/python bench/bench_kernels.py --isa-compare -t 2 --types iq2_xxs,iq2_s
         [--shapes 2048x4096,4096x2048] [--tokens 1,8]
+
+``--prefill``: instead, per type, ``--shapes`` and ``--tokens`` (defaults: the expert and trunk
+shapes at 32 to 256 tokens), the native product (exact, and q8) against ``wide_linear``
+(native dequantization + ``F.linear``, what products wider than ``kernels.max_tokens`` take),
+alternating round by round, best of ``--rounds``: CPU time of the process (every thread's;
+robust on a shared machine) and wall time. ``ratio`` = wide / native exact (above 1: the
+native product wins); ``max_tokens`` is what ``kernels.max_tokens`` says for the type.
+
+    .venv/bin/python bench/bench_kernels.py --prefill -t 2 --types q4_k,q6_k [--rounds 5]
 """
 
 from __future__ import annotations
@@ -174,6 +183,56 @@ def isa_compare(types: list[GGMLType], shapes: list[tuple[int, int]], tokens: li
     return out
 
 
+PREFILL_SHAPES = "768x2048,2048x768,2048x4096,4096x2048,512x2048"
+PREFILL_TOKENS = "32,64,128,256"
+
+
+def prefill(types: list[GGMLType], shapes: list[tuple[int, int]], tokens: list[int],
+            rounds: int) -> dict:
+    """{type: {"RxC/nt": {"native"|"native-q8"|"wide": (cpu µs, wall µs)}}}, best of rounds."""
+    from expertfs.runtime import kernels
+    from expertfs.runtime.model.wide import wide_linear
+    out: dict = {}
+    for t in types:
+        for rows, cols in shapes:
+            raw = weight(t, rows, cols, 1)
+            for nt in tokens:
+                x = torch.randn(nt, cols)
+                n = max(1, int(2e8 / (rows * cols * nt)))
+                fns = {"native": lambda: kernels.matvec(x, raw, t, (rows, cols)),
+                       "native-q8": lambda: kernels.matvec(x, raw, t, (rows, cols), "q8"),
+                       "wide": lambda: wide_linear(x, raw, t, (rows, cols))}
+                cell = out.setdefault(t.name, {}).setdefault(f"{rows}x{cols}/{nt}", {})
+                for f in fns.values():                  # warm-up
+                    f()
+                for _ in range(rounds):
+                    for name, f in fns.items():
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        for _ in range(n):
+                            f()
+                        c, w = (time.process_time() - c0) / n, (time.perf_counter() - w0) / n
+                        old = cell.get(name, (float("inf"), float("inf")))
+                        cell[name] = (min(old[0], c * 1e6), min(old[1], w * 1e6))
+    return out
+
+
+def print_prefill(res: dict, threads: int) -> None:
+    from expertfs.runtime import kernels
+    print(f"µs per product, best of rounds, {threads} thread(s), CPU time of the process (wall "
+          f"in brackets); ratio = wide / native (CPU, wall); load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"  {'type':8s} {'shape/tokens':>16s} {'native':>16s} {'native-q8':>16s} "
+          f"{'wide':>16s} {'ratio':>12s} {'q8 ratio':>12s} {'max_tokens':>10s}")
+    for name, cells in res.items():
+        mt = kernels.max_tokens(GGMLType[name], 32)
+        for key, c in cells.items():
+            nat, q8, wide = c["native"], c["native-q8"], c["wide"]
+            print(f"  {name:8s} {key:>16s}" + "".join(
+                f"{v[0]:9.0f} ({v[1]:4.0f})" for v in (nat, q8, wide)) +
+                f"{wide[0] / nat[0]:7.2f} ({wide[1] / nat[1]:.2f})"
+                f"{wide[0] / q8[0]:7.2f} ({wide[1] / q8[1]:.2f}){mt:>10d}")
+
+
 def print_isa_compare(res: dict, threads: int) -> None:
     print(f"µs per product, best of rounds, {threads} thread(s); ratio = avx2 / avx512; load "
           f"average {os.getloadavg()[0]:.1f}")
@@ -203,13 +262,29 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--isa-compare", action="store_true",
                     help="time each type on every vector ISA of this CPU (see the docstring)")
-    ap.add_argument("--shapes", default="2048x4096,4096x2048", help="rows x cols (--isa-compare)")
-    ap.add_argument("--tokens", default="1,8", help="tokens per product (--isa-compare)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="native products against wide_linear at prefill widths (docstring)")
+    ap.add_argument("--shapes", help="rows x cols (--isa-compare: 2048x4096,4096x2048; "
+                    f"--prefill: {PREFILL_SHAPES})")
+    ap.add_argument("--tokens", help="tokens per product (--isa-compare: 1,8; --prefill: "
+                    f"{PREFILL_TOKENS})")
     a = ap.parse_args()
+    a.shapes = a.shapes or (PREFILL_SHAPES if a.prefill else "2048x4096,4096x2048")
+    a.tokens = a.tokens or (PREFILL_TOKENS if a.prefill else "1,8")
     torch.set_num_threads(a.threads)
     from expertfs.runtime import kernels
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.status()['reason']}")
+    if a.prefill:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+        res = prefill([GGMLType[n.upper()] for n in a.types.split(",")], shapes,
+                      [int(v) for v in a.tokens.split(",")], a.rounds)
+        if a.json:
+            print(json.dumps({"threads": a.threads, "load_avg": os.getloadavg(),
+                              "us_per_product_cpu_wall": res}, indent=2))
+        else:
+            print_prefill(res, a.threads)
+        return 0
     if a.isa_compare:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
         res = isa_compare([GGMLType[n.upper()] for n in a.types.split(",")], shapes,

@@ -31,7 +31,7 @@ callers fall back to their torch paths.
 """
 
 from .build import load, status
-from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, act_quant_mode, attn_decode, available, dequant,
+from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, WIDE_TYPES_Q8, act_quant_mode, attn_decode, available, dequant,
                   matvec,
                   max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, rms_norm,
                   route, set_spin_us, set_threads)
@@ -40,4 +40,4 @@ __all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "dequa
            "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "max_tokens", "WIDE_TYPES"]
+           "attn_decode", "route", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8"]

@@ -14,7 +14,7 @@ from .build import load
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "max_tokens", "WIDE_TYPES"]
+           "attn_decode", "route", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
@@ -50,15 +50,36 @@ def available() -> bool:
     return load() is not None
 
 
-#: Types whose AVX-512 kernels take up to 8 tokens per pass over the weights (two rows at a
-#: time): up to this many tokens they beat dequantize + float matmul (bench/bench_kernels.py).
-WIDE_TYPES = {GGMLType.Q4_0: 128, GGMLType.Q8_0: 128}
+#: Most tokens per native product, per type, under the AVX-512 kernels (exact numerics): the
+#: widest batch, of 32, 64, 128 and 256 tokens, at which the native product beats
+#: ``runtime.model.wide.wide_linear`` (native dequantization + F.linear) over the expert and
+#: trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Types not listed, and every
+#: type on the other ISAs, keep the caller's default.
+WIDE_TYPES = {
+    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
+    GGMLType.Q3_K: 128, GGMLType.Q4_0: 256, GGMLType.Q8_0: 256, GGMLType.Q4_1: 64,
+    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.MXFP4: 64, GGMLType.IQ4_XS: 128,
+    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 256, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 64, GGMLType.IQ1_M: 128,
+    GGMLType.TQ1_0: 128, GGMLType.TQ2_0: 128,
+}
+
+#: The same for ``act_quant="q8"`` (the native q8 product against ``wide_linear``).
+WIDE_TYPES_Q8 = {
+    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
+    GGMLType.Q3_K: 256, GGMLType.Q4_0: 128, GGMLType.Q8_0: 128, GGMLType.Q4_1: 64,
+    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.IQ4_XS: 128, GGMLType.IQ4_NL: 256, GGMLType.IQ2_XXS: 256,
+    GGMLType.IQ2_XS: 256, GGMLType.IQ2_S: 256, GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 256,
+    GGMLType.IQ1_S: 256, GGMLType.IQ1_M: 256, GGMLType.TQ1_0: 256, GGMLType.TQ2_0: 256,
+}
 
 
-def max_tokens(ggml_type: GGMLType, default: int) -> int:
-    """Most tokens one native product should take for ``ggml_type`` (more: dequantize once and
-    multiply as a matrix): ``WIDE_TYPES``' figure under the AVX-512 kernels, else ``default``."""
-    wide = WIDE_TYPES.get(ggml_type)
+def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
+    """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
+    (more: dequantize once and multiply as a matrix): ``WIDE_TYPES``' (q8: ``WIDE_TYPES_Q8``'s)
+    figure under the AVX-512 kernels, else ``default``."""
+    table = WIDE_TYPES if _moe_mode(act_quant) == 0 else WIDE_TYPES_Q8
+    wide = table.get(ggml_type)
     if wide is None:
         return default
     mod = load()

@@ -268,6 +268,7 @@ EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
 }  // namespace
 
 RowsFn avx512_rows(int type, int mode) {
+    if (RowsFn f = avx512_k_rows(type, mode)) return f;   // the K-quants (kern_k_avx512.cpp)
     if (mode == 0 && type == T_Q4_K) return rows_ex_q4_k_z;
     if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;
     if (mode == 0 && type == T_Q8_0) return rows_ex_q8_0_z;

@@ -585,6 +585,13 @@ pybind11::dict info() {
     }
     d["avx512_iq_exact_types"] = ze;
     d["avx512_iq_q8_types"] = zq;
+    pybind11::list ke, kq;              // the K-quants' AVX-512 kernels in use here
+    for (int t : all) {
+        if (g_bw && avx512_k_rows(t, 0) != nullptr) ke.append(t);
+        if (g_bw && avx512_k_rows(t, 1) != nullptr) kq.append(t);
+    }
+    d["avx512_k_exact_types"] = ke;
+    d["avx512_k_q8_types"] = kq;
     d["iq_tables"] = g_iq.ok;
     return d;
 }

@@ -320,13 +320,55 @@ def _child(q, x, w, gate, up, down, types, ff, ref):
 
 
 def test_max_tokens_follows_the_isa():
-    """Q4_0 and Q8_0 take prefill-sized batches natively only where their AVX-512 several-token
-    kernels run; other types and ISAs keep the caller's default."""
-    assert kernels.max_tokens(T.Q4_K, 32) == 32
-    if "avx512" in isas():
-        assert kernels.max_tokens(T.Q4_0, 32) == kernels.WIDE_TYPES[T.Q4_0] > 32
+    """The types whose AVX-512 kernels beat native dequantization + F.linear at prefill widths
+    (``WIDE_TYPES``, per numerics) take that many tokens natively where those kernels run; other
+    types and ISAs keep the caller's default."""
+    assert kernels.max_tokens(T.F16, 32) == kernels.max_tokens(T.F16, 32, "q8") == 32
+    assert set(kernels.ops.WIDE_TYPES_Q8) <= set(kernels.WIDE_TYPES) <= kernels.TYPES
+    for t, n in kernels.WIDE_TYPES.items():
+        assert kernels.max_tokens(t, 32) == (n if "avx512" in isas() else 32), t.name
+        q8 = kernels.ops.WIDE_TYPES_Q8.get(t, 32)
+        assert kernels.max_tokens(t, 32, "q8") == (q8 if "avx512" in isas() else 32), t.name
     MOD.set_isa("scalar")
     try:
-        assert kernels.max_tokens(T.Q4_0, 32) == 32
+        assert kernels.max_tokens(T.Q4_0, 32) == kernels.max_tokens(T.Q6_K, 32, "q8") == 32
     finally:
         MOD.set_isa("best")
+
+
+_KZ_EXACT = (T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K)
+_KZ_Q8 = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+@pytest.mark.skipif("avx512" not in isas(), reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("aq", ["off", "q8"])
+@pytest.mark.parametrize("t", _K[:5], ids=lambda t: t.name)
+def test_avx512_k_quants_give_the_avx2_bits_for_any_batch(t, aq):
+    """The K-quants' AVX-512 kernels (exact: two rows per vector, the last odd row through the
+    AVX2 code; q8: 8 tokens per pass) give the AVX2 kernels' results bit for bit, per shape and
+    token count (passes of each size, several passes); and on every ISA a token's result does
+    not depend on the batch it comes in (exact Q4_K keeps its own AVX-512 table-lookup kernel,
+    whose results differ from the AVX2 ones in the last bits)."""
+    info = MOD.info()
+    assert (int(t) in info["avx512_k_exact_types"]) == (t in _KZ_EXACT)
+    assert (int(t) in info["avx512_k_q8_types"]) == (t in _KZ_Q8)
+    for k, cols in enumerate((256, 768)):
+        rows = 29 + 8 * k                                     # odd
+        raw = weight(t, rows, cols, int(t) * 5 + k)
+        x = torch.randn(17, cols, generator=torch.Generator().manual_seed(k + 40))
+        x[2, :32] = 0.0
+        got, alone = {}, {}
+        for name in ("avx2", "avx512"):
+            MOD.set_isa(name)
+            try:
+                got[name] = {nt: kernels.matvec(x[:nt], raw, t, (rows, cols), aq)
+                             for nt in (1, 2, 4, 5, 8, 12, 17)}
+                alone[name] = torch.cat([kernels.matvec(x[i:i + 1], raw, t, (rows, cols), aq)
+                                         for i in range(17)])
+            finally:
+                MOD.set_isa("best")
+        for nt, y in got["avx512"].items():
+            for name in ("avx2", "avx512"):
+                assert torch.equal(got[name][nt], alone[name][:nt]), (name, cols, nt)
+            if not (t == T.Q4_K and aq == "off"):
+                assert torch.equal(y, got["avx2"][nt]), (cols, nt)

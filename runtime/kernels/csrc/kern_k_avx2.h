@@ -1,0 +1,235 @@
+// The exact K-quant kernels of the AVX2 unit (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), shared by
+// kern_avx2.cpp and kern_k_avx512.cpp: the includer defines EFS_KT, the kernels' target
+// attribute (kern_avx2.cpp: AVX2; kern_k_avx512.cpp: AVX-512VL, whose 32 vector registers
+// hold the accumulators of 8 tokens), so both compile the same operations in the same order
+// and give the same bits. Included only by those units, after kern_avx2_util.h.
+#pragma once
+
+#include "kern_avx2_util.h"
+
+#ifndef EFS_KT
+#error "define EFS_KT (the kernels' target attribute) before including kern_k_avx2.h"
+#endif
+
+namespace efs {
+namespace {
+
+// The 12 scale bytes of a Q4_K/Q5_K block -> bytes 0..7: the 8 6-bit scales, bytes 8..15: the
+// 8 6-bit mins (ggml get_scale_min_k4), in vector registers. Reads 16 bytes (the 4 after the
+// scales are the block's own).
+EFS_TI __m128i k4_scales_v(const uint8_t* s12) {
+    const __m128i v = loadu128(s12);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11,
+                                                        4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3,
+                                                        -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i lo = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15,
+                                                      63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i hi4 = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(3)), 4);
+    return _mm_or_si128(_mm_or_si128(lo, hi4), top);
+}
+
+EFS_TI __m256 u8x8_ps(const void* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+EFS_TI __m256 i8x8_ps(const void* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+template <int NT, bool FIVE>
+EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const float* xp[NT];
+    const float* s32[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    const __m256 moff = magic(0.f);
+    alignas(32) float scs[8];
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT], am[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            const __m128i sm = k4_scales_v(b + 4);
+            uint32_t dd;
+            memcpy(&dd, b, 4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));       // d, dmin
+            _mm256_store_ps(scs, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
+                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+            const __m256 mn = _mm256_mul_ps(
+                _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+            for (int t = 0; t < NT; ++t)
+                am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
+            const uint8_t* q = b + (FIVE ? 48 : 16);
+            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = loadu256(q + 32 * j);
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (FIVE) {   // bit 2j / 2j+1 of qh[l] is the fifth bit of sub-block 2j / 2j+1
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+                    hb = _mm256_srli_epi16(hb, 2);
+                }
+                const int64_t o = 256 * i + 64 * j;
+                grp<NT>(lo, moff, xp, o, _mm256_broadcast_ss(scs + 2 * j), a0);
+                grp<NT>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs + 2 * j + 1), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t)
+            out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) - hsum(am[t]));
+    }
+}
+
+// Q6_K: ql[128], qh[64], scales:i8[16], d. Half h, vector k (elements 128h + 32k + l):
+// q = nibble (k>=2) of ql[64h + 32(k&1) + l] | ((qh[32h + l] >> 2k) & 3) << 4, minus 32;
+// scale 8h + 2k + (l >= 16).
+template <int NT>
+EFS_KT void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256 moff = magic(32.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 210) {
+            const __m256 d = _mm256_set1_ps(f16(b + 208));
+            const __m256 S[2] = {_mm256_mul_ps(d, i8x8_ps(b + 192)),
+                                 _mm256_mul_ps(d, i8x8_ps(b + 200))};
+            for (int h = 0; h < 2; ++h) {
+                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+                const __m256i QH = loadu256(b + 128 + 32 * h);
+                const __m256i q0 = _mm256_or_si256(_mm256_and_si256(A, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
+                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(B, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
+                const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                    _mm256_and_si256(QH, m30));
+                const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+                const int64_t o = 256 * i + 128 * h;
+                grp<NT>(q0, moff, xp, o, pair_scale(S[h], 0), a0);
+                grp<NT>(q1, moff, xp, o + 32, pair_scale(S[h], 1), a1);
+                grp<NT>(q2, moff, xp, o + 64, pair_scale(S[h], 2), a0);
+                grp<NT>(q3, moff, xp, o + 96, pair_scale(S[h], 3), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
+    }
+}
+
+// Q2_K: scales[16] (lo nibble scale, hi nibble min), qs[64], d, dmin. Half n, vector j
+// (elements 128n + 32j + l): q = (qs[32n + l] >> 2j) & 3; scale/min 8n + 2j + (l >= 16).
+template <int NT>
+EFS_KT void ex_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    const float* s16[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s16[t] = xs[t].s16; }
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256 moff = magic(0.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT], am[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 84) {
+            const __m128i sc = loadu128(b);
+            alignas(16) uint8_t sl[16], sh[16];
+            _mm_store_si128((__m128i*)sl, _mm_and_si128(sc, m4));
+            _mm_store_si128((__m128i*)sh, _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
+            const __m256 d = _mm256_set1_ps(f16(b + 80)), dm = _mm256_set1_ps(f16(b + 82));
+            const __m256 S[2] = {_mm256_mul_ps(d, u8x8_ps(sl)), _mm256_mul_ps(d, u8x8_ps(sl + 8))};
+            const __m256 M0 = _mm256_mul_ps(dm, u8x8_ps(sh)), M1 = _mm256_mul_ps(dm, u8x8_ps(sh + 8));
+            for (int t = 0; t < NT; ++t) {
+                am[t] = _mm256_fmadd_ps(M0, _mm256_loadu_ps(s16[t] + 16 * i), am[t]);
+                am[t] = _mm256_fmadd_ps(M1, _mm256_loadu_ps(s16[t] + 16 * i + 8), am[t]);
+            }
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 16 + 32 * n);
+                const int64_t o = 256 * i + 128 * n;
+                grp<NT>(_mm256_and_si256(Q, m3), moff, xp, o, pair_scale(S[n], 0), a0);
+                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 2), m3), moff, xp, o + 32,
+                        pair_scale(S[n], 1), a1);
+                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 4), m3), moff, xp, o + 64,
+                        pair_scale(S[n], 2), a0);
+                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 6), m3), moff, xp, o + 96,
+                        pair_scale(S[n], 3), a1);
+            }
+        }
+        for (int t = 0; t < NT; ++t)
+            out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) - hsum(am[t]));
+    }
+}
+
+EFS_TI void q3k_scales(const uint8_t* s12, int8_t* out) {
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t aux[4];
+    memcpy(aux, s12, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    memcpy(out, aux, 16);
+}
+
+// Q3_K: hmask[32], qs[64], scales[12] (6-bit, minus 32), d. Half n, vector j (elements
+// 128n + 32j + l): q = ((qs[32n + l] >> 2j) & 3) + 4 * bit(4n + j) of hmask[l] - 4.
+template <int NT>
+EFS_KT void ex_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
+    const __m256 moff = magic(4.f);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 110) {
+            alignas(16) int8_t sc[16];
+            q3k_scales(b + 96, sc);
+            _mm_store_si128((__m128i*)sc, _mm_sub_epi8(_mm_load_si128((const __m128i*)sc),
+                                                        _mm_set1_epi8(32)));
+            const __m256 d = _mm256_set1_ps(f16(b + 108));
+            const __m256 S[2] = {_mm256_mul_ps(d, i8x8_ps(sc)), _mm256_mul_ps(d, i8x8_ps(sc + 8))};
+            __m256i hb = loadu256(b);
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 32 + 32 * n);
+                const int64_t o = 256 * i + 128 * n;
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
+                    hb = _mm256_srli_epi16(hb, 1);
+                    grp<NT>(q, moff, xp, o + 32 * j, pair_scale(S[n], j), (j & 1) ? a1 : a0);
+                }
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
+    }
+}
+
+}  // namespace
+}  // namespace efs

@@ -1,0 +1,642 @@
+// The K-quants Q2_K, Q3_K, Q5_K, Q6_K (exact) and Q2_K ... Q6_K (q8) on CPUs with AVX-512
+// (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
+// (kern_k_avx2.h, kern_avx2.cpp's vd_q2_k ... vd_q6_k) in wider forms that give their results
+// bit for bit, so a model's logits do not depend on the ISA, on the batch or on how the tokens
+// are cut into passes. Exact Q4_K keeps kern_avx512.cpp's table-lookup kernel.
+//
+//  - exact: two rows per 512-bit vector (see below), passes of up to 8 tokens: each group of
+//    weights is decoded once for both rows and 8 tokens, each activation load serves two rows.
+//    CPUs that run 512-bit operations at full width do twice the AVX2 unit's work per operation.
+//  - q8: a block's scales and values are decoded once for up to 8 tokens (256-bit operations;
+//    AVX-512VL's 32 registers hold the 8 tokens' sums), where the AVX2 unit decodes them again
+//    for each token.
+#include "kern.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include "kern_avx2_util.h"
+
+#define EFS_Z __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
+#define EFS_ZI __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"), \
+                              always_inline)) inline
+#define EFS_KT EFS_Z
+#include "kern_k_avx2.h"
+
+namespace efs {
+namespace {
+
+// --- exact mode: two rows per 512-bit vector ---------------------------------------------
+//
+// Lanes 0..7 of every vector are row r's AVX2 lanes, lanes 8..15 row r + 1's: the weights of
+// the two rows' groups are loaded into the two halves and decoded by the 512-bit forms of the
+// AVX2 unit's operations (all of which work within 128-bit lanes, so each half gets what the
+// AVX2 unit computes for its row), each activation vector of 8 is loaded once and broadcast to
+// both halves, and the scales are the rows' own. Per lane the same products, sums and scales in
+// the same order as the AVX2 kernel, and at the end the AVX2 unit's hsum(a0 + a1) (- hsum(am))
+// of each half. A last odd row goes to the AVX2 kernel's code.
+
+EFS_ZI __m512i ld2(const uint8_t* p0, const uint8_t* p1) {      // [32 bytes at p0 | at p1]
+    return _mm512_inserti64x4(_mm512_castsi256_si512(loadu256(p0)), loadu256(p1), 1);
+}
+
+EFS_ZI __m512 ps2(__m256 a, __m256 b) {                          // [a | b]
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                                               _mm256_castps_pd(b), 1));
+}
+
+EFS_ZI __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
+EFS_ZI __m256 hi8(__m512 a) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
+EFS_ZI __m512 bc8(const float* p) {                              // [p[0..7] | p[0..7]]
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)p)));
+}
+
+EFS_ZI __m512 halves(const float* lo, const float* hi) {         // [*lo x 8 | *hi x 8]
+    return ps2(_mm256_broadcast_ss(lo), _mm256_broadcast_ss(hi));
+}
+
+// pair_scale of each half: scales 2p (lanes 0..3) and 2p + 1 (lanes 4..7) of each row's 8.
+EFS_ZI __m512 pair_scale2(__m512 s, int p) {
+    const __m512i idx = _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
+                                          2 * p + 1, 2 * p + 1, 8 + 2 * p, 8 + 2 * p, 8 + 2 * p,
+                                          8 + 2 * p, 9 + 2 * p, 9 + 2 * p, 9 + 2 * p, 9 + 2 * p);
+    return _mm512_permutexvar_ps(idx, s);
+}
+
+// u8f (kern_avx2_util.h) of each half.
+EFS_ZI void u8f2(__m512i v, __m512 moff, __m512* w) {
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i mg = _mm512_set1_epi16(0x4B00);
+    const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
+    w[0] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo, mg)), moff);
+    w[1] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo, mg)), moff);
+    w[2] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi, mg)), moff);
+    w[3] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi, mg)), moff);
+}
+
+// grp (kern_avx2_util.h) of each half, the activations shared.
+template <int NT>
+EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m512 scale,
+                 __m512* acc) {
+    __m512 w[4];
+    u8f2(v, moff, w);
+    for (int t = 0; t < NT; ++t) {
+        const float* x = xp[t] + o;
+        __m512 a = _mm512_mul_ps(w[0], bc8(x));
+        a = _mm512_fmadd_ps(w[1], bc8(x + 8), a);
+        a = _mm512_fmadd_ps(w[2], bc8(x + 16), a);
+        a = _mm512_fmadd_ps(w[3], bc8(x + 24), a);
+        acc[t] = _mm512_fmadd_ps(a, scale, acc[t]);
+    }
+}
+
+EFS_ZI __m512 magic2(float off) { return _mm512_set1_ps(8388608.f + off); }
+
+// The AVX2 kernel's result for each half: hsum(a0 + a1) - hsum(am).
+template <int NT, bool MIN>
+EFS_ZI void put2(Out out, int64_t r, const __m512* a0, const __m512* a1, const __m512* am) {
+    for (int t = 0; t < NT; ++t) {
+        float v0 = hsum(_mm256_add_ps(lo8(a0[t]), lo8(a1[t])));
+        float v1 = hsum(_mm256_add_ps(hi8(a0[t]), hi8(a1[t])));
+        if (MIN) {
+            v0 = v0 - hsum(lo8(am[t]));
+            v1 = v1 - hsum(hi8(am[t]));
+        }
+        out.put(t, r, v0);
+        out.put(t, r + 1, v1);
+    }
+}
+
+// Q4_K / Q5_K as ex_q45_k.
+template <int NT, bool FIVE>
+EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const float* xp[NT];
+    const float* s32[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    const __m512 moff = magic2(0.f);
+    alignas(64) float scs[16];
+    const int64_t ahead = pf_ahead(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        pf_row(b0 + 2 * ahead * rb, 2 * rb);
+        __m512 a0[NT], a1[NT], am[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b0 += BYTES, b1 += BYTES) {
+            __m256 mn[2];
+            for (int k = 0; k < 2; ++k) {
+                const uint8_t* b = k ? b1 : b0;
+                const __m128i sm = k4_scales_v(b + 4);
+                uint32_t dd;
+                memcpy(&dd, b, 4);
+                const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+                _mm256_store_ps(scs + 8 * k, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+                mn[k] = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+            }
+            const __m512 mn2 = ps2(mn[0], mn[1]);
+            for (int t = 0; t < NT; ++t) am[t] = _mm512_fmadd_ps(mn2, bc8(s32[t] + 8 * i), am[t]);
+            const int qo = FIVE ? 48 : 16;
+            __m512i hb = FIVE ? ld2(b0 + 16, b1 + 16) : _mm512_setzero_si512();
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = ld2(b0 + qo + 32 * j, b1 + qo + 32 * j);
+                __m512i lo = _mm512_and_si512(v, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (FIVE) {
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), m10));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), m10));
+                    hb = _mm512_srli_epi16(hb, 2);
+                }
+                const int64_t o = 256 * i + 64 * j;
+                grp2<NT>(lo, moff, xp, o, halves(scs + 2 * j, scs + 8 + 2 * j), a0);
+                grp2<NT>(hi, moff, xp, o + 32, halves(scs + 2 * j + 1, scs + 9 + 2 * j), a1);
+            }
+        }
+        put2<NT, true>(out, r, a0, a1, am);
+    }
+    if (r < r1) ex_q45_k<NT, FIVE>(W, rb, r, r1, cols, xs, out);
+}
+
+// Q6_K as ex_q6_k.
+template <int NT>
+EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512 moff = magic2(32.f);
+    const int64_t ahead = pf_ahead(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        pf_row(b0 + 2 * ahead * rb, 2 * rb);
+        __m512 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b0 += 210, b1 += 210) {
+            const __m256 d0 = _mm256_set1_ps(f16(b0 + 208)), d1 = _mm256_set1_ps(f16(b1 + 208));
+            const __m512 S[2] = {ps2(_mm256_mul_ps(d0, i8x8_ps(b0 + 192)),
+                                     _mm256_mul_ps(d1, i8x8_ps(b1 + 192))),
+                                 ps2(_mm256_mul_ps(d0, i8x8_ps(b0 + 200)),
+                                     _mm256_mul_ps(d1, i8x8_ps(b1 + 200)))};
+            for (int h = 0; h < 2; ++h) {
+                const __m512i A = ld2(b0 + 64 * h, b1 + 64 * h);
+                const __m512i B = ld2(b0 + 64 * h + 32, b1 + 64 * h + 32);
+                const __m512i QH = ld2(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
+                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(A, m4),
+                    _mm512_and_si512(_mm512_slli_epi16(QH, 4), m30));
+                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(B, m4),
+                    _mm512_and_si512(_mm512_slli_epi16(QH, 2), m30));
+                const __m512i q2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), m4),
+                    _mm512_and_si512(QH, m30));
+                const __m512i q3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), m4),
+                    _mm512_and_si512(_mm512_srli_epi16(QH, 2), m30));
+                const int64_t o = 256 * i + 128 * h;
+                grp2<NT>(q0, moff, xp, o, pair_scale2(S[h], 0), a0);
+                grp2<NT>(q1, moff, xp, o + 32, pair_scale2(S[h], 1), a1);
+                grp2<NT>(q2, moff, xp, o + 64, pair_scale2(S[h], 2), a0);
+                grp2<NT>(q3, moff, xp, o + 96, pair_scale2(S[h], 3), a1);
+            }
+        }
+        put2<NT, false>(out, r, a0, a1, nullptr);
+    }
+    if (r < r1) ex_q6_k<NT>(W, rb, r, r1, cols, xs, out);
+}
+
+// Q2_K as ex_q2_k.
+template <int NT>
+EFS_Z void ex_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    const float* s16[NT];
+    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s16[t] = xs[t].s16; }
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m512 moff = magic2(0.f);
+    const int64_t ahead = pf_ahead(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        pf_row(b0 + 2 * ahead * rb, 2 * rb);
+        __m512 a0[NT], a1[NT], am[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b0 += 84, b1 += 84) {
+            __m256 S[2][2], M[2][2];                    // [row][half]
+            for (int k = 0; k < 2; ++k) {
+                const uint8_t* b = k ? b1 : b0;
+                const __m128i sc = loadu128(b);
+                alignas(16) uint8_t sl[16], sh[16];
+                _mm_store_si128((__m128i*)sl, _mm_and_si128(sc, m4));
+                _mm_store_si128((__m128i*)sh, _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
+                const __m256 d = _mm256_set1_ps(f16(b + 80)), dm = _mm256_set1_ps(f16(b + 82));
+                S[k][0] = _mm256_mul_ps(d, u8x8_ps(sl));
+                S[k][1] = _mm256_mul_ps(d, u8x8_ps(sl + 8));
+                M[k][0] = _mm256_mul_ps(dm, u8x8_ps(sh));
+                M[k][1] = _mm256_mul_ps(dm, u8x8_ps(sh + 8));
+            }
+            const __m512 M0 = ps2(M[0][0], M[1][0]), M1 = ps2(M[0][1], M[1][1]);
+            for (int t = 0; t < NT; ++t) {
+                am[t] = _mm512_fmadd_ps(M0, bc8(s16[t] + 16 * i), am[t]);
+                am[t] = _mm512_fmadd_ps(M1, bc8(s16[t] + 16 * i + 8), am[t]);
+            }
+            for (int n = 0; n < 2; ++n) {
+                const __m512 Sn = ps2(S[0][n], S[1][n]);
+                const __m512i Q = ld2(b0 + 16 + 32 * n, b1 + 16 + 32 * n);
+                const int64_t o = 256 * i + 128 * n;
+                grp2<NT>(_mm512_and_si512(Q, m3), moff, xp, o, pair_scale2(Sn, 0), a0);
+                grp2<NT>(_mm512_and_si512(_mm512_srli_epi16(Q, 2), m3), moff, xp, o + 32,
+                         pair_scale2(Sn, 1), a1);
+                grp2<NT>(_mm512_and_si512(_mm512_srli_epi16(Q, 4), m3), moff, xp, o + 64,
+                         pair_scale2(Sn, 2), a0);
+                grp2<NT>(_mm512_and_si512(_mm512_srli_epi16(Q, 6), m3), moff, xp, o + 96,
+                         pair_scale2(Sn, 3), a1);
+            }
+        }
+        put2<NT, true>(out, r, a0, a1, am);
+    }
+    if (r < r1) ex_q2_k<NT>(W, rb, r, r1, cols, xs, out);
+}
+
+// Q3_K as ex_q3_k.
+template <int NT>
+EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    const __m512i m3 = _mm512_set1_epi8(3), m04 = _mm512_set1_epi8(4);
+    const __m512 moff = magic2(4.f);
+    const int64_t ahead = pf_ahead(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        pf_row(b0 + 2 * ahead * rb, 2 * rb);
+        __m512 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b0 += 110, b1 += 110) {
+            __m256 S[2][2];
+            for (int k = 0; k < 2; ++k) {
+                const uint8_t* b = k ? b1 : b0;
+                alignas(16) int8_t sc[16];
+                q3k_scales(b + 96, sc);
+                _mm_store_si128((__m128i*)sc, _mm_sub_epi8(_mm_load_si128((const __m128i*)sc),
+                                                            _mm_set1_epi8(32)));
+                const __m256 d = _mm256_set1_ps(f16(b + 108));
+                S[k][0] = _mm256_mul_ps(d, i8x8_ps(sc));
+                S[k][1] = _mm256_mul_ps(d, i8x8_ps(sc + 8));
+            }
+            __m512i hb = ld2(b0, b1);
+            for (int n = 0; n < 2; ++n) {
+                const __m512 Sn = ps2(S[0][n], S[1][n]);
+                const __m512i Q = ld2(b0 + 32 + 32 * n, b1 + 32 + 32 * n);
+                const int64_t o = 256 * i + 128 * n;
+                for (int j = 0; j < 4; ++j) {
+                    const __m512i q = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                        _mm512_and_si512(_mm512_slli_epi16(hb, 2), m04));
+                    hb = _mm512_srli_epi16(hb, 1);
+                    grp2<NT>(q, moff, xp, o + 32 * j, pair_scale2(Sn, j), (j & 1) ? a1 : a0);
+                }
+            }
+        }
+        put2<NT, false>(out, r, a0, a1, nullptr);
+    }
+    if (r < r1) ex_q3_k<NT>(W, rb, r, r1, cols, xs, out);
+}
+
+template <int NT> EFS_Z void ex_q5_k_p(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { ex_q45_k_z<NT, true>(W, rb, r0, r1, cols, xs, o); }
+
+// Passes of up to PER (8) tokens, every pass size by the two-row kernels (from one token on they
+// beat the AVX2 unit's on this tier).
+template <int PER, template <int> class K>
+EFS_Z void rows_kz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
+    for (int t0 = 0; t0 < nt; t0 += PER) {
+        const int n = nt - t0 < PER ? nt - t0 : PER;
+        const Out o{y + (int64_t)t0 * ys, ys, alpha, accumulate};
+        const XPrep* x = xs + t0;
+        switch (n) {
+            case 1: K<1>::run(W, rb, r0, r1, cols, x, o); break;
+            case 2: K<2>::run(W, rb, r0, r1, cols, x, o); break;
+            case 3: K<3>::run(W, rb, r0, r1, cols, x, o); break;
+            case 4: K<4>::run(W, rb, r0, r1, cols, x, o); break;
+            case 5: K<5>::run(W, rb, r0, r1, cols, x, o); break;
+            case 6: K<6>::run(W, rb, r0, r1, cols, x, o); break;
+            case 7: K<7>::run(W, rb, r0, r1, cols, x, o); break;
+            default: K<8>::run(W, rb, r0, r1, cols, x, o); break;
+        }
+    }
+}
+
+#define EFS_KZ_KERN(name)                                                                      \
+    template <int NT> struct K_##name {                                                         \
+        EFS_ZI static void run(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,           \
+                               int64_t cols, const XPrep* xs, Out o) {                          \
+            name<NT>(W, rb, r0, r1, cols, xs, o);                                              \
+        }                                                                                       \
+    };
+EFS_KZ_KERN(ex_q5_k_p) EFS_KZ_KERN(ex_q6_k_z) EFS_KZ_KERN(ex_q2_k_z)
+EFS_KZ_KERN(ex_q3_k_z)
+
+// --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
+//
+// The AVX2 unit's vd_q2_k ... vd_q6_k (kern_avx2.cpp: ggml-cpu's integer dot products) for up
+// to 8 tokens at once: a block's scales and 4-, 5- or 6-bit values are decoded once and
+// multiplied by each token's activations; per token the same integer sums and the same float
+// operations in the same order, so the same bits.
+
+EFS_ZI void k4_scales_u(const uint8_t* s12, uint32_t* u) {     // as kern_avx2.cpp k4_scales
+    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+    const uint32_t ua = u[1] & km1;
+    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+    u[2] = ua;
+    u[0] &= km1;
+}
+
+EFS_ZI __m256i pair16_z(int a, int b) {   // 16-bit lanes: a in the low 128, b in the high 128
+    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
+}
+
+template <int NT, bool FIVE>
+EFS_Z void q8_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 acc[NT];
+        float accm[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            uint32_t u[4];
+            k4_scales_u(b + 4, u);
+            const uint8_t* sc = (const uint8_t*)&u[0];
+            const uint8_t* mn = (const uint8_t*)&u[2];
+            const float dmin = f16(b + 2), d = f16(b);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) {
+                const int16_t* bs = y[t][i].bsums;
+                int msum = 0;
+                for (int s = 0; s < 8; ++s) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+                accm[t] += y[t][i].d * dmin * (float)msum;
+                sumi[t] = _mm256_setzero_si256();
+            }
+            const uint8_t* q = b + (FIVE ? 48 : 16);
+            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = loadu256(q + 32 * j);
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (FIVE) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+                    hb = _mm256_srli_epi16(hb, 2);
+                }
+                const __m256i sl = _mm256_set1_epi16(sc[2 * j]);
+                const __m256i sh = _mm256_set1_epi16(sc[2 * j + 1]);
+                for (int t = 0; t < NT; ++t) {
+                    const int8_t* q8 = y[t][i].qs;
+                    const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(
+                        lo, loadu256((const uint8_t*)(q8 + 64 * j))));
+                    const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(
+                        hi, loadu256((const uint8_t*)(q8 + 64 * j + 32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
+    }
+}
+
+template <int NT>
+EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i m32 = _mm256_set1_epi8(32);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 210) {
+            const int8_t* sc = (const int8_t*)(b + 192);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int h = 0; h < 2; ++h) {
+                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+                const __m256i QH = loadu256(b + 128 + 32 * h);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(A, m4),
+                                       _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
+                q[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
+                                       _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                       _mm256_and_si256(QH, m30));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i s = pair16_z(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * h +
+                                                                      32 * k));
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
+                                                           _mm256_maddubs_epi16(m32, yv8));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            const float d = f16(b + 208);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
+    }
+}
+
+// Q2_K as vd_q2_k.
+template <int NT>
+EFS_Z void q8_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 acc[NT];
+        float accm[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b += 84) {
+            const uint8_t* sc = b;
+            const float dmin = f16(b + 82), d = f16(b + 80);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) {
+                int summs = 0;
+                for (int j = 0; j < 16; ++j) summs += y[t][i].bsums[j] * (sc[j] >> 4);
+                accm[t] += y[t][i].d * dmin * (float)summs;
+                sumi[t] = _mm256_setzero_si256();
+            }
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 16 + 32 * n);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i v = _mm256_and_si256(
+                        _mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
+                    const __m256i s = pair16_z(sc[8 * n + 2 * j] & 0xF,
+                                               sc[8 * n + 2 * j + 1] & 0xF);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i p = _mm256_maddubs_epi16(
+                            v, loadu256((const uint8_t*)(y[t][i].qs + 128 * n + 32 * j)));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
+    }
+}
+
+// Q3_K as vd_q3_k.
+template <int NT>
+EFS_Z void q8_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
+    const int64_t ahead = pf_ahead(rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        pf_row(b + ahead * rb, rb);
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 110) {
+            int8_t sc[16];
+            q3k_scales(b + 96, sc);
+            __m256i hb = loadu256(b);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 32 + 32 * n);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
+                    hb = _mm256_srli_epi16(hb, 1);
+                    const __m256i s = pair16_z(sc[8 * n + 2 * j] - 32, sc[8 * n + 2 * j + 1] - 32);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * n +
+                                                                      32 * j));
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv8),
+                                                           _mm256_maddubs_epi16(m04, yv8));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            const float d = f16(b + 108);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
+    }
+}
+
+template <int NT> EFS_Z void q8_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z<NT, false>(W, rb, r0, r1, cols, xs, o); }
+template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z<NT, true>(W, rb, r0, r1, cols, xs, o); }
+
+// Passes of up to 8 tokens; one token goes to the AVX2 kernel (nothing to share).
+#define EFS_KZ_Q8_ROWS(name, TYPE)                                                             \
+    EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
+                           const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
+                           int accumulate) {                                                    \
+        static const RowsFn avx2 = avx2_rows(TYPE, 1);                                          \
+        for (int t0 = 0; t0 < nt; t0 += 8) {                                                    \
+            const int n = nt - t0 < 8 ? nt - t0 : 8;                                            \
+            float* yt = y + (int64_t)t0 * ys;                                                   \
+            const Out o{yt, ys, alpha, accumulate};                                             \
+            switch (n) {                                                                        \
+                case 2: name<2>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 3: name<3>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 4: name<4>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 5: name<5>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 6: name<6>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 7: name<7>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                case 8: name<8>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
+                default: avx2(W, rb, r0, r1, cols, xs + t0, n, yt, ys, alpha, accumulate);      \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+EFS_KZ_Q8_ROWS(q8_q4_k_z, T_Q4_K) EFS_KZ_Q8_ROWS(q8_q5_k_z, T_Q5_K)
+EFS_KZ_Q8_ROWS(q8_q6_k_z, T_Q6_K) EFS_KZ_Q8_ROWS(q8_q2_k_z, T_Q2_K)
+EFS_KZ_Q8_ROWS(q8_q3_k_z, T_Q3_K)
+
+}  // namespace
+
+RowsFn avx512_k_rows(int type, int mode) {
+    static const bool bw = __builtin_cpu_supports("avx512bw");
+    if (!bw) return nullptr;
+    if (mode == 1) {
+        switch (type) {
+            case T_Q4_K: return rows_q8_q4_k_z;
+            case T_Q5_K: return rows_q8_q5_k_z;
+            case T_Q6_K: return rows_q8_q6_k_z;
+            case T_Q2_K: return rows_q8_q2_k_z;
+            case T_Q3_K: return rows_q8_q3_k_z;
+            default: return nullptr;
+        }
+    }
+    switch (type) {            // exact Q4_K: kern_avx512.cpp's table-lookup kernel
+        case T_Q5_K: return rows_kz<8, K_ex_q5_k_p>;
+        case T_Q6_K: return rows_kz<8, K_ex_q6_k_z>;
+        case T_Q2_K: return rows_kz<8, K_ex_q2_k_z>;
+        case T_Q3_K: return rows_kz<8, K_ex_q3_k_z>;
+        default: return nullptr;
+    }
+}
+
+}  // namespace efs
+
+#else  // not x86
+
+namespace efs {
+RowsFn avx512_k_rows(int, int) { return nullptr; }
+}  // namespace efs
+
+#endif
