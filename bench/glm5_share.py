@@ -12,6 +12,11 @@ themselves cost a few microseconds per call, so the sum runs slightly slow; shar
 this prints, beside plain (untimed) rounds for reference.
 
     .venv/bin/python bench/glm5_share.py STORE.efs -n 16 --prompt-tokens 128 -t 2
+
+``--before DIR`` (copies of earlier ``runtime/model/{kda,mla,mhc}.py``, e.g. from ``git show``)
+instead alternates whole rounds (a prefill of the prompt, then ``-n`` decode steps) between
+those modules and the working tree's in the same engine, ``--rounds`` each: the earlier
+version runs with float ``attn_k_b``/``attn_v_b``, as its loader held them. Medians per token.
 """
 
 from __future__ import annotations
@@ -76,6 +81,32 @@ def install(timers: Timers) -> None:
     g5.hc_block = hc_block
 
 
+def before_mode(eng, folder: str):
+    """A switch between the earlier modules in ``folder`` and the working tree's (``on``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from glm5_parts_ab import load_before
+
+    from expertfs.runtime.model.archs import glm5_next as g5
+    from expertfs.runtime.model.archs import glm_dsa as gd
+    old = {m: load_before(folder, m) for m in ("kda", "mla", "mhc")}
+    names = [(g5, "kda_attention", old["kda"].kda_attention),
+             (g5, "mla_attention", old["mla"].mla_attention),
+             (g5, "hc_block", old["mhc"].hc_block), (gd, "mla_attention", old["mla"].mla_attention)]
+    now = [(mod, n, getattr(mod, n)) for mod, n, _ in names]
+    heads = []
+    for blk in eng.model.trunk.blocks:
+        w = getattr(blk.attn, "attn", blk.attn)
+        if hasattr(w, "k_b"):
+            heads.append((w, w.k_b, w.v_b, w.k_b.dense(), w.v_b.dense()))
+
+    def switch(before: bool) -> None:
+        for mod, n, fn in names if before else now:
+            setattr(mod, n, fn)
+        for w, kb, vb, kf, vf in heads:
+            w.k_b, w.v_b = (kf, vf) if before else (kb, vb)
+    return switch
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store")
@@ -83,6 +114,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--before", help="folder of earlier kda/mla/mhc.py: alternate A/B rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="A/B rounds per version")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertfs.runtime.engine import Engine
@@ -102,6 +135,8 @@ def main() -> int:
         return time.perf_counter() - t0
 
     run(2)                                           # warm-up
+    if a.before:
+        return ab(eng, a, prompt, steps)
     plain = min(run(a.n) for _ in range(2))
     timers = Timers()
     install(timers)
@@ -127,6 +162,42 @@ def main() -> int:
           f"{res['timed_ms_per_token']:.1f}; load average {res['load_avg'][0]:.1f}")
     for k, v in sorted(res["ms_per_token"].items(), key=lambda kv: -kv[1]):
         print(f"  {k:8s} {v:8.2f} ms/token  {100 * res['share'][k]:5.1f}%")
+    return 0
+
+
+def ab(eng, a, prompt: list[int], steps: list[int]) -> int:
+    import statistics
+    switch = before_mode(eng, a.before)
+    ts: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []}
+                                             for k in ("before", "after")}
+    for r in range(a.rounds):
+        for k in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            switch(k == "before")
+            eng.reset()
+            t0 = time.perf_counter()
+            eng.prefill(prompt)
+            t1 = time.perf_counter()
+            for t in steps:
+                eng.decode(t)
+            ts[k]["prefill"].append(1e3 * (t1 - t0) / len(prompt))
+            ts[k]["decode"].append(1e3 * (time.perf_counter() - t1) / len(steps))
+    switch(False)
+    eng.close()
+    res = {"store": a.store, "rounds": a.rounds, "n": a.n, "prompt_tokens": a.prompt_tokens,
+           "threads": a.threads, "ms_per_token": {k: {p: {"median": statistics.median(v),
+                                                          "all": v} for p, v in d.items()}
+                                                  for k, d in ts.items()},
+           "load_avg": os.getloadavg()}
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{a.store}: {a.rounds} alternating rounds, {a.threads} threads, load average "
+          f"{res['load_avg'][0]:.1f}")
+    for p in ("prefill", "decode"):
+        b, f = (res["ms_per_token"][k][p] for k in ("before", "after"))
+        print(f"  {p:8s} ms/token before {b['median']:8.1f} "
+              f"({', '.join(f'{x:.0f}' for x in b['all'])})  after {f['median']:8.1f} "
+              f"({', '.join(f'{x:.0f}' for x in f['all'])})")
     return 0
 
 

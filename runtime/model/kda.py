@@ -30,11 +30,13 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn.functional as F
 
+from .. import kernels as native
 from .rope import rms_norm
-from .weights import Linear
+from .weights import Linear, RawTensor
 
 __all__ = ["KDA_TENSORS", "KDAConfig", "KDAWeights", "KDAState", "kda_attention",
-           "short_conv", "decay_gate", "l2_norm", "delta_rule_step", "delta_rule_chunked"]
+           "short_conv", "decay_gate", "l2_norm", "delta_rule_step", "delta_rule_chunked",
+           "stack_rows"]
 
 # field -> GGUF tensor name after ``blk.{i}.`` (llama.cpp's glm5-next names); torch-order shapes
 KDA_TENSORS: dict[str, str] = {
@@ -108,6 +110,11 @@ class KDAWeights:
     o_norm: torch.Tensor              # [Dk]
     wo: Linear
     conv: torch.Tensor = field(init=False, repr=False)   # [3·H·Dk, d_conv], q | k | v
+    # fused products (built here; None where they do not apply): float q|k|v in one matrix,
+    # f_a|g_a|beta in one (float or ggml bytes), f_b and g_b as one native call for a token
+    qkv: Linear | None = field(init=False, repr=False, default=None)
+    w_a: Linear | None = field(init=False, repr=False, default=None)
+    b_rows: list[torch.Tensor] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         convs = [c.float().reshape(-1, c.shape[-1]) for c in (self.q_conv, self.k_conv, self.v_conv)]
@@ -116,6 +123,14 @@ class KDAWeights:
         self.a = self.a.float().reshape(-1)
         self.dt_bias = self.dt_bias.float().reshape(-1)
         self.o_norm = self.o_norm.float().contiguous()
+        if all(m.weight is not None for m in (self.wq, self.wk, self.wv)):
+            self.qkv = stack_rows([self.wq, self.wk, self.wv])
+        self.w_a = stack_rows([self.f_a, self.g_a, self.beta])
+        fb, gb = self.f_b.q, self.g_b.q
+        if (fb is not None and gb is not None and self.f_b.fused and fb.ggml_type == gb.ggml_type
+                and fb.shape == gb.shape and fb.ggml_type in native.TYPES
+                and fb.raw.is_cpu and gb.raw.is_cpu):
+            self.b_rows = [fb.raw.reshape(-1), gb.raw.reshape(-1)]
 
     @classmethod
     def from_tensors(cls, t: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
@@ -187,10 +202,58 @@ def l2_norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
 
 
+def stack_rows(ls: list[Linear]) -> Linear | None:
+    """One ``Linear`` over the rows of ``ls`` (one input width, no biases): float weights
+    concatenated (``ls`` then hold views of it, so no memory is added), or ggml bytes of one
+    type concatenated (a copy: meant for small matrices); None when they differ otherwise."""
+    cols = {m.in_features for m in ls}
+    if len(cols) != 1 or any(m.bias is not None for m in ls):
+        return None
+    shape = (sum(m.out_features for m in ls), cols.pop())
+    if all(m.weight is not None for m in ls):
+        if len({(m.weight.dtype, m.weight.device) for m in ls}) != 1:
+            return None
+        W = torch.cat([m.weight for m in ls])
+        a = 0
+        for m in ls:
+            m.weight, a = W[a:a + m.out_features], a + m.out_features
+        out = Linear(W, None, None, shape)
+    elif all(m.q is not None for m in ls) and len({(m.q.ggml_type, m.q.raw.device)
+                                                     for m in ls}) == 1:
+        raw = torch.cat([m.q.raw.reshape(-1) for m in ls])
+        out = Linear(None, RawTensor("|".join(m.q.name for m in ls), raw, ls[0].q.ggml_type,
+                                     shape), None, shape)
+    else:
+        return None
+    out.fused = ls[0].fused
+    return out
+
+
+def _projections(x: torch.Tensor, w: KDAWeights) -> tuple[torch.Tensor, ...]:
+    """``x [T, D]`` → float32 ``q|k|v [T, 3·H·Dk]`` (before the conv), the decay's and the
+    output gate's pre-activations ``f``, ``gate [T, H·Dk]`` and beta's ``[T, H]``."""
+    qkv = w.qkv(x) if w.qkv is not None else torch.cat((w.wq(x), w.wk(x), w.wv(x)), dim=-1)
+    if w.w_a is not None:
+        fa, ga, b = w.w_a(x).split((w.f_a.out_features, w.g_a.out_features,
+                                    w.beta.out_features), dim=-1)
+    else:
+        fa, ga, b = w.f_a(x), w.g_a(x), w.beta(x)
+    fg = None
+    if x.shape[0] == 1 and w.b_rows is not None:          # both second products in one call
+        fg = native.moe_down_rows(torch.cat((fa, ga)).float(), w.b_rows, w.f_b.q.ggml_type,
+                                  w.f_b.out_features)
+    f, gate = (fg[:1], fg[1:]) if fg is not None else (w.f_b(fa), w.g_b(ga))
+    return qkv.float(), f.float(), gate.float(), b.float()
+
+
 def decay_gate(x: torch.Tensor, w: KDAWeights, cfg: KDAConfig) -> torch.Tensor:
     """Per-channel log-decay ``g [T, H, Dk]`` (float32, ≤ 0)."""
-    T = x.shape[0]
-    f = (w.f_b(w.f_a(x)).float() + w.dt_bias).view(T, cfg.n_head, cfg.head_dim)
+    return _log_decay(w.f_b(w.f_a(x)).float(), w, cfg)
+
+
+def _log_decay(f: torch.Tensor, w: KDAWeights, cfg: KDAConfig) -> torch.Tensor:
+    """``g`` from the gate's pre-activation ``f = Wf_b Wf_a x [T, H·Dk]`` (float32)."""
+    f = (f + w.dt_bias).view(f.shape[0], cfg.n_head, cfg.head_dim)
     a = w.a.view(1, cfg.n_head, 1)                                     # -exp(A_log)
     if cfg.lower_bound is not None:
         return cfg.lower_bound * torch.sigmoid(-a * f)
@@ -216,55 +279,99 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return out, S
 
 
-def _chunk_spans(g: torch.Tensor, chunk: int) -> list[float]:
-    """Per chunk, the largest log-decay from its first token to its last (one host sync)."""
-    T = g.shape[0]
-    pad = (-T) % chunk
-    gg = F.pad(g, (0, 0, 0, 0, 0, pad)).view(-1, chunk, *g.shape[1:])
-    return (-gg[:, 1:].sum(1)).flatten(1).amax(1).tolist()
+#: chunks whose intra-chunk terms are formed in one batch (bounds the temporaries' size)
+CHUNK_GROUP = 32
+
+
+def _blocks(x: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """``[T, H, *]`` → ``[n, H, chunk, *]``, zero-padded at the end to ``n·chunk`` tokens."""
+    pad = n * chunk - x.shape[0]
+    if pad:
+        x = torch.cat((x, x.new_zeros((pad, *x.shape[1:]))))
+    return x.view(n, chunk, *x.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """``(I + L)⁻¹`` for strictly lower triangular ``L [..., C, C]``: ``L`` is nilpotent, so the
+    inverse is the finite series ``Σ (-L)^j = (I - L)(I + L²)(I + L⁴)…`` (a few batched
+    products instead of a triangular solve per matrix)."""
+    C = L.shape[-1]
+    N = -L
+    P = N + torch.eye(C, dtype=L.dtype, device=L.device)
+    span = 2
+    while span < C:
+        N = N @ N
+        P = P + P @ N
+        span *= 2
+    return P
+
+
+def _intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
+           beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The terms of ``n`` chunks that do not depend on the state, for ``[n, H, C, *]`` inputs
+    (``G`` the cumulative log-decay): ``u = M⁻¹ β v``, ``wq = [M⁻¹ β (k⊙Γ) ; q⊙Γ]``,
+    ``tril(A_qk)``, ``kd = k ⊙ Γ_last/Γ`` and ``Γ_last``. Every decay is taken from
+    ``e = exp(G - G_0)`` (in ``[exp(-span), 1]``, so ``1/e`` stays finite in the factored form)."""
+    n, H, C, _ = q.shape
+    G0 = G[:, :, :1]
+    e = (G - G0).exp()
+    e0 = G0.exp()                                                  # [n, H, 1, Dk]
+    kr = k / e                                                     # k ⊙ exp(G_0 - G)
+    ke, qe = k * e, q * e
+    A_kk, A_qk = ke @ kr.transpose(2, 3), qe @ kr.transpose(2, 3)   # [n, H, C, C]
+    spans = (G0 - G[:, :, -1:]).amax(dim=(1, 2, 3))              # per chunk, ≥ 0
+    big = (spans > _MAX_SPAN).nonzero()[:, 0].tolist()           # one host sync
+    if big:                       # exp would overflow: the decays themselves (all ≤ 1)
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        for i in big:
+            dec = (G[i, :, :, None, :] - G[i, :, None, :, :]).masked_fill(
+                ~causal[None, :, :, None], float("-inf")).exp()
+            A_kk[i] = torch.einsum("htd,hsd,htsd->hts", k[i], k[i], dec)
+            A_qk[i] = torch.einsum("htd,hsd,htsd->hts", q[i], k[i], dec)
+        G_last = G[:, :, -1:]
+        kd, eG = k * (G_last - G).exp(), G.exp()
+    else:
+        kd, eG = kr * e[:, :, -1:], None
+    Dv = v.shape[-1]
+    kg, qg = (ke * e0, qe * e0) if eG is None else (k * eG, q * eG)   # ⊙ Γ = exp G
+    sol = _unit_lower_inverse((A_kk * beta[..., None]).tril_(-1)) @ (
+        beta[..., None] * torch.cat((v, kg), dim=-1))
+    return (sol[..., :Dv], torch.cat((sol[..., Dv:], qg), dim=2), A_qk.tril(), kd,
+            (G[:, :, -1:]).exp())
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, S: torch.Tensor,
                        chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same recurrence in chunks of ``chunk`` tokens (the last may be shorter).
+    """The same recurrence in chunks of ``chunk`` tokens (the last one zero-padded: a padded
+    token has no key, value, decay or beta, so it changes nothing).
 
-    Within a chunk, with ``G`` the cumulative log-decay and ``Γ = exp G``: the deltas solve
-    ``(I + tril₋₁(β ⊙ A_kk)) δ = β ⊙ (v - (k⊙Γ) S)``, ``o = (q⊙Γ) S + tril(A_qk) δ``,
-    ``S ← Γ_last ⊙ S + (k ⊙ Γ_last/Γ)ᵀ δ``, where ``A_xk[t, s] = Σ_d x_td k_sd exp(G_td - G_sd)``.
-    ``A`` is a product of matrices ``x⊙exp(G - G_0)`` and ``k⊙exp(G_0 - G)`` when the chunk's
-    decay span keeps ``exp`` finite (``_MAX_SPAN``), else it is formed from the decays
-    themselves (all ≤ 1), so no chunk overflows.
+    Within a chunk, with ``G`` the cumulative log-decay and ``Γ = exp G``: the deltas are
+    ``δ = u - w S`` with ``u = M⁻¹ β v``, ``w = M⁻¹ β (k⊙Γ)``, ``M = I + tril₋₁(β ⊙ A_kk)``;
+    ``o = (q⊙Γ) S + tril(A_qk) δ``, ``S ← Γ_last ⊙ S + (k ⊙ Γ_last/Γ)ᵀ δ``, where
+    ``A_xk[t, s] = Σ_d x_td k_sd exp(G_td - G_sd)``. Everything but the state's passage from
+    chunk to chunk is formed for ``CHUNK_GROUP`` chunks at once; ``A`` is a product of
+    matrices ``x⊙exp(G - G_0)`` and ``k⊙exp(G_0 - G)`` when the chunk's decay span keeps
+    ``exp`` finite (``_MAX_SPAN``), else it is formed from the decays themselves (all ≤ 1), so
+    no chunk overflows. Each chunk's step is two batched products and two fused ones.
     """
-    T = q.shape[0]
-    spans = _chunk_spans(g, chunk)
+    T, C = q.shape[0], chunk
+    n = -(-T // C)
+    blocks = [_blocks(x, n, C) for x in (q, k, v, g)]
+    bb = _blocks(beta[..., None], n, C)[..., 0]                       # [n, H, C]
     outs = []
-    for ci, s0 in enumerate(range(0, T, chunk)):
-        sl = slice(s0, min(s0 + chunk, T))
-        qc, kc, vc = (x[sl].transpose(0, 1) for x in (q, k, v))      # [H, C, *]
-        bc = beta[sl].t()                                               # [H, C]
-        G = g[sl].transpose(0, 1).cumsum(1)                             # [H, C, Dk]
-        C = G.shape[1]
-        if spans[ci] <= _MAX_SPAN:
-            kr = kc * (G[:, :1] - G).exp()
-            left = torch.cat((kc, qc), dim=1) * (G - G[:, :1]).exp().repeat(1, 2, 1)
-            A_kk, A_qk = (left @ kr.transpose(1, 2)).split(C, dim=1)
-            A_qk = A_qk.tril()
-        else:
-            causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-            dec = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(
-                ~causal[None, :, :, None], float("-inf")).exp()
-            A_kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, dec)
-            A_qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, dec)
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
-        M = (A_kk * bc[:, :, None]).tril(-1) + eye
-        eG = G.exp()
-        rhs = bc[..., None] * (vc - (kc * eG) @ S)                      # [H, C, Dv]
-        delta = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
-        outs.append(((qc * eG) @ S + A_qk @ delta).transpose(0, 1))
-        G_last = G[:, -1:, :]                                           # [H, 1, Dk]
-        S = S * G_last.transpose(1, 2).exp() + (kc * (G_last - G).exp()).transpose(1, 2) @ delta
-    return torch.cat(outs, dim=0), S
+    for a in range(0, n, CHUNK_GROUP):
+        b = min(n, a + CHUNK_GROUP)
+        qb, kb, vb, gb = (x[a:b] for x in blocks)
+        u, wq, A_qk, kd, dl = _intra(qb, kb, vb, gb.cumsum(2), bb[a:b])
+        kdt, dl = kd.transpose(2, 3), dl.transpose(2, 3)              # [n, H, Dk, C], [n, H, Dk, 1]
+        for i in range(b - a):
+            r = wq[i] @ S                                             # [H, 2C, Dv]
+            delta = u[i] - r[:, :C]
+            outs.append(torch.baddbmm(r[:, C:], A_qk[i], delta))
+            S = (S * dl[i]).baddbmm_(kdt[i], delta)
+    o = torch.stack(outs).transpose(1, 2).reshape(n * C, *v.shape[1:])
+    return o[:T], S
 
 
 def kda_attention(x: torch.Tensor, w: KDAWeights, cfg: KDAConfig, state: KDAState, layer: int,
@@ -273,19 +380,18 @@ def kda_attention(x: torch.Tensor, w: KDAWeights, cfg: KDAConfig, state: KDAStat
 
     ``recurrent``: token-by-token recurrence (default for T = 1) or chunked (default T > 1)."""
     T, H, Dk = x.shape[0], cfg.n_head, cfg.head_dim
-    qkv = torch.cat((w.wq(x), w.wk(x), w.wv(x)), dim=-1)
+    qkv, f, gate, beta = _projections(x, w)
     qkv = short_conv(qkv, w.conv, state.conv[layer]).view(T, 3, H, Dk)
     q, k, v = qkv.unbind(1)
-    q = l2_norm(q) * Dk ** -0.5
+    q = l2_norm(q).mul_(Dk ** -0.5)
     k = l2_norm(k)
-    g = decay_gate(x, w, cfg)
-    beta = torch.sigmoid(w.beta(x).float())                             # [T, H]
+    g = _log_decay(f, w, cfg)
+    beta = torch.sigmoid(beta)                                          # [T, H]
     S = state.ssm[layer]
     if recurrent if recurrent is not None else T == 1:
         o, _ = delta_rule_step(q, k, v, g, beta, S, inplace=True)
     else:
         o, S_new = delta_rule_chunked(q, k, v, g, beta, S, cfg.chunk)
         S.copy_(S_new)
-    gate = w.g_b(w.g_a(x)).float().view(T, H, Dk)
-    o = rms_norm(o.contiguous(), w.o_norm, cfg.rms_eps) * torch.sigmoid(gate)
+    o = rms_norm(o.contiguous(), w.o_norm, cfg.rms_eps).mul_(torch.sigmoid(gate.view(T, H, Dk)))
     return w.wo(o.reshape(T, cfg.d_inner).to(x.dtype))

@@ -21,7 +21,7 @@ from ...errors import StoreError
 from ...formats.ggml import GGMLType
 from .archs import arch_module
 from .attention import AttentionWeights
-from .mla import MLAWeights
+from .mla import HeadMatrices, MLAWeights
 from .config import ModelConfig
 from .ffn import DenseFFN
 from .moe import MoEWeights
@@ -61,6 +61,7 @@ class _Builder:
                  device: torch.device, float_names: set[str], fused: bool) -> None:
         self.r, self.cfg, self.dtype, self.device = reader, cfg, dtype, device
         self.float_names, self.fused = float_names, fused
+        self.keep_heads = False         # per-head 3-D tensors as ggml bytes (``heads``)
         self.float_bytes = self.quant_bytes = 0
 
     def vec(self, name: str, *, f32: bool = True) -> torch.Tensor:
@@ -83,13 +84,25 @@ class _Builder:
             self.float_bytes += lin.nbytes
         return lin
 
+    def heads(self, name: str) -> HeadMatrices:
+        """A per-head 3-D tensor (``attn_k_b``/``attn_v_b``): kept as ggml bytes for the native
+        kernels when the one-token products are fused and the trunk is not forced to float."""
+        raw = self.r.get(name)
+        hm = HeadMatrices.quantized(raw) if self.keep_heads and self.device.type == "cpu" \
+            else None
+        if hm is not None:
+            self.quant_bytes += hm.nbytes
+            return hm
+        hm = HeadMatrices(raw.to_float(self.dtype, self.device))
+        self.float_bytes += hm.nbytes
+        return hm
+
     def mla(self, p: str) -> MLAWeights:
         r = self.r
-        k_b = r.get(p + "attn_k_b.weight").to_float(self.dtype, self.device)    # [H, L, N]
-        v_b = r.get(p + "attn_v_b.weight").to_float(self.dtype, self.device)    # [H, V, L]
-        self.float_bytes += (k_b.numel() + v_b.numel()) * k_b.element_size()
         w = MLAWeights(self.lin(p + "attn_kv_a_mqa"), self.vec(p + "attn_kv_a_norm.weight"),
-                       k_b, v_b, self.lin(p + "attn_output"))
+                       self.heads(p + "attn_k_b.weight"),                       # [H, L, N]
+                       self.heads(p + "attn_v_b.weight"),                       # [H, V, L]
+                       self.lin(p + "attn_output"))
         if p + "attn_q.weight" in r:
             w.wq = self.lin(p + "attn_q")
         else:
@@ -178,10 +191,13 @@ def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
 
     ``fused``: one-token products of quantized matrices go through ``qmatvec`` (and under
     ``trunk_mode="auto"`` the types it supports stay quantized: its compiled types, and on the
-    CPU every quantized type of the native kernels when they are built)."""
+    CPU every quantized type of the native kernels when they are built); MLA's per-head
+    ``attn_k_b``/``attn_v_b`` then stay ggml bytes too where the native kernels take them
+    (``mla.HeadMatrices``; float32 compute, any ``trunk_mode`` but ``float``)."""
     float_names = plan_float(_matrices(reader, cfg, nextn), trunk_mode, dtype, float_budget,
                              _kept_quantized(device) if fused else frozenset())
     b = _Builder(reader, cfg, dtype, device, float_names, fused)
+    b.keep_heads = fused and trunk_mode != "float" and dtype == torch.float32
     embed = Embedding(reader.get("token_embd.weight"), device)
     if embed.shape != (cfg.n_vocab, cfg.n_embd):
         if embed.shape[1] != cfg.n_embd:

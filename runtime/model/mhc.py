@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
+
+from .rope import rms_norm
 
 __all__ = ["HC_TENSORS", "HCConfig", "HCWeights", "HCMix", "hc_expand", "hc_mixes", "sinkhorn",
            "hc_pre", "hc_post", "hc_block", "hc_collapse"]
@@ -66,6 +69,9 @@ class HCWeights:
         self.fn = self.fn.float().contiguous()
         self.base = self.base.float().reshape(-1)
         self.scale = self.scale.float().reshape(-1)
+        n = round((1 + self.base.numel()) ** 0.5) - 1              # (2 + n)·n mixes
+        self.scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n),
+                                 self.scale[2].expand(n * n)))       # per mix, [(2 + n)·n]
 
     @classmethod
     def from_tensors(cls, t: Mapping[str, torch.Tensor], block: str,
@@ -92,11 +98,11 @@ def hc_expand(x: torch.Tensor, n: int) -> torch.Tensor:
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``[..., n, n]`` float32: row softmax ``+ eps``, a column normalisation, then
     ``iters - 1`` rounds of row and column normalisation (each sum ``+ eps``)."""
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    comb = torch.softmax(logits, dim=-1).add_(eps)
+    comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     return comb
 
 
@@ -104,27 +110,25 @@ def hc_mixes(streams: torch.Tensor, w: HCWeights,
              cfg: HCConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``streams [T, n, D]`` → float32 ``(pre [T, n], post [T, n], comb [T, n, n])``."""
     T, n = streams.shape[0], cfg.n_streams
-    flat = streams.reshape(T, -1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_eps)
-    m = flat @ w.fn.t()                                                 # [T, (2 + n)·n]
-    pre = torch.sigmoid(m[:, :n] * w.scale[0] + w.base[:n]) + cfg.eps
-    post = 2 * torch.sigmoid(m[:, n:2 * n] * w.scale[1] + w.base[n:2 * n])
-    comb = (m[:, 2 * n:] * w.scale[2] + w.base[2 * n:]).view(T, n, n)
-    return pre, post, sinkhorn(comb, cfg.sinkhorn_iters, cfg.eps)
+    flat = rms_norm(streams.reshape(T, -1).float().contiguous(), None, cfg.rms_eps)
+    m = torch.addcmul(w.base, F.linear(flat, w.fn), w.scales)         # [T, (2 + n)·n]
+    sg = torch.sigmoid(m[:, :2 * n])
+    pre, post = sg[:, :n] + cfg.eps, sg[:, n:] * 2
+    return pre, post, sinkhorn(m[:, 2 * n:].view(T, n, n), cfg.sinkhorn_iters, cfg.eps)
 
 
 def hc_pre(streams: torch.Tensor, w: HCWeights, cfg: HCConfig) -> tuple[torch.Tensor, HCMix]:
     """Block input ``x [T, D]`` (streams' dtype, before the block's norm) and the mix for
     ``hc_post``."""
     pre, post, comb = hc_mixes(streams, w, cfg)
-    x = (pre[:, :, None] * streams.float()).sum(dim=1)
+    x = torch.bmm(pre[:, None, :], streams.float())[:, 0]
     return x.to(streams.dtype), HCMix(post, comb)
 
 
 def hc_post(y: torch.Tensor, residual: torch.Tensor, mix: HCMix) -> torch.Tensor:
     """Block output ``y [T, D]`` and the block's input streams ``[T, n, D]`` → new streams."""
-    out = mix.post[:, :, None] * y.float()[:, None, :]
-    out = out + torch.einsum("tij,tid->tjd", mix.comb, residual.float())
+    out = torch.baddbmm(mix.post[:, :, None] * y.float()[:, None, :], mix.comb.transpose(1, 2),
+                        residual.float())
     return out.to(residual.dtype)
 
 

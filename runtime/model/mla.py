@@ -11,6 +11,12 @@ cached positions it selects. Tensors: ``attn_q`` or ``attn_q_a``/``attn_q_a_norm
 ``attn_kv_a_mqa``, ``attn_kv_a_norm``, ``attn_k_b`` [H, kv_lora, nope], ``attn_v_b``
 [H, v, kv_lora], ``attn_output``.
 
+``k_b``/``v_b`` are ``HeadMatrices``: float, or their ggml bytes multiplied by the native
+kernels (llama.cpp's ``ggml_mul_mat`` of the 3-D tensor: one matrix per head, rows of the
+contracted dimension): a decode step is one native call per tensor, every head's product in
+it; a batch of up to ``HEAD_MAX_TOKENS`` tokens one native product per head; a bigger one
+dequantizes the tensor for that call (float32, freed after it).
+
 T=tokens, H=heads, L=kv_lora, R=rope dims, N=nope dims, V=value dims, S=cached positions.
 """
 
@@ -22,25 +28,91 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ...formats.dequant import dequantize
+from .. import kernels as native
 from .attention import KVCache
 from .config import ModelConfig
 from .rope import Rope, rms_norm
-from .weights import Linear
+from .weights import Linear, RawTensor
 
-__all__ = ["MLAWeights", "mla_attention"]
+__all__ = ["MLAWeights", "HeadMatrices", "HEAD_MAX_TOKENS", "mla_attention"]
+
+#: Most tokens ``HeadMatrices`` multiplies through the native kernels (one small matrix per
+#: head, re-read from cache for every token); beyond it dequantizing the tensor for the call
+#: and one batched product measured faster (bench/README.md).
+HEAD_MAX_TOKENS = 128
+
+
+class HeadMatrices:
+    """``H`` matrices ``[R, C]`` (one per head, torch shape ``[H, R, C]``): ``apply(x [T, H, C])``
+    → ``[T, H, R]``, ``y[t, h] = W[h] x[t, h]``. Either a float tensor (``weight``) or ggml bytes
+    (``raw``, every head's rows contiguous) for the native kernels; ``quantized`` builds the
+    second from a ``RawTensor`` where the kernels take its type (else None)."""
+
+    __slots__ = ("weight", "raw", "heads", "ggml_type", "shape", "max_tokens")
+
+    def __init__(self, weight: torch.Tensor | None, raw: RawTensor | None = None) -> None:
+        self.weight, self.raw = weight, raw
+        src = weight if weight is not None else raw
+        self.shape: tuple[int, int, int] = tuple(int(n) for n in src.shape)
+        self.ggml_type = None if raw is None else raw.ggml_type
+        self.heads = None if raw is None else list(raw.raw.view(self.shape[0], -1).unbind(0))
+        self.max_tokens = 0 if raw is None else HEAD_MAX_TOKENS
+
+    @classmethod
+    def quantized(cls, raw: RawTensor) -> HeadMatrices | None:
+        if (len(raw.shape) != 3 or raw.ggml_type not in native.TYPES or not raw.raw.is_cpu
+                or not native.available()):
+            return None
+        return cls(None, raw)
+
+    @property
+    def nbytes(self) -> int:
+        t = self.weight if self.weight is not None else self.raw.raw
+        return t.numel() * t.element_size()
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float ``[H, R, C]`` tensor (dequantized for the call when kept as bytes)."""
+        if self.weight is not None:
+            return self.weight.to(dtype)
+        r = self.raw
+        return dequantize(r.raw, r.ggml_type, r.shape, dtype=dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        T, (H, R, C) = x.shape[0], self.shape
+        if T <= self.max_tokens and x.is_cpu:
+            xf = x.float()
+            if T == 1:                         # every head in one call: row h by matrix h
+                y = native.moe_down_rows(xf[0].contiguous(), self.heads, self.ggml_type, R)
+                if y is not None:
+                    return y.view(1, H, R).to(x.dtype)
+            else:
+                xh = xf.transpose(0, 1).contiguous()                   # [H, T, C]
+                ys = [native.matvec(xh[h], self.heads[h], self.ggml_type, (R, C))
+                      for h in range(H)]
+                if all(y is not None for y in ys):
+                    return torch.stack(ys, dim=1).to(x.dtype)
+        w = self.weight if self.weight is not None else self.dense(x.dtype)
+        return torch.einsum("thc,hrc->thr", x, w.to(x.dtype))
 
 
 @dataclass
 class MLAWeights:
     wkv_a: Linear                   # [L + R, D]
     kv_a_norm: torch.Tensor         # [L]
-    k_b: torch.Tensor               # [H, L, N] compute dtype
-    v_b: torch.Tensor               # [H, V, L]
+    k_b: HeadMatrices               # [H, L, N]
+    v_b: HeadMatrices               # [H, V, L]
     wo: Linear
     wq: Linear | None = None        # [H (N + R), D]  (V2-Lite)
     wq_a: Linear | None = None
     q_a_norm: torch.Tensor | None = None
     wq_b: Linear | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k_b, torch.Tensor):
+            self.k_b = HeadMatrices(self.k_b)
+        if isinstance(self.v_b, torch.Tensor):
+            self.v_b = HeadMatrices(self.v_b)
 
 
 Select = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None]
@@ -67,7 +139,7 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
     idx = select(x, qr) if select is not None else None
     kv = w.wkv_a(x)                                                    # [T, L + R]
     c = rms_norm(kv[:, :L], w.kv_a_norm, cfg.rms_eps)                  # [T, L]
-    q_abs = torch.einsum("thn,hln->thl", q[..., :N], w.k_b)            # [T, H, L]
+    q_abs = w.k_b.apply(q[..., :N])                                    # [T, H, L]
     p0 = cache.pos
     kc = cache.k[layer]                                                # [1, cap, L + R]
     if R:
@@ -108,7 +180,7 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
 def _out(o: torch.Tensor, w: MLAWeights, cfg: ModelConfig) -> torch.Tensor:
     """Per-head output latents ``[T, H, L]`` → ``[T, D]`` (``Wv_b`` per head, then ``Wo``)."""
     T, H = o.shape[0], o.shape[1]
-    o = torch.einsum("thl,hvl->thv", o, w.v_b)                         # [T, H, V]
+    o = w.v_b.apply(o)                                                 # [T, H, V]
     return w.wo(o.reshape(T, H * cfg.v_head_mla))
 
 
