@@ -229,9 +229,12 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
                 return resp
             await _send(resp, last_chunk(req, rid, config.model_id, out))
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:           # the client left: nothing to report to it
             gone["flag"] = True
             await asyncio.wait([task])         # the engine must finish before the next request
+        except asyncio.CancelledError:
+            gone["flag"] = True
+            await asyncio.wait([task])
             raise
         return resp
 
