@@ -94,19 +94,24 @@ class ExpertRunner:
             log.warning("--act-quant %s needs the native CPU kernels and the fused path; "
                         "expert products stay exact", mode)
 
+    def _dq_hits(self, layer: int, experts: list[int]) -> tuple[dict[int, Any], list[int]]:
+        """(the dequant cache's float experts among ``experts``, the others to fetch)."""
+        if not self.dq.enabled:
+            return {}, experts
+        hits: dict[int, Any] = {}
+        need = []
+        for e in experts:
+            f = self.dq.get(layer, e)
+            if f is None:
+                need.append(e)
+            else:
+                hits[e] = f
+        self.stats.dq_hits += len(experts) - len(need)
+        return hits, need
+
     def _weights(self, layer: int, experts: list[int]) -> dict[int, Any]:
         """Weights of ``experts`` of ``layer``: dequant-cache hits first, the rest fetched."""
-        out: dict[int, Any] = {}
-        need = experts
-        if self.dq.enabled:
-            need = []
-            for e in experts:
-                f = self.dq.get(layer, e)
-                if f is None:
-                    need.append(e)
-                else:
-                    out[e] = f
-            self.stats.dq_hits += len(experts) - len(need)
+        out, need = self._dq_hits(layer, experts)
         if need:
             got = self.provider.get(layer, need)
             self.stats.fetches += len(need)
@@ -133,17 +138,7 @@ class ExpertRunner:
                 then()
             yield from ((e, weights[e]) for e in experts)
             return
-        floats: dict[int, Any] = {}
-        need = experts
-        if self.dq.enabled:
-            need = []
-            for e in experts:
-                f = self.dq.get(layer, e)
-                if f is None:
-                    need.append(e)
-                else:
-                    floats[e] = f
-            self.stats.dq_hits += len(experts) - len(need)
+        floats, need = self._dq_hits(layer, experts)
         ready, finish = self._split.get_begin(layer, need) if need else ({}, None)
         self.stats.fetches += len(need)
         if then is not None:

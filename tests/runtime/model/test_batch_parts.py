@@ -52,3 +52,18 @@ def test_batch_computes_experts_as_their_reads_land(store):
         assert e.provider.stats.misses >= e.config.n_experts
         assert e.runner.stats.streamed > 0
     assert torch.equal(got, want)
+
+
+def test_streamed_batch_takes_dequant_cache_hits(store):
+    """The streamed batch path with the dequantized-expert cache: the second prompt's experts
+    come from the cache, the logits stay those of a direct run."""
+    tokens = list(range(3, 400, 13))
+    with Engine.open(store, provider="direct", fused="auto") as e:
+        want = e.logits(tokens)
+    with Engine.open(store, provider="tiered", ram_bytes=1 << 30, fused="auto", dq_cache=1 << 30,
+                     provider_options={"warm_start": False, "backend": "buffered",
+                                       "record_usage": False}) as e:
+        first = e.logits(tokens)
+        again = e.logits(tokens)
+        assert e.runner.stats.dq_hits > 0
+    assert torch.allclose(first, want, atol=1e-4) and torch.allclose(again, want, atol=1e-4)
