@@ -7,7 +7,6 @@ error under ``/v1/messages`` Anthropic's shape (``{"type": "error", "error": {"t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Any, Awaitable, Callable
@@ -15,7 +14,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from .anthropic import StreamShaper, error_body, message, parse_messages
-from .conn import client_gone, run_whole
+from .conn import Streamed, run_whole
 from .schema import CompletionRequest, RequestError
 
 __all__ = ["add_messages_routes", "anthropic_errors", "PREFIX"]
@@ -83,28 +82,18 @@ def add_messages_routes(app: web.Application, *, session: Any, model_id: str, ga
 
     async def _stream(request: web.Request, req: CompletionRequest, ids: list[int],
                       single: bool) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        gone = {"flag": False}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         shaper = StreamShaper(model_id, len(ids), single)
-        task = asyncio.ensure_future(generate(
-            req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
-            lambda: gone["flag"] or client_gone(request), request))
-        task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
-        try:
+        async with Streamed(generate, request, req, ids) as gen:
             for name, data in shaper.start():
                 await _event(resp, name, data)
-            while True:
-                delta = await q.get()
-                if delta is None:
-                    break
+            async for delta in gen:
                 for name, data in shaper.push(delta):
                     await _event(resp, name, data)
             try:
-                out = await task
+                out = await gen.result()
             except Exception as e:             # headers are sent: report in-band, end the stream
                 log.error("generation failed mid-stream: %s", e)
                 status = e.status if isinstance(e, RequestError) else 500
@@ -112,10 +101,6 @@ def add_messages_routes(app: web.Application, *, session: Any, model_id: str, ga
                 return resp
             for name, data in shaper.finish(out):
                 await _event(resp, name, data)
-        except (ConnectionResetError, asyncio.CancelledError):
-            gone["flag"] = True
-            await asyncio.wait([task])         # the engine must finish before the next request
-            raise
         return resp
 
     app.router.add_post(PREFIX, messages)

@@ -28,7 +28,7 @@ from aiohttp import web
 from ...errors import ExpertfsError, IntegrityError
 from ..io.errors import IOEngineError
 from .anthropic_app import add_messages_routes, anthropic_errors
-from .conn import client_gone, run_whole
+from .conn import Streamed, run_whole
 from .body import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_DEPTH, read_json
 from .metrics import ARRIVAL, Metrics
 from .respond import chunk, final, last_chunk, response_id
@@ -195,27 +195,17 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
         return web.json_response(final(req, out, config.model_id))
 
     async def _stream(request: web.Request, req: CompletionRequest, ids: list[int]) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        gone = {"flag": False}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         rid = response_id(req)
-        task = asyncio.ensure_future(_generate(
-            req, ids, lambda d: loop.call_soon_threadsafe(q.put_nowait, d),
-            lambda: gone["flag"] or client_gone(request), request))
-        task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
-        try:
+        async with Streamed(_generate, request, req, ids) as gen:
             if req.chat:
                 await _send(resp, chunk(req, rid, config.model_id, {"role": "assistant", "content": ""}))
-            while True:
-                delta = await q.get()
-                if delta is None:
-                    break
+            async for delta in gen:
                 await _send(resp, chunk(req, rid, config.model_id, delta))
             try:
-                out = await task
+                out = await gen.result()
             except Exception as e:             # headers are sent: report in-band, end the stream
                 log.error("generation failed mid-stream: %s", e)
                 if isinstance(e, RequestError):
@@ -229,13 +219,6 @@ def build_app(session: Session, config: ServerConfig) -> web.Application:
                 return resp
             await _send(resp, last_chunk(req, rid, config.model_id, out))
             await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:           # the client left: nothing to report to it
-            gone["flag"] = True
-            await asyncio.wait([task])         # the engine must finish before the next request
-        except asyncio.CancelledError:
-            gone["flag"] = True
-            await asyncio.wait([task])
-            raise
         return resp
 
     async def chat(request: web.Request) -> web.StreamResponse:
