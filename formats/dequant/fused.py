@@ -18,7 +18,7 @@ dequant, as ``dequantize(..., dtype=x.dtype)`` would give).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,13 +55,16 @@ def _check(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, dims: tuple[int, ...
 
 def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
            shape: Sequence[int], bias: torch.Tensor | None = None, *,
-           chunk_elems: int | None = None) -> torch.Tensor:
+           chunk_elems: int | None = None,
+           dequant_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` where W ``(out, in)`` is given as ggml bytes ``raw``.
 
     ``shape`` is W's torch shape ``(out, in)`` (ggml ``ne=[in, out]``); ``x`` is ``(..., in)``
     on ``raw``'s device; the result is ``(..., out)`` in ``x.dtype``. ``chunk_elems`` caps the
     weight elements dequantized at once (default: ``DEFAULT_CPU_CHUNK_ELEMS`` on CPU, the
-    whole matrix elsewhere; ``0`` also means the whole matrix).
+    whole matrix elsewhere; ``0`` also means the whole matrix). ``dequant_rows``, if given,
+    dequantizes whole rows instead of this package's kernels: their bytes ``[n, row_bytes]`` → float32
+    ``[n, in]`` (the runtime's native kernels; the same values).
     """
     t = resolve_type(ggml_type)
     dims = check_bytes(raw, t, shape)
@@ -76,14 +79,17 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
     if chunk_elems is None:
         chunk_elems = DEFAULT_CPU_CHUNK_ELEMS if raw.device.type == "cpu" else 0
     step = max(1, chunk_elems // max(cols, 1)) if chunk_elems > 0 else rows
-    if step >= rows or rows == 0 or cols == 0:
+    if rows == 0 or cols == 0 or (step >= rows and dequant_rows is None):
         return F.linear(x, dequantize(raw, t, dims, dtype=x.dtype), bias)
-    kernel, tsize = KERNELS[t], type_size(t)
     mat = raw.reshape(rows, row_bytes(t, cols))
-    parts = []
-    for r0 in range(0, rows, step):
-        part = mat[r0:r0 + step]
-        w = kernel(part.reshape(-1, tsize)).reshape(part.shape[0], cols)
-        parts.append(F.linear(x, w.to(x.dtype)))
+    if dequant_rows is None:
+        kernel, tsize = KERNELS[t], type_size(t)
+
+        def dequant_rows(part: torch.Tensor) -> torch.Tensor:
+            return kernel(part.reshape(-1, tsize)).reshape(part.shape[0], cols)
+    if step >= rows:
+        return F.linear(x, dequant_rows(mat).to(x.dtype), bias)
+    parts = [F.linear(x, dequant_rows(mat[r0:r0 + step]).to(x.dtype))
+             for r0 in range(0, rows, step)]
     y = torch.cat(parts, dim=-1)
     return y if bias is None else y.add_(bias)
