@@ -84,7 +84,9 @@ __all__ = ["CONSUMING", "Consumer", "Spots", "spot_digests", "checksums", "check
 CONSUMING = "consuming"             # the marker file in the partial store
 SPOT_BLOCK = 4096                   # a spot read: one block, the smallest window alignment
 SPOT_STRIDE = 2 << 20               # one spot at a random place in every 2 MiB of a window
-SPOT_READERS = 8                    # spot reads in flight at once
+SPOT_READERS = 64                   # spot reads in flight at once: each queues behind the
+                                    # writer's large writes, so a checkpoint's ~130 spots are
+                                    # latency; all in flight together, they cost about one
 
 
 class _Released:
