@@ -22,7 +22,7 @@ from expertfs.store.layout import Extent
 
 from ..experts.protocol import ExpertWeights, ProviderStats
 
-__all__ = ["State", "Entry", "TieredStats"]
+__all__ = ["State", "Entry", "TieredStats", "landed"]
 
 
 class State(IntEnum):
@@ -55,6 +55,12 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.extent.length
+
+
+def landed(e: Entry) -> bool:
+    """The bytes of ``e`` are in its host slot, or its read ended (a failure included): waiting
+    for it would not block."""
+    return e.state is not State.LOADING or (e.future is not None and e.future.done())
 
 
 @dataclass

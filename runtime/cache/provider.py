@@ -124,20 +124,27 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
         """``get`` in two halves, so a layer can compute its resident experts while the others
         load: the weights of the experts ready now, and a function that waits for the rest and
         returns theirs (``finish(only)``: waits for and returns only those of ``only``, so a
-        batch can compute each expert as its read lands). Where the cache cannot defer (a
-        device tier), everything is ready."""
+        batch can compute each expert as its read lands; ``finish(only, some=True)``: waits
+        until at least one of them is ready and returns those ready, whichever landed first).
+        With a device tier, every expert already in RAM is uploaded before this returns and
+        the others as their reads land. Where the cache cannot defer (per-get device copies),
+        everything is ready."""
         if not self.cache.defers:
-            return self.get(layer, experts), lambda only=None: {}
+            return self.get(layer, experts), lambda only=None, some=False: {}
         cache = self.cache
         entries = self._acquire(layer, experts, False)
         weights = cache.weights
-        pending = [e for e in entries if e.state is State.LOADING]
-        ready = {e.expert: weights(e) for e in entries if e.state is not State.LOADING}
+        pending = cache.waiting(entries)
+        ready = {e.expert: weights(e) for e in entries if e not in pending}
 
-        def finish(only: Sequence[int] | None = None) -> dict[int, ExpertWeights]:
+        def finish(only: Sequence[int] | None = None, *, some: bool = False
+                   ) -> dict[int, ExpertWeights]:
             part = pending if only is None else [e for e in pending if e.expert in only]
-            cache.finish(part)
-            return {e.expert: weights(e) for e in part}
+            done = cache.finish(part, some=some)
+            for e in done:
+                if e in pending:
+                    pending.remove(e)
+            return {e.expert: weights(e) for e in done}
         return ready, finish
 
     def _acquire(self, layer: int, experts: Sequence[int], wait: bool) -> list:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -192,6 +193,18 @@ class Residency:
             fut.exception()
         except CancelledError:
             pass
+        finally:
+            self.stats.stall_seconds += time.perf_counter() - t0
+
+    def wait_any(self, entries: Sequence[Entry]) -> None:
+        """Block until the read of at least one of ``entries`` is done (time counted as stall);
+        their outcomes are the caller's to look at (``wait``)."""
+        futs = [self.loader.resolve(e) for e in entries if e.state is State.LOADING]
+        if not futs or any(f.done() for f in futs):
+            return
+        t0 = time.perf_counter()
+        try:
+            futures.wait(futs, return_when=futures.FIRST_COMPLETED)
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
 

@@ -12,9 +12,11 @@ stream). Updates are collected on the host and written by :meth:`flush` as one b
 host buffer (pinned on CUDA), one ``non_blocking`` copy and one ``index_copy_``, queued on the
 current stream. ``set_now`` flushes (call it from the copy stream, after the upload of the
 expert and before the upload's event: ``Copier.copy(then=...)``); ``clear`` only records, so
-the -1 reaches the device with the next flush, which the copy stream queues after it waited on
-the freed slot's fence: a kernel still reading the victim's row before its release sees its
-slot until it is done.
+the -1 reaches the device with the write into the freed slot (``clear(..., slot=)``; without a
+slot, with the next flush), which the copy stream queues after it waited on that slot's fence:
+a kernel still reading the victim's row before its release sees its slot until it is done,
+even when other uploads (into other slots) are queued between the eviction and the freed
+slot's own upload.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SlotTable:
         self.copier = copier
         self._E = n_experts
         self._pending: dict[int, int] = {}      # flat index -> slot, not yet on the device
+        self._cleared: dict[int, int] = {}      # freed slot -> flat index cleared with its write
         self._pin = device.type == "cuda"
         self.writes = 0                         # batches written to the device copy
         if device.type == "cpu" and not mirror:
@@ -50,7 +53,7 @@ class SlotTable:
     @property
     def pending(self) -> int:
         """Updates recorded on the host and not yet written to the device copy."""
-        return len(self._pending)
+        return len(self._pending) + len(self._cleared)
 
     def lookup(self, layer_index: int, expert: int) -> int:
         return int(self.host[layer_index, expert])
@@ -64,17 +67,28 @@ class SlotTable:
         current stream, so call it from the copy stream (``Copier.copy(then=...)``)."""
         self.host[layer_index, expert] = slot
         if not self._shared:
-            self._pending[layer_index * self._E + expert] = int(slot)
+            flat = layer_index * self._E + expert
+            for s, f in [kv for kv in self._cleared.items() if kv[1] == flat]:
+                del self._cleared[s]            # back before its old slot was written
+            f = self._cleared.pop(int(slot), None)
+            if f is not None:
+                self._pending[f] = -1
+            self._pending[flat] = int(slot)
             self.flush()
 
-    def clear(self, layer_index: int, expert: int) -> None:
-        """Mark an expert absent: at once on the host, on the device with the next flush (the
-        upload into its freed slot, after the copy stream waited on the slot's fence)."""
+    def clear(self, layer_index: int, expert: int, *, slot: int | None = None) -> None:
+        """Mark an expert absent: at once on the host; on the device with the write into
+        ``slot`` (its freed slot: that upload's copy waited on the slot's fence), or with the
+        next flush when no slot is given."""
         if self.host[layer_index, expert] < 0:
             return
         self.host[layer_index, expert] = -1
         if not self._shared:
-            self._pending[layer_index * self._E + expert] = -1
+            flat = layer_index * self._E + expert
+            if slot is None:
+                self._pending[flat] = -1
+            else:
+                self._cleared[int(slot)] = flat
 
     def flush(self) -> None:
         """Write the pending updates to the device copy on the current stream: one host buffer,

@@ -44,7 +44,7 @@ from ..policies.base import CapacityError, Policy
 from ..policies.registry import DEFAULT_POLICY, make_factory
 from .copier import Copier
 from .device import DeviceTier
-from .entry import Entry, State, TieredStats
+from .entry import Entry, State, TieredStats, landed
 from .loader import Loader
 from .residency import Residency
 from .sizing import SlotGeometry, plan_slots
@@ -148,8 +148,9 @@ class TierCache:
     @property
     def defers(self) -> bool:
         """``acquire(wait=False)`` can return before the misses are read: the forward pass
-        computes from the RAM tier in place (no device tier, no per-get device copies)."""
-        return self.V is None and self.table is not None
+        computes from the RAM tier in place, or from the device tier, whose misses are uploaded
+        as their reads land (not with per-get device copies)."""
+        return self.table is not None and (self.V is None or self.device_tier is not None)
 
     def acquire(self, layer: int, experts: Sequence[int], *, wait: bool = True) -> list[Entry]:
         """Make ``experts`` of ``layer`` resident in the compute tier, pinned until release.
@@ -181,8 +182,8 @@ class TierCache:
         for k in keys:
             res.pin(k)
         try:
-            out = (self.device_tier.acquire(keys, self.now) if self.device_tier is not None
-                   else self._acquire_host(keys, wait))
+            out = (self.device_tier.acquire(keys, self.now, wait=wait)
+                   if self.device_tier is not None else self._acquire_host(keys, wait))
         except BaseException:
             self._abort(keys)
             raise
@@ -190,12 +191,34 @@ class TierCache:
         self.stats.requests += len(keys)
         return out
 
-    def finish(self, entries: Sequence[Entry]) -> None:
+    def waiting(self, entries: Sequence[Entry]) -> list[Entry]:
+        """Those of ``entries`` (an ``acquire(wait=False)``'s) that ``finish`` has to wait for."""
+        if self.device_tier is not None:
+            return [e for e in entries if self.device_tier.is_pending(e)]
+        return [e for e in entries if e.state is State.LOADING]
+
+    def finish(self, entries: Sequence[Entry], *, some: bool = False) -> list[Entry]:
         """Wait for the reads of entries an ``acquire(wait=False)`` returned still loading
-        (stall time counted); raise what a read raised (``release`` still unpins them)."""
-        for e in entries:
-            if e.state is State.LOADING:
+        (stall time counted; with a device tier, each uploaded as it lands, whichever lands
+        first); ``some``: return once at least one is ready (without waiting when one already
+        is). Returns those of ``entries`` ready; raises what a read raised (``release`` still
+        unpins them)."""
+        todo = self.waiting(entries)
+        done = [e for e in entries if e not in todo]
+        if some and done:
+            todo = [e for e in todo if landed(e)]
+        if self.device_tier is not None:
+            return done + self.device_tier.finish(todo, some=some)
+        while todo:
+            if some:
+                self.residency.wait_any(todo)
+            for e in [e for e in todo if not some or landed(e)]:
+                todo.remove(e)
                 self.residency.wait(e)
+                done.append(e)
+            if some:
+                break
+        return done
 
     def _acquire_host(self, keys: list[int], wait: bool = True) -> list[Entry]:
         R, now, res = self.R, self.now, self.residency
@@ -249,6 +272,8 @@ class TierCache:
     def _abort(self, keys: list[int]) -> None:
         """A failed acquire: unpin its keys, stop its staging reads."""
         res = self.residency
+        if self.device_tier is not None:
+            self.device_tier.abandon(keys)
         for k in keys:
             res.unpin(k)
             e = res.entries.get(k)
@@ -261,6 +286,8 @@ class TierCache:
         held = self.held.pop(layer, None)
         if not held:
             return
+        if self.device_tier is not None and self.device_tier.pending:   # never finished
+            self.device_tier.abandon([e.key for e in held])
         mark = self.copier.compute_mark()
         dev = self.dev
         for e in held:

@@ -126,12 +126,14 @@ class ExpertRunner:
         return out
 
     def _weights_each(self, layer: int, experts: list[int],
-                      then: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+                      then: Callable[[], None] | None = None, *, arrival: bool = False
+                      ) -> Iterator[tuple[int, Any]]:
         """``(expert, weights)`` of ``experts`` in their order, each as soon as it is ready: the
         misses' reads are all issued first (full queue depth), then each is awaited only when its
         turn comes, so the products of the experts already in run while the rest are read. The
         same weights as ``_weights`` (dequant-cache hits included), in the same order.
-        ``then()`` runs once the reads are issued (prefetches queue behind them)."""
+        ``then()`` runs once the reads are issued (prefetches queue behind them). ``arrival``:
+        the ready ones first, then the rest in the order their reads land."""
         if self._split is None:
             weights = self._weights(layer, experts)
             if then is not None:
@@ -144,18 +146,35 @@ class ExpertRunner:
         if then is not None:
             then()
         late = [e for e in need if e not in ready]
+        if arrival:
+            if late and len(late) < len(experts):
+                self.stats.overlapped += 1
+            order = [e for e in experts if e not in late]
+            for e in order:
+                yield e, self._as_float(layer, e, floats.get(e), ready.get(e))
+            while late:
+                got = finish(late, some=True)
+                late = [e for e in late if e not in got]
+                yield from ((e, self._as_float(layer, e, None, w)) for e, w in got.items())
+            return
         if late:
             self.stats.streamed += experts.index(late[-1])
         for e in experts:
-            w = floats.get(e)
-            if w is None:
+            f, w = floats.get(e), None
+            if f is None:
                 w = ready.get(e)
                 if w is None:
                     w = finish([e])[e]
-                if self.dq.enabled:
-                    w = to_float_expert(w, self.dtype)
-                    self.dq.put(layer, e, w)
-            yield e, w
+            yield e, self._as_float(layer, e, f, w)
+
+    def _as_float(self, layer: int, e: int, f: Any, w: Any) -> Any:
+        """A dequant-cache hit ``f`` as it is; else ``w``, put into the dequant cache when on."""
+        if f is not None:
+            return f
+        if self.dq.enabled:
+            w = to_float_expert(w, self.dtype)
+            self.dq.put(layer, e, w)
+        return w
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
                     shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0
@@ -252,6 +271,8 @@ class ExpertRunner:
             if T > 1:
                 out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit, w.alpha,
                                     prefetch_next)
+            elif out is None and weights is None and not whole and self._split is not None:
+                out = self._arriving(layer, x, wts[0], experts, w.limit, w.alpha, prefetch_next)
             elif out is None:
                 prefetch_next()
                 if weights is None:
@@ -269,6 +290,21 @@ class ExpertRunner:
         if w.shared is not None:
             out.add_(shared if shared is not None else w.shared(x).float())
         return out.to(x.dtype)
+
+    def _arriving(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
+                  limit: float, alpha: float, then: Callable[[], None]) -> torch.Tensor:
+        """One token's routed output (the device path: no one-call products), each expert
+        computed as soon as it is ready: the resident ones first, then the others in the order
+        their reads land (a device tier queues each upload as its read lands), not routing
+        order. The weighted sum is added in routing order afterwards: bit for bit the product
+        of the whole get. ``then()`` runs once the reads are issued."""
+        ys: dict[int, torch.Tensor] = {}
+        for e, we in self._weights_each(layer, experts, then, arrival=True):
+            ys[e] = expert_ffn(x, we, self.fused, self.act_quant, limit, alpha).float()
+        out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+        for j, e in enumerate(experts):
+            out.add_(ys[e] * w[j])
+        return out
 
     def _batched(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
                  experts: list[int], counts: list[int], limit: float = 0.0,

@@ -150,6 +150,19 @@ def make(store, monkeypatch, seed, ram, vram, **kw):
 @pytest.mark.parametrize("ram,vram,staging", [(12, 6, 3), (7, 6, 3), (14, 10, 5), (5, 8, 5),
                                               (8, 0, None)])
 def test_deferred_copies_never_show_wrong_bytes(store, monkeypatch, seed, ram, vram, staging):
+    _run_deferred(store, monkeypatch, seed, ram, vram, staging, split=False)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("ram,vram,staging", [(12, 6, 3), (7, 6, 3), (5, 8, 5)])
+def test_split_gets_compute_each_expert_as_it_arrives(store, monkeypatch, seed, ram, vram, staging):
+    """``get_begin``/``finish(some=True)`` on the device tier (issue 17 item 6): a kernel is
+    queued for the experts ready at once, then for each group as its reads land and its
+    uploads are queued; every kernel still sees the store's bytes."""
+    _run_deferred(store, monkeypatch, seed, ram, vram, staging, split=True)
+
+
+def _run_deferred(store, monkeypatch, seed, ram, vram, staging, split):
     data = store_bytes(store)
     p, fake = make(store, monkeypatch, seed, ram, vram, staging_slots=staging,
                    history=seed % 2 == 1)
@@ -175,7 +188,19 @@ def test_deferred_copies_never_show_wrong_bytes(store, monkeypatch, seed, ram, v
             if rng.random() < 0.3:
                 nxt = store.layers[(store.layers.index(layer) + 1) % len(store.layers)]
                 p.prefetch(nxt, rng.sample(range(N_EXPERTS), 3))
-            got = p.get(layer, ids)
+            if split:
+                ready, finish = p.get_begin(layer, ids)
+                got, rest = dict(ready), [e for e in ids if e not in ready]
+                if ready:
+                    fake.kernel(check(layer, ready))
+                while rest:
+                    part = finish(rest, some=True)
+                    assert part
+                    fake.kernel(check(layer, part))
+                    got.update(part)
+                    rest = [e for e in rest if e not in part]
+            else:
+                got = p.get(layer, ids)
             fake.kernel(check(layer, got))
             if held is None and rng.random() < 0.5:
                 held = (layer, got)

@@ -1,0 +1,106 @@
+"""Issue 17 item 6 in the MoE layer: on the device path (no one-call native products, as on
+CUDA) one token's experts are computed as they become ready, the resident ones first and then
+the others in the order their reads land, with the weighted sum still added in routing order,
+so the logits are those of a resident run bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertfs.runtime.engine import Engine
+from expertfs.runtime.experts.protocol import SplitGet
+from expertfs.runtime.model import moe as moe_mod
+from expertfs.runtime.model.moe import ExpertRunner
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    d = tmp_path_factory.mktemp("arrival")
+    g, s = d / "m.gguf", d / "m.efs"
+    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m"), str(g))
+    repack([str(g)], str(s))
+    return str(s)
+
+
+def _decode(e, prompt, toks):
+    out = [e.prefill(prompt)]
+    out += [e.decode(t) for t in toks]
+    return torch.stack(out)
+
+
+def test_cpu_device_tier_decode_equals_a_resident_run(store):
+    prompt, toks = [3, 17, 40, 2], [5, 99, 7, 64, 12, 31, 8, 150]
+    with Engine.open(store, provider="direct", fused="off") as e:
+        want = _decode(e, prompt, toks)
+    with Engine.open(store, provider="direct", fused="off") as e:
+        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
+        k = e.config.n_expert_used
+    with Engine.open(store, provider="tiered", ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
+                     fused="off", provider_options={"warm_start": False, "backend": "buffered",
+                                                    "record_usage": False}) as e:
+        assert e.provider.cache.device_tier is not None and e.provider.cache.defers
+        got = _decode(e, prompt, toks)
+        st = e.provider.stats
+        assert st.hits.get("vram", 0) > 0 and st.misses > 0 and st.uploads > 0
+        assert e.runner.stats.overlapped > 0     # steps that computed ready experts first
+    assert torch.equal(got, want)
+
+
+class _Provider(SplitGet):
+    """Experts 0..n with fixed weights; ``ready`` resident, the rest land in ``landing`` order,
+    one per ``finish(some=True)``."""
+
+    def __init__(self, weights, ready, landing):
+        self.w, self.ready, self.landing = weights, set(ready), list(landing)
+        self.log: list[str] = []
+        from expertfs.runtime.experts.protocol import ProviderStats
+        self.stats = ProviderStats()
+
+    def get(self, layer, experts):
+        return {e: self.w[e] for e in experts}
+
+    def get_begin(self, layer, experts):
+        self.log.append("begin")
+        late = [e for e in self.landing if e in experts]
+
+        def finish(only=None, *, some=False):
+            want = [e for e in late if only is None or e in only]
+            got = want[:1] if some else want
+            for e in got:
+                late.remove(e)
+                self.log.append(f"land {e}")
+            return {e: self.w[e] for e in got}
+        return {e: self.w[e] for e in experts if e in self.ready}, finish
+
+    def release(self, layer):
+        self.log.append("release")
+
+    def prefetch(self, layer, experts, source="gate"):
+        pass
+
+
+def test_experts_are_computed_ready_first_then_as_they_land(monkeypatch):
+    D = 8
+    gen = torch.Generator().manual_seed(0)
+    weights = {e: torch.randn(D, generator=gen) for e in range(6)}
+    prov = _Provider(weights, ready=[4], landing=[1, 5, 0])
+    calls = []
+
+    def ffn(x, w, *a, **k):
+        prov.log.append(f"ffn {[e for e, v in weights.items() if v is w][0]}")
+        return (x * w).tanh()
+    monkeypatch.setattr(moe_mod, "expert_ffn", ffn)
+    r = ExpertRunner(prov, router=None, dtype=torch.float32)
+    x = torch.randn(1, D, generator=gen)
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    experts = [0, 1, 4, 5]
+    out = r._arriving(7, x, wts, experts, 0.0, 0.0, lambda: calls.append("then"))
+    assert prov.log == ["begin", "ffn 4", "land 1", "ffn 1", "land 5", "ffn 5", "land 0", "ffn 0"]
+    assert calls == ["then"] and r.stats.overlapped == 1
+    want = torch.zeros(1, D)
+    for j, e in enumerate(experts):                       # routing order, as the old loop
+        want.add_((x * weights[e]).tanh().float() * wts[j])
+    assert torch.equal(out, want)
