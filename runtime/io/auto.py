@@ -3,9 +3,14 @@
 The probe reads the same random, read-sized, non-overlapping ranges with each candidate at
 one queue depth, the file's pages dropped before each (``posix_fadvise``), in two alternating
 rounds, and keeps each candidate's best. Some drives are faster buffered than direct, so
-nothing is assumed. Within 15% of the fastest, the earlier of kvikio > direct > buffered wins:
-direct I/O keeps the page cache out of the RAM budget, and on a disk whose runs vary by tens of
-percent a smaller margin would flip the choice from one probe to the next. ``mmap`` is never a candidate (it is a
+nothing is assumed. Within 15% of the fastest, direct wins over buffered: direct I/O keeps the
+page cache out of the RAM budget, and on a disk whose runs vary by tens of percent a smaller
+margin would flip the choice from one probe to the next. kvikio gets no such preference: it is
+chosen only when it measured faster than every other candidate for the destination in use
+(``destination="host"``: the expert cache reads into host slots, and the probe reads into host
+buffers too), since where it does not read into device memory it is a POSIX path like the
+others with a CUDA dependency on top. A candidate that fails to open or read (kvikio's cuFile
+on a misconfigured GDS box) is skipped with its reason. ``mmap`` is never a candidate (it is a
 baseline). The choice is logged with its reason and cached per file (device, inode, size,
 mtime) in ``$EXPERTFS_CACHE_DIR`` or ``~/.cache/expertfs/io-probe.json``.
 """
@@ -25,7 +30,7 @@ from typing import Any
 
 from .backends import BACKENDS, backend_status, get_backend
 from .buffers import PAGE, aligned_empty
-from .errors import BackendUnavailable, IOUsageError
+from .errors import BackendUnavailable, IOEngineError, IOUsageError
 from .pagecache import drop_file_cache
 from .protocol import DEFAULT_QUEUE_DEPTH, FileHandle, IOBackend
 from .retry import RetryPolicy
@@ -48,6 +53,7 @@ class AutoChoice:
     skipped: dict[str, str] = field(default_factory=dict)
     read_size: int = 0
     cached: bool = False
+    destination: str = "host"     # what the probe read into: the reads' destination in use
 
 
 def default_cache_dir() -> Path:
@@ -107,7 +113,7 @@ def probe_backends(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
                 continue
             try:
                 g = _probe_one(get_backend(n), path, offsets, read_size, queue_depth)
-            except (BackendUnavailable, OSError) as e:
+            except (IOEngineError, OSError) as e:
                 skipped[n] = getattr(e, "reason", None) or str(e)
                 gbps.pop(n, None)
                 continue
@@ -116,11 +122,16 @@ def probe_backends(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
 
 
 def _pick(gbps: dict[str, float]) -> str:
-    best = max(gbps.values())
+    """kvikio if it measured faster than every other candidate; else, within ``TIE`` of the
+    fastest, the earlier of direct > buffered."""
+    posix = {n: g for n, g in gbps.items() if n != "kvikio"}
+    if "kvikio" in gbps and (not posix or gbps["kvikio"] > max(posix.values())):
+        return "kvikio"
+    best = max(posix.values())
     for n in PREFERENCE:
-        if n in gbps and gbps[n] >= best * (1 - TIE):
+        if n in posix and posix[n] >= best * (1 - TIE):
             return n
-    return max(gbps, key=gbps.__getitem__)
+    return max(posix, key=posix.__getitem__)
 
 
 def _cache_key(path: str, read_size: int | None, names: Sequence[str], qd: int) -> str:
@@ -150,8 +161,13 @@ def _save_cache(file: Path, data: dict[str, Any]) -> None:
 def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | None = None,
                    read_size: int | None = None, probe_bytes: int = 64 << 20,
                    queue_depth: int = DEFAULT_QUEUE_DEPTH, cache_dir: str | os.PathLike[str] | None = None,
-                   refresh: bool = False) -> AutoChoice:
-    """Pick the backend for ``path`` (cached), log the choice and why."""
+                   refresh: bool = False, destination: str = "host") -> AutoChoice:
+    """Pick the backend for ``path`` (cached), log the choice and why. ``destination``: where
+    the reads go; only ``"host"`` is probed (every reader in the runtime reads into host
+    memory, whence the cache uploads)."""
+    if destination != "host":
+        raise IOUsageError(f"reads into {destination!r} memory are not probed",
+                           fix="choose a backend by name for device destinations")
     path = os.fspath(path)
     names = list(candidates) if candidates is not None else list(PREFERENCE)
     size = os.stat(path).st_size
@@ -165,7 +181,7 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
         return choice
     cache_file = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_file = cache_file / "io-probe.json"
-    key = _cache_key(path, read_size, names, queue_depth)
+    key = _cache_key(path, read_size, names, queue_depth) + ":" + destination
     cache = _load_cache(cache_file)
     if not refresh and key in cache:
         rec = cache[key]
@@ -184,11 +200,12 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
     best = _pick(gbps)
     fastest = max(gbps, key=gbps.__getitem__)
     measured = ", ".join(f"{n} {g:.2f} GB/s" for n, g in sorted(gbps.items(), key=lambda kv: -kv[1]))
-    reason = (f"{measured} on cold random {rs}-byte reads at QD{queue_depth}"
+    reason = (f"{measured} on cold random {rs}-byte reads into {destination} memory at "
+              f"QD{queue_depth}"
               + ("" if best == fastest else
                  f"; {best} is within {TIE:.0%} of {fastest} and is preferred (no page-cache use)")
               + ("; skipped: " + "; ".join(f"{n} ({w})" for n, w in skipped.items()) if skipped else ""))
-    choice = AutoChoice(best, reason, gbps, skipped, rs)
+    choice = AutoChoice(best, reason, gbps, skipped, rs, destination=destination)
     opts = _options(choice)
     if opts:
         choice = replace(choice, reason=reason + "; kvikio reads " + (

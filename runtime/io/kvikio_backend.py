@@ -6,6 +6,12 @@ host buffers included, asks the CUDA driver what kind of memory the buffer is, s
 is available only where ``libcuda.so.1`` loads (the NVIDIA driver); elsewhere
 :meth:`KvikioBackend.availability` says why and ``auto`` falls back. kvikio is an optional
 extra (``pip install expertfs[kvikio]``); it is imported only when this backend is used.
+
+Every way kvikio can fail before a read is a :class:`BackendUnavailable` with the reason, never
+a crash: not installed, an import that fails for another cause (a missing libcufile), no
+driver, ``CuFile`` refusing a file (a ``RuntimeError`` on a box with GDS misconfigured), and an
+older kvikio without ``defaults.get``/``set`` (its older accessors are used, a setting it does
+not know is left as it is).
 """
 
 from __future__ import annotations
@@ -42,14 +48,54 @@ def _import_kvikio() -> Any:
         raise BackendUnavailable("kvikio", f"kvikio is not installed ({e})",
                                  fix="pip install 'expertfs[kvikio]' on a machine with the NVIDIA "
                                      "driver, or use backend='direct'") from None
+    except Exception as e:      # a library it loads is missing or broken (libcufile, CUDA)
+        raise BackendUnavailable("kvikio", f"kvikio failed to import: {type(e).__name__}: {e}",
+                                 fix="check the CUDA and cuFile installation, or use "
+                                     "backend='direct'") from None
+
+
+_SETTING_ERRORS = (KeyError, ValueError, RuntimeError, AttributeError, TypeError)
+#: older kvikio (before ``defaults.get``/``set``): the accessor and the setter of each setting
+_LEGACY = {"num_threads": ("get_num_threads", "num_threads_reset"),
+           "task_size": ("task_size", "task_size_reset"),
+           "compat_mode": ("compat_mode", "compat_mode_reset")}
 
 
 def _get(kvikio: Any, key: str, default: Any) -> Any:
     """A kvikio setting, or ``default`` where this kvikio version has no such key."""
+    d = getattr(kvikio, "defaults", None)
     try:
-        return kvikio.defaults.get(key)
-    except (KeyError, ValueError, RuntimeError, AttributeError):
-        return default
+        return d.get(key)
+    except _SETTING_ERRORS:
+        pass
+    for name in (_LEGACY.get(key, ("",))[0], key):
+        fn = getattr(d, name, None) if name else None
+        if callable(fn):
+            try:
+                return fn()
+            except _SETTING_ERRORS:
+                break
+    return default
+
+
+def _set(kvikio: Any, key: str, value: Any) -> bool:
+    """Set a kvikio setting; False (logged) where this kvikio version cannot."""
+    d = getattr(kvikio, "defaults", None)
+    try:
+        d.set(key, value)
+        return True
+    except _SETTING_ERRORS:
+        pass
+    fn = getattr(d, _LEGACY[key][1], None) if key in _LEGACY else None
+    if callable(fn):
+        try:
+            fn(value)
+            return True
+        except _SETTING_ERRORS:
+            pass
+    log.debug("kvikio %s: cannot set %s; left at its default", getattr(kvikio, "__version__", "?"),
+              key)
+    return False
 
 
 class _KvikioFile(RawFile):
@@ -111,16 +157,22 @@ class KvikioBackend(IOBackend):
         return Availability(True, "kvikio imports and libcuda.so.1 loads")
 
     def mode(self) -> str:
-        """'gds' when cuFile reads go GPUDirect, 'compat' when kvikio uses its POSIX path."""
+        """'gds' when cuFile reads go GPUDirect, 'compat' when kvikio uses its POSIX path
+        ('unknown' where this kvikio cannot say)."""
         kvikio = _import_kvikio()
-        return "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
+        fn = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+        try:
+            compat = fn() if callable(fn) else _get(kvikio, "compat_mode", None)
+        except _SETTING_ERRORS:
+            compat = None
+        return "unknown" if compat is None else "compat" if compat else "gds"
 
     def describe(self) -> str:
         try:
             kvikio = _import_kvikio()
             return (f"kvikio ({self.mode()} mode, {'O_DIRECT' if self.direct_io else 'page cache'}, "
-                    f"{kvikio.defaults.get('num_threads')} threads, "
-                    f"task {kvikio.defaults.get('task_size')} B)")
+                    f"{_get(kvikio, 'num_threads', '?')} threads, "
+                    f"task {_get(kvikio, 'task_size', '?')} B)")
         except BackendUnavailable as e:
             return f"kvikio (unavailable: {e.reason})"
 
@@ -131,11 +183,12 @@ class KvikioBackend(IOBackend):
             # compat mode reads through the page cache unless asked: cold single expert reads
             # measured slower that way than with O_DIRECT (see bench/README.md)
             if _get(kvikio, "auto_direct_io_read", self.direct_io) != self.direct_io:
-                kvikio.defaults.set("auto_direct_io_read", self.direct_io)
-            if kvikio.defaults.get("num_threads") < want:
-                kvikio.defaults.set("num_threads", want)
-            if self.task_size and kvikio.defaults.get("task_size") != self.task_size:
-                kvikio.defaults.set("task_size", self.task_size)
+                _set(kvikio, "auto_direct_io_read", self.direct_io)
+            n = _get(kvikio, "num_threads", None)
+            if n is None or n < want:
+                _set(kvikio, "num_threads", want)
+            if self.task_size and _get(kvikio, "task_size", None) != self.task_size:
+                _set(kvikio, "task_size", self.task_size)
 
     def open(self, path: str | os.PathLike[str], *, queue_depth: int = DEFAULT_QUEUE_DEPTH,
              max_pending: int | None = None, retry: RetryPolicy | None = None) -> FileHandle:
@@ -150,6 +203,13 @@ class KvikioBackend(IOBackend):
         kvikio = _import_kvikio()
         path, fd, size = open_fd(path)      # the same typed errors as every backend
         os.close(fd)
-        f = kvikio.CuFile(path, "r")
+        try:
+            f = kvikio.CuFile(path, "r")
+        except Exception as e:          # cuFile's RuntimeError on a misconfigured GDS box
+            raise BackendUnavailable(self.name, f"kvikio.CuFile cannot open the file: "
+                                     f"{type(e).__name__}: {e}", path=path,
+                                     fix="check GPUDirect Storage (nvidia-fs, cufile.json) or "
+                                         "set KVIKIO_COMPAT_MODE=ON; or use backend='direct' "
+                                         "('auto' falls back)") from None
         log.debug("%s: opened with %s", path, self.describe())
         return _KvikioFile(path, size, f)

@@ -53,7 +53,15 @@ def test_auto_falls_back_without_the_driver_and_says_so(big, tmp_path, caplog):
 def test_tie_break_prefers_direct_then_the_fastest():
     assert _pick({"direct": 1.0, "buffered": 1.12}) == "direct"
     assert _pick({"direct": 1.0, "buffered": 1.3}) == "buffered"
-    assert _pick({"kvikio": 0.9, "direct": 1.0}) == "kvikio"
+
+
+def test_kvikio_only_when_it_measured_faster():
+    """kvikio reads into host slots like the POSIX backends: no tie preference (issue 17)."""
+    assert _pick({"kvikio": 0.9, "direct": 1.0}) == "direct"
+    assert _pick({"kvikio": 1.0, "direct": 1.0, "buffered": 0.5}) == "direct"
+    assert _pick({"kvikio": 1.0, "direct": 0.8, "buffered": 1.05}) == "buffered"
+    assert _pick({"kvikio": 1.01, "direct": 1.0}) == "kvikio"
+    assert _pick({"kvikio": 0.5}) == "kvikio"
 
 
 def test_open_file_auto_and_small_files(big, tmp_path):

@@ -1,4 +1,6 @@
-"""kvikio's host path, exercised here without a GPU under a stub CUDA driver.
+"""kvikio's host path, exercised here without a GPU under a stub CUDA driver; and every way
+kvikio can fail turned into a typed "unavailable" with its reason (a fake ``kvikio`` module,
+so those run without kvikio installed).
 
 TEST-ONLY: the ``libcuda.so.1`` built below is not a driver. Each of its ``cu*`` calls answers
 CUDA_ERROR_NOT_INITIALIZED (3), ``cuDriverGetVersion`` a version and ``cuDeviceGetCount`` 0, so
@@ -14,11 +16,15 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("kvikio", reason="kvikio is an optional extra (pip install 'expertfs[kvikio]')")
+import numpy as np
+
+from expertfs.runtime.io import BackendUnavailable, KvikioBackend, get_backend
+from expertfs.runtime.io import auto, kvikio_backend
 
 _STUB_FAIL = """cuInit cuMemHostAlloc cuMemFreeHost cuMemHostRegister cuMemHostRegister_v2
 cuMemHostUnregister cuMemcpyHtoDAsync cuMemcpyHtoDAsync_v2 cuMemcpyDtoHAsync cuMemcpyDtoHAsync_v2
@@ -101,6 +107,7 @@ CHILD = textwrap.dedent('''
 
 
 def test_kvikio_host_path_under_stub_driver(tmp_path):
+    pytest.importorskip("kvikio", reason="kvikio is an optional extra (pip install 'expertfs[kvikio]')")
     stub = _build_stub(tmp_path)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = f"{stub}:{env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
@@ -109,3 +116,179 @@ def test_kvikio_host_path_under_stub_driver(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "KVIKIO-HOST-OK kvikio (compat mode" in out.stdout
+
+
+# -- failure modes, with a fake kvikio -------------------------------------------------------
+
+class _Future:
+    def __init__(self, n):
+        self.n = n
+
+    def get(self):
+        return self.n
+
+
+class _CuFile:
+    """kvikio.CuFile over os.pread (into numpy host buffers)."""
+
+    def __init__(self, path, mode):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def pread(self, buf, size, file_offset):
+        data = os.pread(self.fd, size, file_offset)
+        np.asarray(buf)[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return _Future(len(data))
+
+    def close(self):
+        os.close(self.fd)
+
+
+class _Defaults:
+    """kvikio.defaults of a current kvikio: get/set by name."""
+
+    def __init__(self):
+        self.values = {"num_threads": 1, "task_size": 4 << 20, "auto_direct_io_read": False}
+
+    def get(self, key):
+        return self.values[key]
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def is_compat_mode_preferred(self):
+        return True
+
+
+class _OldDefaults:
+    """kvikio.defaults of an older kvikio: no get/set, per-setting accessors."""
+
+    def __init__(self):
+        self.n, self.task = 1, 4 << 20
+
+    def get_num_threads(self):
+        return self.n
+
+    def num_threads_reset(self, n):
+        self.n = n
+
+    def task_size(self):
+        return self.task
+
+    def task_size_reset(self, n):
+        self.task = n
+
+    def compat_mode(self):
+        return True
+
+
+def _fake_kvikio(monkeypatch, defaults=None, cufile=_CuFile, import_error=None, driver=True):
+    mod = types.ModuleType("kvikio")
+    mod.defaults = defaults if defaults is not None else _Defaults()
+    mod.CuFile = cufile
+
+    def import_module(name):
+        if import_error is not None:
+            raise import_error
+        return mod if name == "kvikio" else mod.defaults
+    monkeypatch.setattr(kvikio_backend.importlib, "import_module", import_module)
+
+    def cdll(name):
+        if not driver:
+            raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+        return object()
+    monkeypatch.setattr(kvikio_backend.ctypes, "CDLL", cdll)
+    return mod
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    p = tmp_path / "d.bin"
+    p.write_bytes(data)
+    return p, data
+
+
+def _read_ok(path, data):
+    with get_backend("kvikio").open(path, queue_depth=2) as fh:
+        a = np.zeros(5000, dtype=np.uint8)
+        assert fh.read(a, 4096, 5000) == 5000
+        assert a.tobytes() == data[4096:9096]
+
+
+@pytest.mark.parametrize("error, says", [
+    (ImportError("No module named 'kvikio'"), "not installed"),
+    (OSError("libcufile.so.0: cannot open shared object file"), "failed to import: OSError"),
+    (RuntimeError("CUDA driver version is insufficient"), "failed to import: RuntimeError"),
+])
+def test_import_failures_are_unavailable_with_the_reason(monkeypatch, data_file, error, says):
+    _fake_kvikio(monkeypatch, import_error=error)
+    a = KvikioBackend.availability()
+    assert not a.available and says in a.reason
+    assert "unavailable" in KvikioBackend().describe()
+    with pytest.raises(BackendUnavailable, match=says):
+        get_backend("kvikio").open(data_file[0])
+
+
+def test_no_driver_is_unavailable_with_the_reason(monkeypatch, data_file):
+    _fake_kvikio(monkeypatch, driver=False)
+    a = KvikioBackend.availability()
+    assert not a.available and "libcuda.so.1" in a.reason
+    with pytest.raises(BackendUnavailable, match="libcuda"):
+        get_backend("kvikio").open(data_file[0])
+
+
+def test_cufile_runtime_error_is_unavailable_and_auto_falls_back(monkeypatch, data_file,
+                                                                tmp_path):
+    """A box with GDS misconfigured: ``CuFile`` raises RuntimeError when a file is opened."""
+    def broken(path, mode):
+        raise RuntimeError("cuFile error: GPUDirect Storage not supported on current file "
+                           "(cuFileHandleRegister failed: 5030)")
+    _fake_kvikio(monkeypatch, cufile=broken)
+    path, data = data_file
+    assert KvikioBackend.availability().available
+    with pytest.raises(BackendUnavailable, match="CuFile cannot open.*RuntimeError.*5030"):
+        get_backend("kvikio").open(path)
+    c = auto.choose_backend(path, read_size=256 << 10, probe_bytes=1 << 20, cache_dir=tmp_path)
+    assert c.backend in ("direct", "buffered") and "5030" in c.skipped["kvikio"]
+    assert "kvikio" in c.reason
+    with auto.open_file(path, cache_dir=tmp_path, read_size=256 << 10) as fh:
+        assert fh.backend.name != "kvikio"
+
+
+def test_older_kvikio_without_defaults_get_opens_and_reads(monkeypatch, data_file):
+    mod = _fake_kvikio(monkeypatch, defaults=_OldDefaults())
+    path, data = data_file
+    be = KvikioBackend(task_size=1 << 20)
+    assert be.mode() == "compat"
+    _read_ok(path, data)
+    with be.open(path, queue_depth=6):
+        pass
+    assert mod.defaults.n == 6 and mod.defaults.task == 1 << 20     # the older setters
+    assert "6 threads" in be.describe()
+
+
+def test_a_kvikio_that_cannot_report_or_set_anything_still_reads(monkeypatch, data_file):
+    _fake_kvikio(monkeypatch, defaults=types.SimpleNamespace())
+    path, data = data_file
+    assert KvikioBackend().mode() == "unknown"
+    _read_ok(path, data)
+    assert "? threads" in KvikioBackend().describe()
+
+
+def test_current_kvikio_settings_go_through_get_and_set(monkeypatch, data_file):
+    mod = _fake_kvikio(monkeypatch)
+    path, data = data_file
+    _read_ok(path, data)
+    assert mod.defaults.values["num_threads"] == 4 and mod.defaults.values["auto_direct_io_read"]
+
+
+def test_auto_picks_kvikio_only_when_it_measured_faster(monkeypatch, data_file, tmp_path):
+    _fake_kvikio(monkeypatch)
+    path, _ = data_file
+    for kv, want in ((0.95, "direct"), (1.2, "kvikio")):
+        monkeypatch.setattr(auto, "probe_backends", lambda *a, kv=kv, **k: (
+            {"kvikio": kv, "direct": 1.0, "buffered": 0.9}, {}, 256 << 10))
+        c = auto.choose_backend(path, cache_dir=tmp_path / str(kv))
+        assert c.backend == want and c.destination == "host" and "into host memory" in c.reason
+    with pytest.raises(Exception, match="not probed"):
+        auto.choose_backend(path, cache_dir=tmp_path, destination="device")
