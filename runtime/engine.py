@@ -34,7 +34,7 @@ from .experts.protocol import ExpertProvider, WarmStart
 from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
 from .model import DequantCache, ExpertRunner, Model, ModelConfig, Router, TrunkReader, load_trunk
-from .prefetch.lookahead import LookaheadStats
+from .prefetch.lookahead import LookaheadStats, lookahead_slots
 
 __all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
 
@@ -79,17 +79,6 @@ class EngineOptions:
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
-
-
-def lookahead_slots(store: Any, options: EngineOptions) -> int:
-    """RAM slots for the lookahead's staged prefetches: ``options.prefetch_slots``, by default
-    one layer's predictions (k + margin) and one more for the previous layer's read still in
-    flight (predictions are read one at a time, and those still queued when their layer runs
-    are dropped). Every slot here is one the RAM tier does not get."""
-    if options.prefetch_slots is not None:
-        return max(0, int(options.prefetch_slots))
-    k = int((getattr(store, "summary", {}) or {}).get("expert_used_count") or 1)
-    return k + max(0, options.lookahead_margin) + 1
 
 
 def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: int = 0,
@@ -236,7 +225,9 @@ class Engine:
 
     # --- running -------------------------------------------------------------------------
 
-    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
+    def _ids(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):      # a sampled id kept on the device: no copy
+            return tokens.to(device=self.device, dtype=torch.long)
         bad = [t for t in tokens if not 0 <= int(t) < self.config.n_vocab]
         if bad:
             raise UsageError(f"token id {bad[0]} outside the vocabulary of "
@@ -248,7 +239,7 @@ class Engine:
         hidden states) and of every reset."""
         self._observers.append(observer)
 
-    def _run(self, tokens: Sequence[int], logits: str, decoding: bool = False
+    def _run(self, tokens: Sequence[int] | torch.Tensor, logits: str, decoding: bool = False
              ) -> torch.Tensor | None:
         if self._trace is not None:
             self.runner.record = []
@@ -260,8 +251,8 @@ class Engine:
                 out = self.model.forward(self._ids(tokens), logits=logits, hidden=bool(obs))
         finally:
             self.runner.decoding = was
-        for o in obs:
-            o.observe(list(tokens), self.model.hidden)
+        for o in obs:     # (a device token's host copy only when someone observes)
+            o.observe([int(t) for t in tokens], self.model.hidden)
         if self._trace is not None:
             self._flush_trace(len(tokens))
         self._token_no += len(tokens)
@@ -291,10 +282,12 @@ class Engine:
         self.times.prefill_tokens += len(tokens)
         return out[0]
 
-    def decode(self, token: int) -> torch.Tensor:
-        """One position; float32 logits ``[n_vocab]``."""
+    def decode(self, token: int | torch.Tensor) -> torch.Tensor:
+        """One position (``token``: an id, or ``Sampler.sample``'s still on the device, then
+        copied nowhere); float32 logits ``[n_vocab]``."""
         t0 = time.perf_counter()
-        out = self._run([token], "last", decoding=True)
+        out = self._run(token.reshape(1) if isinstance(token, torch.Tensor) else [token], "last",
+                        decoding=True)
         self.count_decode(time.perf_counter() - t0, 1)
         return out[0]
 

@@ -45,7 +45,8 @@ def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: i
     t0 = last = time.perf_counter()
     logits = engine.prefill(list(prompt))
     for i in range(max_new):
-        tok = sampler(logits)
+        chosen = sampler.sample(logits)        # on the logits' device
+        tok = int(chosen)                      # the token's one host copy
         now = time.perf_counter()
         stop = tok in stop_ids
         yield Step(i, tok, now - last, now - t0, stop)
@@ -55,7 +56,7 @@ def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: i
         if spec is not None:
             yield from _speculative(spec, sampler, tok, i + 1, max_new, stop_ids, t0, last)
             return
-        logits = engine.decode(tok)
+        logits = engine.decode(chosen)         # the id stays on the device
 
 
 def _speculative(spec: Speculative, sampler: Sampler, tok: int, i: int, max_new: int,

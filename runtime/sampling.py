@@ -4,7 +4,14 @@
 divided by the temperature, cut to the ``top_k`` largest (0 = all), then to the smallest set
 whose probability reaches ``top_p`` (1 = all; the most likely token always survives), and one
 token is drawn with a ``torch.Generator`` seeded from ``seed``: the same seed, logits and
-parameters give the same tokens. Sampling runs on the CPU on a float32 copy of the logits.
+parameters give the same tokens. ``Sampler.sample`` chooses on the logits' device and returns
+the token there (no host copy of the logits; on a GPU the next decode step takes it without a
+host round trip); ``Sampler(logits)`` is the same choice as an int. CPU logits are sampled as
+they always were (a CPU generator, the nucleus cut to its tokens); device logits keep the whole
+sorted vocabulary with zeros past the nucleus (no data-dependent length, so no sync) and draw
+with a generator on that device by the exponential race (``argmax(probs / Exp(1))``, a draw
+from ``probs`` without multinomial's checks), so a GPU run's sampled tokens follow the same
+distribution but not the CPU run's random stream.
 
 ``penalize`` applies OpenAI's presence and frequency penalties before sampling: the logit of
 token ``j`` drops by ``c[j] * frequency + (c[j] > 0) * presence``, ``c[j]`` being how many times
@@ -22,7 +29,7 @@ import torch
 
 from ..errors import UsageError
 
-__all__ = ["SamplingParams", "Sampler", "nucleus", "penalize", "bias", "allow"]
+__all__ = ["SamplingParams", "Sampler", "nucleus", "nucleus_dense", "penalize", "bias", "allow"]
 
 
 @dataclass(frozen=True)
@@ -63,35 +70,61 @@ def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torc
     return (probs / probs.sum()).float(), idx
 
 
+def nucleus_dense(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nucleus`` without a host sync, on the logits' device: the probabilities of every
+    top-k token, most likely first, those past top-p zero (the same tokens ``nucleus`` keeps:
+    each whose preceding cumulative probability is below top-p), and their ids."""
+    lg = logits.detach().double()
+    lg = (lg - lg.max()) / p.temperature
+    if p.top_k and p.top_k < lg.numel():
+        vals, idx = torch.topk(lg, p.top_k)
+    else:
+        vals, idx = torch.sort(lg, descending=True)
+    probs = torch.softmax(vals, dim=-1)
+    if p.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        before = torch.cat((cum.new_zeros(1), cum[:-1]))
+        probs = probs * (before < p.top_p)
+    return (probs / probs.sum()).float(), idx
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One index drawn from ``probs`` (on their device, no sync): the exponential race."""
+    q = torch.empty_like(probs).exponential_(generator=gen)
+    return torch.argmax(probs / q)
+
+
 def penalize(logits: torch.Tensor, counts: Mapping[int, int], presence: float = 0.0,
              frequency: float = 0.0) -> torch.Tensor:
-    """``logits [n_vocab]`` as a float32 CPU copy, less the presence and frequency penalties of
-    the tokens in ``counts`` (token id → times generated)."""
-    lg = logits.detach().float().cpu().clone()
+    """``logits [n_vocab]`` as a float32 copy (on their device), less the presence and
+    frequency penalties of the tokens in ``counts`` (token id → times generated)."""
+    lg = logits.detach().float().clone()
     if counts and (presence or frequency):
-        ids = torch.tensor(list(counts), dtype=torch.long)
-        c = torch.tensor([float(counts[i]) for i in counts])
+        ids = torch.tensor(list(counts), dtype=torch.long, device=lg.device)
+        c = torch.tensor([float(counts[i]) for i in counts], device=lg.device)
         lg[ids] -= c * frequency + (c > 0).float() * presence
     return lg
 
 
 def bias(logits: torch.Tensor, biases: Mapping[int, float]) -> torch.Tensor:
-    """``logits [n_vocab]`` as a float32 CPU copy plus ``biases`` (token id → value; ids
-    beyond the logits are ignored)."""
-    lg = logits.detach().float().cpu().clone()
+    """``logits [n_vocab]`` as a float32 copy (on their device) plus ``biases`` (token id →
+    value; ids beyond the logits are ignored)."""
+    lg = logits.detach().float().clone()
     ids = [i for i in biases if 0 <= i < lg.numel()]
     if ids:
-        lg[torch.tensor(ids, dtype=torch.long)] += torch.tensor([float(biases[i]) for i in ids])
+        lg[torch.tensor(ids, dtype=torch.long, device=lg.device)] += torch.tensor(
+            [float(biases[i]) for i in ids], device=lg.device)
     return lg
 
 
 def allow(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``logits [n_vocab]`` as a float32 CPU copy with every token ``allowed [n]`` (bool) does
-    not allow set to ``-inf`` (tokens past ``n`` too)."""
-    lg = logits.detach().float().cpu().clone()
+    """``logits [n_vocab]`` as a float32 copy (on their device) with every token ``allowed
+    [n]`` (bool) does not allow set to ``-inf`` (tokens past ``n`` too)."""
+    lg = logits.detach().float().clone()
     n = min(lg.numel(), allowed.numel())
     keep = torch.zeros(lg.numel(), dtype=torch.bool)
     keep[:n] = allowed[:n]
+    keep = keep.to(lg.device)
     return lg.masked_fill_(~keep, float("-inf"))
 
 
@@ -100,12 +133,30 @@ class Sampler:
         self.params = params.validate()
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(int(params.seed))
+        self._dev_gen: torch.Generator | None = None
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [n_vocab]`` → the chosen token id, a 0-d long tensor on their device (no
+        host sync where that is a GPU)."""
+        p = self.params
+        lg = logits.detach()
+        if lg.device.type == "cpu":
+            if p.greedy:
+                return torch.argmax(lg.float())
+            probs, idx = nucleus(lg, p)
+            return idx.index_select(0, torch.multinomial(probs, 1, generator=self.gen))[0]
+        if p.greedy:
+            return torch.argmax(lg)
+        probs, idx = nucleus_dense(lg, p)
+        return idx.index_select(0, draw(probs, self._device_gen(lg.device)).reshape(1))[0]
+
+    def _device_gen(self, device: torch.device) -> torch.Generator:
+        g = self._dev_gen
+        if g is None or g.device != device:
+            g = self._dev_gen = torch.Generator(device=device)
+            g.manual_seed(int(self.params.seed))
+        return g
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """``logits [n_vocab]`` (any device) → the chosen token id."""
-        p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits.detach().float().cpu()))
-        probs, idx = nucleus(logits, p)
-        choice = torch.multinomial(probs, 1, generator=self.gen)
-        return int(idx[choice])
+        """``logits [n_vocab]`` (any device) → the chosen token id (one host copy)."""
+        return int(self.sample(logits))

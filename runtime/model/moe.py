@@ -238,7 +238,9 @@ class ExpertRunner:
             experts, pred = hv[:k], hv[k:]
         else:
             E = w.router.weight.shape[0]
-            counts = torch.bincount(ids.flatten(), minlength=E)
+            flat = ids.flatten()     # (not bincount: on CUDA it syncs for the ids' range)
+            counts = torch.zeros(E, dtype=flat.dtype, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
             host = counts if predict is None else torch.cat((counts, predict[1].flatten()))
             hv = host.tolist()                                           # the one sync
             counts_h, pred = hv[:E], hv[E:]

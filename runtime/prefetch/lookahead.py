@@ -19,7 +19,7 @@ from typing import Any
 
 from .score import PredictionScore
 
-__all__ = ["LookaheadStats"]
+__all__ = ["LookaheadStats", "lookahead_slots"]
 
 
 @dataclass
@@ -46,3 +46,15 @@ class LookaheadStats:
         sc = self.score
         return {"margin": self.margin, "predicted": sc.predicted, "used": sc.needed,
                 "hits": sc.hits, **sc.ratios("coverage", "waste", digits=4)}
+
+
+def lookahead_slots(store: Any, options: Any) -> int:
+    """RAM slots for the lookahead's staged prefetches: ``options.prefetch_slots``, by default
+    one layer's predictions (k + margin) and one more for the previous layer's read still in
+    flight (predictions are read one at a time, and those still queued when their layer runs
+    are dropped). Every slot here is one the RAM tier does not get. (``options``: the
+    engine's ``EngineOptions``.)"""
+    if options.prefetch_slots is not None:
+        return max(0, int(options.prefetch_slots))
+    k = int((getattr(store, "summary", {}) or {}).get("expert_used_count") or 1)
+    return k + max(0, options.lookahead_margin) + 1

@@ -256,6 +256,7 @@ class Session:
         spec = self.spec if not (penal or req.logprobs or req.logit_bias or rule) else None
         m0 = (spec.stats.drafted, spec.stats.accepted) if spec is not None else (0, 0)
         seq: list[int] = []                    # tokens taken, in order
+        chosen = None                          # the last sampled id, on the device
         queue: list[int] = []                  # a speculative step's tokens not taken yet
         n, finish, cut = 0, "length", False
         while n < req.max_tokens:
@@ -265,16 +266,17 @@ class Session:
             if spec is not None and seq:
                 if not queue:
                     queue = spec.step(seq[-1], sampler, req.max_tokens - n)
-                t = queue.pop(0)
+                t, chosen = queue.pop(0), None
             else:
-                lg = logits if not seq else eng.decode(seq[-1])
+                lg = logits if not seq else eng.decode(seq[-1] if chosen is None else chosen)
                 if penal:
                     lg = penalize(lg, counts, req.presence_penalty, req.frequency_penalty)
                 if req.logit_bias:
                     lg = bias(lg, req.logit_bias)
                 if rule is not None:
                     lg = allow(lg, rule.allowed())
-                t = sampler(lg)
+                chosen = sampler.sample(lg)         # the id stays on the device for decode
+                t = int(chosen)
                 if req.logprobs:
                     out.pending.append((len(stop.text), self._entry(lg, t, req.top_logprobs)))
             seq.append(t)
