@@ -7,7 +7,12 @@
 #  3. CPU vs CUDA logits on a synthetic Q4_K_M qwen3moe (float32 to tolerance, bf16 top-1);
 #  4. a streamed decode on CUDA with small RAM and VRAM tiers (--vram set: experts really go
 #     NVMe -> pinned RAM -> VRAM), and 5. the same with --vram unset (the default tier sized
-#     from free device memory); each prints tok/s, H2D bytes, uploads and pinned bytes.
+#     from free device memory); each prints tok/s, H2D bytes, uploads and pinned bytes;
+#  6. host syncs per decode token on a tiered decode, greedy and sampled (the call sites that
+#     read a tensor's value on the host; on CUDA also set_sync_debug_mode's count), failing
+#     above MoE layers + 3 a token;
+#  7. one get with RAM hits and cold misses on the device tier: the hits uploaded before any
+#     miss is awaited, the misses as their reads land, every byte equal to the store's.
 #
 # Usage:  bench/gpu_check.sh [--dry-run] [WORKDIR]
 #         --dry-run (or DEV=cpu) runs every step on the CPU to check the script itself.
@@ -43,18 +48,20 @@ step() {          # step NAME TIMEOUT_S COMMAND...
     fi
 }
 
-step "1/5 environment" 60 "$PY" "$S" env
+step "1/7 environment" 60 "$PY" "$S" env
 if [ "$DEV" = cpu ]; then
-    step "2/5 gpu-marked tests (dry run: collected only)" 120 "$PY" -m pytest -q \
+    step "2/7 gpu-marked tests (dry run: collected only)" 120 "$PY" -m pytest -q \
         -p no:cacheprovider -m gpu --collect-only tests/runtime/cache tests/runtime/io \
         tests/runtime/model
 else
-    step "2/5 gpu-marked tests" 240 env EXPERTFS_TEST_DEVICE=cuda "$PY" -m pytest -q \
+    step "2/7 gpu-marked tests" 240 env EXPERTFS_TEST_DEVICE=cuda "$PY" -m pytest -q \
         -p no:cacheprovider -m gpu tests/runtime/cache tests/runtime/io tests/runtime/model
 fi
-step "3/5 CPU vs $DEV logits, Q4_K_M synthetic qwen3moe" 150 "$PY" "$S" logits
-step "4/5 streamed decode on $DEV, --vram 64M" 150 "$PY" "$S" stream --vram 64M
-step "5/5 streamed decode on $DEV, --vram unset (sized from free memory)" 150 "$PY" "$S" stream
+step "3/7 CPU vs $DEV logits, Q4_K_M synthetic qwen3moe" 150 "$PY" "$S" logits
+step "4/7 streamed decode on $DEV, --vram 64M" 150 "$PY" "$S" stream --vram 64M
+step "5/7 streamed decode on $DEV, --vram unset (sized from free memory)" 150 "$PY" "$S" stream
+step "6/7 host syncs per decode token on $DEV" 150 "$PY" "$S" syncs
+step "7/7 a get's device misses concurrent on $DEV" 90 "$PY" "$S" misses
 
 if [ ${#FAILED[@]} -eq 0 ]; then
     echo "== all steps passed (report: $REPORT)"

@@ -1,4 +1,5 @@
-"""The steps of bench/gpu_check.sh that are Python: ``env``, ``logits``, ``stream [ARGS...]``.
+"""The steps of bench/gpu_check.sh that are Python: ``env``, ``logits``, ``stream [ARGS...]``,
+``syncs`` (host syncs per decode token) and ``misses`` (a get's device misses concurrent).
 Reads W (the work folder), DEV (cuda, or cpu for a dry run) and PY from the environment."""
 
 from __future__ import annotations
@@ -87,6 +88,87 @@ def stream(extra: list[str]) -> None:
             assert r["vram_tier_bytes"] > 0, "--vram unset on CUDA gave no VRAM tier"
 
 
+def _engine(s: str, vram_slots: int):
+    from expertfs.runtime.engine import Engine
+    from expertfs.store.reader import Store
+    with Store.open(s) as st:
+        slot = max(st.extent(la, 0).length for la in st.layers)
+    return Engine.open(s, provider="tiered", device=DEV, ram_bytes=48 * slot,
+                       vram_bytes=vram_slots * slot, fused="off",
+                       provider_options={"warm_start": False, "backend": "buffered",
+                                         "record_usage": False})
+
+
+def syncs() -> None:
+    """Host syncs per decode token on a tiered decode (small RAM and VRAM tiers): the call
+    sites that copy a tensor's value to the host (HostSyncCounter, any device) and, on CUDA,
+    the syncs torch.cuda.set_sync_debug_mode reports. Fails above MoE layers + 3 a token."""
+    import warnings
+    import torch
+    from expertfs.runtime.generate import generate
+    from expertfs.runtime.hostsync import HostSyncCounter
+    from expertfs.runtime.sampling import Sampler, SamplingParams
+    s = _store("small", big=False)
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1)):
+        with _engine(s, 24) as e:
+            moe = sum(b.moe is not None for b in e.trunk.blocks)
+            g = generate(e, [3, 17, 99, 250], Sampler(params), 17)
+            next(g)
+            with HostSyncCounter() as c, warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                if DEV != "cpu":
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    n = len(list(g))
+                finally:
+                    if DEV != "cpu":
+                        torch.cuda.set_sync_debug_mode("default")
+            sites = {k: v for k, v in c.by_site().items() if "@ buffers.py:" not in k}
+            cuda = sum("synchroniz" in str(x.message) for x in w)
+            per, limit = sum(sites.values()) / n, moe + 3
+            print(f"{'greedy' if params.greedy else 'sampled'}: {n} tokens, {moe} MoE layers: "
+                  f"{per:.2f} host-copy sites a token {sites}"
+                  + (f"; CUDA sync warnings {cuda / n:.2f} a token" if DEV != "cpu" else ""))
+            assert per <= limit, f"{per:.2f} host syncs a token > MoE layers + 3 = {limit}"
+            assert DEV == "cpu" or cuda / n <= limit, f"{cuda / n:.2f} CUDA syncs a token"
+
+
+def misses() -> None:
+    """One get with RAM hits and cold misses on the device tier: the RAM hits come back from
+    get_begin already uploaded, the misses as their reads land; every byte equals the store."""
+    import time
+    from expertfs.runtime.cache import State
+    s = _store("small", big=False)
+    with _engine(s, 16) as e:
+        p, st = e.provider, e.store
+        layer = st.layers[1]
+        hits, cold = [0, 1], [5, 6, 7, 8]
+        p.prefetch(layer, hits)
+        end = time.monotonic() + 30
+        while not all(p.cache.state_of(p.cache.key(layer, x)) is State.HOST for x in hits):
+            assert time.monotonic() < end, "prefetches did not land"
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        ready, finish = p.get_begin(layer, cold[:2] + hits + cold[2:])
+        t1 = time.perf_counter()
+        rest = finish()
+        t2 = time.perf_counter()
+        got = {**ready, **rest}
+        assert set(hits) <= set(ready) and set(got) == set(hits + cold), (ready, rest)
+        with open(st.experts_path, "rb") as f:
+            data = f.read()
+        for x, w in got.items():
+            ext = st.extent(layer, x)
+            for part in ext.parts:
+                want = data[ext.offset + part.rel_offset:ext.offset + part.rel_offset + part.nbytes]
+                assert bytes(w.parts[part.role].raw.cpu().numpy()) == want, (x, part.role)
+        p.release(layer)
+        ps = p.stats
+        print(f"get_begin {1e3 * (t1 - t0):.2f} ms with {len(ready)} ready ({len(hits)} RAM hits "
+              f"uploaded), finish {1e3 * (t2 - t1):.2f} ms for {len(rest)}; uploads "
+              f"{ps.uploads}, misses {ps.misses}, stall {ps.stall_seconds * 1e3:.2f} ms")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "env":
@@ -95,5 +177,10 @@ if __name__ == "__main__":
         logits()
     elif what == "stream":
         stream(sys.argv[2:])
+    elif what == "syncs":
+        syncs()
+    elif what == "misses":
+        misses()
     else:
-        raise SystemExit("usage: gpu_check_steps.py env | logits | stream [ARGS...]")
+        raise SystemExit("usage: gpu_check_steps.py env | logits | stream [ARGS...] | syncs | "
+                         "misses")
