@@ -91,6 +91,8 @@ def synth(a: argparse.Namespace) -> None:
             over[key] = v
     if a.nextn is not None:
         over["n_nextn"] = a.nextn
+    if a.dense_lead is not None:
+        over["n_dense_lead"] = a.dense_lead
     cfg = SynthConfig.like(a.like, layers=a.layers or None, **over)
     synthesize(cfg if a.layers else layers_for_size(cfg, parse_size(a.size)), a.model)
 
@@ -179,6 +181,9 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=64, help="routed experts (0: the preset's)")
     ap.add_argument("--nextn", type=int, default=None,
                     help="NextN blocks to synthesise (default: the preset's)")
+    ap.add_argument("--dense-lead", type=int, default=None,
+                    help="leading dense blocks of the cut (default: the preset's, at most all but "
+                         "one; DeepSeek-V3's 3 would leave a 6 GB cut one MoE layer)")
     ap.add_argument("--quant", default=None,
                     help="synth --quant spec or preset (e.g. maya-s, q4_k_m; default: the "
                          "--like preset's own mix where it has one, gpt-oss's mxfp4_moe, "
