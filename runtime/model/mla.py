@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ...formats.dequant import dequantize
 from .. import kernels as native
@@ -172,9 +171,20 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
         if mask is not None:
             valid &= mask.gather(1, idx)
         return _out(_sparse(Q, kc[0], idx, valid, L, cfg.kq_scale), w, cfg)
-    o = F.scaled_dot_product_attention(Q.transpose(0, 1)[None], k, k[..., :L], attn_mask=mask,
-                                       scale=cfg.kq_scale, enable_gqa=True)   # [1, H, T, L]
-    return _out(o[0].transpose(0, 1), w, cfg)
+    return _out(_mqa(Q, k[0, 0], L, mask, cfg.kq_scale), w, cfg)
+
+
+def _mqa(Q: torch.Tensor, k: torch.Tensor, L: int, mask: torch.Tensor | None,
+         scale: float) -> torch.Tensor:
+    """Every head against the one shared latent key: ``Q [T, H, L + R]``, ``k [S, L + R]``
+    (``V = k[:, :L]``), ``mask [T, S]`` (True = attend) or None → ``[T, H, L]``. Two products
+    over ``T·H`` query rows; SDPA with ``enable_gqa`` would copy the cache once per head."""
+    T, H = Q.shape[0], Q.shape[1]
+    s = (Q.reshape(T * H, -1) @ k.transpose(0, 1)).view(T, H, -1) * scale   # [T, H, S]
+    if mask is not None:
+        s.masked_fill_(~mask[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(k.dtype)
+    return (p.view(T * H, -1) @ k[:, :L]).view(T, H, L)
 
 
 def _out(o: torch.Tensor, w: MLAWeights, cfg: ModelConfig) -> torch.Tensor:
