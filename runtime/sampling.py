@@ -51,18 +51,23 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens sampling may choose from ``logits [n_vocab]`` at ``p`` (not greedy): their
-    probabilities (float32, summing to 1) and ids, most likely first, after temperature, top-k
-    and top-p. Computed in float64 from the logits less their maximum, so a temperature too
-    small for float32 (down to the smallest positive double) is greedy, never inf or NaN."""
-    lg = logits.detach().double().cpu()
+def _ranked(lg: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 logits ``lg`` → the softmax of the top-k (all: sorted) after temperature, most
+    likely first, and their ids: what ``nucleus`` and ``nucleus_dense`` then cut at top-p."""
     lg = (lg - lg.max()) / p.temperature
     if p.top_k and p.top_k < lg.numel():
         vals, idx = torch.topk(lg, p.top_k)
     else:
         vals, idx = torch.sort(lg, descending=True)
-    probs = torch.softmax(vals, dim=-1)
+    return torch.softmax(vals, dim=-1), idx
+
+
+def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens sampling may choose from ``logits [n_vocab]`` at ``p`` (not greedy): their
+    probabilities (float32, summing to 1) and ids, most likely first, after temperature, top-k
+    and top-p. Computed in float64 from the logits less their maximum, so a temperature too
+    small for float32 (down to the smallest positive double) is greedy, never inf or NaN."""
+    probs, idx = _ranked(logits.detach().double().cpu(), p)
     if p.top_p < 1.0:
         cum = torch.cumsum(probs, dim=-1)
         keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
@@ -74,13 +79,7 @@ def nucleus_dense(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor
     """``nucleus`` without a host sync, on the logits' device: the probabilities of every
     top-k token, most likely first, those past top-p zero (the same tokens ``nucleus`` keeps:
     each whose preceding cumulative probability is below top-p), and their ids."""
-    lg = logits.detach().double()
-    lg = (lg - lg.max()) / p.temperature
-    if p.top_k and p.top_k < lg.numel():
-        vals, idx = torch.topk(lg, p.top_k)
-    else:
-        vals, idx = torch.sort(lg, descending=True)
-    probs = torch.softmax(vals, dim=-1)
+    probs, idx = _ranked(logits.detach().double(), p)
     if p.top_p < 1.0:
         cum = torch.cumsum(probs, dim=-1)
         before = torch.cat((cum.new_zeros(1), cum[:-1]))
