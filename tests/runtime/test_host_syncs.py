@@ -14,17 +14,12 @@ from expertfs.runtime.engine import Engine
 from expertfs.runtime.generate import generate
 from expertfs.runtime.hostsync import HostSyncCounter
 from expertfs.runtime.sampling import Sampler, SamplingParams, draw, nucleus, nucleus_dense
+from support.cache_store import tiny_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from expertfs.store.repack import repack
-    from expertfs.synth import SynthConfig, synthesize
-    d = tmp_path_factory.mktemp("syncs")
-    g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m"), str(g))
-    repack([str(g)], str(s))
-    return str(s)
+    return tiny_store(tmp_path_factory.mktemp("syncs"))
 
 
 def _compute_sites(c: HostSyncCounter) -> dict[str, int]:

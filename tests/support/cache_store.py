@@ -30,6 +30,14 @@ def make_store(root: Path) -> Path:
     return out
 
 
+def tiny_store(root: Path, quant: str = "q4_k_m") -> str:
+    """``synth``'s tiny qwen3moe in ``quant``, repacked under ``root``: the store's path."""
+    g, out = root / "m.gguf", root / "m.efs"
+    synthesize(SynthConfig.tiny("qwen3moe").replace(quant=quant), str(g))
+    repack([str(g)], str(out))
+    return str(out)
+
+
 def store_bytes(store: Store) -> bytes:
     with open(store.experts_path, "rb") as f:
         return f.read()

@@ -8,17 +8,12 @@ import pytest
 import torch
 
 from expertfs.runtime.engine import Engine
+from support.cache_store import tiny_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from expertfs.store.repack import repack
-    from expertfs.synth import SynthConfig, synthesize
-    d = tmp_path_factory.mktemp("parts")
-    g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m"), str(g))
-    repack([str(g)], str(s))
-    return str(s)
+    return tiny_store(tmp_path_factory.mktemp("parts"))
 
 
 @pytest.mark.parametrize("fused", ["auto", "off"])

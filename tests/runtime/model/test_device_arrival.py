@@ -12,17 +12,12 @@ from expertfs.runtime.engine import Engine
 from expertfs.runtime.experts.protocol import SplitGet
 from expertfs.runtime.model import moe as moe_mod
 from expertfs.runtime.model.moe import ExpertRunner
+from support.cache_store import tiny_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from expertfs.store.repack import repack
-    from expertfs.synth import SynthConfig, synthesize
-    d = tmp_path_factory.mktemp("arrival")
-    g, s = d / "m.gguf", d / "m.efs"
-    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m"), str(g))
-    repack([str(g)], str(s))
-    return str(s)
+    return tiny_store(tmp_path_factory.mktemp("arrival"))
 
 
 def _decode(e, prompt, toks):
@@ -45,7 +40,8 @@ def test_cpu_device_tier_decode_equals_a_resident_run(store):
         got = _decode(e, prompt, toks)
         st = e.provider.stats
         assert st.hits.get("vram", 0) > 0 and st.misses > 0 and st.uploads > 0
-        assert e.runner.stats.overlapped > 0     # steps that computed ready experts first
+        # (whether a step found some reads still in flight depends on timing: the order of
+        # computing as experts land is checked deterministically by the fake provider below)
     assert torch.equal(got, want)
 
 
