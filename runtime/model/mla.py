@@ -174,17 +174,28 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
     return _out(_mqa(Q, k[0, 0], L, mask, cfg.kq_scale), w, cfg)
 
 
+#: the dense MQA's scores are formed for at most this many (query, head, position) at once
+MQA_CHUNK = 1 << 23
+
+
 def _mqa(Q: torch.Tensor, k: torch.Tensor, L: int, mask: torch.Tensor | None,
          scale: float) -> torch.Tensor:
     """Every head against the one shared latent key: ``Q [T, H, L + R]``, ``k [S, L + R]``
     (``V = k[:, :L]``), ``mask [T, S]`` (True = attend) or None → ``[T, H, L]``. Two products
-    over ``T·H`` query rows; SDPA with ``enable_gqa`` would copy the cache once per head."""
-    T, H = Q.shape[0], Q.shape[1]
-    s = (Q.reshape(T * H, -1) @ k.transpose(0, 1)).view(T, H, -1) * scale   # [T, H, S]
-    if mask is not None:
-        s.masked_fill_(~mask[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(k.dtype)
-    return (p.view(T * H, -1) @ k[:, :L]).view(T, H, L)
+    over the query rows of each chunk of tokens (the scores of a long prompt are never whole);
+    SDPA with ``enable_gqa`` would copy the cache once per head."""
+    T, H, S = Q.shape[0], Q.shape[1], k.shape[0]
+    out = torch.empty(T, H, L, dtype=Q.dtype, device=Q.device)
+    kt, v = k.transpose(0, 1), k[:, :L]
+    step = max(1, MQA_CHUNK // max(1, H * S))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        s = (Q[a:b].reshape((b - a) * H, -1) @ kt).view(b - a, H, S) * scale
+        if mask is not None:
+            s.masked_fill_(~mask[a:b, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(k.dtype)
+        out[a:b] = (p.view((b - a) * H, S) @ v).view(b - a, H, L)
+    return out
 
 
 def _out(o: torch.Tensor, w: MLAWeights, cfg: ModelConfig) -> torch.Tensor:
