@@ -58,7 +58,9 @@ def assert_weights(store: Store, data: bytes, layer: int, got: dict[int, Any]) -
 
 
 class _GatedFile(RawFile):
-    def __init__(self, inner: RawFile, gate: "GatedBackend") -> None:
+    """A file of a gated backend: each read asks the gate (``before_read``) before it runs."""
+
+    def __init__(self, inner: RawFile, gate: "GatedBackend | PerReadGate") -> None:
         super().__init__(inner.path, inner.size)
         self.inner, self.gate = inner, gate
 
@@ -66,9 +68,7 @@ class _GatedFile(RawFile):
         return self.inner.prepare(buf)
 
     def pread_into(self, dest: Any, start: int, end: int, file_offset: int) -> int:
-        with self.gate.lock:
-            self.gate.started.append(file_offset)
-        self.gate.release.wait()
+        self.gate.before_read(file_offset)
         return self.inner.pread_into(dest, start, end, file_offset)
 
     def close(self) -> None:
@@ -85,6 +85,39 @@ class GatedBackend(IOBackend):
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.started: list[int] = []
+
+    def before_read(self, offset: int) -> None:
+        with self.lock:
+            self.started.append(offset)
+        self.release.wait()
+
+    def open_raw(self, path: Any) -> RawFile:
+        return _GatedFile(self.inner.open_raw(path), self)
+
+
+class PerReadGate(IOBackend):
+    """Buffered reads; a read starting at a held offset waits until that offset is let go."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.inner = BufferedBackend()
+        self.held: dict[int, threading.Event] = {}
+        self.waiting: set[int] = set()
+        self.lock = threading.Lock()
+
+    def hold(self, offset: int) -> None:
+        self.held[offset] = threading.Event()
+
+    def let_go(self, offset: int) -> None:
+        self.held.pop(offset).set()
+
+    def before_read(self, offset: int) -> None:
+        ev = self.held.get(offset)
+        if ev is not None:
+            with self.lock:
+                self.waiting.add(offset)
+            ev.wait(30)
 
     def open_raw(self, path: Any) -> RawFile:
         return _GatedFile(self.inner.open_raw(path), self)

@@ -8,58 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 
 from expertfs.runtime.cache import State
 from expertfs.runtime.cache.provider import TieredProvider
-from expertfs.runtime.io import (BufferedBackend, IOBackend, IOFaultError, RawFile, RetryPolicy,
-                                 get_backend)
+from expertfs.runtime.io import IOFaultError, RetryPolicy, get_backend
 from expertfs.store.reader import Store
-from support.cache_store import assert_weights, check_invariants, make_store, store_bytes
+from support.cache_store import (PerReadGate, assert_weights, check_invariants, make_store,
+                                store_bytes)
 from support.faults import Fault, FaultInjectingBackend
-
-
-class _HeldFile(RawFile):
-    def __init__(self, inner: RawFile, gate: "PerReadGate") -> None:
-        super().__init__(inner.path, inner.size)
-        self.inner, self.gate = inner, gate
-
-    def prepare(self, buf: Any) -> Any:
-        return self.inner.prepare(buf)
-
-    def pread_into(self, dest: Any, start: int, end: int, file_offset: int) -> int:
-        ev = self.gate.held.get(file_offset)
-        if ev is not None:
-            with self.gate.lock:
-                self.gate.waiting.add(file_offset)
-            ev.wait(30)
-        return self.inner.pread_into(dest, start, end, file_offset)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class PerReadGate(IOBackend):
-    """Buffered reads; a read starting at a held offset waits until that offset is let go."""
-
-    name = "held"
-
-    def __init__(self) -> None:
-        self.inner = BufferedBackend()
-        self.held: dict[int, threading.Event] = {}
-        self.waiting: set[int] = set()
-        self.lock = threading.Lock()
-
-    def hold(self, offset: int) -> None:
-        self.held[offset] = threading.Event()
-
-    def let_go(self, offset: int) -> None:
-        self.held.pop(offset).set()
-
-    def open_raw(self, path: Any) -> RawFile:
-        return _HeldFile(self.inner.open_raw(path), self)
 
 
 @pytest.fixture(scope="module")
