@@ -114,13 +114,16 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--act-quant", choices=("off", "q8"), default="off",
+                    help="run's --act-quant (q8: llama.cpp's activations, expert and trunk)")
     ap.add_argument("--before", help="folder of earlier kda/mla/mhc.py: alternate A/B rounds")
     ap.add_argument("--rounds", type=int, default=3, help="A/B rounds per version")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertfs.runtime.engine import Engine
     size = os.path.getsize(os.path.join(a.store, "experts.bin"))
-    eng = Engine.open(a.store, provider="tiered", ram_bytes=size + (64 << 20))
+    eng = Engine.open(a.store, provider="tiered", ram_bytes=size + (64 << 20),
+                      act_quant=a.act_quant)
     eng.warm()
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 1000, (a.prompt_tokens,), generator=g).tolist()

@@ -34,6 +34,7 @@ from .experts.protocol import ExpertProvider, WarmStart
 from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
 from .model import DequantCache, ExpertRunner, Model, ModelConfig, Router, TrunkReader, load_trunk
+from .model.loader import set_act_quant
 from .prefetch.lookahead import LookaheadStats, lookahead_slots
 
 __all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
@@ -75,7 +76,7 @@ class EngineOptions:
     load_nextn: bool = True               # build the NextN/MTP block (not run here)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
     act_quant: str = "off"                # "q8": llama.cpp's 8-bit activations in the native
-                                          # expert products (lossy, opt-in, measured)
+                                          # expert and trunk products (lossy, opt-in, measured)
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
@@ -163,6 +164,7 @@ class Engine:
                                    DequantCache(options.dq_cache), look)
         self.runner.fused = fused
         self.runner.set_act_quant(options.act_quant)
+        set_act_quant(self.trunk, options.act_quant)      # the trunk's products: the same numerics
         if fused:
             t1 = time.perf_counter()
             self._precompile()

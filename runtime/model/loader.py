@@ -223,13 +223,28 @@ def load_trunk(reader: TrunkReader, cfg: ModelConfig, *, dtype: torch.dtype,
                         b.float_bytes, b.quant_bytes + embed.raw.nbytes)
 
 
-def linears(t: TrunkWeights) -> list[Linear]:
-    """Every ``Linear`` the decoder blocks and the output head multiply by."""
+def linears(t: TrunkWeights, nextn: bool = False) -> list[Linear]:
+    """Every ``Linear`` the decoder blocks and the output head multiply by (``nextn``: the
+    NextN blocks' too, and their own projections)."""
     out = [t.output]
-    for b in t.blocks:
+    for b in t.blocks + (t.nextn if nextn else []):
         for obj in (b.attn, b.dense, b.moe.shared if b.moe else None):
             out += _linears_of(obj)
+        if nextn:
+            out += [v for v in b.nextn.values() if isinstance(v, Linear)]
     return out
+
+
+def set_act_quant(t: TrunkWeights, mode: str) -> int:
+    """The trunk's one-token products (attention, dense and shared FFNs, the output head, the
+    NextN blocks) take ``mode``'s activations: ``"q8"`` quantizes them as llama.cpp does
+    (lossy, opt-in), ``"off"`` keeps them exact. Returns how many matrices it applies to."""
+    n = 0
+    for lin in linears(t, nextn=True):
+        if lin.q is not None and lin.fused:
+            lin.act_quant = None if mode == "off" else mode
+            n += 1
+    return n
 
 
 def _linears_of(obj: object) -> list[Linear]:

@@ -95,13 +95,14 @@ class TrunkReader:
 class Linear:
     """``y = x @ W.T (+ b)`` with W either a float ``[out, in]`` tensor or ggml bytes."""
 
-    __slots__ = ("weight", "q", "bias", "out_features", "in_features", "fused")
+    __slots__ = ("weight", "q", "bias", "out_features", "in_features", "fused", "act_quant")
 
     def __init__(self, weight: torch.Tensor | None, q: RawTensor | None,
                  bias: torch.Tensor | None, shape: tuple[int, int]) -> None:
         self.weight, self.q, self.bias = weight, q, bias
         self.out_features, self.in_features = shape
         self.fused = False           # one-token products through qmatvec (set by the loader)
+        self.act_quant: str | None = None   # "q8": llama.cpp's 8-bit activations (opt-in, lossy)
 
     @classmethod
     def load(cls, w: RawTensor, b: RawTensor | None, *, dtype: torch.dtype,
@@ -125,7 +126,7 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         q = self.q
         if self.fused and x.dim() == 2:
-            y = decode_matvec(x, q.raw, q.ggml_type, q.shape)     # native up to its token limit
+            y = decode_matvec(x, q.raw, q.ggml_type, q.shape, self.act_quant)   # native, a few tokens
             if y is not None:
                 return y if self.bias is None else y + self.bias
             return wide_linear(x, q.raw, q.ggml_type, q.shape, self.bias)   # wider batches

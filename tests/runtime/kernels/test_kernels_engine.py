@@ -1,5 +1,5 @@
 """The native kernels inside the engine: exact decode equals the eager torch path; the opt-in
-``act_quant="q8"`` mode is really on, stays close to exact, and is validated; ``expertfs run
+``act_quant="q8"`` mode is really on (experts and trunk), stays close to exact, and is validated; ``expertfs run
 --act-quant q8`` reaches the runner."""
 
 from __future__ import annotations
@@ -59,6 +59,28 @@ def test_act_quant_is_validated(store):
         assert e.runner.act_quant == "q8" and e.runner.fused
 
 
+def test_q8_reaches_the_trunk_products(store, monkeypatch):
+    """``act_quant="q8"`` covers the trunk too (attention, the output head), as llama.cpp
+    quantizes every product's activations; the default keeps every trunk product exact."""
+    from expertfs.runtime.model import weights
+    from expertfs.runtime.model.loader import linears
+    modes = []
+    dm = weights.decode_matvec
+
+    def spy(x, raw, t, shape, act_quant=None):
+        modes.append(act_quant)
+        return dm(x, raw, t, shape, act_quant)
+    monkeypatch.setattr(weights, "decode_matvec", spy)
+    for aq, want in (("off", {None}), ("q8", {"q8"})):
+        modes.clear()
+        with Engine.open(store, provider="direct", act_quant=aq) as e:
+            quant = [m for m in linears(e.trunk, nextn=True) if m.q is not None]
+            assert quant and {m.act_quant for m in quant} == want
+            e.prefill([5])
+            e.decode(17)
+        assert modes and set(modes) == want, aq
+
+
 def test_cli_flag_reaches_the_runner(store, capsys, monkeypatch):
     from expertfs.cli import main
     seen = {}
@@ -104,7 +126,9 @@ def test_iq_mix_decodes_natively_and_equals_eager(maya_store, monkeypatch):
     assert taken and all(taken)
     scale = float(eager.abs().max())
     assert torch.allclose(exact, eager, atol=1e-4 * scale, rtol=0)
-    assert 100 * float((exact - eager).abs().max()) < float((q8 - exact).abs().max()) < 0.25 * scale
+    # q8 quantizes the trunk's activations too: on this 3-layer random model the last
+    # position moves by up to about a third of the logits' scale
+    assert 100 * float((exact - eager).abs().max()) < float((q8 - exact).abs().max()) < 0.5 * scale
 
 
 @pytest.mark.parametrize("act_quant", ["off", "q8"])
