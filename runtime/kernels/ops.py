@@ -14,7 +14,8 @@ from .build import load
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8"]
+           "attn_decode", "route", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8",
+           "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
@@ -74,16 +75,34 @@ WIDE_TYPES_Q8 = {
 }
 
 
+#: The same under the AVX2 kernels (exact, then q8), measured the same way with 48, 64, 96
+#: and 128 tokens on an AVX2-only CPU; the types not listed stay at the caller's default.
+WIDE_TYPES_AVX2 = {
+    GGMLType.Q4_K: 48, GGMLType.Q6_K: 64, GGMLType.Q8_0: 48, GGMLType.Q4_0: 48,
+    GGMLType.Q2_K: 48, GGMLType.Q3_K: 48, GGMLType.IQ4_XS: 48, GGMLType.MXFP4: 48,
+    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 96, GGMLType.IQ2_S: 96,
+    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 96, GGMLType.IQ1_S: 48, GGMLType.TQ2_0: 48,
+    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64,
+}
+WIDE_TYPES_Q8_AVX2 = {
+    GGMLType.Q4_K: 48, GGMLType.Q6_K: 64, GGMLType.Q8_0: 64, GGMLType.IQ4_XS: 48,
+    GGMLType.IQ2_XXS: 64, GGMLType.TQ2_0: 128,
+}
+
+_WIDE = {("avx512", 0): WIDE_TYPES, ("avx512", 1): WIDE_TYPES_Q8,
+         ("avx2", 0): WIDE_TYPES_AVX2, ("avx2", 1): WIDE_TYPES_Q8_AVX2}
+
+
 def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
     """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
-    (more: dequantize once and multiply as a matrix): ``WIDE_TYPES``' (q8: ``WIDE_TYPES_Q8``'s)
-    figure under the AVX-512 kernels, else ``default``."""
-    table = WIDE_TYPES if _moe_mode(act_quant) == 0 else WIDE_TYPES_Q8
-    wide = table.get(ggml_type)
-    if wide is None:
-        return default
+    (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
+    kernels run (``WIDE_TYPES``/``WIDE_TYPES_Q8`` under AVX-512, the ``_AVX2`` tables under
+    AVX2), else ``default``."""
     mod = load()
-    return wide if mod is not None and mod.info()["isa"] == "avx512" else default
+    if mod is None:
+        return default
+    table = _WIDE.get((mod.info()["isa"], _moe_mode(act_quant)), {})
+    return table.get(ggml_type, default)
 
 
 _TYPE_IDS = frozenset(int(t) for t in TYPES)

@@ -320,15 +320,23 @@ def _child(q, x, w, gate, up, down, types, ff, ref):
 
 
 def test_max_tokens_follows_the_isa():
-    """The types whose AVX-512 kernels beat native dequantization + F.linear at prefill widths
-    (``WIDE_TYPES``, per numerics) take that many tokens natively where those kernels run; other
-    types and ISAs keep the caller's default."""
+    """The types whose kernels beat native dequantization + F.linear at prefill widths take
+    that many tokens natively, per ISA and numerics (``WIDE_TYPES*``); other types and the
+    scalar kernels keep the caller's default."""
     assert kernels.max_tokens(T.F16, 32) == kernels.max_tokens(T.F16, 32, "q8") == 32
     assert set(kernels.ops.WIDE_TYPES_Q8) <= set(kernels.WIDE_TYPES) <= kernels.TYPES
-    for t, n in kernels.WIDE_TYPES.items():
-        assert kernels.max_tokens(t, 32) == (n if "avx512" in isas() else 32), t.name
-        q8 = kernels.ops.WIDE_TYPES_Q8.get(t, 32)
-        assert kernels.max_tokens(t, 32, "q8") == (q8 if "avx512" in isas() else 32), t.name
+    assert set(kernels.ops.WIDE_TYPES_AVX2) | set(kernels.ops.WIDE_TYPES_Q8_AVX2) <= kernels.TYPES
+    for name, ex, q8 in (("avx512", kernels.WIDE_TYPES, kernels.ops.WIDE_TYPES_Q8),
+                         ("avx2", kernels.ops.WIDE_TYPES_AVX2, kernels.ops.WIDE_TYPES_Q8_AVX2)):
+        if name not in isas():
+            continue
+        MOD.set_isa(name)
+        try:
+            for t in kernels.TYPES:
+                assert kernels.max_tokens(t, 32) == ex.get(t, 32), (name, t.name)
+                assert kernels.max_tokens(t, 32, "q8") == q8.get(t, 32), (name, t.name)
+        finally:
+            MOD.set_isa("best")
     MOD.set_isa("scalar")
     try:
         assert kernels.max_tokens(T.Q4_0, 32) == kernels.max_tokens(T.Q6_K, 32, "q8") == 32
