@@ -6,7 +6,8 @@ One run, same GGUF, same threads, same prompt and token count, caches dropped be
 - llama.cpp (llama-cpp-python, mmap, ``use_extra_bufts=False``) under a memory cgroup that caps
   the whole process, page cache included, at ``--cap`` of the model's size; with the device's
   default readahead and with readahead lowered to 128 KB (its best setting here);
-- ``expertfs run`` on the repacked store under the same cap, its RAM tier sized to fit; it and
+- ``expertfs run`` on the repacked store under the same cap, its RAM tier sized by ``run`` itself
+  (no ``--ram``: what a user gets under that limit); it and
   llama.cpp at 128 KB alternate ``--rounds`` times (this disk drifts), medians reported;
 - a disk roofline: the disk's random-read bandwidth at the expert size (``expertfs bench io``
   in the same run) ÷ the expert bytes expertfs missed per token;
@@ -37,9 +38,6 @@ from expertfs.runtime.openmp import configure, peer_environ  # noqa: E402
 
 configure()
 
-from expertfs.runtime.memory import default_ram_tier, resident_trunk_bytes  # noqa: E402
-from expertfs.runtime.plan.geometry import kv_cache_bytes  # noqa: E402
-from expertfs.runtime.plan.model import geometry_of_store  # noqa: E402
 from expertfs.store.reader import Store  # noqa: E402
 from expertfs.units import fmt_bytes  # noqa: E402
 
@@ -114,10 +112,11 @@ def llama(model: str, cap: int | None, dev: str, ra: int | None, a: argparse.Nam
     return d
 
 
-def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Namespace,
+def expertfs_run(store: str, cap: int | None, dev: str, ram: int | None, a: argparse.Namespace,
                  trace: str | None = None, preload: bool = False) -> dict:
     argv = [os.path.join(BIN, "expertfs"), "run", store, *prompt_args(a, "expertfs"), "-n", str(a.n),
-            "-t", str(a.threads), "--ram", str(ram), "--ctx", str(a.ctx), "--ignore-eos",
+            "-t", str(a.threads), *(["--ram", str(ram)] if ram is not None else []),
+            "--ctx", str(a.ctx), "--ignore-eos",
             "--temp", str(a.temp), "--seed", str(a.seed), "--json"]
     argv += ["--preload"] if preload else ["--no-warm-start"]
     argv += (["--trace", trace] if trace else []) + a.expertfs_args.split()
@@ -127,7 +126,7 @@ def expertfs_run(store: str, cap: int | None, dev: str, ram: int, a: argparse.Na
     d = last_json(r.stdout)
     d["bytes_read_total"] = d.get("stats", {}).get("provider_stats", {}).get("bytes_read")
     d.pop("stats", None)
-    d.update(peer="expertfs", ram_tier=ram, wall_s=r.seconds, peak=r.peak_bytes, disk_read=r.disk_read)
+    d.update(peer="expertfs", ram_tier=d.get("ram_tier_bytes", ram), wall_s=r.seconds, peak=r.peak_bytes, disk_read=r.disk_read)
     return d
 
 
@@ -142,7 +141,7 @@ def simulated_bytes(trace: str, ram: int) -> dict:
     return {"bytes_nvme": pol["bytes_nvme"], "hit_rate": pol["hit_rate"], "tokens": pol["tokens"]}
 
 
-def capped(res: dict, store: str, cap: int, dev: str, ram: int, a: argparse.Namespace) -> None:
+def capped(res: dict, store: str, cap: int, dev: str, a: argparse.Namespace) -> None:
     """llama.cpp at the default readahead, then it at 128 KB and expertfs alternating."""
     res["llama_default"] = llama(a.model, cap, dev, None, a)
     # the two close peers alternate, --rounds times, the order swapped every round: this disk
@@ -153,7 +152,7 @@ def capped(res: dict, store: str, cap: int, dev: str, ram: int, a: argparse.Name
         for peer in (("llama_ra128", "expertfs") if rnd % 2 == 0 else ("expertfs", "llama_ra128")):
             if peer == "expertfs":
                 trace = f"{store}.run{rnd}.efstrace"
-                row[peer] = expertfs_run(store, cap, dev, ram, a, trace)
+                row[peer] = expertfs_run(store, cap, dev, None, a, trace)
                 row[peer]["trace"] = trace
             else:
                 row[peer] = llama(a.model, cap, dev, 128, a)
@@ -163,7 +162,8 @@ def capped(res: dict, store: str, cap: int, dev: str, ram: int, a: argparse.Name
         ok = sorted((r[peer] for r in rounds if "failed" not in r[peer]), key=lambda d: d[key])
         res[peer] = ok[(len(ok) - 1) // 2] if ok else rounds[0][peer]
     if "failed" not in res["expertfs"]:
-        res["simulated"] = simulated_bytes(res["expertfs"]["trace"], ram)
+        res["ram_tier"] = res["expertfs"]["ram_tier"]
+        res["simulated"] = simulated_bytes(res["expertfs"]["trace"], res["ram_tier"])
     bw = disk_bandwidth(store)
     res["disk_bytes_per_s"] = bw
     e = res["expertfs"]
@@ -228,14 +228,10 @@ def main() -> int:
     dev = block_device_of(a.model)
     info = json.loads(subprocess.run([os.path.join(BIN, "expertfs"), "inspect", store, "--json"],
                                      capture_output=True, text=True, check=True).stdout)
-    with Store.open(store) as st:                                   # as expertfs run sizes it
-        trunk = resident_trunk_bytes(st)
-        kv = kv_cache_bytes(geometry_of_store(st), a.ctx, "f32")    # CPU: host memory
-    ram = default_ram_tier(trunk, limit=cap, kv_bytes=kv)           # what expertfs run picks
-    res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": ram, "device": dev,
+    res: dict = {"model_bytes": size, "cap_bytes": cap, "ram_tier": 0, "device": dev,
                  "expert_bytes_per_token": info.get("expert_bytes_per_token")}
     if a.cap:
-        capped(res, store, cap, dev, ram, a)
+        capped(res, store, cap, dev, a)
     if a.resident:
         # both peers alternate too, the model in memory for each: llama.cpp with the GGUF read
         # back into the page cache after the drop, expertfs with --preload; the median kept
@@ -254,7 +250,7 @@ def main() -> int:
         print(json.dumps(res, indent=2, default=str))
         return 0
     print(f"model {fmt_bytes(size)}, cap {fmt_bytes(cap)} ({a.cap:.2f}), expertfs RAM tier "
-          f"{fmt_bytes(ram)}, disk {res.get('disk_bytes_per_s', 0) / 1e9:.2f} GB/s (random "
+          f"{fmt_bytes(res['ram_tier'] or 0)}, disk {res.get('disk_bytes_per_s', 0) / 1e9:.2f} GB/s (random "
           f"expert reads, QD8); load average {os.getloadavg()[0]:.1f}")
     print(f"{'run':<18} {'decode tok/s':>12} {'TTFT s':>8} {'prefill tok/s':>13} {'prompt':>6} "
           f"{'MB/token':>9} {'peak':>10}")
