@@ -69,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compiled one-token products from quantized bytes (auto: on CPU)")
     p.add_argument("--act-quant", choices=("off", "q8"), default="off",
                    help="LOSSY, opt-in: q8 quantizes the activations of the expert and trunk "
-                   "products to 8 bits as llama.cpp does (its numerics, faster on CPU); "
-                   "off = exact (default)")
+                   "products to 8 bits as llama.cpp does (its numerics; faster where arithmetic, "
+                   "not memory, bounds the products); off = exact (default)")
     p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
                    help="keep up to SIZE of experts dequantized in RAM (0 = off)")
     p.add_argument("--lookahead", action="store_true",
