@@ -14,7 +14,7 @@ from .build import load
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8",
+           "attn_decode", "route", "kda_step_", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8",
            "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
 
 #: Activation-quantization modes: name → kernel mode.
@@ -233,6 +233,17 @@ def moe_combine(v: torch.Tensor, w: torch.Tensor,
 
 def _f32_cpu(t: torch.Tensor | None) -> bool:
     return t is None or (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous())
+
+
+def kda_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, S: torch.Tensor) -> torch.Tensor | None:
+    """One token of the gated delta rule in one call, ``S [H, Dk, Dv]`` updated in place:
+    ``o [H, Dv]`` for ``q, k, g [H, Dk]``, ``v [H, Dv]``, ``beta [H]`` (float32 CPU,
+    contiguous); None when not applicable or the kernels are unavailable."""
+    if not all(_f32_cpu(t) and t.is_contiguous() for t in (q, k, v, g, beta, S)) or S.dim() != 3:
+        return None
+    mod = load()
+    return None if mod is None else mod.kda_step_(q, k, v, g, beta, S)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:

@@ -238,10 +238,8 @@ def _projections(x: torch.Tensor, w: KDAWeights) -> tuple[torch.Tensor, ...]:
                                     w.beta.out_features), dim=-1)
     else:
         fa, ga, b = w.f_a(x), w.g_a(x), w.beta(x)
-    fg = None
-    if x.shape[0] == 1 and w.b_rows is not None:          # both second products in one call
-        fg = native.moe_down_rows(torch.cat((fa, ga)).float(), w.b_rows, w.f_b.q.ggml_type,
-                                  w.f_b.out_features)
+    fg = None if x.shape[0] != 1 or w.b_rows is None else native.moe_down_rows(  # both in one
+        torch.cat((fa, ga)).float(), w.b_rows, w.f_b.q.ggml_type, w.f_b.out_features)
     f, gate = (fg[:1], fg[1:]) if fg is not None else (w.f_b(fa), w.g_b(ga))
     return qkv.float(), f.float(), gate.float(), b.float()
 
@@ -267,8 +265,12 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     ``S [H, Dk, Dv]`` → ``(o [T, H, Dv], S)``; q already scaled; ``inplace`` updates ``S``.
 
     Per token, with ``e = exp g``: ``kv = (k⊙e)ᵀS``, ``δ = β (v - kv)``, ``o = (q⊙e)ᵀS + (q·k) δ``,
-    ``S ← e ⊙ S + k δᵀ`` (one read of S for both products, one in-place update)."""
+    ``S ← e ⊙ S + k δᵀ``; one token in one native call (S read and written once), else torch
+    ops (one read of S for both products, one in-place update)."""
     S = S if inplace else S.clone()
+    o = native.kda_step_(*(t[0].contiguous() for t in (q, k, v, g, beta)), S) if len(q) == 1 else None
+    if o is not None:
+        return o[None], S
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
         e = g[t].exp()                                                  # [H, Dk]

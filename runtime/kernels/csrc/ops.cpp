@@ -642,6 +642,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attn_decode", &efs::attn_decode, "one token's attention over the KV cache, GQA",
           pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("kc"),
           pybind11::arg("vc"), pybind11::arg("p0"), pybind11::arg("scale"));
+    m.def("kda_step_", &efs::kda_step_, "one token of the gated delta rule, state in place",
+          pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"),
+          pybind11::arg("beta"), pybind11::arg("S"));
     m.def("route", &efs::route, "one token's expert ids and weights",
           pybind11::arg("x"), pybind11::arg("W"), pybind11::arg("bias"), pybind11::arg("k"),
           pybind11::arg("sigmoid"), pybind11::arg("norm_w"), pybind11::arg("w_min"),

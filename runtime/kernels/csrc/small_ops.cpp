@@ -169,6 +169,50 @@ void logits_rows(const float* W, const float* x, float* out, int64_t E, int64_t 
     for (int64_t e = 0; e < E; ++e) out[e] = dot8(W + e * D, x, D);
 }
 
+struct KDAJob {
+    const float *q, *k, *v, *g, *beta;
+    float *S, *o;
+    int64_t Dk, Dv;
+};
+
+// One head of kda_step_: the products with S in one pass, the update in a second (the head's
+// Dk x Dv state is then in cache), each row of S axpy'd in order.
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void kda_head(void* ctx, int64_t h) {
+    const KDAJob& J = *static_cast<const KDAJob*>(ctx);
+    const int64_t Dk = J.Dk, Dv = J.Dv;
+    const float *q = J.q + h * Dk, *k = J.k + h * Dk, *g = J.g + h * Dk, *v = J.v + h * Dv;
+    float* S = J.S + h * Dk * Dv;
+    float* o = J.o + h * Dv;
+    std::vector<float> e((size_t)Dk), kv((size_t)Dv, 0.0f), d((size_t)Dv);
+    float qk = 0.0f;
+    for (int64_t i = 0; i < Dk; ++i) {
+        e[i] = std::exp(g[i]);
+        qk += q[i] * k[i];
+    }
+    std::memset(o, 0, sizeof(float) * Dv);
+    for (int64_t i = 0; i < Dk; ++i) {
+        const float ke = k[i] * e[i], qe = q[i] * e[i];
+        const float* row = S + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+            kv[j] += ke * row[j];
+            o[j] += qe * row[j];
+        }
+    }
+    const float b = J.beta[h];
+    for (int64_t j = 0; j < Dv; ++j) {
+        d[j] = (v[j] - kv[j]) * b;
+        o[j] += qk * d[j];
+    }
+    for (int64_t i = 0; i < Dk; ++i) {
+        const float ei = e[i], ki = k[i];
+        float* row = S + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * ei + ki * d[j];
+    }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& W,
@@ -247,6 +291,35 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     {
         pybind11::gil_scoped_release nogil;
         run_parallel(chunks, attn_heads, &job);
+    }
+    return o;
+}
+
+at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, at::Tensor& S) {
+    const auto check = [](const at::Tensor& t, const char* what) {
+        TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                    "expertfs small ops: kda_step_ needs contiguous float32 CPU ", what);
+    };
+    check(q, "q");
+    check(k, "k");
+    check(v, "v");
+    check(g, "g");
+    check(beta, "beta");
+    check(S, "state");
+    TORCH_CHECK(S.dim() == 3, "expertfs small ops: kda_step_ state must be [H, Dk, Dv]");
+    const int64_t H = S.size(0), Dk = S.size(1), Dv = S.size(2);
+    TORCH_CHECK(q.numel() == H * Dk && k.numel() == H * Dk && g.numel() == H * Dk &&
+                v.numel() == H * Dv && beta.numel() == H,
+                "expertfs small ops: kda_step_ takes one token: q, k, g [H, Dk], v [H, Dv], "
+                "beta [H] for a state [H, Dk, Dv]");
+    at::Tensor o = at::empty({H, Dv}, S.options());
+    KDAJob job{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+               g.data_ptr<float>(), beta.data_ptr<float>(), S.data_ptr<float>(),
+               o.data_ptr<float>(), Dk, Dv};
+    {
+        pybind11::gil_scoped_release nogil;
+        run_parallel(H, kda_head, &job);
     }
     return o;
 }

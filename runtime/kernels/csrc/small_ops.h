@@ -38,6 +38,13 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
                                          bool sigmoid, bool norm_w, double w_min,
                                          double w_scale);
 
+// One token of the gated delta rule (runtime/model/kda.py, delta_rule_step), in place on the
+// state S [H, Dk, Dv]: per head, with e = exp g, kv = (k e)ᵀS, d = beta (v - kv),
+// o = (q e)ᵀS + (q·k) d, S <- e S + k dᵀ; q, k, g [H, Dk], v [H, Dv], beta [H]. Returns o
+// [H, Dv]. One read and one write of S from memory, where the torch ops make three reads.
+at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, at::Tensor& S);
+
 // Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
 

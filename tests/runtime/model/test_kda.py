@@ -110,6 +110,29 @@ def test_one_token_at_a_time(T):
     assert _maxd(_ours_pieces(w, cfg, x, [T], recurrent=False), want) <= TOL
 
 
+@pytest.mark.parametrize("H,Dk,Dv", [(3, 16, 24), (4, 128, 128)])
+def test_native_one_token_step_equals_the_torch_loop(H, Dk, Dv, monkeypatch):
+    """The one-token step takes the native fused call (one pass over the state) where the
+    kernels are built, and gives the torch loop's output and state within float rounding."""
+    from expertfs.runtime import kernels
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.status()['reason']}")
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, H, Dk, generator=gen), dim=-1)
+            for _ in range(2))
+    g = -torch.rand(1, H, Dk, generator=gen)
+    v, beta = torch.randn(1, H, Dv, generator=gen), torch.rand(1, H, generator=gen)
+    S = torch.randn(H, Dk, Dv, generator=gen)
+    calls = []
+    step = kda.native.kda_step_
+    monkeypatch.setattr(kda.native, "kda_step_", lambda *a: calls.append(1) or step(*a))
+    o1, S1 = delta_rule_step(q, k, v, g, beta, S)
+    monkeypatch.setattr(kda.native, "kda_step_", lambda *a: None)
+    o2, S2 = delta_rule_step(q, k, v, g, beta, S)
+    assert calls and o1.shape == o2.shape == (1, H, Dv)
+    assert _maxd(o1, o2) <= TOL and _maxd(S1, S2) <= TOL
+
+
 @pytest.mark.parametrize("factored", [True, False])
 @pytest.mark.parametrize("T", [1, 2, 15, 16, 17, 31, 50, 64, 65])
 @pytest.mark.parametrize("chunk", [1, 4, 16, 64])
