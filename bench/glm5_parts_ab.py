@@ -10,8 +10,8 @@ The earlier modules are plain copies of ``runtime/model/{kda,mla,mhc}.py`` in a 
 
 Per layer kind, one layer of the store is run on the same input and state by both versions in
 turn (``--rounds`` each, the order alternating): KDA (``kda_attention``; the state restored
-before every call), MLA (``mla_attention`` at position ``--pos``, dense; the earlier version is
-given float ``attn_k_b``/``attn_v_b``, as its loader made them), and one mHC mix around an
+before every call), MLA (``mla_attention`` at position ``--pos``, dense; an earlier version without
+``HeadMatrices`` is given float ``attn_k_b``/``attn_v_b``, as its loader made them), and one mHC mix around an
 identity block (``hc_block``). Decode-sized steps (``-T`` up to 8) run torch on one thread, as
 the engine does; bigger ones on ``-t`` threads. Prints ms per call and, times the store's
 layers of that kind, per forward of T tokens; and the largest difference between the outputs.
@@ -81,9 +81,10 @@ def main() -> int:
     kw, mw = trunk.blocks[kl[0]].attn.attn, trunk.blocks[ml[0]].attn.attn
     hw = trunk.blocks[kl[0]].attn.hc_attn
     mw_old = dataclasses.replace(mw)
-    for n in ("k_b", "v_b"):                      # the earlier loader's float tensors
-        raw = reader.get(f"blk.{ml[0]}.attn_{n}.weight")
-        object.__setattr__(mw_old, n, raw.to_float(torch.float32, cpu))
+    for n in ("k_b", "v_b"):     # an earlier loader's float tensors, before MLA's HeadMatrices
+        if not hasattr(old["mla"], "HeadMatrices"):
+            raw = reader.get(f"blk.{ml[0]}.attn_{n}.weight")
+            object.__setattr__(mw_old, n, raw.to_float(torch.float32, cpu))
     hw_old = old["mhc"].HCWeights(hw.fn, hw.base, hw.scale)
     hcfg_old = old["mhc"].HCConfig(*dataclasses.astuple(g.hc))
     gen = torch.Generator().manual_seed(0)
