@@ -235,16 +235,13 @@ def linears(t: TrunkWeights, nextn: bool = False) -> list[Linear]:
     return out
 
 
-def set_act_quant(t: TrunkWeights, mode: str) -> int:
+def set_act_quant(t: TrunkWeights, mode: str) -> None:
     """The trunk's one-token products (attention, dense and shared FFNs, the output head, the
     NextN blocks) take ``mode``'s activations: ``"q8"`` quantizes them as llama.cpp does
-    (lossy, opt-in), ``"off"`` keeps them exact. Returns how many matrices it applies to."""
-    n = 0
+    (lossy, opt-in), ``"off"`` keeps them exact."""
     for lin in linears(t, nextn=True):
         if lin.q is not None and lin.fused:
             lin.act_quant = None if mode == "off" else mode
-            n += 1
-    return n
 
 
 def _linears_of(obj: object) -> list[Linear]:

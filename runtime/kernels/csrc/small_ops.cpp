@@ -172,6 +172,7 @@ void logits_rows(const float* W, const float* x, float* out, int64_t E, int64_t 
 struct KDAJob {
     const float *q, *k, *v, *g, *beta;
     float *S, *o;
+    float* scratch;            // Dk + 2 Dv floats per head: e, kv, d
     int64_t Dk, Dv;
 };
 
@@ -186,7 +187,10 @@ void kda_head(void* ctx, int64_t h) {
     const float *q = J.q + h * Dk, *k = J.k + h * Dk, *g = J.g + h * Dk, *v = J.v + h * Dv;
     float* S = J.S + h * Dk * Dv;
     float* o = J.o + h * Dv;
-    std::vector<float> e((size_t)Dk), kv((size_t)Dv, 0.0f), d((size_t)Dv);
+    float* e = J.scratch + h * (Dk + 2 * Dv);
+    float* kv = e + Dk;
+    float* d = kv + Dv;
+    std::memset(kv, 0, sizeof(float) * Dv);
     float qk = 0.0f;
     for (int64_t i = 0; i < Dk; ++i) {
         e[i] = std::exp(g[i]);
@@ -314,9 +318,10 @@ at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 "expertfs small ops: kda_step_ takes one token: q, k, g [H, Dk], v [H, Dv], "
                 "beta [H] for a state [H, Dk, Dv]");
     at::Tensor o = at::empty({H, Dv}, S.options());
+    std::vector<float> scratch((size_t)(H * (Dk + 2 * Dv)));      // one allocation per call
     KDAJob job{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                g.data_ptr<float>(), beta.data_ptr<float>(), S.data_ptr<float>(),
-               o.data_ptr<float>(), Dk, Dv};
+               o.data_ptr<float>(), scratch.data(), Dk, Dv};
     {
         pybind11::gil_scoped_release nogil;
         run_parallel(H, kda_head, &job);
