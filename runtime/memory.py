@@ -18,7 +18,7 @@ from ..errors import UsageError
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
            "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
-           "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "os_headroom", "runtime_overhead",
+           "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "os_headroom", "runtime_overhead",
            "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
            "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions"]
 
@@ -155,6 +155,11 @@ def kv_reserve(kv_bytes: int, state_bytes: int = 0) -> int:
 
 
 _LABEL = {"kv_cache": "KV cache", "os_headroom": "OS headroom"}
+
+#: The RAM tier ``expertfs run`` takes when its budget leaves none (``HostBudget.slab`` 0): it
+#: runs anyway, the cap then evicting the quantized trunk's file pages, re-read from the drive.
+#: ``expertfs plan`` predicts that same run.
+FALLBACK_SLAB = 64 << 20
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
     runtime, the trunk, the KV cache at ``--ctx`` (on the CPU it is host memory) and the
     workspace (``runtime.plan.host.run_host_budget``); a budget that would push the trunk out
     of memory is warned about."""
+    from ..runtime.memory import FALLBACK_SLAB
     from ..runtime.plan.host import run_host_budget
     from ..runtime.plan.model import geometry_of_store
     from ..runtime.plan.paths import kept_types
@@ -46,7 +47,7 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
     budget = run_host_budget(g, args.ctx, on, args.trunk, kv_type=kv_type if on == "cpu" else None,
                              kept_types=kept_types(device, fused != "off"),
                              vram_tier_experts=vram_experts)
-    ram = args.ram if args.ram is not None else (budget.slab or 64 << 20)   # 0: no room
+    ram = args.ram if args.ram is not None else (budget.slab or FALLBACK_SLAB)
     warning = budget.warning(ram)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)

@@ -101,3 +101,8 @@ ASSUMPTIONS: dict[str, Any] = {
               "among those expert run supports",
     "not_modelled": "prefill, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",
 }
+
+#: How ``plan.predict`` combines its terms into the slow and the fast end of a token.
+COMBINE = ("slow = sum of the terms at pessimistic rates; fast = max(storage + first_reads + "
+           "trunk_reads, pcie, compute) at optimistic rates, compute = experts + trunk + "
+           "attention + dispatch")

@@ -32,7 +32,7 @@ from .host import LIMIT_SOURCES, os_headroom, run_host_budget, trunk_host_bytes,
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
            "layout", "candidates", "max_ctx_on_gpu", "LIMIT_SOURCES", "trunk_host_bytes",
-           "run_host_budget"]
+           "run_host_budget", "trunk_reads"]
 
 # ------------------------------------------------------------------------------------------------
 # the box and the memory budget
@@ -170,6 +170,7 @@ class Memory:
     pinned: bool = False               # the host slab (RAM tier + staging) is pinned
     staging_slots: int = 0
     notes: tuple[Note, ...] = ()
+    trunk_evicted: int = 0             # quantized trunk bytes the cap keeps out of memory
 
     @property
     def tier_slots(self) -> tuple[int, int]:
@@ -278,7 +279,17 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     fixed_host = sum(i.nbytes for i in ram_items)
     avail = box.ram - fixed_host
     need_tier = 0 if pl.gpu else k            # a CPU run computes from its RAM tier
-    if avail < need_tier * slot:
+    short = avail < need_tier * slot
+    evicted = _evicted(hb.trunk, avail, slot, k) if short and trunk_mode == "quant" else None
+    if evicted is not None:
+        avail = _memory.FALLBACK_SLAB                       # run's fallback tier, trunk re-read
+        notes.append(Note("warning", "trunk_evicted",
+                          f"RAM {_gib(box.ram)} leaves no room for one layer's {k} experts beside "
+                          f"the trunk: run falls back to a {_memory.FALLBACK_SLAB >> 20} MiB tier "
+                          f"and the cap keeps {_gib(evicted)} of the quantized trunk out of "
+                          "memory, re-read from the drive as tokens need it: expect disk-bound "
+                          "decode (more memory, a smaller --ctx or a smaller model avoid it)"))
+    elif short:
         runnable = False
         need = fixed_host + need_tier * slot
         notes.append(Note("error", "ram_too_small",
@@ -322,7 +333,18 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
         notes.append(Note("warning", "ctx_beyond_training",
                           f"--ctx {box.ctx} is beyond the model's training context {g.n_ctx_train}"))
     return Memory(pl, ram_pool, vram_pool, kv, kv_type, trunk, runnable, pinned, staging,
-                  tuple(notes))
+                  tuple(notes), evicted or 0)
+
+
+def _evicted(trunk: int, avail: int, slot: int, k: int) -> int | None:
+    """How much of a quantized trunk (file pages, which a cap can evict) the run's fallback
+    tier pushes out of memory when the budget leaves ``avail`` (< k slots) beside it; None
+    when the fallback cannot hold one layer's experts or the rest cannot fit even with the
+    trunk evicted whole (the process would be killed)."""
+    fall = _memory.FALLBACK_SLAB
+    if fall // slot < k or avail + trunk < fall:
+        return None
+    return min(trunk, fall - avail)
 
 
 def _tier_slots(avail: int, slot: int, k: int) -> int:
@@ -344,3 +366,13 @@ def candidates(g: Geometry, box: Box, where: str = "auto", trunk_mode: str = "au
         if m not in TRUNK_MODES:
             raise UsageError(f"trunk mode {m!r}", fix=f"use auto or one of {', '.join(TRUNK_MODES)}")
     return [layout(g, box, w, m) for w in wheres for m in modes]
+
+
+def trunk_reads(mem: Memory, storage: Any) -> tuple[float, float, str]:
+    """Seconds per token re-reading an evicted trunk (slow, fast end) and what it reads: the
+    page cache's LRU over a trunk read in the same order every token evicts what the next
+    token needs first, so up to all of it is read again (slow end); the evicted part (fast)."""
+    whole = mem.ram.item("trunk")
+    return (whole / (storage.slow * 1e9), mem.trunk_evicted / (storage.fast * 1e9),
+            f"{mem.trunk_evicted / 2**20:.0f}-{whole / 2**20:.0f} MiB of the trunk re-read per "
+            "token")

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import UsageError
-from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
+from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, COMBINE, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
-from .budget import Box, Memory, Note, _gib
+from .budget import Box, Memory, Note, _gib, trunk_reads
 from .coldstart import WARM_SHARE, first_read_bytes, first_read_seconds
 from .geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
@@ -97,12 +97,10 @@ class Prediction:
                 "dominant_slow": self.dominant_slow, "dominant_fast": self.dominant_fast,
                 "terms": {t.name: {**t.as_dict(), "share_slow": t.slow_s / total_slow}
                           for t in self.terms},
-                "combine": "slow = sum of the terms at pessimistic rates; fast = max(storage "
-                           "+ first_reads, pcie, compute) at optimistic rates, compute = experts "
-                           "+ trunk + attention + dispatch"}
+                "combine": COMBINE}
 
 
-_IO_TERMS = {"storage": "storage", "first_reads": "storage", "pcie": "pcie"}   # term: its channel
+_IO_TERMS = {"storage": "storage", "first_reads": "storage", "trunk_reads": "storage", "pcie": "pcie"}
 
 
 def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
@@ -121,6 +119,8 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{r.nvme_bytes_per_token / MiB:.0f} MiB/token read (miss {r.miss_rate:.1%} of "
                       f"{g.token_expert_bytes / MiB:.0f} MiB) at {rates.storage.slow:.2f}-"
                       f"{rates.storage.fast:.2f} GB/s"))
+    if mem.trunk_evicted:
+        terms.append(Term("trunk_reads", *trunk_reads(mem, rates.storage)))
     tier, n = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0), box.n_predict
     cold = both(lambda e: first_read_bytes(g, 1 - routing.at(e).miss_rate, n, tier))
     as_misses = (1 - routing.slow.miss_rate) * g.token_expert_bytes / (rates.storage.slow * 1e9)

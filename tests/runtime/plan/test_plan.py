@@ -236,6 +236,36 @@ def test_cannot_run_exit_1_with_what_it_needs() -> None:
     assert d["run"] is None
 
 
+def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None:
+    """Where the cap leaves no room for one layer's experts beside a quantized trunk, ``run``
+    still runs (on ``memory.FALLBACK_SLAB``, the cap evicting the trunk's file pages): plan
+    says so and predicts the re-reads, never CANNOT RUN; it does say CANNOT RUN where even the
+    whole trunk out of memory leaves no room, and for a float trunk (anonymous memory)."""
+    from expertfs.runtime.plan.host import run_host_budget
+
+    g = like("Qwen3-30B-A3B")
+    slot, k = g.slot_bytes, g.k
+    assert memory.FALLBACK_SLAB // slot >= k
+    probe = 8 * GiB
+    fixed = probe - run_host_budget(g, 512, "cpu", "quant", limit=probe, source="limit").room
+    short = fixed + k * slot // 2                     # room for half a layer's experts
+    box = Box(short, 0, ctx=512, limit_source="limit", n_predict=16)
+    m = layout(g, box, "cpu", "quant")
+    assert m.runnable and m.ram.tier_slots == memory.FALLBACK_SLAB // slot
+    assert m.trunk_evicted == memory.FALLBACK_SLAB - k * slot // 2
+    assert any(n.code == "trunk_evicted" and n.level == "warning" for n in m.notes)
+    p = plan_for(g, box, tokens=16, trunk="quant")
+    assert p.exit_code == 0 and p.memory.trunk_evicted == m.trunk_evicted
+    t = p.prediction.term("trunk_reads")
+    assert t.slow_s > t.fast_s > 0 and p.prediction.slow_s > t.slow_s
+    assert not layout(g, box, "cpu", "float").runnable
+    none = Box(fixed - m.ram.item("trunk") + memory.FALLBACK_SLAB // 2, 0, ctx=512,
+               limit_source="limit")
+    gone = layout(g, none, "cpu", "quant")
+    assert not gone.runnable and gone.trunk_evicted == 0
+    assert any(n.code == "ram_too_small" for n in gone.notes)
+
+
 def test_small_ram_tier_warns_disk_bound() -> None:
     g = like("Qwen3-235B-A22B")
     m = layout(g, Box(16 * GiB, 0), "cpu", "quant")

@@ -1,0 +1,158 @@
+"""``expertfs plan`` against ``expertfs run`` under the same memory cap (issue 19's matrix).
+
+    sudo .venv/bin/python bench/bench_plan.py --dir /work/scratch/bench_plan \
+        --store 'q30b14:--like Qwen3-30B-A3B --layers 14 --quant q4_k_m' \
+        --store 'air5:--like GLM-4.5-Air --layers 5 --quant maya-s' --caps none,0.333,0.25
+
+For each store (synthesised and repacked when missing) and cap (``none``, or a fraction of the
+store's size): ``plan STORE --memory-limit CAP`` once, as a user would before a first run, then
+``run`` ``--rounds`` times in a memory cgroup of that size (page cache included, caches dropped
+before each run, as ``bench_lowram.py`` does), rows alternated round by round so a drifting disk
+moves every row alike. ``run`` gets no ``--ram``: the tier it sizes for itself under the cap is
+compared with the one ``plan`` recommends. Printed per row: the tier each chose, the decode band
+``plan`` predicts against the measured median (and the median over the band's geometric
+midpoint), the first token (``plan`` does not model prefill: measured only), the peak memory
+against the cap, and any run that failed. ``--json`` writes every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lowram import block_device_of, run_capped  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+EXPERTFS = os.path.join(BIN, "expertfs")
+PROMPT = "Explain how a mixture-of-experts model routes each token to a few of its experts."
+
+
+def _ef(*argv: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([EXPERTFS, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _store(d: str, spec: str) -> tuple[str, str]:
+    name, _, synth = spec.partition(":")
+    store = os.path.join(d, name + ".efs")
+    if not os.path.isdir(store):
+        gguf = os.path.join(d, name + ".gguf")
+        for argv in (("synth", "-o", gguf, "--force", *synth.split()), ("repack", gguf, "-o", store)):
+            r = _ef(*argv)
+            if r.returncode:
+                raise SystemExit(f"expertfs {' '.join(argv)} failed: {r.stderr[-600:]}")
+        os.unlink(gguf)
+    return name, store
+
+
+def _size(store: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(store) for f in fs)
+
+
+def _plan(store: str, limit: int | None, a: argparse.Namespace) -> dict:
+    argv = ["plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json"]
+    argv += ["--memory-limit", str(limit)] if limit else []
+    r = _ef(*argv, timeout=600)
+    try:
+        p = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        return {"status": f"failed ({r.returncode}): {r.stderr[-300:]}"}
+    pred = p.get("prediction") or {}
+    m = re.search(r"--ram (\S+)", p.get("run") or "")
+    return {"status": p.get("status"), "low": pred.get("tok_s_low"), "high": pred.get("tok_s_high"),
+            "ram": m.group(1) if m else None,
+            "tier_bytes": ((p.get("budget") or {}).get("ram") or {}).get("tier_bytes"),
+            "run": p.get("run")}
+
+
+def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace) -> dict:
+    argv = [EXPERTFS, "run", store, "-p", PROMPT, "-n", str(a.n), "--ignore-eos", "--temp", "1.0",
+            "--ctx", str(a.ctx), "-t", str(a.threads), "--json"]
+    r = run_capped(argv, limit, dev, timeout=a.timeout)
+    if r.returncode:
+        return {"failed": r.returncode, "stderr": r.stderr[-400:], "peak": r.peak_bytes}
+    d = json.loads(r.stdout[r.stdout.index("{"):])
+    return {"decode": d["decode_tokens_per_s"], "ttft": d["time_to_first_token_s"],
+            "prompt_tokens": d["prompt_tokens"], "tier_bytes": d.get("ram_tier_bytes"),
+            "mb_per_token": d["mb_read_per_token"], "peak": r.peak_bytes}
+
+
+def _gib(n: float | None) -> str:
+    return "-" if not n else f"{n / 2**30:.2f}G"
+
+
+def report(rows: list[dict], a: argparse.Namespace) -> None:
+    print(f"plan against run, {a.rounds} round(s) of {a.n} tokens each, medians; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'store':<8} {'cap':>6} {'plan':>10} {'tier plan/run':>15} {'band tok/s':>13} "
+          f"{'run':>6} {'/mid':>5} {'in':>3} {'ttft s':>7} {'peak/cap':>9}")
+    for r in rows:
+        ok = [x for x in r["runs"] if "failed" not in x]
+        p = r["plan"]
+        lo, hi = p.get("low") or 0.0, p.get("high") or 0.0
+        med = statistics.median(x["decode"] for x in ok) if ok else 0.0
+        mid = math.sqrt(lo * hi) if lo and hi else 0.0
+        tiers = {x["tier_bytes"] for x in ok}
+        run_tier = _gib(next(iter(tiers))) if len(tiers) == 1 else "/".join(map(_gib, tiers)) or "-"
+        peak = max((x["peak"] for x in r["runs"]), default=0)
+        cap = f"{peak / r['limit']:.3f}" if r["limit"] else _gib(peak) if peak else "-"
+        ttft = statistics.median(x["ttft"] for x in ok) if ok else 0.0
+        failed = len(r["runs"]) - len(ok)
+        print(f"{r['store']:<8} {r['cap']:>6} {str(p.get('status'))[:10]:>10} "
+              f"{_gib(p.get('tier_bytes')) + '/' + run_tier:>15} {lo:6.2f}-{hi:<6.2f} {med:6.2f} "
+              f"{med / mid if mid else 0:5.2f} {'yes' if lo <= med <= hi and ok else 'no':>3} "
+              f"{ttft:7.2f} {cap:>9}" + (f"  ({failed} run(s) failed)" if failed else ""))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="where the stores are synthesised and kept")
+    ap.add_argument("--store", action="append", required=True, metavar="NAME:SYNTH ARGS")
+    ap.add_argument("--caps", default="none,0.333,0.25",
+                    help="none (no cgroup), or fractions of the store's size")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("-n", type=int, default=16, help="tokens generated per run (16)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", metavar="OUT", help="write every round here")
+    ap.add_argument("--clean", action="store_true", help="delete the stores at the end")
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    rows: list[dict] = []
+    try:
+        for spec in a.store:
+            name, store = _store(a.dir, spec)
+            size = _size(store)
+            for cap in a.caps.split(","):
+                limit = None if cap == "none" else int(float(cap) * size)
+                rows.append({"store": name, "path": store, "size": size, "cap": cap,
+                             "limit": limit, "plan": _plan(store, limit, a), "runs": []})
+        dev = block_device_of(a.dir)
+        for rnd in range(a.rounds):
+            for r in (rows if rnd % 2 == 0 else rows[::-1]):
+                r["runs"].append(_run(r["path"], r["limit"], dev, a))
+                x = r["runs"][-1]
+                print(f"  round {rnd + 1} {r['store']} cap {r['cap']}: "
+                      + (f"failed {x['failed']}" if "failed" in x else
+                         f"{x['decode']:.2f} tok/s, first token {x['ttft']:.2f} s, tier "
+                         f"{_gib(x['tier_bytes'])}, peak {_gib(x['peak'])}"), flush=True)
+        report(rows, a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    finally:
+        if a.clean:
+            shutil.rmtree(a.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
