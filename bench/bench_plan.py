@@ -11,8 +11,8 @@ before each run, as ``bench_lowram.py`` does), rows alternated round by round so
 moves every row alike. ``run`` gets no ``--ram``: the tier it sizes for itself under the cap is
 compared with the one ``plan`` recommends. Printed per row: the tier each chose, the decode band
 ``plan`` predicts against the measured median (and the median over the band's geometric
-midpoint), the first token (``plan`` does not model prefill: measured only), the peak memory
-against the cap, and any run that failed. ``--json`` writes every round.
+midpoint), the same for the first token of a prompt of about ``--prompt-tokens`` tokens, the
+peak memory against the cap, and any run that failed. ``--json`` writes every round.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lowram import long_prompt  # noqa: E402
 from lowram import block_device_of, run_capped  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 EXPERTFS = os.path.join(BIN, "expertfs")
-PROMPT = "Explain how a mixture-of-experts model routes each token to a few of its experts."
 
 
 def _ef(*argv: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -57,7 +57,8 @@ def _size(store: str) -> int:
 
 
 def _plan(store: str, limit: int | None, a: argparse.Namespace) -> dict:
-    argv = ["plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json"]
+    argv = ["plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json",
+            "--prompt-tokens", str(a.prompt_tokens)]
     argv += ["--memory-limit", str(limit)] if limit else []
     r = _ef(*argv, timeout=600)
     try:
@@ -66,14 +67,16 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace) -> dict:
         return {"status": f"failed ({r.returncode}): {r.stderr[-300:]}"}
     pred = p.get("prediction") or {}
     m = re.search(r"--ram (\S+)", p.get("run") or "")
+    ft = p.get("first_token") or {}
     return {"status": p.get("status"), "low": pred.get("tok_s_low"), "high": pred.get("tok_s_high"),
+            "ttft": (ft.get("s_fast"), ft.get("s_slow")),
             "ram": m.group(1) if m else None,
             "tier_bytes": ((p.get("budget") or {}).get("ram") or {}).get("tier_bytes"),
             "run": p.get("run")}
 
 
-def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace) -> dict:
-    argv = [EXPERTFS, "run", store, "-p", PROMPT, "-n", str(a.n), "--ignore-eos", "--temp", "1.0",
+def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt: str) -> dict:
+    argv = [EXPERTFS, "run", store, "-p", prompt, "-n", str(a.n), "--ignore-eos", "--temp", "1.0",
             "--ctx", str(a.ctx), "-t", str(a.threads), "--json"]
     r = run_capped(argv, limit, dev, timeout=a.timeout)
     if r.returncode:
@@ -92,7 +95,8 @@ def report(rows: list[dict], a: argparse.Namespace) -> None:
     print(f"plan against run, {a.rounds} round(s) of {a.n} tokens each, medians; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'store':<8} {'cap':>6} {'plan':>10} {'tier plan/run':>15} {'band tok/s':>13} "
-          f"{'run':>6} {'/mid':>5} {'in':>3} {'ttft s':>7} {'peak/cap':>9}")
+          f"{'run':>6} {'/mid':>5} {'in':>3} {'first token band s':>18} {'run':>6} {'/mid':>5} "
+          f"{'in':>3} {'peak/cap':>9}")
     for r in rows:
         ok = [x for x in r["runs"] if "failed" not in x]
         p = r["plan"]
@@ -104,11 +108,15 @@ def report(rows: list[dict], a: argparse.Namespace) -> None:
         peak = max((x["peak"] for x in r["runs"]), default=0)
         cap = f"{peak / r['limit']:.3f}" if r["limit"] else _gib(peak) if peak else "-"
         ttft = statistics.median(x["ttft"] for x in ok) if ok else 0.0
+        t_lo, t_hi = (v or 0.0 for v in p.get("ttft", (None, None)))
+        t_mid = math.sqrt(t_lo * t_hi) if t_lo and t_hi else 0.0
         failed = len(r["runs"]) - len(ok)
         print(f"{r['store']:<8} {r['cap']:>6} {str(p.get('status'))[:10]:>10} "
               f"{_gib(p.get('tier_bytes')) + '/' + run_tier:>15} {lo:6.2f}-{hi:<6.2f} {med:6.2f} "
               f"{med / mid if mid else 0:5.2f} {'yes' if lo <= med <= hi and ok else 'no':>3} "
-              f"{ttft:7.2f} {cap:>9}" + (f"  ({failed} run(s) failed)" if failed else ""))
+              f"{t_lo:8.2f}-{t_hi:<9.2f} {ttft:6.2f} {ttft / t_mid if t_mid else 0:5.2f} "
+              f"{'yes' if t_lo <= ttft <= t_hi and ok else 'no':>3} {cap:>9}"
+              + (f"  ({failed} run(s) failed)" if failed else ""))
 
 
 def main() -> int:
@@ -120,6 +128,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("-n", type=int, default=16, help="tokens generated per run (16)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64,
+                    help="a prompt of about this many tokens for both (64)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", metavar="OUT", help="write every round here")
@@ -127,9 +137,11 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     rows: list[dict] = []
+    prompts: dict[str, str] = {}
     try:
         for spec in a.store:
             name, store = _store(a.dir, spec)
+            prompts[name] = long_prompt(store, a.prompt_tokens)
             size = _size(store)
             for cap in a.caps.split(","):
                 limit = None if cap == "none" else int(float(cap) * size)
@@ -138,7 +150,7 @@ def main() -> int:
         dev = block_device_of(a.dir)
         for rnd in range(a.rounds):
             for r in (rows if rnd % 2 == 0 else rows[::-1]):
-                r["runs"].append(_run(r["path"], r["limit"], dev, a))
+                r["runs"].append(_run(r["path"], r["limit"], dev, a, prompts[r["store"]]))
                 x = r["runs"][-1]
                 print(f"  round {rnd + 1} {r['store']} cap {r['cap']}: "
                       + (f"failed {x['failed']}" if "failed" in x else

@@ -83,6 +83,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=64, metavar="N",
                    help="tokens the run generates, as run's -n (%(default)s): the first reads of "
                         "the experts (the tiers start empty) are spread over them")
+    p.add_argument("--prompt-tokens", type=int, default=512, metavar="P",
+                   help="the prompt the first token's time is predicted for (%(default)s)")
     p.add_argument("--pcie", type=int, default=4, metavar="GEN",
                    help="PCIe generation for the stated H2D rate without CUDA (4)")
     p.add_argument("--gpu-bw", type=float, metavar="GB/s",
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                       pin_budget=_size(args.pin_budget, "--pin-budget"), placement=args.placement,
                       trunk=args.trunk, io_profile=args.io_profile, trace=args.trace,
                       synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
-                      n_predict=args.n_predict,
+                      n_predict=args.n_predict, prompt_tokens=args.prompt_tokens,
                       pcie_gen=args.pcie, gpu_gbps=args.gpu_bw)
     if args.like:                  # the preset's model, described in memory: the runtime plans it
         if args.target:

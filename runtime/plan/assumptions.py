@@ -99,7 +99,7 @@ ASSUMPTIONS: dict[str, Any] = {
                 "auto type = compute dtype",
     "choice": "the placement and trunk mode with the highest predicted sqrt(low x high) tok/s "
               "among those expert run supports",
-    "not_modelled": "prefill, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",
+    "not_modelled": "prefill on a GPU, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",
 }
 
 #: How ``plan.predict`` combines its terms into the slow and the fast end of a token.

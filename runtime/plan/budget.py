@@ -182,6 +182,16 @@ class Memory:
         """What ``expertfs run --ram`` gets: the RAM tier plus the staging slots."""
         return self.ram.tier_bytes + self.ram.item("staging")
 
+    def as_dict(self, g: Geometry) -> dict[str, Any]:
+        """``plan --json``'s ``budget``."""
+        return {"ram": self.ram.as_dict(), "vram": self.vram.as_dict() if self.vram else None,
+                "kv_cache_bytes": self.kv_bytes, "kv_type": self.kv_type,
+                "kv_bytes_per_token": kv_bytes_per_token(g, self.kv_type),
+                "trunk_resident_bytes": self.trunk_bytes, "trunk_evicted_bytes": self.trunk_evicted,
+                "slot_bytes": g.slot_bytes, "staging_slots": self.staging_slots,
+                "pinned": self.pinned, "host_slab_bytes": self.host_slab,
+                "tier_experts": sum(self.tier_slots), "decode_experts": g.n_decode_experts}
+
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"

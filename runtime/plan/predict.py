@@ -20,7 +20,7 @@ from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, COMBINE, EXPERT_
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
 from .budget import Box, Memory, Note, _gib, trunk_reads
 from .coldstart import WARM_SHARE, first_read_bytes, first_read_seconds
-from .geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
+from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
                     stated_pcie, stated_storage, storage_from_profile)
@@ -294,6 +294,7 @@ class Plan:
     notes: tuple[Note, ...]
     alternatives: tuple[Option, ...] = ()
     probes: Mapping[str, Any] = field(default_factory=dict)     # raw measurements, for --json
+    first_token: Any = None            # plan.prefill.FirstToken: the prompt's prefill (CPU runs)
 
     @property
     def exit_code(self) -> int:
@@ -380,18 +381,12 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "box": {"ram_bytes": p.box.ram, "vram_bytes": p.box.vram, "ctx": p.box.ctx,
                 "kv_type": p.box.kv_type, "label": p.box.label, "pin_budget": p.box.pin_limit},
         "placement": m.placement.as_dict(),
-        "budget": {"ram": m.ram.as_dict(), "vram": m.vram.as_dict() if m.vram else None,
-                   "kv_cache_bytes": m.kv_bytes, "kv_type": m.kv_type,
-                   "kv_bytes_per_token": kv_bytes_per_token(p.geometry, m.kv_type),
-                   "trunk_resident_bytes": m.trunk_bytes,
-                   "slot_bytes": p.geometry.slot_bytes, "staging_slots": m.staging_slots,
-                   "pinned": m.pinned, "host_slab_bytes": m.host_slab,
-                   "tier_experts": m.ram.tier_slots + (m.vram.tier_slots if m.vram else 0),
-                   "decode_experts": p.geometry.n_decode_experts},
+        "budget": m.as_dict(p.geometry),
         "rates": p.rates.as_dict() if p.rates else None,
         "routing": ({"slow": p.routing.slow.as_dict(), "fast": p.routing.fast.as_dict()}
                     if p.routing else None),
         "prediction": p.prediction.as_dict() if p.prediction else None,
+        "first_token": p.first_token.as_dict() if p.first_token else None,
         "run": p.run_args(),
         "alternatives": [o.as_dict() for o in p.alternatives],
         "notes": [n.as_dict() for n in p.notes],

@@ -106,6 +106,13 @@ def format_plan(p: Plan) -> str:
         lines.append(f"predicted decode: {pr.tok_s_low:.2f} - {pr.tok_s_high:.2f} tokens/s "
                      f"(dominant: {pr.dominant_slow} at the slow end, {pr.dominant_fast} at the "
                      "fast end)" + ("; hit rates from SYNTHETIC routing" if rt.slow.synthetic else ""))
+        ft = p.first_token
+        if ft is not None:
+            lines.append(f"predicted first token ({ft.prompt_tokens}-token prompt): "
+                         f"{ft.s_fast:.1f} - {ft.s_slow:.1f} s (compute {ft.compute_s[1]:.1f}-"
+                         f"{ft.compute_s[0]:.1f} s at {ft.gemm_gflops.slow:.0f}-"
+                         f"{ft.gemm_gflops.fast:.0f} GFLOP/s; {ft.read_bytes[1] / 2**30:.2f}-"
+                         f"{ft.read_bytes[0] / 2**30:.2f} GiB of experts read into the cold tiers)")
     else:
         lines.append("")
         lines.append("predicted decode: none (the model cannot run on this box)")

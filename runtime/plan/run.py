@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import UsageError
@@ -49,6 +49,7 @@ class PlanRequest:
     policy: str = DEFAULT_POLICY
     tokens: int = DEFAULT_TOKENS
     n_predict: int = 64                    # tokens the run generates (run's -n default)
+    prompt_tokens: int = 512               # the prompt the first token's time is predicted for
     seed: int = 0
     probe: bool = True                     # measure what this machine's cache lacks
     use_cache: bool = True                 # without probe: this machine's cached rates if any
@@ -226,7 +227,22 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     # --- routing and the choice ------------------------------------------------------------
     routing_for = simulator_routing(g, req, say)
     options = plan_options(g, box, rates, routing_for, mems=mems)
-    return make_plan(g, box, options, rates, probes=detail, forced=forced)
+    plan = make_plan(g, box, options, rates, probes=detail, forced=forced)
+    return _with_first_token(plan, req, g, say)
+
+
+def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say) -> Plan:
+    """The plan with its first token's time (``plan.prefill``) where it runs on the CPU."""
+    m = plan.memory
+    if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
+        return plan
+    from .prefill import first_token, gemm_rate
+    say("predicting the first token")
+    replay = (trace_replay(g, req.trace) if req.trace else
+              synthetic_replay(g, req.synthetic[-1], tokens=req.tokens, seed=req.seed))
+    ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
+                     gemm_rate(probe=req.probe), replay)
+    return replace(plan, first_token=ft)
 
 
 def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range, dict[str, Any]]:

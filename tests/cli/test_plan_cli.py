@@ -51,6 +51,17 @@ def test_like_json_fits(capsys) -> None:
     assert d["routing"]["slow"]["label"] == "synthetic 'diffuse'"
 
 
+def test_first_token_on_the_cpu_only(capsys) -> None:
+    argv = ("--like", "Qwen3-30B-A3B", "--ram", "32G", "--prompt-tokens", "100", *FAST)
+    d = run_json(capsys, *argv, "--vram", "0")
+    ft = d["first_token"]
+    assert ft["prompt_tokens"] == 100 and ft["s_slow"] >= ft["s_fast"] > 0
+    assert ft["gemm_gflops"]["source"].startswith("stated")
+    assert main(["plan", *argv, "--vram", "0"]) == 0
+    assert "predicted first token (100-token prompt):" in capsys.readouterr().out
+    assert run_json(capsys, *argv, "--vram", "24G")["first_token"] is None   # a GPU placement
+
+
 def test_like_text_report(capsys) -> None:
     assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "32G", "--vram", "24G", *FAST]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,132 @@
+"""``expertfs plan``'s first token: the prompt's prefill, predicted apart from decode.
+
+``expertfs run`` feeds a prompt of P tokens in batches of ``--batch`` (256) tokens. In one batch
+every decoder layer streams each trunk matrix once and each expert its tokens route to once
+(each weight unpacked once a batch, at the decode kernels' rate: ``Rates.cpu``) and does
+2 · tokens · weights floating-point operations, at the box's float32 matrix-multiply rate
+(``gemm_rate``: measured, or ``STATED_GEMM_GFLOPS`` per core). The output head runs for the
+last token only. The tiers start cold (the warm start waits for the first logits), so every
+expert the batch touches is read from the drive unless an earlier batch left it in the tier.
+
+Experts touched per layer by b tokens: at the slow end as if routing were uniform and
+independent, ``E · (1 − (1 − k/E)^b)`` (a balanced model's most); at the fast end what the
+routing replay (the trace, else the fast synthetic preset) touches in its first b tokens.
+Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), as the engine
+computes the experts already in while the rest are read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .geometry import Geometry
+from .rates import Range, Rates
+
+__all__ = ["FirstToken", "first_token", "gemm_rate", "touched_per_layer", "STATED_GEMM_GFLOPS",
+           "PREFILL_BATCH"]
+
+#: float32 matrix-multiply GFLOP/s per core assumed without a probe (AVX2 at one to two FMA
+#: ports' worth of a 3 GHz core, less what BLAS loses at the batch sizes of a prefill)
+STATED_GEMM_GFLOPS = (25.0, 50.0)
+PREFILL_BATCH = 256                       # ``expertfs run --batch``'s default
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """Seconds to the first token of a ``prompt_tokens`` prompt (slow, fast end) and its parts."""
+
+    prompt_tokens: int
+    s_slow: float
+    s_fast: float
+    compute_s: tuple[float, float]
+    read_bytes: tuple[float, float]
+    gemm_gflops: Range
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gemm_gflops"] = self.gemm_gflops.as_dict()
+        return d
+
+
+def gemm_rate(probe: bool = True) -> Range:
+    """This box's float32 ``F.linear`` GFLOP/s on torch's threads ([128, 2048] × [2048, 2048]ᵀ,
+    best of five; the slow end 0.7 of it), or the stated per-core default."""
+    cores = os.cpu_count() or 1
+    if probe:
+        try:
+            import torch
+            x, w = torch.randn(128, 2048), torch.randn(2048, 2048)
+            torch.nn.functional.linear(x, w)
+            best = math.inf
+            for _ in range(5):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - t0)
+            g = 2 * 128 * 2048 * 2048 / best / 1e9
+            return Range(0.7 * g, g, f"measured now: float32 F.linear, {torch.get_num_threads()} "
+                                     "threads (slow end 0.7x)")
+        except ImportError:
+            pass
+    lo, hi = STATED_GEMM_GFLOPS
+    return Range(lo * cores, hi * cores, f"stated default: {lo:g}-{hi:g} GFLOP/s per core")
+
+
+def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
+    """Distinct experts ``tokens`` tokens touch in one MoE layer: uniform and independent
+    routing without ``replay``, else the replay's first ``tokens`` tokens (scaled by the uniform
+    growth where the replay is shorter)."""
+    E, k = g.n_experts, g.k
+
+    def uniform(b: int) -> float:
+        return E * (1.0 - (1.0 - k / E) ** b) if E else 0.0
+
+    if replay is None or not replay.rows or not g.moe_layers:
+        return uniform(tokens)
+    n = min(tokens, replay.n_tokens)
+    first = replay.clock[0] if replay.clock else 0
+    keys = {key for row, t in zip(replay.rows, replay.clock) if t - first < n for key in row}
+    per_layer = len(keys) / len(g.moe_layers)
+    return per_layer * uniform(tokens) / uniform(n) if n < tokens and uniform(n) else per_layer
+
+
+def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
+                gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH) -> FirstToken:
+    """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
+    docstring); ``tier_slots``: the experts the tiers hold."""
+    cpu = rates.cpu
+    head = max(g.trunk_matrices, key=lambda m: m.rows * (m.cols if m.rows == g.n_vocab else 0),
+               default=None)
+    head = head if head is not None and head.rows == g.n_vocab else None
+    body = [m for m in g.trunk_matrices if m is not head]
+    body_el = sum(m.count * m.elements for m in body)
+    n_moe = len(g.moe_layers)
+    exp_el = sum(m.elements for layer in g.expert_parts for m in layer) / max(1, n_moe)
+    ext = sum(g.extent_bytes) / max(1, n_moe)
+
+    def stream(mats, end: str) -> float:
+        return sum(cpu.quant_cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
+
+    per_expert = {e: sum(stream(layer, e) for layer in g.expert_parts) / max(1, n_moe)
+                  for e in ("slow", "fast")}
+    compute, reads = [0.0, 0.0], [0.0, 0.0]
+    for i, end in enumerate(("slow", "fast")):
+        left = prompt_tokens
+        while left > 0:
+            b = min(batch, left)
+            left -= b
+            touched = touched_per_layer(g, b, None if end == "slow" else replay)
+            flops = 2.0 * b * (body_el + n_moe * g.k * exp_el)
+            compute[i] += (flops / (gemm.at(end) * 1e9) + stream(body, end)
+                           + n_moe * touched * per_expert[end])
+            if not reads[i] or touched * n_moe > tier_slots:    # the tier cannot keep them all
+                reads[i] += touched * n_moe * ext
+        if head is not None:
+            compute[i] += stream([head], end) + 2.0 * head.elements / (gemm.at(end) * 1e9)
+    r_slow = reads[0] / (rates.storage.slow * 1e9)
+    r_fast = reads[1] / (rates.storage.fast * 1e9)
+    return FirstToken(prompt_tokens, compute[0] + r_slow, max(compute[1], r_fast),
+                      (compute[0], compute[1]), (reads[0], reads[1]), gemm)

@@ -1,0 +1,64 @@
+"""``plan``'s first token (``plan.prefill``): the prompt's compute at the batch's arithmetic
+and its unpacking, the cold tiers' reads, the two ends combined as the module says."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from expertfs.cli.plan import geometry_from_like
+from expertfs.runtime.plan.prefill import first_token, gemm_rate, touched_per_layer
+from expertfs.runtime.plan.rates import Range
+from expertfs.runtime.plan.routing import synthetic_replay
+
+from test_plan import rates_for  # noqa: I001 - the sibling test module's helper
+
+GEMM = Range(40.0, 80.0, "test")
+
+
+@pytest.fixture(scope="module")
+def g():
+    return geometry_from_like("Qwen3-30B-A3B")
+
+
+def test_touched_experts_uniform_and_from_a_replay(g):
+    E, k = g.n_experts, g.k
+    assert touched_per_layer(g, 1) == pytest.approx(k)
+    assert touched_per_layer(g, 49) == pytest.approx(E * (1 - (1 - k / E) ** 49))
+    assert touched_per_layer(g, 100000) == pytest.approx(E)
+    rp = synthetic_replay(g, "mixed", tokens=64)
+    few, many = touched_per_layer(g, 8, rp), touched_per_layer(g, 64, rp)
+    assert k <= few < many <= E
+    assert many <= touched_per_layer(g, 64) + 1e-9           # routes repeat: at most uniform
+    # past the replay's end, scaled by the uniform growth
+    assert touched_per_layer(g, 128, rp) == pytest.approx(
+        many * touched_per_layer(g, 128) / touched_per_layer(g, 64))
+
+
+def test_first_token_combines_compute_and_reads_as_stated(g):
+    rates = rates_for(g)
+    ft = first_token(g, rates, 0, 49, GEMM)                   # no replay: uniform at both ends
+    n_moe, ext = len(g.moe_layers), sum(g.extent_bytes) / len(g.moe_layers)
+    assert ft.read_bytes[0] == pytest.approx(n_moe * touched_per_layer(g, 49) * ext)
+    assert ft.s_slow == pytest.approx(ft.compute_s[0] + ft.read_bytes[0] / (rates.storage.slow * 1e9))
+    assert ft.s_fast == pytest.approx(max(ft.compute_s[1], ft.read_bytes[1] / (rates.storage.fast * 1e9)))
+    assert ft.s_slow >= ft.s_fast > 0 and ft.compute_s[0] >= ft.compute_s[1]
+    # the batch's arithmetic at the matmul rate: twice the rate, less compute; longer, more
+    quick = first_token(g, rates, 0, 49, Range(80.0, 160.0, "test"))
+    assert quick.compute_s[0] < ft.compute_s[0]
+    assert first_token(g, rates, 0, 490, GEMM).compute_s[0] > 2 * ft.compute_s[0]   # 2 batches
+
+
+def test_a_tier_that_keeps_the_prompts_experts_reads_them_once(g):
+    rates = rates_for(g)
+    one = first_token(g, rates, 0, 256, GEMM).read_bytes[0]
+    assert first_token(g, rates, 0, 1024, GEMM).read_bytes[0] == pytest.approx(4 * one)
+    assert first_token(g, rates, g.n_decode_experts, 1024, GEMM).read_bytes[0] == pytest.approx(one)
+
+
+def test_gemm_rate_measured_or_stated():
+    r = gemm_rate(probe=False)
+    assert 0 < r.slow < r.fast and r.source.startswith("stated")
+    m = gemm_rate(probe=True)
+    assert 0 < m.slow < m.fast and math.isfinite(m.fast) and m.source.startswith("measured")
