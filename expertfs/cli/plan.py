@@ -1,5 +1,6 @@
-"""``expertfs plan STORE|MODEL.gguf|--like MODEL --ram 32G --vram 24G``: a memory budget and a
-predicted decode tokens/s range for a box, with what limits it and what to change."""
+"""``expertfs plan STORE|MODEL.gguf|--like MODEL --ram 32G --vram 24G``: a memory budget, a
+predicted decode tokens/s range and first-token time for a box, with what limits them and
+what to change."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ Exit status: 0 it fits, 1 it cannot run at all, 2 bad input.
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..runtime.plan.routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS
 
-    p = subparsers.add_parser("plan", help="memory budget and predicted decode tokens/s for a box",
+    p = subparsers.add_parser("plan", help="memory budget, predicted decode tokens/s and first "
+                              "token for a box",
                               description="Plan a model on a box: where everything goes and how "
                                           "fast decode will be.",
                               epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
