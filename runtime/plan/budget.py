@@ -29,6 +29,7 @@ from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION,
                           MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
 from .host import LIMIT_SOURCES, os_headroom, run_host_budget, trunk_host_bytes, workspace_bytes
+from .rates import Range
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
            "layout", "candidates", "max_ctx_on_gpu", "LIMIT_SOURCES", "trunk_host_bytes",
@@ -378,7 +379,7 @@ def candidates(g: Geometry, box: Box, where: str = "auto", trunk_mode: str = "au
     return [layout(g, box, w, m) for w in wheres for m in modes]
 
 
-def trunk_reads(mem: Memory, storage: Any) -> tuple[float, float, str]:
+def trunk_reads(mem: Memory, storage: Range) -> tuple[float, float, str]:
     """Seconds per token re-reading an evicted trunk (slow, fast end) and what it reads: the
     page cache's LRU over a trunk read in the same order every token evicts what the next
     token needs first, so up to all of it is read again (slow end); the evicted part (fast)."""

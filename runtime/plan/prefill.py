@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .geometry import Geometry
+from .native import compute_cost
 from .rates import Range, Rates
 
 __all__ = ["FirstToken", "first_token", "gemm_rate", "touched_per_layer", "STATED_GEMM_GFLOPS",
@@ -98,34 +99,28 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold."""
     cpu = rates.cpu
-    head = max(g.trunk_matrices, key=lambda m: m.rows * (m.cols if m.rows == g.n_vocab else 0),
-               default=None)
-    head = head if head is not None and head.rows == g.n_vocab else None
+    head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
     body = [m for m in g.trunk_matrices if m is not head]
     body_el = sum(m.count * m.elements for m in body)
-    n_moe = len(g.moe_layers)
-    exp_el = sum(m.elements for layer in g.expert_parts for m in layer) / max(1, n_moe)
-    ext = sum(g.extent_bytes) / max(1, n_moe)
-
-    def stream(mats, end: str) -> float:
-        return sum(cpu.quant_cost(m.ggml_type).seconds(m.nbytes, end, m.count) for m in mats)
-
-    per_expert = {e: sum(stream(layer, e) for layer in g.expert_parts) / max(1, n_moe)
-                  for e in ("slow", "fast")}
+    n_moe = max(1, len(g.moe_layers))
+    exp_el = sum(m.elements for layer in g.expert_parts for m in layer) / n_moe
+    ext = sum(g.extent_bytes) / n_moe
+    sizes = [batch] * (prompt_tokens // batch) + [prompt_tokens % batch] * bool(prompt_tokens % batch)
     compute, reads = [0.0, 0.0], [0.0, 0.0]
     for i, end in enumerate(("slow", "fast")):
-        left = prompt_tokens
-        while left > 0:
-            b = min(batch, left)
-            left -= b
-            touched = touched_per_layer(g, b, None if end == "slow" else replay)
+        per_expert = sum(compute_cost(cpu, layer, end, quantized=True)
+                         for layer in g.expert_parts) / n_moe
+        trunk_s = compute_cost(cpu, body, end, quantized=True)
+        touched = {b: touched_per_layer(g, b, None if end == "slow" else replay) * n_moe
+                   for b in set(sizes)}                       # experts a batch touches, all layers
+        for j, b in enumerate(sizes):
             flops = 2.0 * b * (body_el + n_moe * g.k * exp_el)
-            compute[i] += (flops / (gemm.at(end) * 1e9) + stream(body, end)
-                           + n_moe * touched * per_expert[end])
-            if not reads[i] or touched * n_moe > tier_slots:    # the tier cannot keep them all
-                reads[i] += touched * n_moe * ext
+            compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s + touched[b] * per_expert
+            if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
+                reads[i] += touched[b] * ext
         if head is not None:
-            compute[i] += stream([head], end) + 2.0 * head.elements / (gemm.at(end) * 1e9)
+            compute[i] += (compute_cost(cpu, [head], end, quantized=True)
+                           + 2.0 * head.elements / (gemm.at(end) * 1e9))
     r_slow = reads[0] / (rates.storage.slow * 1e9)
     r_fast = reads[1] / (rates.storage.fast * 1e9)
     return FirstToken(prompt_tokens, compute[0] + r_slow, max(compute[1], r_fast),
