@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -66,11 +65,9 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace) -> dict:
     except json.JSONDecodeError:
         return {"status": f"failed ({r.returncode}): {r.stderr[-300:]}"}
     pred = p.get("prediction") or {}
-    m = re.search(r"--ram (\S+)", p.get("run") or "")
     ft = p.get("first_token") or {}
     return {"status": p.get("status"), "low": pred.get("tok_s_low"), "high": pred.get("tok_s_high"),
             "ttft": (ft.get("s_fast"), ft.get("s_slow")),
-            "ram": m.group(1) if m else None,
             "tier_bytes": ((p.get("budget") or {}).get("ram") or {}).get("tier_bytes"),
             "run": p.get("run")}
 
@@ -91,6 +88,12 @@ def _gib(n: float | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f}G"
 
 
+def _against(lo: float, hi: float, measured: float, ok: bool) -> str:
+    """``measured`` over the band's geometric midpoint, and whether the band holds it."""
+    mid = math.sqrt(lo * hi) if lo and hi else 0.0
+    return f"{measured / mid if mid else 0:5.2f} {'yes' if ok and lo <= measured <= hi else 'no':>3}"
+
+
 def report(rows: list[dict], a: argparse.Namespace) -> None:
     print(f"plan against run, {a.rounds} round(s) of {a.n} tokens each, medians; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -102,20 +105,17 @@ def report(rows: list[dict], a: argparse.Namespace) -> None:
         p = r["plan"]
         lo, hi = p.get("low") or 0.0, p.get("high") or 0.0
         med = statistics.median(x["decode"] for x in ok) if ok else 0.0
-        mid = math.sqrt(lo * hi) if lo and hi else 0.0
         tiers = {x["tier_bytes"] for x in ok}
         run_tier = _gib(next(iter(tiers))) if len(tiers) == 1 else "/".join(map(_gib, tiers)) or "-"
         peak = max((x["peak"] for x in r["runs"]), default=0)
         cap = f"{peak / r['limit']:.3f}" if r["limit"] else _gib(peak) if peak else "-"
         ttft = statistics.median(x["ttft"] for x in ok) if ok else 0.0
         t_lo, t_hi = (v or 0.0 for v in p.get("ttft", (None, None)))
-        t_mid = math.sqrt(t_lo * t_hi) if t_lo and t_hi else 0.0
         failed = len(r["runs"]) - len(ok)
         print(f"{r['store']:<8} {r['cap']:>6} {str(p.get('status'))[:10]:>10} "
               f"{_gib(p.get('tier_bytes')) + '/' + run_tier:>15} {lo:6.2f}-{hi:<6.2f} {med:6.2f} "
-              f"{med / mid if mid else 0:5.2f} {'yes' if lo <= med <= hi and ok else 'no':>3} "
-              f"{t_lo:8.2f}-{t_hi:<9.2f} {ttft:6.2f} {ttft / t_mid if t_mid else 0:5.2f} "
-              f"{'yes' if t_lo <= ttft <= t_hi and ok else 'no':>3} {cap:>9}"
+              f"{_against(lo, hi, med, bool(ok))} {t_lo:8.2f}-{t_hi:<9.2f} {ttft:6.2f} "
+              f"{_against(t_lo, t_hi, ttft, bool(ok))} {cap:>9}"
               + (f"  ({failed} run(s) failed)" if failed else ""))
 
 
