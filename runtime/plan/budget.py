@@ -50,6 +50,7 @@ class Box:
     label: str = ""                # "this machine's RAM and VRAM", "as given"
     limit_source: str = "physical"  # "physical": the box's RAM (OS headroom kept); else a cap
     n_predict: int = 64            # tokens a run generates (run's -n): its first reads spread over them
+    prompt_tokens: int = 0         # the prompt before them (its experts loaded before the decode)
 
     def __post_init__(self) -> None:
         if self.ram <= 0:
@@ -66,6 +67,9 @@ class Box:
                              fix="give --headroom below --ram")
         if self.n_predict < 1:
             raise UsageError(f"{self.n_predict} tokens to generate", fix="give -n 1 or more")
+        if self.prompt_tokens < 0:
+            raise UsageError(f"a prompt of {self.prompt_tokens} tokens",
+                             fix="give --prompt-tokens 0 or more")
         if self.limit_source not in LIMIT_SOURCES:
             raise UsageError(f"memory limit source {self.limit_source!r}",
                              fix=f"use one of {', '.join(LIMIT_SOURCES)}")

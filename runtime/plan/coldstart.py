@@ -1,15 +1,16 @@
-"""The first reads of a run: ``expertfs run`` starts with empty tiers, so every expert a
-generation touches that would later be a hit is read once from storage during that generation
-(its warm start reads the rest in the background). Over a short generation that cost is not
-amortised away: a run of ``n`` tokens pays ``first_read_bytes / n`` a token on top of the
-steady-state misses, which is what ``run``'s decode tok/s measures. At the slow end
-``predict`` gives them half the drive (``WARM_SHARE``) and never more time than the same
-experts would take as misses; at the fast end they share the drive with the misses, overlapped
-with compute like them.
+"""The first reads of a run: ``expertfs run`` starts with empty tiers. Its prompt reads every
+expert it touches into them (that is the first token's time, ``plan.prefill``); the decode then
+reads once every expert it touches that the prompt did not, and over a short generation that
+cost is not amortised away: a run of ``n`` tokens pays ``first_read_bytes / n`` a token on top of
+the steady-state misses, which is what ``run``'s decode tok/s measures (its warm start reads the
+rest of the RAM tier in the background, at prefetch priority).
 
-Distinct experts touched in ``n`` tokens are counted as for uniform routing (the most a layer
-can touch; skewed routing touches fewer), only the hit share of them is extra (misses are read
-in the steady state anyway), and the fill never passes the tiers."""
+New experts are counted as for uniform routing: the most a layer can see in ``n`` tokens after
+``P`` prompt tokens is what ``P + n`` tokens touch less what ``P`` touch (skewed routing touches
+fewer). Only their hit share counts (misses are read in the steady state anyway), and the fill
+never passes the room the prompt left in the tiers. At the slow end ``predict`` gives them half the drive (``WARM_SHARE``)
+and never more time than the same experts would take as misses; at the fast end they share the
+drive with the misses, overlapped with compute like them."""
 
 from __future__ import annotations
 
@@ -31,14 +32,20 @@ def distinct_experts(n_experts: int, k: int, tokens: int) -> float:
     return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
 
 
-def first_read_bytes(g: Geometry, hit_rate: float, tokens: int, tier_bytes: int) -> float:
-    """Bytes read once, during a generation of ``tokens`` tokens from empty tiers, for experts
-    that the steady state counts as hits (``hit_rate``: VRAM + RAM hits of the routing);
-    bounded by ``tier_bytes`` (what the tiers can hold)."""
+def first_read_bytes(g: Geometry, hit_rate: float, tokens: int, tier_bytes: int,
+                     prompt_tokens: int = 0) -> float:
+    """Bytes read once during ``tokens`` decode tokens after a ``prompt_tokens`` prompt, for
+    experts that the steady state counts as hits (``hit_rate``: VRAM + RAM hits of the
+    routing) and the prompt did not load; bounded by the room the prompt left in ``tier_bytes``
+    (what the tiers hold)."""
     hit = min(1.0, max(0.0, hit_rate))
-    d = distinct_experts(g.n_experts, g.k, tokens)
-    touched = sum(d * ext for ext in g.extent_bytes)
-    return min(float(max(0, tier_bytes)), hit * touched)
+    every = float(sum(g.extent_bytes) * g.n_experts)
+
+    def touched(n: int) -> float:
+        return distinct_experts(g.n_experts, g.k, n) / max(1, g.n_experts) * every
+
+    left = max(0.0, tier_bytes - touched(prompt_tokens))      # room the prompt left in the tiers
+    return min(left, hit * (touched(prompt_tokens + tokens) - touched(prompt_tokens)))
 
 
 def first_read_seconds(bytes_total: float, tokens: int, gbps: float) -> float:

@@ -121,13 +121,15 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{rates.storage.fast:.2f} GB/s"))
     if mem.trunk_evicted:
         terms.append(Term("trunk_reads", *trunk_reads(mem, rates.storage)))
-    tier, n = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0), box.n_predict
-    cold = both(lambda e: first_read_bytes(g, 1 - routing.at(e).miss_rate, n, tier))
+    tier = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0)
+    n, P = box.n_predict, box.prompt_tokens
+    cold = both(lambda e: first_read_bytes(g, 1 - routing.at(e).miss_rate, n, tier, P))
     as_misses = (1 - routing.slow.miss_rate) * g.token_expert_bytes / (rates.storage.slow * 1e9)
     terms.append(Term("first_reads", min(as_misses, first_read_seconds(
         cold[0], n, rates.storage.slow * WARM_SHARE)), first_read_seconds(cold[1], n, rates.storage.fast),
-                      f"{cold[0] / MiB:.0f} MiB read once into the empty tiers over a run of {n} "
-                      f"tokens ({cold[0] / n / MiB:.1f} MiB/token)"))
+                      f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "
+                      + (f"after a {P}-token prompt" if P else "from empty tiers")
+                      + f" ({cold[0] / n / MiB:.1f} MiB/token)"))
     if pl.experts == "gpu":
         f = 1.0 if mem.pinned else PAGEABLE_FACTOR
         p = both(lambda e: max(routing.at(e).h2d_bytes_per_token, routing.at(e).d2h_bytes_per_token)

@@ -45,6 +45,25 @@ def test_first_read_bytes_scale_with_hits_and_stop_at_the_tiers() -> None:
     assert first_read_seconds(0.0, 100, 1.0) == 0.0
 
 
+def test_a_prompt_loads_its_experts_before_the_decode_reads_new_ones() -> None:
+    """After P prompt tokens the decode's n tokens read only what P + n tokens touch beyond what
+    P touched; a prompt that touched every expert leaves nothing to read."""
+    g = qwen()
+    every = g.n_experts * sum(g.extent_bytes)
+    big = 10 ** 15
+
+    def frac(n: int) -> float:
+        return distinct_experts(g.n_experts, g.k, n) / g.n_experts
+
+    assert first_read_bytes(g, 1.0, 16, big, 64) == pytest.approx((frac(80) - frac(64)) * every)
+    assert first_read_bytes(g, 1.0, 16, big, 64) < first_read_bytes(g, 1.0, 16, big) / 50
+    assert first_read_bytes(g, 1.0, 16, big, 0) == pytest.approx(frac(16) * every)
+    assert first_read_bytes(g, 1.0, 64, big, 10_000) == pytest.approx(0.0, abs=1.0)
+    # a tier the prompt already filled: its experts are the steady state's, nothing more to read
+    small = int(frac(64) * every / 2)
+    assert first_read_bytes(g, 1.0, 16, small, 64) == 0.0
+
+
 def _routing(miss: float) -> RoutingRange:
     r = Routing("r", True, "wlfu", 100, 0.0, 1 - miss, miss, 0.0, 0.0, 0.0)
     return RoutingRange(r, r)
@@ -72,9 +91,23 @@ def test_predict_first_reads_term() -> None:
     assert long.tok_s_low > pr.tok_s_low and long.tok_s_high >= pr.tok_s_high
 
 
+def test_predict_counts_the_prompts_experts_as_loaded() -> None:
+    g = qwen()
+    rates = Rates(Range(1.0, 3.0, "t"), stated_pcie(4), stated_cpu(), stated_gpu(["Q4_K"]))
+    cold = Box(64 * GiB, 0, ctx=512, n_predict=16)
+    warm = Box(64 * GiB, 0, ctx=512, n_predict=16, prompt_tokens=512)
+    mem = layout(g, cold, "cpu", "quant")
+    a, b = (predict(g, mem, _routing(0.0), rates, box) for box in (cold, warm))
+    assert b.term("first_reads").fast_s < a.term("first_reads").fast_s / 100
+    assert "after a 512-token prompt" in b.term("first_reads").detail
+    assert b.tok_s_low > a.tok_s_low
+
+
 def test_box_rejects_no_tokens() -> None:
     with pytest.raises(UsageError):
         Box(GiB, 0, n_predict=0)
+    with pytest.raises(UsageError):
+        Box(GiB, 0, prompt_tokens=-1)
 
 
 def test_storage_key_separates_read_sizes(tmp_path) -> None:
