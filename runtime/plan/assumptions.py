@@ -24,12 +24,15 @@ its decode speed and keeps the fastest one the runtime supports.
 - ``expert_overhead``: the runtime's work per routed expert beyond its matrix products
   (provider, weight views, activation, weighted sum), a stated per-expert cost;
 - ``dispatch``: per-layer small torch ops (norms, RoPE, softmax, top-k, residuals) and
-  device synchronisations.
+  device synchronisations;
+- ``first_reads`` and ``warm_start``: a run's start (``plan.coldstart``), the experts its decode
+  reads once after the prompt's and the CPU of the warm start filling the RAM tier behind it.
 
 slow s/token = the sum of every term at pessimistic rates (nothing overlaps); fast s/token =
 the largest of storage, pcie and compute (everything else summed) at optimistic rates (perfect
 prefetch overlaps reads with compute). tokens/s low–high = 1/slow – 1/fast. The dominant term
-is the largest one at each end. Prefill, MTP drafts and the cold first tokens are not modelled.
+is the largest one at each end. The prompt's prefill is ``plan.prefill``'s first token; MTP
+drafts are not modelled.
 Each rate is a ``plan.rates.Range``: the value used for the slow end and the one used for the
 fast end, so a bandwidth has ``slow < fast`` and a per-call overhead ``slow > fast``.
 """
@@ -99,10 +102,10 @@ ASSUMPTIONS: dict[str, Any] = {
                 "auto type = compute dtype",
     "choice": "the placement and trunk mode with the highest predicted sqrt(low x high) tok/s "
               "among those expert run supports",
-    "not_modelled": "prefill on a GPU, MTP/draft verification, the cold first tokens, NUMA, thermal throttling",
+    "not_modelled": "prefill on a GPU, MTP/draft verification, NUMA, thermal throttling",
 }
 
 #: How ``plan.predict`` combines its terms into the slow and the fast end of a token.
 COMBINE = ("slow = sum of the terms at pessimistic rates; fast = max(storage + first_reads + "
            "trunk_reads, pcie, compute) at optimistic rates, compute = experts + trunk + "
-           "attention + dispatch")
+           "attention + dispatch + warm_start (the CPU of the warm start's background reads)")

@@ -1,22 +1,31 @@
-"""The first reads of a run: ``expertfs run`` starts with empty tiers. Its prompt reads every
-expert it touches into them (that is the first token's time, ``plan.prefill``); the decode then
-reads once every expert it touches that the prompt did not, and over a short generation that
-cost is not amortised away: a run of ``n`` tokens pays ``first_read_bytes / n`` a token on top of
-the steady-state misses, which is what ``run``'s decode tok/s measures (its warm start reads the
-rest of the RAM tier in the background, at prefetch priority).
+"""The start of a run: ``expertfs run`` starts with empty tiers. Its prompt reads every expert it
+touches into them (that is the first token's time, ``plan.prefill``); then, over a short
+generation, two costs are not amortised away and each of the run's ``n`` tokens pays its share,
+on top of the steady state that ``predict``'s other terms describe:
 
-New experts are counted as for uniform routing: the most a layer can see in ``n`` tokens after
-``P`` prompt tokens is what ``P + n`` tokens touch less what ``P`` touch (skewed routing touches
-fewer). Only their hit share counts (misses are read in the steady state anyway), and the fill
-never passes the room the prompt left in the tiers. At the slow end ``predict`` gives them half the drive (``WARM_SHARE``)
-and never more time than the same experts would take as misses; at the fast end they share the
-drive with the misses, overlapped with compute like them."""
+- ``first_reads`` (storage): the experts the decode touches that the prompt did not, read once.
+  Counted as for uniform routing: the most a layer can see in ``n`` tokens after ``P`` prompt
+  tokens is what ``P + n`` tokens touch less what ``P`` touch (skewed routing touches fewer).
+  Only their hit share counts (misses are read in the steady state anyway), and the fill never
+  passes the room the prompt left in the tiers. At the slow end they get half the drive
+  (``WARM_SHARE``) and never more time than the same experts would take as misses; at the fast
+  end they share the drive with the misses, overlapped with compute like them.
+- ``warm_start`` (CPU, the slow end): the warm start fills the rest of the RAM tier in the
+  background, one read at a time, while the decode computes, and the CPU those reads cost
+  (``Rates.read_cpu``, seconds per GB, measured with the drive: system calls, page pinning,
+  completions) is taken from the decode's cores. What it has left to read is the RAM tier less
+  what the prompt loaded, as much as the more skewed routing replay's first ``P`` tokens touch
+  (``Routing.prompt_cover``); per token it reads at most its share of the drive over the
+  token's compute time. The fast end overlaps it with the decode as it does every read.
+"""
 
 from __future__ import annotations
 
 from .geometry import Geometry
+from .rates import Range
 
-__all__ = ["WARM_SHARE", "distinct_experts", "first_read_bytes", "first_read_seconds"]
+__all__ = ["WARM_SHARE", "distinct_experts", "first_read_bytes", "first_read_seconds",
+           "warm_read_bytes", "start_terms"]
 
 #: share of the drive the first reads get at the slow end: the warm start reads the rest of the
 #: tier at the same time, and at worst takes the other half
@@ -54,3 +63,35 @@ def first_read_seconds(bytes_total: float, tokens: int, gbps: float) -> float:
     if bytes_total <= 0 or tokens <= 0:
         return 0.0
     return bytes_total / tokens / (gbps * 1e9)
+
+
+def warm_read_bytes(g: Geometry, ram_tier_bytes: int, prompt_cover: float) -> float:
+    """What the warm start has left to read into the RAM tier after a prompt that loaded
+    ``prompt_cover`` of every layer's experts."""
+    every = float(sum(g.extent_bytes) * g.n_experts)
+    fill = min(float(max(0, ram_tier_bytes)), every)
+    return max(0.0, fill - min(fill, max(0.0, min(1.0, prompt_cover)) * every))
+
+
+def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_tier_bytes: int,
+                prompt_tokens: int, n_predict: int, prompt_cover: float, storage: Range,
+                read_cpu: Range, compute_s: tuple[float, float]
+                ) -> list[tuple[str, float, float, str]]:
+    """The two terms (name, slow s, fast s, detail) for a token of an ``n_predict``-token run
+    after a ``prompt_tokens`` prompt: ``hits`` the steady hit rates at each end,
+    ``prompt_cover`` the share of the experts the slow end's prompt loads, ``compute_s`` a
+    token's compute at each end (the slow end's: the warm start's time to read in)."""
+    MiB, n, P = 1 << 20, max(1, n_predict), max(0, prompt_tokens)
+    cold = [first_read_bytes(g, h, n, tier_bytes, P) for h in hits]
+    as_misses = hits[0] * g.token_expert_bytes / (storage.slow * 1e9)
+    reads = (min(as_misses, first_read_seconds(cold[0], n, storage.slow * WARM_SHARE)),
+             first_read_seconds(cold[1], n, storage.fast))
+    uniform = distinct_experts(g.n_experts, g.k, P) / max(1, g.n_experts)
+    left = warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))
+    warm = min(left / n, WARM_SHARE * storage.slow * 1e9 * compute_s[0])
+    after = f"after a {P}-token prompt" if P else "from empty tiers"
+    return [("first_reads", *reads, f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "
+             f"{after} ({cold[0] / n / MiB:.1f} MiB/token)"),
+            ("warm_start", warm / 1e9 * read_cpu.slow, 0.0,
+             f"{warm / MiB:.0f} MiB/token read into the RAM tier in the background ({left / MiB:.0f} "
+             f"MiB left after the prompt) at {read_cpu.slow:.2f} CPU s/GB (slow end)")]

@@ -19,7 +19,7 @@ from ...errors import UsageError
 from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, COMBINE, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
 from .budget import Box, Memory, Note, _gib, trunk_reads
-from .coldstart import WARM_SHARE, first_read_bytes, first_read_seconds
+from .coldstart import start_terms
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
@@ -46,6 +46,7 @@ class Routing:
     nvme_bytes_per_token: float
     h2d_bytes_per_token: float
     d2h_bytes_per_token: float
+    prompt_cover: float = 0.0          # share of the experts the replay's first prompt tokens touch
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,15 +122,6 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{rates.storage.fast:.2f} GB/s"))
     if mem.trunk_evicted:
         terms.append(Term("trunk_reads", *trunk_reads(mem, rates.storage)))
-    tier = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0)
-    n, P = box.n_predict, box.prompt_tokens
-    cold = both(lambda e: first_read_bytes(g, 1 - routing.at(e).miss_rate, n, tier, P))
-    as_misses = (1 - routing.slow.miss_rate) * g.token_expert_bytes / (rates.storage.slow * 1e9)
-    terms.append(Term("first_reads", min(as_misses, first_read_seconds(
-        cold[0], n, rates.storage.slow * WARM_SHARE)), first_read_seconds(cold[1], n, rates.storage.fast),
-                      f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "
-                      + (f"after a {P}-token prompt" if P else "from empty tiers")
-                      + f" ({cold[0] / n / MiB:.1f} MiB/token)"))
     if pl.experts == "gpu":
         f = 1.0 if mem.pinned else PAGEABLE_FACTOR
         p = both(lambda e: max(routing.at(e).h2d_bytes_per_token, routing.at(e).d2h_bytes_per_token)
@@ -177,6 +169,14 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                          + syncs * rates.gpu.sync_s.at(e)))
         terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x ({OPS_PER_LAYER} small ops"
                                            + (f" + {syncs} device syncs" if syncs else "") + ")"))
+    compute = both(lambda e: sum(t.slow_s if e == "slow" else t.fast_s for t in terms
+                                 if t.name not in _IO_TERMS))
+    terms += [Term(*t) for t in start_terms(
+        g, hits=both(lambda e: 1 - routing.at(e).miss_rate), ram_tier_bytes=mem.ram.tier_bytes,
+        tier_bytes=mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0),
+        prompt_tokens=box.prompt_tokens, n_predict=box.n_predict, storage=rates.storage,
+        prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover),
+        read_cpu=rates.read_cpu, compute_s=compute)]
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS)
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}

@@ -91,7 +91,8 @@ def probe_storage(path: str, k: int, slot_bytes: int, *, store_path: str | None 
                 points.append({"backend": b, "qd": qd, "gbps": 0.0, "error": str(e)})
                 continue
             points.append({"backend": b, "qd": qd, "gbps": p.gbps, "lat_us": p.lat_us,
-                           "reads": p.reads, "bytes": p.bytes})
+                           "reads": p.reads, "bytes": p.bytes,
+                           "cpu_us_per_read": p.cpu_us_per_read})
     profile = {"points": points, "read_size": target.mean_size,
                "cold": "file pages dropped (posix_fadvise DONTNEED) before each point"}
     rng, detail = storage_from_profile(profile, k, label=f"measured now on {target.path} "

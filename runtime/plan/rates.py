@@ -13,7 +13,8 @@ from ...errors import UsageError
 from .assumptions import GPU_TRAFFIC_PER_ELEMENT, MiB
 
 __all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "stated_storage",
-           "stated_pcie", "stated_cpu", "stated_gpu", "storage_from_profile"]
+           "stated_pcie", "stated_cpu", "stated_gpu", "stated_read_cpu", "storage_from_profile",
+           "read_cpu_from"]
 
 
 @dataclass(frozen=True)
@@ -86,16 +87,24 @@ class DeviceRates:
                 "sync_s": self.sync_s.as_dict()}
 
 
+def stated_read_cpu() -> Range:
+    return Range(0.3, 0.1, "stated default: CPU seconds per GB of O_DIRECT reads (system calls, "
+                           "page pinning, completions)")
+
+
 @dataclass(frozen=True)
 class Rates:
     storage: Range                     # GB/s of whole-extent random reads
     pcie: Range                        # GB/s host -> device (pinned)
     cpu: DeviceRates
     gpu: DeviceRates
+    #: CPU seconds per GB the process spends reading from the drive (slow, fast end)
+    read_cpu: Range = field(default_factory=stated_read_cpu)
 
     def as_dict(self) -> dict[str, Any]:
         return {"storage_gbps": self.storage.as_dict(), "pcie_gbps": self.pcie.as_dict(),
-                "cpu": self.cpu.as_dict(), "gpu": self.gpu.as_dict()}
+                "cpu": self.cpu.as_dict(), "gpu": self.gpu.as_dict(),
+                "read_cpu_s_per_gb": self.read_cpu.as_dict()}
 
 
 #: pinned host->device GB/s by PCIe generation (x16): what cudaMemcpy reaches, not the line rate
@@ -199,7 +208,19 @@ def storage_from_profile(profile: Mapping[str, Any], k: int, *, label: str = "")
     src = (f"{where}: {chosen} backend, {slow:.2f} GB/s at qd {slow_qd} (demand reads of one layer) "
            f"to {fast:.2f} GB/s at qd {fast_qd}"
            + (f", reads of {read / MiB:.1f} MiB" if isinstance(read, (int, float)) and read else ""))
+    cpu_us, reads, nbytes = (slow_p.get(f) for f in ("cpu_us_per_read", "reads", "bytes"))
     detail = {"backend": chosen, "slow_qd": slow_qd, "fast_qd": fast_qd,
+              "cpu_s_per_gb": (cpu_us * 1e-6 * reads / nbytes * 1e9
+                               if cpu_us is not None and reads and nbytes else None),
               "read_size": read, "p99_latency_us_at_slow_qd": (slow_p.get("lat_us") or {}).get("p99"),
               "cold": profile.get("cold")}
     return Range(slow, fast, src), detail
+
+
+def read_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
+    """The CPU seconds per GB of reads measured with the drive (``storage_from_profile``'s
+    ``cpu_s_per_gb``), else the stated default."""
+    x = (detail or {}).get("cpu_s_per_gb")
+    if isinstance(x, (int, float)) and x > 0:
+        return Range(float(x), float(x), f"{where}: CPU time of the reads at the demand-read depth")
+    return stated_read_cpu()

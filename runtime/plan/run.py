@@ -20,7 +20,7 @@ from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_plan,
                       predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
                       storage_from_profile)
-from .rates import Range
+from .rates import Range, read_cpu_from
 from .model import load_geometry
 from .routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
 from ..policies.registry import DEFAULT_POLICY
@@ -146,6 +146,12 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None])
             replays[spec] = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
         return replays[spec]
 
+    def prompt_cover(spec: str) -> float:
+        """The share of the experts the replay's first ``--prompt-tokens`` tokens touch."""
+        from .prefill import touched_per_layer
+        n = max(0, req.prompt_tokens)
+        return touched_per_layer(g, n, replay(spec)) / g.n_experts if n and g.n_experts else 0.0
+
     def routing_for(mem: Memory) -> RoutingRange:
         v, r = mem.tier_slots
         on_gpu = mem.placement.experts == "gpu"
@@ -155,8 +161,9 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None])
             for spec in dict.fromkeys(specs):
                 say(f"simulating the cache ({spec}) at {v} VRAM + {r} RAM experts")
                 label = f"trace {req.trace}" if spec == "trace" else f"synthetic '{spec}'"
-                ends[spec] = route(g, replay(spec), v, r, experts_on_gpu=on_gpu, label=label,
-                                   synthetic=spec != "trace", policy=req.policy)
+                rt = route(g, replay(spec), v, r, experts_on_gpu=on_gpu, label=label,
+                           synthetic=spec != "trace", policy=req.policy)
+                ends[spec] = replace(rt, prompt_cover=prompt_cover(spec))
             done[key] = RoutingRange(ends[specs[0]], ends[specs[1]])
         return done[key]
 
@@ -221,7 +228,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
             detail["gpu"] = {"error": f"{type(e).__name__}: {e}", "used": "stated defaults"}
         if got is not None:
             gpu, pcie, detail["gpu"] = got
-    rates = Rates(storage, pcie, cpu, gpu)
+    rates = Rates(storage, pcie, cpu, gpu, read_cpu_from(detail.get("storage"), storage.source))
     detail["compute_paths"] = _compute_paths(g)
 
     # --- routing and the choice ------------------------------------------------------------
@@ -253,14 +260,15 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     hit = data.get(key)
     if isinstance(hit, dict) and "slow" in hit:
         return (Range(float(hit["slow"]), float(hit["fast"]), "measured earlier on this device: "
-                      + str(hit.get("source", ""))), {"cache": key})
+                      + str(hit.get("source", ""))),
+                {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb")})
     if not req.probe:
         return stated_storage(), {}
     from .probe import probe_storage
     say("measuring storage")
     store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
     rng, detail = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
-    data[key] = rng.as_dict()
+    data[key] = {**rng.as_dict(), "cpu_s_per_gb": detail.get("cpu_s_per_gb")}
     boxcache.save(data)
     return rng, detail
 

@@ -11,7 +11,8 @@ from expertfs.runtime.plan import boxcache
 from expertfs.runtime.plan.assumptions import GiB
 from expertfs.runtime.plan.budget import Box, layout
 from expertfs.runtime.plan.coldstart import (WARM_SHARE, distinct_experts, first_read_bytes,
-                                             first_read_seconds)
+                                             first_read_seconds, start_terms, warm_read_bytes)
+from expertfs.runtime.plan.rates import read_cpu_from, stated_read_cpu, storage_from_profile
 from expertfs.runtime.plan.predict import (Range, Rates, Routing, RoutingRange, predict,
                                            stated_cpu, stated_gpu, stated_pcie)
 
@@ -64,9 +65,46 @@ def test_a_prompt_loads_its_experts_before_the_decode_reads_new_ones() -> None:
     assert first_read_bytes(g, 1.0, 16, small, 64) == 0.0
 
 
-def _routing(miss: float) -> RoutingRange:
-    r = Routing("r", True, "wlfu", 100, 0.0, 1 - miss, miss, 0.0, 0.0, 0.0)
+def _routing(miss: float, cover: float = 0.0) -> RoutingRange:
+    r = Routing("r", True, "wlfu", 100, 0.0, 1 - miss, miss, 0.0, 0.0, 0.0, cover)
     return RoutingRange(r, r)
+
+
+def test_the_warm_start_reads_what_the_prompt_left_at_its_share_of_the_drive() -> None:
+    """The warm start's CPU at the slow end: its bytes a token (what is left of the RAM tier
+    after the prompt, spread over the run, at most its share of the drive over the token's
+    compute) times the CPU seconds a GB of reads costs; overlapped at the fast end."""
+    g = qwen()
+    every = g.n_experts * sum(g.extent_bytes)
+    assert warm_read_bytes(g, every, 0.25) == pytest.approx(0.75 * every)
+    assert warm_read_bytes(g, every // 4, 0.5) == 0.0               # the prompt filled it
+    assert warm_read_bytes(g, 10 * every, 1.0) == 0.0
+    args = dict(hits=(1.0, 1.0), tier_bytes=every, ram_tier_bytes=every, prompt_tokens=64,
+                storage=Range(1.0, 2.0, "t"), read_cpu=Range(0.5, 0.25, "t"),
+                compute_s=(0.1, 0.05))
+
+    def warm(n: int, cover: float) -> tuple[float, float]:
+        return next((s, f) for name, s, f, _ in start_terms(g, n_predict=n, prompt_cover=cover,
+                                                             **args) if name == "warm_start")
+
+    paced = WARM_SHARE * 1.0 * 0.1                                  # GB a token
+    assert warm(16, 0.5) == (pytest.approx(min(0.5 * every / 16 / 1e9, paced) * 0.5), 0.0)
+    assert warm(100_000, 0.5)[0] < warm(16, 0.5)[0] / 100           # a long run amortises it
+    # the cover is never taken above uniform routing's, the most a prompt can touch
+    uniform = distinct_experts(g.n_experts, g.k, 64) / g.n_experts
+    assert warm(64, 1.0)[0] == pytest.approx((1 - uniform) * every / 64 / 1e9 * 0.5)
+
+
+def test_the_reads_cpu_comes_from_the_drive_measurement() -> None:
+    point = {"backend": "direct", "qd": 8, "gbps": 1.0, "reads": 100, "bytes": 100 * (4 << 20),
+             "cpu_us_per_read": 1200.0}
+    rng, detail = storage_from_profile({"points": [point]}, 8)
+    assert detail["cpu_s_per_gb"] == pytest.approx(1200e-6 / ((4 << 20) / 1e9))
+    r = read_cpu_from(detail, "probe")
+    assert r.slow == r.fast == pytest.approx(detail["cpu_s_per_gb"]) and "probe" in r.source
+    assert read_cpu_from({}, "x") == stated_read_cpu()             # not measured: stated
+    del point["cpu_us_per_read"]
+    assert storage_from_profile({"points": [point]}, 8)[1]["cpu_s_per_gb"] is None
 
 
 def test_predict_first_reads_term() -> None:
@@ -97,7 +135,7 @@ def test_predict_counts_the_prompts_experts_as_loaded() -> None:
     cold = Box(64 * GiB, 0, ctx=512, n_predict=16)
     warm = Box(64 * GiB, 0, ctx=512, n_predict=16, prompt_tokens=512)
     mem = layout(g, cold, "cpu", "quant")
-    a, b = (predict(g, mem, _routing(0.0), rates, box) for box in (cold, warm))
+    a, b = (predict(g, mem, _routing(0.0, 1.0), rates, box) for box in (cold, warm))
     assert b.term("first_reads").fast_s < a.term("first_reads").fast_s / 100
     assert "after a 512-token prompt" in b.term("first_reads").detail
     assert b.tok_s_low > a.tok_s_low

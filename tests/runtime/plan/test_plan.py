@@ -110,7 +110,7 @@ def test_like_every_preset_plans(name: str) -> None:
     assert p.exit_code == 0 and p.prediction is not None and p.memory.placement.supported
     pr = p.prediction
     assert 0 < pr.tok_s_low <= pr.tok_s_high < math.inf
-    assert {t.name for t in pr.terms} == {"storage", "first_reads", "pcie", "experts",
+    assert {t.name for t in pr.terms} == {"storage", "first_reads", "warm_start", "pcie", "experts",
                                           "expert_overhead", "trunk", "attention", "dispatch"}
     json.dumps(plan_to_dict(p))
 
@@ -409,8 +409,8 @@ def test_json_schema() -> None:
         assert b["tier_bytes"] == b["tier_experts"] * d["budget"]["slot_bytes"]
     pr = d["prediction"]
     assert pr["tok_s_low"] <= pr["tok_s_high"]
-    assert set(pr["terms"]) == {"storage", "first_reads", "pcie", "experts", "expert_overhead",
-                                "trunk", "attention", "dispatch"}
+    assert set(pr["terms"]) == {"storage", "first_reads", "warm_start", "pcie", "experts",
+                                "expert_overhead", "trunk", "attention", "dispatch"}
     for t in pr["terms"].values():
         assert {"slow_s", "fast_s", "detail", "share_slow"} <= set(t)
     assert sum(t["share_slow"] for t in pr["terms"].values()) == pytest.approx(1.0)
