@@ -15,7 +15,8 @@ from typing import Any
 from .geometry import Geometry
 from .rates import DeviceRates, LinearCost, Range, stated_cpu
 
-__all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate"]
+__all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
+           "gemm_rate"]
 
 
 def cache_path() -> str:
@@ -166,3 +167,24 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
         return (_from_entry(entry) if entry else stated_cpu()), detail
     finally:
         _EARLIER["on"] = False
+
+
+def gemm_rate(probe: bool = True) -> Range:
+    """This machine's float32 matrix-multiply rate for the first token (``plan.prefill``): the
+    cached figure, else measured now (``probe``) and cached, else the stated default."""
+    from .prefill import gemm_rate as measure
+
+    data = load()
+    key = cpu_key()
+    hit = (data.get(key) or {}).get("gemm_gflops")
+    if isinstance(hit, dict) and "slow" in hit:
+        _EARLIER["on"] = True
+        try:
+            return _range(hit)
+        finally:
+            _EARLIER["on"] = False
+    r = measure(probe=probe)
+    if probe and r.source.startswith("measured"):
+        data.setdefault(key, {})["gemm_gflops"] = r.as_dict()
+        save(data)
+    return r

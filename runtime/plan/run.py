@@ -243,7 +243,8 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say) -> Plan:
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
-    from .prefill import first_token, gemm_rate
+    from .boxcache import gemm_rate
+    from .prefill import first_token
     say("predicting the first token")
     replay = (trace_replay(g, req.trace) if req.trace else
               synthetic_replay(g, req.synthetic[-1], tokens=req.tokens, seed=req.seed))

@@ -62,3 +62,16 @@ def test_gemm_rate_measured_or_stated():
     assert 0 < r.slow < r.fast and r.source.startswith("stated")
     m = gemm_rate(probe=True)
     assert 0 < m.slow < m.fast and math.isfinite(m.fast) and m.source.startswith("measured")
+
+
+def test_gemm_rate_is_measured_once_per_box(tmp_path, monkeypatch):
+    """Measured on the first plan and kept in the box's rate cache; ``--no-probe`` reads the
+    cache and measures nothing."""
+    from expertfs.runtime.plan import boxcache
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    assert boxcache.gemm_rate(probe=False).source.startswith("stated")
+    first = boxcache.gemm_rate(probe=True)
+    assert first.source.startswith("measured now")
+    again = boxcache.gemm_rate(probe=False)
+    assert (again.slow, again.fast) == (first.slow, first.fast)
+    assert again.source.startswith("measured earlier on this machine (cached)")
