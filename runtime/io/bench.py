@@ -173,8 +173,10 @@ def _check_bytes(target: BenchTarget, buf: Any, read: int) -> None:
 
 
 def run_point(target: BenchTarget, backend: str, qd: int, order: Sequence[int], *,
-              verify: bool = True) -> PointResult:
-    """Read ``order`` (indices into target.reads) with ``qd`` reads in flight."""
+              verify: bool = True, fresh: bool = False) -> PointResult:
+    """Read ``order`` (indices into target.reads) with ``qd`` reads in flight. ``fresh``: every
+    read lands in memory never touched before (one slab, huge pages advised, as the RAM tier's),
+    so the CPU figures include the kernel's first touch of it (no verification then)."""
     be = get_backend(backend)
     biggest = max(target.reads[i][1] for i in order)
     done: queue.SimpleQueue = queue.SimpleQueue()
@@ -182,11 +184,15 @@ def run_point(target: BenchTarget, backend: str, qd: int, order: Sequence[int], 
     with be.open(target.path, queue_depth=qd) as fh:
         bufs = [aligned_empty(biggest) for _ in range(min(qd, len(order)))]
         last = [-1] * len(bufs)
+        stride = -(-biggest // PAGE) * PAGE
+        slab = aligned_empty(stride * len(order), huge=True) if fresh else None
+        verify = verify and not fresh
 
         def submit(k: int, slot: int) -> None:
             off, size = target.reads[order[k]]
             last[slot] = order[k]
-            f = fh.pread(bufs[slot], off, size, tag=slot)
+            dst = bufs[slot] if slab is None else slab[k * stride:k * stride + size]
+            f = fh.pread(dst, off, size, tag=slot)
             f.add_done_callback(done.put)
 
         ru0 = resource.getrusage(resource.RUSAGE_SELF)

@@ -1,8 +1,11 @@
 """Hit rates at the planned tier sizes: the cache simulator replayed on a routing trace.
 
-A real trace (``--trace``, recorded against this model) is replayed as it is; without one a
-synthetic trace of the model's geometry is generated from a preset of ``trace.synth`` and the
-result is labelled synthetic. Either way the first quarter of the tokens only teaches the
+A real trace (``--trace``, recorded against this model) is replayed as it is. Without one, a
+store that earlier runs taught its usage (the LMDB table ``run`` adds its routes to) gives the
+popularity of every expert: a trace is drawn from it (``usage_replay``: each layer's fresh picks
+in proportion to its learned counts, smoothed by ``USAGE_PRIOR``) with a preset's token-to-token
+dynamics (stickiness, cross-layer links). Otherwise a synthetic trace of the model's geometry
+is generated from a preset of ``trace.synth`` and the result is labelled synthetic. Either way the first quarter of the tokens only teaches the
 usage table (as the store's learned usage warms a real run's caches; experts it never saw
 rank last) and the rest is replayed from that warm start, so the rates are steady-state
 decode, not the cold first tokens.
@@ -24,12 +27,18 @@ from ..sim.replay import Replay, simulate, usage_counts
 from ..trace.file import TraceHeader
 from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_header
 
-__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "synthetic_replay", "trace_replay", "route"]
+__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKENS",
+           "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay", "route"]
 
 #: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
 #: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
 DEFAULT_SYNTHETIC = ("diffuse", "mixed")
 DEFAULT_TOKENS = 256
+#: routes per expert added to every learned count: experts the earlier runs never chose keep a
+#: chance (a flat prior worth n_experts / k tokens)
+USAGE_PRIOR = 1.0
+#: fewer learned tokens than this (per MoE layer, on average) and the presets are used instead
+MIN_USAGE_TOKENS = 64
 
 
 def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, seed: int = 0) -> Replay:
@@ -45,6 +54,31 @@ def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, se
                          fix="give a preset and fields other than n_layers, n_experts, k")
     header = dataclasses.replace(synthetic_header(s), expert_bytes=g.extent_bytes)
     return Replay.from_chunks(header, synthetic_chunks(s))
+
+
+def usage_tokens(g: Geometry, usage: dict[tuple[int, int], float]) -> float:
+    """Tokens the usage table has seen, per MoE layer on average (a layer's counts / k)."""
+    if not g.moe_layers or not g.k:
+        return 0.0
+    return sum(usage.values()) / g.k / len(g.moe_layers)
+
+
+def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
+                 tokens: int = DEFAULT_TOKENS, seed: int = 0) -> Replay:
+    """A trace drawn from a store's learned usage ((block, expert) → routes) with the
+    dynamics of the preset ``spec``: the layers' popularity is the learned counts plus
+    ``USAGE_PRIOR``."""
+    import numpy as np
+
+    pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
+    row = {layer: i for i, layer in enumerate(g.moe_layers)}
+    for (layer, e), c in usage.items():
+        if layer in row and 0 <= e < g.n_experts:
+            pop[row[layer], e] += max(0.0, float(c))
+    s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_experts, k=g.k,
+                   n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
+    header = dataclasses.replace(synthetic_header(s), expert_bytes=g.extent_bytes)
+    return Replay.from_chunks(header, synthetic_chunks(s, popularity=pop))
 
 
 def trace_replay(g: Geometry, path: str) -> Replay:

@@ -22,7 +22,8 @@ from .predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_pla
                       storage_from_profile)
 from .rates import Range, read_cpu_from
 from .model import load_geometry
-from .routing import DEFAULT_SYNTHETIC, DEFAULT_TOKENS, route, synthetic_replay, trace_replay
+from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, route,
+                      synthetic_replay, trace_replay, usage_replay, usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
 __all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
@@ -129,22 +130,55 @@ def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *
     return [done.get(id(m), Option(m)) for m in mems]
 
 
+def learned_usage(target: str | None, g: Geometry) -> dict[tuple[int, int], float]:
+    """The store's learned usage ((block, expert) → routes) when ``target`` is a store whose
+    earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens; else {}."""
+    if not target or not os.path.isdir(target):
+        return {}
+    from ...store.reader import Store
+    try:
+        with Store.open(target) as st:
+            usage = {(int(la), int(e)): float(c) for (la, e), c in st.index.usage().items()}
+    except Exception:                              # no usage table: the presets
+        return {}
+    return usage if usage_tokens(g, usage) >= MIN_USAGE_TOKENS else {}
+
+
+def make_replay(g: Geometry, req: PlanRequest, spec: str, usage: dict[tuple[int, int], float]):
+    """The replay of a routing spec: ``usage:PRESET`` (the learned usage with the preset's
+    dynamics) or a synthetic preset."""
+    if spec.startswith("usage:"):
+        return usage_replay(g, usage, spec[6:], tokens=req.tokens, seed=req.seed)
+    return synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
+
+
 def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None]) -> RoutingFor:
     """Hit rates from the cache simulator on the trace (or the synthetic presets), cached per
     tier sizes so placements with the same tiers replay once."""
     replays: dict[str, Any] = {}
     done: dict[tuple, RoutingRange] = {}
+    usage = {} if req.trace else learned_usage(req.target, g)
     if req.trace:
         say("reading the trace")
         replays["trace"] = trace_replay(g, req.trace)
         specs = ["trace", "trace"]
     else:
         specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
+        if usage:
+            specs = ["usage:" + x for x in specs]
 
     def replay(spec: str):
         if spec not in replays:
-            replays[spec] = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
+            replays[spec] = make_replay(g, req, spec, usage)
         return replays[spec]
+
+    def label(spec: str) -> str:
+        if spec == "trace":
+            return f"trace {req.trace}"
+        if spec.startswith("usage:"):
+            return (f"this store's learned usage ({usage_tokens(g, usage):.0f} tokens of earlier "
+                    f"runs), '{spec[6:]}' dynamics")
+        return f"synthetic '{spec}'"
 
     def prompt_cover(spec: str) -> float:
         """The share of the experts the replay's first ``--prompt-tokens`` tokens touch."""
@@ -160,9 +194,9 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None])
             ends = {}
             for spec in dict.fromkeys(specs):
                 say(f"simulating the cache ({spec}) at {v} VRAM + {r} RAM experts")
-                label = f"trace {req.trace}" if spec == "trace" else f"synthetic '{spec}'"
-                rt = route(g, replay(spec), v, r, experts_on_gpu=on_gpu, label=label,
-                           synthetic=spec != "trace", policy=req.policy)
+                rt = route(g, replay(spec), v, r, experts_on_gpu=on_gpu, label=label(spec),
+                           synthetic=not (spec == "trace" or spec.startswith("usage:")),
+                           policy=req.policy)
                 ends[spec] = replace(rt, prompt_cover=prompt_cover(spec))
             done[key] = RoutingRange(ends[specs[0]], ends[specs[1]])
         return done[key]
@@ -246,8 +280,9 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say) -> Plan:
     from .boxcache import gemm_rate
     from .prefill import first_token
     say("predicting the first token")
+    usage = {} if req.trace else learned_usage(req.target, g)
     replay = (trace_replay(g, req.trace) if req.trace else
-              synthetic_replay(g, req.synthetic[-1], tokens=req.tokens, seed=req.seed))
+              make_replay(g, req, ("usage:" if usage else "") + req.synthetic[-1], usage))
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay)
     return replace(plan, first_token=ft)

@@ -111,8 +111,11 @@ def synthetic_header(spec: SyntheticSpec) -> TraceHeader:
                        meta={"generator": "expertfs.synthetic", "spec": dataclasses.asdict(spec)})
 
 
-def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256) -> Iterator[TraceChunk]:
-    """The trace as chunks of whole tokens, rows token-major (decode order). Bounded memory."""
+def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256,
+                     popularity: np.ndarray | None = None) -> Iterator[TraceChunk]:
+    """The trace as chunks of whole tokens, rows token-major (decode order). Bounded memory.
+    ``popularity``: each layer's expert weights ([n_layers, n_experts], positive; a store's
+    learned usage) to draw fresh picks from instead of the spec's Zipf ranks (no phases then)."""
     s = spec
     L, E, k = s.n_layers, s.n_experts, s.k
     model = np.random.default_rng([s.model_seed, 0x5EED])
@@ -122,6 +125,12 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256) -> Iterat
     logp = np.empty((L, E))
     for layer in range(L):
         logp[layer, model.permutation(E)] = base[layer]
+    if popularity is not None:
+        if popularity.shape != (L, E) or not np.all(popularity > 0):
+            raise UsageError(f"popularity of shape {popularity.shape} for {L} layers x {E} experts",
+                             fix="give one positive weight per layer and expert")
+        logp = np.log(popularity)
+        s = dataclasses.replace(s, phase_tokens=0)
     link = np.stack([model.permutation(E) for _ in range(L)])    # [L, E] layer l-1 expert -> l
     prev = None                                                  # [L, k] previous token's route
     for t0 in range(0, s.n_tokens, tokens_per_chunk):

@@ -305,3 +305,30 @@ def test_run_logs_a_type_without_a_native_path_once(caplog, monkeypatch, tiny_st
         run_cli._log_paths(g, "cpu", "auto")
     warn = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warn) == 1 and etype in warn[0].getMessage() and "torch" in warn[0].getMessage()
+
+
+def test_a_store_that_learned_its_usage_is_planned_from_it(capsys, tmp_path) -> None:
+    """Runs teach a store its usage; once it has seen enough tokens, plan draws its routing
+    from it (labelled, not synthetic) instead of the synthetic presets."""
+    from expertfs.runtime.cache.usage import persist_usage
+    from expertfs.runtime.plan.routing import MIN_USAGE_TOKENS
+    from expertfs.store.reader import Store
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+
+    cfg = SynthConfig.tiny("qwen3moe", n_layers=3, n_experts=16, n_expert_used=4, n_embd=256,
+                           n_ff_exp=256)
+    store = str(tmp_path / "u.efs")
+    repack(str(synthesize(cfg, str(tmp_path / "u.gguf"))[0]), store)
+    argv = (store, "--memory-limit", "2G", *FAST)
+    assert run_json(capsys, *argv)["routing"]["slow"]["synthetic"] is True
+    with Store.open(store) as st:
+        layers = [layer for layer in range(3)]
+        few = {(la, e): 1 for la in layers for e in range(4)}     # one token a layer: too few
+        persist_usage(st, few)
+        assert run_json(capsys, *argv)["routing"]["slow"]["synthetic"] is True
+        hot = {(la, e): MIN_USAGE_TOKENS for la in layers for e in range(4)}
+        persist_usage(st, hot)
+    r = run_json(capsys, *argv)["routing"]
+    assert r["slow"]["synthetic"] is False and "learned usage" in r["slow"]["label"]
+    assert "'diffuse' dynamics" in r["slow"]["label"] and "'mixed' dynamics" in r["fast"]["label"]

@@ -153,3 +153,16 @@ def test_storage_key_separates_read_sizes(tmp_path) -> None:
     assert boxcache.storage_key(p, 100 << 10) != boxcache.storage_key(p, 3 << 20)
     assert boxcache.storage_key(p, 3 << 20) == boxcache.storage_key(p, (3 << 20) + 4096)
     assert boxcache.storage_key(p).startswith("storage|dev ")
+
+
+def test_a_replay_drawn_from_learned_usage_routes_to_the_used_experts() -> None:
+    from expertfs.runtime.plan.routing import usage_replay, usage_tokens
+
+    g = qwen()
+    usage = {(layer, e): 1000.0 for layer in g.moe_layers for e in range(g.k)}
+    assert usage_tokens(g, usage) == pytest.approx(1000.0)
+    rp = usage_replay(g, usage, "diffuse", tokens=32)
+    E = g.n_experts
+    picks = [key % E for row in rp.rows for key in row]
+    assert sum(p < g.k for p in picks) / len(picks) > 0.8            # the prior keeps the rest
+    assert len(set(picks)) > g.k                                     # ... a chance

@@ -122,3 +122,19 @@ def test_parse_spec_errors() -> None:
                        ("zipf=-1", "zipf"), ("zipf_spread=2", "spread")]:
         with pytest.raises(UsageError, match=match):
             parse_spec(bad)
+
+
+def test_popularity_replaces_the_zipf_ranks() -> None:
+    """Fresh picks drawn in proportion to a given per-layer popularity (a store's learned
+    usage); a popularity of the wrong shape or with a zero weight is refused."""
+    s = SyntheticSpec(n_layers=2, n_experts=32, k=2, n_tokens=200, stickiness=0.0)
+    pop = np.ones((2, 32))
+    pop[0, [3, 7]] = 1e6
+    pop[1, [30, 31]] = 1e6
+    chunks = list(synthetic_chunks(s, popularity=pop))
+    ex = np.concatenate([c.experts for c in chunks])
+    layers = np.concatenate([c.layers for c in chunks])
+    assert set(ex[layers == 0].ravel()) == {3, 7} and set(ex[layers == 1].ravel()) == {30, 31}
+    for bad in (np.ones((3, 32)), np.zeros((2, 32))):
+        with pytest.raises(UsageError):
+            list(synthetic_chunks(s, popularity=bad))
