@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+from dataclasses import replace
 from typing import Any
 
 from .geometry import Geometry
@@ -164,9 +165,17 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
         and "torch" not in detail
     _EARLIER["on"] = detail["from_cache"]
     try:
-        return (_from_entry(entry) if entry else stated_cpu()), detail
+        rates = _from_entry(entry) if entry else stated_cpu()
     finally:
         _EARLIER["on"] = False
+    # nothing measured for a type the native kernels compute: their stated rate, not torch's
+    from .native import stated_native
+    quant = {m.ggml_type for m in cpu_mats if m.ggml_type not in ("F32", "F16", "BF16")}
+    stated = stated_native(sorted(quant - set(rates.fused)), rates.mem_gbps)
+    if stated:
+        rates = replace(rates, fused={**stated, **rates.fused})
+        detail["stated_native"] = sorted(stated)
+    return rates, detail
 
 
 def gemm_rate(probe: bool = True) -> Range:

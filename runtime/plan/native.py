@@ -16,9 +16,15 @@ from .geometry import Geometry, Matrix
 from .rates import DeviceRates, LinearCost, Range
 
 __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trunk_types",
-           "probe_expert_layers"]
+           "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S"]
 
 _CAP = 24 << 20                      # bytes of one timed matrix: past the caches, short to time
+
+#: the native kernels' one-token rate when nothing was measured: weights a second per core at
+#: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth
+STATED_NATIVE_GWPS = (3.0, 6.0)
+#: and the time of one call beyond its bytes (thread wake-up, activation preparation)
+STATED_NATIVE_CALL_S = (20e-6, 10e-6)
 
 
 def _times(fn: Callable[[], Any], reps: int, budget_s: float) -> list[float]:
@@ -62,6 +68,30 @@ def _native_types() -> frozenset[str]:
         return frozenset(t.name for t in kernels.TYPES) if kernels.available() else frozenset()
     except Exception:
         return frozenset()
+
+
+def stated_native(types: Sequence[str], mem: Range, cores: int | None = None
+                  ) -> dict[str, LinearCost]:
+    """``{type: LinearCost}`` of the native kernels for the ``types`` this machine computes
+    natively, from ``STATED_NATIVE_GWPS`` per core over ``cores`` (this machine's), never past
+    the memory bandwidth ``mem`` (GB/s)."""
+    import os
+
+    from .rates import bytes_per_element
+
+    n = cores or os.cpu_count() or 1
+    lo, hi = STATED_NATIVE_GWPS
+    src = (f"stated default: the native kernels at {lo:g}-{hi:g} G weights/s per core x {n} "
+           f"cores, at most the memory bandwidth (measure: drop --no-probe)")
+    over = Range(*STATED_NATIVE_CALL_S, src)
+    native = _native_types()
+    out = {}
+    for t in types:
+        if t in native:
+            bpe = bytes_per_element(t)
+            out[t] = LinearCost(over, Range(min(mem.slow, lo * n * bpe), min(mem.fast, hi * n * bpe),
+                                            src))
+    return out
 
 
 def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str, LinearCost], list]:

@@ -14,7 +14,7 @@ from .assumptions import GPU_TRAFFIC_PER_ELEMENT, MiB
 
 __all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "stated_storage",
            "stated_pcie", "stated_cpu", "stated_gpu", "stated_read_cpu", "storage_from_profile",
-           "read_cpu_from"]
+           "read_cpu_from", "bytes_per_element"]
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def stated_cpu() -> DeviceRates:
                        Range(5e-6, 2e-6, "stated default: torch eager CPU op"), Range(0.0, 0.0, "none"))
 
 
-def _bytes_per_element(ggml_type: str) -> float:
+def bytes_per_element(ggml_type: str) -> float:
     from ...formats.ggml import GGMLType, block_size, type_size
     try:
         t = GGMLType[ggml_type]
@@ -156,7 +156,7 @@ def stated_gpu(types: Sequence[str], mem: Range | None = None) -> DeviceRates:
     over = Range(120e-6, 40e-6, "stated default: torch eager dequant kernels, 10-20 launches per call")
 
     def cost(t: str) -> LinearCost:
-        bpe = _bytes_per_element(t)
+        bpe = bytes_per_element(t)
         eff = 1.0 if t in _FLOAT_TYPES else bpe / (bpe + GPU_TRAFFIC_PER_ELEMENT)
         return LinearCost(over, Range(mem.slow * eff, mem.fast * eff,
                                       f"{mem.source}; x {eff:.3f} for dequant traffic"))

@@ -80,13 +80,16 @@ def format_plan(p: Plan) -> str:
             r = p.rates.gpu if dev == "gpu" else p.rates.cpu
             used = {m_.ggml_type for layer in g.expert_parts for m_ in layer} if dev == pl.experts else set()
             used |= {m_.ggml_type for m_ in g.trunk_matrices} if dev == pl.trunk else set()
-            costs = ", ".join(f"{t} {r.cost(t).gbps.slow:.2f}-{r.cost(t).gbps.fast:.2f} GB/s "
-                              f"+{r.cost(t).overhead_s.fast * 1e6:.0f}-"
-                              f"{r.cost(t).overhead_s.slow * 1e6:.0f} us/call" for t in sorted(used))
+            def cost(t: str):              # what predict prices: the quantized path where it is
+                return r.cost(t) if t in ("F32", "F16", "BF16") else r.quant_cost(t)
+
+            costs = ", ".join(f"{t} {cost(t).gbps.slow:.2f}-{cost(t).gbps.fast:.2f} GB/s "
+                              f"+{cost(t).overhead_s.fast * 1e6:.0f}-"
+                              f"{cost(t).overhead_s.slow * 1e6:.0f} us/call" for t in sorted(used))
             main = max(used, key=lambda t: sum(m_.nbytes * m_.count for layer in g.expert_parts
                                                 for m_ in layer if m_.ggml_type == t)) if used else ""
-            src = r.cost(main).gbps.source if used else ""
-            lines.append(f"  {dev.upper()} dequant+matmul: {costs}  [{src}]")
+            src = cost(main).gbps.source if used else ""
+            lines.append(f"  {dev.upper()} products: {costs}  [{src}]")
             cp = p.probes.get("compute_paths") if dev == "cpu" else None
             if cp:
                 lines.append("  CPU compute paths: experts " + ", ".join(

@@ -190,7 +190,8 @@ def test_run_flags_give_the_planned_tiers_in_the_runtime(capsys, tiny_store, vra
     from expertfs.store.reader import Store
     from expertfs.units import parse_size
 
-    d = run_json(capsys, str(tiny_store), "--ram", "4G", "--vram", vram, *FAST)
+    where = ("--placement", "gpu") if vram != "0" else ()       # a tiny model: the CPU may win
+    d = run_json(capsys, str(tiny_store), "--ram", "4G", "--vram", vram, *where, *FAST)
     flags = dict(zip(d["run"].split()[3::2], d["run"].split()[4::2]))
     with Store.open(str(tiny_store)) as s:
         geo = SlotGeometry.from_store(s)

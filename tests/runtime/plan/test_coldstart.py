@@ -166,3 +166,28 @@ def test_a_replay_drawn_from_learned_usage_routes_to_the_used_experts() -> None:
     picks = [key % E for row in rp.rows for key in row]
     assert sum(p < g.k for p in picks) / len(picks) > 0.8            # the prior keeps the rest
     assert len(set(picks)) > g.k                                     # ... a chance
+
+
+def test_no_probe_prices_native_types_at_the_native_kernels_stated_rate(tmp_path, monkeypatch) -> None:
+    """With nothing measured or cached, a type the native kernels compute gets their stated
+    per-core rate (bounded by the memory bandwidth), not torch dequantization's."""
+    from expertfs.runtime.plan.native import STATED_NATIVE_GWPS, _native_types, stated_native
+    from expertfs.runtime.plan.rates import bytes_per_element
+
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    g = qwen()
+    mats = [m for layer in g.expert_parts for m in layer]
+    rates, detail = boxcache.cpu_rates(g, mats, probe=False)
+    native = {m.ggml_type for m in mats} & _native_types()
+    if not native:
+        pytest.skip("no native kernels on this machine")
+    t = sorted(native)[0]
+    c = rates.quant_cost(t)
+    assert c.gbps.source.startswith("stated default: the native kernels")
+    mem = Range(10.0, 20.0, "t")
+    got = stated_native([t], mem, cores=2)[t].gbps
+    bpe = bytes_per_element(t)
+    assert (got.slow, got.fast) == (min(10.0, STATED_NATIVE_GWPS[0] * 2 * bpe),
+                                    min(20.0, STATED_NATIVE_GWPS[1] * 2 * bpe))
+    assert stated_native(["F32"], mem) == {}                     # floats: torch's products
+    assert detail["stated_native"] == sorted(native)
