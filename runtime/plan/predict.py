@@ -208,10 +208,11 @@ def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRa
         out.append(Note("info", "storage_bound",
                         f"decode is storage-bound ({share:.0%} of the slow-end time): a faster "
                         f"drive or backend lifts it in proportion{more}"))
-    elif dom == "first_reads":
-        out.append(Note("info", "first_reads", f"the first reads into the empty tiers dominate a "
-                        f"{box.n_predict}-token run ({share:.0%}): longer runs amortise them, "
-                        "`expertfs run --preload` reads them before decoding"))
+    elif dom in ("first_reads", "warm_start"):
+        what = ("the first reads into the empty tiers" if dom == "first_reads" else
+                "the warm start's background reads into the RAM tier (their CPU)")
+        out.append(Note("info", dom, f"{what} dominate a {box.n_predict}-token run ({share:.0%}): "
+                        "longer runs amortise them, `expertfs run --preload` reads before decoding"))
     elif dom in ("experts", "trunk") and where == "cpu":
         gpu = ("a GPU that holds the trunk (see above)" if box.vram > 0 and dom == "trunk"
                else "a GPU (--vram)")
