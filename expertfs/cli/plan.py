@@ -32,8 +32,11 @@ sum; fast end = reads fully overlapped with compute. The fastest placement is ch
 `expertfs run` flags that execute it are printed.
 
 Inputs, each reported with its source: --io-profile (from `expertfs bench io STORE --json`),
-else a short probe of the store or GGUF, else a stated default; --trace (a recorded routing
-trace), else synthetic routing (slow end 'diffuse', fast end 'mixed'), labelled as such.
+else a short probe of the store or GGUF (cached per box), else a stated default; --trace (a
+recorded routing trace), else the usage a store learned in earlier runs (with the presets'
+token-to-token dynamics), else synthetic routing (slow end 'diffuse', fast end 'mixed'),
+labelled as such. A run's start counts too: the experts its decode reads after the prompt
+(--prompt-tokens) and the CPU of the warm start filling the RAM tier, over -n tokens.
 Exit status: 0 it fits, 1 it cannot run at all, 2 bad input.
 
   expertfs plan --like GLM-4.5-Air --ram 32G --vram 24G
@@ -78,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--io-profile", metavar="P.json", help="storage rates from `expertfs bench io --json`")
     p.add_argument("--trace", metavar="T", help="a routing trace recorded with this model")
     p.add_argument("--synthetic", default=",".join(DEFAULT_SYNTHETIC), metavar="SLOW[,FAST]",
-                   help="synthetic routing presets without --trace (default: %(default)s)")
+                   help="routing presets without --trace (default: %(default)s): their "
+                        "popularity, or the store's learned usage with their dynamics")
     p.add_argument("--policy", default=None, help="cache policy to simulate (default: the runtime's)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help="tokens of synthetic routing to simulate (%(default)s)")
@@ -86,7 +90,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens the run generates, as run's -n (%(default)s): the first reads of "
                         "the experts (the tiers start empty) are spread over them")
     p.add_argument("--prompt-tokens", type=int, default=512, metavar="P",
-                   help="the prompt the first token's time is predicted for (%(default)s)")
+                   help="the run's prompt: the first token's time is predicted for it, and "
+                        "the experts it loads are in the tiers before the decode (%(default)s)")
     p.add_argument("--pcie", type=int, default=4, metavar="GEN",
                    help="PCIe generation for the stated H2D rate without CUDA (4)")
     p.add_argument("--gpu-bw", type=float, metavar="GB/s",

@@ -99,7 +99,7 @@ def _box(req: PlanRequest, n_ctx_train: int) -> Box:
         label += ", capped by --memory-limit"
     ctx = req.ctx if req.ctx is not None else min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
     return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label, source,
-               req.n_predict, max(0, req.prompt_tokens))
+               req.n_predict, req.prompt_tokens)
 
 
 RoutingFor = Callable[[Memory], RoutingRange]

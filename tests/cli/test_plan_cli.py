@@ -90,6 +90,7 @@ def test_cannot_run_exits_1(capsys) -> None:
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--quant", "q9_z"], "--quant"),
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "0", "--placement", "hybrid"], "needs a GPU"),
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--tokens", "4"], "--tokens"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--prompt-tokens", "-1"], "--prompt-tokens"),
     (["--ram", "32G"], "nothing to plan"),
     (["/no/such/model.gguf", "--ram", "32G"], "no such file"),
 ])
