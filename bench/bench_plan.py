@@ -55,9 +55,17 @@ def _size(store: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(store) for f in fs)
 
 
-def _plan(store: str, limit: int | None, a: argparse.Namespace) -> dict:
+def _tokens(store: str, text: str) -> int:
+    """The prompt's length as ``run`` will count it (the model's tokenizer, its BOS)."""
+    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
+    from expertfs.store.reader import Store
+    with Store.open(store) as st:
+        return len(GGUFTokenizer(st.gguf_kv(), store).encode(text))
+
+
+def _plan(store: str, limit: int | None, a: argparse.Namespace, prompt_tokens: int) -> dict:
     argv = ["plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json",
-            "--prompt-tokens", str(a.prompt_tokens)]
+            "--prompt-tokens", str(prompt_tokens)]
     argv += ["--memory-limit", str(limit)] if limit else []
     r = _ef(*argv, timeout=600)
     try:
@@ -142,11 +150,12 @@ def main() -> int:
         for spec in a.store:
             name, store = _store(a.dir, spec)
             prompts[name] = long_prompt(store, a.prompt_tokens)
+            n_prompt = _tokens(store, prompts[name])
             size = _size(store)
             for cap in a.caps.split(","):
                 limit = None if cap == "none" else int(float(cap) * size)
                 rows.append({"store": name, "path": store, "size": size, "cap": cap,
-                             "limit": limit, "plan": _plan(store, limit, a), "runs": []})
+                             "limit": limit, "plan": _plan(store, limit, a, n_prompt), "runs": []})
         dev = block_device_of(a.dir)
         for rnd in range(a.rounds):
             for r in (rows if rnd % 2 == 0 else rows[::-1]):

@@ -17,7 +17,7 @@ from .geometry import Geometry
 from .rates import DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
-           "gemm_rate"]
+           "gemm_rate", "dequant_rates"]
 
 
 def cache_path() -> str:
@@ -197,3 +197,29 @@ def gemm_rate(probe: bool = True) -> Range:
         data.setdefault(key, {})["gemm_gflops"] = r.as_dict()
         save(data)
     return r
+
+
+def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
+    """This machine's native dequantization rate (G weights/s) per type, for the first token's
+    wide products: cached figures, the missing ones measured now (``probe``) and cached."""
+    from .native import probe_dequant
+
+    data = load()
+    key = cpu_key()
+    cached = dict((data.get(key) or {}).get("dequant_gwps") or {})
+    missing = [t for t in types if t not in cached]
+    if probe and missing:
+        got = probe_dequant(missing)
+        if got:
+            cached.update({t: r.as_dict() for t, r in got.items()})
+            data.setdefault(key, {})["dequant_gwps"] = cached
+            save(data)
+        out = {t: got[t] for t in got}
+    else:
+        out = {}
+    _EARLIER["on"] = True
+    try:
+        out.update({t: _range(cached[t]) for t in types if t in cached and t not in out})
+    finally:
+        _EARLIER["on"] = False
+    return out

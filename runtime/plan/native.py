@@ -16,7 +16,8 @@ from .geometry import Geometry, Matrix
 from .rates import DeviceRates, LinearCost, Range
 
 __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trunk_types",
-           "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S"]
+           "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S",
+           "probe_dequant", "wide_limits"]
 
 _CAP = 24 << 20                      # bytes of one timed matrix: past the caches, short to time
 
@@ -92,6 +93,41 @@ def stated_native(types: Sequence[str], mem: Range, cores: int | None = None
             out[t] = LinearCost(over, Range(min(mem.slow, lo * n * bpe), min(mem.fast, hi * n * bpe),
                                             src))
     return out
+
+
+def probe_dequant(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]:
+    """G weights/s of ``runtime.kernels.dequant`` (the wide products' first half: a prefill's
+    batch past a type's native token limit) for each of ``types`` it takes, on a 1024 x 2048
+    matrix: the slow end its typical call, the fast end its best."""
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+
+    out: dict[str, Range] = {}
+    todo = [t for t in types if t in _native_types()]
+    for ty in todo:
+        raw = _raw(ty, 1024, 2048)
+        try:
+            if kernels.dequant(raw, GGMLType[ty], (1024, 2048)) is None:
+                continue
+            ts = _times(lambda: kernels.dequant(raw, GGMLType[ty], (1024, 2048)), 7,
+                        budget_s / max(1, len(todo)))
+        except Exception:                             # a type the build refuses: no figure
+            continue
+        src = f"measured now: runtime.kernels.dequant {ty} 1024x2048 ({kernel_info().get('isa')})"
+        out[ty] = Range(2048 * 1024 / _typical(ts) / 1e9, 2048 * 1024 / min(ts) / 1e9, src)
+    return out
+
+
+def wide_limits(types: Sequence[str]) -> dict[str, int]:
+    """The most tokens one native product takes for each of ``types`` (``expertfs run``'s
+    rule, ``model.qmatvec.decode_matvec``): past it a product dequantizes and multiplies as a
+    matrix (``model.wide.wide_linear``)."""
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+    from ..model.qmatvec import NATIVE_MAX_TOKENS
+
+    return {t: max(NATIVE_MAX_TOKENS, kernels.max_tokens(GGMLType[t], NATIVE_MAX_TOKENS))
+            for t in types if t in GGMLType.__members__}
 
 
 def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str, LinearCost], list]:

@@ -2,7 +2,9 @@
 
 ``expertfs run`` feeds a prompt of P tokens in batches of ``--batch`` (256) tokens. In one batch
 every decoder layer streams each trunk matrix once and each expert its tokens route to once
-(each weight unpacked once a batch, at the decode kernels' rate: ``Rates.cpu``) and does
+(each weight unpacked once a batch: at the decode kernels' rate, ``Rates.cpu``, up to a type's
+native token limit; past it, as ``run`` does, dequantized whole at the measured native
+dequantization rate before BLAS multiplies it) and does
 2 · tokens · weights floating-point operations, at the box's float32 matrix-multiply rate
 (``gemm_rate``: measured, or ``STATED_GEMM_GFLOPS`` per core). The output head runs for the
 last token only. The tiers start cold (the warm start waits for the first logits), so every
@@ -21,9 +23,10 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import Any
 
-from .geometry import Geometry
+from .geometry import Geometry, Matrix
 from .native import compute_cost
 from .rates import Range, Rates
 
@@ -95,9 +98,12 @@ def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
 
 
 def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
-                gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH) -> FirstToken:
+                gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
+                wide: Mapping[str, tuple[int, Range]] | None = None) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
-    docstring); ``tier_slots``: the experts the tiers hold."""
+    docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, the most tokens
+    a native product takes and the dequantization rate (G weights/s) past it."""
+    wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
     body = [m for m in g.trunk_matrices if m is not head]
@@ -110,12 +116,19 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     for i, end in enumerate(("slow", "fast")):
         per_expert = sum(compute_cost(cpu, layer, end, quantized=True)
                          for layer in g.expert_parts) / n_moe
-        trunk_s = compute_cost(cpu, body, end, quantized=True)
+
+        def unpack(m: Matrix, b: int) -> float:       # one trunk matrix's weights, once a batch
+            limit, rate = wide.get(m.ggml_type, (None, None))
+            if limit is not None and b > limit:         # dequantized, then multiplied by BLAS
+                return m.count * m.elements / (rate.at(end) * 1e9)
+            return compute_cost(cpu, [m], end, quantized=True)
+
+        trunk_s = {b: sum(unpack(m, b) for m in body) for b in set(sizes)}
         touched = {b: touched_per_layer(g, b, None if end == "slow" else replay) * n_moe
                    for b in set(sizes)}                       # experts a batch touches, all layers
         for j, b in enumerate(sizes):
             flops = 2.0 * b * (body_el + n_moe * g.k * exp_el)
-            compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s + touched[b] * per_expert
+            compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
                 reads[i] += touched[b] * ext
         if head is not None:

@@ -277,14 +277,18 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say) -> Plan:
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
-    from .boxcache import gemm_rate
+    from .boxcache import dequant_rates, gemm_rate
+    from .native import wide_limits
     from .prefill import first_token
     say("predicting the first token")
     usage = {} if req.trace else learned_usage(req.target, g)
     replay = (trace_replay(g, req.trace) if req.trace else
               make_replay(g, req, ("usage:" if usage else "") + req.synthetic[-1], usage))
+    types = sorted({t.ggml_type for t in g.trunk_matrices})
+    limits, deq = wide_limits(types), dequant_rates(types, probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
-                     gemm_rate(probe=req.probe), replay)
+                     gemm_rate(probe=req.probe), replay,
+                     wide={t: (limits[t], deq[t]) for t in types if t in limits and t in deq})
     return replace(plan, first_token=ft)
 
 

@@ -75,3 +75,39 @@ def test_gemm_rate_is_measured_once_per_box(tmp_path, monkeypatch):
     again = boxcache.gemm_rate(probe=False)
     assert (again.slow, again.fast) == (first.slow, first.fast)
     assert again.source.startswith("measured earlier on this machine (cached)")
+
+
+def test_a_batch_past_a_types_native_limit_is_dequantized_whole(g):
+    """Past a type's native token limit a trunk product dequantizes its matrix (at the measured
+    rate) before BLAS multiplies it, as ``run``'s wide path does; up to it, the native kernels'
+    rate. The arithmetic is the same either way."""
+    from expertfs.runtime.plan.native import compute_cost
+    rates = rates_for(g)
+    head = next(m for m in g.trunk_matrices if m.rows == g.n_vocab)
+    body = [m for m in g.trunk_matrices if m is not head]
+    types = {m.ggml_type for m in body}
+    slow = Range(0.5, 1.0, "t")
+    wide = {t: (48, slow) for t in types}
+    native = first_token(g, rates, 0, 48, GEMM, wide=wide).compute_s
+    assert native == first_token(g, rates, 0, 48, GEMM).compute_s          # within the limit
+    past = first_token(g, rates, 0, 49, GEMM, wide=wide).compute_s
+    plain = first_token(g, rates, 0, 49, GEMM).compute_s
+    for i, end in enumerate(("slow", "fast")):
+        extra = (sum(m.count * m.elements for m in body) / (slow.at(end) * 1e9)
+                 - compute_cost(rates.cpu, body, end, quantized=True))
+        assert past[i] == pytest.approx(plain[i] + extra)
+
+
+def test_dequant_rates_are_measured_once_per_box(tmp_path, monkeypatch):
+    from expertfs.runtime.plan import boxcache
+    from expertfs.runtime.plan.native import _native_types, wide_limits
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    if "Q4_K" not in _native_types():
+        pytest.skip("no native kernels on this machine")
+    assert boxcache.dequant_rates(["Q4_K"], probe=False) == {}
+    got = boxcache.dequant_rates(["Q4_K", "F32"], probe=True)
+    assert set(got) == {"Q4_K"} and 0 < got["Q4_K"].slow <= got["Q4_K"].fast
+    again = boxcache.dequant_rates(["Q4_K"], probe=False)["Q4_K"]
+    assert (again.slow, again.fast) == (got["Q4_K"].slow, got["Q4_K"].fast)
+    assert again.source.startswith("measured earlier on this machine (cached)")
+    assert wide_limits(["Q4_K"])["Q4_K"] >= 32
