@@ -214,7 +214,7 @@ def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
             cached.update({t: r.as_dict() for t, r in got.items()})
             data.setdefault(key, {})["dequant_gwps"] = cached
             save(data)
-        out = {t: got[t] for t in got}
+        out = dict(got)
     else:
         out = {}
     _EARLIER["on"] = True

@@ -4,7 +4,9 @@ experts in one call) per ggml type and the ISA they run, and the compiled torch 
 torch dequantization only for a type the kernels lack (``plan.paths``). Each figure is the
 time of a call at the model's own shapes (big matrices capped, scaled by bytes), the slow end
 its 30th percentile and the fast end its best, so a loaded machine widens the range instead
-of moving it."""
+of moving it. Also the native dequantization a prefill's wide products start with
+(``probe_dequant``), and, where nothing was measured, the kernels' stated rate
+(``stated_native``)."""
 
 from __future__ import annotations
 

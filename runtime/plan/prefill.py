@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .geometry import Geometry, Matrix

@@ -139,7 +139,7 @@ def learned_usage(target: str | None, g: Geometry) -> dict[tuple[int, int], floa
     try:
         with Store.open(target) as st:
             usage = {(int(la), int(e)): float(c) for (la, e), c in st.index.usage().items()}
-    except Exception:                              # no usage table: the presets
+    except Exception:                  # an index without a usage table (older stores): the presets
         return {}
     return usage if usage_tokens(g, usage) >= MIN_USAGE_TOKENS else {}
 
@@ -153,8 +153,9 @@ def make_replay(g: Geometry, req: PlanRequest, spec: str, usage: dict[tuple[int,
 
 
 def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None]) -> RoutingFor:
-    """Hit rates from the cache simulator on the trace (or the synthetic presets), cached per
-    tier sizes so placements with the same tiers replay once."""
+    """Hit rates from the cache simulator on the trace (else the store's learned usage, else the
+    synthetic presets), cached per tier sizes so placements with the same tiers replay once;
+    each end with the share of the experts its replay's prompt touches (``prompt_cover``)."""
     replays: dict[str, Any] = {}
     done: dict[tuple, RoutingRange] = {}
     usage = {} if req.trace else learned_usage(req.target, g)
