@@ -751,6 +751,54 @@ EFS_T void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p) 
     }
 }
 
+// Q6_K rows as float32, each weight d * sc * q as the scalar dequant_rows computes it
+// ((d * sc) rounded once, then times q): the unpack of ex_q6_k, 8 weights a conversion.
+static EFS_T void deq_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                           float* y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        for (int64_t i = 0; i < cols / 256; ++i, b += 210, y += 256) {
+            const float d = f16(b + 208);
+            const int8_t* sc = (const int8_t*)(b + 192);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+                const __m256i QH = loadu256(b + 128 + 32 * h);
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(A, m4),
+                                    _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(B, m4),
+                                    _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                    _mm256_and_si256(QH, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30))};
+                for (int k = 0; k < 4; ++k) {               // elements 128h + 32k + l
+                    const __m256i v = _mm256_sub_epi8(q[k], k32);
+                    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+                    const __m256 s0 = _mm256_set1_ps(d * (float)sc[8 * h + 2 * k]);
+                    const __m256 s1 = _mm256_set1_ps(d * (float)sc[8 * h + 2 * k + 1]);
+                    float* o = y + 128 * h + 32 * k;
+                    _mm256_storeu_ps(o, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+                    _mm256_storeu_ps(o + 8, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+                    _mm256_storeu_ps(o + 16, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+                    _mm256_storeu_ps(o + 24, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+                }
+            }
+        }
+    }
+}
+
+bool avx2_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+                       int64_t cols, float* y) {
+    if (type != T_Q6_K) return false;
+    deq_q6_k(W, rb, r0, r1, cols, y);
+    return true;
+}
+
 RowsFn avx2_rows(int type, int mode) {
 #define EFS_CASE(T, name) case T: return mode == 0 ? rows_ex_##name : rows_q8_##name;
     switch (type) {
@@ -775,6 +823,9 @@ bool avx2_compiled() { return true; }
 namespace efs {
 RowsFn avx2_rows(int, int) { return nullptr; }
 bool avx2_compiled() { return false; }
+bool avx2_dequant_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*) {
+    return false;
+}
 void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n) { quantize_q8k(x, y, n); }
 void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int s) { quantize_qx8(x, y, n, s); }
 void avx2_silu_mul(float* g, const float* u, int64_t n, float limit) {

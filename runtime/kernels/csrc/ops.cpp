@@ -462,7 +462,9 @@ at::Tensor dequant(const at::Tensor& raw, int64_t type, int64_t rows, int64_t co
         pybind11::gil_scoped_release nogil;
         par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
             const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
-            dequant_rows((int)type, W, rb, r0, r1, cols, yp + r0 * cols);
+            if (!(g_isa >= ISA_AVX2 && avx2_dequant_rows((int)type, W, rb, r0, r1, cols,
+                                                         yp + r0 * cols)))
+                dequant_rows((int)type, W, rb, r0, r1, cols, yp + r0 * cols);
         });
     }
     return y;
