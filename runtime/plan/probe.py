@@ -107,6 +107,7 @@ def probe_storage(path: str, k: int, slot_bytes: int, *, store_path: str | None 
         drop_file_cache(target.path)
         p = run_point(target, detail["backend"], detail["slow_qd"], order, verify=False, fresh=True)
         detail["cpu_s_per_gb"] = (p.cpu_user_s + p.cpu_sys_s) / (p.bytes / 1e9)
+        detail["cpu_fresh"] = True
     except Exception as e:                               # keep the figure of the plain point
         detail["cpu_fresh_error"] = str(e)
     return rng, detail

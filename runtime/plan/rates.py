@@ -220,7 +220,9 @@ def storage_from_profile(profile: Mapping[str, Any], k: int, *, label: str = "")
 def read_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
     """The CPU seconds per GB of reads measured with the drive (``storage_from_profile``'s
     ``cpu_s_per_gb``), else the stated default."""
-    x = (detail or {}).get("cpu_s_per_gb")
+    d = detail or {}
+    x = d.get("cpu_s_per_gb")
     if isinstance(x, (int, float)) and x > 0:
-        return Range(float(x), float(x), f"{where}: CPU time of the reads at the demand-read depth")
+        into = " into fresh memory" if d.get("cpu_fresh") else ""
+        return Range(float(x), float(x), f"{where}: CPU time of its reads{into}")
     return stated_read_cpu()

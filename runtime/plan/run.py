@@ -302,14 +302,16 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     if isinstance(hit, dict) and "slow" in hit:
         return (Range(float(hit["slow"]), float(hit["fast"]), "measured earlier on this device: "
                       + str(hit.get("source", ""))),
-                {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb")})
+                {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb"),
+                 "cpu_fresh": hit.get("cpu_fresh")})
     if not req.probe:
         return stated_storage(), {}
     from .probe import probe_storage
     say("measuring storage")
     store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
     rng, detail = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
-    data[key] = {**rng.as_dict(), "cpu_s_per_gb": detail.get("cpu_s_per_gb")}
+    data[key] = {**rng.as_dict(), "cpu_s_per_gb": detail.get("cpu_s_per_gb"),
+                 "cpu_fresh": detail.get("cpu_fresh")}
     boxcache.save(data)
     return rng, detail
 
