@@ -103,6 +103,15 @@ def _range(d: dict[str, Any]) -> Range:
     return Range(float(d["slow"]), float(d["fast"]), src)
 
 
+def _cached(d: dict[str, Any]) -> Range:
+    """A range read back from the cache, its source saying it was measured earlier."""
+    _EARLIER["on"] = True
+    try:
+        return _range(d)
+    finally:
+        _EARLIER["on"] = False
+
+
 def _cost(d: dict[str, Any]) -> LinearCost:
     return LinearCost(_range(d["overhead_s"]), _range(d["gbps"]))
 
@@ -187,11 +196,7 @@ def gemm_rate(probe: bool = True) -> Range:
     key = cpu_key()
     hit = (data.get(key) or {}).get("gemm_gflops")
     if isinstance(hit, dict) and "slow" in hit:
-        _EARLIER["on"] = True
-        try:
-            return _range(hit)
-        finally:
-            _EARLIER["on"] = False
+        return _cached(hit)
     r = measure(probe=probe)
     if probe and r.source.startswith("measured"):
         data.setdefault(key, {})["gemm_gflops"] = r.as_dict()
@@ -217,9 +222,5 @@ def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
         out = dict(got)
     else:
         out = {}
-    _EARLIER["on"] = True
-    try:
-        out.update({t: _range(cached[t]) for t in types if t in cached and t not in out})
-    finally:
-        _EARLIER["on"] = False
+    out.update({t: _cached(cached[t]) for t in types if t in cached and t not in out})
     return out

@@ -152,21 +152,30 @@ def make_replay(g: Geometry, req: PlanRequest, spec: str, usage: dict[tuple[int,
     return synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
 
 
-def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None]) -> RoutingFor:
+def routing_specs(req: PlanRequest, usage: dict[tuple[int, int], float]) -> list[str]:
+    """The (slow end, fast end) replays: the trace, else the presets (on the learned usage)."""
+    if req.trace:
+        return ["trace", "trace"]
+    specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
+    return ["usage:" + x for x in specs] if usage else specs
+
+
+def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
+                      usage: dict[tuple[int, int], float] | None = None,
+                      replays: dict[str, Any] | None = None) -> RoutingFor:
     """Hit rates from the cache simulator on the trace (else the store's learned usage, else the
     synthetic presets), cached per tier sizes so placements with the same tiers replay once;
-    each end with the share of the experts its replay's prompt touches (``prompt_cover``)."""
-    replays: dict[str, Any] = {}
+    each end with the share of the experts its replay's prompt touches (``prompt_cover``).
+    ``usage``: the store's learned usage (read here when None); ``replays``: where the replays
+    are kept, for the caller to reuse."""
+    replays = {} if replays is None else replays
     done: dict[tuple, RoutingRange] = {}
-    usage = {} if req.trace else learned_usage(req.target, g)
-    if req.trace:
+    covers: dict[str, float] = {}
+    usage = (learned_usage(req.target, g) if usage is None and not req.trace else usage) or {}
+    specs = routing_specs(req, usage)
+    if req.trace and "trace" not in replays:
         say("reading the trace")
         replays["trace"] = trace_replay(g, req.trace)
-        specs = ["trace", "trace"]
-    else:
-        specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
-        if usage:
-            specs = ["usage:" + x for x in specs]
 
     def replay(spec: str):
         if spec not in replays:
@@ -183,9 +192,12 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None])
 
     def prompt_cover(spec: str) -> float:
         """The share of the experts the replay's first ``--prompt-tokens`` tokens touch."""
-        from .prefill import touched_per_layer
-        n = max(0, req.prompt_tokens)
-        return touched_per_layer(g, n, replay(spec)) / g.n_experts if n and g.n_experts else 0.0
+        if spec not in covers:
+            from .prefill import touched_per_layer
+            n = max(0, req.prompt_tokens)
+            covers[spec] = (touched_per_layer(g, n, replay(spec)) / g.n_experts
+                            if n and g.n_experts else 0.0)
+        return covers[spec]
 
     def routing_for(mem: Memory) -> RoutingRange:
         v, r = mem.tier_slots
@@ -267,14 +279,18 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail["compute_paths"] = _compute_paths(g)
 
     # --- routing and the choice ------------------------------------------------------------
-    routing_for = simulator_routing(g, req, say)
+    usage = {} if req.trace else learned_usage(req.target, g)
+    replays: dict[str, Any] = {}
+    routing_for = simulator_routing(g, req, say, usage, replays)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     plan = make_plan(g, box, options, rates, probes=detail, forced=forced)
-    return _with_first_token(plan, req, g, say)
+    return _with_first_token(plan, req, g, say, usage, replays)
 
 
-def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say) -> Plan:
-    """The plan with its first token's time (``plan.prefill``) where it runs on the CPU."""
+def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say,
+                      usage: dict[tuple[int, int], float], replays: dict[str, Any]) -> Plan:
+    """The plan with its first token's time (``plan.prefill``) where it runs on the CPU, on
+    the fast end's replay (``replays``: the routing's, reused)."""
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
@@ -282,9 +298,11 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say) -> Plan:
     from .native import wide_limits
     from .prefill import first_token
     say("predicting the first token")
-    usage = {} if req.trace else learned_usage(req.target, g)
-    replay = (trace_replay(g, req.trace) if req.trace else
-              make_replay(g, req, ("usage:" if usage else "") + req.synthetic[-1], usage))
+    spec = routing_specs(req, usage)[1]
+    if spec not in replays:
+        replays[spec] = (trace_replay(g, req.trace) if req.trace else
+                         make_replay(g, req, spec, usage))
+    replay = replays[spec]
     types = sorted({t.ggml_type for t in g.trunk_matrices})
     limits, deq = wide_limits(types), dequant_rates(types, probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
