@@ -81,13 +81,13 @@ EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m256i tbl = tbl_iq4nl_u();
     const __m256 moff = magic(128.f);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 136) {
+            pf_next(pf, b + 136);
             const float d = f16(b);
             for (int ib = 0; ib < 8; ib += 2) {
                 const __m256i v0 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
@@ -181,15 +181,15 @@ EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t 
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
     const __m256 moff = magic(D::OFF);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT];
         float mm[NT];
         for (int t = 0; t < NT; ++t) { a0[t] = a1[t] = _mm256_setzero_ps(); mm[t] = 0.f; }
         int64_t i = 0;
         for (; i + 2 <= nb; i += 2, b += 2 * D::BYTES) {
+            pf_next(pf, b + 2 * D::BYTES);
             grp<NT>(D::q(b), moff, xp, 32 * i, _mm256_set1_ps(D::d(b)), a0);
             grp<NT>(D::q(b + D::BYTES), moff, xp, 32 * i + 32,
                     _mm256_set1_ps(D::d(b + D::BYTES)), a1);
@@ -238,14 +238,14 @@ EFS_T void ex_half(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
                    const XPrep* xs, Out out) {
     const float* x[NT];
     for (int t = 0; t < NT; ++t) x[t] = xs[t].x;
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* p = W + r * rb;
-        pf_row(p + ahead * rb, rb);
         __m256 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
         int64_t c = 0;
         for (; c + 16 <= cols; c += 16) {
+            pf_next(pf, p + 2 * c + 32);
             const __m256 w0 = h8<BF>(p + 2 * c), w1 = h8<BF>(p + 2 * c + 16);
             for (int t = 0; t < NT; ++t) {
                 a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + c), a0[t]);
@@ -319,10 +319,11 @@ EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in 
 }
 
 template <class D, bool SIGNED>
-EFS_T float vd_b32(const uint8_t* row, int64_t nb, const QX8* y) {
+EFS_T float vd_b32(const uint8_t* row, int64_t nb, const QX8* y, const char*& pf) {
     __m256 acc = _mm256_setzero_ps();
     float summ = 0.f;
     for (int64_t i = 0; i < nb; ++i, row += D::BYTES) {
+        pf_next(pf, row + D::BYTES);
         const __m256i qy = loadu256((const uint8_t*)y[i].qs);
         const __m256i p = SIGNED ? dot_ss(D::qs(row), qy) : dot_us(D::qs(row), qy);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(D::d(row) * y[i].d), _mm256_cvtepi32_ps(p), acc);
@@ -363,30 +364,30 @@ struct IIQ4_NL : DIQ4_NL {
     }
 };
 
-EFS_T float vd_iq4_nl(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IIQ4_NL, true>(r, c / 32, (const QX8*)y);
+EFS_T float vd_iq4_nl(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IIQ4_NL, true>(r, c / 32, (const QX8*)y, pf);
 }
-EFS_T float vd_q4_0(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IQ4_0, true>(r, c / 32, (const QX8*)y);
+EFS_T float vd_q4_0(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IQ4_0, true>(r, c / 32, (const QX8*)y, pf);
 }
-EFS_T float vd_q4_1(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IQ4_1, false>(r, c / 32, (const QX8*)y);
+EFS_T float vd_q4_1(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IQ4_1, false>(r, c / 32, (const QX8*)y, pf);
 }
-EFS_T float vd_q5_0(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IQ5_0, true>(r, c / 32, (const QX8*)y);
+EFS_T float vd_q5_0(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IQ5_0, true>(r, c / 32, (const QX8*)y, pf);
 }
-EFS_T float vd_q5_1(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IQ5_1, false>(r, c / 32, (const QX8*)y);
+EFS_T float vd_q5_1(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IQ5_1, false>(r, c / 32, (const QX8*)y, pf);
 }
-EFS_T float vd_q8_0(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IQ8_0, true>(r, c / 32, (const QX8*)y);
+EFS_T float vd_q8_0(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IQ8_0, true>(r, c / 32, (const QX8*)y, pf);
 }
-EFS_T float vd_mxfp4(const uint8_t* r, int64_t c, const void* y) {
-    return vd_b32<IMXFP4, true>(r, c / 32, (const QX8*)y);
+EFS_T float vd_mxfp4(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_b32<IMXFP4, true>(r, c / 32, (const QX8*)y, pf);
 }
 
 template <bool FIVE>
-EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv) {
+EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
     const int BYTES = FIVE ? 176 : 144;
@@ -394,6 +395,7 @@ EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv) {
     __m256 acc = _mm256_setzero_ps();
     float accm = 0.f;
     for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+        pf_next(pf, b + BYTES);
         uint32_t u[4];
         k4_scales(b + 4, u);
         const uint8_t* sc = (const uint8_t*)&u[0];
@@ -424,16 +426,21 @@ EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv) {
     }
     return hsum(acc) - accm;
 }
-EFS_T float vd_q4_k(const uint8_t* r, int64_t c, const void* y) { return vd_q45_k<false>(r, c, y); }
-EFS_T float vd_q5_k(const uint8_t* r, int64_t c, const void* y) { return vd_q45_k<true>(r, c, y); }
+EFS_T float vd_q4_k(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_q45_k<false>(r, c, y, pf);
+}
+EFS_T float vd_q5_k(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
+    return vd_q45_k<true>(r, c, y, pf);
+}
 
-EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv) {
+EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i m32 = _mm256_set1_epi8(32);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, b += 210) {
+        pf_next(pf, b + 210);
         const int8_t* sc = (const int8_t*)(b + 192);
         const int8_t* q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
@@ -463,13 +470,14 @@ EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv) {
     return hsum(acc);
 }
 
-EFS_T float vd_q2_k(const uint8_t* b, int64_t cols, const void* yv) {
+EFS_T float vd_q2_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
     const __m256i m3 = _mm256_set1_epi8(3);
     __m256 acc = _mm256_setzero_ps();
     float accm = 0.f;
     for (int64_t i = 0; i < nb; ++i, b += 84) {
+        pf_next(pf, b + 84);
         const uint8_t* sc = b;
         const int8_t* q8 = y[i].qs;
         int summs = 0;
@@ -491,12 +499,13 @@ EFS_T float vd_q2_k(const uint8_t* b, int64_t cols, const void* yv) {
     return hsum(acc) - accm;
 }
 
-EFS_T float vd_q3_k(const uint8_t* b, int64_t cols, const void* yv) {
+EFS_T float vd_q3_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
     const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, b += 110) {
+        pf_next(pf, b + 110);
         int8_t sc[16];
         q3k_scales(b + 96, sc);
         const int8_t* q8 = y[i].qs;
@@ -522,12 +531,13 @@ EFS_T float vd_q3_k(const uint8_t* b, int64_t cols, const void* yv) {
     return hsum(acc);
 }
 
-EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv) {
+EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
     const __m256i tbl = tbl_iq4nl_s();
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, b += 136) {
+        pf_next(pf, b + 136);
         const int8_t* q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ++ib) {
@@ -548,11 +558,10 @@ EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv) {
                               int64_t cols, const XPrep* xs, int nt, float* y, int64_t ys,     \
                               float alpha, int accumulate) {                                    \
         const Out o{y, ys, alpha, accumulate};                                                  \
-        const int64_t ahead = pf_ahead(rb);                                                     \
-        for (int64_t r = r0; r < r1; ++r) {                                                     \
-            pf_row(W + (r + ahead) * rb, rb);                                                   \
-            for (int t = 0; t < nt; ++t) o.put(t, r, vd_##name(W + r * rb, cols, xs[t].q));     \
-        }                                                                                       \
+        const char* pf = pf_start(W + r0 * rb);                                                 \
+        for (int64_t r = r0; r < r1; ++r)                                                       \
+            for (int t = 0; t < nt; ++t)                                                        \
+                o.put(t, r, vd_##name(W + r * rb, cols, xs[t].q, pf));                          \
     }
 
 EFS_Q8_ROWS(q4_0) EFS_Q8_ROWS(q4_1) EFS_Q8_ROWS(q5_0) EFS_Q8_ROWS(q5_1) EFS_Q8_ROWS(q8_0)

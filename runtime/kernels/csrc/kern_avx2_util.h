@@ -93,10 +93,25 @@ EFS_TI __m256 pair_scale(__m256 s, int p) {
 }
 
 // Software prefetch of a row about 2 KiB ahead of the one being read: every expert matrix
-// spans many 4 KiB pages and hardware prefetchers stop at page boundaries.
+// spans many 4 KiB pages and hardware prefetchers stop at page boundaries. (The AVX-512 units'
+// own kernels; the AVX2 kernels stream, below.)
 EFS_TI int64_t pf_ahead(int64_t rb) { return rb >= 2048 ? 1 : (2048 + rb - 1) / rb; }
 EFS_TI void pf_row(const uint8_t* p, int64_t rb) {
     for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
+// Software prefetch as a stream: a kernel keeps a cursor PF_DIST bytes ahead of the block it
+// is about to read and, block by block, issues the cache lines the cursor passes, one or a
+// few per block. Hardware prefetchers stop at 4 KiB page boundaries; prefetching a whole row
+// at once instead (a burst of 50-70 lines at each row's start) fills the line-fill buffers the
+// block's own loads need and was slower than no software prefetch at all. The cursor starts
+// PF_DIST past the first row: the chunk before it in memory, whichever thread took it,
+// streamed that far. Prefetching past the end of the matrix is harmless (no fault).
+constexpr int64_t PF_DIST = 4096;
+EFS_TI const char* pf_start(const uint8_t* first) { return (const char*)first + PF_DIST; }
+EFS_TI void pf_next(const char*& pf, const uint8_t* end) {   // end: past the bytes read next
+    const char* to = (const char*)end + PF_DIST;
+    for (; pf < to; pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
 }
 
 struct Out {

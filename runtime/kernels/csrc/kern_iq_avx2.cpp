@@ -35,13 +35,13 @@ EFS_T void ex_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
     const int64_t nb = cols / 256;
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+            pf_next(pf, b + D::BYTES);
             const float df = D::d(b) * D::F;
             for (int ib = 0; ib < 8; ++ib) {
                 int l0, l1;
@@ -87,10 +87,11 @@ EFS_TI __m256i dot_ss8(__m256i x, __m256i y) {   // signed x signed -> 8 int32 s
 }
 
 template <class D>
-EFS_T float vd_iq(const uint8_t* b, int64_t cols, const Q8K* y) {
+EFS_T float vd_iq(const uint8_t* b, int64_t cols, const Q8K* y, const char*& pf) {
     const int64_t nb = cols / 256;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+        pf_next(pf, b + D::BYTES);
         const int8_t* q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ++ib) {
@@ -111,11 +112,10 @@ template <class D>
 EFS_T void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                    const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
     const Out o{y, ys, alpha, accumulate};
-    const int64_t ahead = pf_ahead(rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        pf_row(W + (r + ahead) * rb, rb);
-        for (int t = 0; t < nt; ++t) o.put(t, r, vd_iq<D>(W + r * rb, cols, (const Q8K*)xs[t].q));
-    }
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r)
+        for (int t = 0; t < nt; ++t)
+            o.put(t, r, vd_iq<D>(W + r * rb, cols, (const Q8K*)xs[t].q, pf));
 }
 
 }  // namespace

@@ -50,13 +50,13 @@ EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
     const __m256 moff = magic(0.f);
     alignas(32) float scs[8];
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT], am[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            pf_next(pf, b + BYTES);
             const __m128i sm = k4_scales_v(b + 4);
             uint32_t dd;
             memcpy(&dd, b, 4);
@@ -100,13 +100,13 @@ EFS_KT void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256 moff = magic(32.f);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 210) {
+            pf_next(pf, b + 210);
             const __m256 d = _mm256_set1_ps(f16(b + 208));
             const __m256 S[2] = {_mm256_mul_ps(d, i8x8_ps(b + 192)),
                                  _mm256_mul_ps(d, i8x8_ps(b + 200))};
@@ -144,13 +144,13 @@ EFS_KT void ex_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256 moff = magic(0.f);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT], am[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 84) {
+            pf_next(pf, b + 84);
             const __m128i sc = loadu128(b);
             alignas(16) uint8_t sl[16], sh[16];
             _mm_store_si128((__m128i*)sl, _mm_and_si128(sc, m4));
@@ -201,13 +201,13 @@ EFS_KT void ex_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
     const __m256 moff = magic(4.f);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 110) {
+            pf_next(pf, b + 110);
             alignas(16) int8_t sc[16];
             q3k_scales(b + 96, sc);
             _mm_store_si128((__m128i*)sc, _mm_sub_epi8(_mm_load_si128((const __m128i*)sc),
