@@ -64,15 +64,36 @@ def _ranked(lg: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Te
 
 def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens sampling may choose from ``logits [n_vocab]`` at ``p`` (not greedy): their
-    probabilities (float32, summing to 1) and ids, most likely first, after temperature, top-k
-    and top-p. Computed in float64 from the logits less their maximum, so a temperature too
-    small for float32 (down to the smallest positive double) is greedy, never inf or NaN."""
-    probs, idx = _ranked(logits.detach().double().cpu(), p)
+    probabilities (float32, summing to 1) and ids after temperature, top-k and top-p, most
+    likely first where top-k or top-p cut the vocabulary; with neither, every token in id
+    order (nothing to rank, and sorting a 150k vocabulary would cost a decode step ~20 ms).
+    Computed in float64 from the logits less their maximum, so a temperature too small for
+    float32 (down to the smallest positive double) is greedy, never inf or NaN."""
+    lg = logits.detach().double().cpu()
+    n = lg.numel()
+    if (p.top_k and p.top_k < n) or p.top_p >= 1.0:
+        if p.top_p >= 1.0 and not (p.top_k and p.top_k < n):
+            probs = torch.softmax((lg - lg.max()) / p.temperature, dim=-1)
+            return (probs / probs.sum()).float(), torch.arange(n)
+        probs, idx = _ranked(lg, p)
+    else:
+        probs, idx = _head(torch.softmax((lg - lg.max()) / p.temperature, dim=-1), p.top_p)
     if p.top_p < 1.0:
         cum = torch.cumsum(probs, dim=-1)
         keep = int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1
         probs, idx = probs[:keep], idx[:keep]
     return (probs / probs.sum()).float(), idx
+
+
+def _head(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely tokens of ``probs``, most likely first, enough of them to hold ``top_p``
+    of the mass: a top-k grown fourfold until it does, not a sort of the whole vocabulary."""
+    n, k = probs.numel(), 64
+    while True:
+        vals, idx = torch.topk(probs, min(k, n))
+        if k >= n or float(torch.cumsum(vals, dim=-1)[-1]) >= top_p:
+            return vals, idx
+        k *= 4
 
 
 def nucleus_dense(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +106,15 @@ def nucleus_dense(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor
         before = torch.cat((cum.new_zeros(1), cum[:-1]))
         probs = probs * (before < p.top_p)
     return (probs / probs.sum()).float(), idx
+
+
+def inverse_cdf(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One index drawn from CPU ``probs`` (summing to 1): a uniform number against their
+    float64 running sum: the distribution of ``torch.multinomial(probs, 1)``, whose setup costs
+    milliseconds on a whole vocabulary."""
+    cum = torch.cumsum(probs.double(), dim=0)
+    u = torch.rand((), dtype=torch.float64, generator=gen) * cum[-1]
+    return min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
@@ -143,7 +173,7 @@ class Sampler:
             if p.greedy:
                 return torch.argmax(lg.float())
             probs, idx = nucleus(lg, p)
-            return idx.index_select(0, torch.multinomial(probs, 1, generator=self.gen))[0]
+            return idx[inverse_cdf(probs, self.gen)]
         if p.greedy:
             return torch.argmax(lg)
         probs, idx = nucleus_dense(lg, p)
