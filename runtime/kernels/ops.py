@@ -14,7 +14,7 @@ from .build import load
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "kda_step_", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8",
+           "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8",
            "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
 
 #: Activation-quantization modes: name → kernel mode.
@@ -244,6 +244,18 @@ def kda_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         return None
     mod = load()
     return None if mod is None else mod.kda_step_(q, k, v, g, beta, S)
+
+
+def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
+    """mHC's Sinkhorn in place on logits ``c [..., n, n]`` (float32 CPU, contiguous): False
+    (``c`` untouched) when not applicable or the kernels are unavailable."""
+    if not (_f32_cpu(c) and c.is_contiguous()) or c.dim() < 2 or c.shape[-1] != c.shape[-2]:
+        return False
+    mod = load()
+    if mod is None:
+        return False
+    mod.sinkhorn_(c, int(iters), float(eps))
+    return True
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:

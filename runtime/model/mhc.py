@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from .. import kernels as native
 from .rope import rms_norm
 
 __all__ = ["HC_TENSORS", "HCConfig", "HCWeights", "HCMix", "hc_expand", "hc_mixes", "sinkhorn",
@@ -97,8 +98,12 @@ def hc_expand(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``[..., n, n]`` float32: row softmax ``+ eps``, a column normalisation, then
-    ``iters - 1`` rounds of row and column normalisation (each sum ``+ eps``)."""
-    comb = torch.softmax(logits, dim=-1).add_(eps)
+    ``iters - 1`` rounds of row and column normalisation (each sum ``+ eps``); one native call
+    on the CPU where the kernels are built."""
+    comb = logits.clone(memory_format=torch.contiguous_format)
+    if native.sinkhorn_(comb, iters, eps):
+        return comb
+    comb = torch.softmax(comb, dim=-1).add_(eps)
     comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(iters - 1):
         comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))

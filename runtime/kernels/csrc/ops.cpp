@@ -647,6 +647,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("kda_step_", &efs::kda_step_, "one token of the gated delta rule, state in place",
           pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"),
           pybind11::arg("beta"), pybind11::arg("S"));
+    m.def("sinkhorn_", &efs::sinkhorn_, "mHC's Sinkhorn normalisation, in place",
+          pybind11::arg("c"), pybind11::arg("iters"), pybind11::arg("eps"));
     m.def("route", &efs::route, "one token's expert ids and weights",
           pybind11::arg("x"), pybind11::arg("W"), pybind11::arg("bias"), pybind11::arg("k"),
           pybind11::arg("sigmoid"), pybind11::arg("norm_w"), pybind11::arg("w_min"),

@@ -329,4 +329,43 @@ at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     return o;
 }
 
+void sinkhorn_(at::Tensor& c, int64_t iters, double eps) {
+    TORCH_CHECK(c.is_cpu() && c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() >= 2 &&
+                c.size(-1) == c.size(-2),
+                "expertfs small ops: sinkhorn_ needs contiguous float32 CPU [..., n, n]");
+    const int64_t n = c.size(-1), B = n ? c.numel() / (n * n) : 0;
+    const float e = (float)eps;
+    float* p = c.data_ptr<float>();
+    std::vector<float> s((size_t)n);
+    const auto cols = [&](float* m) {           // each column / (its sum + eps)
+        std::fill(s.begin(), s.end(), 0.0f);
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) s[j] += m[i * n + j];
+        for (int64_t j = 0; j < n; ++j) s[j] += e;
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) m[i * n + j] /= s[j];
+    };
+    for (int64_t b = 0; b < B; ++b) {
+        float* m = p + b * n * n;
+        for (int64_t i = 0; i < n; ++i) {       // row softmax + eps
+            float* r = m + i * n;
+            const float mx = *std::max_element(r, r + n);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; ++j) sum += (r[j] = std::exp(r[j] - mx));
+            for (int64_t j = 0; j < n; ++j) r[j] = r[j] / sum + e;
+        }
+        cols(m);
+        for (int64_t it = 1; it < iters; ++it) {
+            for (int64_t i = 0; i < n; ++i) {   // each row / (its sum + eps)
+                float* r = m + i * n;
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n; ++j) sum += r[j];
+                sum += e;
+                for (int64_t j = 0; j < n; ++j) r[j] /= sum;
+            }
+            cols(m);
+        }
+    }
+}
+
 }  // namespace efs

@@ -45,6 +45,11 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
 at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& g, const at::Tensor& beta, at::Tensor& S);
 
+// mHC's Sinkhorn (runtime/model/mhc.py, sinkhorn) in place on logits [..., n, n]: row softmax
+// + eps, a column normalisation, then iters - 1 rounds of row and column normalisation, each
+// sum + eps. One call where the torch ops are ~6 per round, each costing more than its work.
+void sinkhorn_(at::Tensor& c, int64_t iters, double eps);
+
 // Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
 

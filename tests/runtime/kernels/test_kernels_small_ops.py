@@ -1,7 +1,8 @@
-"""The decode step's native row-wise ops (runtime.kernels: rms_norm, norm_rope_, attn_decode)
-against the torch code they replace (runtime.model.rope's torch path, torch's own
-scaled_dot_product_attention): equal within float rounding, the caches written as the torch
-path writes them, and None / False (nothing touched) where they do not apply."""
+"""The decode step's native row-wise ops (runtime.kernels: rms_norm, norm_rope_, attn_decode,
+route, sinkhorn_) against the torch code they replace (runtime.model.rope's torch path, torch's
+own scaled_dot_product_attention, the router's and mHC's torch ops): equal within float
+rounding, the caches written as the torch path writes them, and None / False (nothing touched)
+where they do not apply."""
 
 from __future__ import annotations
 
@@ -168,3 +169,28 @@ def test_route_matches_torch_router(gating, biased, norm_w, w_scale):
         torch.testing.assert_close(wts, wts_t, rtol=1e-5, atol=1e-7)
     ids2, _, probs2 = r(torch.randn(3, D, generator=g), rw)        # batches: the torch path
     assert ids2.shape == (3, 6) and probs2 is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 4), (9, 4, 4), (2, 3, 6, 6), (1, 1, 1)])
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_sinkhorn_matches_the_torch_path(shape, iters, monkeypatch):
+    """mHC's Sinkhorn in one native call equals mhc.sinkhorn's torch ops within float rounding
+    (doubly stochastic to eps), and leaves the logits it was given untouched."""
+    from expertfs.runtime.model import mhc
+    g = torch.Generator().manual_seed(iters)
+    x = torch.randn(*shape, generator=g) * 4
+    x0 = x.clone()
+    got = mhc.sinkhorn(x, iters, 1e-6)
+    monkeypatch.setattr(kernels, "sinkhorn_", lambda *a: False)
+    ref = mhc.sinkhorn(x, iters, 1e-6)
+    assert torch.equal(x, x0)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_sinkhorn_not_applicable():
+    """float64, non-square, one-dimensional or strided logits: False, nothing touched."""
+    for c in (torch.ones(4, 4, dtype=torch.float64), torch.ones(3, 4), torch.ones(4),
+              torch.ones(4, 8)[:, ::2]):
+        c0 = c.clone()
+        assert kernels.sinkhorn_(c, 3, 1e-6) is False
+        assert torch.equal(c, c0)
