@@ -68,6 +68,10 @@ BAD = {
     "lying array count": (_header(n_kv=1) + _kv("a", 9, struct.pack("<IQ", 4, 1 << 40)),
                           "more than the file"),
     "duplicate key": (_header(n_kv=2) + _kv("a", 4, b"\1\0\0\0") * 2, "twice"),
+    "lying string in an array": (_header(n_kv=1) + _kv("a", 9, struct.pack("<IQ", 8, 2) + struct.pack(
+        "<Q", 3) + b"abc" + struct.pack("<Q", 1 << 50)) + bytes(8), "element 1 of 'a' claims"),
+    "string array cut short": (_header(n_kv=1) + _kv("a", 9, struct.pack("<IQ", 8, 3) + struct.pack(
+        "<Q", 3) + b"abc" + struct.pack("<Q", 40)) + bytes(24), "element 1 of 'a' at byte"),
     "alignment not power of two": (_header(n_kv=1) + _kv("general.alignment", 4, struct.pack("<I", 48)),
                                    "power of two"),
     "alignment wrong type": (_header(n_kv=1) + _kv("general.alignment", 10, struct.pack("<Q", 32)),
