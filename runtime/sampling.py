@@ -66,15 +66,16 @@ def nucleus(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torc
     """The tokens sampling may choose from ``logits [n_vocab]`` at ``p`` (not greedy): their
     probabilities (float32, summing to 1) and ids after temperature, top-k and top-p, most
     likely first where top-k or top-p cut the vocabulary; with neither, every token in id
-    order (nothing to rank, and sorting a 150k vocabulary would cost a decode step ~20 ms).
+    order (nothing to rank: a sort of the whole vocabulary would cost more than the draw).
     Computed in float64 from the logits less their maximum, so a temperature too small for
     float32 (down to the smallest positive double) is greedy, never inf or NaN."""
     lg = logits.detach().double().cpu()
     n = lg.numel()
-    if (p.top_k and p.top_k < n) or p.top_p >= 1.0:
-        if p.top_p >= 1.0 and not (p.top_k and p.top_k < n):
-            probs = torch.softmax((lg - lg.max()) / p.temperature, dim=-1)
-            return (probs / probs.sum()).float(), torch.arange(n)
+    cut_k = bool(p.top_k) and p.top_k < n
+    if not cut_k and p.top_p >= 1.0:
+        probs = torch.softmax((lg - lg.max()) / p.temperature, dim=-1)
+        return (probs / probs.sum()).float(), torch.arange(n)
+    if cut_k:
         probs, idx = _ranked(lg, p)
     else:
         probs, idx = _head(torch.softmax((lg - lg.max()) / p.temperature, dim=-1), p.top_p)

@@ -14,8 +14,8 @@ from .build import load
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES", "WIDE_TYPES_Q8",
-           "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
+           "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES",
+           "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
