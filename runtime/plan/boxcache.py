@@ -10,11 +10,13 @@ import json
 import math
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 from .geometry import Geometry
-from .rates import DeviceRates, LinearCost, Range, stated_cpu
+from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
            "gemm_rate", "dequant_rates"]
@@ -103,11 +105,12 @@ def _range(d: dict[str, Any]) -> Range:
     return Range(float(d["slow"]), float(d["fast"]), src)
 
 
-def _cached(d: dict[str, Any]) -> Range:
-    """A range read back from the cache, its source saying it was measured earlier."""
-    _EARLIER["on"] = True
+@contextmanager
+def _read_back(on: bool = True) -> Iterator[None]:
+    """While ``on``, the ranges rebuilt from cache entries say they were measured earlier."""
+    _EARLIER["on"] = on
     try:
-        return _range(d)
+        yield
     finally:
         _EARLIER["on"] = False
 
@@ -140,7 +143,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
     entry = dict(data.get(key) or {})
     detail: dict[str, Any] = {"cache": cache_path(), "key": key, "measured": []}
     if probe:
-        quant = [m for m in cpu_mats if m.ggml_type not in ("F32", "F16", "BF16")]
+        quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
         fused = dict(entry.get("fused", {}))
         missing = [m for m in quant if m.ggml_type not in fused]
         if missing:
@@ -172,14 +175,11 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
         save(data)
     detail["from_cache"] = bool(entry) and not detail["measured"] and "overhead" not in detail \
         and "torch" not in detail
-    _EARLIER["on"] = detail["from_cache"]
-    try:
+    with _read_back(detail["from_cache"]):
         rates = _from_entry(entry) if entry else stated_cpu()
-    finally:
-        _EARLIER["on"] = False
     # nothing measured for a type the native kernels compute: their stated rate, not torch's
     from .native import stated_native
-    quant = {m.ggml_type for m in cpu_mats if m.ggml_type not in ("F32", "F16", "BF16")}
+    quant = {m.ggml_type for m in cpu_mats if m.ggml_type not in FLOAT_TYPES}
     stated = stated_native(sorted(quant - set(rates.fused)), rates.mem_gbps)
     if stated:
         rates = replace(rates, fused={**stated, **rates.fused})
@@ -196,7 +196,8 @@ def gemm_rate(probe: bool = True) -> Range:
     key = cpu_key()
     hit = (data.get(key) or {}).get("gemm_gflops")
     if isinstance(hit, dict) and "slow" in hit:
-        return _cached(hit)
+        with _read_back():
+            return _range(hit)
     r = measure(probe=probe)
     if probe and r.source.startswith("measured"):
         data.setdefault(key, {})["gemm_gflops"] = r.as_dict()
@@ -222,5 +223,6 @@ def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
         out = dict(got)
     else:
         out = {}
-    out.update({t: _cached(cached[t]) for t in types if t in cached and t not in out})
+    with _read_back():
+        out.update({t: _range(cached[t]) for t in types if t in cached and t not in out})
     return out

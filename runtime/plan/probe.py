@@ -19,13 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .geometry import Matrix
-from .rates import DeviceRates, LinearCost, Range, stated_cpu, storage_from_profile
+from .rates import (FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu,
+                    storage_from_profile)
 
 __all__ = ["probe_storage", "probe_cpu", "probe_cuda", "linear_types", "host_memory",
            "cuda_memory"]
-
-_FLOAT = ("F32", "F16", "BF16")
-
 
 def _times(fn: Callable[[], Any], reps: int, budget_s: float, sync: Callable[[], None] | None = None
            ) -> list[float]:
@@ -138,7 +136,7 @@ def _weight_bytes(ggml_type: str, rows: int, cols: int, seed: int = 0):
 
     t = GGMLType[ggml_type]
     n_blocks = rows * cols // block_size(t)
-    if ggml_type in _FLOAT:
+    if ggml_type in FLOAT_TYPES:
         dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[ggml_type]
         w = (torch.randn(rows, cols) / cols ** 0.5).to(dt)
         return w.reshape(-1).view(torch.uint8).clone()
@@ -189,7 +187,7 @@ def _linear_times(m: Matrix, device: str, budget_s: float, sync=None, fused: boo
                 return tb, None, rows * row_bytes(t, cols), 0, [rows, cols], "runtime.model.qmatvec"
         except Exception:
             pass                                                 # fall back to dequant.linear
-    cap = (16 << 20) if m.ggml_type in _FLOAT else (4 << 20)    # float GEMV must leave the caches
+    cap = (16 << 20) if m.ggml_type in FLOAT_TYPES else (4 << 20)    # float GEMV must leave the caches
     rows = max(1, min(m.rows, cap // max(1, cols)))
     small_cols = max(bs, 256 // bs * bs) if cols % bs == 0 else cols
     small_rows = 32
@@ -298,7 +296,7 @@ def probe_cpu(mats: Sequence[Matrix], *, budget_s: float = 2.5,
             linear[m.ggml_type] = got[0]
             detail["linear"].append(got[1])
     measured = [linear[m.ggml_type] for m in types
-                if m.ggml_type not in _FLOAT and m.ggml_type in linear and linear[m.ggml_type] is not base.linear.get("*")]
+                if m.ggml_type not in FLOAT_TYPES and m.ggml_type in linear and linear[m.ggml_type] is not base.linear.get("*")]
     if measured:                            # any other quantized type: the slowest one measured
         linear["*"] = min(measured, key=lambda c: c.gbps.slow)
     fused: dict[str, LinearCost] = {}

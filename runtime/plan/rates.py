@@ -14,7 +14,7 @@ from .assumptions import GPU_TRAFFIC_PER_ELEMENT, MiB
 
 __all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "stated_storage",
            "stated_pcie", "stated_cpu", "stated_gpu", "stated_read_cpu", "storage_from_profile",
-           "read_cpu_from", "bytes_per_element"]
+           "read_cpu_from", "bytes_per_element", "FLOAT_TYPES"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ def stated_pcie(gen: int = 4) -> Range:
     return Range(lo, hi, f"stated default: PCIe {gen}.0 x16 pinned host->device copies")
 
 
-_FLOAT_TYPES = ("F32", "F16", "BF16")
+#: the float matrix types (no dequantization)
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def stated_cpu() -> DeviceRates:
@@ -132,7 +133,7 @@ def stated_cpu() -> DeviceRates:
            "(formats.dequant.linear; measure with a store or GGUF, or drop --no-probe)")
     quant = LinearCost(Range(200e-6, 60e-6, src), Range(0.3, 0.8, src))
     plain = LinearCost(Range(50e-6, 10e-6, src), Range(5.0, 15.0, src))
-    linear = {"*": quant, **{t: plain for t in _FLOAT_TYPES}}
+    linear = {"*": quant, **{t: plain for t in FLOAT_TYPES}}
     return DeviceRates("cpu", linear, Range(10.0, 20.0, "stated default: DDR4/DDR5 dual channel, one "
                                                         "process"),
                        Range(5e-6, 2e-6, "stated default: torch eager CPU op"), Range(0.0, 0.0, "none"))
@@ -157,11 +158,11 @@ def stated_gpu(types: Sequence[str], mem: Range | None = None) -> DeviceRates:
 
     def cost(t: str) -> LinearCost:
         bpe = bytes_per_element(t)
-        eff = 1.0 if t in _FLOAT_TYPES else bpe / (bpe + GPU_TRAFFIC_PER_ELEMENT)
+        eff = 1.0 if t in FLOAT_TYPES else bpe / (bpe + GPU_TRAFFIC_PER_ELEMENT)
         return LinearCost(over, Range(mem.slow * eff, mem.fast * eff,
                                       f"{mem.source}; x {eff:.3f} for dequant traffic"))
 
-    linear = {t: cost(t) for t in (*types, *_FLOAT_TYPES) if t != "*"}
+    linear = {t: cost(t) for t in (*types, *FLOAT_TYPES) if t != "*"}
     linear["*"] = cost("Q4_K")
     return DeviceRates("gpu", linear, mem,
                        Range(15e-6, 6e-6, "stated default: CUDA launch from torch eager"),

@@ -6,6 +6,7 @@ from .assumptions import GiB, MiB
 from .budget import Pool
 from .geometry import kv_bytes_per_token
 from .predict import Plan
+from .rates import FLOAT_TYPES
 
 __all__ = ["format_plan"]
 
@@ -81,7 +82,7 @@ def format_plan(p: Plan) -> str:
             used = {m_.ggml_type for layer in g.expert_parts for m_ in layer} if dev == pl.experts else set()
             used |= {m_.ggml_type for m_ in g.trunk_matrices} if dev == pl.trunk else set()
             def cost(t: str):              # what predict prices: the quantized path where it is
-                return r.cost(t) if t in ("F32", "F16", "BF16") else r.quant_cost(t)
+                return r.cost(t) if t in FLOAT_TYPES else r.quant_cost(t)
 
             costs = ", ".join(f"{t} {cost(t).gbps.slow:.2f}-{cost(t).gbps.fast:.2f} GB/s "
                               f"+{cost(t).overhead_s.fast * 1e6:.0f}-"

@@ -144,12 +144,28 @@ def learned_usage(target: str | None, g: Geometry) -> dict[tuple[int, int], floa
     return usage if usage_tokens(g, usage) >= MIN_USAGE_TOKENS else {}
 
 
-def make_replay(g: Geometry, req: PlanRequest, spec: str, usage: dict[tuple[int, int], float]):
-    """The replay of a routing spec: ``usage:PRESET`` (the learned usage with the preset's
-    dynamics) or a synthetic preset."""
-    if spec.startswith("usage:"):
-        return usage_replay(g, usage, spec[6:], tokens=req.tokens, seed=req.seed)
-    return synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
+class Replays:
+    """The routing replays of one plan, each built once and shared by the hit-rate simulation
+    and the first token: ``trace`` (the recorded trace), ``usage:PRESET`` (the store's learned
+    usage with the preset's dynamics) or a synthetic preset."""
+
+    def __init__(self, g: Geometry, req: PlanRequest, usage: dict[tuple[int, int], float],
+                 say: Callable[[str], None]) -> None:
+        self.g, self.req, self.usage, self.say = g, req, usage, say
+        self._built: dict[str, Any] = {}
+
+    def get(self, spec: str) -> Any:
+        if spec not in self._built:
+            g, req = self.g, self.req
+            if spec == "trace":
+                self.say("reading the trace")
+                self._built[spec] = trace_replay(g, req.trace)
+            elif spec.startswith("usage:"):
+                self._built[spec] = usage_replay(g, self.usage, spec[6:], tokens=req.tokens,
+                                                 seed=req.seed)
+            else:
+                self._built[spec] = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
+        return self._built[spec]
 
 
 def routing_specs(req: PlanRequest, usage: dict[tuple[int, int], float]) -> list[str]:
@@ -161,26 +177,16 @@ def routing_specs(req: PlanRequest, usage: dict[tuple[int, int], float]) -> list
 
 
 def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
-                      usage: dict[tuple[int, int], float] | None = None,
-                      replays: dict[str, Any] | None = None) -> RoutingFor:
-    """Hit rates from the cache simulator on the trace (else the store's learned usage, else the
-    synthetic presets), cached per tier sizes so placements with the same tiers replay once;
-    each end with the share of the experts its replay's prompt touches (``prompt_cover``).
-    ``usage``: the store's learned usage (read here when None); ``replays``: where the replays
-    are kept, for the caller to reuse."""
-    replays = {} if replays is None else replays
+                      replays: Replays) -> RoutingFor:
+    """Hit rates from the cache simulator on ``replays`` (the trace, else the store's learned
+    usage, else the synthetic presets), cached per tier sizes so placements with the same tiers
+    replay once; each end with the share of the experts its replay's prompt touches
+    (``prompt_cover``)."""
     done: dict[tuple, RoutingRange] = {}
     covers: dict[str, float] = {}
-    usage = (learned_usage(req.target, g) if usage is None and not req.trace else usage) or {}
+    usage = replays.usage
     specs = routing_specs(req, usage)
-    if req.trace and "trace" not in replays:
-        say("reading the trace")
-        replays["trace"] = trace_replay(g, req.trace)
-
-    def replay(spec: str):
-        if spec not in replays:
-            replays[spec] = make_replay(g, req, spec, usage)
-        return replays[spec]
+    replay = replays.get
 
     def label(spec: str) -> str:
         if spec == "trace":
@@ -279,18 +285,17 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail["compute_paths"] = _compute_paths(g)
 
     # --- routing and the choice ------------------------------------------------------------
-    usage = {} if req.trace else learned_usage(req.target, g)
-    replays: dict[str, Any] = {}
-    routing_for = simulator_routing(g, req, say, usage, replays)
+    replays = Replays(g, req, {} if req.trace else learned_usage(req.target, g), say)
+    routing_for = simulator_routing(g, req, say, replays)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     plan = make_plan(g, box, options, rates, probes=detail, forced=forced)
-    return _with_first_token(plan, req, g, say, usage, replays)
+    return _with_first_token(plan, req, g, say, replays)
 
 
-def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say,
-                      usage: dict[tuple[int, int], float], replays: dict[str, Any]) -> Plan:
+def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: Replays
+                      ) -> Plan:
     """The plan with its first token's time (``plan.prefill``) where it runs on the CPU, on
-    the fast end's replay (``replays``: the routing's, reused)."""
+    the fast end's replay (the routing's, reused)."""
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
@@ -298,11 +303,7 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say,
     from .native import wide_limits
     from .prefill import first_token
     say("predicting the first token")
-    spec = routing_specs(req, usage)[1]
-    if spec not in replays:
-        replays[spec] = (trace_replay(g, req.trace) if req.trace else
-                         make_replay(g, req, spec, usage))
-    replay = replays[spec]
+    replay = replays.get(routing_specs(req, replays.usage)[1])
     types = sorted({t.ggml_type for t in g.trunk_matrices})
     limits, deq = wide_limits(types), dequant_rates(types, probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
