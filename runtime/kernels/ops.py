@@ -145,9 +145,12 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Seque
     return mod.matvec(x, raw.reshape(-1), t, rows, cols, mode)
 
 
-def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]) -> torch.Tensor | None:
+def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],
+            out: torch.Tensor | None = None) -> torch.Tensor | None:
     """W of torch ``shape (out, in)`` as float32 ``[out, in]`` from ggml bytes ``raw`` (CPU,
-    contiguous rows), each weight as the exact kernels use it; None when not applicable."""
+    contiguous rows), each weight as the exact kernels use it; None when not applicable.
+    ``out``: written into the first ``out * in`` floats of this contiguous float32 buffer (a
+    view of it is returned), not into a new tensor."""
     rows, cols = int(shape[0]), int(shape[1])
     t = int(ggml_type)
     if not raw.is_cpu or not _applies(t, cols, 0):
@@ -155,6 +158,8 @@ def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]) -> tor
     mod = load()
     if mod is None or not hasattr(mod, "dequant"):
         return None
+    if out is not None:
+        return mod.dequant_into(raw.reshape(-1), t, rows, cols, out)
     return mod.dequant(raw.reshape(-1), t, rows, cols)
 
 

@@ -311,18 +311,27 @@ class ExpertRunner:
     def _batched(self, layer: int, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
                  experts: list[int], counts: list[int], limit: float = 0.0,
                  alpha: float = 0.0, then: Callable[[], None] | None = None) -> torch.Tensor:
-        """A batch's routed output: each used expert (ascending) applied to its tokens and added
-        in, each as soon as its read lands (``_weights_each``). When the layer needs more
-        experts than the compute tier holds at once, they are fetched in parts, each computed and released before the next (the same sums in the same
-        order); the caller releases the last. ``then()`` (the next layer's prefetch) runs once
-        this layer's reads are issued, when the layer is fetched in one part (in parts the tier
-        has no room to read ahead)."""
-        k = ids.shape[1]
+        """A batch's routed output: each used expert (ascending) applied to its tokens, each as
+        soon as its read lands (``_weights_each``). When the layer needs more experts than the
+        compute tier holds at once, they are fetched in parts, each computed and released
+        before the next; the caller releases the last. ``then()`` (the next layer's prefetch)
+        runs once this layer's reads are issued, when the layer is fetched in one part (in
+        parts the tier has no room to read ahead).
+
+        Each token's weighted expert outputs are added in ascending expert order, starting
+        from zero: the sum a per-expert ``index_add_`` into a zero output gives, bit for bit,
+        without its cost (on the CPU it walks the indices one by one, ~0.4 ms an expert). Each
+        expert writes its rows into one contiguous run of a pair buffer (pairs sorted by
+        expert); one ``index_select`` puts the pairs in token-major, expert-ascending order,
+        and ``k`` adds over ``[T, D]`` sum them."""
+        T, k = ids.shape
+        ids, perm = ids.sort(dim=1)                  # each token's experts ascending
+        wts = wts.gather(1, perm)
         order = torch.argsort(ids.flatten(), stable=True)                # [T*k], by expert
         tok = order // k                                                 # token of each pair
         wsorted = wts.flatten().index_select(0, order)
         start = list(itertools.accumulate(counts, initial=0))           # first pair per expert
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        pairs = torch.empty((T * k, x.shape[1]), dtype=torch.float32, device=x.device)
         room = self._bounded.max_experts_per_get if self._bounded is not None else 0
         room = room if 0 < room < len(experts) else max(1, len(experts))
         for p in range(0, len(experts), room):
@@ -331,8 +340,11 @@ class ExpertRunner:
             for e, we in self._weights_each(layer, experts[p:p + room],
                                             then if room >= len(experts) else None):
                 a, b = start[e], start[e] + counts[e]
-                t = tok[a:b]
-                y = expert_ffn(x.index_select(0, t), we, self.fused,
+                y = expert_ffn(x.index_select(0, tok[a:b]), we, self.fused,
                                self.act_quant, limit, alpha).float()
-                out.index_add_(0, t, y * wsorted[a:b, None])
+                torch.mul(y, wsorted[a:b, None], out=pairs[a:b])
+        ranked = pairs.index_select(0, torch.argsort(order)).view(T, k, -1)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for r in range(k):
+            out.add_(ranked[:, r])
         return out

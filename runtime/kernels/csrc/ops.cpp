@@ -449,24 +449,39 @@ at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_,
 
 // W [rows, cols] as float32 from the ggml bytes `raw` (rows x row_bytes): the weights the
 // exact kernels multiply by, for products too wide for them (dequantize, then one matmul).
-at::Tensor dequant(const at::Tensor& raw, int64_t type, int64_t rows, int64_t cols) {
+// W's rows as float32 into y (rows x cols, contiguous).
+static void dequant_to(const at::Tensor& raw, int64_t type, int64_t rows, int64_t cols,
+                       float* yp) {
     const TypeInfo* ti = check_type(type, cols, 0);
     const int64_t rb = cols / ti->block * ti->bytes;
     check_raw(raw, rows, rb, "weight");
-    at::Tensor y = at::empty({rows, cols}, at::kFloat);
-    if (rows == 0) return y;
+    if (rows == 0) return;
     const uint8_t* W = raw.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
     const int64_t rc = rows_per_chunk(rows, cols);
-    {
-        pybind11::gil_scoped_release nogil;
-        par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
-            const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
-            if (!(g_isa >= ISA_AVX2 && avx2_dequant_rows((int)type, W, rb, r0, r1, cols,
-                                                         yp + r0 * cols)))
-                dequant_rows((int)type, W, rb, r0, r1, cols, yp + r0 * cols);
-        });
-    }
+    pybind11::gil_scoped_release nogil;
+    par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
+        const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
+        if (!(g_isa >= ISA_AVX2 && avx2_dequant_rows((int)type, W, rb, r0, r1, cols,
+                                                     yp + r0 * cols)))
+            dequant_rows((int)type, W, rb, r0, r1, cols, yp + r0 * cols);
+    });
+}
+
+at::Tensor dequant(const at::Tensor& raw, int64_t type, int64_t rows, int64_t cols) {
+    at::Tensor y = at::empty({rows, cols}, at::kFloat);
+    dequant_to(raw, type, rows, cols, y.data_ptr<float>());
+    return y;
+}
+
+// dequant into the first rows * cols floats of `out` (contiguous float32 on the CPU, e.g. a
+// reused scratch buffer: no fresh pages to fault in and zero per call), as [rows, cols].
+at::Tensor dequant_into(const at::Tensor& raw, int64_t type, int64_t rows, int64_t cols,
+                        const at::Tensor& out) {
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous()
+                && out.numel() >= rows * cols, "dequant_into: out must be a contiguous float32 "
+                "CPU tensor of at least rows * cols elements");
+    at::Tensor y = out.view({-1}).narrow(0, 0, rows * cols).view({rows, cols});
+    dequant_to(raw, type, rows, cols, y.data_ptr<float>());
     return y;
 }
 
@@ -631,6 +646,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dequant", &efs::dequant, "W [rows, cols] float32 from ggml bytes",
           pybind11::arg("raw"), pybind11::arg("type"), pybind11::arg("rows"),
           pybind11::arg("cols"));
+    m.def("dequant_into", &efs::dequant_into, "dequant into out's first rows * cols floats",
+          pybind11::arg("raw"), pybind11::arg("type"), pybind11::arg("rows"),
+          pybind11::arg("cols"), pybind11::arg("out"));
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");

@@ -62,6 +62,21 @@ def test_wide_linear_equals_the_torch_path(t):
     assert torch.equal(wide_linear(x, small, t, (8, cols)), torch_linear(x, small, t, (8, cols)))
 
 
+def test_dequant_into_a_buffer_writes_its_head():
+    """``out=``: the same floats, written into the first rows * cols of a larger scratch
+    buffer (its storage, no new tensor); a buffer too small or of another dtype is refused."""
+    t, rows, cols = GGMLType.Q4_K, 24, 512
+    raw = weight(t, rows, cols, 5)
+    buf = torch.full((rows * cols + 100,), 7.0)
+    got = kernels.dequant(raw, t, (rows, cols), out=buf)
+    assert got.shape == (rows, cols) and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, kernels.dequant(raw, t, (rows, cols)))
+    assert torch.equal(buf[rows * cols:], torch.full((100,), 7.0))
+    for bad in (torch.empty(rows * cols - 1), torch.empty(rows * cols, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="dequant_into"):
+            kernels.dequant(raw, t, (rows, cols), out=bad)
+
+
 def test_dequant_refuses_what_it_does_not_take():
     raw = torch.zeros(2 * 32 * 4, dtype=torch.uint8)
     assert kernels.dequant(raw, GGMLType.F32, (2, 32)) is None

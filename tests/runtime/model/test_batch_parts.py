@@ -62,3 +62,31 @@ def test_streamed_batch_takes_dequant_cache_hits(store):
         again = e.logits(tokens)
         assert e.runner.stats.dq_hits > 0
     assert torch.allclose(first, want, atol=1e-4) and torch.allclose(again, want, atol=1e-4)
+
+
+def test_batch_sum_is_the_per_expert_index_add(store):
+    """The batch's pair buffer sums each token's weighted expert outputs in ascending expert
+    order from zero: bit for bit what adding each expert's rows into a zero output with
+    ``index_add_`` (experts ascending) gives, whatever order the router ranked them in."""
+    from expertfs.runtime.model.ffn import expert_ffn
+    with Engine.open(store, provider="direct", fused="auto") as e:
+        runner, layer = e.runner, e.store.layers[0]
+        blk = next(b for b in e.model.trunk.blocks if b.moe is not None)
+        T, D = 9, e.config.n_embd
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(3))
+        ids, wts, _ = runner.router(x, blk.moe.router)
+        ids, wts = ids.flip(1), wts.flip(1)                  # not in ascending expert order
+        E = e.config.n_experts
+        counts = torch.bincount(ids.flatten(), minlength=E).tolist()
+        experts = [i for i in range(E) if counts[i]]
+        got = runner._batched(layer, x, ids, wts, experts, counts)
+        runner.provider.release(layer)
+        weights = runner._weights(layer, experts)
+        runner.provider.release(layer)
+        want = torch.zeros(T, D)
+        for ex in experts:
+            t, j = (ids == ex).nonzero(as_tuple=True)
+            y = expert_ffn(x.index_select(0, t), weights[ex], runner.fused, runner.act_quant,
+                           0.0, 0.0).float()
+            want.index_add_(0, t, y * wts[t, j][:, None])
+    assert torch.equal(got, want)
