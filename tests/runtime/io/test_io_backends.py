@@ -212,6 +212,26 @@ def test_large_host_slabs_ask_for_huge_pages():
             assert vma["THPeligible"] == "1"
 
 
+def test_a_host_slab_is_faulted_in_behind_its_owner():
+    """A new slab's pages are faulted in by a background thread (``Prefault``): resident in
+    ``/proc/self/smaps`` without anyone writing them, and what was written stays; ``close``
+    stops it. A kernel without ``MADV_POPULATE_WRITE`` (before 5.14) leaves them to the reads."""
+    from expertfs.runtime.io.buffers import Prefault
+    n = 3 * Prefault.CHUNK // (8 << 20)
+    with eio.HostSlab(n, 8 << 20, pin=False) as slab:
+        t = slab.tensor
+        t[:4096].fill_(9)                                # written before the thread gets there
+        pf = slab._prefault
+        pf._thread.join(timeout=60)
+        if pf.done == 0:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+        assert pf.done == t.numel()
+        rss = _vma_flags(t.data_ptr()).get("Rss", "0 kB").split()[0]
+        assert int(rss) * 1024 >= t.numel() * 0.9
+        assert int(t[:4096].min()) == 9 and int(t[4096:].max()) == 0
+    assert not pf._thread.is_alive()
+
+
 def test_pinning_respects_the_budget(monkeypatch, caplog):
     from expertfs.runtime.io import buffers
     calls = []
