@@ -223,6 +223,20 @@ def test_dequant_cache_budget_evicts(tmp_path):
     assert s["experts"] <= 3 and s["used"] <= 3 * one and s["evictions"] > 0
 
 
+def test_cache_zeros_are_zero_mappings_of_their_own():
+    """On the CPU a cache tensor is an anonymous mapping (freed to the system with it, its
+    pages the kernel's zero pages until written); elsewhere ``torch.zeros``."""
+    from expertfs.runtime.model.attention import cache_zeros
+    for shape, dtype in (((2, 3, 5), torch.float32), ((4, 1024, 576), torch.bfloat16),
+                         ((0, 8, 8), torch.float32)):
+        t = cache_zeros(shape, dtype, torch.device("cpu"))
+        assert t.shape == shape and t.dtype == dtype and not t.any()
+        if t.numel():
+            assert t.data_ptr() % 4096 == 0
+            t[-1, -1, -1] = 3
+            assert float(t.sum()) == 3
+
+
 def test_kv_cache_grows_and_refuses_overflow(tmp_path):
     model, _, store = convert("mixtral", str(tmp_path), seed=14)
     toks = [int(t) for t in torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1))]
@@ -230,7 +244,10 @@ def test_kv_cache_grows_and_refuses_overflow(tmp_path):
         ref = model(torch.tensor([toks])).logits[0].numpy()
     with Engine.open(store, provider="direct", n_ctx=300, prefill_batch=128) as e:
         got = e.logits(toks).numpy()
-        assert e.model.cache.capacity == 300
+        cache = e.model.cache
+        assert cache.capacity == 300
+        for t in cache.k + cache.v:           # grown into mappings of their own (cache_zeros):
+            assert t.data_ptr() % 4096 == 0
         with pytest.raises(UsageError, match="exceeds n_ctx"):
             e.decode(1)
         e.reset(299)
