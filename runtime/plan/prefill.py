@@ -10,9 +10,11 @@ dequantization rate before BLAS multiplies it) and does
 last token only. The tiers start cold (the warm start waits for the first logits), so every
 expert the batch touches is read from the drive unless an earlier batch left it in the tier.
 
-Experts touched per layer by b tokens: at the slow end as if routing were uniform and
-independent, ``E · (1 − (1 − k/E)^b)`` (a balanced model's most); at the fast end what the
-routing replay (the trace, else the fast synthetic preset) touches in its first b tokens.
+Experts touched per layer by b tokens: at the fast end what the routing replay (the trace,
+else the fast synthetic preset) touches in its first b tokens; at the slow end the same from
+``slow_replay`` where the routing was measured (this store's trace or its learned usage: what
+its prompts touch is known), else as if routing were uniform and independent,
+``E · (1 − (1 − k/E)^b)`` (a balanced model's most).
 Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), as the engine
 computes the experts already in while the rest are read.
 """
@@ -99,10 +101,12 @@ def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
 
 def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
-                wide: Mapping[str, tuple[int, Range]] | None = None) -> FirstToken:
+                wide: Mapping[str, tuple[int, Range]] | None = None,
+                slow_replay: Any = None) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, the most tokens
-    a native product takes and the dequantization rate (G weights/s) past it."""
+    a native product takes and the dequantization rate (G weights/s) past it; ``replay`` and
+    ``slow_replay``: the fast and slow ends' routing (None at the slow end: uniform)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
@@ -124,7 +128,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
             return compute_cost(cpu, [m], end, quantized=True)
 
         trunk_s = {b: sum(unpack(m, b) for m in body) for b in set(sizes)}
-        touched = {b: touched_per_layer(g, b, None if end == "slow" else replay) * n_moe
+        touched = {b: touched_per_layer(g, b, slow_replay if end == "slow" else replay) * n_moe
                    for b in set(sizes)}                       # experts a batch touches, all layers
         for j, b in enumerate(sizes):
             flops = 2.0 * b * (body_el + n_moe * g.k * exp_el)

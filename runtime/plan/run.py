@@ -295,7 +295,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
 def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: Replays
                       ) -> Plan:
     """The plan with its first token's time (``plan.prefill``) where it runs on the CPU, on
-    the fast end's replay (the routing's, reused)."""
+    the routing's replays (reused): the fast end's, and the slow end's where it was measured
+    (the trace or the learned usage; uniform routing otherwise)."""
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
@@ -303,12 +304,16 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     from .native import wide_limits
     from .prefill import first_token
     say("predicting the first token")
-    replay = replays.get(routing_specs(req, replays.usage)[1])
+    slow, fast = routing_specs(req, replays.usage)
+    replay = replays.get(fast)
+    measured = slow == "trace" or slow.startswith("usage:")
+    slow_replay = replays.get(slow) if measured else None
     types = sorted({t.ggml_type for t in g.trunk_matrices})
     limits, deq = wide_limits(types), dequant_rates(types, probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay,
-                     wide={t: (limits[t], deq[t]) for t in types if t in limits and t in deq})
+                     wide={t: (limits[t], deq[t]) for t in types if t in limits and t in deq},
+                     slow_replay=slow_replay)
     return replace(plan, first_token=ft)
 
 

@@ -50,6 +50,19 @@ def test_first_token_combines_compute_and_reads_as_stated(g):
     assert first_token(g, rates, 0, 490, GEMM).compute_s[0] > 2 * ft.compute_s[0]   # 2 batches
 
 
+def test_a_measured_routing_sets_the_slow_ends_reads_too(g):
+    """With this store's routing known (a trace, the learned usage) the slow end reads what it
+    touches, not a balanced model's most; compute and reads still add up there."""
+    rates = rates_for(g)
+    rp = synthetic_replay(g, "mixed", tokens=64)
+    ft = first_token(g, rates, 0, 49, GEMM, rp, slow_replay=rp)
+    n_moe, ext = len(g.moe_layers), sum(g.extent_bytes) / len(g.moe_layers)
+    assert ft.read_bytes[0] == pytest.approx(n_moe * touched_per_layer(g, 49, rp) * ext)
+    assert ft.read_bytes[0] == pytest.approx(ft.read_bytes[1])
+    assert ft.read_bytes[0] < first_token(g, rates, 0, 49, GEMM, rp).read_bytes[0]
+    assert ft.s_slow == pytest.approx(ft.compute_s[0] + ft.read_bytes[0] / (rates.storage.slow * 1e9))
+
+
 def test_a_tier_that_keeps_the_prompts_experts_reads_them_once(g):
     rates = rates_for(g)
     one = first_token(g, rates, 0, 256, GEMM).read_bytes[0]
