@@ -39,9 +39,70 @@ EFS_TI __m256 i8x8_ps(const void* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
+// One token, two rows at a time: the same operations per row in the same order as
+// ex_q45_k<1> (the same bits), the two rows' dependency chains interleaved. A one-token row
+// is a chain of dependent multiply-adds per 32 weights; with one row in flight the core waits
+// on their latency, with two it fills the gaps.
+template <bool FIVE>
+EFS_KT void ex_q45_k_rows2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                           const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const float* xp[1] = {xs[0].xp};
+    const float* s32 = xs[0].s32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    const __m256 moff = magic(0.f);
+    alignas(32) float scs[2][8];
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r + 1 < r1; r += 2) {
+        const uint8_t* b[2] = {W + r * rb, W + (r + 1) * rb};
+        __m256 a0[2], a1[2], am[2];
+        for (int k = 0; k < 2; ++k) a0[k] = a1[k] = am[k] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b[0] += BYTES, b[1] += BYTES) {
+            pf_next(pf, b[1] + BYTES);
+            __m256i hb[2];
+            for (int k = 0; k < 2; ++k) {
+                const __m128i sm = k4_scales_v(b[k] + 4);
+                uint32_t dd;
+                memcpy(&dd, b[k], 4);
+                const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));   // d, dmin
+                _mm256_store_ps(scs[k], _mm256_mul_ps(_mm256_broadcastss_ps(dm),
+                                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+                const __m256 mn = _mm256_mul_ps(
+                    _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+                am[k] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32 + 8 * i), am[k]);
+                hb[k] = FIVE ? loadu256(b[k] + 16) : _mm256_setzero_si256();
+            }
+            for (int j = 0; j < 4; ++j) {
+                const int64_t o = 256 * i + 64 * j;
+                for (int k = 0; k < 2; ++k) {
+                    const __m256i v = loadu256(b[k] + (FIVE ? 48 : 16) + 32 * j);
+                    __m256i lo = _mm256_and_si256(v, m4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (FIVE) {
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb[k], 4), m10));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb[k], 3), m10));
+                        hb[k] = _mm256_srli_epi16(hb[k], 2);
+                    }
+                    grp<1>(lo, moff, xp, o, _mm256_broadcast_ss(scs[k] + 2 * j), a0 + k);
+                    grp<1>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs[k] + 2 * j + 1), a1 + k);
+                }
+            }
+        }
+        for (int k = 0; k < 2; ++k)
+            out.put(0, r + k, hsum(_mm256_add_ps(a0[k], a1[k])) - hsum(am[k]));
+    }
+}
+
 template <int NT, bool FIVE>
 EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, Out out) {
+    if constexpr (NT == 1) {                     // rows in pairs; an odd last row below
+        ex_q45_k_rows2<FIVE>(W, rb, r0, r1, cols, xs, out);
+        r0 += (r1 - r0) & ~(int64_t)1;
+        if (r0 == r1) return;
+    }
     const int64_t nb = cols / 256;
     const int BYTES = FIVE ? 176 : 144;
     const float* xp[NT];
