@@ -158,7 +158,7 @@ struct DMXFP4 {
     EFS_TI static __m256i q(const uint8_t* b) {
         return _mm256_shuffle_epi8(tbl_mxfp4_u(), nibbles(loadu128(b + 1)));
     }
-    EFS_TI static float d(const uint8_t* b) { return e8m0_half(b[0]); }
+    EFS_TI static float d(const uint8_t* b) { return e8m0h(b[0]); }
     EFS_TI static float m(const uint8_t*) { return 0.f; }
 };
 
