@@ -85,7 +85,8 @@ void dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int
                   int64_t cols, float* y);
 RowsFn avx2_rows(int type, int mode);
 bool avx2_compiled();
-// dequant_rows in AVX2 for the types it has (Q6_K; the same floats); false for the others.
+// dequant_rows in AVX2 for the types it has (Q4_K, Q5_K, Q6_K; the same floats); false for the
+// others.
 bool avx2_dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                        int64_t cols, float* y);
 RowsFn avx512_rows(int type, int mode);   // only the types that have an AVX-512 kernel

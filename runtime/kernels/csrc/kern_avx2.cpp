@@ -801,11 +801,55 @@ static EFS_T void deq_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     }
 }
 
+// Q4_K / Q5_K rows as float32: each weight d1 * q - m1 (d1 = d * scale, m1 = dmin * min, a
+// multiply then a subtraction, not fused), as ggml's dequantize_row_q4_K / q5_K and the scalar
+// deq_block give it.
+template <bool FIVE>
+static EFS_T void deq_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                            float* y) {
+    const int BYTES = FIVE ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        for (int64_t i = 0; i < cols / 256; ++i, b += BYTES, y += 256) {
+            alignas(16) uint8_t sm[16];                   // 8 scales, then 8 mins
+            _mm_store_si128((__m128i*)sm, k4_scales_v(b + 4));
+            const float d = f16(b), dmin = f16(b + 2);
+            const uint8_t* q = b + (FIVE ? 48 : 16);
+            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = loadu256(q + 32 * j);
+                __m256i nib[2] = {_mm256_and_si256(v, m4),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
+                if (FIVE) {
+                    nib[0] = _mm256_or_si256(nib[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+                    nib[1] = _mm256_or_si256(nib[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+                    hb = _mm256_srli_epi16(hb, 2);
+                }
+                for (int h = 0; h < 2; ++h) {             // sub-block 2j + h: elements 64j + 32h + l
+                    const __m256 d1 = _mm256_set1_ps(d * (float)sm[2 * j + h]);
+                    const __m256 m1 = _mm256_set1_ps(dmin * (float)sm[8 + 2 * j + h]);
+                    const __m128i lo = _mm256_castsi256_si128(nib[h]);
+                    const __m128i hi = _mm256_extracti128_si256(nib[h], 1);
+                    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                    float* o = y + 64 * j + 32 * h;
+                    for (int k = 0; k < 4; ++k)
+                        _mm256_storeu_ps(o + 8 * k, _mm256_sub_ps(_mm256_mul_ps(d1,
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[k]))), m1));
+                }
+            }
+        }
+    }
+}
+
 bool avx2_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
                        int64_t cols, float* y) {
-    if (type != T_Q6_K) return false;
-    deq_q6_k(W, rb, r0, r1, cols, y);
-    return true;
+    switch (type) {
+        case T_Q6_K: deq_q6_k(W, rb, r0, r1, cols, y); return true;
+        case T_Q4_K: deq_q45_k<false>(W, rb, r0, r1, cols, y); return true;
+        case T_Q5_K: deq_q45_k<true>(W, rb, r0, r1, cols, y); return true;
+        default: return false;
+    }
 }
 
 RowsFn avx2_rows(int type, int mode) {
