@@ -41,7 +41,7 @@ LIMIT_ENV = "EXPERTFS_MEMORY_LIMIT"
 #: layer's tensor at a time, each new one an anonymous mapping whose pages exist only where the
 #: copy writes them (``model.attention.cache_zeros``), so a growth never holds more than the
 #: full cache will; the margin is what a decode step at the full context holds beside it
-#: (1.034-1.036x the cache at 64K positions, GLM-5.3-Flash geometry, ``bench/state_at_ctx.py``).
+#: (measured by ``bench/state_at_ctx.py``, figures in bench/README.md).
 KV_GROWTH_PEAK = 1.05
 #: A sliding-window layer keeps a ring of this many windows of positions: the window, and as
 #: many more to roll back to (a new request that shares a prefix with the last one).

@@ -6,8 +6,8 @@ cache; ``Wo``. The cache holds keys after RoPE, ``[n_head_kv, capacity, head_dim
 the compute dtype, and grows by doubling up to ``n_ctx``. On the CPU each cache tensor is an
 anonymous mapping of its own (``io.aligned_empty``: zero pages the kernel provides as they are
 first written): one freed by a growth goes back to the system at once, where the allocator's
-heap kept freed blocks under its mapping threshold (~0.3 GB at 64K positions over 45 layers,
-measured with ``bench/state_at_ctx.py``), so the process holds what ``plan`` counts.
+heap kept the freed blocks under its mapping threshold (``bench/state_at_ctx.py`` measures
+both), so the process holds what ``plan`` counts.
 
 T=tokens in the batch, S=cached positions, H=heads, K=KV heads, D=head dim.
 """

@@ -6,9 +6,9 @@ as soon as it exists, so the float weight never exists whole and a chunk stays i
 the chunks dequantized by the native kernels (``runtime.kernels.dequant``: each weight as the
 exact kernels and gguf-py give it) where they take the type, else by the torch dequantization:
 the same result either way. The native chunks are written into one scratch buffer per thread,
-reused by every call: a fresh 4 MiB chunk would be new pages each time (the allocator hands
-blocks that size back to the kernel), faulted in and zeroed before the dequantization writes
-them, which cost as much as the dequantization and the product together (bench/README.md).
+reused by every call: a fresh chunk would be new pages each time (the allocator hands blocks
+that size back to the kernel), faulted in and zeroed before the dequantization writes them,
+which cost as much as the dequantization and the product together (bench/README.md).
 """
 
 from __future__ import annotations

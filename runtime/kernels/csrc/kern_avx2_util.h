@@ -36,8 +36,8 @@ EFS_TI float f16(const uint8_t* p) {
 }
 
 // ggml_e8m0_to_fp32_half (MXFP4's block scale, 2^(e-128)) inline: kern.h's e8m0_half lives in
-// the scalar unit, out of line, and a call per 32-weight block cost the MXFP4 kernels half
-// their speed.
+// the scalar unit, out of line, and a call per 32-weight block slowed the MXFP4 kernels
+// (bench/README.md).
 EFS_TI float e8m0h(uint8_t e) {
     const uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
     float f;
