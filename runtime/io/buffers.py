@@ -237,9 +237,8 @@ class Prefault:
     A fresh slab's pages are otherwise faulted in by the first read into each one, inside the
     read's system call, on the cores the prompt is computing on (the kernel zeroing each new
     page: seconds of CPU for a tier of a few GB on a virtual machine, bench/README.md). At
-    nice 19 this thread only
-    takes CPU time nobody else wants (startup, reads in flight), and a page a read reaches
-    first is simply skipped. ``stop()`` ends it after the chunk in hand; on a kernel without
+    nice 19 this thread only takes CPU time nobody else wants (startup, reads in flight), and
+    a page a read reaches first is simply skipped. ``stop()`` ends it after the chunk in hand; on a kernel without
     the advice it stops at once and the reads fault the pages in as before.
     """
 

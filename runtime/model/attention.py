@@ -14,6 +14,7 @@ T=tokens in the batch, S=cached positions, H=heads, K=KV heads, D=head dim.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +36,7 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     from 2 MiB), returned to the system when the tensor is freed; elsewhere ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return aligned_empty(nbytes, huge=True).view(dtype).view(shape)
+    return aligned_empty(math.prod(shape) * dtype.itemsize, huge=True).view(dtype).view(shape)
 
 
 @dataclass

@@ -320,10 +320,10 @@ class ExpertRunner:
 
         Each token's weighted expert outputs are added in ascending expert order, starting
         from zero: the sum a per-expert ``index_add_`` into a zero output gives, bit for bit,
-        without its cost (on the CPU it walks the indices one by one). Each
-        expert writes its rows into one contiguous run of a pair buffer (pairs sorted by
-        expert); then for each rank r, one ``index_select`` of every token's r-th expert row
-        and one add over ``[T, D]``."""
+        without its cost (on the CPU it walks the indices one by one). Each expert writes its
+        rows into one contiguous run of a pair buffer (pairs sorted by expert); then for each
+        rank r, one ``index_select`` of every token's r-th expert row and one add over
+        ``[T, D]``."""
         T, k = ids.shape
         ids, perm = ids.sort(dim=1)                  # each token's experts ascending
         wts = wts.gather(1, perm)

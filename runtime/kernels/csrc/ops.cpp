@@ -447,9 +447,9 @@ at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_,
     return y;
 }
 
-// W [rows, cols] as float32 from the ggml bytes `raw` (rows x row_bytes): the weights the
-// exact kernels multiply by, for products too wide for them (dequantize, then one matmul).
-// W's rows as float32 into y (rows x cols, contiguous).
+// W [rows, cols] as float32 from the ggml bytes `raw` (rows x row_bytes) into y (contiguous):
+// the weights the exact kernels multiply by, for products too wide for them (dequantize, then
+// one matmul).
 static void dequant_to(const at::Tensor& raw, int64_t type, int64_t rows, int64_t cols,
                        float* yp) {
     const TypeInfo* ti = check_type(type, cols, 0);
