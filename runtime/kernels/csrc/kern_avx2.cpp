@@ -391,7 +391,6 @@ EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv, const char*
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
     const int BYTES = FIVE ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
     __m256 acc = _mm256_setzero_ps();
     float accm = 0.f;
     for (int64_t i = 0; i < nb; ++i, b += BYTES) {
@@ -408,14 +407,8 @@ EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv, const char*
         __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
-            const __m256i v = loadu256(q + 32 * j);
-            __m256i lo = _mm256_and_si256(v, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (FIVE) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
-                hb = _mm256_srli_epi16(hb, 2);
-            }
+            __m256i lo, hi;
+            q45_planes<FIVE>(loadu256(q + 32 * j), hb, lo, hi);
             const __m256i pl = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]),
                 _mm256_maddubs_epi16(lo, loadu256((const uint8_t*)(q8 + 64 * j))));
             const __m256i ph = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]),
@@ -808,7 +801,6 @@ template <bool FIVE>
 static EFS_T void deq_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                             float* y) {
     const int BYTES = FIVE ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         for (int64_t i = 0; i < cols / 256; ++i, b += BYTES, y += 256) {
@@ -818,14 +810,8 @@ static EFS_T void deq_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1
             const uint8_t* q = b + (FIVE ? 48 : 16);
             __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
-                const __m256i v = loadu256(q + 32 * j);
-                __m256i nib[2] = {_mm256_and_si256(v, m4),
-                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
-                if (FIVE) {
-                    nib[0] = _mm256_or_si256(nib[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
-                    nib[1] = _mm256_or_si256(nib[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
-                    hb = _mm256_srli_epi16(hb, 2);
-                }
+                __m256i nib[2];
+                q45_planes<FIVE>(loadu256(q + 32 * j), hb, nib[0], nib[1]);
                 for (int h = 0; h < 2; ++h) {             // sub-block 2j + h: elements 64j + 32h + l
                     const __m256 d1 = _mm256_set1_ps(d * (float)sm[2 * j + h]);
                     const __m256 m1 = _mm256_set1_ps(dmin * (float)sm[8 + 2 * j + h]);

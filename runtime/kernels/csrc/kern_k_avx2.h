@@ -39,6 +39,33 @@ EFS_TI __m256 i8x8_ps(const void* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
+// Quant bytes j of a Q4_K/Q5_K block (v = qs[32j .. 32j+31]) -> sub-block 2j's values (lo)
+// and 2j+1's (hi) as bytes; Q5_K's fifth bits from hb (bit 2j / 2j+1 of qh[l]), which is
+// shifted on for the next j.
+template <bool FIVE>
+EFS_TI void q45_planes(__m256i v, __m256i& hb, __m256i& lo, __m256i& hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    lo = _mm256_and_si256(v, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (FIVE) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+        hb = _mm256_srli_epi16(hb, 2);
+    }
+}
+
+// A Q4_K/Q5_K block's 8 sub-block scales times d into scs, and its 8 mins times dmin returned.
+EFS_TI __m256 q45_scales(const uint8_t* b, float* scs) {
+    const __m128i sm = k4_scales_v(b + 4);
+    uint32_t dd;
+    memcpy(&dd, b, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));       // d, dmin
+    _mm256_store_ps(scs, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+    return _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
 // One token, two rows at a time: the same operations per row in the same order as
 // ex_q45_k<1> (the same bits), the two rows' dependency chains interleaved. A one-token row
 // is a chain of dependent multiply-adds per 32 weights; with one row in flight the core waits
@@ -50,7 +77,6 @@ EFS_KT void ex_q45_k_rows2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     const int BYTES = FIVE ? 176 : 144;
     const float* xp[1] = {xs[0].xp};
     const float* s32 = xs[0].s32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
     const __m256 moff = magic(0.f);
     alignas(32) float scs[2][8];
     const char* pf = pf_start(W + r0 * rb);
@@ -62,29 +88,15 @@ EFS_KT void ex_q45_k_rows2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
             pf_next(pf, b[1] + BYTES);
             __m256i hb[2];
             for (int k = 0; k < 2; ++k) {
-                const __m128i sm = k4_scales_v(b[k] + 4);
-                uint32_t dd;
-                memcpy(&dd, b[k], 4);
-                const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));   // d, dmin
-                _mm256_store_ps(scs[k], _mm256_mul_ps(_mm256_broadcastss_ps(dm),
-                                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-                const __m256 mn = _mm256_mul_ps(
-                    _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-                am[k] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32 + 8 * i), am[k]);
+                am[k] = _mm256_fmadd_ps(q45_scales(b[k], scs[k]), _mm256_loadu_ps(s32 + 8 * i),
+                                        am[k]);
                 hb[k] = FIVE ? loadu256(b[k] + 16) : _mm256_setzero_si256();
             }
             for (int j = 0; j < 4; ++j) {
                 const int64_t o = 256 * i + 64 * j;
                 for (int k = 0; k < 2; ++k) {
-                    const __m256i v = loadu256(b[k] + (FIVE ? 48 : 16) + 32 * j);
-                    __m256i lo = _mm256_and_si256(v, m4);
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    if (FIVE) {
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb[k], 4), m10));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb[k], 3), m10));
-                        hb[k] = _mm256_srli_epi16(hb[k], 2);
-                    }
+                    __m256i lo, hi;
+                    q45_planes<FIVE>(loadu256(b[k] + (FIVE ? 48 : 16) + 32 * j), hb[k], lo, hi);
                     grp<1>(lo, moff, xp, o, _mm256_broadcast_ss(scs[k] + 2 * j), a0 + k);
                     grp<1>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs[k] + 2 * j + 1), a1 + k);
                 }
@@ -108,7 +120,6 @@ EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* xp[NT];
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
     const __m256 moff = magic(0.f);
     alignas(32) float scs[8];
     const char* pf = pf_start(W + r0 * rb);
@@ -118,28 +129,14 @@ EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += BYTES) {
             pf_next(pf, b + BYTES);
-            const __m128i sm = k4_scales_v(b + 4);
-            uint32_t dd;
-            memcpy(&dd, b, 4);
-            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));       // d, dmin
-            _mm256_store_ps(scs, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
-                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-            const __m256 mn = _mm256_mul_ps(
-                _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+            const __m256 mn = q45_scales(b, scs);
             for (int t = 0; t < NT; ++t)
                 am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
             const uint8_t* q = b + (FIVE ? 48 : 16);
             __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
-                const __m256i v = loadu256(q + 32 * j);
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (FIVE) {   // bit 2j / 2j+1 of qh[l] is the fifth bit of sub-block 2j / 2j+1
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
-                    hb = _mm256_srli_epi16(hb, 2);
-                }
+                __m256i lo, hi;
+                q45_planes<FIVE>(loadu256(q + 32 * j), hb, lo, hi);
                 const int64_t o = 256 * i + 64 * j;
                 grp<NT>(lo, moff, xp, o, _mm256_broadcast_ss(scs + 2 * j), a0);
                 grp<NT>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs + 2 * j + 1), a1);
