@@ -3,12 +3,12 @@
 // CPU. Only <immintrin.h> and C headers are included: no inline symbol from a shared header is
 // compiled for AVX2 here (which the linker could otherwise pick for the portable units).
 //
-// Exact mode (float32 activations). A group of 32 weights is turned into 32 unsigned bytes q
-// (0..255) and a per-type offset o, then into floats exactly: the byte is placed in the
-// mantissa of 2^23 (bits 0x4B0000qq) and 2^23 + o is subtracted, giving q - o with no rounding
-// and no int->float conversion. The unpack (u8f) is in-lane, so the 32 floats come out in a
-// fixed permuted order; the activations are permuted the same way once per call (perm32), as
-// they are shared by every row. Per sub-block: scale * sum(q * x); mins as min * sum(x).
+// Exact mode (float32 activations). A group of 32 weights is turned into 32 bytes q and a
+// per-type offset o, then into the floats q - o exactly (u8f in kern_avx2_util.h: a byte
+// shuffle and a conversion, or the byte in the mantissa of 2^23 minus 2^23 + o). The unpack is
+// in-lane, so the 32 floats come out in a fixed permuted order; the activations are permuted the
+// same way once per call (perm32), as they are shared by every row. Per sub-block:
+// scale * sum(q * x); mins as min * sum(x).
 //
 // q8 mode: llama.cpp's integer dot products (maddubs / madd), per block combined in float with
 // the activation block's scale, as ggml-cpu's AVX2 ggml_vec_dot_*.
@@ -80,7 +80,6 @@ EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* xp[NT];
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m256i tbl = tbl_iq4nl_u();
-    const __m256 moff = magic(128.f);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -92,9 +91,9 @@ EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
             for (int ib = 0; ib < 8; ib += 2) {
                 const __m256i v0 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
                 const __m256i v1 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 24 + 16 * ib)));
-                grp<NT>(v0, moff, xp, 256 * i + 32 * ib,
+                grp<NT, 128>(v0, xp, 256 * i + 32 * ib,
                         _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib) - 32)), a0);
-                grp<NT>(v1, moff, xp, 256 * i + 32 * ib + 32,
+                grp<NT, 128>(v1, xp, 256 * i + 32 * ib + 32,
                         _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib + 1) - 32)), a1);
             }
         }
@@ -105,7 +104,7 @@ EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 // Blocks of 32: one group per block, w = d * (q - OFF) (+ m).
 struct DQ4_0 {
     static constexpr int BYTES = 18;
-    static constexpr float OFF = 8.f;
+    static constexpr int OFF = 8;
     static constexpr bool MIN = false;
     EFS_TI static __m256i q(const uint8_t* b) { return nibbles(loadu128(b + 2)); }
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
@@ -113,7 +112,7 @@ struct DQ4_0 {
 };
 struct DQ4_1 {
     static constexpr int BYTES = 20;
-    static constexpr float OFF = 0.f;
+    static constexpr int OFF = 0;
     static constexpr bool MIN = true;
     EFS_TI static __m256i q(const uint8_t* b) { return nibbles(loadu128(b + 4)); }
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
@@ -121,7 +120,7 @@ struct DQ4_1 {
 };
 struct DQ5_0 {
     static constexpr int BYTES = 22;
-    static constexpr float OFF = 16.f;
+    static constexpr int OFF = 16;
     static constexpr bool MIN = false;
     EFS_TI static __m256i q(const uint8_t* b) {
         return _mm256_or_si256(nibbles(loadu128(b + 6)),
@@ -132,7 +131,7 @@ struct DQ5_0 {
 };
 struct DQ5_1 {
     static constexpr int BYTES = 24;
-    static constexpr float OFF = 0.f;
+    static constexpr int OFF = 0;
     static constexpr bool MIN = true;
     EFS_TI static __m256i q(const uint8_t* b) {
         return _mm256_or_si256(nibbles(loadu128(b + 8)),
@@ -143,17 +142,15 @@ struct DQ5_1 {
 };
 struct DQ8_0 {
     static constexpr int BYTES = 34;
-    static constexpr float OFF = 128.f;
+    static constexpr int OFF = SIGNED;
     static constexpr bool MIN = false;
-    EFS_TI static __m256i q(const uint8_t* b) {
-        return _mm256_xor_si256(loadu256(b + 2), _mm256_set1_epi8((char)0x80));
-    }
+    EFS_TI static __m256i q(const uint8_t* b) { return loadu256(b + 2); }
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static float m(const uint8_t*) { return 0.f; }
 };
 struct DMXFP4 {
     static constexpr int BYTES = 17;
-    static constexpr float OFF = 128.f;
+    static constexpr int OFF = 128;
     static constexpr bool MIN = false;
     EFS_TI static __m256i q(const uint8_t* b) {
         return _mm256_shuffle_epi8(tbl_mxfp4_u(), nibbles(loadu128(b + 1)));
@@ -164,7 +161,7 @@ struct DMXFP4 {
 
 struct DIQ4_NL {
     static constexpr int BYTES = 18;
-    static constexpr float OFF = 128.f;
+    static constexpr int OFF = 128;
     static constexpr bool MIN = false;
     EFS_TI static __m256i q(const uint8_t* b) {
         return _mm256_shuffle_epi8(tbl_iq4nl_u(), nibbles(loadu128(b + 2)));
@@ -180,7 +177,7 @@ EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t 
     const float* xp[NT];
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
-    const __m256 moff = magic(D::OFF);
+    constexpr float U = unit<D::OFF>();
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -190,15 +187,15 @@ EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t 
         int64_t i = 0;
         for (; i + 2 <= nb; i += 2, b += 2 * D::BYTES) {
             pf_next(pf, b + 2 * D::BYTES);
-            grp<NT>(D::q(b), moff, xp, 32 * i, _mm256_set1_ps(D::d(b)), a0);
-            grp<NT>(D::q(b + D::BYTES), moff, xp, 32 * i + 32,
-                    _mm256_set1_ps(D::d(b + D::BYTES)), a1);
+            grp<NT, D::OFF>(D::q(b), xp, 32 * i, _mm256_set1_ps(D::d(b) * U), a0);
+            grp<NT, D::OFF>(D::q(b + D::BYTES), xp, 32 * i + 32,
+                            _mm256_set1_ps(D::d(b + D::BYTES) * U), a1);
             if (D::MIN)
                 for (int t = 0; t < NT; ++t)
                     mm[t] += D::m(b) * s32[t][i] + D::m(b + D::BYTES) * s32[t][i + 1];
         }
         if (i < nb) {
-            grp<NT>(D::q(b), moff, xp, 32 * i, _mm256_set1_ps(D::d(b)), a0);
+            grp<NT, D::OFF>(D::q(b), xp, 32 * i, _mm256_set1_ps(D::d(b) * U), a0);
             if (D::MIN)
                 for (int t = 0; t < NT; ++t) mm[t] += D::m(b) * s32[t][i];
         }

@@ -64,26 +64,49 @@ EFS_TI __m256i bytes_from_bits_32(const uint8_t* x) {
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
-EFS_TI __m256 magic(float off) { return _mm256_set1_ps(8388608.f + off); }
+// The unpack of a group of 32 bytes into 4 x 8 floats, all exact, comes in three forms, chosen
+// per type by what measured fastest on each (bench/README.md, native kernels):
+//  - OFF == 0: each byte q zero-extended into a dword by an in-lane byte shuffle, then converted;
+//  - OFF == SIGNED: the bytes are int8 values q, each placed in the top byte of a dword by the
+//    shuffle and converted, giving q * 2^24; the caller's scale carries the 2^-24 (unit<OFF>),
+//    so every product and sum is the same to the bit (a power-of-two scaling of normal floats);
+//  - OFF > 0: q - OFF without a conversion: the byte goes into the mantissa of 2^23 (bits
+//    0x4B0000qq, two unpacks) and 2^23 + OFF is subtracted.
+// The floats come out permuted: vector k, element j holds byte 4k+j (j < 4) or 16+4k+j-4
+// (j >= 4); perm32() orders the activations to match.
+constexpr int SIGNED = -1;
 
-// 32 unsigned bytes -> 4 x 8 floats (q - off), permuted: vector k, element j holds byte
-// 4k+j (j < 4) or 16+4k+j-4 (j >= 4). perm32() orders the activations to match.
-EFS_TI void u8f(__m256i v, __m256 moff, __m256* w) {
-    const __m256i z = _mm256_setzero_si256();
-    const __m256i mg = _mm256_set1_epi16(0x4B00);
-    const __m256i lo = _mm256_unpacklo_epi8(v, z), hi = _mm256_unpackhi_epi8(v, z);
-    w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(lo, mg)), moff);
-    w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(lo, mg)), moff);
-    w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(hi, mg)), moff);
-    w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(hi, mg)), moff);
+template <int OFF>
+constexpr float unit() { return OFF == SIGNED ? 1.f / 16777216.f : 1.f; }
+
+template <int OFF>
+EFS_TI void u8f(__m256i v, __m256* w) {
+    if constexpr (OFF > 0) {
+        const __m256i z = _mm256_setzero_si256();
+        const __m256i mg = _mm256_set1_epi16(0x4B00);
+        const __m256 moff = _mm256_set1_ps(8388608.f + OFF);
+        const __m256i lo = _mm256_unpacklo_epi8(v, z), hi = _mm256_unpackhi_epi8(v, z);
+        w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(lo, mg)), moff);
+        w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(lo, mg)), moff);
+        w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(hi, mg)), moff);
+        w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(hi, mg)), moff);
+    } else {
+        constexpr int P = OFF == 0 ? 0 : 3;        // the byte's place in its dword
+        for (int k = 0; k < 4; ++k) {
+            alignas(32) int8_t m[32];
+            for (int i = 0; i < 32; ++i)
+                m[i] = (i & 3) == P ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
+            w[k] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i*)m)));
+        }
+    }
 }
 
-// acc[t] += scale * sum_i (q_i - off) * x_t[i] over one group of 32 (x_t at xp[t] + off).
-template <int NT>
-EFS_TI void grp(__m256i v, __m256 moff, const float* const* xp, int64_t o, __m256 scale,
-                __m256* acc) {
+// acc[t] += scale * sum_i (q_i - OFF) * x_t[i] over one group of 32 (x_t at xp[t] + off);
+// `scale` is the group's scale times unit<OFF>().
+template <int NT, int OFF>
+EFS_TI void grp(__m256i v, const float* const* xp, int64_t o, __m256 scale, __m256* acc) {
     __m256 w[4];
-    u8f(v, moff, w);
+    u8f<OFF>(v, w);
     for (int t = 0; t < NT; ++t) {
         const float* x = xp[t] + o;
         __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));

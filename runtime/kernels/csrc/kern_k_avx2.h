@@ -77,7 +77,6 @@ EFS_KT void ex_q45_k_rows2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     const int BYTES = FIVE ? 176 : 144;
     const float* xp[1] = {xs[0].xp};
     const float* s32 = xs[0].s32;
-    const __m256 moff = magic(0.f);
     alignas(32) float scs[2][8];
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r + 1 < r1; r += 2) {
@@ -97,8 +96,8 @@ EFS_KT void ex_q45_k_rows2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
                 for (int k = 0; k < 2; ++k) {
                     __m256i lo, hi;
                     q45_planes<FIVE>(loadu256(b[k] + (FIVE ? 48 : 16) + 32 * j), hb[k], lo, hi);
-                    grp<1>(lo, moff, xp, o, _mm256_broadcast_ss(scs[k] + 2 * j), a0 + k);
-                    grp<1>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs[k] + 2 * j + 1), a1 + k);
+                    grp<1, 0>(lo, xp, o, _mm256_broadcast_ss(scs[k] + 2 * j), a0 + k);
+                    grp<1, 0>(hi, xp, o + 32, _mm256_broadcast_ss(scs[k] + 2 * j + 1), a1 + k);
                 }
             }
         }
@@ -120,7 +119,6 @@ EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* xp[NT];
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
-    const __m256 moff = magic(0.f);
     alignas(32) float scs[8];
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
@@ -138,8 +136,8 @@ EFS_KT void ex_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                 __m256i lo, hi;
                 q45_planes<FIVE>(loadu256(q + 32 * j), hb, lo, hi);
                 const int64_t o = 256 * i + 64 * j;
-                grp<NT>(lo, moff, xp, o, _mm256_broadcast_ss(scs + 2 * j), a0);
-                grp<NT>(hi, moff, xp, o + 32, _mm256_broadcast_ss(scs + 2 * j + 1), a1);
+                grp<NT, 0>(lo, xp, o, _mm256_broadcast_ss(scs + 2 * j), a0);
+                grp<NT, 0>(hi, xp, o + 32, _mm256_broadcast_ss(scs + 2 * j + 1), a1);
             }
         }
         for (int t = 0; t < NT; ++t)
@@ -157,7 +155,6 @@ EFS_KT void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xp[NT];
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m256 moff = magic(32.f);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -180,10 +177,10 @@ EFS_KT void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                 const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
                     _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
                 const int64_t o = 256 * i + 128 * h;
-                grp<NT>(q0, moff, xp, o, pair_scale(S[h], 0), a0);
-                grp<NT>(q1, moff, xp, o + 32, pair_scale(S[h], 1), a1);
-                grp<NT>(q2, moff, xp, o + 64, pair_scale(S[h], 2), a0);
-                grp<NT>(q3, moff, xp, o + 96, pair_scale(S[h], 3), a1);
+                grp<NT, 32>(q0, xp, o, pair_scale(S[h], 0), a0);
+                grp<NT, 32>(q1, xp, o + 32, pair_scale(S[h], 1), a1);
+                grp<NT, 32>(q2, xp, o + 64, pair_scale(S[h], 2), a0);
+                grp<NT, 32>(q3, xp, o + 96, pair_scale(S[h], 3), a1);
             }
         }
         for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
@@ -201,7 +198,6 @@ EFS_KT void ex_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s16[t] = xs[t].s16; }
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256 moff = magic(0.f);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -223,12 +219,12 @@ EFS_KT void ex_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             for (int n = 0; n < 2; ++n) {
                 const __m256i Q = loadu256(b + 16 + 32 * n);
                 const int64_t o = 256 * i + 128 * n;
-                grp<NT>(_mm256_and_si256(Q, m3), moff, xp, o, pair_scale(S[n], 0), a0);
-                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 2), m3), moff, xp, o + 32,
+                grp<NT, 0>(_mm256_and_si256(Q, m3), xp, o, pair_scale(S[n], 0), a0);
+                grp<NT, 0>(_mm256_and_si256(_mm256_srli_epi16(Q, 2), m3), xp, o + 32,
                         pair_scale(S[n], 1), a1);
-                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 4), m3), moff, xp, o + 64,
+                grp<NT, 0>(_mm256_and_si256(_mm256_srli_epi16(Q, 4), m3), xp, o + 64,
                         pair_scale(S[n], 2), a0);
-                grp<NT>(_mm256_and_si256(_mm256_srli_epi16(Q, 6), m3), moff, xp, o + 96,
+                grp<NT, 0>(_mm256_and_si256(_mm256_srli_epi16(Q, 6), m3), xp, o + 96,
                         pair_scale(S[n], 3), a1);
             }
         }
@@ -258,7 +254,6 @@ EFS_KT void ex_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xp[NT];
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
-    const __m256 moff = magic(4.f);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -281,7 +276,7 @@ EFS_KT void ex_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                         _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
                     hb = _mm256_srli_epi16(hb, 1);
-                    grp<NT>(q, moff, xp, o + 32 * j, pair_scale(S[n], j), (j & 1) ? a1 : a0);
+                    grp<NT, 4>(q, xp, o + 32 * j, pair_scale(S[n], j), (j & 1) ? a1 : a0);
                 }
             }
         }
