@@ -66,7 +66,7 @@ EFS_ZI __m512 pair_scale2(__m512 s, int p) {
     return _mm512_permutexvar_ps(idx, s);
 }
 
-// u8f (kern_avx2_util.h) of each half.
+// u8f (kern_avx2_util.h) of each half, in its mantissa form (the same floats as every form).
 EFS_ZI void u8f2(__m512i v, __m512 moff, __m512* w) {
     const __m512i z = _mm512_setzero_si512();
     const __m512i mg = _mm512_set1_epi16(0x4B00);
