@@ -80,9 +80,9 @@ EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                 const __m256i v0 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
                 const __m256i v1 = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 24 + 16 * ib)));
                 grp<NT, SIGNED>(v0, xp, 256 * i + 32 * ib,
-                           _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib) - 32)), a0);
+                                _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib) - 32)), a0);
                 grp<NT, SIGNED>(v1, xp, 256 * i + 32 * ib + 32,
-                           _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib + 1) - 32)), a1);
+                                _mm256_set1_ps(d * (float)(iq4xs_ls(b, ib + 1) - 32)), a1);
             }
         }
         for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));
