@@ -13,8 +13,6 @@ working tree's build is the other. The store is read into the RAM tier first (``
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import os
 import statistics
 import time
@@ -24,6 +22,7 @@ from expertfs.runtime.openmp import configure  # noqa: I001
 configure()
 
 import torch  # noqa: E402
+from kernel_build_ab import load_build  # noqa: E402  (bench/, the script's own folder)
 
 
 def main() -> None:
@@ -37,16 +36,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from expertfs.runtime.engine import Engine
     from expertfs.runtime.kernels import build
-    from expertfs.runtime.kernels.iq_tables import install
     ram = int(a.ram * (1 << 30)) or os.path.getsize(os.path.join(a.store, "experts.bin")) + (64 << 20)
     eng = Engine.open(a.store, provider="tiered", ram_bytes=ram)
     eng.warm()
     after = build.load()
-    so = glob.glob(os.path.join(a.before, "*.so"))[0]
-    spec = importlib.util.spec_from_file_location(os.path.basename(so).split(".")[0], so)
-    before = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(before)
-    install(before)
+    before = load_build(a.before)
     before.set_threads(torch.get_num_threads())
     g = torch.Generator().manual_seed(0)
     eng.prefill(torch.randint(1, 1000, (32,), generator=g).tolist())
