@@ -1,6 +1,7 @@
 // AVX-512 (F, VL) kernels, used on CPUs that have it (ops.cpp checks), for the types where they
 // beat the AVX2 unit; every other type keeps its AVX2 kernel. Same rules as kern_avx2.cpp:
-// target attributes on every function, only <immintrin.h> and C headers.
+// target attributes on every function, only <immintrin.h>, C headers and the AVX2 unit's
+// shared headers (whose inline helpers it calls, under this unit's wider target).
 //
 // Exact Q4_K by table lookup: vpermps takes its 16-entry index from the low 4 bits of each
 // dword and ignores the rest, so shifting the 64 bytes of packed nibbles right by 4k (k = 0..7)
@@ -12,27 +13,15 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include "kern_avx2_util.h"
 
 #define EFS_Z __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 #define EFS_ZI __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"), always_inline)) inline
+#define EFS_KT EFS_Z
+#include "kern_k_avx2.h"      // q45_scales: a Q4_K block's scales and mins, as the AVX2 kernels
 
 namespace efs {
 namespace {
-
-EFS_ZI __m128i k4_scales_z(const uint8_t* s12) {      // as k4_scales_v in kern_avx2.cpp
-    const __m128i v = _mm_loadu_si128((const __m128i*)s12);
-    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11,
-                                                        4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3,
-                                                        -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i lo = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15,
-                                                      63, 63, 63, 63, 0, 0, 0, 0));
-    const __m128i hi4 = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-    const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(b, 6), _mm_set1_epi8(3)), 4);
-    return _mm_or_si128(_mm_or_si128(lo, hi4), top);
-}
 
 EFS_ZI float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -88,15 +77,7 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
         __m256 am[NT];
         for (int t = 0; t < NT; ++t) { acc[t] = _mm512_setzero_ps(); am[t] = _mm256_setzero_ps(); }
         for (int64_t i = 0; i < nb; ++i, b += 144) {
-            const __m128i sm = k4_scales_z(b + 4);
-            uint32_t dd;
-            memcpy(&dd, b, 4);
-            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));       // d, dmin
-            _mm256_store_ps(scs, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
-                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-            const __m256 mn = _mm256_mul_ps(
-                _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+            const __m256 mn = q45_scales(b, scs);
             for (int t = 0; t < NT; ++t)
                 am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
             for (int h = 0; h < 2; ++h) {
