@@ -2,7 +2,13 @@
 (``EXPERTFS_PLAN_CACHE`` names another file) keyed by the CPU model, the native kernels' ISA
 and build, torch's thread count (CPU entries) and the device holding a store (storage
 entries). ``cpu_rates`` measures only what the cache lacks for a model and stores it;
-``--no-probe`` reads the cache and measures nothing."""
+``--no-probe`` reads the cache and measures nothing.
+
+A CPU entry carries the speed check it was measured beside (``native.speed_check``). Before a
+probing plan uses it, the check runs again (a quarter of a second); when the box's speed has
+moved by more than ``DRIFT`` since, or the entry has no check, the entry is dropped and
+measured anew, so a plan says what the box does now, not what it did when it was busier or
+idler."""
 
 from __future__ import annotations
 
@@ -95,6 +101,10 @@ def save(data: dict[str, Any]) -> None:
         pass
 
 
+#: how far (a ratio either way) the speed check may move before the cached CPU rates are
+#: measured anew; within it, the box's drift between runs (bench/README.md)
+DRIFT = 1.25
+
 _EARLIER = {"on": False}             # set while an entry read from the cache is rebuilt
 
 
@@ -143,6 +153,14 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
     entry = dict(data.get(key) or {})
     detail: dict[str, Any] = {"cache": cache_path(), "key": key, "measured": []}
     if probe:
+        from .native import speed_check
+        now = speed_check()
+        then = entry.get("check_gbps")
+        if entry and not (isinstance(then, (int, float)) and then > 0
+                          and 1 / DRIFT <= now / then <= DRIFT):
+            detail["dropped"] = {"check_gbps_then": then, "check_gbps_now": now}
+            entry = {}
+        detail["check_gbps"] = entry.setdefault("check_gbps", now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
         fused = dict(entry.get("fused", {}))
         missing = [m for m in quant if m.ggml_type not in fused]

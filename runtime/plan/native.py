@@ -19,7 +19,7 @@ from .rates import DeviceRates, LinearCost, Range
 
 __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trunk_types",
            "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S",
-           "probe_dequant", "wide_limits"]
+           "probe_dequant", "wide_limits", "speed_check"]
 
 _CAP = 24 << 20                      # bytes of one timed matrix: past the caches, short to time
 
@@ -71,6 +71,27 @@ def _native_types() -> frozenset[str]:
         return frozenset(t.name for t in kernels.TYPES) if kernels.available() else frozenset()
     except Exception:
         return frozenset()
+
+
+def speed_check(budget_s: float = 0.25) -> float:
+    """This box's speed now, in one figure: GB/s of one fixed product, the best of a few
+    (``runtime.kernels.matvec`` on a Q4_K 2048 x 4096 matrix, or torch's on float32 where there
+    are no native kernels). Cached rates are compared by it with the box they were measured on:
+    a shared or throttled machine's speed moves by half or more from one hour to the next."""
+    import torch
+
+    rows, cols = 2048, 4096
+    if "Q4_K" in _native_types():
+        from ...formats.ggml import GGMLType, row_bytes
+        from .. import kernels
+        raw, x = _raw("Q4_K", rows, cols), torch.randn(1, cols)
+        nb = rows * row_bytes(GGMLType.Q4_K, cols)
+        ts = _times(lambda: kernels.matvec(x, raw, GGMLType.Q4_K, (rows, cols)), 40, budget_s)
+    else:
+        w, x = torch.randn(rows, cols), torch.randn(cols)
+        nb = w.numel() * w.element_size()
+        ts = _times(lambda: torch.mv(w, x), 40, budget_s)
+    return nb / min(ts) / 1e9
 
 
 def stated_native(types: Sequence[str], mem: Range, cores: int | None = None

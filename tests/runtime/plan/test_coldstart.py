@@ -191,3 +191,30 @@ def test_no_probe_prices_native_types_at_the_native_kernels_stated_rate(tmp_path
                                     min(20.0, STATED_NATIVE_GWPS[1] * 2 * bpe))
     assert stated_native(["F32"], mem) == {}                     # floats: torch's products
     assert detail["stated_native"] == sorted(native)
+
+
+def test_cached_cpu_rates_are_measured_anew_when_the_box_speed_moved(tmp_path, monkeypatch) -> None:
+    """A CPU entry keeps the speed check it was measured beside; a probing plan runs the check
+    again and uses the entry while the box is within ``DRIFT`` of it, else measures anew."""
+    from expertfs.runtime.plan import native
+
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    assert native.speed_check(0.05) > 0                           # the real check runs here
+    g = qwen()
+    mats = [m for layer in g.expert_parts for m in layer]
+    monkeypatch.setattr(native, "speed_check", lambda: 10.0)
+    _, first = boxcache.cpu_rates(g, mats, probe=True)
+    assert not first["from_cache"] and first["check_gbps"] == 10.0 and "dropped" not in first
+    monkeypatch.setattr(native, "speed_check", lambda: 11.0)      # within the drift: kept
+    _, again = boxcache.cpu_rates(g, mats, probe=True)
+    assert again["from_cache"] and again["check_gbps"] == 10.0
+    entry = boxcache.load()[boxcache.cpu_key()]
+    entry["gemm_gflops"] = {"slow": 1.0, "fast": 2.0, "source": "measured now: t"}
+    boxcache.save({boxcache.cpu_key(): entry})
+    monkeypatch.setattr(native, "speed_check", lambda: 20.0)      # twice as fast: measured anew
+    _, moved = boxcache.cpu_rates(g, mats, probe=True)
+    assert not moved["from_cache"] and moved["check_gbps"] == 20.0
+    assert moved["dropped"] == {"check_gbps_then": 10.0, "check_gbps_now": 20.0}
+    assert "gemm_gflops" not in boxcache.load()[boxcache.cpu_key()]   # the whole entry went
+    _, offline = boxcache.cpu_rates(g, mats, probe=False)          # --no-probe: no check at all
+    assert "check_gbps" not in offline
