@@ -9,6 +9,7 @@ recorder write.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from typing import Iterable, Iterator
@@ -19,9 +20,11 @@ from ..errors import StoreError
 from .layout import (Extent, TensorRecord, expert_key, pack_extent, pack_tensor, pack_usage,
                      tensor_key, unpack_expert_key, unpack_extent, unpack_tensor, unpack_usage)
 
-__all__ = ["Index", "META", "TENSORS", "EXPERTS", "USAGE"]
+__all__ = ["Index", "META", "TENSORS", "EXPERTS", "USAGE", "USAGE_DYNAMICS"]
 
 META, TENSORS, EXPERTS, USAGE = b"meta", b"tensors", b"experts", b"usage"
+#: the meta key of the runs' routing counters, a JSON object of counts merged by addition
+USAGE_DYNAMICS = "usage_dynamics"
 _WRITE_MAP_SIZE = 1 << 32        # a ceiling, not an allocation: data.mdb grows as written
 # py-lmdb allows one Environment per file per process: read-only opens share it, refcounted.
 _SHARED: dict[str, list] = {}
@@ -111,12 +114,21 @@ class Index:
             for k in delete_meta:
                 txn.delete(k.encode(), db=self._meta)
 
-    def add_usage(self, counts: dict[tuple[int, int], int]) -> None:
+    def add_usage(self, counts: dict[tuple[int, int], int],
+                  dynamics: dict[str, int] | None = None) -> None:
+        """Add a run's route counts, and its ``dynamics`` counters (``usage_dynamics``), to
+        what earlier runs left, in one transaction."""
         with self.env.begin(write=True) as txn:
             for (layer, expert), n in counts.items():
                 k = expert_key(layer, expert)
                 old = txn.get(k, db=self._usage)
                 txn.put(k, pack_usage(n + (unpack_usage(old) if old else 0)), db=self._usage)
+            if dynamics:
+                old = txn.get(USAGE_DYNAMICS.encode(), db=self._meta)
+                merged = json.loads(bytes(old)) if old else {}
+                for name, n in dynamics.items():
+                    merged[name] = int(merged.get(name, 0)) + int(n)
+                txn.put(USAGE_DYNAMICS.encode(), json.dumps(merged).encode(), db=self._meta)
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -161,6 +173,15 @@ class Index:
                 key = unpack_expert_key(bytes(k))
                 out[(key.layer, key.expert)] = unpack_usage(v)
             return out
+
+    def usage_dynamics(self) -> dict[str, int]:
+        """Counters of how earlier runs routed token after token (``runtime.cache.usage``)."""
+        v = self.meta(USAGE_DYNAMICS)
+        try:
+            d = json.loads(v) if v else {}
+            return {str(k): int(n) for k, n in d.items()} if isinstance(d, dict) else {}
+        except (ValueError, TypeError):
+            return {}
 
     def counts(self) -> dict[str, int]:
         with self.env.begin() as txn:

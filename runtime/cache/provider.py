@@ -97,7 +97,7 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
         self.cache.listener = self.prefetcher
         self.history = HistoryPredictor(len(geo.layers), geo.n_experts) if history else None
         self.history_budget = history_budget or geo.k
-        self.usage = UsageRecorder() if record_usage else None
+        self.usage = UsageRecorder(geo.k) if record_usage else None
         layers = geo.layers
         self._index = geo.index_of()
         self._next = {la: layers[(i + 1) % len(layers)] for i, la in enumerate(layers)}
@@ -184,7 +184,7 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
         try:
             if self.usage is not None:
                 try:
-                    persist_usage(self.store, self.usage.take())
+                    persist_usage(self.store, *self.usage.take())
                 except StoreError as e:
                     log.warning("%s", e)
         finally:

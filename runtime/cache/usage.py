@@ -25,7 +25,7 @@ from expertfs.errors import StoreError
 
 from ..policies.base import usage_rates
 
-__all__ = ["UsageRecorder", "persist_usage", "load_rates"]
+__all__ = ["UsageRecorder", "DYNAMICS", "persist_usage", "load_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -39,27 +39,61 @@ idx = Index.open(sys.argv[1], write=True)
 try:
     if idx.env.flags()["readonly"]:
         raise StoreError("the index is read-only", path=sys.argv[1], fix="make the store writable")
-    idx.add_usage({(int(la), int(e)): int(n) for la, e, n in rows})
+    idx.add_usage({(int(la), int(e)): int(n) for la, e, n in rows["counts"]}, rows["dynamics"])
 finally:
     idx.close()
 """
 
 
-class UsageRecorder:
-    """Counts per (layer, expert) in memory; ``take()`` hands them over and starts again."""
+#: the dynamics counters: decoded routes, those of them the run had routed to before, and of
+#: the routes that follow another decoded token at their layer, those it had too
+DYNAMICS = ("routes", "reused", "follows", "kept")
 
-    def __init__(self) -> None:
+
+class UsageRecorder:
+    """Counts per (layer, expert) in memory; ``take()`` hands them over and starts again.
+
+    With ``k`` (the model's top-k) it also counts how the run reuses experts. A call of at most
+    ``k`` experts is one decoded token's route at that layer; ``routes`` counts its experts,
+    ``kept`` those the previous decoded token routed to at that layer too, ``reused`` those the
+    run routed to at that layer at any time before (the prompt included). ``plan`` draws its
+    replay's decode with these dynamics (``plan.routing.learned_dynamics``): how much of a
+    run's decode stays within the experts its prompt and its last tokens touched decides the
+    misses of a tier smaller than the model, and it differs by model and workload far more
+    than the presets' spread."""
+
+    def __init__(self, k: int = 0) -> None:
         self.counts: dict[tuple[int, int], int] = {}
+        self.k = k
+        self.dynamics = dict.fromkeys(DYNAMICS, 0)
+        self._seen: dict[int, set[int]] = {}
+        self._prev: dict[int, set[int]] = {}
 
     def add(self, layer: int, experts: Iterable[int]) -> None:
         c = self.counts
-        for e in experts:
-            k = (layer, int(e))
+        ids = [int(e) for e in experts]
+        for e in ids:
+            k = (layer, e)
             c[k] = c.get(k, 0) + 1
+        if self.k:
+            seen = self._seen.setdefault(layer, set())
+            prev = self._prev.pop(layer, None)
+            if len(ids) <= self.k:
+                d = self.dynamics
+                d["routes"] += len(ids)
+                d["reused"] += sum(1 for e in ids if e in seen)
+                if prev is not None:
+                    d["follows"] += len(ids)
+                    d["kept"] += sum(1 for e in ids if e in prev)
+                self._prev[layer] = set(ids)
+            seen.update(ids)
 
-    def take(self) -> dict[tuple[int, int], int]:
+    def take(self) -> tuple[dict[tuple[int, int], int], dict[str, int]]:
+        """The counts and the dynamics counters so far; both start again (what the run routed
+        to is kept: the run goes on)."""
         out, self.counts = self.counts, {}
-        return out
+        dyn, self.dynamics = self.dynamics, dict.fromkeys(DYNAMICS, 0)
+        return out, dyn
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -69,11 +103,14 @@ def _index_path(store: Any) -> str:
     return os.path.join(os.fspath(store.path), "index.lmdb")
 
 
-def persist_usage(store: Any, counts: Mapping[tuple[int, int], int]) -> None:
-    """Add ``counts`` to the store's usage table in one transaction (raises ``StoreError``)."""
+def persist_usage(store: Any, counts: Mapping[tuple[int, int], int],
+                  dynamics: Mapping[str, int] | None = None) -> None:
+    """Add ``counts`` to the store's usage table, and ``dynamics`` to its counters, in one
+    transaction (raises ``StoreError``)."""
     if not counts:
         return
-    payload = json.dumps([[la, e, int(n)] for (la, e), n in counts.items()])
+    payload = json.dumps({"counts": [[la, e, int(n)] for (la, e), n in counts.items()],
+                          "dynamics": {k: int(n) for k, n in (dynamics or {}).items() if n}})
     try:
         r = subprocess.run([sys.executable, "-c", _CHILD, _index_path(store)], input=payload,
                            capture_output=True, text=True, timeout=_TIMEOUT_S)

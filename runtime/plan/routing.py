@@ -4,7 +4,9 @@ A real trace (``--trace``, recorded against this model) is replayed as it is. Wi
 store that earlier runs taught its usage (the LMDB table ``run`` adds its routes to) gives the
 popularity of every expert: a trace is drawn from it (``usage_replay``: each layer's fresh picks
 in proportion to its learned counts, smoothed by ``USAGE_PRIOR``) with a preset's token-to-token
-dynamics (stickiness, cross-layer links). Otherwise a synthetic trace of the model's geometry
+dynamics (stickiness, cross-layer links), and, where the runs also counted how their decode
+kept and reused experts (``learned_dynamics``), those dynamics for the tokens after the first
+quarter. Otherwise a synthetic trace of the model's geometry
 is generated from a preset of ``trace.synth`` and the result is labelled synthetic. Either way
 the first quarter of the tokens only teaches the usage table (as the store's learned usage
 warms a real run's caches; experts it never saw rank last) and the rest is replayed from that
@@ -28,7 +30,8 @@ from ..trace.file import TraceHeader
 from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_header
 
 __all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKENS",
-           "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay", "route"]
+           "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "synthetic_replay",
+           "usage_replay", "usage_tokens", "trace_replay", "route"]
 
 #: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
 #: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
@@ -39,6 +42,8 @@ DEFAULT_TOKENS = 256
 USAGE_PRIOR = 1.0
 #: fewer learned tokens than this (per MoE layer, on average) and the presets are used instead
 MIN_USAGE_TOKENS = 64
+#: fewer decoded tokens than this in the runs' counters and the presets' dynamics are used
+MIN_DYNAMICS_TOKENS = 32
 
 
 def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, seed: int = 0) -> Replay:
@@ -63,11 +68,45 @@ def usage_tokens(g: Geometry, usage: dict[tuple[int, int], float]) -> float:
     return sum(usage.values()) / g.k / len(g.moe_layers)
 
 
+@dataclasses.dataclass(frozen=True)
+class Dynamics:
+    """A store's learned decode dynamics (``learned_dynamics``)."""
+
+    stickiness: float
+    reuse: float
+    tokens: float                       # decoded tokens they were learned from, per MoE layer
+
+    def describe(self) -> str:
+        return (f"its runs' decode: {self.stickiness:.0%} of experts kept token to token, "
+                f"{self.reuse:.0%} of the rest reused, over {self.tokens:.0f} tokens")
+
+
+def learned_dynamics(g: Geometry, counters: dict[str, int]) -> Dynamics | None:
+    """How the store's earlier runs decoded (``runtime.cache.usage``'s counters), as the
+    synthetic generator's decode parameters; None below ``MIN_DYNAMICS_TOKENS`` decoded tokens.
+    ``stickiness``: the share of a decoded token's experts its predecessor had at that layer;
+    ``reuse``: the share of the rest that the run had routed to before (the generator keeps
+    first, then reuses: a route reused in all is kept or else reused)."""
+    routes, follows = counters.get("routes", 0), counters.get("follows", 0)
+    if not g.k or not g.moe_layers or routes / g.k / len(g.moe_layers) < MIN_DYNAMICS_TOKENS:
+        return None
+    s = counters.get("kept", 0) / follows if follows else 0.0
+    u = counters.get("reused", 0) / routes
+    r = (u - s) / (1.0 - s) if s < 1.0 else 1.0
+    return Dynamics(min(1.0, max(0.0, s)), min(1.0, max(0.0, r)), routes / g.k / len(g.moe_layers))
+
+
 def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
-                 tokens: int = DEFAULT_TOKENS, seed: int = 0) -> Replay:
+                 tokens: int = DEFAULT_TOKENS, seed: int = 0,
+                 dynamics: Dynamics | None = None) -> Replay:
     """A trace drawn from a store's learned usage ((block, expert) → routes) with the
     dynamics of the preset ``spec``: the layers' popularity is the learned counts plus
-    ``USAGE_PRIOR``."""
+    ``USAGE_PRIOR``. With ``dynamics`` the tokens after the first quarter (what ``route``
+    learns from, as a run's decode follows its prompt) keep and reuse experts as the store's
+    runs did."""
+    if dynamics is not None:
+        spec = (f"{spec},decode_after={max(1, tokens // 4)},"
+                f"decode_stickiness={dynamics.stickiness:.6f},reuse={dynamics.reuse:.6f}")
     import numpy as np
 
     pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)

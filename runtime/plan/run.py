@@ -22,8 +22,9 @@ from .predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_pla
                       storage_from_profile)
 from .rates import Range, read_cpu_from
 from .model import load_geometry
-from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, route,
-                      synthetic_replay, trace_replay, usage_replay, usage_tokens)
+from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
+                      learned_dynamics, route, synthetic_replay, trace_replay, usage_replay,
+                      usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
 __all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
@@ -130,18 +131,23 @@ def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *
     return [done.get(id(m), Option(m)) for m in mems]
 
 
-def learned_usage(target: str | None, g: Geometry) -> dict[tuple[int, int], float]:
+def learned_usage(target: str | None, g: Geometry
+                  ) -> tuple[dict[tuple[int, int], float], Dynamics | None]:
     """The store's learned usage ((block, expert) → routes) when ``target`` is a store whose
-    earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens; else {}."""
+    earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens, else {}; and with it the
+    decode dynamics those runs counted (``learned_dynamics``), or None."""
     if not target or not os.path.isdir(target):
-        return {}
+        return {}, None
     from ...store.reader import Store
     try:
         with Store.open(target) as st:
             usage = {(int(la), int(e)): float(c) for (la, e), c in st.index.usage().items()}
+            counters = st.index.usage_dynamics()
     except Exception:                  # an index without a usage table (older stores): the presets
-        return {}
-    return usage if usage_tokens(g, usage) >= MIN_USAGE_TOKENS else {}
+        return {}, None
+    if usage_tokens(g, usage) < MIN_USAGE_TOKENS:
+        return {}, None
+    return usage, learned_dynamics(g, counters)
 
 
 class Replays:
@@ -149,9 +155,11 @@ class Replays:
     and the first token: ``trace`` (the recorded trace), ``usage:PRESET`` (the store's learned
     usage with the preset's dynamics) or a synthetic preset."""
 
-    def __init__(self, g: Geometry, req: PlanRequest, usage: dict[tuple[int, int], float],
+    def __init__(self, g: Geometry, req: PlanRequest,
+                 learned: tuple[dict[tuple[int, int], float], Dynamics | None],
                  say: Callable[[str], None]) -> None:
-        self.g, self.req, self.usage, self.say = g, req, usage, say
+        self.g, self.req, self.say = g, req, say
+        self.usage, self.dynamics = learned
         self._built: dict[str, Any] = {}
 
     def get(self, spec: str) -> Any:
@@ -162,7 +170,7 @@ class Replays:
                 self._built[spec] = trace_replay(g, req.trace)
             elif spec.startswith("usage:"):
                 self._built[spec] = usage_replay(g, self.usage, spec[6:], tokens=req.tokens,
-                                                 seed=req.seed)
+                                                 seed=req.seed, dynamics=self.dynamics)
             else:
                 self._built[spec] = synthetic_replay(g, spec, tokens=req.tokens, seed=req.seed)
         return self._built[spec]
@@ -192,8 +200,10 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
         if spec == "trace":
             return f"trace {req.trace}"
         if spec.startswith("usage:"):
+            dyn = replays.dynamics
             return (f"this store's learned usage ({usage_tokens(g, usage):.0f} tokens of earlier "
-                    f"runs), '{spec[6:]}' dynamics")
+                    f"runs), '{spec[6:]}' dynamics"
+                    + (f" in the prompt, {dyn.describe()}" if dyn is not None else ""))
         return f"synthetic '{spec}'"
 
     def prompt_cover(spec: str) -> float:
@@ -285,7 +295,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail["compute_paths"] = _compute_paths(g)
 
     # --- routing and the choice ------------------------------------------------------------
-    replays = Replays(g, req, {} if req.trace else learned_usage(req.target, g), say)
+    replays = Replays(g, req, ({}, None) if req.trace else learned_usage(req.target, g), say)
     routing_for = simulator_routing(g, req, say, replays)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     plan = make_plan(g, box, options, rates, probes=detail, forced=forced)

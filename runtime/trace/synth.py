@@ -48,6 +48,9 @@ class SyntheticSpec:
     zipf_spread: float = 0.0             # layers' exponents span zipf·(1 ± spread)
     stickiness: float = 0.5              # P(keep each of the previous token's experts)
     cross_layer: float = 0.0             # P(a fresh pick follows the previous layer's path)
+    decode_after: int = 0                # tokens before this one are the prompt: from it on,
+    decode_stickiness: float = -1.0      # stickiness is this (< 0: the same as before), and
+    reuse: float = 0.0                   # P(a fresh pick is one of the run's earlier experts)
     phase_tokens: int = 0                # hot sets are redrawn every this many tokens (0 = never)
     n_draft: int = 0                     # draft routes per row
     draft_overlap: float = 0.3           # P(a draft expert equals the main route's)
@@ -59,7 +62,12 @@ class SyntheticSpec:
                 and self.expert_bytes >= 1 and self.phase_tokens >= 0 and self.n_draft >= 0):
             raise UsageError(f"inconsistent synthetic trace geometry {self}",
                              fix="need 1 <= k <= n_experts, n_layers >= 1, sizes >= 1")
-        for name in ("stickiness", "cross_layer", "draft_overlap"):
+        if self.decode_after < 0:
+            raise UsageError(f"decode_after {self.decode_after} < 0", fix="give a token index >= 0")
+        if self.decode_stickiness > 1.0:
+            raise UsageError(f"decode_stickiness {self.decode_stickiness} is not a probability",
+                             fix="give decode_stickiness in [0, 1] (or < 0: the stickiness)")
+        for name in ("stickiness", "cross_layer", "reuse", "draft_overlap"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"{name} {getattr(self, name)} is not a probability",
                                  fix=f"give {name} in [0, 1]")
@@ -115,7 +123,11 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256,
                      popularity: np.ndarray | None = None) -> Iterator[TraceChunk]:
     """The trace as chunks of whole tokens, rows token-major (decode order). Bounded memory.
     ``popularity``: each layer's expert weights ([n_layers, n_experts], positive; a store's
-    learned usage) to draw fresh picks from instead of the spec's Zipf ranks (no phases then)."""
+    learned usage) to draw fresh picks from instead of the spec's Zipf ranks (no phases then).
+    From token ``decode_after`` on (the decode after a prompt), a previous expert is kept with
+    probability ``decode_stickiness`` (where given), and each pick not kept is, with probability
+    ``reuse``, one of the experts the run routed to at that layer before (in proportion to how
+    often), else a fresh one."""
     s = spec
     L, E, k = s.n_layers, s.n_experts, s.k
     model = np.random.default_rng([s.model_seed, 0x5EED])
@@ -133,6 +145,7 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256,
         s = dataclasses.replace(s, phase_tokens=0)
     link = np.stack([model.permutation(E) for _ in range(L)])    # [L, E] layer l-1 expert -> l
     prev = None                                                  # [L, k] previous token's route
+    routed = np.zeros((L, E)) if s.reuse else None               # the run's routes so far
     for t0 in range(0, s.n_tokens, tokens_per_chunk):
         n = min(tokens_per_chunk, s.n_tokens - t0)
         experts = np.empty((n, L, k), np.uint16)
@@ -142,7 +155,9 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256,
                 for layer in range(L):
                     logp[layer, rng.permutation(E)] = base[layer]
             score = logp + rng.gumbel(size=(L, E))               # fresh ranking, Gumbel-top-k
-            keep = rng.random((L, k)) < s.stickiness
+            decoding = t >= s.decode_after
+            keep = rng.random((L, k)) < (s.decode_stickiness if decoding and s.decode_stickiness >= 0
+                                         else s.stickiness)
             follow = rng.random((L, k)) < s.cross_layer
             route = np.empty((L, k), np.int64)
             for layer in range(L):
@@ -151,10 +166,27 @@ def synthetic_chunks(spec: SyntheticSpec, tokens_per_chunk: int = 256,
                     sc[link[layer, route[layer - 1][follow[layer]]]] += _LINK
                 if prev is not None:
                     sc[prev[layer][keep[layer]]] = _KEEP
+                if routed is not None and decoding:
+                    _reuse(sc, routed[layer], k, s.reuse, rng)
                 route[layer] = np.argpartition(-sc, k - 1)[:k]
             experts[i] = route
+            if routed is not None:
+                np.add.at(routed, (np.arange(L)[:, None], route), 1)
             prev = route
         yield _chunk(s, t0, experts, rng, logp)
+
+
+def _reuse(sc: np.ndarray, routed: np.ndarray, k: int, p: float, rng: np.random.Generator) -> None:
+    """Mark (``_KEEP``) in one layer's scores ``sc`` the earlier experts a token reuses: of its
+    picks not kept already, each with probability ``p``, drawn without replacement from those
+    the run routed to before (``routed``: counts), in proportion to the counts."""
+    free = k - int(np.count_nonzero(sc >= _KEEP))
+    cand = (routed > 0) & (sc < _KEEP)
+    m = min(int(rng.binomial(free, p)) if free > 0 else 0, int(np.count_nonzero(cand)))
+    if m:
+        score = np.full(routed.shape, -np.inf)
+        score[cand] = np.log(routed[cand]) + rng.gumbel(size=int(np.count_nonzero(cand)))
+        sc[np.argpartition(-score, m - 1)[:m]] = _KEEP
 
 
 def _chunk(s: SyntheticSpec, t0: int, experts: np.ndarray, rng: np.random.Generator,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from expertfs.errors import StoreError, UsageError
+from expertfs.runtime.cache.usage import DYNAMICS
 from expertfs.runtime.cache import (Copier, SlotGeometry, SlotPool, SlotTable, UsageRecorder,
                                     load_rates, persist_usage, plan_slots)
 from expertfs.runtime.io import PAGE, PinBudget
@@ -123,14 +124,32 @@ def test_usage_recorder_counts_and_take():
     u.add(1, [3, 4])
     u.add(1, [3])
     assert u.counts == {(1, 3): 2, (1, 4): 1} and len(u) == 2
-    assert u.take() == {(1, 3): 2, (1, 4): 1} and len(u) == 0
+    assert u.take() == ({(1, 3): 2, (1, 4): 1}, dict.fromkeys(DYNAMICS, 0)) and len(u) == 0
+
+
+def test_usage_recorder_counts_how_a_run_reuses_experts():
+    """With top-k given, a call of at most k experts is a decoded token's route: each expert
+    is reused when the run (its prompt included) routed to it at that layer before, and kept
+    when the previous decoded token at that layer routed to it."""
+    u = UsageRecorder(k=2)
+    u.add(1, [0, 1, 2, 3])                # a prompt's union: seen, not counted
+    u.add(1, [3, 5])                      # a token: 3 reused, 5 new; nothing before to keep
+    u.add(2, [3])                         # another layer: new there
+    u.add(1, [5, 0])                      # both reused, 5 kept
+    counts, dyn = u.take()
+    assert dyn == {"routes": 5, "reused": 3, "follows": 2, "kept": 1} and counts[(1, 3)] == 2
+    u.add(1, [1, 2, 5])                   # a prompt again: the next token follows no token
+    u.add(1, [1])                         # the run goes on: what it saw still counts
+    assert u.take()[1] == {"routes": 1, "reused": 1, "follows": 0, "kept": 0}
 
 
 def test_usage_persists_merged_while_the_store_is_open(store):
     assert store.index.usage() == {}
     persist_usage(store, {(1, 3): 2, (2, 0): 5})
-    persist_usage(store, {(1, 3): 1, (3, 15): 4})
-    assert store.index.usage() == {(1, 3): 3, (2, 0): 5, (3, 15): 4}
+    persist_usage(store, {(1, 3): 1, (3, 15): 4}, {"routes": 8, "reused": 6, "kept": 0})
+    persist_usage(store, {(1, 3): 1}, {"routes": 8, "reused": 2})
+    assert store.index.usage() == {(1, 3): 4, (2, 0): 5, (3, 15): 4}
+    assert store.index.usage_dynamics() == {"routes": 16, "reused": 8}
     rates = load_rates(store, K)
     assert set(rates) == {(1, 3), (2, 0), (3, 15)}
     assert rates[(2, 0)] == pytest.approx(K)          # the only expert its layer used
