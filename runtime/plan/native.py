@@ -21,7 +21,10 @@ __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trun
            "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S",
            "probe_dequant", "wide_limits", "speed_check"]
 
-_CAP = 24 << 20                      # bytes of one timed matrix: past the caches, short to time
+#: bytes of weights one timing streams through: past the last-level cache (32 MiB on the AVX2
+#: box; 24 MiB fitted in it, and the probe priced a decode 1.5x faster than it ran, where every
+#: token reads its ~1 GB of weights from memory), short enough to time
+_CAP = 96 << 20
 
 #: the native kernels' one-token rate when nothing was measured: weights a second per core at
 #: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth
@@ -176,10 +179,16 @@ def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str
         rows = max(1, min(m.rows, _CAP // max(1, rb)))
         small_rows = min(rows, 16)
         try:
-            raw, x = _raw(ty, rows, m.cols), torch.randn(1, m.cols)
+            # copies up to about _CAP bytes, each call the next: from memory, as a decode reads
+            raws = [_raw(ty, rows, m.cols, seed=i) for i in range(max(1, min(16, _CAP // (rows * rb))))]
+            raw, x, at = raws[0], torch.randn(1, m.cols), [0]
             if kernels.matvec(x, raw, t, (rows, m.cols)) is None:
                 continue
-            tb = _times(lambda: kernels.matvec(x, raw, t, (rows, m.cols)), 9, per * 0.7)
+
+            def big():
+                at[0] = (at[0] + 1) % len(raws)
+                return kernels.matvec(x, raws[at[0]], t, (rows, m.cols))
+            tb = _times(big, 9, per * 0.7)
             rs = raw[: small_rows * rb]
             ts = _times(lambda: kernels.matvec(x, rs, t, (small_rows, m.cols)), 15, per * 0.3)
         except Exception:                         # a type the build refuses: no native figure
@@ -246,17 +255,20 @@ def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = ()
         fused_gu = len(parts) == 2
         n_ff = down.cols
         layer_bytes = sum(m.nbytes for m in parts)
-        # at most _CAP bytes of distinct experts, reused if k needs more (the kernels read each)
-        n_dist = max(1, min(g.k, _CAP // max(1, layer_bytes)))
+        # about _CAP bytes of distinct experts (k at least), each call the next k of them, so
+        # their weights come from memory as a decode's do, not from the last-level cache
+        n_dist = max(g.k, min(4 * g.k, _CAP // max(1, layer_bytes)))
         try:
             ws = [[_raw(m.ggml_type, m.rows, m.cols, seed=i) for m in parts] for i in range(n_dist)]
-            pick = [ws[i % n_dist] for i in range(g.k)]
             x = torch.randn(1, down.rows)
             w = torch.full((g.k,), 1.0 / g.k)
             types = tuple(GGMLType[m.ggml_type] for m in (parts[0], parts[0] if fused_gu else parts[1],
                                                            down))
+            at = [0]
 
             def call():
+                pick = [ws[(at[0] + i) % n_dist] for i in range(g.k)]
+                at[0] = (at[0] + g.k) % n_dist
                 return kernels.moe(x, w, [p[0] for p in pick], None if fused_gu else [p[1] for p in pick],
                                    [p[-1] for p in pick], types, n_ff)
             if call() is None:

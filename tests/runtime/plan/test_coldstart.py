@@ -168,6 +168,32 @@ def test_a_replay_drawn_from_learned_usage_routes_to_the_used_experts() -> None:
     assert len(set(picks)) > g.k                                     # ... a chance
 
 
+def test_learned_decode_dynamics_lower_the_replays_misses_at_a_small_tier() -> None:
+    """The runs' counters become the generator's decode parameters (kept first, then the rest
+    reused), none below ``MIN_DYNAMICS_TOKENS``; a replay with the sticky dynamics such runs
+    show misses less at a tier smaller than the model than the preset's."""
+    from expertfs.runtime.plan.routing import (MIN_DYNAMICS_TOKENS, learned_dynamics, route,
+                                               usage_replay)
+
+    g = qwen()
+    per_token = g.k * len(g.moe_layers)
+    few = {"routes": per_token * (MIN_DYNAMICS_TOKENS - 1), "follows": 1, "kept": 1, "reused": 1}
+    assert learned_dynamics(g, few) is None
+    n = per_token * 100
+    d = learned_dynamics(g, {"routes": n, "follows": n, "kept": n // 2, "reused": n * 9 // 10})
+    assert d.stickiness == pytest.approx(0.5) and d.reuse == pytest.approx(0.8)
+    assert d.tokens == pytest.approx(100) and "50% of experts kept" in d.describe()
+    usage = {(layer, e): 10.0 + e for layer in g.moe_layers for e in range(g.n_experts)}
+    slots = len(g.moe_layers) * g.n_experts // 4
+
+    def miss(dyn) -> float:
+        rp = usage_replay(g, usage, "diffuse", tokens=128, dynamics=dyn)
+        return route(g, rp, 0, slots, experts_on_gpu=False, label="t", synthetic=False).miss_rate
+
+    sticky = learned_dynamics(g, {"routes": n, "follows": n, "kept": n * 8 // 10, "reused": n})
+    assert miss(sticky) < 0.5 * miss(None)
+
+
 def test_no_probe_prices_native_types_at_the_native_kernels_stated_rate(tmp_path, monkeypatch) -> None:
     """With nothing measured or cached, a type the native kernels compute gets their stated
     per-core rate (bounded by the memory bandwidth), not torch dequantization's."""

@@ -138,3 +138,31 @@ def test_popularity_replaces_the_zipf_ranks() -> None:
     for bad in (np.ones((3, 32)), np.zeros((2, 32))):
         with pytest.raises(UsageError):
             list(synthetic_chunks(s, popularity=bad))
+
+
+def test_the_decode_after_a_prompt_keeps_and_reuses_as_told() -> None:
+    """From ``decode_after`` on the stickiness is ``decode_stickiness`` and a share ``reuse``
+    of the other picks goes to experts the run routed to before; the prompt before it keeps
+    the spec's own dynamics, so its routes are as without the decode fields."""
+    base = dict(SMALL, n_experts=256, zipf=0.0, stickiness=0.1, n_tokens=400)
+    plain = _routes(SyntheticSpec(**base))
+    r = _routes(SyntheticSpec(**base, decode_after=40, decode_stickiness=0.6, reuse=0.9))
+    assert np.array_equal(r[:40], plain[:40])
+    dec = r[40:]
+    assert 0.6 < _reuse(dec) < 0.8        # kept, or the same expert reused again
+
+    def reused(x: np.ndarray) -> float:
+        """The share of the decode's picks the run had routed to before at that layer."""
+        hit = n = 0
+        for la in range(x.shape[1]):
+            seen = set(x[:40, la].ravel())
+            for t in range(40, 100):
+                hit += sum(int(e) in seen for e in x[t, la])
+                n += len(x[t, la])
+                seen.update(int(e) for e in x[t, la])
+        return hit / n
+    assert reused(r) > 0.95 and reused(r) > reused(plain) + 0.1
+    with pytest.raises(UsageError, match="decode_stickiness"):
+        SyntheticSpec(**SMALL, decode_stickiness=1.5)
+    with pytest.raises(UsageError, match="reuse"):
+        SyntheticSpec(**SMALL, reuse=2.0)
