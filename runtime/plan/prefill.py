@@ -15,8 +15,13 @@ else the fast synthetic preset) touches in its first b tokens; at the slow end t
 ``slow_replay`` where the routing was measured (this store's trace or its learned usage: what
 its prompts touch is known), else as if routing were uniform and independent,
 ``E · (1 − (1 − k/E)^b)`` (a balanced model's most).
-Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), as the engine
-computes the experts already in while the rest are read.
+Slow end: compute + reads (nothing overlapped) + the CPU the reads take (``Rates.read_cpu``)
+for the bytes read into the tiers' fresh pages, up to the tiers' size: the runtime faults the
+RAM tier in behind the run from its start, but a tier larger than it can fault in before the
+prompt (an uncapped run's) meets the reads on fresh pages, whose first touch is CPU time taken
+from the prompt (on the AVX2 VM 1.4-2.0 s a GB, bench/README.md); fast end: max(compute,
+reads), as the engine computes the experts already in while the rest are read, and the tier
+faulted in ahead of them.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class FirstToken:
     compute_s: tuple[float, float]
     read_bytes: tuple[float, float]
     gemm_gflops: Range
+    fresh_s: float = 0.0               # slow end: CPU of reads into the tiers' fresh pages
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -140,5 +146,6 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                            + 2.0 * head.elements / (gemm.at(end) * 1e9))
     r_slow = reads[0] / (rates.storage.slow * 1e9)
     r_fast = reads[1] / (rates.storage.fast * 1e9)
-    return FirstToken(prompt_tokens, compute[0] + r_slow, max(compute[1], r_fast),
-                      (compute[0], compute[1]), (reads[0], reads[1]), gemm)
+    fresh_s = min(reads[0], tier_slots * ext) / 1e9 * rates.read_cpu.slow
+    return FirstToken(prompt_tokens, compute[0] + r_slow + fresh_s, max(compute[1], r_fast),
+                      (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s)
