@@ -47,13 +47,18 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: how the CPU probes measure; raised when that changes, so no entry of the old way is used
+#: (2: the kernels timed on weights past the last-level cache, ``native._CAP``)
+PROBE_VERSION = 2
+
+
 def cpu_key() -> str:
     import torch
 
     from .native import kernel_info
     k = kernel_info()
     native = f"{k.get('isa')}|{k.get('build')}" if k.get("available") else "no-native"
-    return f"cpu|{_cpu_model()}|{native}|threads {torch.get_num_threads()}"
+    return f"cpu|{_cpu_model()}|{native}|threads {torch.get_num_threads()}|probe {PROBE_VERSION}"
 
 
 def storage_key(path: str, read_bytes: int = 0) -> str:

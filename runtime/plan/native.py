@@ -180,7 +180,8 @@ def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str
         small_rows = min(rows, 16)
         try:
             # copies up to about _CAP bytes, each call the next: from memory, as a decode reads
-            raws = [_raw(ty, rows, m.cols, seed=i) for i in range(max(1, min(16, _CAP // (rows * rb))))]
+            raws = [_raw(ty, rows, m.cols, seed=i)
+                    for i in range(max(1, min(16, _CAP // (rows * rb))))]
             raw, x, at = raws[0], torch.randn(1, m.cols), [0]
             if kernels.matvec(x, raw, t, (rows, m.cols)) is None:
                 continue
@@ -255,9 +256,9 @@ def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = ()
         fused_gu = len(parts) == 2
         n_ff = down.cols
         layer_bytes = sum(m.nbytes for m in parts)
-        # about _CAP bytes of distinct experts (k at least), each call the next k of them, so
-        # their weights come from memory as a decode's do, not from the last-level cache
-        n_dist = max(g.k, min(4 * g.k, _CAP // max(1, layer_bytes)))
+        # about _CAP bytes of distinct experts, each call the next k of them (wrapping around),
+        # so their weights come from memory as a decode's do, not from the last-level cache
+        n_dist = max(1, min(4 * g.k, _CAP // max(1, layer_bytes)))
         try:
             ws = [[_raw(m.ggml_type, m.rows, m.cols, seed=i) for m in parts] for i in range(n_dist)]
             x = torch.randn(1, down.rows)
