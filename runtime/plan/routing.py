@@ -6,12 +6,11 @@ popularity of every expert: a trace is drawn from it (``usage_replay``: each lay
 in proportion to its learned counts, smoothed by ``USAGE_PRIOR``) with a preset's token-to-token
 dynamics (stickiness, cross-layer links), and, where the runs also counted how their decode
 kept and reused experts (``learned_dynamics``), those dynamics for the tokens after the first
-quarter. Otherwise a synthetic trace of the model's geometry
-is generated from a preset of ``trace.synth`` and the result is labelled synthetic. Either way
-the first quarter of the tokens only teaches the usage table (as the store's learned usage
-warms a real run's caches; experts it never saw rank last) and the rest is replayed from that
-warm start, so the rates are steady-state decode, not the cold first tokens.
-Tiers are exclusive (``simulate``'s default); slots hold the model's largest extent and every
+quarter. Otherwise a synthetic trace of the model's geometry is generated from a preset of
+``trace.synth`` and the result is labelled synthetic. Either way the first quarter of the
+tokens only teaches the usage table (as the store's learned usage warms a real run's caches;
+experts it never saw rank last) and the rest is replayed from that warm start, so the rates
+are steady-state decode, not the cold first tokens. Tiers are exclusive (``simulate``'s default); slots hold the model's largest extent and every
 miss reads that layer's extent bytes.
 """
 
