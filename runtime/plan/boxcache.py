@@ -8,7 +8,10 @@ A CPU entry carries the speed check it was measured beside (``native.speed_check
 probing plan uses it, the check runs again (a quarter of a second); when the box's speed has
 moved by more than ``DRIFT`` since, or the entry has no check, the entry is dropped and
 measured anew, so a plan says what the box does now, not what it did when it was busier or
-idler."""
+idler. Every check is also kept (``SPREAD_WINDOW_S``, at most ``SPREAD_CHECKS``): the slowest
+and fastest of them, against the entry's, widen the CPU rates' slow and fast ends
+(``with_spread``), so on a box whose speed moves (a shared machine, a virtual one, thermal
+limits) the band holds what the box has been doing, not one moment of it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import math
 import os
 import platform
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,7 +29,7 @@ from .geometry import Geometry
 from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
-           "gemm_rate", "dequant_rates"]
+           "gemm_rate", "dequant_rates", "spread_of", "with_spread"]
 
 
 def cache_path() -> str:
@@ -110,6 +114,12 @@ def save(data: dict[str, Any]) -> None:
 #: measured anew; within it, the box's drift between runs (bench/README.md)
 DRIFT = 1.25
 
+#: the speed checks that count towards the box's spread: this recent, this many at most
+SPREAD_WINDOW_S = 24 * 3600
+SPREAD_CHECKS = 64
+#: and the most they may widen an end by
+SPREAD_LIMIT = 2.0
+
 _EARLIER = {"on": False}             # set while an entry read from the cache is rebuilt
 
 
@@ -166,6 +176,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
             detail["dropped"] = {"check_gbps_then": then, "check_gbps_now": now}
             entry = {}
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
+        data["speed|" + key] = _recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
         fused = dict(entry.get("fused", {}))
         missing = [m for m in quant if m.ggml_type not in fused]
@@ -200,6 +211,10 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
         and "torch" not in detail
     with _read_back(detail["from_cache"]):
         rates = _from_entry(entry) if entry else stated_cpu()
+    checks = data.get("speed|" + key)
+    if entry and isinstance(entry.get("check_gbps"), (int, float)) and isinstance(checks, list):
+        detail["spread"] = spread_of(checks, float(entry["check_gbps"]))
+        rates = with_spread(rates, *detail["spread"])
     # nothing measured for a type the native kernels compute: their stated rate, not torch's
     from .native import stated_native
     quant = {m.ggml_type for m in cpu_mats if m.ggml_type not in FLOAT_TYPES}
@@ -208,6 +223,49 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
         rates = replace(rates, fused={**stated, **rates.fused})
         detail["stated_native"] = sorted(stated)
     return rates, detail
+
+
+def _recent_checks(old: Any, now: float) -> list[list[float]]:
+    """The kept speed checks ([unix time, GB/s]) still in the window, with ``now`` added."""
+    t = time.time()
+    keep = [c for c in (old if isinstance(old, list) else [])
+            if isinstance(c, list) and len(c) == 2 and t - float(c[0]) <= SPREAD_WINDOW_S]
+    return (keep + [[t, float(now)]])[-SPREAD_CHECKS:]
+
+
+def spread_of(checks: list, ref: float) -> tuple[float, float]:
+    """(slowest, fastest) of the recent checks against ``ref`` (the check the rates were
+    measured beside): at most 1 and at least 1, within ``SPREAD_LIMIT``."""
+    t = time.time()
+    speeds = [float(c[1]) for c in checks if isinstance(c, list) and len(c) == 2
+              and float(c[1]) > 0 and t - float(c[0]) <= SPREAD_WINDOW_S]
+    if not speeds or ref <= 0:
+        return 1.0, 1.0
+    return (max(1 / SPREAD_LIMIT, min(1.0, min(speeds) / ref)),
+            min(SPREAD_LIMIT, max(1.0, max(speeds) / ref)))
+
+
+def with_spread(r: DeviceRates, slow: float, fast: float) -> DeviceRates:
+    """``r`` with its slow end ``slow`` times as fast (rates times it, seconds over it) and its
+    fast end ``fast`` times; the sources say so."""
+    if slow == fast == 1.0:
+        return r
+    note = f" (ends widened x{slow:.2f}-x{fast:.2f}: the box's speed checks of the last day)"
+
+    def rate(x: Range) -> Range:
+        return Range(x.slow * slow, x.fast * fast, x.source + note)
+
+    def secs(x: Range | None) -> Range | None:
+        return None if x is None else Range(x.slow / slow, x.fast / fast, x.source + note)
+
+    def cost(c: LinearCost) -> LinearCost:
+        return LinearCost(secs(c.overhead_s), rate(c.gbps))
+
+    return replace(r, linear={t: cost(c) for t, c in r.linear.items()},
+                   fused={t: cost(c) for t, c in r.fused.items()},
+                   layers={t: cost(c) for t, c in r.layers.items()},
+                   mem_gbps=rate(r.mem_gbps), op_s=secs(r.op_s),
+                   layer_s=secs(r.layer_s), token_s=secs(r.token_s))
 
 
 def gemm_rate(probe: bool = True) -> Range:

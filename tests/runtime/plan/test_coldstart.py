@@ -244,3 +244,40 @@ def test_cached_cpu_rates_are_measured_anew_when_the_box_speed_moved(tmp_path, m
     assert "gemm_gflops" not in boxcache.load()[boxcache.cpu_key()]   # the whole entry went
     _, offline = boxcache.cpu_rates(g, mats, probe=False)          # --no-probe: no check at all
     assert "check_gbps" not in offline
+
+
+def test_the_box_speed_checks_of_the_last_day_widen_the_cpu_rates(tmp_path, monkeypatch) -> None:
+    """Each probing plan keeps its speed check; the slowest and fastest of the last day against
+    the entry's widen the slow and the fast end (rates times, seconds over), within the limit;
+    ``--no-probe`` applies the kept spread too."""
+    import dataclasses
+    import time
+
+    from expertfs.runtime.plan import native
+    from expertfs.runtime.plan.rates import LinearCost, stated_cpu
+
+    assert boxcache.spread_of([], 10.0) == (1.0, 1.0)
+    now = time.time()
+    assert boxcache.spread_of([[now, 8.0], [now, 12.0]], 10.0) == pytest.approx((0.8, 1.2))
+    assert boxcache.spread_of([[now, 1.0], [now - 2 * 86400, 100.0]], 10.0) == (0.5, 1.0)
+    c = LinearCost(Range(2e-5, 1e-5, "o"), Range(4.0, 6.0, "g"))
+    r = boxcache.with_spread(dataclasses.replace(stated_cpu(), fused={"Q4_K": c}), 0.5, 1.5)
+    q = r.fused["Q4_K"]
+    assert (q.gbps.slow, q.gbps.fast) == pytest.approx((2.0, 9.0))
+    assert (q.overhead_s.slow, q.overhead_s.fast) == pytest.approx((4e-5, 1e-5 / 1.5))
+    assert "speed checks" in q.gbps.source
+
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    g = qwen()
+    mats = [m for layer in g.expert_parts for m in layer]
+    monkeypatch.setattr(native, "speed_check", lambda: 10.0)
+    base, d0 = boxcache.cpu_rates(g, mats, probe=True)
+    assert d0["spread"] == (1.0, 1.0)
+    monkeypatch.setattr(native, "speed_check", lambda: 8.5)       # slower, within the drift
+    slower, d1 = boxcache.cpu_rates(g, mats, probe=True)
+    assert d1["spread"] == pytest.approx((0.85, 1.0)) and d1["from_cache"]
+    key = sorted(base.layers)[0]
+    assert slower.layers[key].gbps.slow == pytest.approx(0.85 * base.layers[key].gbps.slow)
+    assert slower.layers[key].gbps.fast == pytest.approx(base.layers[key].gbps.fast)
+    _, offline = boxcache.cpu_rates(g, mats, probe=False)
+    assert offline["spread"] == pytest.approx((0.85, 1.0))
