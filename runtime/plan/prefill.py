@@ -15,13 +15,12 @@ else the fast synthetic preset) touches in its first b tokens; at the slow end t
 ``slow_replay`` where the routing was measured (this store's trace or its learned usage: what
 its prompts touch is known), else as if routing were uniform and independent,
 ``E · (1 − (1 − k/E)^b)`` (a balanced model's most).
-Slow end: compute + reads (nothing overlapped) + the CPU the reads take (``Rates.read_cpu``)
-for the bytes read into the tiers' fresh pages, up to the tiers' size: the runtime faults the
-RAM tier in behind the run from its start, but a tier larger than it can fault in before the
-prompt (an uncapped run's) meets the reads on fresh pages, whose first touch is CPU time taken
-from the prompt (on the AVX2 VM 1.4-2.0 s a GB, bench/README.md); fast end: max(compute,
-reads), as the engine computes the experts already in while the rest are read, and the tier
-faulted in ahead of them.
+Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), as the engine
+computes the experts already in while the rest are read. Both ends add to the compute the CPU
+the reads take (``Rates.read_cpu``, at that end) for the bytes read into the tiers' fresh
+pages, up to the tiers' size: whether the runtime's background fault-in or the read touches a
+fresh page first, that touch is CPU time on the cores the prompt computes on (on the AVX2 VM
+1.4-2.0 s a GB, most of an uncapped full-depth prompt's time, bench/README.md).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class FirstToken:
     compute_s: tuple[float, float]
     read_bytes: tuple[float, float]
     gemm_gflops: Range
-    fresh_s: float = 0.0               # slow end: CPU of reads into the tiers' fresh pages
+    fresh_s: tuple[float, float] = (0.0, 0.0)   # CPU of reads into the tiers' fresh pages
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -146,6 +145,8 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                            + 2.0 * head.elements / (gemm.at(end) * 1e9))
     r_slow = reads[0] / (rates.storage.slow * 1e9)
     r_fast = reads[1] / (rates.storage.fast * 1e9)
-    fresh_s = min(reads[0], tier_slots * ext) / 1e9 * rates.read_cpu.slow
-    return FirstToken(prompt_tokens, compute[0] + r_slow + fresh_s, max(compute[1], r_fast),
+    fresh_s = (min(reads[0], tier_slots * ext) / 1e9 * rates.read_cpu.slow,
+               min(reads[1], tier_slots * ext) / 1e9 * rates.read_cpu.fast)
+    return FirstToken(prompt_tokens, compute[0] + fresh_s[0] + r_slow,
+                      max(compute[1] + fresh_s[1], r_fast),
                       (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s)

@@ -117,8 +117,8 @@ def format_plan(p: Plan) -> str:
                          f"{ft.compute_s[0]:.1f} s at {ft.gemm_gflops.slow:.0f}-"
                          f"{ft.gemm_gflops.fast:.0f} GFLOP/s; {ft.read_bytes[1] / 2**30:.2f}-"
                          f"{ft.read_bytes[0] / 2**30:.2f} GiB of experts read into the cold tiers"
-                         + (f"; at the slow end {ft.fresh_s:.1f} s of CPU faulting in the tiers' "
-                            "fresh pages" if ft.fresh_s >= 0.05 else "") + ")")
+                         + (f"; {ft.fresh_s[1]:.1f}-{ft.fresh_s[0]:.1f} s of CPU faulting in "
+                            "the tiers' fresh pages" if ft.fresh_s[0] >= 0.05 else "") + ")")
     else:
         lines.append("")
         lines.append("predicted decode: none (the model cannot run on this box)")

@@ -70,24 +70,25 @@ def test_a_tier_that_keeps_the_prompts_experts_reads_them_once(g):
     assert first_token(g, rates, g.n_decode_experts, 1024, GEMM).read_bytes[0] == pytest.approx(one)
 
 
-def test_the_slow_end_pays_for_faulting_in_the_tiers_fresh_pages(g):
+def test_both_ends_pay_for_faulting_in_the_tiers_fresh_pages(g):
     """Bytes read into the tiers' fresh pages, up to the tiers' size, cost the read CPU of
-    fresh memory at the slow end; the fast end has the tier faulted in ahead."""
+    fresh memory on top of the compute, at either end."""
     from dataclasses import replace
-    rates = replace(rates_for(g), read_cpu=Range(2.0, 2.0, "t"))
+    rates = replace(rates_for(g), read_cpu=Range(2.0, 1.5, "t"))
     none = first_token(g, rates, 0, 64, GEMM)
     ext = sum(g.extent_bytes) / len(g.moe_layers)
     small, big = 3, g.n_decode_experts
     for slots in (small, big):
         ft = first_token(g, rates, slots, 64, GEMM)
-        fresh = min(ft.read_bytes[0], slots * ext) / 1e9 * 2.0
-        assert ft.fresh_s == pytest.approx(fresh) and fresh > 0
-        assert ft.s_slow == pytest.approx(ft.compute_s[0] + ft.read_bytes[0]
-                                          / (rates.storage.slow * 1e9) + fresh)
-        assert ft.s_fast == pytest.approx(max(ft.compute_s[1],
+        fresh = (min(ft.read_bytes[0], slots * ext) / 1e9 * 2.0,
+                 min(ft.read_bytes[1], slots * ext) / 1e9 * 1.5)
+        assert ft.fresh_s == pytest.approx(fresh) and min(fresh) > 0
+        assert ft.s_slow == pytest.approx(ft.compute_s[0] + fresh[0] + ft.read_bytes[0]
+                                          / (rates.storage.slow * 1e9))
+        assert ft.s_fast == pytest.approx(max(ft.compute_s[1] + fresh[1],
                                               ft.read_bytes[1] / (rates.storage.fast * 1e9)))
-    assert none.fresh_s == 0
-    assert first_token(g, rates, big, 64, GEMM).fresh_s > first_token(g, rates, small, 64, GEMM).fresh_s
+    assert none.fresh_s == (0.0, 0.0)
+    assert first_token(g, rates, big, 64, GEMM).fresh_s[0] > first_token(g, rates, small, 64, GEMM).fresh_s[0]
 
 
 def test_gemm_rate_measured_or_stated():
