@@ -27,8 +27,10 @@ __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trun
 _CAP = 96 << 20
 
 #: the native kernels' one-token rate when nothing was measured: weights a second per core at
-#: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth
-STATED_NATIVE_GWPS = (3.0, 6.0)
+#: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth.
+#: The probe measured 10-13 G weights/s a core on the 2-core AVX2 EPYC (Q4_K, weights from
+#: memory, bench/README.md); the slow end is half that, for a busier or older core
+STATED_NATIVE_GWPS = (5.0, 11.0)
 #: and the time of one call beyond its bytes (thread wake-up, activation preparation)
 STATED_NATIVE_CALL_S = (20e-6, 10e-6)
 
