@@ -21,15 +21,15 @@ __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trun
            "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S",
            "probe_dequant", "wide_limits", "speed_check"]
 
-#: bytes of weights one timing streams through: past the last-level cache (32 MiB on the AVX2
-#: box; 24 MiB fitted in it, and the probe priced a decode 1.5x faster than it ran, where every
-#: token reads its ~1 GB of weights from memory), short enough to time
+#: bytes of weights one timing streams through: past a desktop or server last-level cache, as a
+#: decode's weights come from memory (timed inside the cache, the probe priced a full-depth
+#: decode well faster than it ran, bench/README.md), short enough to time
 _CAP = 96 << 20
 
 #: the native kernels' one-token rate when nothing was measured: weights a second per core at
-#: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth.
-#: The probe measured 10-13 G weights/s a core on the 2-core AVX2 EPYC (Q4_K, weights from
-#: memory, bench/README.md); the slow end is half that, for a busier or older core
+#: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth:
+#: the fast end what the probe measures on the AVX2 box (bench/README.md), the slow end about
+#: half of it, for a busier or older core
 STATED_NATIVE_GWPS = (5.0, 11.0)
 #: and the time of one call beyond its bytes (thread wake-up, activation preparation)
 STATED_NATIVE_CALL_S = (20e-6, 10e-6)

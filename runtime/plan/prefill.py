@@ -19,8 +19,8 @@ Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), a
 computes the experts already in while the rest are read. Both ends add to the compute the CPU
 the reads take (``Rates.read_cpu``, at that end) for the bytes read into the tiers' fresh
 pages, up to the tiers' size: whether the runtime's background fault-in or the read touches a
-fresh page first, that touch is CPU time on the cores the prompt computes on (on the AVX2 VM
-1.4-2.0 s a GB, most of an uncapped full-depth prompt's time, bench/README.md).
+fresh page first, that touch is CPU time on the cores the prompt computes on (on a virtual
+machine, most of an uncapped full-depth prompt's time, bench/README.md).
 """
 
 from __future__ import annotations
