@@ -212,7 +212,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
     with _read_back(detail["from_cache"]):
         rates = _from_entry(entry) if entry else stated_cpu()
     checks = data.get("speed|" + key)
-    if entry and isinstance(entry.get("check_gbps"), (int, float)) and isinstance(checks, list):
+    if entry and isinstance(entry.get("check_gbps"), (int, float)) and checks:
         detail["spread"] = spread_of(checks, float(entry["check_gbps"]))
         rates = with_spread(rates, *detail["spread"])
     # nothing measured for a type the native kernels compute: their stated rate, not torch's
@@ -225,20 +225,22 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
     return rates, detail
 
 
-def _recent_checks(old: Any, now: float) -> list[list[float]]:
-    """The kept speed checks ([unix time, GB/s]) still in the window, with ``now`` added."""
+def _in_window(checks: Any) -> list[list[float]]:
+    """The kept speed checks ([unix time, GB/s]) of the last ``SPREAD_WINDOW_S``."""
     t = time.time()
-    keep = [c for c in (old if isinstance(old, list) else [])
+    return [[float(c[0]), float(c[1])] for c in (checks if isinstance(checks, list) else [])
             if isinstance(c, list) and len(c) == 2 and t - float(c[0]) <= SPREAD_WINDOW_S]
-    return (keep + [[t, float(now)]])[-SPREAD_CHECKS:]
 
 
-def spread_of(checks: list, ref: float) -> tuple[float, float]:
+def _recent_checks(old: Any, now: float) -> list[list[float]]:
+    """The kept speed checks still in the window, with ``now`` added."""
+    return (_in_window(old) + [[time.time(), float(now)]])[-SPREAD_CHECKS:]
+
+
+def spread_of(checks: Any, ref: float) -> tuple[float, float]:
     """(slowest, fastest) of the recent checks against ``ref`` (the check the rates were
     measured beside): at most 1 and at least 1, within ``SPREAD_LIMIT``."""
-    t = time.time()
-    speeds = [float(c[1]) for c in checks if isinstance(c, list) and len(c) == 2
-              and float(c[1]) > 0 and t - float(c[0]) <= SPREAD_WINDOW_S]
+    speeds = [c[1] for c in _in_window(checks) if c[1] > 0]
     if not speeds or ref <= 0:
         return 1.0, 1.0
     return (max(1 / SPREAD_LIMIT, min(1.0, min(speeds) / ref)),
