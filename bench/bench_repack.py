@@ -25,7 +25,10 @@ reading every window back whole, each of a fresh copy of the model made untimed 
 (the in-place run destroys its source; the copy then replaces the model for the others). The
 page cache is dropped before each, the peak disk is sampled, the first in-place store is
 checked byte for byte against the model (``expertfs verify --source``), and the medians are
-printed. Needs twice the model's size free; the model is kept.
+printed. Needs twice the model's size free; the model is kept. ``--with-delete`` adds the
+other way to end with the store alone: a normal repack of the copy, then the copy deleted
+and the file system synced, timed together (on a mount with online ``discard`` the delete
+sends the freed blocks to the device, as the in-place run's hole punches do).
 
     sudo .venv/bin/python bench/bench_repack.py --compare /work/m.gguf --rounds 3 --full-readback
 """
@@ -174,7 +177,7 @@ def _one(kind: str, model: str, d: str) -> tuple[float, float]:
     for p in (copy, store):
         _rm(p)
     shutil.copyfile(model, copy)
-    if not kind.startswith("consume"):
+    if kind in ("cp", "normal"):
         os.replace(copy, model)
     drop_caches()
     base = _used(d)
@@ -186,6 +189,13 @@ def _one(kind: str, model: str, d: str) -> tuple[float, float]:
     elif kind == "normal":                       # peaks count the model: (model + extra) / model
         dt, peak = sampled([BIN, "repack", model, "-o", store, "--json"], d)
         base -= size
+    elif kind == "normal+delete":                # then the source goes, durably
+        base -= size
+        dt, peak = sampled([BIN, "repack", copy, "-o", store, "--json"], d)
+        t0 = time.perf_counter()
+        os.unlink(copy)
+        subprocess.run(["sync"], check=True)
+        dt += time.perf_counter() - t0
     else:
         base -= size                             # the copy being consumed is the model here
         dt, peak = sampled([BIN, "repack", copy, "-o", store, "--consume-source", "--json"]
@@ -193,10 +203,11 @@ def _one(kind: str, model: str, d: str) -> tuple[float, float]:
     return dt, (peak - base) / size
 
 
-def run_compare(model: str, rounds: int, full: bool) -> dict:
+def run_compare(model: str, rounds: int, full: bool, delete: bool = False) -> dict:
     import statistics
     d = os.path.dirname(os.path.abspath(model))
-    kinds = ["cp", "normal", "consume"] + (["consume-full"] if full else [])
+    kinds = (["cp", "normal"] + (["normal+delete"] if delete else []) + ["consume"]
+             + (["consume-full"] if full else []))
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
     checked = None
     for r in range(rounds):
@@ -230,9 +241,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--full-readback", action="store_true",
                     help="with --compare, also time --consume-source --full-readback")
+    ap.add_argument("--with-delete", action="store_true",
+                    help="with --compare, also time a normal repack then deleting its source")
     a = ap.parse_args()
     if a.compare:
-        res = run_compare(a.compare, a.rounds, a.full_readback)
+        res = run_compare(a.compare, a.rounds, a.full_readback, a.with_delete)
         if a.json:
             print(json.dumps(res, indent=2))
             return 0
