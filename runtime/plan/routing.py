@@ -87,12 +87,13 @@ def learned_dynamics(g: Geometry, counters: dict[str, int]) -> Dynamics | None:
     ``reuse``: the share of the rest that the run had routed to before (the generator keeps
     first, then reuses: a route reused in all is kept or else reused)."""
     routes, follows = counters.get("routes", 0), counters.get("follows", 0)
-    if not g.k or not g.moe_layers or routes / g.k / len(g.moe_layers) < MIN_DYNAMICS_TOKENS:
+    tokens = routes / g.k / len(g.moe_layers) if g.k and g.moe_layers else 0.0
+    if tokens < MIN_DYNAMICS_TOKENS:
         return None
     s = counters.get("kept", 0) / follows if follows else 0.0
     u = counters.get("reused", 0) / routes
     r = (u - s) / (1.0 - s) if s < 1.0 else 1.0
-    return Dynamics(min(1.0, max(0.0, s)), min(1.0, max(0.0, r)), routes / g.k / len(g.moe_layers))
+    return Dynamics(min(1.0, max(0.0, s)), min(1.0, max(0.0, r)), tokens)
 
 
 def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
@@ -103,9 +104,6 @@ def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
     ``USAGE_PRIOR``. With ``dynamics`` the tokens after the first quarter (what ``route``
     learns from, as a run's decode follows its prompt) keep and reuse experts as the store's
     runs did."""
-    if dynamics is not None:
-        spec = (f"{spec},decode_after={max(1, tokens // 4)},"
-                f"decode_stickiness={dynamics.stickiness:.6f},reuse={dynamics.reuse:.6f}")
     import numpy as np
 
     pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
@@ -115,6 +113,9 @@ def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
             pop[row[layer], e] += max(0.0, float(c))
     s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_experts, k=g.k,
                    n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
+    if dynamics is not None:
+        s = dataclasses.replace(s, decode_after=max(1, tokens // 4),
+                                decode_stickiness=dynamics.stickiness, reuse=dynamics.reuse)
     header = dataclasses.replace(synthetic_header(s), expert_bytes=g.extent_bytes)
     return Replay.from_chunks(header, synthetic_chunks(s, popularity=pop))
 
