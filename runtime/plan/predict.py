@@ -22,11 +22,12 @@ from .budget import Box, Memory, Note, _gib, trunk_reads
 from .coldstart import start_terms
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
+from .overlap import OVERLAP_DETAIL, decode_overlap
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
                     stated_pcie, stated_storage, storage_from_profile)
 
 __all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "Routing", "RoutingRange", "Term",
-           "Prediction", "Option", "Plan", "PCIE_GENS", "predict", "predict_option", "ideal_routing",
+           "Prediction", "Option", "Plan", "PCIE_GENS", "predict", "predict_option",
            "choose", "advise", "make_plan", "plan_to_dict", "stated_storage", "stated_pcie",
            "stated_cpu", "stated_gpu", "storage_from_profile"]
 
@@ -171,6 +172,8 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                            + (f" + {syncs} device syncs" if syncs else "") + ")"))
     compute = both(lambda e: sum(t.slow_s if e == "slow" else t.fast_s for t in terms
                                  if t.name not in _IO_TERMS))
+    ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if measured else 0.0
+    terms += [Term("overlap", -ov, 0.0, OVERLAP_DETAIL)] if ov > 0 else []
     terms += [Term(*t) for t in start_terms(
         g, hits=both(lambda e: 1 - routing.at(e).miss_rate), ram_tier_bytes=mem.ram.tier_bytes,
         tier_bytes=mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0),
@@ -178,7 +181,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
         prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover),
         read_cpu=rates.read_cpu, compute_s=compute)]
     slow = sum(t.slow_s for t in terms)
-    compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS)
+    compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}
     fast, dom_slow = max(compute_fast, *io.values()), max(terms, key=lambda t: t.slow_s).name
     io_fast = max(io, key=lambda c: io[c])
@@ -324,12 +327,6 @@ class Plan:
         args += [f"--trunk {m.placement.trunk_mode}", f"--ctx {self.box.ctx}"]
         args += [f"-n {self.box.n_predict}"] if self.box.n_predict != 64 else []
         return " ".join(args)
-
-
-def ideal_routing(policy: str = "") -> RoutingRange:
-    """Every expert already in VRAM: no NVMe or PCIe bytes (an upper bound on tokens/s)."""
-    r = Routing("every expert cached", False, policy, 1, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    return RoutingRange(r, r)
 
 
 def predict_option(g: Geometry, box: Box, mem: Memory, rates: Rates | None,

@@ -21,7 +21,7 @@ import os
 
 from ...errors import UsageError
 from .geometry import Geometry
-from .predict import Routing
+from .predict import Routing, RoutingRange
 from ..policies.base import CapacityError, usage_rates
 from ..policies.registry import DEFAULT_POLICY, make_factory
 from ..sim.replay import Replay, simulate, usage_counts
@@ -30,7 +30,7 @@ from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_heade
 
 __all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKENS",
            "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "synthetic_replay",
-           "usage_replay", "usage_tokens", "trace_replay", "route"]
+           "usage_replay", "usage_tokens", "trace_replay", "route", "ideal_routing"]
 
 #: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
 #: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
@@ -203,3 +203,8 @@ def route(g: Geometry, replay: Replay, vram_slots: int, ram_slots: int, *, exper
     return Routing(label, synthetic, policy, tokens, r.vram_hits / accesses, r.ram_hits / accesses,
                    r.misses / accesses, r.bytes_nvme * per, h2d * per, r.bytes_d2h * per)
 
+
+def ideal_routing(policy: str = "") -> RoutingRange:
+    """Every expert already in VRAM: no NVMe or PCIe bytes (an upper bound on tokens/s)."""
+    r = Routing("every expert cached", False, policy, 1, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return RoutingRange(r, r)

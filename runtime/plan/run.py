@@ -17,13 +17,13 @@ from typing import Any
 from ...errors import UsageError
 from .budget import Box, Memory, candidates
 from .geometry import Geometry
-from .predict import (Option, Plan, Rates, RoutingRange, ideal_routing, make_plan,
+from .predict import (Option, Plan, Rates, RoutingRange, make_plan,
                       predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
                       storage_from_profile)
 from .rates import Range, read_cpu_from
 from .model import load_geometry
 from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
-                      learned_dynamics, route, synthetic_replay, trace_replay, usage_replay,
+                      ideal_routing, learned_dynamics, route, synthetic_replay, trace_replay, usage_replay,
                       usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
