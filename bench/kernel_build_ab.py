@@ -5,7 +5,9 @@ products alternate between the builds round by round, so the box's drift falls o
 ``--before`` is the folder of an earlier build (``~/.cache/expertfs/kernels/expertfs_kernels_*``:
 check out the earlier sources and import ``expertfs.runtime.kernels`` once to build it); the
 working tree's build is the other. Weights are random valid blocks, hot in the cache after the
-first call; the figure per shape is the median over ``--rounds`` of each build's G weights/s
+first call, or with ``--cold MB`` that many MiB of copies taken in turn, so each product reads
+its weights from memory as a decode step does (past the last-level cache; for prefetch
+changes); the figure per shape is the median over ``--rounds`` of each build's G weights/s
 (rows x cols / seconds a product, whatever the token count).
 
     .venv/bin/python bench/kernel_build_ab.py --before ~/.cache/expertfs/kernels/X \\
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--act-quant", default="off", choices=("off", "q8"))
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cold", type=int, default=0, metavar="MB",
+                    help="rotate over this many MiB of copies of each matrix (0: one, hot)")
     a = ap.parse_args()
     from expertfs.formats.ggml import GGMLType, block_size
     from expertfs.formats.random_blocks import make_blocks
@@ -68,16 +72,17 @@ def main() -> None:
                 continue
             blocks = make_blocks(t, rows * cols // block_size(t), 0.05, rng)
             raw = torch.from_numpy(blocks.reshape(-1).copy()).view(torch.uint8)
+            raws = [raw] + [raw.clone() for _ in range((a.cold << 20) // raw.numel())]
             for nt in (int(v) for v in a.tokens.split(",")):
                 x = torch.randn(nt, cols)
-                n = max(3, int(3e8 / (rows * cols)))
+                n = max(3, int(3e8 / (rows * cols)), len(raws))
                 res: dict[str, list[float]] = {"before": [], "after": []}
                 for _ in range(a.rounds):
                     for tag, m in (("before", before), ("after", after)):
                         m.matvec(x, raw, int(t), rows, cols, mode)
                         t0 = time.perf_counter()
-                        for _ in range(n):
-                            m.matvec(x, raw, int(t), rows, cols, mode)
+                        for i in range(n):
+                            m.matvec(x, raws[i % len(raws)], int(t), rows, cols, mode)
                         res[tag].append(rows * cols * n / (time.perf_counter() - t0) / 1e9)
                 b, f = (statistics.median(res[k]) for k in ("before", "after"))
                 print(f"{t.name:8s} {rows}x{cols} tokens {nt}: before {b:6.2f}, after {f:6.2f} "

@@ -125,27 +125,42 @@ EFS_TI __m256 pair_scale(__m256 s, int p) {
     return _mm256_permutevar8x32_ps(s, idx);
 }
 
-// Software prefetch of a row about 2 KiB ahead of the one being read: every expert matrix
-// spans many 4 KiB pages and hardware prefetchers stop at page boundaries. (The AVX-512 units'
-// own kernels; the AVX2 kernels stream, below.)
-EFS_TI int64_t pf_ahead(int64_t rb) { return rb >= 2048 ? 1 : (2048 + rb - 1) / rb; }
-EFS_TI void pf_row(const uint8_t* p, int64_t rb) {
-    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
-}
-
 // Software prefetch as a stream: a kernel keeps a cursor PF_DIST bytes ahead of the block it
 // is about to read and, block by block, issues the cache lines the cursor passes, one or a
 // few per block. Hardware prefetchers stop at 4 KiB page boundaries; prefetching a whole row
 // at once instead (a burst of 50-70 lines at each row's start) fills the line-fill buffers the
 // block's own loads need and was slower than no software prefetch at all. The cursor starts
 // PF_DIST past the first row: the chunk before it in memory, whichever thread took it,
-// streamed that far. Prefetching past the end of the matrix is harmless (no fault).
+// streamed that far. Prefetching past the end of the matrix is harmless (no fault). Every
+// unit's one-row kernels use it (the AVX-512 ones too: their bursts measured slower on a CPU
+// with full-width AVX-512, bench/README.md).
 constexpr int64_t PF_DIST = 4096;
 EFS_TI const char* pf_start(const uint8_t* first) { return (const char*)first + PF_DIST; }
 EFS_TI void pf_next(const char*& pf, const uint8_t* end) {   // end: past the bytes read next
     const char* to = (const char*)end + PF_DIST;
     for (; pf < to; pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
 }
+
+// The AVX-512 two-row kernels read rows r and r + 1 side by side, block by block: two streams
+// a row apart. Each gets a cursor one row pair ahead (the same block of the next pair's row),
+// moved on block by block as pf_next does; a burst of both rows' lines at each pair's start
+// left the next pair's first blocks waiting on memory and ran the 151936 x 2048 Q6_K output
+// head at half ggml's speed on a CPU with full-width AVX-512 (bench/README.md).
+struct PfPair {
+    const char* a;
+    const char* b;
+    int64_t d;
+    EFS_TI explicit PfPair(int64_t rb) : a(nullptr), b(nullptr), d(2 * rb) {}
+    // at block i of the pair (b0, b1 there), up to the end of that block in the next pair
+    EFS_TI void next(const uint8_t* b0, const uint8_t* b1, int64_t bytes) {
+        const char* ta = (const char*)(b0 + d + bytes);
+        const char* tb = (const char*)(b1 + d + bytes);
+        if (a < ta - bytes) a = ta - bytes;         // a new pair: the other cursor took the gap
+        if (b < tb - bytes) b = tb - bytes;
+        for (; a < ta; a += 64) _mm_prefetch(a, _MM_HINT_T0);
+        for (; b < tb; b += 64) _mm_prefetch(b, _MM_HINT_T0);
+    }
+};
 
 struct Out {
     float* y;

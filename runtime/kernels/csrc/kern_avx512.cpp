@@ -30,13 +30,6 @@ EFS_ZI float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// Software prefetch about 2 KiB ahead: the row ``ahead`` rows on, one line at a time.
-EFS_ZI int64_t pf_ahead_z(int64_t rb) { return rb >= 2048 ? 1 : (2048 + rb - 1) / rb; }
-
-EFS_ZI void pf_row_z(const uint8_t* row, int64_t rb) {
-    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)row + o, _MM_HINT_T0);
-}
-
 EFS_ZI float f16_z(const uint8_t* p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -68,15 +61,15 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xz[t] = xs[t].xz; s32[t] = xs[t].s32; }
     const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int64_t ahead = pf_ahead_z(rb);
     alignas(32) float scs[8];
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row_z(b + ahead * rb, rb);
         __m512 acc[NT];
         __m256 am[NT];
         for (int t = 0; t < NT; ++t) { acc[t] = _mm512_setzero_ps(); am[t] = _mm256_setzero_ps(); }
         for (int64_t i = 0; i < nb; ++i, b += 144) {
+            pf_next(pf, b + 144);
             const __m256 mn = q45_scales(b, scs);
             for (int t = 0; t < NT; ++t)
                 am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
@@ -162,16 +155,16 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const int64_t nb = cols / 32;
     const float* xn[NT];
     for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
-    const int64_t ahead = pf_ahead_z(rb);
     int64_t r = r0;
     if constexpr (NT >= 4) {
+        PfPair pp(rb);
         for (; r + 2 <= r1; r += 2) {
             const uint8_t* b0 = W + r * rb;
             const uint8_t* b1 = b0 + rb;
-            pf_row_z(b0 + 2 * ahead * rb, 2 * rb);
             __m512 a0[NT], a1[NT];
             for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
             for (int64_t i = 0; i < nb; ++i, b0 += Z::BYTES, b1 += Z::BYTES) {
+                pp.next(b0, b1, Z::BYTES);
                 __m512 l0, h0, l1, h1;
                 Z::w(b0, l0, h0);
                 Z::w(b1, l1, h1);
@@ -193,13 +186,14 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             }
         }
     }
+    const char* pf = pf_start(W + r * rb);
     for (; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row_z(b + ahead * rb, rb);
         __m512 acc0[NT], acc1[NT];
         for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
         int64_t i = 0;
         for (; i + 2 <= nb; i += 2, b += 2 * Z::BYTES) {
+            pf_next(pf, b + 2 * Z::BYTES);
             block_z<NT, Z>(b, xn, 32 * i, acc0);
             block_z<NT, Z>(b + Z::BYTES, xn, 32 * i + 32, acc1);
         }

@@ -68,13 +68,13 @@ EFS_Z void ex_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
     const int64_t nb = cols / 256;
     const float* xp[NT];
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m512 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+            pf_next(pf, b + D::BYTES);
             const float df = D::d(b) * D::F;
             for (int ib = 0; ib < 8; ++ib) {
                 int l0, l1;
@@ -152,14 +152,14 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
     const int64_t nb = cols / 256;
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+            pf_next(pf, b + D::BYTES);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
             for (int ib = 0; ib < 8; ib += 2) {
@@ -206,14 +206,14 @@ EFS_Z void q8_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i dup = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
     const __m512i sh = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 2 <= nb; i += 2, b += 36) {
+            pf_next(pf, b + 36);
             // [lo nibbles | hi nibbles] of block i, then of block i + 1, as kvalues
             const __m512i v = _mm512_castsi256_si512(_mm256_set_m128i(loadu128(b + 20),
                                                                       loadu128(b + 2)));

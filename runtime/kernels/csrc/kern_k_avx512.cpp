@@ -122,15 +122,15 @@ EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
     const __m512 moff = magic2(0.f);
     alignas(64) float scs[16];
-    const int64_t ahead = pf_ahead(rb);
+    PfPair pf(rb);
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
-        pf_row(b0 + 2 * ahead * rb, 2 * rb);
         __m512 a0[NT], a1[NT], am[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b0 += BYTES, b1 += BYTES) {
+            pf.next(b0, b1, BYTES);
             __m256 mn[2];
             for (int k = 0; k < 2; ++k) {
                 const uint8_t* b = k ? b1 : b0;
@@ -175,15 +175,15 @@ EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512 moff = magic2(32.f);
-    const int64_t ahead = pf_ahead(rb);
+    PfPair pf(rb);
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
-        pf_row(b0 + 2 * ahead * rb, 2 * rb);
         __m512 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b0 += 210, b1 += 210) {
+            pf.next(b0, b1, 210);
             const __m256 d0 = _mm256_set1_ps(f16(b0 + 208)), d1 = _mm256_set1_ps(f16(b1 + 208));
             const __m512 S[2] = {ps2(_mm256_mul_ps(d0, i8x8_ps(b0 + 192)),
                                      _mm256_mul_ps(d1, i8x8_ps(b1 + 192))),
@@ -224,15 +224,15 @@ EFS_Z void ex_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m512 moff = magic2(0.f);
-    const int64_t ahead = pf_ahead(rb);
+    PfPair pf(rb);
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
-        pf_row(b0 + 2 * ahead * rb, 2 * rb);
         __m512 a0[NT], a1[NT], am[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b0 += 84, b1 += 84) {
+            pf.next(b0, b1, 84);
             __m256 S[2][2], M[2][2];                    // [row][half]
             for (int k = 0; k < 2; ++k) {
                 const uint8_t* b = k ? b1 : b0;
@@ -278,15 +278,15 @@ EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
     const __m512i m3 = _mm512_set1_epi8(3), m04 = _mm512_set1_epi8(4);
     const __m512 moff = magic2(4.f);
-    const int64_t ahead = pf_ahead(rb);
+    PfPair pf(rb);
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
-        pf_row(b0 + 2 * ahead * rb, 2 * rb);
         __m512 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b0 += 110, b1 += 110) {
+            pf.next(b0, b1, 110);
             __m256 S[2][2];
             for (int k = 0; k < 2; ++k) {
                 const uint8_t* b = k ? b1 : b0;
@@ -381,14 +381,14 @@ EFS_Z void q8_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 acc[NT];
         float accm[NT];
         for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
         for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            pf_next(pf, b + BYTES);
             uint32_t u[4];
             k4_scales_u(b + 4, u);
             const uint8_t* sc = (const uint8_t*)&u[0];
@@ -440,13 +440,13 @@ EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i m32 = _mm256_set1_epi8(32);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 210) {
+            pf_next(pf, b + 210);
             const int8_t* sc = (const int8_t*)(b + 192);
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
@@ -490,14 +490,14 @@ EFS_Z void q8_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const __m256i m3 = _mm256_set1_epi8(3);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 acc[NT];
         float accm[NT];
         for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
         for (int64_t i = 0; i < nb; ++i, b += 84) {
+            pf_next(pf, b + 84);
             const uint8_t* sc = b;
             const float dmin = f16(b + 82), d = f16(b + 80);
             __m256i sumi[NT];
@@ -537,13 +537,13 @@ EFS_Z void q8_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
-    const int64_t ahead = pf_ahead(rb);
+    const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
-        pf_row(b + ahead * rb, rb);
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 110) {
+            pf_next(pf, b + 110);
             int8_t sc[16];
             q3k_scales(b + 96, sc);
             __m256i hb = loadu256(b);
