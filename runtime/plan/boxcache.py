@@ -29,7 +29,8 @@ from .geometry import Geometry
 from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
-           "gemm_rate", "dequant_rates", "spread_of", "with_spread"]
+           "gemm_rate", "dequant_rates", "spread_of", "with_spread", "recent_checks",
+           "storage_spread"]
 
 
 def cache_path() -> str:
@@ -176,7 +177,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
             detail["dropped"] = {"check_gbps_then": then, "check_gbps_now": now}
             entry = {}
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
-        data["speed|" + key] = _recent_checks(data.get("speed|" + key), now)
+        data["speed|" + key] = recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
         fused = dict(entry.get("fused", {}))
         missing = [m for m in quant if m.ggml_type not in fused]
@@ -232,7 +233,7 @@ def _in_window(checks: Any) -> list[list[float]]:
             if isinstance(c, list) and len(c) == 2 and t - float(c[0]) <= SPREAD_WINDOW_S]
 
 
-def _recent_checks(old: Any, now: float) -> list[list[float]]:
+def recent_checks(old: Any, now: float) -> list[list[float]]:
     """The kept speed checks still in the window, with ``now`` added."""
     return (_in_window(old) + [[time.time(), float(now)]])[-SPREAD_CHECKS:]
 
@@ -245,6 +246,21 @@ def spread_of(checks: Any, ref: float) -> tuple[float, float]:
         return 1.0, 1.0
     return (max(1 / SPREAD_LIMIT, min(1.0, min(speeds) / ref)),
             min(SPREAD_LIMIT, max(1.0, max(speeds) / ref)))
+
+
+def storage_spread(rng: Range, checks: Any) -> Range:
+    """The drive's cached ``rng`` (GB/s) widened to the slowest and fastest storage check of
+    the last day (each a short point at the slow end's depth, ``probe.storage_check``): a
+    virtual or shared disk, or one whose cache held what was just written, moves by more
+    than one probe shows (bench/README.md)."""
+    speeds = [c[1] for c in _in_window(checks) if c[1] > 0]
+    if not speeds:
+        return rng
+    lo, hi = min(rng.slow, min(speeds)), max(rng.fast, max(speeds))
+    if (lo, hi) == (rng.slow, rng.fast):
+        return rng
+    return Range(lo, hi, rng.source + f" (ends widened to {lo:.2f}-{hi:.2f} GB/s: "
+                 f"{len(speeds)} storage checks of the last day)")
 
 
 def with_spread(r: DeviceRates, slow: float, fast: float) -> DeviceRates:

@@ -1,28 +1,21 @@
-"""Short measurements for ``expertfs plan`` (about a second each): storage at the engine's
-access pattern, CPU dequant+matmul, memory bandwidth and op dispatch, and on a CUDA machine
-the GPU's copy, memory and dequant+matmul rates. Each returns ``plan.rates.Range``/``DeviceRates``
+"""Short measurements for ``expertfs plan`` (about a second each): CPU dequant+matmul, memory
+bandwidth and op dispatch, and on a CUDA machine the GPU's copy, memory and dequant+matmul
+rates (storage: ``plan.storage_probe``). Each returns ``plan.rates.Range``/``DeviceRates``
 with ``slow`` = the 30th percentile and ``fast`` = the best of the repetitions, and says where it came
 from. The arithmetic that uses them is ``plan.predict``'s.
-
-Storage: random whole-extent reads of the store (or expert-sized ranges of a GGUF) per
-available backend at queue depths k and 2k, the file's pages dropped before each point
-(``posix_fadvise``; the system page cache is never dropped by a plan). The result is shaped
-like ``expertfs bench io --json`` and read by the same function as ``--io-profile``.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .geometry import Matrix
-from .rates import (FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu,
-                    storage_from_profile)
+from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
-__all__ = ["probe_storage", "probe_cpu", "probe_cuda", "linear_types", "host_memory",
+__all__ = ["probe_cpu", "probe_cuda", "linear_types", "host_memory",
            "cuda_memory"]
 
 def _times(fn: Callable[[], Any], reps: int, budget_s: float, sync: Callable[[], None] | None = None
@@ -51,64 +44,6 @@ def _typical(times: list[float]) -> float:
 def _range(times: list[float], work: float, source: str) -> Range:
     """Work per second: slow = at the typical time, fast = at the best."""
     return Range(work / _typical(times), work / min(times), source)
-
-
-# ------------------------------------------------------------------------------------------------
-# storage
-
-
-def probe_storage(path: str, k: int, slot_bytes: int, *, store_path: str | None = None,
-                  total_bytes: int = 96 << 20, seed: int = 0) -> tuple[Range, dict[str, Any]]:
-    """Measure whole-extent random reads on ``path``: (GB/s range, details)."""
-    from ...store.reader import Store
-    from ..io.backends import backend_status
-    from ..io.bench import run_point, target_from_file, target_from_store
-    from ..io.pagecache import drop_file_cache
-
-    if store_path is not None:
-        with Store.open(store_path) as s:
-            target = target_from_store(s)
-    else:
-        size = os.path.getsize(path)
-        read = min(slot_bytes, size // 4096 * 4096)
-        read -= read % 4096
-        target = target_from_file(path, max(4096, read))
-    status = backend_status()
-    backends = [b for b in ("kvikio", "direct", "buffered") if status[b].available]
-    qds = sorted({max(1, k), min(32, 2 * max(1, k))})
-    n = max(1, min(len(target.reads), max(total_bytes, 4 * max(qds) * target.mean_size)
-                   // max(1, target.mean_size), 4096))
-    order = random.Random(seed).sample(range(len(target.reads)), min(n, len(target.reads)))
-    points = []
-    for qd in qds:
-        for b in backends:
-            drop_file_cache(target.path)
-            try:
-                p = run_point(target, b, qd, order, verify=False)
-            except Exception as e:                       # a backend failing here is not fatal
-                points.append({"backend": b, "qd": qd, "gbps": 0.0, "error": str(e)})
-                continue
-            points.append({"backend": b, "qd": qd, "gbps": p.gbps, "lat_us": p.lat_us,
-                           "reads": p.reads, "bytes": p.bytes,
-                           "cpu_us_per_read": p.cpu_us_per_read})
-    profile = {"points": points, "read_size": target.mean_size,
-               "cold": "file pages dropped (posix_fadvise DONTNEED) before each point"}
-    try:                                  # the backend ``run`` opens this file with (cached)
-        from ..io.auto import choose_backend
-        profile["auto"] = {"backend": choose_backend(target.path).backend}
-    except Exception:                     # no choice: the fastest at the demand-read depth
-        pass
-    rng, detail = storage_from_profile(profile, k, label=f"measured now on {target.path} "
-                                       f"({len(order)} random reads per point)")
-    detail["points"] = points
-    try:        # the CPU of reads into fresh memory, as the warm start fills the RAM tier
-        drop_file_cache(target.path)
-        p = run_point(target, detail["backend"], detail["slow_qd"], order, verify=False, fresh=True)
-        detail["cpu_s_per_gb"] = (p.cpu_user_s + p.cpu_sys_s) / (p.bytes / 1e9)
-        detail["cpu_fresh"] = True
-    except Exception as e:                               # keep the figure of the plain point
-        detail["cpu_fresh_error"] = str(e)
-    return rng, detail
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``expertfs plan``'s rates: what each device does per second (storage at the engine's access
 pattern, PCIe, per-device dequant+matmul cost per ggml type, memory bandwidth, dispatch), each a
 ``Range`` carrying its source: a stated default here, a ``bench io`` profile
-(``storage_from_profile``) or a measurement (``plan.probe``)."""
+(``storage_from_profile``) or a measurement (``plan.probe``, ``plan.storage_probe``)."""
 
 from __future__ import annotations
 

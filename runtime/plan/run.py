@@ -329,23 +329,38 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
 
 def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range, dict[str, Any]]:
     """The drive at the engine's pattern: this device's cached figure, else measured now
-    (with ``probe``) and cached, else the stated default."""
+    (with ``probe``) and cached, else the stated default; either way widened to the drive's
+    storage checks of the last day (with ``probe``, one more now: a short point, under a
+    second)."""
     from . import boxcache
     data, key = boxcache.load(), boxcache.storage_key(data_path, g.slot_bytes)
-    hit = data.get(key)
-    if isinstance(hit, dict) and "slow" in hit:
-        return (Range(float(hit["slow"]), float(hit["fast"]), "measured earlier on this device: "
-                      + str(hit.get("source", ""))),
-                {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb"),
-                 "cpu_fresh": hit.get("cpu_fresh")})
+    hit, checks = data.get(key), "checks|" + key
+    store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
+    if isinstance(hit, dict) and "slow" in hit and (hit.get("backend") or not req.probe):
+        rng = Range(float(hit["slow"]), float(hit["fast"]),
+                    "measured earlier on this device: " + str(hit.get("source", "")))
+        detail = {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb"),
+                  "cpu_fresh": hit.get("cpu_fresh")}
+        if req.probe and hit.get("backend") and hit.get("slow_qd"):
+            from .storage_probe import storage_check
+            try:
+                now = storage_check(data_path, g.slot_bytes, str(hit["backend"]),
+                                    int(hit["slow_qd"]), store_path=store)
+            except Exception as e:                   # the cached figure stands
+                detail["check_error"] = str(e)
+            else:
+                data[checks] = boxcache.recent_checks(data.get(checks), now)
+                boxcache.save(data)
+        return boxcache.storage_spread(rng, data.get(checks)), detail
     if not req.probe:
         return stated_storage(), {}
-    from .probe import probe_storage
+    from .storage_probe import probe_storage
     say("measuring storage")
-    store = os.path.dirname(data_path) if req.target and os.path.isdir(req.target) else None
     rng, detail = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
     data[key] = {**rng.as_dict(), "cpu_s_per_gb": detail.get("cpu_s_per_gb"),
-                 "cpu_fresh": detail.get("cpu_fresh")}
+                 "cpu_fresh": detail.get("cpu_fresh"), "backend": detail.get("backend"),
+                 "slow_qd": detail.get("slow_qd")}
+    data[checks] = boxcache.recent_checks(data.get(checks), rng.slow)
     boxcache.save(data)
     return rng, detail
 
