@@ -66,15 +66,20 @@ def cpu_key() -> str:
     return f"cpu|{_cpu_model()}|{native}|threads {torch.get_num_threads()}|probe {PROBE_VERSION}"
 
 
+#: bumped when the storage probe changes what it measures: older entries are measured again
+#: (2: the fresh-memory CPU from the cheaper of two points, ``plan.storage_probe``)
+STORAGE_PROBE_VERSION = 2
+
+
 def storage_key(path: str, read_bytes: int = 0) -> str:
     """The device holding ``path`` and, with ``read_bytes``, the size class of one read (a
     power of two: a drive's rate depends on the read size, so a store of small experts says
     nothing of one with large)."""
     size = f"|reads 2^{round(math.log2(read_bytes))}" if read_bytes > 0 else ""
     try:
-        return f"storage|dev {os.stat(path).st_dev}{size}"
+        return f"storage|dev {os.stat(path).st_dev}{size}|probe {STORAGE_PROBE_VERSION}"
     except OSError:
-        return f"storage|unknown{size}"
+        return f"storage|unknown{size}|probe {STORAGE_PROBE_VERSION}"
 
 
 def load() -> dict[str, Any]:
