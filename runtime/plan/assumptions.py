@@ -107,6 +107,7 @@ ASSUMPTIONS: dict[str, Any] = {
 
 #: How ``plan.predict`` combines its terms into the slow and the fast end of a token.
 COMBINE = ("slow = sum of the terms at pessimistic rates, the overlap term negative (resident "
-           "experts computed while a layer's misses are read, as the CPU decode does); fast = max(storage + first_reads + "
-           "trunk_reads, pcie, compute) at optimistic rates, compute = experts + trunk + "
-           "attention + dispatch + warm_start (the CPU of the warm start's background reads)")
+           "experts computed while a layer's misses are read, as the CPU decode does); fast = "
+           "max(storage + first_reads + trunk_reads, pcie, compute) at optimistic rates, compute "
+           "= experts + trunk + attention + dispatch + warm_start (the CPU of the warm start's "
+           "background reads)")

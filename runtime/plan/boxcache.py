@@ -255,9 +255,9 @@ def spread_of(checks: Any, ref: float) -> tuple[float, float]:
 
 def storage_spread(rng: Range, checks: Any) -> Range:
     """The drive's cached ``rng`` (GB/s) widened to the slowest and fastest storage check of
-    the last day (each a short point at the slow end's depth, ``probe.storage_check``): a
-    virtual or shared disk, or one whose cache held what was just written, moves by more
-    than one probe shows (bench/README.md)."""
+    the last day (each a short point at the slow end's depth,
+    ``storage_probe.storage_check``): a virtual or shared disk, or one whose cache held what
+    was just written, moves by more than one probe shows (bench/README.md)."""
     speeds = [c[1] for c in _in_window(checks) if c[1] > 0]
     if not speeds:
         return rng
