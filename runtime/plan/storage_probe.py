@@ -16,22 +16,25 @@ from .rates import Range, storage_from_profile
 __all__ = ["probe_storage", "storage_check"]
 
 
+def _target(path: str, slot_bytes: int, store_path: str | None):
+    """What the probes read: the store's extents, or expert-sized ranges of a plain file."""
+    from ...store.reader import Store
+    from ..io.bench import target_from_file, target_from_store
+    if store_path is not None:
+        with Store.open(store_path) as s:
+            return target_from_store(s)
+    read = min(slot_bytes, os.path.getsize(path) // 4096 * 4096)
+    return target_from_file(path, max(4096, read - read % 4096))
+
+
 def probe_storage(path: str, k: int, slot_bytes: int, *, store_path: str | None = None,
                   total_bytes: int = 96 << 20, seed: int = 0) -> tuple[Range, dict[str, Any]]:
     """Measure whole-extent random reads on ``path``: (GB/s range, details)."""
-    from ...store.reader import Store
     from ..io.backends import backend_status
-    from ..io.bench import run_point, target_from_file, target_from_store
+    from ..io.bench import run_point
     from ..io.pagecache import drop_file_cache
 
-    if store_path is not None:
-        with Store.open(store_path) as s:
-            target = target_from_store(s)
-    else:
-        size = os.path.getsize(path)
-        read = min(slot_bytes, size // 4096 * 4096)
-        read -= read % 4096
-        target = target_from_file(path, max(4096, read))
+    target = _target(path, slot_bytes, store_path)
     status = backend_status()
     backends = [b for b in ("kvikio", "direct", "buffered") if status[b].available]
     qds = sorted({max(1, k), min(32, 2 * max(1, k))})
@@ -89,17 +92,10 @@ def storage_check(path: str, slot_bytes: int, backend: str, qd: int, *,
     """GB/s of one short point of whole-extent random reads on ``path`` (``backend`` at ``qd``,
     a fresh random sample, file pages dropped first): the drive's speed now, beside the figure
     ``probe_storage`` cached (``plan.boxcache.storage_spread``)."""
-    from ...store.reader import Store
-    from ..io.bench import run_point, target_from_file, target_from_store
+    from ..io.bench import run_point
     from ..io.pagecache import drop_file_cache
 
-    if store_path is not None:
-        with Store.open(store_path) as s:
-            target = target_from_store(s)
-    else:
-        size = os.path.getsize(path)
-        read = min(slot_bytes, size // 4096 * 4096)
-        target = target_from_file(path, max(4096, read - read % 4096))
+    target = _target(path, slot_bytes, store_path)
     n = max(qd, min(len(target.reads), total_bytes // max(1, target.mean_size)))
     order = random.Random().sample(range(len(target.reads)), min(n, len(target.reads)))
     drop_file_cache(target.path)
