@@ -142,15 +142,18 @@ EFS_TI void pf_next(const char*& pf, const uint8_t* end) {   // end: past the by
 }
 
 // The AVX-512 two-row kernels read rows r and r + 1 side by side, block by block: two streams
-// a row apart. Each gets a cursor one row pair ahead (the same block of the next pair's row),
-// moved on block by block as pf_next does; a burst of both rows' lines at each pair's start
-// left the next pair's first blocks waiting on memory and ran the 151936 x 2048 Q6_K output
-// head at half ggml's speed on a CPU with full-width AVX-512 (bench/README.md).
+// a row apart. Each gets a cursor d bytes ahead, d whole row pairs and at least 2 KiB (the
+// same block of a later pair's row), moved on block by block as pf_next does. A burst of both
+// rows' lines at each pair's start left the next pair's first blocks waiting on memory and ran
+// the 151936 x 2048 Q6_K output head at half ggml's speed on a CPU with full-width AVX-512;
+// one pair ahead was too close for short rows (an expert's 768-wide down rows: 1.2 KiB of
+// Q6_K a pair). Measured in bench/README.md.
 struct PfPair {
     const char* a;
     const char* b;
     int64_t d;
-    EFS_TI explicit PfPair(int64_t rb) : a(nullptr), b(nullptr), d(2 * rb) {}
+    EFS_TI explicit PfPair(int64_t rb)
+        : a(nullptr), b(nullptr), d(2 * rb * ((2048 + 2 * rb - 1) / (2 * rb))) {}
     // at block i of the pair (b0, b1 there), up to the end of that block in the next pair
     EFS_TI void next(const uint8_t* b0, const uint8_t* b1, int64_t bytes) {
         const char* ta = (const char*)(b0 + d + bytes);
