@@ -238,6 +238,11 @@ def _in_window(checks: Any) -> list[list[float]]:
             if isinstance(c, list) and len(c) == 2 and t - float(c[0]) <= SPREAD_WINDOW_S]
 
 
+def _speeds(checks: Any) -> list[float]:
+    """The positive figures of the kept checks of the window."""
+    return [c[1] for c in _in_window(checks) if c[1] > 0]
+
+
 def recent_checks(old: Any, now: float) -> list[list[float]]:
     """The kept speed checks still in the window, with ``now`` added."""
     return (_in_window(old) + [[time.time(), float(now)]])[-SPREAD_CHECKS:]
@@ -246,7 +251,7 @@ def recent_checks(old: Any, now: float) -> list[list[float]]:
 def spread_of(checks: Any, ref: float) -> tuple[float, float]:
     """(slowest, fastest) of the recent checks against ``ref`` (the check the rates were
     measured beside): at most 1 and at least 1, within ``SPREAD_LIMIT``."""
-    speeds = [c[1] for c in _in_window(checks) if c[1] > 0]
+    speeds = _speeds(checks)
     if not speeds or ref <= 0:
         return 1.0, 1.0
     return (max(1 / SPREAD_LIMIT, min(1.0, min(speeds) / ref)),
@@ -258,7 +263,7 @@ def storage_spread(rng: Range, checks: Any) -> Range:
     the last day (each a short point at the slow end's depth,
     ``storage_probe.storage_check``): a virtual or shared disk, or one whose cache held what
     was just written, moves by more than one probe shows (bench/README.md)."""
-    speeds = [c[1] for c in _in_window(checks) if c[1] > 0]
+    speeds = _speeds(checks)
     if not speeds:
         return rng
     lo, hi = min(rng.slow, min(speeds)), max(rng.fast, max(speeds))

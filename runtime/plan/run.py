@@ -341,7 +341,7 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
                     "measured earlier on this device: " + str(hit.get("source", "")))
         detail = {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb"),
                   "cpu_fresh": hit.get("cpu_fresh")}
-        if req.probe and hit.get("backend") and hit.get("slow_qd"):
+        if req.probe and hit.get("slow_qd"):             # (a probing plan's hit has a backend)
             from .storage_probe import storage_check
             try:
                 now = storage_check(data_path, g.slot_bytes, str(hit["backend"]),

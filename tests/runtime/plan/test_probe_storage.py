@@ -40,9 +40,10 @@ def test_storage_checks_widen_the_cached_drive_rate(tmp_path, monkeypatch) -> No
     g = SimpleNamespace(k=2, slot_bytes=1 << 20)
     req = SimpleNamespace(probe=True, target=str(path))
     first, _ = _storage(req, g, str(path), lambda *_: None)
-    key = "checks|" + boxcache.storage_key(str(path), 1 << 20)
+    drive = boxcache.storage_key(str(path), 1 << 20)
+    key = "checks|" + drive
     assert [c[1] for c in boxcache.load()[key]] == [first.slow]
-    real = probe.storage_check(str(path), 1 << 20, boxcache.load()[key[7:]]["backend"], 2)
+    real = probe.storage_check(str(path), 1 << 20, boxcache.load()[drive]["backend"], 2)
     assert real > 0
     monkeypatch.setattr(probe, "storage_check", lambda *a, **k: first.slow / 3)
     slow, _ = _storage(req, g, str(path), lambda *_: None)
