@@ -38,7 +38,9 @@ class Loader:
         self._done: deque[tuple[Entry, ReadFuture]] = deque()
         self._warm: deque[Entry] = deque()
         self._spec: deque[Entry] = deque()          # predictions: before the warm start's
-        self._queued: set[int] = set()              # keys still queued for the drip
+        # key -> the entry queued for the drip under it; by identity, as a key dropped from the
+        # drip and queued again by a new entry leaves the old entry behind in its deque
+        self._queued: dict[int, Entry] = {}
         self._drip_inflight = 0
         self._depth = max(1, depth)
         self._demand = 0                            # demand reads in flight: the drip waits
@@ -75,7 +77,7 @@ class Loader:
                 e.state = State.LOADING
                 e.dripped = True
                 q.append(e)
-                self._queued.add(e.key)
+                self._queued[e.key] = e
         self._pump()
 
     def _next(self) -> Entry | None:
@@ -84,8 +86,8 @@ class Loader:
                 break
             while q:
                 e = q.popleft()
-                if e.key in self._queued:           # else taken out by resolve/unqueue
-                    self._queued.discard(e.key)
+                if self._queued.get(e.key) is e:    # else taken out by resolve/unqueue
+                    del self._queued[e.key]
                     return e
         return None
 
@@ -134,8 +136,8 @@ class Loader:
         demand priority, and a queued prefetch is promoted."""
         if e.dripped:
             with self._lock:
-                if e.key in self._queued:
-                    self._queued.discard(e.key)
+                if self._queued.get(e.key) is e:
+                    del self._queued[e.key]
                     return self.issue(e, Priority.DEMAND)
         fut = e.future
         if fut.priority != Priority.DEMAND and not fut.done():
@@ -147,8 +149,8 @@ class Loader:
         if not e.dripped:
             return False
         with self._lock:
-            if e.key in self._queued:
-                self._queued.discard(e.key)
+            if self._queued.get(e.key) is e:
+                del self._queued[e.key]
                 return True
         return False
 
@@ -157,7 +159,7 @@ class Loader:
         if not e.dripped:
             return e.future is not None
         with self._lock:
-            return e.key not in self._queued and e.future is not None
+            return self._queued.get(e.key) is not e and e.future is not None
 
     def drain(self) -> list[tuple[Entry, ReadFuture]]:
         """Reads completed since the last drain (including cancelled ones)."""

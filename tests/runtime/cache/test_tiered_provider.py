@@ -347,6 +347,29 @@ def test_predictions_drip_ahead_of_warm_reads_and_yield_to_demand():
     assert len(reader.reads) == 5
 
 
+def test_a_dropped_prediction_queued_again_is_read_into_the_new_entry_only():
+    """A queued prediction dropped unread (its slot freed) and its expert predicted again (a new
+    entry, another slot) leaves the old entry behind in the drip's queue: the drip must issue the
+    new entry once and never the old one, whose slot may by then hold another expert."""
+    reader = _HeldReader()
+    slots: list[int] = []
+    loader = Loader(reader, lambda slot: slots.append(slot), depth=1)
+    busy = Entry(key=0, layer=1, expert=0, extent=None, host_slot=0)
+    loader.queue_prefetch(busy)                         # the drip's one read in flight
+    old = Entry(key=5, layer=1, expert=5, extent=None, host_slot=1)
+    loader.queue_prefetch(old)
+    assert loader.unqueue(old)                          # dropped unread: slot 1 is free again
+    new = Entry(key=5, layer=1, expert=5, extent=None, host_slot=2)
+    loader.queue_prefetch(new)
+    assert not loader.unqueue(old) and not loader.started(new)
+    reader.reads[0][1].set_result(None)                 # the drip moves on
+    assert slots == [0, 2] and old.future is None and new.future is reader.reads[1][1]
+    assert loader.started(new) and loader.drip_pending == 1
+    reader.reads[1][1].set_result(None)
+    assert len(reader.reads) == 2 and loader.drip_pending == 0
+    loader.close()
+
+
 def test_closing_with_warm_reads_in_flight_issues_no_more(store, caplog):
     n = sum(store.n_experts(la) for la in store.layers)
     backend = FaultInjectingBackend(get_backend("buffered"),
