@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -231,6 +232,26 @@ def print_prefill(res: dict, threads: int) -> None:
                 f"{v[0]:9.0f} ({v[1]:4.0f})" for v in (nat, q8, wide)) +
                 f"{wide[0] / nat[0]:7.2f} ({wide[1] / nat[1]:.2f})"
                 f"{wide[0] / q8[0]:7.2f} ({wide[1] / q8[1]:.2f}){mt:>10d}")
+    print("geometric mean over the shapes of wide / native wall time, exact (q8); limit: the "
+          "widest batch up to which every mean is at least 1.05")
+    for name, cells in res.items():
+        by_nt: dict[int, dict[str, list[float]]] = {}
+        for key, c in cells.items():
+            d = by_nt.setdefault(int(key.rsplit("/", 1)[1]), {"native": [], "native-q8": []})
+            for k in d:
+                d[k].append(c["wide"][1] / c[k][1])
+        means = {nt: {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in d.items()}
+                 for nt, d in sorted(by_nt.items())}
+        limits = {}
+        for k in ("native", "native-q8"):
+            limits[k] = 0
+            for nt, m in means.items():
+                if m[k] < 1.05:
+                    break
+                limits[k] = nt
+        print(f"  {name:8s} " + "  ".join(f"{nt}: {m['native']:.2f} ({m['native-q8']:.2f})"
+                                         for nt, m in means.items())
+              + f"  limit {limits['native']} ({limits['native-q8']})")
 
 
 def print_isa_compare(res: dict, threads: int) -> None:

@@ -56,7 +56,8 @@ def _check(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, dims: tuple[int, ...
 def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
            shape: Sequence[int], bias: torch.Tensor | None = None, *,
            chunk_elems: int | None = None,
-           dequant_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+           dequant_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           matmul: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """``F.linear(x, W, bias)`` where W ``(out, in)`` is given as ggml bytes ``raw``.
 
     ``shape`` is W's torch shape ``(out, in)`` (ggml ``ne=[in, out]``); ``x`` is ``(..., in)``
@@ -64,7 +65,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
     weight elements dequantized at once (default: ``DEFAULT_CPU_CHUNK_ELEMS`` on CPU, the
     whole matrix elsewhere; ``0`` also means the whole matrix). ``dequant_rows``, if given,
     dequantizes whole rows instead of this package's kernels: their bytes ``[n, row_bytes]`` → float32
-    ``[n, in]`` (the runtime's native kernels; the same values).
+    ``[n, in]`` (the runtime's native kernels; the same values). ``matmul(x, w, bias)`` multiplies
+    each float chunk (``F.linear``; the runtime passes the GEMM library it chose for the box).
     """
     t = resolve_type(ggml_type)
     dims = check_bytes(raw, t, shape)
@@ -75,12 +77,12 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
     if t in _PLAIN and raw.numel():
         w = KERNELS[t](raw.reshape(-1, type_size(t))).reshape(dims)
         if w.dtype == x.dtype:
-            return F.linear(x, w, bias)
+            return matmul(x, w, bias)
     if chunk_elems is None:
         chunk_elems = DEFAULT_CPU_CHUNK_ELEMS if raw.device.type == "cpu" else 0
     step = max(1, chunk_elems // max(cols, 1)) if chunk_elems > 0 else rows
     if rows == 0 or cols == 0 or (step >= rows and dequant_rows is None):
-        return F.linear(x, dequantize(raw, t, dims, dtype=x.dtype), bias)
+        return matmul(x, dequantize(raw, t, dims, dtype=x.dtype), bias)
     mat = raw.reshape(rows, row_bytes(t, cols))
     if dequant_rows is None:
         kernel, tsize = KERNELS[t], type_size(t)
@@ -88,8 +90,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType | int | str,
         def dequant_rows(part: torch.Tensor) -> torch.Tensor:
             return kernel(part.reshape(-1, tsize)).reshape(part.shape[0], cols)
     if step >= rows:
-        return F.linear(x, dequant_rows(mat).to(x.dtype), bias)
-    parts = [F.linear(x, dequant_rows(mat[r0:r0 + step]).to(x.dtype))
+        return matmul(x, dequant_rows(mat).to(x.dtype), bias)
+    parts = [matmul(x, dequant_rows(mat[r0:r0 + step]).to(x.dtype))
              for r0 in range(0, rows, step)]
     y = torch.cat(parts, dim=-1)
     return y if bias is None else y.add_(bias)

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from ...formats.ggml import GGMLType
+from . import gemm
 from .build import load
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
@@ -90,19 +91,43 @@ WIDE_TYPES_Q8_AVX2 = {
     GGMLType.IQ2_XXS: 64, GGMLType.TQ2_0: 96,
 }
 
-_WIDE = {("avx512", 0): WIDE_TYPES, ("avx512", 1): WIDE_TYPES_Q8,
-         ("avx2", 0): WIDE_TYPES_AVX2, ("avx2", 1): WIDE_TYPES_Q8_AVX2}
+#: The same under the AVX-512 kernels where the float32 products run at AVX-512 width too
+#: (``gemm.isa()``: oneDNN on an AMD Zen 5, about twice MKL's AVX2 speed there, so a native
+#: product is worth fewer tokens), measured with 8 to 128 tokens (exact, then q8).
+WIDE_TYPES_GEMM512 = {
+    GGMLType.Q4_K: 32, GGMLType.Q5_K: 32, GGMLType.Q6_K: 32, GGMLType.Q8_0: 48, GGMLType.Q4_0: 48,
+    GGMLType.Q2_K: 48, GGMLType.Q3_K: 64, GGMLType.IQ4_XS: 32, GGMLType.MXFP4: 48,
+    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 96, GGMLType.IQ2_XS: 96, GGMLType.IQ2_S: 96,
+    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 48, GGMLType.IQ1_M: 48,
+    GGMLType.TQ1_0: 32, GGMLType.TQ2_0: 24, GGMLType.Q4_1: 16, GGMLType.Q5_0: 48,
+    GGMLType.Q5_1: 32,
+}
+WIDE_TYPES_Q8_GEMM512 = {
+    GGMLType.Q4_K: 24, GGMLType.Q5_K: 24, GGMLType.Q6_K: 32, GGMLType.Q8_0: 16, GGMLType.Q4_0: 16,
+    GGMLType.Q2_K: 24, GGMLType.Q3_K: 64, GGMLType.IQ4_XS: 32, GGMLType.MXFP4: 32,
+    GGMLType.IQ4_NL: 96, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 64, GGMLType.IQ1_M: 64,
+    GGMLType.TQ1_0: 96, GGMLType.TQ2_0: 128, GGMLType.Q4_1: 16, GGMLType.Q5_0: 32,
+    GGMLType.Q5_1: 24,
+}
+
+#: (kernel ISA, float32 product ISA, numerics) → table
+_WIDE = {("avx512", "avx2", 0): WIDE_TYPES, ("avx512", "avx2", 1): WIDE_TYPES_Q8,
+         ("avx512", "avx512", 0): WIDE_TYPES_GEMM512, ("avx512", "avx512", 1): WIDE_TYPES_Q8_GEMM512,
+         ("avx2", "avx2", 0): WIDE_TYPES_AVX2, ("avx2", "avx2", 1): WIDE_TYPES_Q8_AVX2,
+         ("avx2", "avx512", 0): WIDE_TYPES_AVX2, ("avx2", "avx512", 1): WIDE_TYPES_Q8_AVX2}
 
 
 def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
     """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
     (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
-    kernels run (``WIDE_TYPES``/``WIDE_TYPES_Q8`` under AVX-512, the ``_AVX2`` tables under
-    AVX2), else ``default``."""
+    kernels run and the width of the float32 products (``gemm.isa()``): ``WIDE_TYPES``/
+    ``WIDE_TYPES_Q8`` under AVX-512 beside AVX2 products, the ``_GEMM512`` tables beside AVX-512
+    ones, the ``_AVX2`` tables under AVX2; else ``default``."""
     mod = load()
     if mod is None:
         return default
-    table = _WIDE.get((mod.info()["isa"], _moe_mode(act_quant)), {})
+    table = _WIDE.get((mod.info()["isa"], gemm.isa(), _moe_mode(act_quant)), {})
     return table.get(ggml_type, default)
 
 

@@ -23,6 +23,7 @@ from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights, QWeight
+from ..kernels import gemm
 from .qmatvec import decode_matvec
 from .wide import wide_linear
 from .weights import Linear
@@ -59,7 +60,7 @@ class FloatExpert:
 
 
 def _q(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    return qlinear(x, w.raw, w.ggml_type, w.shape)
+    return qlinear(x, w.raw, w.ggml_type, w.shape, matmul=gemm.linear)
 
 
 def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tensor:
@@ -87,7 +88,7 @@ def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = Fa
     ``limit``/``alpha``: ``swiglu``'s; bias parts are added (gpt-oss)."""
     p = e.parts
     if isinstance(e, FloatExpert):
-        lin = F.linear
+        lin = gemm.linear
     elif fused:
         def lin(x: torch.Tensor, w: QWeight) -> torch.Tensor:
             return _qf(x, w, act_quant)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from .. import kernels as native
+from ..kernels import gemm
 from .rope import rms_norm
 
 __all__ = ["HC_TENSORS", "HCConfig", "HCWeights", "HCMix", "hc_expand", "hc_mixes", "sinkhorn",
@@ -116,7 +116,7 @@ def hc_mixes(streams: torch.Tensor, w: HCWeights,
     """``streams [T, n, D]`` → float32 ``(pre [T, n], post [T, n], comb [T, n, n])``."""
     T, n = streams.shape[0], cfg.n_streams
     flat = rms_norm(streams.reshape(T, -1).float().contiguous(), None, cfg.rms_eps)
-    m = torch.addcmul(w.base, F.linear(flat, w.fn), w.scales)         # [T, (2 + n)·n]
+    m = torch.addcmul(w.base, gemm.linear(flat, w.fn), w.scales)         # [T, (2 + n)·n]
     sg = torch.sigmoid(m[:, :2 * n])
     pre, post = sg[:, :n] + cfg.eps, sg[:, n:] * 2
     return pre, post, sinkhorn(m[:, 2 * n:].view(T, n, n), cfg.sinkhorn_iters, cfg.eps)

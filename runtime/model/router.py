@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .. import kernels as native
+from ..kernels import gemm
 from .config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelConfig
 
 __all__ = ["Router", "RouterWeights"]
@@ -44,7 +44,7 @@ class Router:
         self.native = self.n_group <= 1 and self.gating in (GATING_SOFTMAX, GATING_SIGMOID)
 
     def probs(self, x: torch.Tensor, w: RouterWeights) -> torch.Tensor:
-        logits = F.linear(x.float(), w.weight, w.bias)            # [T, E]
+        logits = gemm.linear(x.float(), w.weight, w.bias)            # [T, E]
         if self.gating == GATING_SOFTMAX:
             return logits.softmax(-1)
         if self.gating == GATING_SIGMOID:

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from ...errors import StoreError
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType, row_bytes
+from ..kernels import gemm
 from .qmatvec import decode_matvec
 from .wide import wide_linear
 
@@ -123,14 +123,14 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return F.linear(x, self.weight, self.bias)
+            return gemm.linear(x, self.weight, self.bias)
         q = self.q
         if self.fused and x.dim() == 2:
             y = decode_matvec(x, q.raw, q.ggml_type, q.shape, self.act_quant)   # native, a few tokens
             if y is not None:
                 return y if self.bias is None else y + self.bias
             return wide_linear(x, q.raw, q.ggml_type, q.shape, self.bias)   # wider batches
-        return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias)
+        return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias, matmul=gemm.linear)
 
 
 class Embedding:

@@ -8,7 +8,8 @@ exact kernels and gguf-py give it) where they take the type, else by the torch d
 the same result either way. The native chunks are written into one scratch buffer per thread,
 reused by every call: a fresh chunk would be new pages each time (the allocator hands blocks
 that size back to the kernel), faulted in and zeroed before the dequantization writes them,
-which cost as much as the dequantization and the product together (bench/README.md).
+which cost as much as the dequantization and the product together (bench/README.md). Each
+chunk is multiplied by ``gemm.linear`` (the GEMM library chosen for the box).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from ...formats.dequant import linear as torch_linear
 from ...formats.ggml import GGMLType
 from .. import kernels as native
+from ..kernels import gemm
 
 __all__ = ["wide_linear", "CHUNK_ELEMS"]
 
@@ -50,4 +52,5 @@ def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[in
             return native.dequant(part, t, (n, cols), out=_chunk_buffer(n * cols))
     if native_rows is None:
         return torch_linear(x, raw, t, shape, bias)
-    return torch_linear(x, raw, t, shape, bias, chunk_elems=CHUNK_ELEMS, dequant_rows=native_rows)
+    return torch_linear(x, raw, t, shape, bias, chunk_elems=CHUNK_ELEMS, dequant_rows=native_rows,
+                        matmul=gemm.linear)

@@ -53,17 +53,20 @@ def _cpu_model() -> str:
 
 
 #: how the CPU probes measure; raised when that changes, so no entry of the old way is used
-#: (2: the kernels timed on weights past the last-level cache, ``native._CAP``)
-PROBE_VERSION = 2
+#: (2: the kernels timed on weights past the last-level cache, ``native._CAP``; 3: the float
+#: products through ``model.gemm``, whose library is part of the key)
+PROBE_VERSION = 3
 
 
 def cpu_key() -> str:
     import torch
 
+    from ..kernels import gemm
     from .native import kernel_info
     k = kernel_info()
     native = f"{k.get('isa')}|{k.get('build')}" if k.get("available") else "no-native"
-    return f"cpu|{_cpu_model()}|{native}|threads {torch.get_num_threads()}|probe {PROBE_VERSION}"
+    return (f"cpu|{_cpu_model()}|{native}|gemm {gemm.backend()}|threads {torch.get_num_threads()}"
+            f"|probe {PROBE_VERSION}")
 
 
 #: bumped when the storage probe changes what it measures: older entries are measured again

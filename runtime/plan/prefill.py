@@ -64,21 +64,24 @@ class FirstToken:
 
 
 def gemm_rate(probe: bool = True) -> Range:
-    """This box's float32 ``F.linear`` GFLOP/s on torch's threads ([128, 2048] × [2048, 2048]ᵀ,
-    best of five; the slow end 0.7 of it), or the stated per-core default."""
+    """This box's float32 GFLOP/s on torch's threads through the GEMM library the runtime uses
+    (``model.gemm.linear``; [128, 2048] × [2048, 2048]ᵀ, best of five; the slow end 0.7 of it),
+    or the stated per-core default."""
     cores = os.cpu_count() or 1
     if probe:
         try:
             import torch
+
+            from ..kernels import gemm
             x, w = torch.randn(128, 2048), torch.randn(2048, 2048)
-            torch.nn.functional.linear(x, w)
+            gemm.linear(x, w)
             best = math.inf
             for _ in range(5):
                 t0 = time.perf_counter()
-                torch.nn.functional.linear(x, w)
+                gemm.linear(x, w)
                 best = min(best, time.perf_counter() - t0)
             g = 2 * 128 * 2048 * 2048 / best / 1e9
-            return Range(0.7 * g, g, f"measured now: float32 F.linear, {torch.get_num_threads()} "
+            return Range(0.7 * g, g, f"measured now: float32 {gemm.backend()}, {torch.get_num_threads()} "
                                      "threads (slow end 0.7x)")
         except ImportError:
             pass

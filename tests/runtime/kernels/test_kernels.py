@@ -319,22 +319,29 @@ def _child(q, x, w, gate, up, down, types, ff, ref):
     q.put(bool(torch.equal(kernels.moe(x, w, gate, up, down, types, ff), ref)))
 
 
-def test_max_tokens_follows_the_isa():
-    """The types whose kernels beat native dequantization + F.linear at prefill widths take
-    that many tokens natively, per ISA and numerics (``WIDE_TYPES*``); other types and the
-    scalar kernels keep the caller's default."""
+def test_max_tokens_follows_the_isa(monkeypatch):
+    """The types whose kernels beat native dequantization + float32 products at prefill widths
+    take that many tokens natively, per kernel ISA, width of the float32 products
+    (``gemm.isa()``) and numerics (``WIDE_TYPES*``); other types and the scalar kernels keep the
+    caller's default."""
+    ops = kernels.ops
     assert kernels.max_tokens(T.F16, 32) == kernels.max_tokens(T.F16, 32, "q8") == 32
-    assert set(kernels.ops.WIDE_TYPES_Q8) <= set(kernels.WIDE_TYPES) <= kernels.TYPES
-    assert set(kernels.ops.WIDE_TYPES_AVX2) | set(kernels.ops.WIDE_TYPES_Q8_AVX2) <= kernels.TYPES
-    for name, ex, q8 in (("avx512", kernels.WIDE_TYPES, kernels.ops.WIDE_TYPES_Q8),
-                         ("avx2", kernels.ops.WIDE_TYPES_AVX2, kernels.ops.WIDE_TYPES_Q8_AVX2)):
+    assert set(ops.WIDE_TYPES_Q8) <= set(kernels.WIDE_TYPES) <= kernels.TYPES
+    assert set(ops.WIDE_TYPES_AVX2) | set(ops.WIDE_TYPES_Q8_AVX2) <= kernels.TYPES
+    assert set(ops.WIDE_TYPES_GEMM512) | set(ops.WIDE_TYPES_Q8_GEMM512) <= kernels.TYPES
+    for name, gemm_isa, ex, q8 in (
+            ("avx512", "avx2", kernels.WIDE_TYPES, ops.WIDE_TYPES_Q8),
+            ("avx512", "avx512", ops.WIDE_TYPES_GEMM512, ops.WIDE_TYPES_Q8_GEMM512),
+            ("avx2", "avx2", ops.WIDE_TYPES_AVX2, ops.WIDE_TYPES_Q8_AVX2),
+            ("avx2", "avx512", ops.WIDE_TYPES_AVX2, ops.WIDE_TYPES_Q8_AVX2)):
         if name not in isas():
             continue
+        monkeypatch.setattr(ops.gemm, "isa", lambda g=gemm_isa: g)
         MOD.set_isa(name)
         try:
             for t in kernels.TYPES:
-                assert kernels.max_tokens(t, 32) == ex.get(t, 32), (name, t.name)
-                assert kernels.max_tokens(t, 32, "q8") == q8.get(t, 32), (name, t.name)
+                assert kernels.max_tokens(t, 32) == ex.get(t, 32), (name, gemm_isa, t.name)
+                assert kernels.max_tokens(t, 32, "q8") == q8.get(t, 32), (name, gemm_isa, t.name)
         finally:
             MOD.set_isa("best")
     MOD.set_isa("scalar")

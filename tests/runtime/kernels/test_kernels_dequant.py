@@ -14,6 +14,7 @@ from expertfs.formats.dequant import linear as torch_linear
 from expertfs.formats.ggml import GGMLType, block_size
 from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
+from expertfs.runtime.kernels import gemm
 from expertfs.runtime.model.wide import CHUNK_ELEMS, wide_linear
 from support.native import NEEDS_NATIVE
 
@@ -56,10 +57,12 @@ def test_wide_linear_equals_the_torch_path(t):
     raw = weight(t, rows, cols, 7)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
+    mm = gemm.linear                                    # the same float32 products on both sides
     assert torch.equal(wide_linear(x, raw, t, (rows, cols), bias),
-                       torch_linear(x, raw, t, (rows, cols), bias))
+                       torch_linear(x, raw, t, (rows, cols), bias, matmul=mm))
     small = raw[:8 * len(raw) // rows]                    # one chunk
-    assert torch.equal(wide_linear(x, small, t, (8, cols)), torch_linear(x, small, t, (8, cols)))
+    assert torch.equal(wide_linear(x, small, t, (8, cols)),
+                       torch_linear(x, small, t, (8, cols), matmul=mm))
 
 
 def test_dequant_into_a_buffer_writes_its_head():

@@ -1,0 +1,105 @@
+"""Float32 products on the CPU through the faster of the two GEMM libraries torch ships.
+
+``F.linear`` multiplies float32 through MKL's ``sgemm``. MKL chooses its code path by the
+CPU's vendor: on AMD processors it runs its AVX2 kernels even where the CPU has full-width
+AVX-512. oneDNN, which torch also ships, chooses by the CPU's features. On an AMD EPYC Zen 5
+(two cores) oneDNN ran the prefill's shapes ([8-128 tokens] × [512-4096, 2048]) at 1.9-2.9×
+MKL's speed and a one-token product over a 155 MB float matrix at 1.8× (``bench/gemm_ab.py``,
+figures in bench/README.md). On Intel CPUs MKL takes its AVX-512 path and stays.
+
+Both compute the exact float32 product; only the summation order differs (within float32
+rounding, as between any two BLAS builds), so which one runs is a property of the box, chosen
+once per process: oneDNN on a non-Intel CPU with AVX-512, MKL otherwise.
+``EXPERTFS_GEMM=mkl|onednn`` overrides it (A/B benchmarks, or a box where the rule is wrong).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear", "backend", "isa", "BACKENDS"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("mkl", "onednn")
+
+#: Weights below which a one-token product stays with ``F.linear``: oneDNN's fixed cost per call
+#: made it 0.6-0.9× MKL's on 768×2048 and 2048×768, and 1.5× on 2048×2048 (bench/gemm_ab.py).
+SMALL_ONE_TOKEN = 1 << 22
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> tuple[str, frozenset[str]]:
+    """``(vendor_id, flags)`` of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    vendor, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags":
+                    flags = frozenset(value.split())
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_op():
+    """torch's oneDNN linear (``mkldnn._linear_pointwise``: dense float32 in and out), or
+    ``None`` where this torch build has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+@functools.lru_cache(maxsize=None)
+def backend() -> str:
+    """The GEMM library float32 CPU products use in this process: ``"mkl"`` or ``"onednn"``."""
+    want = os.environ.get("EXPERTFS_GEMM", "").strip().lower()
+    if want and want not in BACKENDS:
+        log.warning("EXPERTFS_GEMM=%s is not one of %s: choosing by the CPU", want, BACKENDS)
+        want = ""
+    if not want:
+        vendor, flags = _cpu_flags()
+        want = "onednn" if vendor and vendor != "GenuineIntel" and "avx512f" in flags else "mkl"
+    if want == "onednn" and _onednn_op() is None:
+        log.info("torch has no oneDNN linear here: float32 products through MKL")
+        want = "mkl"
+    log.debug("float32 CPU products through %s", want)
+    return want
+
+
+def isa() -> str:
+    """The vector width the float32 products run at: ``"avx512"`` where oneDNN runs on a CPU with
+    AVX-512 or MKL on an Intel one, else ``"avx2"`` (MKL on AMD). The native kernels' token limits
+    (``ops.max_tokens``) depend on it: the faster the products, the fewer tokens a native
+    product is worth."""
+    vendor, flags = _cpu_flags()
+    if "avx512f" in flags and (backend() == "onednn" or vendor == "GenuineIntel"):
+        return "avx512"
+    return "avx2"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``, through oneDNN where ``backend()`` chose it and the operands are
+    float32 CPU tensors of a shape it takes (``w`` 2-D and contiguous, as the weights and the
+    dequantized chunks are; ``x`` of any leading dimensions)."""
+    if (x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_cpu or w.dim() != 2
+            or not w.is_contiguous() or x.numel() == 0 or w.numel() == 0
+            or backend() != "onednn" or (x.numel() == x.shape[-1] and w.numel() < SMALL_ONE_TOKEN)):
+        return F.linear(x, w, bias)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = _onednn_op()(x2, w, bias, "none", [], "")
+    return y.reshape(*lead, w.shape[0])
