@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("mkl", "onednn")
 
+#: oneDNN compiles a kernel for each new shape (0.5-9 ms each, the first time it meets it), and a
+#: prompt's expert products come in as many row counts as experts' token counts: rows are padded
+#: with zeros to a multiple of this, so a prompt meets a few shapes, at up to 7 rows' more work.
+ROWS_STEP = 8
+
 #: Weights below which a one-token product stays with ``F.linear``: oneDNN's fixed cost per call
 #: made it 0.6-0.9× MKL's on 768×2048 and 2048×768, and 1.5× on 2048×2048 (bench/gemm_ab.py).
 SMALL_ONE_TOKEN = 1 << 22
@@ -100,6 +105,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = _onednn_op()(x2, w, bias, "none", [], "")
-    return y.reshape(*lead, w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    pad = -m % ROWS_STEP if m > 1 else 0
+    if pad:                          # one kernel for every row count of a step (see ROWS_STEP)
+        x2 = torch.cat((x2, x2.new_zeros(pad, x2.shape[1])))
+    y = _onednn_op()(x2.contiguous(), w, bias, "none", [], "")
+    return (y[:m] if pad else y).reshape(*lead, w.shape[0])
