@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -292,12 +293,17 @@ def main() -> int:
                   f"{et / res['roofline_tok_s']:.2f}")
     if a.resident and "failed" not in res["llama_resident"] and "failed" not in res["expertfs_resident"]:
         er, lr = res["expertfs_resident"], res["llama_resident"]
+        ok = [r for r in res["resident_rounds"] if all("failed" not in r[p] for p in r)]
+        pre = {p: statistics.median(prefill_tok_s(r[p]) for r in ok) for p in ("expertfs", "llama")}
         print(f"resident: expertfs / llama.cpp: decode "
               f"{er['decode_tokens_per_s'] / lr['decode_tok_s']:.2f}x, prefill "
-              f"{prefill_tok_s(er) / max(prefill_tok_s(lr), 1e-9):.2f}x (medians of "
-              f"{a.resident_rounds} alternating runs; decode per round: " + ", ".join(
+              f"{pre['expertfs']:.2f} / {pre['llama']:.2f} tok/s = "
+              f"{pre['expertfs'] / max(pre['llama'], 1e-9):.2f}x (medians of "
+              f"{a.resident_rounds} alternating runs; per round, decode: " + ", ".join(
                   f"{r['expertfs']['decode_tokens_per_s'] / r['llama']['decode_tok_s']:.2f}x"
-                  for r in res["resident_rounds"] if all("failed" not in r[p] for p in r)) + ")")
+                  for r in ok) + "; prefill: " + ", ".join(
+                  f"{prefill_tok_s(r['expertfs']) / max(prefill_tok_s(r['llama']), 1e-9):.2f}x"
+                  for r in ok) + ")")
     return 0
 
 

@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "backend", "isa", "BACKENDS"]
+__all__ = ["linear", "pad_rows", "backend", "isa", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
+    y = _onednn_op()(pad_rows(x2).contiguous(), w, bias, "none", [], "")
+    return y[:m].reshape(*lead, w.shape[0])
+
+
+def pad_rows(x2: torch.Tensor) -> torch.Tensor:
+    """``x2 [m, in]`` with zero rows appended up to a multiple of ``ROWS_STEP`` where oneDNN
+    multiplies it (``x2`` itself otherwise, or when ``m`` is one or already a multiple): a caller
+    that multiplies one ``x`` by many matrices pads it once (``model.wide``)."""
+    m = x2.shape[0]
     pad = -m % ROWS_STEP if m > 1 else 0
-    if pad:                          # one kernel for every row count of a step (see ROWS_STEP)
-        x2 = torch.cat((x2, x2.new_zeros(pad, x2.shape[1])))
-    y = _onednn_op()(x2.contiguous(), w, bias, "none", [], "")
-    return (y[:m] if pad else y).reshape(*lead, w.shape[0])
+    if not pad or backend() != "onednn" or not x2.is_cpu or x2.dtype != torch.float32:
+        return x2
+    return torch.cat((x2, x2.new_zeros(pad, x2.shape[1])))

@@ -52,5 +52,8 @@ def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[in
             return native.dequant(part, t, (n, cols), out=_chunk_buffer(n * cols))
     if native_rows is None:
         return torch_linear(x, raw, t, shape, bias)
-    return torch_linear(x, raw, t, shape, bias, chunk_elems=CHUNK_ELEMS, dequant_rows=native_rows,
-                        matmul=gemm.linear)
+    x2 = x.reshape(-1, cols)
+    xp = gemm.pad_rows(x2)                      # once, not for every chunk
+    y = torch_linear(xp, raw, t, shape, bias, chunk_elems=CHUNK_ELEMS, dequant_rows=native_rows,
+                     matmul=gemm.linear)
+    return y[:x2.shape[0]].reshape(*x.shape[:-1], int(shape[0]))
