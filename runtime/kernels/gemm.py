@@ -9,8 +9,11 @@ figures in bench/README.md). On Intel CPUs MKL takes its AVX-512 path and stays.
 
 Both compute the exact float32 product; only the summation order differs (within float32
 rounding, as between any two BLAS builds), so which one runs is a property of the box, chosen
-once per process: oneDNN on a non-Intel CPU with AVX-512, MKL otherwise.
-``EXPERTFS_GEMM=mkl|onednn`` overrides it (A/B benchmarks, or a box where the rule is wrong).
+once per process: on a non-Intel CPU with AVX-512, oneDNN where a short timing (two
+[64, 1024] × [1024, 1024]ᵀ products, best of five each, 20-30 ms) finds it at least
+``FASTER`` times MKL's speed, which a CPU that splits 512-bit operations in two (Zen 4) need
+not give; MKL otherwise. ``EXPERTFS_GEMM=mkl|onednn`` overrides it (A/B benchmarks, or a box
+where the choice is wrong).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ __all__ = ["linear", "pad_rows", "backend", "isa", "BACKENDS"]
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mkl", "onednn")
+
+#: How much faster than MKL oneDNN must time on a non-Intel AVX-512 CPU to be chosen (1.9-2.1×
+#: on a Zen 5)
+FASTER = 1.4
 
 #: oneDNN compiles a kernel for each new shape (0.5-9 ms each, the first time it meets it), and a
 #: prompt's expert products come in as many row counts as experts' token counts: rows are padded
@@ -73,19 +80,41 @@ def backend() -> str:
     if want and want not in BACKENDS:
         log.warning("EXPERTFS_GEMM=%s is not one of %s: choosing by the CPU", want, BACKENDS)
         want = ""
-    if not want:
-        vendor, flags = _cpu_flags()
-        want = "onednn" if vendor and vendor != "GenuineIntel" and "avx512f" in flags else "mkl"
     if want == "onednn" and _onednn_op() is None:
         log.info("torch has no oneDNN linear here: float32 products through MKL")
         want = "mkl"
+    if not want:
+        vendor, flags = _cpu_flags()
+        want = "mkl"
+        if vendor and vendor != "GenuineIntel" and "avx512f" in flags and _onednn_op():
+            ratio = _onednn_speedup()
+            log.debug("oneDNN %.2fx MKL's speed on this CPU", ratio)
+            if ratio >= FASTER:
+                want = "onednn"
     log.debug("float32 CPU products through %s", want)
     return want
 
 
+def _onednn_speedup() -> float:
+    """MKL's time over oneDNN's for one [64, 1024] × [1024, 1024]ᵀ product, best of five each
+    after two of each to warm up (oneDNN's first calls compile its kernel)."""
+    import time
+    x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
+    onednn = _onednn_op()
+    fns = (lambda: F.linear(x, w), lambda: onednn(x, w, None, "none", [], ""))
+    best = [float("inf")] * 2
+    for r in range(7):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            if r >= 2:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0] / best[1]
+
+
 def isa() -> str:
-    """The vector width the float32 products run at: ``"avx512"`` where oneDNN runs on a CPU with
-    AVX-512 or MKL on an Intel one, else ``"avx2"`` (MKL on AMD). The native kernels' token limits
+    """The vector width the float32 products run at: ``"avx512"`` where oneDNN was chosen on a CPU
+    with AVX-512 or MKL runs on an Intel one, else ``"avx2"`` (MKL on AMD). The native kernels' token limits
     (``ops.max_tokens``) depend on it: the faster the products, the fewer tokens a native
     product is worth."""
     vendor, flags = _cpu_flags()

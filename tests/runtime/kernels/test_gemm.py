@@ -13,8 +13,9 @@ from expertfs.runtime.kernels import gemm
 @pytest.fixture
 def choose(monkeypatch):
     """Re-decide ``gemm.backend()`` under a given CPU and EXPERTFS_GEMM."""
-    def pick(vendor: str, flags: str, env: str | None = None) -> str:
+    def pick(vendor: str, flags: str, env: str | None = None, speedup: float = 2.0) -> str:
         monkeypatch.setattr(gemm, "_cpu_flags", lambda: (vendor, frozenset(flags.split())))
+        monkeypatch.setattr(gemm, "_onednn_speedup", lambda: speedup)
         if env is None:
             monkeypatch.delenv("EXPERTFS_GEMM", raising=False)
         else:
@@ -26,11 +27,13 @@ def choose(monkeypatch):
     gemm.backend.cache_clear()
 
 
-def test_onednn_where_mkl_would_run_avx2_on_an_avx512_cpu(choose):
+def test_onednn_where_mkl_would_run_avx2_on_an_avx512_cpu_and_onednn_is_faster(choose):
     if gemm._onednn_op() is None:
         pytest.skip("this torch has no oneDNN")
     assert choose("AuthenticAMD", "fma avx2 avx512f avx512bw") == "onednn"
     assert gemm.isa() == "avx512"
+    assert choose("AuthenticAMD", "avx512f", speedup=1.1) == "mkl"   # 512-bit split in two
+    assert gemm.isa() == "avx2"
     assert choose("AuthenticAMD", "fma avx2") == "mkl"
     assert gemm.isa() == "avx2"
     assert choose("GenuineIntel", "fma avx2 avx512f") == "mkl"
@@ -76,3 +79,9 @@ def test_what_onednn_does_not_take_goes_to_f_linear(choose, monkeypatch):
                   (torch.randn(1, 32), w)):                                 # one small product
         assert torch.equal(gemm.linear(x, wt), F.linear(x, wt))
     assert not calls
+
+
+def test_the_timing_compares_the_two_libraries():
+    if gemm._onednn_op() is None:
+        pytest.skip("this torch has no oneDNN")
+    assert 0 < gemm._onednn_speedup() < float("inf")
