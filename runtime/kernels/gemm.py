@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("mkl", "onednn")
 
-#: How much faster than MKL oneDNN must time on a non-Intel AVX-512 CPU to be chosen (1.9-2.1×
+#: How much faster than MKL oneDNN must time on a non-Intel AVX-512 CPU to be chosen (1.9-2.25×
 #: on a Zen 5)
 FASTER = 1.4
 
@@ -98,7 +99,6 @@ def backend() -> str:
 def _onednn_speedup() -> float:
     """MKL's time over oneDNN's for one [64, 1024] × [1024, 1024]ᵀ product, best of five each
     after two of each to warm up (oneDNN's first calls compile its kernel)."""
-    import time
     x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
     onednn = _onednn_op()
     fns = (lambda: F.linear(x, w), lambda: onednn(x, w, None, "none", [], ""))
@@ -113,10 +113,10 @@ def _onednn_speedup() -> float:
 
 
 def isa() -> str:
-    """The vector width the float32 products run at: ``"avx512"`` where oneDNN was chosen on a CPU
-    with AVX-512 or MKL runs on an Intel one, else ``"avx2"`` (MKL on AMD). The native kernels' token limits
-    (``ops.max_tokens``) depend on it: the faster the products, the fewer tokens a native
-    product is worth."""
+    """The vector width the float32 products run at: ``"avx512"`` where oneDNN was chosen on a
+    CPU with AVX-512 or MKL runs on an Intel one, else ``"avx2"`` (MKL on AMD). The native
+    kernels' token limits (``ops.max_tokens``) depend on it: the faster the products, the fewer
+    tokens a native product is worth."""
     vendor, flags = _cpu_flags()
     if "avx512f" in flags and (backend() == "onednn" or vendor == "GenuineIntel"):
         return "avx512"

@@ -54,7 +54,7 @@ def _cpu_model() -> str:
 
 #: how the CPU probes measure; raised when that changes, so no entry of the old way is used
 #: (2: the kernels timed on weights past the last-level cache, ``native._CAP``; 3: the float
-#: products through ``model.gemm``, whose library is part of the key)
+#: products through ``kernels.gemm``, whose library is part of the key)
 PROBE_VERSION = 3
 
 

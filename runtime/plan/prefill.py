@@ -65,7 +65,7 @@ class FirstToken:
 
 def gemm_rate(probe: bool = True) -> Range:
     """This box's float32 GFLOP/s on torch's threads through the GEMM library the runtime uses
-    (``model.gemm.linear``; [128, 2048] × [2048, 2048]ᵀ, best of five; the slow end 0.7 of it),
+    (``kernels.gemm.linear``; [128, 2048] × [2048, 2048]ᵀ, best of five; the slow end 0.7 of it),
     or the stated per-core default."""
     cores = os.cpu_count() or 1
     if probe:
