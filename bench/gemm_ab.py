@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MKL against oneDNN for the float32 products (``runtime.model.gemm``), in one process.
+"""MKL against oneDNN for the float32 products (``runtime.kernels.gemm``), in one process.
 
 Without a store: float32 products of the shapes prefill, verify passes and float weights
 give (tokens × [out, in]), each library's median wall time, alternating rep by rep. With a
