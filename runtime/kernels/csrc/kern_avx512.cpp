@@ -217,15 +217,17 @@ EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 }
 
 // Up to `per` tokens per pass over the weights: 8 for the blocks of 32 (two rows' accumulators
-// for 8 tokens fit the 32 registers), 4 for Q4_K.
+// for 8 tokens fit the 32 registers), 4 for Q4_K, whose last pass takes 5 rather than leave a
+// pass of one token (a whole decode of the weights for it: 1.25x at 5 tokens; 6 spill).
 #define EFS_Z_ROWS(name, per)                                                                  \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
                            int accumulate) {                                                    \
-        for (int t0 = 0; t0 < nt; t0 += per) {                                                  \
+        for (int t0 = 0, n; t0 < nt; t0 += n) {                                                 \
+            n = nt - t0 < per ? nt - t0 : (per == 4 && nt - t0 == 5 ? 5 : per);                 \
             float* yt = y + (int64_t)t0 * ys;                                                   \
             const XPrep* xt = xs + t0;                                                          \
-            switch (nt - t0 < per ? nt - t0 : per) {                                            \
+            switch (n) {                                                                        \
                 case 1: name<1>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
                 case 2: name<2>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
                 case 3: name<3>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
