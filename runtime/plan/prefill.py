@@ -81,8 +81,8 @@ def gemm_rate(probe: bool = True) -> Range:
                 gemm.linear(x, w)
                 best = min(best, time.perf_counter() - t0)
             g = 2 * 128 * 2048 * 2048 / best / 1e9
-            return Range(0.7 * g, g, f"measured now: float32 {gemm.backend()}, {torch.get_num_threads()} "
-                                     "threads (slow end 0.7x)")
+            return Range(0.7 * g, g, f"measured now: float32 {gemm.backend()}, "
+                                     f"{torch.get_num_threads()} threads (slow end 0.7x)")
         except ImportError:
             pass
     lo, hi = STATED_GEMM_GFLOPS

@@ -27,12 +27,18 @@ def _target(path: str, slot_bytes: int, store_path: str | None):
     return target_from_file(path, max(4096, read - read % 4096))
 
 
+def _cold_point(target, backend: str, qd: int, order: list[int], **kw: Any):
+    """One ``io.bench.run_point`` of ``order``'s reads, the file's pages dropped first."""
+    from ..io.bench import run_point
+    from ..io.pagecache import drop_file_cache
+    drop_file_cache(target.path)
+    return run_point(target, backend, qd, order, verify=False, **kw)
+
+
 def probe_storage(path: str, k: int, slot_bytes: int, *, store_path: str | None = None,
                   total_bytes: int = 96 << 20, seed: int = 0) -> tuple[Range, dict[str, Any]]:
     """Measure whole-extent random reads on ``path``: (GB/s range, details)."""
     from ..io.backends import backend_status
-    from ..io.bench import run_point
-    from ..io.pagecache import drop_file_cache
 
     target = _target(path, slot_bytes, store_path)
     status = backend_status()
@@ -44,9 +50,8 @@ def probe_storage(path: str, k: int, slot_bytes: int, *, store_path: str | None 
     points = []
     for qd in qds:
         for b in backends:
-            drop_file_cache(target.path)
             try:
-                p = run_point(target, b, qd, order, verify=False)
+                p = _cold_point(target, b, qd, order)
             except Exception as e:                       # a backend failing here is not fatal
                 points.append({"backend": b, "qd": qd, "gbps": 0.0, "error": str(e)})
                 continue
@@ -80,10 +85,7 @@ FRESH_POINTS = 2
 
 
 def _fresh_cpu(target, detail: dict[str, Any], order: list[int]) -> float:
-    from ..io.bench import run_point
-    from ..io.pagecache import drop_file_cache
-    drop_file_cache(target.path)
-    p = run_point(target, detail["backend"], detail["slow_qd"], order, verify=False, fresh=True)
+    p = _cold_point(target, detail["backend"], detail["slow_qd"], order, fresh=True)
     return (p.cpu_user_s + p.cpu_sys_s) / (p.bytes / 1e9)
 
 
@@ -92,11 +94,7 @@ def storage_check(path: str, slot_bytes: int, backend: str, qd: int, *,
     """GB/s of one short point of whole-extent random reads on ``path`` (``backend`` at ``qd``,
     a fresh random sample, file pages dropped first): the drive's speed now, beside the figure
     ``probe_storage`` cached (``plan.boxcache.storage_spread``)."""
-    from ..io.bench import run_point
-    from ..io.pagecache import drop_file_cache
-
     target = _target(path, slot_bytes, store_path)
     n = max(qd, min(len(target.reads), total_bytes // max(1, target.mean_size)))
     order = random.Random().sample(range(len(target.reads)), min(n, len(target.reads)))
-    drop_file_cache(target.path)
-    return run_point(target, backend, qd, order, verify=False).gbps
+    return _cold_point(target, backend, qd, order).gbps
