@@ -91,24 +91,25 @@ WIDE_TYPES_Q8_AVX2 = {
     GGMLType.IQ2_XXS: 64, GGMLType.TQ2_0: 96,
 }
 
-#: The same under the AVX-512 kernels where the float32 products run at AVX-512 width too
-#: (``gemm.isa()``: oneDNN on an AMD Zen 5, about twice MKL's AVX2 speed there, so a native
-#: product is worth fewer tokens), measured with 8 to 128 tokens (exact, then q8).
+#: The same under the AVX-512 kernels where the products run at AVX-512 width too
+#: (``gemm.isa()``: a Zen 5, or an Intel CPU): past the limit ``wide_linear`` takes the product
+#: through ``qgemm``, the panel product, so a native product is worth fewer tokens; measured
+#: with 8 to 128 tokens on 2 threads (exact, then q8; ``bench_kernels.py --prefill``).
 WIDE_TYPES_GEMM512 = {
-    GGMLType.Q4_K: 32, GGMLType.Q5_K: 32, GGMLType.Q6_K: 32, GGMLType.Q8_0: 48, GGMLType.Q4_0: 48,
-    GGMLType.Q2_K: 48, GGMLType.Q3_K: 64, GGMLType.IQ4_XS: 32, GGMLType.MXFP4: 48,
-    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 96, GGMLType.IQ2_XS: 96, GGMLType.IQ2_S: 96,
-    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 48, GGMLType.IQ1_M: 48,
-    GGMLType.TQ1_0: 32, GGMLType.TQ2_0: 24, GGMLType.Q4_1: 16, GGMLType.Q5_0: 48,
-    GGMLType.Q5_1: 32,
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 24, GGMLType.Q4_0: 24,
+    GGMLType.Q2_K: 24, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 24,
+    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 96, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
+    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
+    GGMLType.TQ1_0: 16, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
+    GGMLType.Q5_1: 24,
 }
 WIDE_TYPES_Q8_GEMM512 = {
-    GGMLType.Q4_K: 24, GGMLType.Q5_K: 24, GGMLType.Q6_K: 32, GGMLType.Q8_0: 16, GGMLType.Q4_0: 16,
-    GGMLType.Q2_K: 24, GGMLType.Q3_K: 64, GGMLType.IQ4_XS: 32, GGMLType.MXFP4: 32,
-    GGMLType.IQ4_NL: 96, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
-    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 64, GGMLType.IQ1_M: 64,
-    GGMLType.TQ1_0: 96, GGMLType.TQ2_0: 128, GGMLType.Q4_1: 16, GGMLType.Q5_0: 32,
-    GGMLType.Q5_1: 24,
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 8, GGMLType.Q4_0: 8,
+    GGMLType.Q2_K: 16, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 12, GGMLType.MXFP4: 16,
+    GGMLType.IQ4_NL: 48, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 32, GGMLType.IQ1_M: 64,
+    GGMLType.TQ1_0: 32, GGMLType.TQ2_0: 48, GGMLType.Q4_1: 8, GGMLType.Q5_0: 16,
+    GGMLType.Q5_1: 16,
 }
 
 #: (kernel ISA, float32 product ISA, numerics) → table
@@ -169,6 +170,23 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Seque
     if mod is None:
         return None
     return mod.matvec(x, raw.reshape(-1), t, rows, cols, mode)
+
+
+def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
+          shape: Sequence[int]) -> torch.Tensor | None:
+    """``x [T, in]`` float32 CPU → ``[T, out]`` for many tokens (prefill): each panel of rows of
+    W dequantized once, into the core's cache, and multiplied by every token (exact mode's
+    numerics); None when not applicable (no AVX-512F, another device or dtype, a type the
+    kernels do not take)."""
+    rows, cols = int(shape[0]), int(shape[1])
+    t = int(ggml_type)
+    if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or not raw.is_cpu
+            or not _applies(t, cols, 0)):
+        return None
+    mod = load()
+    if mod is None or not hasattr(mod, "qgemm"):
+        return None
+    return mod.qgemm(x, raw.reshape(-1), t, rows, cols)
 
 
 def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],

@@ -178,8 +178,7 @@ def decode_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[
     types, up to ``NATIVE_MAX_TOKENS`` tokens or ``kernels.max_tokens`` of the type,
     ``act_quant`` honoured), else ``fused_matvec``;
     None when neither applies."""
-    if x.dim() == 2 and (x.shape[0] <= NATIVE_MAX_TOKENS
-                         or x.shape[0] <= native.max_tokens(t, NATIVE_MAX_TOKENS, act_quant)):
+    if x.dim() == 2 and x.shape[0] <= native.max_tokens(t, NATIVE_MAX_TOKENS, act_quant):
         y = native.matvec(x, raw, t, shape, act_quant)
         if y is not None:
             return y

@@ -154,7 +154,7 @@ def wide_limits(types: Sequence[str]) -> dict[str, int]:
     from .. import kernels
     from ..model.qmatvec import NATIVE_MAX_TOKENS
 
-    return {t: max(NATIVE_MAX_TOKENS, kernels.max_tokens(GGMLType[t], NATIVE_MAX_TOKENS))
+    return {t: kernels.max_tokens(GGMLType[t], NATIVE_MAX_TOKENS)
             for t in types if t in GGMLType.__members__}
 
 

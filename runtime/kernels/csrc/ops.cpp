@@ -239,6 +239,45 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
     return y;
 }
 
+// y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm_avx512.cpp): each panel of rows
+// dequantized once into this thread's scratch, then multiplied by every token. Exact mode's
+// numerics (the dequantized floats, float32 sums). Undefined when the CPU or the build has no
+// AVX-512F: the caller takes the wide path.
+at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
+                 int64_t cols) {
+    if (!(g_isa >= ISA_AVX512 && avx512_qgemm_compiled())) return at::Tensor();
+    const TypeInfo* ti = check_type(type, cols, 0);
+    const int64_t rb = cols / ti->block * ti->bytes;
+    check_raw(raw, rows, rb, "weight");
+    const at::Tensor x = check_x(x_, cols);
+    const int64_t nt = x.size(0), tp = (nt + 15) / 16 * 16;
+    at::Tensor y = at::empty({nt, rows}, x.options());
+    if (nt == 0 || rows == 0) return y;
+    at::Tensor xt = at::empty({cols, tp}, x.options());
+    float* xtp = xt.data_ptr<float>();
+    {
+        const float* xp = x.data_ptr<float>();
+        for (int64_t k0 = 0; k0 < cols; k0 += 64) {         // a block of XT stays in L1
+            const int64_t k1 = k0 + 64 < cols ? k0 + 64 : cols;
+            for (int64_t k = k0; k < k1; ++k)
+                for (int64_t t = nt; t < tp; ++t) xtp[k * tp + t] = 0.f;
+            for (int64_t t = 0; t < nt; ++t)
+                for (int64_t k = k0; k < k1; ++k) xtp[k * tp + t] = xp[t * cols + k];
+        }
+    }
+    const uint8_t* W = raw.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    pybind11::gil_scoped_release nogil;
+    par_chunks((rows + QGEMM_PANEL - 1) / QGEMM_PANEL, [&](int64_t c) {
+        thread_local std::vector<float> panel;
+        const int64_t need = QGEMM_PANEL * qgemm_panel_stride(cols);
+        if ((int64_t)panel.size() < need) panel.resize(need);
+        avx512_qgemm_panel((int)type, W, rb, c * QGEMM_PANEL, rows, cols, xtp, tp, nt,
+                           panel.data(), yp, rows);
+    });
+    return y;
+}
+
 // The two phases of one decode step through n experts, shared by moe, moe_hidden and
 // moe_down_rows / moe_combine so that a layer computed in parts (resident experts while the
 // others load) gives bit-identical results to one call.
@@ -628,6 +667,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("matvec", &efs::matvec, "y[T, rows] = x[T, cols] @ W.T from ggml bytes",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode"));
+    m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens, AVX-512",
+          pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
+          pybind11::arg("rows"), pybind11::arg("cols"));
     m.def("moe", &efs::moe, "one decode step through a layer's selected experts",
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("gate"), pybind11::arg("up"),
           pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"),

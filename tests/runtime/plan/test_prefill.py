@@ -144,4 +144,6 @@ def test_dequant_rates_are_measured_once_per_box(tmp_path, monkeypatch):
     again = boxcache.dequant_rates(["Q4_K"], probe=False)["Q4_K"]
     assert (again.slow, again.fast) == (got["Q4_K"].slow, got["Q4_K"].fast)
     assert again.source.startswith("measured earlier on this machine (cached)")
-    assert wide_limits(["Q4_K"])["Q4_K"] >= 32
+    from expertfs.formats.ggml import GGMLType
+    from expertfs.runtime import kernels
+    assert wide_limits(["Q4_K"])["Q4_K"] == kernels.max_tokens(GGMLType.Q4_K, 32)
