@@ -283,6 +283,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--isa-compare", action="store_true",
                     help="time each type on every vector ISA of this CPU (see the docstring)")
+    ap.add_argument("--isa", choices=("scalar", "avx2", "avx512"),
+                    help="run the kernels' code for this ISA (default: the best the CPU has); "
+                    "with EXPERTFS_GEMM=mkl on an AMD CPU, an AVX2 box's products")
     ap.add_argument("--prefill", action="store_true",
                     help="native products against wide_linear at prefill widths (docstring)")
     ap.add_argument("--shapes", help="rows x cols (--isa-compare: 2048x4096,4096x2048; "
@@ -296,6 +299,8 @@ def main() -> int:
     from expertfs.runtime import kernels
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.status()['reason']}")
+    if a.isa:
+        kernels.load().set_isa(a.isa)
     if a.prefill:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
         res = prefill([GGMLType[n.upper()] for n in a.types.split(",")], shapes,

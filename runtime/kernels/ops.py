@@ -52,11 +52,14 @@ def available() -> bool:
     return load() is not None
 
 
-#: Most tokens per native product, per type, under the AVX-512 kernels (exact numerics): the
-#: widest batch, of 32, 64, 128 and 256 tokens, at which the native product beats
-#: ``runtime.model.wide.wide_linear`` (native dequantization + F.linear) over the expert and
-#: trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Types not listed, and every
-#: type on the other ISAs, keep the caller's default.
+#: Most tokens per native product, per type, under the AVX-512 kernels where the float32
+#: products run at AVX2 width (MKL on an AMD CPU that splits 512-bit operations; exact
+#: numerics): the widest batch, of 32, 64, 128 and 256 tokens, at which the native product beat
+#: ``runtime.model.wide.wide_linear`` (then native dequantization + F.linear) over the expert
+#: and trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Measured before
+#: ``qgemm`` took the wide products, on a box not at hand since: a batch past these limits now
+#: goes through ``qgemm``, faster than before, so they err towards the native product. Types
+#: not listed keep the caller's default.
 WIDE_TYPES = {
     GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
     GGMLType.Q3_K: 128, GGMLType.Q4_0: 256, GGMLType.Q8_0: 256, GGMLType.Q4_1: 64,
@@ -76,19 +79,25 @@ WIDE_TYPES_Q8 = {
 }
 
 
-#: The same under the AVX2 kernels (exact, then q8), measured the same way with 32, 40, 48, 64,
-#: 96 and 128 tokens on an AVX2-only CPU (wall time, after ``wide_linear`` took its chunks into
-#: a reused buffer); the types not listed stay at the caller's default.
+#: The same under the AVX2 kernels (exact, then q8), past which ``wide_linear`` takes the
+#: product through ``qgemm`` in AVX2: measured with 8 to 128 tokens on 2 threads with the
+#: kernels held to AVX2 and MKL's AVX2 code (an AVX2 box's products; ``bench_kernels.py
+#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens.
 WIDE_TYPES_AVX2 = {
-    GGMLType.Q4_K: 40, GGMLType.Q6_K: 40, GGMLType.Q8_0: 40, GGMLType.Q4_0: 40,
-    GGMLType.Q2_K: 48, GGMLType.Q3_K: 48, GGMLType.IQ4_XS: 48, GGMLType.MXFP4: 48,
-    GGMLType.IQ4_NL: 48, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 96, GGMLType.IQ2_S: 96,
-    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 96, GGMLType.IQ1_S: 48, GGMLType.TQ2_0: 48,
-    GGMLType.Q5_0: 48, GGMLType.Q5_1: 48,
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 12,
+    GGMLType.Q2_K: 32, GGMLType.Q3_K: 24, GGMLType.IQ4_XS: 24, GGMLType.MXFP4: 32,
+    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 64, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
+    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 24, GGMLType.IQ1_M: 24,
+    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 12, GGMLType.Q5_0: 32,
+    GGMLType.Q5_1: 32,
 }
 WIDE_TYPES_Q8_AVX2 = {
-    GGMLType.Q4_K: 48, GGMLType.Q8_0: 48, GGMLType.IQ4_XS: 48,
-    GGMLType.IQ2_XXS: 64, GGMLType.TQ2_0: 96,
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 8,
+    GGMLType.Q2_K: 12, GGMLType.Q3_K: 16, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 16,
+    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 48, GGMLType.IQ2_XS: 32, GGMLType.IQ2_S: 32,
+    GGMLType.IQ3_XXS: 24, GGMLType.IQ3_S: 24, GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 8,
+    GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 32, GGMLType.Q4_1: 8, GGMLType.Q5_0: 16,
+    GGMLType.Q5_1: 16,
 }
 
 #: The same under the AVX-512 kernels where the products run at AVX-512 width too

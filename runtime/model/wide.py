@@ -1,9 +1,9 @@
 """Products of many tokens straight from ggml bytes: ``F.linear(x, W)`` for batches wider than
 the native several-token kernels take (prefill, verify passes of many tokens).
 
-Where the CPU runs AVX-512 at full width (``gemm.isa()``), ``kernels.qgemm``: each panel of 24
-rows dequantized once into the core's cache and multiplied by every token there, no float
-weight written to memory. Elsewhere (and for what it does not take):
+``kernels.qgemm`` (AVX2 or AVX-512): each panel of 24 rows dequantized once into the core's
+cache and multiplied by every token there, no float weight written to memory; 1.1-3x the
+dequantize-then-BLAS below at 16-131 tokens (bench/README.md). Under the portable kernels:
 ``formats.dequant.linear``'s row chunks (about ``CHUNK_ELEMS`` weights, each multiplied by BLAS
 as soon as it exists, so the float weight never exists whole and a chunk stays in cache), with
 the chunks dequantized by the native kernels (``runtime.kernels.dequant``: each weight as the
@@ -47,7 +47,7 @@ def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[in
     """``x [..., in]`` float32 on CPU → ``F.linear(x, W, bias)`` for W of torch ``shape (out,
     in)`` given as ggml bytes ``raw``."""
     cols = int(shape[1])
-    if gemm.isa() == "avx512" and x.dim() == 2:     # full-width AVX-512: the panel product
+    if x.dim() == 2:                       # the panel product, where the kernels have it
         y = native.qgemm(x, raw, t, shape)
         if y is not None:
             return y if bias is None else y + bias

@@ -96,18 +96,24 @@ RowsFn avx512_rows(int type, int mode);   // only the types that have an AVX-512
 RowsFn avx512_k_rows(int type, int mode);
 bool avx512_compiled();
 
-// Products of many tokens (qgemm_avx512.cpp; AVX-512F): rows [r0, r0 + QGEMM_PANEL) of W
-// (those below `rows`) dequantized into `panel` (QGEMM_PANEL rows of qgemm_panel_stride(cols)
-// floats of scratch, the floats dequant_rows gives), then y[t * ys + r] = dot(W[r], x_t) for the nt tokens, whose
-// activations come transposed: xt[k * tp + t] (tp a multiple of 16, zeros past nt).
-constexpr int64_t QGEMM_PANEL = 24;
-// A panel row's stride: cols and one cache line, so that rows a power of two apart in bytes
-// do not all fall into one set of the L1 cache (24 rows of 8 KiB would evict one another).
-inline int64_t qgemm_panel_stride(int64_t cols) { return cols + 16; }
-void avx512_qgemm_panel(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t rows,
-                        int64_t cols, const float* xt, int64_t tp, int64_t nt, float* panel,
-                        float* y, int64_t ys);
-bool avx512_qgemm_compiled();
+// Products of many tokens (qgemm.cpp; AVX-512F or AVX2): y[t * ys + r] = dot(W[r], x_t) for
+// rows [r0, r1) and the nt tokens, whose activations come transposed: xt[k * tp + t] (tp a
+// multiple of the ISA's lanes, QGEMM_LANES_AVX512 or QGEMM_LANES_AVX2; zeros past nt). Each
+// QGEMM_PANEL rows x QGEMM_KB columns dequantized into `panel` (QGEMM_PANEL rows of
+// qgemm_panel_stride(QGEMM_KB) floats of scratch; the floats dequant_rows gives), then
+// multiplied by every token into `c` ((r1 - r0) x tp floats of scratch).
+constexpr int64_t QGEMM_PANEL = 24, QGEMM_KB = 512;
+constexpr int64_t QGEMM_LANES_AVX512 = 16, QGEMM_LANES_AVX2 = 8;
+// A panel row's stride: its columns and one cache line, so that the rows do not all fall into
+// one set of the L1 cache (rows a power of two apart in bytes would evict one another).
+inline int64_t qgemm_panel_stride(int64_t kb) { return kb + 16; }
+void avx512_qgemm_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
+                       int64_t cols, const float* xt, int64_t tp, int64_t nt, float* panel,
+                       float* c, float* y, int64_t ys);
+void avx2_qgemm_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
+                     int64_t cols, const float* xt, int64_t tp, int64_t nt, float* panel,
+                     float* c, float* y, int64_t ys);
+bool qgemm_compiled();
 
 // Activation preparation (scalar; the AVX2 unit provides faster versions of the same).
 void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order

@@ -239,18 +239,20 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
     return y;
 }
 
-// y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm_avx512.cpp): each panel of rows
-// dequantized once into this thread's scratch, then multiplied by every token. Exact mode's
-// numerics (the dequantized floats, float32 sums). Undefined when the CPU or the build has no
-// AVX-512F: the caller takes the wide path.
+// y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm.cpp): each panel of rows dequantized
+// once into this thread's scratch, then multiplied by every token. Exact mode's numerics (the
+// dequantized floats, float32 sums). Undefined under the portable kernels (no AVX2): the
+// caller takes the wide path.
 at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
                  int64_t cols) {
-    if (!(g_isa >= ISA_AVX512 && avx512_qgemm_compiled())) return at::Tensor();
+    if (!(g_isa >= ISA_AVX2 && qgemm_compiled())) return at::Tensor();
+    const bool z = g_isa >= ISA_AVX512;
+    const int64_t lanes = z ? QGEMM_LANES_AVX512 : QGEMM_LANES_AVX2;
     const TypeInfo* ti = check_type(type, cols, 0);
     const int64_t rb = cols / ti->block * ti->bytes;
     check_raw(raw, rows, rb, "weight");
     const at::Tensor x = check_x(x_, cols);
-    const int64_t nt = x.size(0), tp = (nt + 15) / 16 * 16;
+    const int64_t nt = x.size(0), tp = (nt + lanes - 1) / lanes * lanes;
     at::Tensor y = at::empty({nt, rows}, x.options());
     if (nt == 0 || rows == 0) return y;
     at::Tensor xt = at::empty({cols, tp}, x.options());
@@ -267,13 +269,22 @@ at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int6
     }
     const uint8_t* W = raw.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
+    // runs of panels, at least 4 per thread where the rows allow (a delayed thread is made up
+    // for), at most 8 panels (their sums, 192 x tp floats, stay in the L2 cache)
+    const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
+    const int64_t panels = (rows + QGEMM_PANEL - 1) / QGEMM_PANEL;
+    int64_t per = panels / (4 * nth);
+    per = per < 1 ? 1 : per > 8 ? 8 : per;
+    const int64_t run = per * QGEMM_PANEL;
     pybind11::gil_scoped_release nogil;
-    par_chunks((rows + QGEMM_PANEL - 1) / QGEMM_PANEL, [&](int64_t c) {
-        thread_local std::vector<float> panel;
-        const int64_t need = QGEMM_PANEL * qgemm_panel_stride(cols);
+    par_chunks((rows + run - 1) / run, [&](int64_t i) {
+        thread_local std::vector<float> panel, sums;
+        const int64_t need = QGEMM_PANEL * qgemm_panel_stride(QGEMM_KB);
         if ((int64_t)panel.size() < need) panel.resize(need);
-        avx512_qgemm_panel((int)type, W, rb, c * QGEMM_PANEL, rows, cols, xtp, tp, nt,
-                           panel.data(), yp, rows);
+        if ((int64_t)sums.size() < run * tp) sums.resize(run * tp);
+        const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;
+        (z ? avx512_qgemm_rows : avx2_qgemm_rows)((int)type, W, rb, r0, r1, cols, xtp, tp, nt,
+                                                  panel.data(), sums.data(), yp, rows);
     });
     return y;
 }
@@ -667,7 +678,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("matvec", &efs::matvec, "y[T, rows] = x[T, cols] @ W.T from ggml bytes",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode"));
-    m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens, AVX-512",
+    m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens (AVX2 or AVX-512)",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"));
     m.def("moe", &efs::moe, "one decode step through a layer's selected experts",

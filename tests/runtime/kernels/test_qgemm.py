@@ -1,8 +1,9 @@
-"""The many-token panel product (``kernels.qgemm``, AVX-512F): for every type the kernels take,
-it equals ``F.linear`` on the reference dequantisation (formats.dequant, itself tested against
-gguf-py) for token counts on both sides of its 16-token groups and row counts that end inside a
-24-row panel; its result does not depend on the thread count; it declines (None) where the
-kernels run without AVX-512, and ``wide_linear`` then takes the product as before.
+"""The many-token panel product (``kernels.qgemm``, AVX2 and AVX-512F): for every type the
+kernels take, on each vector ISA, it equals ``F.linear`` on the reference dequantisation
+(formats.dequant, itself tested against gguf-py) for token counts on both sides of its token
+groups (8 and 16 tokens a vector) and row counts that end inside a 24-row panel; its result does
+not depend on the thread count; it declines (None) under the portable kernels, and
+``wide_linear`` then takes the product as before.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import torch.nn.functional as F
 from expertfs.formats.dequant import dequantize
 from expertfs.runtime import kernels
 from expertfs.runtime.model.wide import wide_linear
-from support.native import MOD, NEEDS_NATIVE, isa  # noqa: F401  (isa: a fixture)
+from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
 
 import test_kernels as k_quants
 import test_kernels_iq as iq
 
-pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
-    MOD is None or MOD.info()["best_isa"] != "avx512", reason="qgemm needs AVX-512F")]
+pytestmark = NEEDS_NATIVE
+VECTOR_ISAS = [i for i in isas() if i != "scalar"]
 
 TYPES = k_quants.ALL + iq.ALL
 
@@ -33,21 +34,23 @@ def cols_of(t) -> int:
     return (iq.cols_for if t in iq.ALL else k_quants.cols_for)(t)[-1]
 
 
+@pytest.mark.parametrize("isa", VECTOR_ISAS, indirect=True)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_qgemm_equals_dequant_linear(t):
+def test_qgemm_equals_dequant_linear(t, isa):
     cols = cols_of(t)
     for rows in (24, 61):                          # one whole panel; a panel of 13 rows at the end
         raw = weight(t, rows, cols, int(t) + rows)
         W = dequantize(raw, t, (rows, cols))
-        for nt in (1, 9, 16, 17, 33, 48):          # groups of 16 and 32 tokens, and their tails
+        for nt in (1, 8, 9, 16, 17, 33, 48):       # groups of 8, 16 and 32 tokens, and tails
             x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt))
             got = kernels.qgemm(x, raw, t, (rows, cols))
             ref = F.linear(x, W)
             assert got.shape == (nt, rows)
-            assert ((got - ref).abs() <= k_quants.bound(x, W)).all(), (t.name, rows, nt)
+            assert ((got - ref).abs() <= k_quants.bound(x, W)).all(), (t.name, isa, rows, nt)
 
 
-def test_qgemm_does_not_depend_on_threads():
+@pytest.mark.parametrize("isa", VECTOR_ISAS, indirect=True)
+def test_qgemm_does_not_depend_on_threads(isa):
     t, rows, cols = k_quants.T.Q4_K, 100, 768
     raw = weight(t, rows, cols, 3)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(4))
@@ -62,8 +65,8 @@ def test_qgemm_does_not_depend_on_threads():
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("isa", ["avx2"], indirect=True)
-def test_without_avx512_qgemm_declines_and_wide_linear_still_multiplies(isa):
+@pytest.mark.parametrize("isa", ["scalar"], indirect=True)
+def test_portable_kernels_decline_and_wide_linear_still_multiplies(isa):
     t, rows, cols = k_quants.T.Q6_K, 50, 512
     raw = weight(t, rows, cols, 5)
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(6))

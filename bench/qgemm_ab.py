@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The panel product (``kernels.qgemm``) against the two ways a many-token product from ggml
+bytes can go without it, alternating rep by rep in one process (medians of ``--rounds``):
+
+- ``qgemm``: each 24-row panel dequantized into the core's cache, multiplied by every token;
+- ``dequant+gemm``: ``wide_linear``'s other path, the rows dequantized into a reused 4 MiB
+  buffer and multiplied by the box's GEMM library (``kernels.gemm.linear``: oneDNN or MKL);
+- ``float gemm``: the same library on weights already in float32 (no dequantization at all:
+  the float32 arithmetic's own speed on this box, the ceiling of an exact product).
+
+    .venv/bin/python bench/qgemm_ab.py [--types q4_k,q6_k,q8_0] [--tokens 16,32,64,131]
+        [--isa avx2]   # with EXPERTFS_GEMM=mkl on an AMD CPU: an AVX2 box's products
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench_kernels import weight  # noqa: E402  (bench/, the script's own folder)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="q4_k,q6_k,q8_0")
+    ap.add_argument("--shapes", default="768x2048,2048x768,4096x2048,2048x4096")
+    ap.add_argument("--tokens", default="16,32,64,131")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--isa", choices=("avx2", "avx512"), help="the kernels' ISA (default: best)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from expertfs.formats.ggml import GGMLType
+    from expertfs.runtime import kernels
+    from expertfs.runtime.kernels import gemm
+    from expertfs.runtime.model.wide import CHUNK_ELEMS
+    from expertfs.formats.dequant import linear as torch_linear
+    mod = kernels.load()
+    if mod is None:
+        raise SystemExit(f"native kernels unavailable: {kernels.status()['reason']}")
+    if a.isa:
+        mod.set_isa(a.isa)
+    buf = torch.empty(CHUNK_ELEMS, dtype=torch.float32)
+
+    def dequant_gemm(x, raw, t, shape):           # wide_linear's path without qgemm
+        cols = shape[1]
+        return torch_linear(gemm.pad_rows(x), raw, t, shape, chunk_elems=CHUNK_ELEMS,
+                            dequant_rows=lambda part: kernels.dequant(
+                                part, t, (part.shape[0], cols), out=buf),
+                            matmul=gemm.linear)
+
+    print(f"ms per product (GFLOP/s), medians of {a.rounds} alternating reps, {a.threads} "
+          f"thread(s), kernels {mod.info()['isa']}, GEMM {gemm.backend()}")
+    print(f"  {'type':6s} {'tokens x out x in':>20s} {'qgemm':>16s} {'dequant+gemm':>16s} "
+          f"{'float gemm':>16s} {'(dequant+gemm)/qgemm':>21s}")
+    for name in a.types.split(","):
+        t = GGMLType[name.upper()]
+        for shape in a.shapes.split(","):
+            rows, cols = (int(v) for v in shape.split("x"))
+            raw = weight(t, rows, cols, 1)
+            W = kernels.dequant(raw, t, (rows, cols))
+            for nt in (int(v) for v in a.tokens.split(",")):
+                x = torch.randn(nt, cols)
+                ways = {"qgemm": lambda: kernels.qgemm(x, raw, t, (rows, cols)),
+                        "dequant+gemm": lambda: dequant_gemm(x, raw, t, (rows, cols)),
+                        "float gemm": lambda: gemm.linear(x, W)}
+                times: dict[str, list[float]] = {k: [] for k in ways}
+                for f in ways.values():                  # warm-up (oneDNN compiles a shape)
+                    f()
+                for _ in range(a.rounds):
+                    for k, f in ways.items():
+                        t0 = time.perf_counter()
+                        f()
+                        times[k].append(time.perf_counter() - t0)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                fl = 2 * nt * rows * cols
+                cells = "".join(f"{med[k] * 1e3:9.2f} ({fl / med[k] / 1e9:4.0f})" for k in ways)
+                print(f"  {name:6s} {f'{nt} x {rows} x {cols}':>20s}{cells}"
+                      f"{med['dequant+gemm'] / med['qgemm']:21.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

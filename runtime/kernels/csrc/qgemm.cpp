@@ -1,0 +1,250 @@
+// Products of many tokens straight from ggml bytes (AVX-512F, 16 tokens a vector; AVX2, 8):
+// Y[T, rows] = X[T, cols] . W^T, each weight dequantized once (into a panel that stays in the
+// core's L1 cache) and then used by every token, where the several-token kernels decode it
+// again for each pass of 4-8 tokens and the wide path writes whole float chunks to memory for
+// BLAS.
+//
+//  - a panel is QGEMM_PANEL rows of W over QGEMM_KB columns (16 weights a conversion for Q4_K, Q5_K and
+//    Q6_K under AVX-512; avx2_dequant_rows or dequant_rows for the others): the same floats as
+//    ggml's dequantize_row_* and gguf-py, so the result equals F.linear(x, dequantize(W)) up
+//    to float summation order;
+//  - the activations are transposed once per call into XT [cols][tp] (tp: T rounded up to a
+//    multiple of the vector's lanes, zero-padded), so that one vector holds as many tokens'
+//    activations at one k; a thread takes a run of panels and goes through the columns block
+//    by block, so a block of XT is read from memory once per run and then from its L2 cache;
+//  - the micro-kernel keeps MR rows x NV token vectors in registers (24 sums of the 32
+//    AVX-512 registers, 12 of AVX2's 16) and, for each k, broadcasts each row's weight and
+//    multiplies it into its NV token vectors: NV * MR fused multiply-adds for MR + NV loads,
+//    the arithmetic bound of the core.
+#include "kern.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include "kern_avx2_util.h"
+
+#define EFS_G __attribute__((target("avx512f,avx2,fma,f16c")))
+#define EFS_G2 __attribute__((target("avx2,fma,f16c")))
+#define EFS_KT EFS_G
+#include "kern_k_avx2.h"      // k4_scales_v, q45_planes: a Q4_K/Q5_K block's fields
+
+namespace efs {
+namespace {
+
+// 16 bytes as 16 floats, unsigned or signed.
+EFS_G inline __m512 u8x16(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+EFS_G inline __m512 i8x16(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+
+// The panel decoders: one row of `cols` weights into y, each weight the float ggml's
+// dequantize_row_* gives (kern_avx2.cpp's deq_q45_k / deq_q6_k, 16 weights a conversion).
+
+// Q4_K / Q5_K: d1 * q - m1 (d1 = d * scale, m1 = dmin * min; a multiply, then a subtraction).
+template <bool FIVE>
+EFS_G void deq_q45_k_z(const uint8_t* b, int64_t cols, float* y) {
+    const int BYTES = FIVE ? 176 : 144;
+    for (int64_t i = 0; i < cols / 256; ++i, b += BYTES, y += 256) {
+        alignas(16) uint8_t sm[16];                       // 8 scales, then 8 mins
+        _mm_store_si128((__m128i*)sm, k4_scales_v(b + 4));
+        const float d = f16(b), dmin = f16(b + 2);
+        const uint8_t* q = b + (FIVE ? 48 : 16);
+        __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            __m256i nib[2];
+            q45_planes<FIVE>(loadu256(q + 32 * j), hb, nib[0], nib[1]);
+            for (int h = 0; h < 2; ++h) {                 // sub-block 2j + h: 64j + 32h + l
+                const __m512 d1 = _mm512_set1_ps(d * (float)sm[2 * j + h]);
+                const __m512 m1 = _mm512_set1_ps(dmin * (float)sm[8 + 2 * j + h]);
+                float* o = y + 64 * j + 32 * h;
+                _mm512_storeu_ps(o, _mm512_sub_ps(_mm512_mul_ps(d1, u8x16(
+                    _mm256_castsi256_si128(nib[h]))), m1));
+                _mm512_storeu_ps(o + 16, _mm512_sub_ps(_mm512_mul_ps(d1, u8x16(
+                    _mm256_extracti128_si256(nib[h], 1))), m1));
+            }
+        }
+    }
+}
+
+// Q6_K: (d * sc) * (q - 32).
+EFS_G void deq_q6_k_z(const uint8_t* b, int64_t cols, float* y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    for (int64_t i = 0; i < cols / 256; ++i, b += 210, y += 256) {
+        const float d = f16(b + 208);
+        const int8_t* sc = (const int8_t*)(b + 192);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+            const __m256i QH = loadu256(b + 128 + 32 * h);
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(A, m4),
+                                _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(B, m4),
+                                _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                _mm256_and_si256(QH, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30))};
+            for (int k = 0; k < 4; ++k) {                 // elements 128h + 32k + l
+                const __m256i v = _mm256_sub_epi8(q[k], k32);
+                float* o = y + 128 * h + 32 * k;
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[8 * h + 2 * k]),
+                                                  i8x16(_mm256_castsi256_si128(v))));
+                _mm512_storeu_ps(o + 16, _mm512_mul_ps(
+                    _mm512_set1_ps(d * (float)sc[8 * h + 2 * k + 1]),
+                    i8x16(_mm256_extracti128_si256(v, 1))));
+            }
+        }
+    }
+}
+
+// A run of whole blocks of one row (b: its first block; kn weights) into y: the AVX-512
+// decoders, else the AVX2 unit's, else the portable ones.
+EFS_G void deq_row(int type, const uint8_t* b, int64_t kn, float* y) {
+    switch (type) {
+        case T_Q4_K: deq_q45_k_z<false>(b, kn, y); return;
+        case T_Q5_K: deq_q45_k_z<true>(b, kn, y); return;
+        case T_Q6_K: deq_q6_k_z(b, kn, y); return;
+        default:
+            if (!avx2_dequant_rows(type, b, 0, 0, 1, kn, y)) dequant_rows(type, b, 0, 0, 1, kn, y);
+    }
+}
+
+// MR rows x NV vectors of 16 tokens over the kn columns of a panel block: P: MR rows of the
+// panel (stride ps), xt: XT at the block's first column and the group's first token (stride
+// tp), c: the sums [MR][stride tp] at the group's first token, added to (from zero if first).
+template <int MR, int NV>
+EFS_G void micro(const float* P, int64_t ps, int64_t kn, const float* xt, int64_t tp, float* c,
+                 bool first) {
+    __m512 acc[MR][NV];
+#pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+            acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * tp + 16 * v);
+    for (int64_t k = 0; k < kn; ++k) {       // the sums stay in registers (loops unrolled)
+        __m512 x[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(xt + k * tp + 16 * v);
+#pragma GCC unroll 32
+        for (int r = 0; r < MR; ++r) {
+            const __m512 w = _mm512_set1_ps(P[r * ps + k]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(w, x[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 32
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * tp + 16 * v, acc[r][v]);
+}
+
+// The same in AVX2 (8 tokens a vector).
+template <int MR, int NV>
+EFS_G2 void micro8(const float* P, int64_t ps, int64_t kn, const float* xt, int64_t tp,
+                   float* c, bool first) {
+    __m256 acc[MR][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+            acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * tp + 8 * v);
+    for (int64_t k = 0; k < kn; ++k) {
+        __m256 x[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) x[v] = _mm256_loadu_ps(xt + k * tp + 8 * v);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            const __m256 w = _mm256_broadcast_ss(P + r * ps + k);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(w, x[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + r * tp + 8 * v, acc[r][v]);
+}
+
+// Rows [r0, r1) of W, columns [k0, k0 + kn), into the panel (stride ps; zeros for the rows
+// past r1 up to QGEMM_PANEL): `deq` dequantizes one row's run of whole blocks.
+template <class Deq>
+void fill_panel(const Deq& deq, const TypeInfo* ti, const uint8_t* W, int64_t rb, int64_t r0,
+                int64_t r1, int64_t k0, int64_t kn, float* panel, int64_t ps) {
+    const int64_t off = k0 / ti->block * ti->bytes;
+    for (int64_t r = r0; r < r1; ++r) deq(W + r * rb + off, kn, panel + (r - r0) * ps);
+    for (int64_t r = r1 - r0; r < QGEMM_PANEL; ++r) memset(panel + r * ps, 0, kn * sizeof(float));
+}
+
+// Rows [r0, r1) into y: for each block of QGEMM_KB columns (whose activations, QGEMM_KB x tp,
+// stay in the L2 cache while every panel of the rows uses them), each panel dequantized for
+// those columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end.
+// `mul(P, ps, kn, xt, c, first)` runs one panel's token groups.
+template <class Deq, class Mul>
+void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, int64_t rb,
+                    int64_t r0, int64_t r1, int64_t cols, const float* xt, int64_t tp,
+                    int64_t nt, float* panel, float* c, float* y, int64_t ys) {
+    const TypeInfo* ti = type_info(type);
+    const int64_t ps = qgemm_panel_stride(QGEMM_KB);
+    for (int64_t k0 = 0; k0 < cols; k0 += QGEMM_KB) {
+        const int64_t kn = cols - k0 < QGEMM_KB ? cols - k0 : QGEMM_KB;
+        for (int64_t p0 = r0; p0 < r1; p0 += QGEMM_PANEL) {
+            const int64_t p1 = p0 + QGEMM_PANEL < r1 ? p0 + QGEMM_PANEL : r1;
+            fill_panel(deq, ti, W, rb, p0, p1, k0, kn, panel, ps);
+            mul(panel, ps, kn, xt + k0 * tp, c + (p0 - r0) * tp, k0 == 0);
+        }
+    }
+    for (int64_t t = 0; t < nt; ++t)
+        for (int64_t r = r0; r < r1; ++r) y[t * ys + r] = c[(r - r0) * tp + t];
+}
+
+}  // namespace
+
+void avx512_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+                       int64_t cols, const float* xt, int64_t tp, int64_t nt, float* panel,
+                       float* c, float* y, int64_t ys) {
+    const auto deq = [type](const uint8_t* b, int64_t kn, float* o) { deq_row(type, b, kn, o); };
+    const auto mul = [nt, tp](const float* P, int64_t ps, int64_t kn, const float* xb, float* cb,
+                              bool first) {
+        int64_t t0 = 0;
+        for (; t0 + 16 < nt; t0 += 32)                // 32 tokens: 12 rows x 2 vectors
+            for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
+                micro<12, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+        if (t0 < nt)                                   // up to 16 left: 24 rows x 1 vector
+            micro<24, 1>(P, ps, kn, xb + t0, tp, cb + t0, first);
+    };
+    rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
+}
+
+void avx2_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+                     int64_t cols, const float* xt, int64_t tp, int64_t nt, float* panel,
+                     float* c, float* y, int64_t ys) {
+    const auto deq = [type](const uint8_t* b, int64_t kn, float* o) {
+        if (!avx2_dequant_rows(type, b, 0, 0, 1, kn, o)) dequant_rows(type, b, 0, 0, 1, kn, o);
+    };
+    const auto mul = [nt, tp](const float* P, int64_t ps, int64_t kn, const float* xb, float* cb,
+                              bool first) {
+        int64_t t0 = 0;
+        for (; t0 + 8 < nt; t0 += 16)                 // 16 tokens: 6 rows x 2 vectors
+            for (int64_t s = 0; s < QGEMM_PANEL; s += 6)
+                micro8<6, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+        if (t0 < nt)                                   // up to 8 left: 12 rows x 1 vector
+            for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
+                micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+    };
+    rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
+}
+
+bool qgemm_compiled() { return true; }
+
+}  // namespace efs
+
+#else  // not x86
+
+namespace efs {
+void avx512_qgemm_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*,
+                       int64_t, int64_t, float*, float*, float*, int64_t) {}
+void avx2_qgemm_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*,
+                     int64_t, int64_t, float*, float*, float*, int64_t) {}
+bool qgemm_compiled() { return false; }
+}  // namespace efs
+
+#endif
