@@ -1,10 +1,10 @@
 // Products of many tokens straight from ggml bytes (AVX-512F, 16 tokens a vector; AVX2, 8):
 // Y[T, rows] = X[T, cols] . W^T, each weight dequantized once (into a panel that stays in the
-// core's L1 cache) and then used by every token, where the several-token kernels decode it
+// core's cache) and then used by every token, where the several-token kernels decode it
 // again for each pass of 4-8 tokens and the wide path writes whole float chunks to memory for
 // BLAS.
 //
-//  - a panel is QGEMM_PANEL rows of W over QGEMM_KB columns (16 weights a conversion for Q4_K, Q5_K and
+//  - a panel is QGEMM_PANEL rows of W over a block of columns (16 weights a conversion for Q4_K, Q5_K and
 //    Q6_K under AVX-512; avx2_dequant_rows or dequant_rows for the others): the same floats as
 //    ggml's dequantize_row_* and gguf-py, so the result equals F.linear(x, dequantize(W)) up
 //    to float summation order;
@@ -174,8 +174,8 @@ void fill_panel(const Deq& deq, const TypeInfo* ti, const uint8_t* W, int64_t rb
     for (int64_t r = r1 - r0; r < QGEMM_PANEL; ++r) memset(panel + r * ps, 0, kn * sizeof(float));
 }
 
-// Rows [r0, r1) into y: for each block of QGEMM_KB columns (whose activations, QGEMM_KB x tp,
-// stay in the L2 cache while every panel of the rows uses them), each panel dequantized for
+// Rows [r0, r1) into y: for each block of qgemm_kb(cols) columns (whose activations stay in the
+// L2 cache while every panel of the rows uses them), each panel dequantized for
 // those columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end.
 // `mul(P, ps, kn, xt, c, first)` runs one panel's token groups.
 template <class Deq, class Mul>
@@ -183,9 +183,9 @@ void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, 
                     int64_t r0, int64_t r1, int64_t cols, const float* xt, int64_t tp,
                     int64_t nt, float* panel, float* c, float* y, int64_t ys) {
     const TypeInfo* ti = type_info(type);
-    const int64_t ps = qgemm_panel_stride(QGEMM_KB);
-    for (int64_t k0 = 0; k0 < cols; k0 += QGEMM_KB) {
-        const int64_t kn = cols - k0 < QGEMM_KB ? cols - k0 : QGEMM_KB;
+    const int64_t kb = qgemm_kb(cols), ps = qgemm_panel_stride(kb);
+    for (int64_t k0 = 0; k0 < cols; k0 += kb) {
+        const int64_t kn = cols - k0 < kb ? cols - k0 : kb;
         for (int64_t p0 = r0; p0 < r1; p0 += QGEMM_PANEL) {
             const int64_t p1 = p0 + QGEMM_PANEL < r1 ? p0 + QGEMM_PANEL : r1;
             fill_panel(deq, ti, W, rb, p0, p1, k0, kn, panel, ps);
