@@ -185,8 +185,8 @@ def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
           shape: Sequence[int]) -> torch.Tensor | None:
     """``x [T, in]`` float32 CPU → ``[T, out]`` for many tokens (prefill): each panel of rows of
     W dequantized once, into the core's cache, and multiplied by every token (exact mode's
-    numerics); None when not applicable (no AVX-512F, another device or dtype, a type the
-    kernels do not take)."""
+    numerics); None when not applicable (the portable kernels only, another device or dtype, a
+    type the kernels do not take)."""
     rows, cols = int(shape[0]), int(shape[1])
     t = int(ggml_type)
     if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or not raw.is_cpu

@@ -82,8 +82,8 @@ def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = Fa
                act_quant: str | None = None, limit: float = 0.0,
                alpha: float = 0.0) -> torch.Tensor:
     """``x [T, n_embd]`` → ``[T, n_embd]`` through one routed expert. ``fused``: products of
-    one token (up to ``qmatvec.NATIVE_MAX_TOKENS`` with the native kernels) go through
-    ``qmatvec`` where the type has one;
+    one token (up to the type's native limit, ``kernels.max_tokens``, with the native kernels)
+    go through ``qmatvec`` where the type has one, wider ones through ``wide.wide_linear``;
     ``act_quant="q8"`` there uses llama.cpp's 8-bit activations (native kernels only);
     ``limit``/``alpha``: ``swiglu``'s; bias parts are added (gpt-oss)."""
     p = e.parts

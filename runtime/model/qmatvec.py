@@ -145,8 +145,8 @@ _KERNELS: dict[GGMLType, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 SUPPORTED = frozenset(_KERNELS)
 
-#: Most tokens a native product takes (more: dequantize once and multiply as a matrix), for
-#: the trunk's matrices and the experts': up to 32 tokens the native products measured faster
+#: Most tokens a native product takes (more: ``wide.wide_linear``) for a type the ISA's table
+#: (``kernels.max_tokens``) does not list: up to 32 tokens the native products measured faster
 #: than dequant.linear (one matrix about even), beyond it not consistently (bench/README.md).
 NATIVE_MAX_TOKENS = 32
 
@@ -175,8 +175,8 @@ def reference(raw: torch.Tensor, t: GGMLType, shape: tuple[int, int],
 def decode_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[int, int],
                   act_quant: str | None = None) -> torch.Tensor | None:
     """``x [T, cols]`` float32 on CPU → ``[T, rows]`` through the native kernels (any of their
-    types, up to ``NATIVE_MAX_TOKENS`` tokens or ``kernels.max_tokens`` of the type,
-    ``act_quant`` honoured), else ``fused_matvec``;
+    types, up to ``kernels.max_tokens`` of the type, ``NATIVE_MAX_TOKENS`` where its table has
+    none; ``act_quant`` honoured), else ``fused_matvec``;
     None when neither applies."""
     if x.dim() == 2 and x.shape[0] <= native.max_tokens(t, NATIVE_MAX_TOKENS, act_quant):
         y = native.matvec(x, raw, t, shape, act_quant)

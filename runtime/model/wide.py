@@ -2,8 +2,9 @@
 the native several-token kernels take (prefill, verify passes of many tokens).
 
 ``kernels.qgemm`` (AVX2 or AVX-512): each panel of 24 rows dequantized once into the core's
-cache and multiplied by every token there, no float weight written to memory; 1.1-3x the
-dequantize-then-BLAS below at 16-131 tokens (bench/README.md). Under the portable kernels:
+cache and multiplied by every token there, no float weight written to memory; 1.3-2x the
+dequantize-then-BLAS below at 16-64 tokens, about even past 100 (bench/README.md). Under the
+portable kernels:
 ``formats.dequant.linear``'s row chunks (about ``CHUNK_ELEMS`` weights, each multiplied by BLAS
 as soon as it exists, so the float weight never exists whole and a chunk stays in cache), with
 the chunks dequantized by the native kernels (``runtime.kernels.dequant``: each weight as the
@@ -47,10 +48,10 @@ def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[in
     """``x [..., in]`` float32 on CPU → ``F.linear(x, W, bias)`` for W of torch ``shape (out,
     in)`` given as ggml bytes ``raw``."""
     cols = int(shape[1])
-    if x.dim() == 2:                       # the panel product, where the kernels have it
-        y = native.qgemm(x, raw, t, shape)
-        if y is not None:
-            return y if bias is None else y + bias
+    y = native.qgemm(x.reshape(-1, cols), raw, t, shape)   # the panel product, if the kernels
+    if y is not None:                                      # have it
+        y = y.reshape(*x.shape[:-1], int(shape[0]))
+        return y if bias is None else y + bias
     native_rows = None
     if x.dtype == torch.float32 and x.is_cpu and \
             native.dequant(raw[:0], t, (0, cols)) is not None:        # the kernels take it

@@ -417,7 +417,6 @@ EFS_T float vd_q5_k(const uint8_t* r, int64_t c, const void* y, const char*& pf)
 EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
     const int64_t nb = cols / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i m32 = _mm256_set1_epi8(32);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, b += 210) {
@@ -426,17 +425,8 @@ EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv, const char*&
         const int8_t* q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
-            const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
-            const __m256i QH = loadu256(b + 128 + 32 * h);
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(A, m4),
-                                   _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
-            q[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
-                                   _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
-                                   _mm256_and_si256(QH, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+            q6_planes(b, h, q);
             for (int k = 0; k < 4; ++k) {
                 const __m256i yv8 = loadu256((const uint8_t*)(q8 + 128 * h + 32 * k));
                 const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
@@ -745,7 +735,6 @@ EFS_T void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p) 
 // ((d * sc) rounded once, then times q): the unpack of ex_q6_k, 8 weights a conversion.
 static EFS_T void deq_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                            float* y) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i k32 = _mm256_set1_epi8(32);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -753,17 +742,8 @@ static EFS_T void deq_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
             const float d = f16(b + 208);
             const int8_t* sc = (const int8_t*)(b + 192);
             for (int h = 0; h < 2; ++h) {
-                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
-                const __m256i QH = loadu256(b + 128 + 32 * h);
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(A, m4),
-                                    _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30)),
-                    _mm256_or_si256(_mm256_and_si256(B, m4),
-                                    _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
-                                    _mm256_and_si256(QH, m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                                    _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30))};
+                __m256i q[4];
+                q6_planes(b, h, q);
                 for (int k = 0; k < 4; ++k) {               // elements 128h + 32k + l
                     const __m256i v = _mm256_sub_epi8(q[k], k32);
                     const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);

@@ -39,6 +39,22 @@ EFS_TI __m256 i8x8_ps(const void* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
+// Half h of a Q6_K block (b: the block) -> its four runs of 32 values (elements 128h + 32k +
+// l, k = 0..3), each the 6-bit value before the -32, as bytes.
+EFS_TI void q6_planes(const uint8_t* b, int h, __m256i* q) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
+    const __m256i QH = loadu256(b + 128 + 32 * h);
+    q[0] = _mm256_or_si256(_mm256_and_si256(A, m4),
+                           _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
+                           _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                           _mm256_and_si256(QH, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+}
+
 // Quant bytes j of a Q4_K/Q5_K block (v = qs[32j .. 32j+31]) -> sub-block 2j's values (lo)
 // and 2j+1's (hi) as bytes; Q5_K's fifth bits from hb (bit 2j / 2j+1 of qh[l]), which is
 // shifted on for the next j.
@@ -154,7 +170,6 @@ EFS_KT void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const int64_t nb = cols / 256;
     const float* xp[NT];
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -166,21 +181,13 @@ EFS_KT void ex_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             const __m256 S[2] = {_mm256_mul_ps(d, i8x8_ps(b + 192)),
                                  _mm256_mul_ps(d, i8x8_ps(b + 200))};
             for (int h = 0; h < 2; ++h) {
-                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
-                const __m256i QH = loadu256(b + 128 + 32 * h);
-                const __m256i q0 = _mm256_or_si256(_mm256_and_si256(A, m4),
-                    _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
-                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(B, m4),
-                    _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
-                const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
-                    _mm256_and_si256(QH, m30));
-                const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                    _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+                __m256i q[4];
+                q6_planes(b, h, q);
                 const int64_t o = 256 * i + 128 * h;
-                grp<NT, 32>(q0, xp, o, pair_scale(S[h], 0), a0);
-                grp<NT, 32>(q1, xp, o + 32, pair_scale(S[h], 1), a1);
-                grp<NT, 32>(q2, xp, o + 64, pair_scale(S[h], 2), a0);
-                grp<NT, 32>(q3, xp, o + 96, pair_scale(S[h], 3), a1);
+                grp<NT, 32>(q[0], xp, o, pair_scale(S[h], 0), a0);
+                grp<NT, 32>(q[1], xp, o + 32, pair_scale(S[h], 1), a1);
+                grp<NT, 32>(q[2], xp, o + 64, pair_scale(S[h], 2), a0);
+                grp<NT, 32>(q[3], xp, o + 96, pair_scale(S[h], 3), a1);
             }
         }
         for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])));

@@ -26,7 +26,7 @@
 #define EFS_G __attribute__((target("avx512f,avx2,fma,f16c")))
 #define EFS_G2 __attribute__((target("avx2,fma,f16c")))
 #define EFS_KT EFS_G
-#include "kern_k_avx2.h"      // k4_scales_v, q45_planes: a Q4_K/Q5_K block's fields
+#include "kern_k_avx2.h"      // k4_scales_v, q45_planes, q6_planes: a block's fields
 
 namespace efs {
 namespace {
@@ -66,23 +66,13 @@ EFS_G void deq_q45_k_z(const uint8_t* b, int64_t cols, float* y) {
 
 // Q6_K: (d * sc) * (q - 32).
 EFS_G void deq_q6_k_z(const uint8_t* b, int64_t cols, float* y) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i k32 = _mm256_set1_epi8(32);
     for (int64_t i = 0; i < cols / 256; ++i, b += 210, y += 256) {
         const float d = f16(b + 208);
         const int8_t* sc = (const int8_t*)(b + 192);
         for (int h = 0; h < 2; ++h) {
-            const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
-            const __m256i QH = loadu256(b + 128 + 32 * h);
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(A, m4),
-                                _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(B, m4),
-                                _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
-                                _mm256_and_si256(QH, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30))};
+            __m256i q[4];
+            q6_planes(b, h, q);
             for (int k = 0; k < 4; ++k) {                 // elements 128h + 32k + l
                 const __m256i v = _mm256_sub_epi8(q[k], k32);
                 float* o = y + 128 * h + 32 * k;
