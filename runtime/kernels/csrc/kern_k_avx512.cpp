@@ -438,7 +438,6 @@ EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const int64_t nb = cols / 256;
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i m32 = _mm256_set1_epi8(32);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
@@ -451,17 +450,8 @@ EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
             for (int h = 0; h < 2; ++h) {
-                const __m256i A = loadu256(b + 64 * h), B = loadu256(b + 64 * h + 32);
-                const __m256i QH = loadu256(b + 128 + 32 * h);
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(A, m4),
-                                       _mm256_and_si256(_mm256_slli_epi16(QH, 4), m30));
-                q[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
-                                       _mm256_and_si256(_mm256_slli_epi16(QH, 2), m30));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
-                                       _mm256_and_si256(QH, m30));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                                       _mm256_and_si256(_mm256_srli_epi16(QH, 2), m30));
+                q6_planes(b, h, q);
                 for (int k = 0; k < 4; ++k) {
                     const __m256i s = pair16_z(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
                     for (int t = 0; t < NT; ++t) {
