@@ -31,14 +31,12 @@ callers fall back to their torch paths.
 """
 
 from .build import load, status
-from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, WIDE_TYPES_Q8, act_quant_mode, attn_decode, available, dequant,
-                  matvec,
-                  max_tokens, qgemm, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, rms_norm,
-                  route, set_spin_us, set_threads, kda_step_, sinkhorn_)
+from .ops import (ACT_QUANT, NATIVE_FLOOR, TYPES, WIDE_TYPES, WIDE_TYPES_Q8, act_quant_mode,
+                  attn_decode, available, dequant, kda_step_, matvec, max_tokens, moe,
+                  moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm, rms_norm, route,
+                  set_spin_us, set_threads, sinkhorn_)
 
-__all__ = ["ACT_QUANT", "TYPES", "available", "load", "status", "matvec", "qgemm", "dequant", "moe",
-           "moe_hidden",
-           "moe_down_rows", "moe_combine",
-           "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES",
-           "WIDE_TYPES_Q8"]
+__all__ = ["ACT_QUANT", "NATIVE_FLOOR", "TYPES", "WIDE_TYPES", "WIDE_TYPES_Q8", "act_quant_mode",
+           "attn_decode", "available", "dequant", "kda_step_", "load", "matvec", "max_tokens",
+           "moe", "moe_combine", "moe_down_rows", "moe_hidden", "norm_rope_", "qgemm", "rms_norm",
+           "route", "set_spin_us", "set_threads", "sinkhorn_", "status"]
