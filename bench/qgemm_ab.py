@@ -3,8 +3,9 @@
 bytes can go without it, alternating rep by rep in one process (medians of ``--rounds``):
 
 - ``qgemm``: each 24-row panel dequantized into the core's cache, multiplied by every token;
-- ``dequant+gemm``: ``wide_linear``'s other path, the rows dequantized into a reused 4 MiB
-  buffer and multiplied by the box's GEMM library (``kernels.gemm.linear``: oneDNN or MKL);
+- ``dequant+gemm``: ``wide.dequant_linear``, ``wide_linear``'s path without it: the rows
+  dequantized into a reused 4 MiB buffer and multiplied by the box's GEMM library
+  (``kernels.gemm.linear``: oneDNN or MKL);
 - ``float gemm``: the same library on weights already in float32 (no dequantization at all:
   the float32 arithmetic's own speed on this box, the ceiling of an exact product).
 
@@ -36,21 +37,12 @@ def main() -> None:
     from expertfs.formats.ggml import GGMLType
     from expertfs.runtime import kernels
     from expertfs.runtime.kernels import gemm
-    from expertfs.runtime.model.wide import CHUNK_ELEMS
-    from expertfs.formats.dequant import linear as torch_linear
+    from expertfs.runtime.model.wide import dequant_linear
     mod = kernels.load()
     if mod is None:
         raise SystemExit(f"native kernels unavailable: {kernels.status()['reason']}")
     if a.isa:
         mod.set_isa(a.isa)
-    buf = torch.empty(CHUNK_ELEMS, dtype=torch.float32)
-
-    def dequant_gemm(x, raw, t, shape):           # wide_linear's path without qgemm
-        cols = shape[1]
-        return torch_linear(gemm.pad_rows(x), raw, t, shape, chunk_elems=CHUNK_ELEMS,
-                            dequant_rows=lambda part: kernels.dequant(
-                                part, t, (part.shape[0], cols), out=buf),
-                            matmul=gemm.linear)
 
     print(f"ms per product (GFLOP/s), medians of {a.rounds} alternating reps, {a.threads} "
           f"thread(s), kernels {mod.info()['isa']}, GEMM {gemm.backend()}")
@@ -65,7 +57,7 @@ def main() -> None:
             for nt in (int(v) for v in a.tokens.split(",")):
                 x = torch.randn(nt, cols)
                 ways = {"qgemm": lambda: kernels.qgemm(x, raw, t, (rows, cols)),
-                        "dequant+gemm": lambda: dequant_gemm(x, raw, t, (rows, cols)),
+                        "dequant+gemm": lambda: dequant_linear(x, raw, t, (rows, cols)),
                         "float gemm": lambda: gemm.linear(x, W)}
                 times: dict[str, list[float]] = {k: [] for k in ways}
                 for f in ways.values():                  # warm-up (oneDNN compiles a shape)

@@ -128,11 +128,6 @@ _WIDE = {("avx512", "avx2", 0): WIDE_TYPES, ("avx512", "avx2", 1): WIDE_TYPES_Q8
          ("avx2", "avx512", 0): WIDE_TYPES_AVX2, ("avx2", "avx512", 1): WIDE_TYPES_Q8_AVX2}
 
 
-#: No table sends fewer tokens than this past the native products: a decode step's one-token
-#: products need not look their type up (``max_tokens`` asks the module for its ISA, a few µs).
-NATIVE_FLOOR = min(min(t.values()) for t in _WIDE.values())
-
-
 def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
     """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
     (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
@@ -142,7 +137,7 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     mod = load()
     if mod is None:
         return default
-    table = _WIDE.get((mod.info()["isa"], gemm.isa(), _moe_mode(act_quant)), {})
+    table = _WIDE.get((mod.isa(), gemm.isa(), _moe_mode(act_quant)), {})
     return table.get(ggml_type, default)
 
 

@@ -178,9 +178,7 @@ def decode_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[
     types, up to ``kernels.max_tokens`` of the type, ``NATIVE_MAX_TOKENS`` where its table has
     none; ``act_quant`` honoured), else ``fused_matvec``;
     None when neither applies."""
-    T = x.shape[0]
-    if x.dim() == 2 and (T <= native.NATIVE_FLOOR
-                         or T <= native.max_tokens(t, NATIVE_MAX_TOKENS, act_quant)):
+    if x.dim() == 2 and x.shape[0] <= native.max_tokens(t, NATIVE_MAX_TOKENS, act_quant):
         y = native.matvec(x, raw, t, shape, act_quant)
         if y is not None:
             return y

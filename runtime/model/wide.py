@@ -27,7 +27,7 @@ from ...formats.ggml import GGMLType
 from .. import kernels as native
 from ..kernels import gemm
 
-__all__ = ["wide_linear", "CHUNK_ELEMS"]
+__all__ = ["wide_linear", "dequant_linear", "CHUNK_ELEMS"]
 
 #: Weights dequantized per step (as ``formats.dequant.linear``'s CPU chunk): 4 MiB of float32.
 CHUNK_ELEMS = 1 << 20
@@ -47,11 +47,19 @@ def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[in
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., in]`` float32 on CPU → ``F.linear(x, W, bias)`` for W of torch ``shape (out,
     in)`` given as ggml bytes ``raw``."""
+    y = native.qgemm(x.reshape(-1, int(shape[1])), raw, t, shape)   # the panel product, if
+    if y is None:                                                    # the kernels have it
+        return dequant_linear(x, raw, t, shape, bias)
+    y = y.reshape(*x.shape[:-1], int(shape[0]))
+    return y if bias is None else y + bias
+
+
+def dequant_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[int, ...],
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``wide_linear`` without the panel product: the rows dequantized a chunk at a time into
+    this thread's scratch (the native kernels' dequantization where they take the type), each
+    chunk multiplied by ``gemm.linear``."""
     cols = int(shape[1])
-    y = native.qgemm(x.reshape(-1, cols), raw, t, shape)   # the panel product, if the kernels
-    if y is not None:                                      # have it
-        y = y.reshape(*x.shape[:-1], int(shape[0]))
-        return y if bias is None else y + bias
     native_rows = None
     if x.dtype == torch.float32 and x.is_cpu and \
             native.dequant(raw[:0], t, (0, cols)) is not None:        # the kernels take it

@@ -772,17 +772,16 @@ static EFS_T void deq_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         for (int64_t i = 0; i < cols / 256; ++i, b += BYTES, y += 256) {
-            alignas(16) uint8_t sm[16];                   // 8 scales, then 8 mins
-            _mm_store_si128((__m128i*)sm, k4_scales_v(b + 4));
-            const float d = f16(b), dmin = f16(b + 2);
+            alignas(32) float ds[8], ms[8];               // d * scale, dmin * min
+            _mm256_store_ps(ms, q45_scales(b, ds));
             const uint8_t* q = b + (FIVE ? 48 : 16);
             __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
                 __m256i nib[2];
                 q45_planes<FIVE>(loadu256(q + 32 * j), hb, nib[0], nib[1]);
                 for (int h = 0; h < 2; ++h) {             // sub-block 2j + h: elements 64j + 32h + l
-                    const __m256 d1 = _mm256_set1_ps(d * (float)sm[2 * j + h]);
-                    const __m256 m1 = _mm256_set1_ps(dmin * (float)sm[8 + 2 * j + h]);
+                    const __m256 d1 = _mm256_set1_ps(ds[2 * j + h]);
+                    const __m256 m1 = _mm256_set1_ps(ms[2 * j + h]);
                     const __m128i lo = _mm256_castsi256_si128(nib[h]);
                     const __m128i hi = _mm256_extracti128_si256(nib[h], 1);
                     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};

@@ -629,6 +629,10 @@ int64_t set_threads(int64_t n) {
     return n;
 }
 
+// The ISA the kernels run now (what info()["isa"] says, without building the whole dict: the
+// native token limits are looked up per product).
+std::string isa() { return isa_name(g_isa); }
+
 pybind11::dict info() {
     pybind11::dict d;
     d["isa"] = isa_name(g_isa);
@@ -705,6 +709,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");
+    m.def("isa", &efs::isa, "the ISA in use: scalar, avx2 or avx512");
     m.def("set_spin_us", &efs::set_spin_us, "how long idle pool workers spin before sleeping");
     m.def("rms_norm", &efs::rms_norm, "RMSNorm over the last dim (float32, CPU)",
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"));

@@ -4,10 +4,10 @@
 // again for each pass of 4-8 tokens and the wide path writes whole float chunks to memory for
 // BLAS.
 //
-//  - a panel is QGEMM_PANEL rows of W over a block of columns (16 weights a conversion for Q4_K, Q5_K and
-//    Q6_K under AVX-512; avx2_dequant_rows or dequant_rows for the others): the same floats as
-//    ggml's dequantize_row_* and gguf-py, so the result equals F.linear(x, dequantize(W)) up
-//    to float summation order;
+//  - a panel is QGEMM_PANEL rows of W over a block of columns, dequantized (16 weights a
+//    conversion for Q4_K, Q5_K and Q6_K under AVX-512; avx2_dequant_rows or dequant_rows for the
+//    others): the same floats as ggml's dequantize_row_* and gguf-py, so the result equals
+//    F.linear(x, dequantize(W)) up to float summation order;
 //  - the activations are transposed once per call into XT [cols][tp] (tp: T rounded up to a
 //    multiple of the vector's lanes, zero-padded), so that one vector holds as many tokens'
 //    activations at one k; a thread takes a run of panels and goes through the columns block
@@ -26,7 +26,7 @@
 #define EFS_G __attribute__((target("avx512f,avx2,fma,f16c")))
 #define EFS_G2 __attribute__((target("avx2,fma,f16c")))
 #define EFS_KT EFS_G
-#include "kern_k_avx2.h"      // k4_scales_v, q45_planes, q6_planes: a block's fields
+#include "kern_k_avx2.h"      // q45_scales, q45_planes, q6_planes: a block's fields
 
 namespace efs {
 namespace {
@@ -43,22 +43,20 @@ template <bool FIVE>
 EFS_G void deq_q45_k_z(const uint8_t* b, int64_t cols, float* y) {
     const int BYTES = FIVE ? 176 : 144;
     for (int64_t i = 0; i < cols / 256; ++i, b += BYTES, y += 256) {
-        alignas(16) uint8_t sm[16];                       // 8 scales, then 8 mins
-        _mm_store_si128((__m128i*)sm, k4_scales_v(b + 4));
-        const float d = f16(b), dmin = f16(b + 2);
+        alignas(32) float d1[8], m1[8];                  // d * scale, dmin * min
+        _mm256_store_ps(m1, q45_scales(b, d1));
         const uint8_t* q = b + (FIVE ? 48 : 16);
         __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             __m256i nib[2];
             q45_planes<FIVE>(loadu256(q + 32 * j), hb, nib[0], nib[1]);
             for (int h = 0; h < 2; ++h) {                 // sub-block 2j + h: 64j + 32h + l
-                const __m512 d1 = _mm512_set1_ps(d * (float)sm[2 * j + h]);
-                const __m512 m1 = _mm512_set1_ps(dmin * (float)sm[8 + 2 * j + h]);
+                const __m512 d = _mm512_set1_ps(d1[2 * j + h]), m = _mm512_set1_ps(m1[2 * j + h]);
                 float* o = y + 64 * j + 32 * h;
-                _mm512_storeu_ps(o, _mm512_sub_ps(_mm512_mul_ps(d1, u8x16(
-                    _mm256_castsi256_si128(nib[h]))), m1));
-                _mm512_storeu_ps(o + 16, _mm512_sub_ps(_mm512_mul_ps(d1, u8x16(
-                    _mm256_extracti128_si256(nib[h], 1))), m1));
+                _mm512_storeu_ps(o, _mm512_sub_ps(_mm512_mul_ps(d, u8x16(
+                    _mm256_castsi256_si128(nib[h]))), m));
+                _mm512_storeu_ps(o + 16, _mm512_sub_ps(_mm512_mul_ps(d, u8x16(
+                    _mm256_extracti128_si256(nib[h], 1))), m));
             }
         }
     }
