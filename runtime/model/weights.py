@@ -24,6 +24,7 @@ import torch
 from ...errors import StoreError
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType, row_bytes
+from .. import kernels as native
 from ..kernels import gemm
 from .qmatvec import decode_matvec
 from .wide import wide_linear
@@ -145,9 +146,15 @@ class Embedding:
         self.raw = w
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``[T] int64`` on the device → ``[T, n_embd]`` in ``dtype``."""
+        """``[T] int64`` on the device → ``[T, n_embd]`` in ``dtype``: on the CPU through the
+        native dequantization (the same floats, tested bit for bit, at a fraction of the torch
+        path's per-call cost: a decode step's one row), else the torch one."""
         rows = self.rows.index_select(0, ids)
-        return dequantize(rows, self.ggml_type, (ids.numel(), self.shape[1]), dtype=dtype)
+        shape = (ids.numel(), self.shape[1])
+        y = native.dequant(rows, self.ggml_type, shape) if rows.is_cpu else None
+        if y is not None:
+            return y if dtype == torch.float32 else y.to(dtype)
+        return dequantize(rows, self.ggml_type, shape, dtype=dtype)
 
 
 def plan_float(mats: Iterable[RawTensor], mode: str, dtype: torch.dtype,

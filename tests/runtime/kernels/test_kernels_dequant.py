@@ -83,3 +83,20 @@ def test_dequant_into_a_buffer_writes_its_head():
 def test_dequant_refuses_what_it_does_not_take():
     raw = torch.zeros(2 * 32 * 4, dtype=torch.uint8)
     assert kernels.dequant(raw, GGMLType.F32, (2, 32)) is None
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ2_XXS,
+                               GGMLType.F16, GGMLType.F32], ids=lambda t: t.name)
+def test_embedding_lookup_equals_the_torch_path(t):
+    """The token embedding's rows (``Embedding.lookup``, native on the CPU where the type has a
+    kernel) are the torch dequantization's floats in every dtype, repeated ids included."""
+    from expertfs.formats.dequant import dequantize
+    from expertfs.runtime.model.weights import Embedding, RawTensor
+    rows, cols = 40, cols_of(t)
+    raw = weight(t, rows, cols, 3)
+    emb = Embedding(RawTensor("token_embd.weight", raw, t, (rows, cols)), torch.device("cpu"))
+    ids = torch.tensor([5, 39, 0, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        want = dequantize(emb.rows.index_select(0, ids), t, (4, cols), dtype=dtype)
+        got = emb.lookup(ids, dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want)
