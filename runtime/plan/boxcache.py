@@ -29,7 +29,7 @@ from .geometry import Geometry
 from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
-           "gemm_rate", "dequant_rates", "spread_of", "with_spread", "recent_checks",
+           "gemm_rate", "dequant_rates", "panel_rates", "spread_of", "with_spread", "recent_checks",
            "storage_spread"]
 
 
@@ -317,20 +317,18 @@ def gemm_rate(probe: bool = True) -> Range:
     return r
 
 
-def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
-    """This machine's native dequantization rate (G weights/s) per type, for the first token's
-    wide products: cached figures, the missing ones measured now (``probe``) and cached."""
-    from .native import probe_dequant
-
+def _type_rates(field: str, types: list[str], probe: bool, measure) -> dict[str, Range]:
+    """Per-type figures cached under ``field`` of this machine's entry: the cached ones, the
+    missing ones measured now by ``measure(types)`` (``probe``) and cached."""
     data = load()
     key = cpu_key()
-    cached = dict((data.get(key) or {}).get("dequant_gwps") or {})
+    cached = dict((data.get(key) or {}).get(field) or {})
     missing = [t for t in types if t not in cached]
     if probe and missing:
-        got = probe_dequant(missing)
+        got = measure(missing)
         if got:
             cached.update({t: r.as_dict() for t, r in got.items()})
-            data.setdefault(key, {})["dequant_gwps"] = cached
+            data.setdefault(key, {})[field] = cached
             save(data)
         out = dict(got)
     else:
@@ -338,3 +336,19 @@ def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
     with _read_back():
         out.update({t: _range(cached[t]) for t in types if t in cached and t not in out})
     return out
+
+
+def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
+    """This machine's native dequantization rate (G weights/s) per type, for the first token's
+    wide products where there is no panel product: cached figures, the missing ones measured
+    now (``probe``) and cached."""
+    from .native import probe_dequant
+    return _type_rates("dequant_gwps", types, probe, probe_dequant)
+
+
+def panel_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
+    """This machine's panel product rate (GFLOP/s, ``kernels.qgemm``) per type, for the first
+    token's wide products: cached figures, the missing ones measured now (``probe``) and
+    cached."""
+    from .native import probe_panel
+    return _type_rates("panel_gflops", types, probe, probe_panel)

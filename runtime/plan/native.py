@@ -4,8 +4,10 @@ experts in one call) per ggml type and the ISA they run, and the compiled torch 
 torch dequantization only for a type the kernels lack (``plan.paths``). Each figure is the
 time of a call at the model's own shapes (big matrices capped, scaled by bytes), the slow end
 its 30th percentile and the fast end its best, so a loaded machine widens the range instead
-of moving it. Also the native dequantization a prefill's wide products start with
-(``probe_dequant``), and, where nothing was measured, the kernels' stated rate
+of moving it. Also the two paths of a prefill's wide products: the panel product
+(``probe_panel``: ``kernels.qgemm``, rows dequantized in cache and multiplied by every token)
+and, where the kernels have no vector ISA, the native dequantization BLAS's product starts with
+(``probe_dequant``); and, where nothing was measured, the kernels' stated rate
 (``stated_native``)."""
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .rates import DeviceRates, LinearCost, Range
 
 __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trunk_types",
            "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S",
-           "probe_dequant", "wide_limits", "speed_check"]
+           "probe_dequant", "probe_panel", "PANEL_TOKENS", "wide_limits", "speed_check"]
 
 #: bytes of weights one timing streams through: past a desktop or server last-level cache, as a
 #: decode's weights come from memory (timed inside the cache, the probe priced a full-depth
@@ -146,10 +148,45 @@ def probe_dequant(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Rang
     return out
 
 
+#: tokens of the panel product's probe: about a prompt batch's share of a trunk product, where
+#: its rate is near its plateau (bench/README.md, the panel product)
+PANEL_TOKENS = 128
+
+
+def probe_panel(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]:
+    """GFLOP/s of ``runtime.kernels.qgemm`` (the wide products of a prefill's batch past a
+    type's native token limit: each panel of rows dequantized in the core's cache and multiplied
+    by every token, its dequantization included) for each of ``types`` it takes, on
+    [``PANEL_TOKENS``, 2048] x [1024, 2048]ᵀ: the slow end its typical call, the fast end its
+    best. Empty where the kernels have no vector ISA (``run`` then dequantizes and calls BLAS)."""
+    import torch
+
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+
+    out: dict[str, Range] = {}
+    todo = [t for t in types if t in _native_types()]
+    x = torch.randn(PANEL_TOKENS, 2048)
+    for ty in todo:
+        raw = _raw(ty, 1024, 2048)
+        try:
+            if kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048)) is None:
+                continue
+            ts = _times(lambda: kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048)), 7,
+                        budget_s / max(1, len(todo)))
+        except Exception:                             # a type the build refuses: no figure
+            continue
+        flops = 2.0 * PANEL_TOKENS * 1024 * 2048
+        src = (f"measured now: runtime.kernels.qgemm {ty} {PANEL_TOKENS}x2048 by 1024x2048 "
+               f"({kernel_info().get('isa')})")
+        out[ty] = Range(flops / _typical(ts) / 1e9, flops / min(ts) / 1e9, src)
+    return out
+
+
 def wide_limits(types: Sequence[str]) -> dict[str, int]:
     """The most tokens one native product takes for each of ``types`` (``expertfs run``'s
-    rule, ``model.qmatvec.decode_matvec``): past it a product dequantizes and multiplies as a
-    matrix (``model.wide.wide_linear``)."""
+    rule, ``model.qmatvec.decode_matvec``): past it a product takes the wide path
+    (``model.wide.wide_linear``: the panel product, else dequantization and BLAS)."""
     from ...formats.ggml import GGMLType
     from .. import kernels
     from ..model.qmatvec import NATIVE_MAX_TOKENS

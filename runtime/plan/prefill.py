@@ -2,12 +2,13 @@
 
 ``expertfs run`` feeds a prompt of P tokens in batches of ``--batch`` (256) tokens. In one batch
 every decoder layer streams each trunk matrix once and each expert its tokens route to once
-(each weight unpacked once a batch: at the decode kernels' rate, ``Rates.cpu``, up to a type's
-native token limit; past it, as ``run`` does, dequantized whole at the measured native
-dequantization rate before BLAS multiplies it) and does
-2 · tokens · weights floating-point operations, at the box's float32 matrix-multiply rate
-(``gemm_rate``: measured, or ``STATED_GEMM_GFLOPS`` per core). The output head runs for the
-last token only. The tiers start cold (the warm start waits for the first logits), so every
+and does 2 · tokens · weights floating-point operations. Up to a type's native token limit a
+product unpacks each weight once (at the decode kernels' rate, ``Rates.cpu``) and its
+arithmetic runs at the box's float32 matrix-multiply rate (``gemm_rate``: measured, or
+``STATED_GEMM_GFLOPS`` per core). Past it, as ``run`` does (``WidePath``): the panel product
+at its measured rate, its dequantization included (``kernels.qgemm``), or where the kernels
+have none, the matrix dequantized whole at the native dequantization rate and multiplied at
+the float32 rate. The output head runs for the last token only. The tiers start cold (the warm start waits for the first logits), so every
 expert the batch touches is read from the drive unless an earlier batch left it in the tier.
 
 Experts touched per layer by b tokens: at the fast end what the routing replay (the trace,
@@ -30,19 +31,37 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .geometry import Geometry, Matrix
 from .native import compute_cost
 from .rates import Range, Rates
 
-__all__ = ["FirstToken", "first_token", "gemm_rate", "touched_per_layer", "STATED_GEMM_GFLOPS",
-           "PREFILL_BATCH"]
+__all__ = ["FirstToken", "WidePath", "first_token", "gemm_rate", "touched_per_layer",
+           "STATED_GEMM_GFLOPS", "PREFILL_BATCH"]
 
 #: float32 matrix-multiply GFLOP/s per core assumed without a probe (AVX2 at one to two FMA
 #: ports' worth of a 3 GHz core, less what BLAS loses at the batch sizes of a prefill)
 STATED_GEMM_GFLOPS = (25.0, 50.0)
 PREFILL_BATCH = 256                       # ``expertfs run --batch``'s default
+
+
+class WidePath(NamedTuple):
+    """How ``run`` multiplies one ggml type's trunk matrix by more tokens than its native
+    kernels take (``model.wide.wide_linear``)."""
+
+    limit: int                   # the most tokens a native product takes
+    panel: Range | None = None   # GFLOP/s of the panel product (``kernels.qgemm``), if any
+    dequant: Range | None = None  # G weights/s of the dequantization BLAS's product starts with
+
+    def seconds(self, elements: float, tokens: int, gemm: Range, end: str) -> float | None:
+        """The product's time at ``end``, or None where neither path has a figure."""
+        flops = 2.0 * tokens * elements
+        if self.panel is not None:
+            return flops / (self.panel.at(end) * 1e9)
+        if self.dequant is not None:
+            return elements / (self.dequant.at(end) * 1e9) + flops / (gemm.at(end) * 1e9)
+        return None
 
 
 @dataclass(frozen=True)
@@ -109,17 +128,17 @@ def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
 
 def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
-                wide: Mapping[str, tuple[int, Range]] | None = None,
+                wide: Mapping[str, WidePath] | None = None,
                 slow_replay: Any = None) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
-    docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, the most tokens
-    a native product takes and the dequantization rate (G weights/s) past it; ``replay`` and
-    ``slow_replay``: the fast and slow ends' routing (None at the slow end: uniform)."""
+    docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, what a trunk
+    product past its native token limit costs (a type without an entry is priced as native);
+    ``replay`` and ``slow_replay``: the fast and slow ends' routing (None at the slow end:
+    uniform)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
     body = [m for m in g.trunk_matrices if m is not head]
-    body_el = sum(m.count * m.elements for m in body)
     n_moe = max(1, len(g.moe_layers))
     exp_el = sum(m.elements for layer in g.expert_parts for m in layer) / n_moe
     ext = sum(g.extent_bytes) / n_moe
@@ -129,17 +148,19 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
         per_expert = sum(compute_cost(cpu, layer, end, quantized=True)
                          for layer in g.expert_parts) / n_moe
 
-        def unpack(m: Matrix, b: int) -> float:       # one trunk matrix's weights, once a batch
-            limit, rate = wide.get(m.ggml_type, (None, None))
-            if limit is not None and b > limit:         # dequantized, then multiplied by BLAS
-                return m.count * m.elements / (rate.at(end) * 1e9)
-            return compute_cost(cpu, [m], end, quantized=True)
+        def product(m: Matrix, b: int) -> float:      # one trunk matrix by a batch of b tokens
+            w = wide.get(m.ggml_type)
+            s = w.seconds(m.count * m.elements, b, gemm, end) if w and b > w.limit else None
+            if s is not None:
+                return s
+            return (compute_cost(cpu, [m], end, quantized=True)
+                    + 2.0 * b * m.count * m.elements / (gemm.at(end) * 1e9))
 
-        trunk_s = {b: sum(unpack(m, b) for m in body) for b in set(sizes)}
+        trunk_s = {b: sum(product(m, b) for m in body) for b in set(sizes)}
         touched = {b: touched_per_layer(g, b, slow_replay if end == "slow" else replay) * n_moe
                    for b in set(sizes)}                       # experts a batch touches, all layers
         for j, b in enumerate(sizes):
-            flops = 2.0 * b * (body_el + n_moe * g.k * exp_el)
+            flops = 2.0 * b * n_moe * g.k * exp_el                  # the routed experts'
             compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
                 reads[i] += touched[b] * ext

@@ -310,19 +310,21 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
-    from .boxcache import dequant_rates, gemm_rate
+    from .boxcache import dequant_rates, gemm_rate, panel_rates
     from .native import wide_limits
-    from .prefill import first_token
+    from .prefill import WidePath, first_token
     say("predicting the first token")
     slow, fast = routing_specs(req, replays.usage)
     replay = replays.get(fast)
     measured = slow == "trace" or slow.startswith("usage:")
     slow_replay = replays.get(slow) if measured else None
     types = sorted({t.ggml_type for t in g.trunk_matrices})
-    limits, deq = wide_limits(types), dequant_rates(types, probe=req.probe)
+    limits, panel = wide_limits(types), panel_rates(types, probe=req.probe)
+    deq = dequant_rates([t for t in types if t not in panel], probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay,
-                     wide={t: (limits[t], deq[t]) for t in types if t in limits and t in deq},
+                     wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
+                           for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay)
     return replace(plan, first_token=ft)
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from expertfs.cli.plan import geometry_from_like
-from expertfs.runtime.plan.prefill import first_token, gemm_rate, touched_per_layer
+from expertfs.runtime.plan.prefill import WidePath, first_token, gemm_rate, touched_per_layer
 from expertfs.runtime.plan.rates import Range
 from expertfs.runtime.plan.routing import synthetic_replay
 
@@ -112,16 +112,16 @@ def test_gemm_rate_is_measured_once_per_box(tmp_path, monkeypatch):
 
 
 def test_a_batch_past_a_types_native_limit_is_dequantized_whole(g):
-    """Past a type's native token limit a trunk product dequantizes its matrix (at the measured
-    rate) before BLAS multiplies it, as ``run``'s wide path does; up to it, the native kernels'
-    rate. The arithmetic is the same either way."""
+    """Past a type's native token limit, without a panel product, a trunk product dequantizes
+    its matrix (at the measured rate) before BLAS multiplies it, as ``run``'s wide path does; up
+    to it, the native kernels' rate. The arithmetic is the same either way."""
     from expertfs.runtime.plan.native import compute_cost
     rates = rates_for(g)
     head = next(m for m in g.trunk_matrices if m.rows == g.n_vocab)
     body = [m for m in g.trunk_matrices if m is not head]
     types = {m.ggml_type for m in body}
     slow = Range(0.5, 1.0, "t")
-    wide = {t: (48, slow) for t in types}
+    wide = {t: WidePath(48, dequant=slow) for t in types}
     native = first_token(g, rates, 0, 48, GEMM, wide=wide).compute_s
     assert native == first_token(g, rates, 0, 48, GEMM).compute_s          # within the limit
     past = first_token(g, rates, 0, 49, GEMM, wide=wide).compute_s
@@ -130,6 +130,26 @@ def test_a_batch_past_a_types_native_limit_is_dequantized_whole(g):
         extra = (sum(m.count * m.elements for m in body) / (slow.at(end) * 1e9)
                  - compute_cost(rates.cpu, body, end, quantized=True))
         assert past[i] == pytest.approx(plain[i] + extra)
+
+
+def test_a_batch_past_a_types_native_limit_takes_the_panel_product(g):
+    """Where the kernels have a panel product, a trunk product past the native limit costs its
+    arithmetic at the panel product's measured rate, dequantization included (nothing else for
+    that matrix); the routed experts and the head are priced as before."""
+    rates = rates_for(g)
+    head = next(m for m in g.trunk_matrices if m.rows == g.n_vocab)
+    body = [m for m in g.trunk_matrices if m is not head]
+    panel = Range(20.0, 30.0, "t")
+    wide = {m.ggml_type: WidePath(48, panel=panel, dequant=Range(0.5, 1.0, "t")) for m in body}
+    past = first_token(g, rates, 0, 49, GEMM, wide=wide).compute_s
+    native_only = {t: WidePath(10**6) for t in wide}                     # a limit never passed
+    plain = first_token(g, rates, 0, 49, GEMM, wide=native_only).compute_s
+    assert plain == first_token(g, rates, 0, 49, GEMM).compute_s
+    from expertfs.runtime.plan.native import compute_cost
+    for i, end in enumerate(("slow", "fast")):
+        el = sum(m.count * m.elements for m in body)
+        as_native = compute_cost(rates.cpu, body, end, quantized=True) + 2 * 49 * el / (GEMM.at(end) * 1e9)
+        assert past[i] == pytest.approx(plain[i] - as_native + 2 * 49 * el / (panel.at(end) * 1e9))
 
 
 def test_dequant_rates_are_measured_once_per_box(tmp_path, monkeypatch):
@@ -147,3 +167,26 @@ def test_dequant_rates_are_measured_once_per_box(tmp_path, monkeypatch):
     from expertfs.formats.ggml import GGMLType
     from expertfs.runtime import kernels
     assert wide_limits(["Q4_K"])["Q4_K"] == kernels.max_tokens(GGMLType.Q4_K, 32)
+
+
+def test_panel_rates_are_measured_once_per_box(tmp_path, monkeypatch):
+    """The panel product's GFLOP/s per type, measured on the kernels ``run`` calls past a type's
+    native limit, cached per machine like the other rates; none where it does not apply."""
+    from expertfs.runtime.plan import boxcache
+    from expertfs.runtime.plan.native import _native_types
+    monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
+    if "Q6_K" not in _native_types():
+        pytest.skip("no native kernels on this machine")
+    from expertfs.formats.ggml import GGMLType
+    from expertfs.runtime import kernels
+    import torch
+    if kernels.qgemm(torch.zeros(2, 256), torch.zeros(210, dtype=torch.uint8), GGMLType.Q6_K,
+                     (1, 256)) is None:
+        pytest.skip("the kernels have no panel product under this ISA")
+    assert boxcache.panel_rates(["Q6_K"], probe=False) == {}
+    got = boxcache.panel_rates(["Q6_K", "F32"], probe=True)
+    assert set(got) == {"Q6_K"} and 0 < got["Q6_K"].slow <= got["Q6_K"].fast
+    assert "kernels.qgemm" in got["Q6_K"].source
+    again = boxcache.panel_rates(["Q6_K"], probe=False)["Q6_K"]
+    assert (again.slow, again.fast) == (got["Q6_K"].slow, got["Q6_K"].fast)
+    assert again.source.startswith("measured earlier on this machine (cached)")
