@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +32,8 @@ dequant+matmul of experts and trunk, attention over the KV cache, dispatch. slow
 sum; fast end = reads fully overlapped with compute. The fastest placement is chosen and the
 `expertfs run` flags that execute it are printed.
 
-Inputs, each reported with its source: --io-profile (from `expertfs bench io STORE --json`),
-else a short probe of the store or GGUF (cached per box; the CPU's cached rates are measured
+Inputs, each reported with its source: --io-profile (from `expertfs bench io STORE --json`)
+or --disk-gbps (the drive of a box not at hand), else a short probe of the store or GGUF (cached per box; the CPU's cached rates are measured
 anew when a quarter-second speed check finds the box faster or slower than when they were
 taken, and the slowest and fastest checks of the last day widen their ends), else a stated
 default; --trace (a recorded routing trace), else the usage a store learned in earlier runs
@@ -43,6 +44,7 @@ filling the RAM tier, over -n tokens.
 Exit status: 0 it fits, 1 it cannot run at all, 2 bad input.
 
   expertfs plan --like GLM-4.5-Air --ram 32G --vram 24G
+  expertfs plan --like GLM-5.3-Flash --ram 32G --vram 24G --disk-gbps 7   (a box not at hand)
   expertfs plan model.efs --ram 32G --vram 24G --io-profile io.json --trace run.eftrace --json
   expertfs plan model.gguf            (this machine's RAM and GPU)
 """
@@ -82,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trunk", default="auto", choices=("auto", "float", "quant"),
                    help="trunk dequantized at load (float) or per call (quant); auto: the faster")
     p.add_argument("--io-profile", metavar="P.json", help="storage rates from `expertfs bench io --json`")
+    p.add_argument("--disk-gbps", metavar="GB/s",
+                   help="the drive of the box planned for, instead of measuring this one's: its "
+                        "read rate at expert-sized random reads, X (the slow end 0.6 X: a spec "
+                        "sheet states the best case) or LO-HI")
     p.add_argument("--trace", metavar="T", help="a routing trace recorded with this model")
     p.add_argument("--synthetic", default=",".join(DEFAULT_SYNTHETIC), metavar="SLOW[,FAST]",
                    help="routing presets without --trace (default: %(default)s): their "
@@ -112,6 +118,23 @@ def _size(text: str | None, flag: str) -> int | None:
         return parse_size(text)
     except ValueError as e:
         raise UsageError(f"{flag}: {e}", fix=f"write {flag} as e.g. 32G") from None
+
+
+def _gbps(text: str | None, flag: str) -> tuple[float, float] | None:
+    """``X`` → (0.6 X, X); ``LO-HI`` → (LO, HI); GB/s, positive, LO <= HI."""
+    if text is None:
+        return None
+    try:
+        parts = [float(v) for v in text.split("-")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts = [0.6 * parts[0], parts[0]]
+    if len(parts) != 2 or not 0 < parts[0] <= parts[1] or not all(map(math.isfinite, parts)):
+        raise UsageError(f"{flag} {text!r}: not a rate in GB/s",
+                         fix=f"write {flag} as one positive figure (e.g. 7) or a range LO-HI "
+                             "(e.g. 3.5-6)")
+    return parts[0], parts[1]
 
 
 def like_model(name: str, quant: str = "default") -> tuple[Any, str]:
@@ -161,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
                       trunk=args.trunk, io_profile=args.io_profile, trace=args.trace,
                       synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
                       n_predict=args.n_predict, prompt_tokens=args.prompt_tokens,
-                      pcie_gen=args.pcie, gpu_gbps=args.gpu_bw)
+                      pcie_gen=args.pcie, gpu_gbps=args.gpu_bw,
+                      disk_gbps=_gbps(args.disk_gbps, "--disk-gbps"))
     if args.like:                  # the preset's model, described in memory: the runtime plans it
         if args.target:
             raise UsageError("give a store/GGUF or --like, not both", fix="drop one of them")

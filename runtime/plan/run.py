@@ -57,6 +57,7 @@ class PlanRequest:
     use_cache: bool = True                 # without probe: this machine's cached rates if any
     pcie_gen: int = 4
     gpu_gbps: float | None = None          # stated GPU memory bandwidth (fast end; slow = 0.6x)
+    disk_gbps: tuple[float, float] | None = None   # the planned box's drive, stated (slow, fast)
 
 
 def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
@@ -249,7 +250,14 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
 
     # --- rates -----------------------------------------------------------------------------
     detail: dict[str, Any] = {}
-    if req.io_profile:
+    if req.io_profile and req.disk_gbps:
+        raise UsageError("--io-profile and --disk-gbps both describe the drive",
+                         fix="give one of them")
+    if req.disk_gbps:
+        lo, hi = req.disk_gbps
+        storage = Range(lo, hi, f"--disk-gbps {lo:g}-{hi:g}: the planned box's drive at "
+                                "expert-sized random reads, as given")
+    elif req.io_profile:
         storage, detail["storage"] = read_io_profile(req.io_profile, g.k)
     elif data_path and os.path.isfile(data_path) and (req.probe or req.use_cache):
         storage, detail["storage"] = _storage(req, g, data_path, say)

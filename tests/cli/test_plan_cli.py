@@ -91,6 +91,9 @@ def test_cannot_run_exits_1(capsys) -> None:
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--vram", "0", "--placement", "hybrid"], "needs a GPU"),
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--tokens", "4"], "--tokens"),
     (["--like", "GLM-4.5-Air", "--ram", "32G", "--prompt-tokens", "-1"], "--prompt-tokens"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--disk-gbps", "0"], "--disk-gbps"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--disk-gbps", "fast"], "--disk-gbps"),
+    (["--like", "GLM-4.5-Air", "--ram", "32G", "--disk-gbps", "6-3"], "--disk-gbps"),
     (["--ram", "32G"], "nothing to plan"),
     (["/no/such/model.gguf", "--ram", "32G"], "no such file"),
 ])
@@ -124,6 +127,26 @@ def test_io_profile(tmp_path, capsys) -> None:
     assert main(["plan", "--like", "GLM-4.5-Air", "--ram", "32G", "--io-profile", str(bad), *FAST]) == 2
     assert main(["plan", "--like", "GLM-4.5-Air", "--ram", "32G", "--io-profile",
                  str(tmp_path / "none.json"), *FAST]) == 2
+
+
+def test_a_box_described_by_flags(tmp_path, capsys) -> None:
+    """``--like`` at a box given by flags, its drive included (``--disk-gbps``: one figure is
+    the fast end, the slow end 0.6 of it; or a range), nothing of this machine's drive used; a
+    faster drive never predicts a slower decode; ``--io-profile`` and ``--disk-gbps`` together
+    are bad input."""
+    box = ("--like", "GLM-5.3-Flash", "--ram", "32G", "--vram", "24G", *FAST)
+    d = run_json(capsys, *box, "--disk-gbps", "7")
+    s = d["rates"]["storage_gbps"]
+    assert (s["slow"], s["fast"]) == pytest.approx((4.2, 7.0)) and "--disk-gbps" in s["source"]
+    assert "storage_default" not in {n["code"] for n in d["notes"]}
+    slow = run_json(capsys, *box, "--disk-gbps", "1-1.5")
+    assert (slow["rates"]["storage_gbps"]["slow"], slow["rates"]["storage_gbps"]["fast"]) == (1.0, 1.5)
+    assert slow["prediction"]["tok_s_high"] <= d["prediction"]["tok_s_high"]
+    assert slow["prediction"]["tok_s_low"] <= d["prediction"]["tok_s_low"]
+    p = tmp_path / "io.json"
+    p.write_text(json.dumps({"points": [{"backend": "direct", "qd": 8, "gbps": 5.0}]}))
+    assert main(["plan", *box, "--disk-gbps", "7", "--io-profile", str(p)]) == 2
+    assert "both describe the drive" in capsys.readouterr().err
 
 
 def test_store_and_gguf_give_the_same_geometry(capsys, tiny_store) -> None:
