@@ -177,11 +177,10 @@ void par_chunks(int64_t n, const F& f) {
 
 // Rows per chunk: a quarter of a thread's share, so each chunk streams a long contiguous run of
 // rows (a chunk's start costs the hardware prefetcher and the kernels' software prefetch
-// cursor their stream: on a Zen 5 box, one-token products of 4096 x 2048 to 151936 x 2048
-// matrices streamed 1.2-1.4x the bytes a second of ~64K-weight chunks, and resident decode
-// took 10-13% less time, bench/README.md) while a delayed thread is still made up for (4
-// chunks per thread); an even count where there are rows for it (the several-token kernels
-// take rows in pairs).
+// cursor their stream; chunks of ~64K weights, sized for the shared counter's cost, streamed
+// and decoded measurably slower: bench/README.md, native kernels) while a delayed thread is
+// still made up for (4 chunks per thread); an even count where there are rows for it (the
+// several-token kernels take rows in pairs).
 int64_t rows_per_chunk(int64_t rows) {
     const int64_t nth = g_threads > 0 ? g_threads : at::get_num_threads();
     int64_t r = rows / (4 * nth);
