@@ -33,10 +33,10 @@ sum; fast end = reads fully overlapped with compute. The fastest placement is ch
 `expertfs run` flags that execute it are printed.
 
 Inputs, each reported with its source: --io-profile (from `expertfs bench io STORE --json`)
-or --disk-gbps (the drive of a box not at hand), else a short probe of the store or GGUF (cached per box; the CPU's cached rates are measured
-anew when a quarter-second speed check finds the box faster or slower than when they were
-taken, and the slowest and fastest checks of the last day widen their ends), else a stated
-default; --trace (a recorded routing trace), else the usage a store learned in earlier runs
+or --disk-gbps (the drive of a box not at hand), else a short probe of the store or GGUF
+(cached per box; the CPU's cached rates are measured anew when a quarter-second speed check
+finds the box faster or slower than when they were taken, and the slowest and fastest checks
+of the last day widen their ends), else a stated default; --trace (a recorded routing trace), else the usage a store learned in earlier runs
 (which experts, and how its decodes kept and reused them token to token), else synthetic
 routing (slow end 'diffuse', fast end 'mixed'), labelled as such. A run's start counts too: the
 experts its decode reads after the prompt (--prompt-tokens) and the CPU of the warm start

@@ -8,8 +8,9 @@ arithmetic runs at the box's float32 matrix-multiply rate (``gemm_rate``: measur
 ``STATED_GEMM_GFLOPS`` per core). Past it, as ``run`` does (``WidePath``): the panel product
 at its measured rate, its dequantization included (``kernels.qgemm``), or where the kernels
 have none, the matrix dequantized whole at the native dequantization rate and multiplied at
-the float32 rate. The output head runs for the last token only. The tiers start cold (the warm start waits for the first logits), so every
-expert the batch touches is read from the drive unless an earlier batch left it in the tier.
+the float32 rate. The output head runs for the last token only. The tiers start cold (the
+warm start waits for the first logits), so every expert the batch touches is read from the
+drive unless an earlier batch left it in the tier.
 
 Experts touched per layer by b tokens: at the fast end what the routing replay (the trace,
 else the fast synthetic preset) touches in its first b tokens; at the slow end the same from
