@@ -125,27 +125,38 @@ def stated_native(types: Sequence[str], mem: Range, cores: int | None = None
     return out
 
 
-def probe_dequant(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]:
-    """G weights/s of ``runtime.kernels.dequant`` (the wide products' first half: a prefill's
-    batch past a type's native token limit) for each of ``types`` it takes, on a 1024 x 2048
-    matrix: the slow end its typical call, the fast end its best."""
-    from ...formats.ggml import GGMLType
-    from .. import kernels
-
+def _probe_per_type(types: Sequence[str], budget_s: float, call, work: float, what: str
+                    ) -> dict[str, Range]:
+    """``work`` / seconds of ``call(ty, raw)`` on a 1024 x 2048 matrix of each of ``types`` the
+    kernels take (``call`` None: not applicable to that type), in billions: the slow end its
+    typical call, the fast end its best; ``what`` names the call in the figures' source (``{ty}``
+    the type)."""
     out: dict[str, Range] = {}
     todo = [t for t in types if t in _native_types()]
     for ty in todo:
         raw = _raw(ty, 1024, 2048)
         try:
-            if kernels.dequant(raw, GGMLType[ty], (1024, 2048)) is None:
+            if call(ty, raw) is None:
                 continue
-            ts = _times(lambda: kernels.dequant(raw, GGMLType[ty], (1024, 2048)), 7,
-                        budget_s / max(1, len(todo)))
+            ts = _times(lambda: call(ty, raw), 7, budget_s / max(1, len(todo)))
         except Exception:                             # a type the build refuses: no figure
             continue
-        src = f"measured now: runtime.kernels.dequant {ty} 1024x2048 ({kernel_info().get('isa')})"
-        out[ty] = Range(2048 * 1024 / _typical(ts) / 1e9, 2048 * 1024 / min(ts) / 1e9, src)
+        src = f"measured now: runtime.kernels.{what.format(ty=ty)} ({kernel_info().get('isa')})"
+        out[ty] = Range(work / _typical(ts) / 1e9, work / min(ts) / 1e9, src)
     return out
+
+
+def probe_dequant(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]:
+    """G weights/s of ``runtime.kernels.dequant`` (the wide products' first half where there is
+    no panel product: a prefill's batch past a type's native token limit) for each of
+    ``types`` it takes, on a 1024 x 2048 matrix: the slow end its typical call, the fast end
+    its best."""
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+
+    return _probe_per_type(types, budget_s,
+                           lambda ty, raw: kernels.dequant(raw, GGMLType[ty], (1024, 2048)),
+                           1024 * 2048, "dequant {ty} 1024x2048")
 
 
 #: tokens of the panel product's probe: about a prompt batch's share of a trunk product, where
@@ -164,23 +175,11 @@ def probe_panel(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]
     from ...formats.ggml import GGMLType
     from .. import kernels
 
-    out: dict[str, Range] = {}
-    todo = [t for t in types if t in _native_types()]
     x = torch.randn(PANEL_TOKENS, 2048)
-    for ty in todo:
-        raw = _raw(ty, 1024, 2048)
-        try:
-            if kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048)) is None:
-                continue
-            ts = _times(lambda: kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048)), 7,
-                        budget_s / max(1, len(todo)))
-        except Exception:                             # a type the build refuses: no figure
-            continue
-        flops = 2.0 * PANEL_TOKENS * 1024 * 2048
-        src = (f"measured now: runtime.kernels.qgemm {ty} {PANEL_TOKENS}x2048 by 1024x2048 "
-               f"({kernel_info().get('isa')})")
-        out[ty] = Range(flops / _typical(ts) / 1e9, flops / min(ts) / 1e9, src)
-    return out
+    return _probe_per_type(types, budget_s,
+                           lambda ty, raw: kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048)),
+                           2.0 * PANEL_TOKENS * 1024 * 2048,
+                           "qgemm {ty} %dx2048 by 1024x2048" % PANEL_TOKENS)
 
 
 def wide_limits(types: Sequence[str]) -> dict[str, int]:

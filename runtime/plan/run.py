@@ -9,6 +9,7 @@ without ``io_profile``); ``probe=False`` uses the stated defaults everywhere (de
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -56,8 +57,10 @@ class PlanRequest:
     probe: bool = True                     # measure what this machine's cache lacks
     use_cache: bool = True                 # without probe: this machine's cached rates if any
     pcie_gen: int = 4
-    gpu_gbps: float | None = None          # stated GPU memory bandwidth (fast end; slow = 0.6x)
-    disk_gbps: tuple[float, float] | None = None   # the planned box's drive, stated (slow, fast)
+    gpu_gbps: float | None = None          # stated GPU memory bandwidth (fast end; slow end
+                                           # STATED_SLOW of it)
+    disk_gbps: tuple[float, ...] | None = None   # the planned box's drive at expert-sized random
+                                           # reads, stated: (fast,) as gpu_gbps, or (slow, fast)
 
 
 def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
@@ -75,6 +78,8 @@ def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
     return storage_from_profile(data, k, label=f"profile {path}")
 
 
+#: the slow end of a rate stated as one figure (a spec sheet's figure is its best case)
+STATED_SLOW = 0.6
 DEFAULT_CTX = 4096                         # expertfs run's --ctx default
 
 
@@ -240,6 +245,10 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
         raise UsageError(f"--tokens {req.tokens}", fix="give --tokens 8 or more")
     if not req.synthetic or len(req.synthetic) > 2:
         raise UsageError("--synthetic takes one or two presets", fix="e.g. --synthetic diffuse,mixed")
+    if req.io_profile and req.disk_gbps:
+        raise UsageError("--io-profile and --disk-gbps both describe the drive",
+                         fix="give one of them")
+    stated_drive = _stated_drive(req.disk_gbps) if req.disk_gbps else None
     say("reading the model")
     g, data_path = load_geometry(req.target, req.model, req.source)
     box = _box(req, g.n_ctx_train)
@@ -250,13 +259,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
 
     # --- rates -----------------------------------------------------------------------------
     detail: dict[str, Any] = {}
-    if req.io_profile and req.disk_gbps:
-        raise UsageError("--io-profile and --disk-gbps both describe the drive",
-                         fix="give one of them")
-    if req.disk_gbps:
-        lo, hi = req.disk_gbps
-        storage = Range(lo, hi, f"--disk-gbps {lo:g}-{hi:g}: the planned box's drive at "
-                                "expert-sized random reads, as given")
+    if stated_drive is not None:
+        storage = stated_drive
     elif req.io_profile:
         storage, detail["storage"] = read_io_profile(req.io_profile, g.k)
     elif data_path and os.path.isfile(data_path) and (req.probe or req.use_cache):
@@ -284,8 +288,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if req.gpu_gbps is not None:
         if req.gpu_gbps <= 0:
             raise UsageError(f"--gpu-bw {req.gpu_gbps}", fix="give the GPU's memory bandwidth in GB/s")
-        gpu_mem = Range(0.6 * req.gpu_gbps, req.gpu_gbps, f"--gpu-bw {req.gpu_gbps:g} GB/s "
-                        "(slow end 0.6x)")
+        gpu_mem = Range(STATED_SLOW * req.gpu_gbps, req.gpu_gbps,
+                        f"--gpu-bw {req.gpu_gbps:g} GB/s (slow end {STATED_SLOW:g}x)")
     gpu = stated_gpu(types, gpu_mem)
     pcie = stated_pcie(req.pcie_gen)
     gpu_mats = mats_on("gpu")
@@ -335,6 +339,19 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay)
     return replace(plan, first_token=ft)
+
+
+def _stated_drive(gbps: tuple[float, ...]) -> Range:
+    """``--disk-gbps``: one figure (the fast end; the slow end ``STATED_SLOW`` of it) or a
+    range (slow, fast), in GB/s."""
+    lo, hi = (STATED_SLOW * gbps[0], gbps[0]) if len(gbps) == 1 else (gbps + (0.0, 0.0))[:2]
+    if len(gbps) > 2 or not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+        shown = "-".join(f"{v:g}" for v in gbps)
+        raise UsageError(f"--disk-gbps {shown}: not a rate in GB/s",
+                         fix="write --disk-gbps as one positive figure (e.g. 7) or a range "
+                             "LO-HI (e.g. 3.5-6)")
+    return Range(lo, hi, f"--disk-gbps {lo:g}-{hi:g}: the planned box's drive at expert-sized "
+                         "random reads, as given")
 
 
 def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range, dict[str, Any]]:
