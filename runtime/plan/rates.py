@@ -5,6 +5,7 @@ pattern, PCIe, per-device dequant+matmul cost per ggml type, memory bandwidth, d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 from ...errors import UsageError
 from .assumptions import GPU_TRAFFIC_PER_ELEMENT, MiB
 
-__all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "stated_storage",
+__all__ = ["Range", "LinearCost", "DeviceRates", "Rates", "PCIE_GENS", "STATED_SLOW",
+           "stated_storage", "stated_drive",
            "stated_pcie", "stated_cpu", "stated_gpu", "stated_read_cpu", "storage_from_profile",
            "read_cpu_from", "bytes_per_element", "FLOAT_TYPES"]
 
@@ -111,10 +113,27 @@ class Rates:
 PCIE_GENS: dict[int, tuple[float, float]] = {3: (10.0, 12.5), 4: (20.0, 25.0), 5: (40.0, 50.0)}
 
 
+#: the slow end of a rate stated as one figure (a spec sheet's figure is its best case)
+STATED_SLOW = 0.6
+
+
 def stated_storage() -> Range:
     return Range(2.0, 4.0, "stated default: a PCIe 4.0 NVMe at expert-sized random reads (peers "
                            "measured 3-6 GB/s O_DIRECT on Gen4, 1-2.7 on VM/WSL disks); measure it: "
                            "expertfs bench io STORE --json > io.json, then --io-profile io.json")
+
+
+def stated_drive(gbps: tuple[float, ...]) -> Range:
+    """``--disk-gbps``: one figure (the fast end; the slow end ``STATED_SLOW`` of it) or a
+    range (slow, fast), in GB/s."""
+    lo, hi = (STATED_SLOW * gbps[0], gbps[0]) if len(gbps) == 1 else (gbps + (0.0, 0.0))[:2]
+    if len(gbps) > 2 or not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+        shown = "-".join(f"{v:g}" for v in gbps)
+        raise UsageError(f"--disk-gbps {shown}: not a rate in GB/s",
+                         fix="write --disk-gbps as one positive figure (e.g. 7) or a range "
+                             "LO-HI (e.g. 3.5-6)")
+    return Range(lo, hi, f"--disk-gbps {lo:g}-{hi:g}: the planned box's drive at expert-sized "
+                         "random reads, as given")
 
 
 def stated_pcie(gen: int = 4) -> Range:

@@ -9,7 +9,6 @@ without ``io_profile``); ``probe=False`` uses the stated defaults everywhere (de
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,7 +20,7 @@ from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan,
                       predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
                       storage_from_profile)
-from .rates import Range, read_cpu_from
+from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
 from .model import load_geometry
 from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
                       ideal_routing, learned_dynamics, route, synthetic_replay, trace_replay, usage_replay,
@@ -78,8 +77,6 @@ def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
     return storage_from_profile(data, k, label=f"profile {path}")
 
 
-#: the slow end of a rate stated as one figure (a spec sheet's figure is its best case)
-STATED_SLOW = 0.6
 DEFAULT_CTX = 4096                         # expertfs run's --ctx default
 
 
@@ -248,7 +245,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if req.io_profile and req.disk_gbps:
         raise UsageError("--io-profile and --disk-gbps both describe the drive",
                          fix="give one of them")
-    stated_drive = _stated_drive(req.disk_gbps) if req.disk_gbps else None
+    drive = stated_drive(req.disk_gbps) if req.disk_gbps else None
     say("reading the model")
     g, data_path = load_geometry(req.target, req.model, req.source)
     box = _box(req, g.n_ctx_train)
@@ -259,8 +256,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
 
     # --- rates -----------------------------------------------------------------------------
     detail: dict[str, Any] = {}
-    if stated_drive is not None:
-        storage = stated_drive
+    if drive is not None:
+        storage = drive
     elif req.io_profile:
         storage, detail["storage"] = read_io_profile(req.io_profile, g.k)
     elif data_path and os.path.isfile(data_path) and (req.probe or req.use_cache):
@@ -339,19 +336,6 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay)
     return replace(plan, first_token=ft)
-
-
-def _stated_drive(gbps: tuple[float, ...]) -> Range:
-    """``--disk-gbps``: one figure (the fast end; the slow end ``STATED_SLOW`` of it) or a
-    range (slow, fast), in GB/s."""
-    lo, hi = (STATED_SLOW * gbps[0], gbps[0]) if len(gbps) == 1 else (gbps + (0.0, 0.0))[:2]
-    if len(gbps) > 2 or not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
-        shown = "-".join(f"{v:g}" for v in gbps)
-        raise UsageError(f"--disk-gbps {shown}: not a rate in GB/s",
-                         fix="write --disk-gbps as one positive figure (e.g. 7) or a range "
-                             "LO-HI (e.g. 3.5-6)")
-    return Range(lo, hi, f"--disk-gbps {lo:g}-{hi:g}: the planned box's drive at expert-sized "
-                         "random reads, as given")
 
 
 def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range, dict[str, Any]]:
