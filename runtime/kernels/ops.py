@@ -219,14 +219,18 @@ def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],
 def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
         up: Sequence[torch.Tensor] | None, down: Sequence[torch.Tensor],
         types: tuple[GGMLType, GGMLType, GGMLType], n_ff: int,
-        act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor | None:
+        act_quant: str | None = None, limit: float = 0.0, alpha: float = 0.0,
+        biases: Sequence[Sequence[torch.Tensor]] = ((), (), ())) -> torch.Tensor | None:
     """One token through n experts: ``Σ_j w[j] · down_j(silu(gate_j x) · up_j x)``.
 
     ``x [1, n_embd]`` float32 CPU; ``w [n]``; ``gate``/``up``/``down`` the experts' ggml bytes
     (``up`` None or empty: each ``gate`` is a fused gate_up, gate rows first); ``types`` the
     (gate, up, down) ggml types. ``limit`` > 0: llama.cpp's ``swiglu_clamp``,
-    ``silu(min(gate, limit)) · clamp(up, -limit, limit)``. Returns ``[1, n_embd]`` float32, or
-    None when not applicable.
+    ``silu(min(gate, limit)) · clamp(up, -limit, limit)``; ``alpha`` > 0: gpt-oss's
+    ``swiglu_oai`` on the same clamped values, ``g / (1 + exp(-alpha g)) · (u + 1)``;
+    ``biases``: the (gate, up, down) float32 bias rows per expert, each list empty or one per
+    expert, added after their product. Returns ``[1, n_embd]`` float32, or None when not
+    applicable.
     """
     mode = _moe_mode(act_quant)
     D = int(x.shape[-1])
@@ -238,8 +242,9 @@ def moe(x: torch.Tensor, w: torch.Tensor, gate: Sequence[torch.Tensor],
     mod = load()
     if mod is None:
         return None
+    bg, bu, bd = (list(b) for b in biases)
     return mod.moe(x, w, list(gate), list(up or ()), list(down), tg, tu, td, int(n_ff), mode,
-                   float(limit))
+                   float(limit), float(alpha), bg, bu, bd)
 
 
 def _moe_mode(act_quant: str | None) -> int:
@@ -248,10 +253,11 @@ def _moe_mode(act_quant: str | None) -> int:
 
 def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor] | None,
                types: tuple[GGMLType, GGMLType], n_ff: int,
-               act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor | None:
-    """``moe``'s first phase: ``silu(gate_j x) · up_j x`` per expert (clamped as ``moe``'s
-    ``limit``), ``[n, n_ff]`` float32 (each row independent of the others in the call); None
-    when not applicable."""
+               act_quant: str | None = None, limit: float = 0.0, alpha: float = 0.0,
+               biases: Sequence[Sequence[torch.Tensor]] = ((), ())) -> torch.Tensor | None:
+    """``moe``'s first phase: ``silu(gate_j x) · up_j x`` per expert (``limit``, ``alpha`` and
+    the (gate, up) ``biases`` as ``moe``'s), ``[n, n_ff]`` float32 (each row independent of
+    the others in the call); None when not applicable."""
     mode = _moe_mode(act_quant)
     D = int(x.shape[-1])
     tg, tu = int(types[0]), int(types[1])
@@ -261,14 +267,16 @@ def moe_hidden(x: torch.Tensor, gate: Sequence[torch.Tensor], up: Sequence[torch
     mod = load()
     if mod is None:
         return None
-    return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode, float(limit))
+    return mod.moe_hidden(x, list(gate), list(up or ()), tg, tu, int(n_ff), mode, float(limit),
+                          float(alpha), list(biases[0]), list(biases[1]))
 
 
 def moe_down_rows(h: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGMLType,
-                  n_embd: int, act_quant: str | None = None) -> torch.Tensor | None:
-    """The first step of ``moe``'s second phase: each expert's unscaled ``down_j h[j]``,
-    ``[n, n_embd]`` float32 (each row independent of the others in the call); None when not
-    applicable."""
+                  n_embd: int, act_quant: str | None = None,
+                  bias: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
+    """The first step of ``moe``'s second phase: each expert's unscaled ``down_j h[j]`` (+ its
+    ``bias`` row when given), ``[n, n_embd]`` float32 (each row independent of the others in
+    the call); None when not applicable."""
     mode = _moe_mode(act_quant)
     td = int(ggml_type)
     if (not h.is_cpu or h.dtype != torch.float32 or h.dim() != 2 or not down
@@ -277,7 +285,7 @@ def moe_down_rows(h: torch.Tensor, down: Sequence[torch.Tensor], ggml_type: GGML
     mod = load()
     if mod is None:
         return None
-    return mod.moe_down_rows(h, list(down), td, int(n_embd), mode)
+    return mod.moe_down_rows(h, list(down), td, int(n_embd), mode, list(bias))
 
 
 def moe_combine(v: torch.Tensor, w: torch.Tensor,

@@ -38,8 +38,8 @@ class MoEWeights:
     router: RouterWeights
     shared: DenseFFN | None = None
     limit: float = 0.0           # the routed experts' swiglu clamp (0 = none)
-    alpha: float = 0.0           # gpt-oss's swiglu_oai (0 = plain SwiGLU); its experts carry
-                                 # biases, so the one-call native layer paths do not apply
+    alpha: float = 0.0           # gpt-oss's swiglu_oai (0 = plain SwiGLU; its experts also
+                                 # carry bias parts, which the expert weights bring)
 
 
 @dataclass
@@ -177,8 +177,8 @@ class ExpertRunner:
         return w
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
-                    shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0
-                    ) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
+                    shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0,
+                    alpha: float = 0.0) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
         """One decode step that computes the resident experts (gate/up, then their down rows)
         and the shared expert while the missing ones are read, then the rest and the weighted
         sum in routing order: bit for bit the one-call product (``qmatvec.native_hidden``,
@@ -196,7 +196,7 @@ class ExpertRunner:
             return None, {**ready, **finish()}, None
         D = x.shape[1]
         hit_w = [ready[e] for e in hit]
-        h_hit = native_hidden(x, hit_w, self.act_quant, limit)
+        h_hit = native_hidden(x, hit_w, self.act_quant, limit, alpha)
         v_hit = None if h_hit is None else native_down_rows(h_hit, hit_w, D, self.act_quant)
         sh = shared(x).float() if shared is not None and v_hit is not None else None
         rest = finish()
@@ -205,7 +205,7 @@ class ExpertRunner:
             return None, weights, None
         miss = [e for e in experts if e not in ready]
         miss_w = [rest[e] for e in miss]
-        h_miss = native_hidden(x, miss_w, self.act_quant, limit)
+        h_miss = native_hidden(x, miss_w, self.act_quant, limit, alpha)
         v_miss = None if h_miss is None else native_down_rows(h_miss, miss_w, D, self.act_quant)
         if v_miss is None:
             return None, weights, sh
@@ -265,11 +265,10 @@ class ExpertRunner:
         self.stats.pairs += T * k
         try:
             out = weights = shared = None
-            fused = self.fused
-            whole = fused and not w.alpha               # the one-call layer products
+            whole = self.fused                          # the one-call layer products
             if T == 1 and whole and not self.dq.enabled:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
-                                                        prefetch_next, w.limit)
+                                                        prefetch_next, w.limit, w.alpha)
             if T > 1:
                 out = self._batched(layer, x, ids, wts, experts, counts_h, w.limit, w.alpha,
                                     prefetch_next)
@@ -281,7 +280,7 @@ class ExpertRunner:
                     weights = self._weights(layer, experts)
                 if whole:
                     out = fused_experts(x, wts[0], [weights[e] for e in experts],
-                                        self.act_quant, w.limit)
+                                        self.act_quant, w.limit, w.alpha)
                 if out is None:
                     out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
                     for j, e in enumerate(experts):

@@ -43,6 +43,8 @@ from .. import kernels as native
 from ..experts.protocol import QWeight as _QWeight
 
 _R_GATE, _R_UP, _R_GATE_UP, _R_DOWN = Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN
+_BIAS_SLOT = {Role.GATE_BIAS: 0, Role.UP_BIAS: 1, Role.DOWN_BIAS: 2}
+_F32 = GGMLType.F32
 
 __all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
            "precompile", "NATIVE_MAX_TOKENS", "native_hidden", "native_down_rows",
@@ -230,14 +232,17 @@ def _layer_fn(tg: GGMLType, tu: GGMLType, td: GGMLType, n: int) -> Callable:
 
 def _native_parts(experts: list, D: int) -> tuple | None:
     """``experts``' ggml bytes for the native kernels: (gate list, up list or None when fused
-    gate_up, down list, (tg, tu, td), n_ff), or None when an expert is not plain ggml bytes (one
-    served dequantized by the dequant cache) or has other parts. Parts are matched by identity
-    while iterating (Enum hashing costs microseconds here); the experts of a layer come from
-    one GGUF tensor per role, so the first expert's types and shapes are the layer's (the
-    kernels check every expert's byte count)."""
+    gate_up, down list, (tg, tu, td), n_ff, (gate, up, down bias lists)), or None when an
+    expert is not plain ggml bytes (one served dequantized by the dequant cache) or has other
+    parts. Bias parts (gpt-oss) must be F32, as llama.cpp writes them; a bias list is empty
+    when the experts have none. Parts are matched by identity while iterating (Enum hashing
+    costs microseconds here); the experts of a layer come from one GGUF tensor per role, so the
+    first expert's types and shapes are the layer's (the kernels check every expert's byte
+    count and bias length)."""
     G: list = []
     U: list = []
     Dn: list = []
+    B: tuple[list, list, list] = ([], [], [])
     for e in experts:
         for r, q in e.parts.items():
             if type(q) is not _QWeight:
@@ -248,6 +253,8 @@ def _native_parts(experts: list, D: int) -> tuple | None:
                 U.append(q.raw)
             elif r is _R_DOWN:
                 Dn.append(q.raw)
+            elif r in _BIAS_SLOT and q.ggml_type is _F32:
+                B[_BIAS_SLOT[r]].append(q.raw.view(torch.float32))
             else:
                 return None
     p0 = experts[0].parts
@@ -256,46 +263,48 @@ def _native_parts(experts: list, D: int) -> tuple | None:
     g = p0.get(_R_GATE_UP) if fused else p0.get(_R_GATE)
     u = g if fused else p0.get(_R_UP)
     d = p0.get(_R_DOWN)
-    if g is None or len(G) != n or len(Dn) != n or len(U) not in (0, n):
+    if (g is None or len(G) != n or len(Dn) != n or len(U) not in (0, n)
+            or any(len(b) not in (0, n) for b in B) or (fused and (B[0] or B[1]))):
         return None
     n_ff = g.shape[0] // 2 if fused else g.shape[0]
     if d.shape != (D, n_ff) or g.shape[1] != D or u.shape[1] != D:
         return None
-    return G, (None if fused else U), Dn, (g.ggml_type, u.ggml_type, d.ggml_type), n_ff
+    return G, (None if fused else U), Dn, (g.ggml_type, u.ggml_type, d.ggml_type), n_ff, B
 
 
-def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
-                    act_quant: str | None, limit: float = 0.0) -> torch.Tensor | None:
+def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list, act_quant: str | None,
+                    limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor | None:
     """One native call for the layer, or None when not applicable."""
     p = _native_parts(experts, x.shape[1])
     if p is None:
         return None
-    G, U, Dn, types, n_ff = p
-    return native.moe(x, w, G, U, Dn, types, n_ff, act_quant, limit)
+    G, U, Dn, types, n_ff, B = p
+    return native.moe(x, w, G, U, Dn, types, n_ff, act_quant, limit, alpha, B)
 
 
 def native_hidden(x: torch.Tensor, experts: list, act_quant: str | None = None,
-                  limit: float = 0.0) -> torch.Tensor | None:
+                  limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor | None:
     """The first phase of the native layer call for some of its experts: ``[n, n_ff]`` rows
     ``silu(gate_j x) · up_j x`` (each row the same whatever else shares the call; ``limit``:
-    the swiglu clamp), or None."""
+    the swiglu clamp; ``alpha``: gpt-oss's ``swiglu_oai``; gate/up biases added), or None."""
     p = None if not experts or x.dim() != 2 or x.shape[0] != 1 else _native_parts(experts,
                                                                                  x.shape[1])
     if p is None:
         return None
-    G, U, _, types, n_ff = p
-    return native.moe_hidden(x, G, U, types[:2], n_ff, act_quant, limit)
+    G, U, _, types, n_ff, B = p
+    return native.moe_hidden(x, G, U, types[:2], n_ff, act_quant, limit, alpha, B[:2])
 
 
 def native_down_rows(h: torch.Tensor, experts: list, n_embd: int,
                      act_quant: str | None = None) -> torch.Tensor | None:
     """The second phase's first step for some experts: ``[n, n_embd]`` unscaled rows
-    ``down_j h[j]`` (``h``: ``native_hidden``'s rows for the same experts), or None."""
+    ``down_j h[j]`` (+ the down bias; ``h``: ``native_hidden``'s rows for the same experts), or
+    None."""
     p = _native_parts(experts, n_embd) if experts else None
     if p is None:
         return None
-    _, _, Dn, types, _ = p
-    return native.moe_down_rows(h, Dn, types[2], n_embd, act_quant)
+    _, _, Dn, types, _, B = p
+    return native.moe_down_rows(h, Dn, types[2], n_embd, act_quant, B[2])
 
 
 def native_combine(v: torch.Tensor, w: torch.Tensor, order: list[int]) -> torch.Tensor | None:
@@ -306,16 +315,18 @@ def native_combine(v: torch.Tensor, w: torch.Tensor, order: list[int]) -> torch.
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
-                  act_quant: str | None = None, limit: float = 0.0) -> torch.Tensor | None:
+                  act_quant: str | None = None, limit: float = 0.0,
+                  alpha: float = 0.0) -> torch.Tensor | None:
     """One decode step through ``experts`` (``ExpertWeights`` with GATE, UP and DOWN parts, or
     GATE_UP and DOWN for the native kernels): ``Σ_j w[j] · expert_j(x)`` as ``[1, n_embd]``
     float32, or None when not applicable. ``act_quant="q8"``: llama.cpp's activation
-    quantization (native kernels only). ``limit`` > 0: the swiglu clamp (native kernels only)."""
+    quantization (native kernels only). ``limit`` > 0: the swiglu clamp, ``alpha`` > 0
+    gpt-oss's ``swiglu_oai``, bias parts (native kernels only)."""
     if experts and x.dim() == 2 and x.shape[0] == 1:
-        y = _native_experts(x, w, experts, act_quant, limit)
+        y = _native_experts(x, w, experts, act_quant, limit, alpha)
         if y is not None:
             return y
-    if (limit or _state["ok"] is False or x.device.type != "cpu" or x.dtype != torch.float32
+    if (limit or alpha or _state["ok"] is False or x.device.type != "cpu" or x.dtype != torch.float32
             or x.shape[0] != 1 or not experts):
         return None
     parts = []

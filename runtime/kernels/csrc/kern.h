@@ -141,11 +141,11 @@ struct AttnArgs {
 };
 void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p);
 
-// g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
-// g[i] = silu(g[i]) * u[i]; limit > 0: llama.cpp's swiglu_clamp, silu(min(g, limit)) *
-// clamp(u, -limit, limit).
-void silu_mul(float* g, const float* u, int64_t n, float limit = 0.f);
-void avx2_silu_mul(float* g, const float* u, int64_t n, float limit = 0.f);
+// g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u; limit > 0: llama.cpp's swiglu_clamp,
+// silu(min(g, limit)) * clamp(u, -limit, limit). alpha > 0: gpt-oss's swiglu_oai on the same
+// clamped g, u: g / (1 + exp(-alpha g)) * (u + 1).
+void silu_mul(float* g, const float* u, int64_t n, float limit = 0.f, float alpha = 0.f);
+void avx2_silu_mul(float* g, const float* u, int64_t n, float limit = 0.f, float alpha = 0.f);
 
 // The lattice IQ types' codebooks (ggml-common.h's iq2xxs_grid ... iq1s_grid, ksigns_iq2xs),
 // handed over from gguf-py at load (set_iq_tables, kern_iq.cpp), never copied by hand. Grid

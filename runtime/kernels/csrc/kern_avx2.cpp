@@ -638,9 +638,22 @@ EFS_TI __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-EFS_T void avx2_silu_mul(float* g, const float* u, int64_t n, float limit) {
+EFS_T void avx2_silu_mul(float* g, const float* u, int64_t n, float limit, float alpha) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    if (alpha > 0.f) {                  // swiglu_oai: x / (1 + exp(alpha (-x))) * (v + 1)
+        const float L = limit > 0.f ? limit : INFINITY;
+        const __m256 hi = _mm256_set1_ps(L), lo = _mm256_set1_ps(-L), a = _mm256_set1_ps(alpha);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_min_ps(hi, _mm256_loadu_ps(g + i));
+            const __m256 v = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(u + i)));
+            const __m256 e = exp8(_mm256_mul_ps(a, _mm256_sub_ps(zero, x)));
+            const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_add_ps(v, one)));
+        }
+        silu_mul(g + i, u + i, n - i, limit, alpha);
+        return;
+    }
     if (limit > 0.f) {                  // swiglu_clamp: silu(min(g, L)) * clamp(u, -L, L)
         const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
         for (; i + 8 <= n; i += 8) {
@@ -834,8 +847,8 @@ bool avx2_dequant_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, 
 }
 void avx2_quantize_q8k(const float* x, Q8K* y, int64_t n) { quantize_q8k(x, y, n); }
 void avx2_quantize_qx8(const float* x, QX8* y, int64_t n, int s) { quantize_qx8(x, y, n, s); }
-void avx2_silu_mul(float* g, const float* u, int64_t n, float limit) {
-    silu_mul(g, u, n, limit);
+void avx2_silu_mul(float* g, const float* u, int64_t n, float limit, float alpha) {
+    silu_mul(g, u, n, limit, alpha);
 }
 void avx2_attn_heads(const AttnArgs&, int64_t, int64_t, float*) {}   // never called off x86
 }  // namespace efs

@@ -193,7 +193,15 @@ void quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum) {
     }
 }
 
-void silu_mul(float* g, const float* u, int64_t n, float limit) {
+void silu_mul(float* g, const float* u, int64_t n, float limit, float alpha) {
+    if (alpha > 0.f) {                  // swiglu_oai (ggml_vec_swiglu_oai's order of operations)
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = limit > 0.f ? std::min(g[i], limit) : g[i];
+            const float v = limit > 0.f ? std::max(std::min(u[i], limit), -limit) : u[i];
+            g[i] = x / (1.f + expf(alpha * (-x))) * (v + 1.f);
+        }
+        return;
+    }
     if (limit > 0.f) {
         for (int64_t i = 0; i < n; ++i) {
             const float x = std::min(g[i], limit), v = std::max(std::min(u[i], limit), -limit);

@@ -294,13 +294,24 @@ at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int6
 // moe_down_rows / moe_combine so that a layer computed in parts (resident experts while the
 // others load) gives bit-identical results to one call.
 
+// An expert's bias rows (gpt-oss's ffn_{gate,up,down}_exps.bias): one float32 pointer per
+// expert, or none at all.
+using Biases = std::vector<const float*>;
+
+static void add_bias(float* y, const float* b, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) y[r] = y[r] + b[r];
+}
+
 // Phase 1: h[e] = silu(gate_e x) * up_e x, written into h (n * ff floats); limit > 0:
-// llama.cpp's swiglu_clamp, silu(min(gate, limit)) * clamp(up, -limit, limit). Rows are
-// independent, so the result does not depend on which experts share the call.
+// llama.cpp's swiglu_clamp, silu(min(gate, limit)) * clamp(up, -limit, limit); alpha > 0:
+// gpt-oss's swiglu_oai (silu_mul). Bias rows bg/bu (empty: none) are added to the products
+// before the activation. Rows are independent, so the result does not depend on which
+// experts share the call.
 void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
                   const std::vector<const uint8_t*>& G, const std::vector<const uint8_t*>& U,
                   int64_t rbg, int64_t rbu, int64_t tg, int64_t tu, int64_t mode, float* h,
-                  float limit) {
+                  float limit, float alpha = 0.f, const Biases& bg = {},
+                  const Biases& bu = {}) {
     const RowsFn fg = rows_fn((int)tg, (int)mode), fu = rows_fn((int)tu, (int)mode);
     TORCH_CHECK(fg && fu, "expertfs kernels: no kernel for these types");
     pybind11::gil_scoped_release nogil;
@@ -326,10 +337,12 @@ void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
         float* ue = u.data() + e * ff;
         fg(G[e], rbg, r0, r1, D, xg, 1, ge, 0, 1.f, 0);
         fu(U[e], rbu, r0, r1, D, xu, 1, ue, 0, 1.f, 0);
+        if (!bg.empty()) add_bias(ge, bg[e], r0, r1);
+        if (!bu.empty()) add_bias(ue, bu[e], r0, r1);
         if (g_isa >= ISA_AVX2)
-            avx2_silu_mul(ge + r0, ue + r0, r1 - r0, limit);
+            avx2_silu_mul(ge + r0, ue + r0, r1 - r0, limit, alpha);
         else
-            silu_mul(ge + r0, ue + r0, r1 - r0, limit);
+            silu_mul(ge + r0, ue + r0, r1 - r0, limit, alpha);
     });
 }
 
@@ -340,8 +353,9 @@ void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
 struct DownPrep {
     RowsFn fd = nullptr;
     std::vector<Prep> ph;
-    DownPrep(const float* h, int64_t n, int64_t ff, int64_t td, int64_t mode)
-        : fd(rows_fn((int)td, (int)mode)), ph((size_t)n) {
+    const Biases& bd;                  // each expert's down bias (empty: none)
+    DownPrep(const float* h, int64_t n, int64_t ff, int64_t td, int64_t mode, const Biases& b)
+        : fd(rows_fn((int)td, (int)mode)), ph((size_t)n), bd(b) {
         TORCH_CHECK(fd, "expertfs kernels: no kernel for these types");
         const int fmt_d = act_format((int)td, (int)mode);
         for (int64_t e = 0; e < n; ++e) ph[e].make(h + e * ff, ff, 1, ff, fmt_d);
@@ -349,6 +363,7 @@ struct DownPrep {
     void rows(int64_t e, const uint8_t* W, int64_t rbd, int64_t r0, int64_t r1, int64_t ff,
               float* v) const {
         fd(W, rbd, r0, r1, ff, ph[e].xs.data(), 1, v, 0, 1.f, 0);
+        if (!bd.empty()) add_bias(v, bd[e], r0, r1);
     }
 };
 
@@ -367,9 +382,10 @@ __attribute__((noinline)) void combine_rows(const float* const* rows, int64_t n,
 // yp row chunk by row chunk (while the chunk's rows are in cache).
 void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
                 const std::vector<const uint8_t*>& Dn, int64_t rbd, int64_t td, int64_t mode,
-                float* v, const float* wp = nullptr, float* yp = nullptr) {
+                float* v, const float* wp = nullptr, float* yp = nullptr,
+                const Biases& bd = {}) {
     pybind11::gil_scoped_release nogil;
-    const DownPrep dp(h, n, ff, td, mode);
+    const DownPrep dp(h, n, ff, td, mode, bd);
     std::vector<const float*> rows((size_t)n);
     for (int64_t e = 0; e < n; ++e) rows[e] = v + e * D;
     const int64_t rd = rows_per_chunk(D);
@@ -391,6 +407,20 @@ std::vector<const uint8_t*> check_down(const std::vector<at::Tensor>& down, int6
         Dn[e] = down[e].data_ptr<uint8_t>();
     }
     return Dn;
+}
+
+// The float32 pointers of n experts' bias rows of `len` values (none when `b` is empty).
+Biases check_bias(const std::vector<at::Tensor>& b, int64_t n, int64_t len, const char* what) {
+    Biases out;
+    if (b.empty()) return out;
+    TORCH_CHECK((int64_t)b.size() == n, "expertfs kernels: one ", what, " bias per expert");
+    for (const at::Tensor& t : b) {
+        TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.numel() == len, "expertfs kernels: a ", what, " bias must be ", len,
+                    " contiguous float32 values");
+        out.push_back(t.data_ptr<float>());
+    }
+    return out;
 }
 
 struct Experts {          // checked pointers to n experts' gate, up and down bytes
@@ -430,41 +460,47 @@ Experts check_experts(const std::vector<at::Tensor>& gate, const std::vector<at:
 // `up` empty: each gate tensor is a fused gate_up (rows [0, ff) gate, [ff, 2 ff) up).
 at::Tensor moe(const at::Tensor& x_, const at::Tensor& w_, const std::vector<at::Tensor>& gate,
                const std::vector<at::Tensor>& up, const std::vector<at::Tensor>& down,
-               int64_t tg, int64_t tu, int64_t td, int64_t ff, int64_t mode, double limit) {
+               int64_t tg, int64_t tu, int64_t td, int64_t ff, int64_t mode, double limit,
+               double alpha, const std::vector<at::Tensor>& gate_b,
+               const std::vector<at::Tensor>& up_b, const std::vector<at::Tensor>& down_b) {
     TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe takes one token");
     const int64_t D = x_.size(1);
     const at::Tensor x = check_x(x_, D);
     const Experts ex = check_experts(gate, up, &down, D, tg, tu, td, ff, mode);
     TORCH_CHECK(w_.numel() == ex.n, "expertfs kernels: one weight per expert expected");
     const at::Tensor w = w_.to(at::kFloat).contiguous();
+    const Biases bg = check_bias(gate_b, ex.n, ff, "gate"), bu = check_bias(up_b, ex.n, ff, "up");
+    const Biases bd = check_bias(down_b, ex.n, D, "down");
     std::vector<float> h((size_t)(ex.n * ff));
     hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
-                 h.data(), (float)limit);
+                 h.data(), (float)limit, (float)alpha, bg, bu);
     at::Tensor y = at::empty({1, D}, x.options());   // the first expert writes, the rest add
     std::unique_ptr<float[]> v(new float[(size_t)(ex.n * D)]);  // every element written
     down_phase(h.data(), ex.n, ff, D, ex.Dn, ex.rbd, td, mode, v.get(), w.data_ptr<float>(),
-               y.data_ptr<float>());
+               y.data_ptr<float>(), bd);
     return y;
 }
 
 // Phase 1 alone: [n, ff] float32, h[e] = silu(gate_e x) * up_e x.
 at::Tensor moe_hidden(const at::Tensor& x_, const std::vector<at::Tensor>& gate,
                       const std::vector<at::Tensor>& up, int64_t tg, int64_t tu, int64_t ff,
-                      int64_t mode, double limit) {
+                      int64_t mode, double limit, double alpha,
+                      const std::vector<at::Tensor>& gate_b, const std::vector<at::Tensor>& up_b) {
     TORCH_CHECK(x_.dim() == 2 && x_.size(0) == 1, "expertfs kernels: moe_hidden takes one token");
     const int64_t D = x_.size(1);
     const at::Tensor x = check_x(x_, D);
     const Experts ex = check_experts(gate, up, nullptr, D, tg, tu, 0, ff, mode);
+    const Biases bg = check_bias(gate_b, ex.n, ff, "gate"), bu = check_bias(up_b, ex.n, ff, "up");
     at::Tensor h = at::empty({ex.n, ff}, x.options());
     hidden_phase(x.data_ptr<float>(), D, ex.n, ff, ex.G, ex.U, ex.rbg, ex.rbu, tg, ex.tu, mode,
-                 h.data_ptr<float>(), (float)limit);
+                 h.data_ptr<float>(), (float)limit, (float)alpha, bg, bu);
     return h;
 }
 
 
 // Phase 2's first step alone: the unscaled rows v [n, D], v[e] = down_e h[e].
 at::Tensor moe_down_rows(const at::Tensor& h_, const std::vector<at::Tensor>& down, int64_t td,
-                         int64_t D, int64_t mode) {
+                         int64_t D, int64_t mode, const std::vector<at::Tensor>& down_b) {
     const int64_t n = (int64_t)down.size();
     TORCH_CHECK(n > 0 && h_.dim() == 2 && h_.size(0) == n, "expertfs kernels: moe_down_rows "
                 "needs one row of h per expert");
@@ -472,8 +508,10 @@ at::Tensor moe_down_rows(const at::Tensor& h_, const std::vector<at::Tensor>& do
     const at::Tensor h = check_x(h_, ff);
     int64_t rbd = 0;
     const std::vector<const uint8_t*> Dn = check_down(down, D, ff, td, mode, &rbd);
+    const Biases bd = check_bias(down_b, n, D, "down");
     at::Tensor v = at::empty({n, D}, h.options());
-    down_phase(h.data_ptr<float>(), n, ff, D, Dn, rbd, td, mode, v.data_ptr<float>());
+    down_phase(h.data_ptr<float>(), n, ff, D, Dn, rbd, td, mode, v.data_ptr<float>(), nullptr,
+               nullptr, bd);
     return v;
 }
 
@@ -690,14 +728,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("gate"), pybind11::arg("up"),
           pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"),
           pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"),
-          pybind11::arg("limit") = 0.0);
+          pybind11::arg("limit") = 0.0, pybind11::arg("alpha") = 0.0,
+          pybind11::arg("gate_b") = std::vector<at::Tensor>(),
+          pybind11::arg("up_b") = std::vector<at::Tensor>(),
+          pybind11::arg("down_b") = std::vector<at::Tensor>());
     m.def("moe_hidden", &efs::moe_hidden, "phase 1 of moe: silu(gate x) * up x per expert",
           pybind11::arg("x"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("tg"),
           pybind11::arg("tu"), pybind11::arg("ff"), pybind11::arg("mode"),
-          pybind11::arg("limit") = 0.0);
+          pybind11::arg("limit") = 0.0, pybind11::arg("alpha") = 0.0,
+          pybind11::arg("gate_b") = std::vector<at::Tensor>(),
+          pybind11::arg("up_b") = std::vector<at::Tensor>());
     m.def("moe_down_rows", &efs::moe_down_rows, "phase 2's unscaled rows down_e h[e], [n, D]",
           pybind11::arg("h"), pybind11::arg("down"), pybind11::arg("td"), pybind11::arg("D"),
-          pybind11::arg("mode"));
+          pybind11::arg("mode"), pybind11::arg("down_b") = std::vector<at::Tensor>());
     m.def("moe_combine", &efs::moe_combine, "phase 2's weighted sum of moe_down_rows' rows",
           pybind11::arg("v"), pybind11::arg("w"), pybind11::arg("order"));
     m.def("act_dequant", &efs::act_dequant, "q8-mode activations, dequantized");

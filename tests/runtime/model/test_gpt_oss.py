@@ -240,6 +240,31 @@ def test_mxfp4_experts_equal_transformers(built_mxfp4, batch, fused):
     assert np.abs(ours - ref).max() <= TOL
 
 
+def test_decode_takes_the_one_call_native_layer_product(built_mxfp4, monkeypatch):
+    """One token's biased, ``swiglu_oai`` experts go through the native layer product (one call
+    a layer), not one expert at a time in Python, where the kernels are built."""
+    from expertfs.runtime import kernels
+    from expertfs.runtime.model import moe
+    if not kernels.available():
+        pytest.skip("native kernels not built here")
+    calls = {"native": 0, "per_expert": 0}
+    real_moe, real_ffn = kernels.moe, moe.expert_ffn
+
+    def spy_moe(*a, **k):
+        calls["native"] += 1
+        return real_moe(*a, **k)
+
+    def spy_ffn(x, *a, **k):
+        calls["per_expert"] += x.shape[0] == 1
+        return real_ffn(x, *a, **k)
+    monkeypatch.setattr(kernels, "moe", spy_moe)
+    monkeypatch.setattr(moe, "expert_ffn", spy_ffn)
+    _, store, ref = built_mxfp4
+    ours = _ours(store, prefill_batch=1, fused="on")
+    assert np.abs(ours - ref).max() <= TOL
+    assert calls["native"] > 0 and calls["per_expert"] == 0
+
+
 def test_dequantized_expert_cache_keeps_the_biases(built):
     _, store, ref = built
     ours = _ours(store, prefill_batch=1, fused="on", dq_cache=1 << 24)
