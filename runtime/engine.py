@@ -141,6 +141,7 @@ class Engine:
         self.device = torch.device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.reader = TrunkReader(store)
+        self.reader.prefetch()
         kv = store.gguf_kv()
         self.kv = kv
         self.config = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
@@ -314,8 +315,10 @@ class Engine:
         return torch.cat(parts)
 
     def warm(self, chunk: int = 16) -> None:
-        """Ask for every expert of every layer once (fills the provider's tiers as far as they
-        go, and the dequantized-expert cache when it is on); for benchmarks of resident runs."""
+        """Fault the whole trunk in and ask for every expert of every layer once (fills the
+        provider's tiers as far as they go, and the dequantized-expert cache when it is on); for
+        benchmarks of resident runs."""
+        self.reader.populate()
         for blk in self.trunk.blocks:
             if blk.moe is None:
                 continue

@@ -3,6 +3,10 @@
 Every non-expert tensor (attention, norms, routers, shared experts, dense FFNs, embeddings,
 the NextN block) lives in ``STORE/trunk.bin``. ``TrunkReader`` maps the file privately
 (copy-on-write, so tensors can view it without a copy) and hands out ``RawTensor`` views.
+Its pages come in from the page cache as the forward first touches them, a few at a time and
+with the compute waiting on each; ``prefetch`` has the kernel read the whole file in the
+background as soon as the engine opens it, ``populate`` faults it all in before a benchmark's
+first token (what llama.cpp's mmap does with ``MAP_POPULATE``).
 
 A matrix becomes a ``Linear``: either dequantized once into the compute dtype, ``[out, in]``
 contiguous for ``F.linear`` (fast), or kept as its ggml bytes and multiplied through
@@ -14,8 +18,10 @@ quantized). The token embedding is always kept as bytes: a lookup dequantizes on
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -30,6 +36,13 @@ from .qmatvec import decode_matvec
 from .wide import wide_linear
 
 __all__ = ["RawTensor", "TrunkReader", "Linear", "Embedding", "plan_float"]
+
+log = logging.getLogger(__name__)
+
+#: madvise(2) advice that faults a range in by reading it (Linux 5.14 and later; Python's mmap
+#: names it only from 3.13 on).
+MADV_POPULATE_READ = 22
+_ADVICE_STEP = 64 << 20          # bytes per madvise call: file order, and a close stops it soon
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,41 @@ class TrunkReader:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self._buf = (torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None
                      else torch.empty(0, dtype=torch.uint8))
+
+    def _advise(self, advice: int) -> bool:
+        """``madvise(advice)`` over the whole map, a step at a time in file order; False when
+        the kernel refuses it (the map closed meanwhile counts as done)."""
+        mm = self._mm
+        size = len(mm) if mm is not None else 0
+        for a in range(0, size, _ADVICE_STEP):
+            try:
+                mm.madvise(advice, a, min(_ADVICE_STEP, size - a))
+            except ValueError:                      # closed under us
+                return True
+            except OSError:
+                return False
+        return True
+
+    def prefetch(self) -> None:
+        """Have the kernel read all of trunk.bin into the page cache in the background
+        (``MADV_WILLNEED`` from a thread: the call itself can wait on the drive's queue), so the
+        prompt's first pass over the trunk, and a decode step's embedding row, find their pages
+        in memory rather than faulting them in while the compute waits. The trunk is resident
+        in the memory model (``run``'s and ``plan``'s), so this reads nothing it does not count."""
+        if self._mm is not None:
+            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED,),
+                             name="expertfs-trunk-prefetch", daemon=True).start()
+
+    def populate(self) -> None:
+        """Fault every page of trunk.bin in now (``MADV_POPULATE_READ``; where the kernel lacks
+        it, a read of one byte a page): the trunk resident before the first token."""
+        if self._mm is None or self._advise(MADV_POPULATE_READ):
+            return
+        log.debug("MADV_POPULATE_READ refused; touching trunk.bin a page at a time")
+        page = mmap.PAGESIZE
+        n = self._buf.numel() // page * page
+        if n:
+            self._buf[:n].view(-1, page)[:, 0].sum()
 
     def __contains__(self, name: str) -> bool:
         return name in self.records
