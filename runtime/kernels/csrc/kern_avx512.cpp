@@ -111,20 +111,37 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 // per row (even blocks into one accumulator, odd into the other). A block type gives its byte
 // size, its scale and its 32 weights as two vectors of 16 floats (low: 0..15, high: 16..31).
 //
-// Q4_0 by the same table lookup as Q4_K: the 16 bytes of nibbles widened to 16 dwords, looked
-// up directly (low nibbles) and shifted by 4 (high nibbles) in the table {-8.0, ..., 7.0}.
+// The 4-bit types by the same table lookup as Q4_K: the 16 bytes of nibbles widened to 16
+// dwords, looked up directly (low nibbles) and shifted by 4 (high nibbles) in the type's table
+// of 16 floats: Q4_0 {-8.0, ..., 7.0}, MXFP4 kvalues_mxfp4 (twice the E2M1 values, with
+// e8m0h's halved block scale, as ggml dequantizes it). Like Q8_0's, their sums run in 16
+// lanes, not the AVX2 kernels' 8, so their last bits differ from the AVX2 unit's (IQ4_NL, whose
+// results must not depend on the ISA, keeps its AVX2 kernel).
+EFS_ZI void nibbles_z(const uint8_t* qs, __m512 tbl, __m512& lo, __m512& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    lo = _mm512_permutexvar_ps(v, tbl);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+}
 struct ZQ4_0 {
     static constexpr int BYTES = 18;
+    EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
-        const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)));
-        lo = _mm512_permutexvar_ps(v, tbl);
-        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+        nibbles_z(b + 2, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+                  lo, hi);
+    }
+};
+struct ZMXFP4 {
+    static constexpr int BYTES = 17;
+    EFS_ZI static float d(const uint8_t* b) { return e8m0h(b[0]); }
+    EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
+        nibbles_z(b + 1, _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),
+                  lo, hi);
     }
 };
 // Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted.
 struct ZQ8_0 {
     static constexpr int BYTES = 34;
+    EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
         lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
         hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
@@ -135,7 +152,7 @@ template <int NT, class Z>
 EFS_ZI void block_z(const uint8_t* b, const float* const* xn, int64_t o, __m512* acc) {
     __m512 lo, hi;
     Z::w(b, lo, hi);
-    const __m512 d = _mm512_set1_ps(f16_z(b));
+    const __m512 d = _mm512_set1_ps(Z::d(b));
     for (int t = 0; t < NT; ++t) {
         const float* x = xn[t] + o;
         const __m512 a = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16),
@@ -168,7 +185,7 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                 __m512 l0, h0, l1, h1;
                 Z::w(b0, l0, h0);
                 Z::w(b1, l1, h1);
-                const __m512 d0 = _mm512_set1_ps(f16_z(b0)), d1 = _mm512_set1_ps(f16_z(b1));
+                const __m512 d0 = _mm512_set1_ps(Z::d(b0)), d1 = _mm512_set1_ps(Z::d(b1));
                 l0 = _mm512_mul_ps(l0, d0);
                 h0 = _mm512_mul_ps(h0, d0);
                 l1 = _mm512_mul_ps(l1, d1);
@@ -216,6 +233,12 @@ EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     ex_b32_z<NT, ZQ8_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
+template <int NT>
+EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_b32_z<NT, ZMXFP4>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+}
+
 // Up to `per` tokens per pass over the weights: 8 for the blocks of 32 (two rows' accumulators
 // for 8 tokens fit the 32 registers), 4 for Q4_K, whose last pass takes 5 rather than leave a
 // pass of one token (a whole decode of the weights for it: 1.25x at 5 tokens; 6 spill).
@@ -241,6 +264,7 @@ EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     }
 
 EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
+EFS_Z_ROWS(ex_mxfp4_z, 8)
 
 }  // namespace
 
@@ -249,6 +273,7 @@ RowsFn avx512_rows(int type, int mode) {
     if (mode == 0 && type == T_Q4_K) return rows_ex_q4_k_z;
     if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;
     if (mode == 0 && type == T_Q8_0) return rows_ex_q8_0_z;
+    if (mode == 0 && type == T_MXFP4) return rows_ex_mxfp4_z;
     return nullptr;
 }
 
