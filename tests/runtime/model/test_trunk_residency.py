@@ -29,12 +29,17 @@ def resident(reader: TrunkReader) -> float:
     return sum(v & 1 for v in vec) / n
 
 
-def dropped(store: Store) -> None:
+def cold_reader(store: Store) -> TrunkReader:
+    """A reader of trunk.bin after its pages were dropped from the page cache."""
     fd = os.open(store.trunk_path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    r = TrunkReader(store)
+    if resident(r) > 0.5:
+        pytest.skip("the page cache kept trunk.bin (DONTNEED not honoured here)")
+    return r
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +49,13 @@ def store(tmp_path_factory):
 
 
 def test_populate_faults_the_whole_trunk_in(store):
-    dropped(store)
-    r = TrunkReader(store)
-    if resident(r) > 0.5:
-        pytest.skip("the page cache kept trunk.bin (DONTNEED not honoured here)")
+    r = cold_reader(store)
     r.populate()
     assert resident(r) == 1.0
 
 
 def test_prefetch_reads_it_in_the_background(store):
-    dropped(store)
-    r = TrunkReader(store)
-    if resident(r) > 0.5:
-        pytest.skip("the page cache kept trunk.bin (DONTNEED not honoured here)")
+    r = cold_reader(store)
     r.prefetch()
     end = time.monotonic() + 30
     while resident(r) < 1.0 and time.monotonic() < end:
@@ -67,9 +66,6 @@ def test_prefetch_reads_it_in_the_background(store):
 def test_populate_touches_every_page_where_the_kernel_refuses_the_advice(store, monkeypatch):
     from expertfs.runtime.model import weights
     monkeypatch.setattr(weights, "MADV_POPULATE_READ", 0x7fff)      # EINVAL: not an advice
-    dropped(store)
-    r = TrunkReader(store)
-    if resident(r) > 0.5:
-        pytest.skip("the page cache kept trunk.bin (DONTNEED not honoured here)")
+    r = cold_reader(store)
     r.populate()
     assert resident(r) == 1.0
