@@ -12,8 +12,9 @@ One run, same GGUF, same threads, same prompt and token count, caches dropped be
 - a disk roofline: the disk's random-read bandwidth at the expert size (``expertfs bench io``
   in the same run) ÷ the expert bytes expertfs missed per token;
 - optionally (``--resident``) both without a cap: llama.cpp with the model in the page cache,
-  expertfs with every expert read into its RAM tier before the prompt (``--preload``; that time
-  reported apart, as ``preload_s``), so both decode from memory from the first token.
+  expertfs with its trunk faulted in and every expert read into its RAM tier before the prompt
+  (``--preload``; that time reported apart, as ``preload_s``), so both decode from memory from
+  the first token.
 
 llama.cpp runs with its own OpenMP defaults (``peer_environ``: without the wait policy
 ``expertfs.runtime`` puts in this process's environment). Prints a table and ratios;

@@ -102,9 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-warm-start", action="store_true",
                    help="start with an empty RAM tier instead of the store's most-used experts")
     p.add_argument("--preload", action="store_true",
-                   help="before the prompt, read every expert the RAM tier holds: a resident run "
-                   "from the first token, as a warm page cache gives llama.cpp's mmap (for "
-                   "benchmarks; the time is reported apart, as preload_s)")
+                   help="before the prompt, fault the trunk in and read every expert the RAM "
+                   "tier holds: a resident run from the first token, as llama.cpp's mmap loads "
+                   "its file with MAP_POPULATE (for benchmarks; the time is reported apart, as "
+                   "preload_s)")
     p.add_argument("--logits-out", metavar="FILE.npy",
                    help="with --tokens: write float32 logits [positions, n_vocab]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
