@@ -178,7 +178,8 @@ class ExpertRunner:
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
                     shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0,
-                    alpha: float = 0.0) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
+                    alpha: float = 0.0
+                    ) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
         """One decode step that computes the resident experts (gate/up, then their down rows)
         and the shared expert while the missing ones are read, then the rest and the weighted
         sum in routing order: bit for bit the one-call product (``qmatvec.native_hidden``,

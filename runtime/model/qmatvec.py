@@ -326,8 +326,8 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
         y = _native_experts(x, w, experts, act_quant, limit, alpha)
         if y is not None:
             return y
-    if (limit or alpha or _state["ok"] is False or x.device.type != "cpu" or x.dtype != torch.float32
-            or x.shape[0] != 1 or not experts):
+    if (limit or alpha or _state["ok"] is False or x.device.type != "cpu"
+            or x.dtype != torch.float32 or x.shape[0] != 1 or not experts):
         return None
     parts = []
     for role in (Role.GATE, Role.UP, Role.DOWN):

@@ -80,17 +80,18 @@ class TrunkReader:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self._buf = (torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None
                      else torch.empty(0, dtype=torch.uint8))
+        self._closed = threading.Event()       # stops a background prefetch between steps
 
     def _advise(self, advice: int) -> bool:
-        """``madvise(advice)`` over the whole map, a step at a time in file order; False when
-        the kernel refuses it (the map closed meanwhile counts as done)."""
+        """``madvise(advice)`` over the whole map, a step at a time in file order, until the
+        reader is closed; False when the kernel refuses it."""
         mm = self._mm
         size = len(mm) if mm is not None else 0
         for a in range(0, size, _ADVICE_STEP):
+            if self._closed.is_set():
+                break
             try:
                 mm.madvise(advice, a, min(_ADVICE_STEP, size - a))
-            except ValueError:                      # closed under us
-                return True
             except OSError:
                 return False
         return True
@@ -137,6 +138,7 @@ class TrunkReader:
         return self.get(name) if name in self.records else None
 
     def close(self) -> None:
+        self._closed.set()
         self._buf = torch.empty(0, dtype=torch.uint8)
         # the map is released when the last view is garbage collected
 

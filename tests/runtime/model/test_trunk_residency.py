@@ -69,3 +69,12 @@ def test_populate_touches_every_page_where_the_kernel_refuses_the_advice(store, 
     r = cold_reader(store)
     r.populate()
     assert resident(r) == 1.0
+
+
+def test_a_closed_reader_advises_no_further(store):
+    r = TrunkReader(store)
+    r.close()
+    calls = []
+    r._mm = type("Map", (), {"__len__": lambda self: 3 << 26,
+                             "madvise": lambda self, *a: calls.append(a)})()
+    assert r._advise(mmap.MADV_WILLNEED) and not calls
