@@ -317,6 +317,74 @@ EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     if (r < r1) ex_q3_k<NT>(W, rb, r, r1, cols, xs, out);
 }
 
+// IQ4_NL (blocks of 32: d, qs[16]) as kern_avx2.cpp's ex_b32<DIQ4_NL>: each half unpacks its
+// row's block as the AVX2 unit does (the nibbles looked up in kvalues_iq4nl within each 128-bit
+// lane; each int8 placed in the top byte of a dword and converted, q * 2^24, the block's scale
+// carrying 2^-24), even blocks into a0 and odd ones into a1, so each half's sums are the AVX2
+// kernel's bit for bit. The last odd row goes to the AVX2 kernel itself.
+EFS_ZI __m256i iq4nl_q(const uint8_t* b) {                       // DIQ4_NL::q
+    const __m256i tbl = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
+                                         38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35,
+                                         -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 2)));
+}
+
+// grp<NT, SIGNED> of each half, the activations shared.
+template <int NT>
+EFS_ZI void grp2s(__m512i v, const float* const* xp, int64_t o, __m512 scale, __m512* acc) {
+    __m512 w[4];
+    for (int k = 0; k < 4; ++k) {                 // u8f<SIGNED>'s shuffle, in every 128-bit lane
+        alignas(64) int8_t m[64];
+        for (int i = 0; i < 64; ++i)
+            m[i] = (i & 3) == 3 ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
+        w[k] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, _mm512_load_si512((const void*)m)));
+    }
+    for (int t = 0; t < NT; ++t) {
+        const float* x = xp[t] + o;
+        __m512 a = _mm512_mul_ps(w[0], bc8(x));
+        a = _mm512_fmadd_ps(w[1], bc8(x + 8), a);
+        a = _mm512_fmadd_ps(w[2], bc8(x + 16), a);
+        a = _mm512_fmadd_ps(w[3], bc8(x + 24), a);
+        acc[t] = _mm512_fmadd_ps(a, scale, acc[t]);
+    }
+}
+
+// One block of each row: row r's into the low half, row r + 1's into the high half.
+template <int NT>
+EFS_ZI void iq4nl_blk2(const uint8_t* b0, const uint8_t* b1, const float* const* xp, int64_t o,
+                       __m512* acc) {
+    constexpr float U = unit<SIGNED>();
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(iq4nl_q(b0)), iq4nl_q(b1), 1);
+    grp2s<NT>(v, xp, o, ps2(_mm256_set1_ps(f16(b0) * U), _mm256_set1_ps(f16(b1) * U)), acc);
+}
+
+template <int NT>
+EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    constexpr int BYTES = 18;
+    const int64_t nb = cols / 32;
+    const float* xp[NT];
+    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
+    PfPair pf(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        __m512 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2, b0 += 2 * BYTES, b1 += 2 * BYTES) {
+            pf.next(b0, b1, 2 * BYTES);
+            iq4nl_blk2<NT>(b0, b1, xp, 32 * i, a0);
+            iq4nl_blk2<NT>(b0 + BYTES, b1 + BYTES, xp, 32 * i + 32, a1);
+        }
+        if (i < nb) iq4nl_blk2<NT>(b0, b1, xp, 32 * i, a0);
+        put2<NT, false>(out, r, a0, a1, a0);
+    }
+    if (r < r1) avx2_rows(T_IQ4_NL, 0)(W, rb, r, r1, cols, xs, NT, out.y, out.ys, out.alpha,
+                                       out.accumulate);
+}
+
 template <int NT> EFS_Z void ex_q5_k_p(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     int64_t cols, const XPrep* xs, Out o) { ex_q45_k_z<NT, true>(W, rb, r0, r1, cols, xs, o); }
 
@@ -350,7 +418,7 @@ EFS_Z void rows_kz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
         }                                                                                       \
     };
 EFS_KZ_KERN(ex_q5_k_p) EFS_KZ_KERN(ex_q6_k_z) EFS_KZ_KERN(ex_q2_k_z)
-EFS_KZ_KERN(ex_q3_k_z)
+EFS_KZ_KERN(ex_q3_k_z) EFS_KZ_KERN(ex_iq4nl_z)
 
 // --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
 //
@@ -617,6 +685,7 @@ RowsFn avx512_k_rows(int type, int mode) {
         case T_Q6_K: return rows_kz<8, K_ex_q6_k_z>;
         case T_Q2_K: return rows_kz<8, K_ex_q2_k_z>;
         case T_Q3_K: return rows_kz<8, K_ex_q3_k_z>;
+        case T_IQ4_NL: return rows_kz<8, K_ex_iq4nl_z>;
         default: return nullptr;
     }
 }

@@ -87,15 +87,18 @@ def test_q8_equals_llama_numerics(t, isa):
 @pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
 def test_avx512_gives_the_avx2_bits(t, aq):
     """Logits do not depend on the ISA: the AVX-512 kernels (q8: passes of 2 to 8 tokens;
-    exact: larger passes, not the IQ2 types or IQ4_NL; the rest keeps the AVX2 kernels) give
-    the AVX2 kernels' results bit for bit, per shape (IQ4_NL: rows of 96 and 160, not
-    multiples of 256; an odd block at the end) and token count (passes of each size, and
-    AVX-512 passes followed by AVX2 ones), and equal the reference dequantisation's product."""
+    exact: larger passes, not the IQ2 types; IQ4_NL two rows per vector, the last odd row by
+    the AVX2 kernel; the rest keeps the AVX2 kernels) give the AVX2 kernels' results bit for
+    bit, per shape (IQ4_NL: rows of 96 and 160, not multiples of 256; an odd block at the end)
+    and token count (passes of each size, and AVX-512 passes followed by AVX2 ones), and equal
+    the reference dequantisation's product."""
     info = MOD.info()
     assert int(t) in info["avx512_iq_q8_types"]               # the AVX-512 kernels are in use
     assert set(info["avx512_iq_exact_types"]) <= {int(u) for u in ALL}
     if t in (T.IQ1_S, T.TQ2_0):
         assert int(t) in info["avx512_iq_exact_types"]
+    if t == T.IQ4_NL:
+        assert int(t) in info["avx512_k_exact_types"]      # the K-quants' two-row form
     for k, cols in enumerate(cols_for(t)):
         rows = 29 + 8 * k
         raw = weight(t, rows, cols, int(t) * 3 + k)
