@@ -5,7 +5,8 @@ between them token by token, so the box's drift falls on both alike.
 ``--before`` is the folder of an earlier build (``~/.cache/expertfs/kernels/expertfs_kernels_*``:
 check out the earlier sources and import ``expertfs.runtime.kernels`` once to build it); the
 working tree's build is the other. The store is read into the RAM tier first (``warm()``), a
-32-token prompt is run, then ``-n`` decode steps alternate; medians in ms a token.
+32-token prompt is run, then ``-n`` decode steps alternate; medians in ms a token. With
+``--prefill N``, ``-n`` prompts of N tokens alternate instead (the sequence reset before each).
 
     .venv/bin/python bench/engine_build_ab.py STORE.efs --before ~/.cache/expertfs/kernels/X -n 60
 """
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=60, help="decode steps, alternating")
     ap.add_argument("--ram", type=float, default=0, help="RAM tier GiB (0: the store's experts)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="alternate prompts of N tokens instead of decode steps")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertfs.runtime.engine import Engine
@@ -47,17 +50,24 @@ def main() -> None:
     steps = torch.randint(1, 1000, (a.n + 4,), generator=g).tolist()
     for t in steps[:4]:
         eng.decode(t)
+    prompt = torch.randint(1, 1000, (a.prefill,), generator=g).tolist()
     res: dict[str, list[float]] = {"before": [], "after": []}
     for i, t in enumerate(steps[4:]):
         tag = "before" if i % 2 == 0 else "after"
         build._state["module"] = before if tag == "before" else after
+        if a.prefill:
+            eng.reset()
         t0 = time.perf_counter()
-        eng.decode(t)
+        if a.prefill:
+            eng.prefill(prompt)
+        else:
+            eng.decode(t)
         res[tag].append(time.perf_counter() - t0)
     build._state["module"] = after
     b, f = (statistics.median(res[k]) * 1e3 for k in ("before", "after"))
-    print(f"{a.store}: before {b:.1f} ms a token, after {f:.1f} (after/before {f / b:.3f}), "
-          f"{a.n} steps alternating")
+    what = f"ms a {a.prefill}-token prompt" if a.prefill else "ms a token"
+    print(f"{a.store}: before {b:.1f} {what}, after {f:.1f} (after/before {f / b:.3f}), "
+          f"{a.n} {'prompts' if a.prefill else 'steps'} alternating")
 
 
 if __name__ == "__main__":

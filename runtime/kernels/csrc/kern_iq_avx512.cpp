@@ -6,17 +6,12 @@
 // AVX2 unit's (kern_iq_avx2_types.h), inlined here.
 //
 // The results are the AVX2 kernels' bit for bit, so a model's logits do not depend on the ISA.
-// The gain is mostly that a group is decoded once for more tokens: 8 per pass (the AVX2 exact
-// kernels take 4, the AVX2 q8 kernels decode again for each token).
 //
-//  - exact: the AVX2 kernel keeps, per token, two accumulators of 8 lanes (the two 16-element
-//    halves of each group: lane j of half h sums w[16h+j] x[16h+j] + w[16h+8+j] x[16h+8+j]
-//    times the half's scale) and adds them at the end. Here one vector of 16 lanes holds both,
-//    in the activations' perm32 order (kern_avx2.cpp): the first 16 floats of a group are its
-//    elements {0..3, 16..19, 4..7, 20..23}, the next 16 the same plus 8, so each lane does the
-//    same two products, in the same order, as one AVX2 lane; the weights are put into that
-//    order by one two-source permute per 16, and a row's two halves are permuted back before
-//    the AVX2 unit's horizontal sum.
+//  - exact: two rows per vector (kern_avx512_pair.h, as the K-quants' kernels): each row's
+//    group decoded by the AVX2 decoder into its half, each activation vector loaded once for
+//    both rows, passes of up to 8 tokens (the AVX2 exact kernels take 4), and per half the AVX2
+//    kernel's products, scales and sums in its order. Against the AVX2 kernels and the earlier
+//    one-row 16-lane form: 1.04-1.12x at one token, 1.1-1.6x at 4-8 (bench/README.md).
 //  - q8: two groups (IQ4_NL: two blocks) per vector, integer dot products with the activations
 //    (the same int16 pairs as the AVX2 maddubs, so the same saturation, which these weights
 //    never reach), times ls by one madd, folded to the AVX2 unit's 8 int32 lanes per block
@@ -26,91 +21,69 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include "kern_avx512_pair.h"
 #include "kern_iq_avx2_types.h"
-
-#define EFS_Z __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
-#define EFS_ZI __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"), \
-                              always_inline)) inline
 
 namespace efs {
 namespace {
 
 // --- exact mode ------------------------------------------------------------------------------
 
-// [a0..3, c0..3, a4..7, c4..7]: the perm32 order of two 8-float vectors a (elements e..e+7)
-// and c (e+16..e+23) of a group.
-EFS_ZI __m512 perm_pair(__m256 a, __m256 c) {
-    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    return _mm512_permutex2var_ps(_mm512_castps256_ps512(a), idx, _mm512_castps256_ps512(c));
-}
-
-// The AVX2 unit's a0 + a1 (8 lanes) from the 16 lanes in perm32 order, then its hsum.
-EFS_ZI float fold_hsum(__m512 a) {
-    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-    const __m512 p = _mm512_permutexvar_ps(idx, a);
-    return hsum(_mm256_add_ps(_mm512_castps512_ps256(p),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))));
-}
-
-// A group's weights in perm32 order: wa (elements {0..3, 16..19, 4..7, 20..23}) and wb (the
-// same plus 8), from the AVX2 decoder's 4 x 8 floats.
-template <class D>
-EFS_ZI void w_perm(const uint8_t* b, int ib, __m512& wa, __m512& wb) {
-    __m256 w[4];
-    D::w(b, ib, w);
-    wa = perm_pair(w[0], w[2]);
-    wb = perm_pair(w[1], w[3]);
-}
-
+// One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
+// the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
+// half the AVX2 kernel's products, scales and sums in its order, so its bits.
 template <int NT, class D>
-EFS_Z void ex_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                   const XPrep* xs, Out out) {
+EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, Out out) {
     const int64_t nb = cols / 256;
-    const float* xp[NT];
-    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m512 acc[NT];
-        for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
-            pf_next(pf, b + D::BYTES);
-            const float df = D::d(b) * D::F;
+    const float* xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
+    PfPair pf(rb);
+    for (int64_t r = r0; r < r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        __m512 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b0 += D::BYTES, b1 += D::BYTES) {
+            pf.next(b0, b1, D::BYTES);
+            const float df0 = D::d(b0) * D::F, df1 = D::d(b1) * D::F;
             for (int ib = 0; ib < 8; ++ib) {
-                int l0, l1;
-                D::ls(b, ib, &l0, &l1);
-                const __m512 s0 = _mm512_set1_ps(df * (float)l0);
-                const __m512 s = D::PAIR ? _mm512_mask_blend_ps(0xF0F0, s0,
-                                                                _mm512_set1_ps(df * (float)l1))
-                                         : s0;
-                __m512 wa, wb;
-                w_perm<D>(b, ib, wa, wb);
+                int l00, l01, l10, l11;
+                D::ls(b0, ib, &l00, &l01);
+                D::ls(b1, ib, &l10, &l11);
+                const __m512 s0 = ps2(_mm256_set1_ps(df0 * (float)l00),
+                                      _mm256_set1_ps(df1 * (float)l10));
+                const __m512 s1 = D::PAIR ? ps2(_mm256_set1_ps(df0 * (float)l01),
+                                                _mm256_set1_ps(df1 * (float)l11))
+                                          : s0;
+                __m256 u[4], v[4];
+                D::w(b0, ib, u);
+                D::w(b1, ib, v);
+                __m512 w[4];
+                for (int l = 0; l < 4; ++l) w[l] = ps2(u[l], v[l]);
                 for (int t = 0; t < NT; ++t) {
-                    const float* x = xp[t] + 256 * i + 32 * ib;
-                    __m512 h = _mm512_mul_ps(wa, _mm512_loadu_ps(x));
-                    h = _mm512_fmadd_ps(wb, _mm512_loadu_ps(x + 16), h);
-                    acc[t] = _mm512_fmadd_ps(h, s, acc[t]);
+                    const float* x = xv[t] + 256 * i + 32 * ib;
+                    __m512 h0 = _mm512_mul_ps(w[0], bc8(x));
+                    __m512 h1 = _mm512_mul_ps(w[2], bc8(x + 16));
+                    h0 = _mm512_fmadd_ps(w[1], bc8(x + 8), h0);
+                    h1 = _mm512_fmadd_ps(w[3], bc8(x + 24), h1);
+                    a0[t] = _mm512_fmadd_ps(h0, s0, a0[t]);
+                    a1[t] = _mm512_fmadd_ps(h1, s1, a1[t]);
                 }
             }
         }
-        for (int t = 0; t < NT; ++t) out.put(t, r, fold_hsum(acc[t]));
+        put2<NT, false>(out, r, a0, a1, a0);
     }
 }
 
-// The smallest pass of tokens that takes the AVX-512 exact kernel (0: none does). Below it
-// the AVX2 kernel is as fast or faster (measured): it decodes the weights once per 4 tokens as
-// well, so what is left is the wider lanes, which CPUs that split 512-bit operations in two
-// halves do not have, against a lane shuffle per 16 weights. The IQ2 types' cheap decoders
-// never gain; the larger passes gain from decoding once per 8 tokens.
-template <class D> constexpr int EX_FROM = 5;
-template <> constexpr int EX_FROM<IQ2XXS> = 0;
-template <> constexpr int EX_FROM<IQ2XS> = 0;
-template <> constexpr int EX_FROM<IQ2S> = 0;
-template <> constexpr int EX_FROM<IQ3XXS> = 4;
-template <> constexpr int EX_FROM<TQ1> = 4;
-template <> constexpr int EX_FROM<TQ2> = 4;
+// The smallest pass of tokens that takes the two-row kernel; smaller ones keep the AVX2 kernel,
+// as fast or faster there (measured: IQ2_XXS's and TQ2_0's cheap decoders gain nothing from
+// the wider products at one or two tokens, and lose the insert of each row's half).
+template <class D> constexpr int Z2_FROM = 1;
+template <> constexpr int Z2_FROM<IQ2XXS> = 3;
+template <> constexpr int Z2_FROM<TQ2> = 3;
 
-// Passes of up to 8 tokens; a pass below EX_FROM goes to the AVX2 kernel.
+// Passes of up to 8 tokens; a pass below Z2_FROM goes to the AVX2 kernel.
 template <class D, int TYPE>
 EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
@@ -119,18 +92,23 @@ EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         const int n = nt - t0 < 8 ? nt - t0 : 8;
         float* yt = y + (int64_t)t0 * ys;
         const XPrep* x = xs + t0;
-        if (n < EX_FROM<D>) {
+        if (n < Z2_FROM<D>) {
             avx2(W, rb, r0, r1, cols, x, n, yt, ys, alpha, accumulate);
             continue;
         }
         const Out o{yt, ys, alpha, accumulate};
+        const int64_t r2 = r0 + ((r1 - r0) & ~(int64_t)1);         // the rows in pairs
         switch (n) {
-            case 4: ex_iq_z<4, D>(W, rb, r0, r1, cols, x, o); break;
-            case 5: ex_iq_z<5, D>(W, rb, r0, r1, cols, x, o); break;
-            case 6: ex_iq_z<6, D>(W, rb, r0, r1, cols, x, o); break;
-            case 7: ex_iq_z<7, D>(W, rb, r0, r1, cols, x, o); break;
-            default: ex_iq_z<8, D>(W, rb, r0, r1, cols, x, o); break;
+            case 1: ex_iq_z2<1, D>(W, rb, r0, r2, cols, x, o); break;
+            case 2: ex_iq_z2<2, D>(W, rb, r0, r2, cols, x, o); break;
+            case 3: ex_iq_z2<3, D>(W, rb, r0, r2, cols, x, o); break;
+            case 4: ex_iq_z2<4, D>(W, rb, r0, r2, cols, x, o); break;
+            case 5: ex_iq_z2<5, D>(W, rb, r0, r2, cols, x, o); break;
+            case 6: ex_iq_z2<6, D>(W, rb, r0, r2, cols, x, o); break;
+            case 7: ex_iq_z2<7, D>(W, rb, r0, r2, cols, x, o); break;
+            default: ex_iq_z2<8, D>(W, rb, r0, r2, cols, x, o); break;
         }
+        if (r2 < r1) avx2(W, rb, r2, r1, cols, x, n, yt, ys, alpha, accumulate);   // a last odd row
     }
 }
 
@@ -295,18 +273,12 @@ EFS_Z void rows_q8z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
-template <class D, int TYPE>
-RowsFn ex_fn() {
-    if constexpr (EX_FROM<D> > 0) return rows_exz<D, TYPE>;
-    return nullptr;
-}
 
 }  // namespace
 
 RowsFn avx512_iq_rows(int type, int mode) {
-    // exact mode: none for the IQ2 types (EX_FROM) and IQ4_NL (its AVX2 kernel pairs blocks
-    // whose activations lie apart, a bit-identical AVX-512 form would gather them)
-#define EFS_CASE(T, D) case T: return mode == 1 ? rows_q8z<D, T> : ex_fn<D, T>();
+    // (IQ4_NL's exact kernel is with the K-quants', kern_k_avx512.cpp)
+#define EFS_CASE(T, D) case T: return mode == 1 ? rows_q8z<D, T> : rows_exz<D, T>;
     switch (type) {
         EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
         EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)

@@ -15,11 +15,8 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include "kern_avx2_util.h"
 
-#define EFS_Z __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
-#define EFS_ZI __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"), \
-                              always_inline)) inline
+#include "kern_avx512_pair.h"
 #define EFS_KT EFS_Z
 #include "kern_k_avx2.h"
 
@@ -35,28 +32,6 @@ namespace {
 // both halves, and the scales are the rows' own. Per lane the same products, sums and scales in
 // the same order as the AVX2 kernel, and at the end the AVX2 unit's hsum(a0 + a1) (- hsum(am))
 // of each half. A last odd row goes to the AVX2 kernel's code.
-
-EFS_ZI __m512i ld2(const uint8_t* p0, const uint8_t* p1) {      // [32 bytes at p0 | at p1]
-    return _mm512_inserti64x4(_mm512_castsi256_si512(loadu256(p0)), loadu256(p1), 1);
-}
-
-EFS_ZI __m512 ps2(__m256 a, __m256 b) {                          // [a | b]
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
-                                               _mm256_castps_pd(b), 1));
-}
-
-EFS_ZI __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
-EFS_ZI __m256 hi8(__m512 a) {
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-}
-
-EFS_ZI __m512 bc8(const float* p) {                              // [p[0..7] | p[0..7]]
-    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)p)));
-}
-
-EFS_ZI __m512 halves(const float* lo, const float* hi) {         // [*lo x 8 | *hi x 8]
-    return ps2(_mm256_broadcast_ss(lo), _mm256_broadcast_ss(hi));
-}
 
 // pair_scale of each half: scales 2p (lanes 0..3) and 2p + 1 (lanes 4..7) of each row's 8.
 EFS_ZI __m512 pair_scale2(__m512 s, int p) {
@@ -94,21 +69,6 @@ EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m5
 }
 
 EFS_ZI __m512 magic2(float off) { return _mm512_set1_ps(8388608.f + off); }
-
-// The AVX2 kernel's result for each half: hsum(a0 + a1) - hsum(am).
-template <int NT, bool MIN>
-EFS_ZI void put2(Out out, int64_t r, const __m512* a0, const __m512* a1, const __m512* am) {
-    for (int t = 0; t < NT; ++t) {
-        float v0 = hsum(_mm256_add_ps(lo8(a0[t]), lo8(a1[t])));
-        float v1 = hsum(_mm256_add_ps(hi8(a0[t]), hi8(a1[t])));
-        if (MIN) {
-            v0 = v0 - hsum(lo8(am[t]));
-            v1 = v1 - hsum(hi8(am[t]));
-        }
-        out.put(t, r, v0);
-        out.put(t, r + 1, v1);
-    }
-}
 
 // Q4_K / Q5_K as ex_q45_k.
 template <int NT, bool FIVE>
