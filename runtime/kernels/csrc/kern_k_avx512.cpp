@@ -52,12 +52,11 @@ EFS_ZI void u8f2(__m512i v, __m512 moff, __m512* w) {
     w[3] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi, mg)), moff);
 }
 
-// grp (kern_avx2_util.h) of each half, the activations shared.
+// grp's products (kern_avx2_util.h) of each half from its unpacked floats w, the activations
+// shared.
 template <int NT>
-EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m512 scale,
-                 __m512* acc) {
-    __m512 w[4];
-    u8f2(v, moff, w);
+EFS_ZI void grp2w(const __m512* w, const float* const* xp, int64_t o, __m512 scale,
+                  __m512* acc) {
     for (int t = 0; t < NT; ++t) {
         const float* x = xp[t] + o;
         __m512 a = _mm512_mul_ps(w[0], bc8(x));
@@ -66,6 +65,15 @@ EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m5
         a = _mm512_fmadd_ps(w[3], bc8(x + 24), a);
         acc[t] = _mm512_fmadd_ps(a, scale, acc[t]);
     }
+}
+
+// grp (kern_avx2_util.h) of each half.
+template <int NT>
+EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m512 scale,
+                 __m512* acc) {
+    __m512 w[4];
+    u8f2(v, moff, w);
+    grp2w<NT>(w, xp, o, scale, acc);
 }
 
 EFS_ZI __m512 magic2(float off) { return _mm512_set1_ps(8388608.f + off); }
@@ -299,14 +307,7 @@ EFS_ZI void grp2s(__m512i v, const float* const* xp, int64_t o, __m512 scale, __
             m[i] = (i & 3) == 3 ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
         w[k] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, _mm512_load_si512((const void*)m)));
     }
-    for (int t = 0; t < NT; ++t) {
-        const float* x = xp[t] + o;
-        __m512 a = _mm512_mul_ps(w[0], bc8(x));
-        a = _mm512_fmadd_ps(w[1], bc8(x + 8), a);
-        a = _mm512_fmadd_ps(w[2], bc8(x + 16), a);
-        a = _mm512_fmadd_ps(w[3], bc8(x + 24), a);
-        acc[t] = _mm512_fmadd_ps(a, scale, acc[t]);
-    }
+    grp2w<NT>(w, xp, o, scale, acc);
 }
 
 // One block of each row: row r's into the low half, row r + 1's into the high half.
