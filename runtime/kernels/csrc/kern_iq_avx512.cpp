@@ -78,7 +78,9 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
 
 // The smallest pass of tokens that takes the two-row kernel; smaller ones keep the AVX2 kernel,
 // as fast or faster there (measured: IQ2_XXS's and TQ2_0's cheap decoders gain nothing from
-// the wider products at one or two tokens, and lose the insert of each row's half).
+// the wider products at one or two tokens, and lose the insert of each row's half). Measured
+// on a CPU with full-width 512-bit units (Zen 5); on ones that split them in two (Zen 4), the
+// one-token passes were not.
 template <class D> constexpr int Z2_FROM = 1;
 template <> constexpr int Z2_FROM<IQ2XXS> = 3;
 template <> constexpr int Z2_FROM<TQ2> = 3;
