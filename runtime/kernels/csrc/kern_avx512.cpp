@@ -116,7 +116,7 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 // of 16 floats: Q4_0 {-8.0, ..., 7.0}, MXFP4 kvalues_mxfp4 (twice the E2M1 values, with
 // e8m0h's halved block scale, as ggml dequantizes it). Like Q8_0's, their sums run in 16
 // lanes, not the AVX2 kernels' 8, so their last bits differ from the AVX2 unit's (IQ4_NL, whose
-// results must not depend on the ISA, keeps its AVX2 kernel).
+// results must not depend on the ISA, takes the two-row form instead, kern_k_avx512.cpp).
 EFS_ZI void nibbles_z(const uint8_t* qs, __m512 tbl, __m512& lo, __m512& hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
     lo = _mm512_permutexvar_ps(v, tbl);
