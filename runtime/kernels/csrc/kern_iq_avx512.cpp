@@ -11,7 +11,7 @@
 //    group decoded by the AVX2 decoder into its half, each activation vector loaded once for
 //    both rows, passes of up to 8 tokens (the AVX2 exact kernels take 4), and per half the AVX2
 //    kernel's products, scales and sums in its order. Against the AVX2 kernels and the earlier
-//    one-row 16-lane form: 1.04-1.12x at one token, 1.1-1.6x at 4-8 (bench/README.md).
+//    one-row 16-lane form: 0.96-1.12x at one token, 0.98-1.62x at 4-8 (bench/README.md).
 //  - q8: two groups (IQ4_NL: two blocks) per vector, integer dot products with the activations
 //    (the same int16 pairs as the AVX2 maddubs, so the same saturation, which these weights
 //    never reach), times ls by one madd, folded to the AVX2 unit's 8 int32 lanes per block
