@@ -31,7 +31,8 @@ namespace {
 
 // One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
 // the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
-// half the AVX2 kernel's products, scales and sums in its order, so its bits.
+// half the AVX2 kernel's products, scales and sums in its order, so its bits. Rows in pairs
+// only: a last odd row is left to the caller (rows_exz gives it to the AVX2 kernel).
 template <int NT, class D>
 EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, Out out) {
@@ -39,7 +40,7 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
     PfPair pf(rb);
-    for (int64_t r = r0; r < r1; r += 2) {
+    for (int64_t r = r0; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
         __m512 a0[NT], a1[NT];
@@ -99,18 +100,18 @@ EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             continue;
         }
         const Out o{yt, ys, alpha, accumulate};
-        const int64_t r2 = r0 + ((r1 - r0) & ~(int64_t)1);         // the rows in pairs
         switch (n) {
-            case 1: ex_iq_z2<1, D>(W, rb, r0, r2, cols, x, o); break;
-            case 2: ex_iq_z2<2, D>(W, rb, r0, r2, cols, x, o); break;
-            case 3: ex_iq_z2<3, D>(W, rb, r0, r2, cols, x, o); break;
-            case 4: ex_iq_z2<4, D>(W, rb, r0, r2, cols, x, o); break;
-            case 5: ex_iq_z2<5, D>(W, rb, r0, r2, cols, x, o); break;
-            case 6: ex_iq_z2<6, D>(W, rb, r0, r2, cols, x, o); break;
-            case 7: ex_iq_z2<7, D>(W, rb, r0, r2, cols, x, o); break;
-            default: ex_iq_z2<8, D>(W, rb, r0, r2, cols, x, o); break;
+            case 1: ex_iq_z2<1, D>(W, rb, r0, r1, cols, x, o); break;
+            case 2: ex_iq_z2<2, D>(W, rb, r0, r1, cols, x, o); break;
+            case 3: ex_iq_z2<3, D>(W, rb, r0, r1, cols, x, o); break;
+            case 4: ex_iq_z2<4, D>(W, rb, r0, r1, cols, x, o); break;
+            case 5: ex_iq_z2<5, D>(W, rb, r0, r1, cols, x, o); break;
+            case 6: ex_iq_z2<6, D>(W, rb, r0, r1, cols, x, o); break;
+            case 7: ex_iq_z2<7, D>(W, rb, r0, r1, cols, x, o); break;
+            default: ex_iq_z2<8, D>(W, rb, r0, r1, cols, x, o); break;
         }
-        if (r2 < r1) avx2(W, rb, r2, r1, cols, x, n, yt, ys, alpha, accumulate);   // a last odd row
+        if ((r1 - r0) & 1)                                              // a last odd row
+            avx2(W, rb, r1 - 1, r1, cols, x, n, yt, ys, alpha, accumulate);
     }
 }
 
