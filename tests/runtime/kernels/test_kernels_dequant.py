@@ -1,6 +1,7 @@
 """The native dequantization (``kernels.dequant``) gives every weight of every native type bit
-for bit as gguf-py's ``quants.dequantize`` does, and ``wide_linear`` (the products of batches
-wider than the several-token kernels) equals ``formats.dequant.linear`` exactly."""
+for bit as gguf-py's ``quants.dequantize`` does, and ``dequant_linear`` (the products of batches
+wider than the several-token kernels, without the panel product) equals
+``formats.dequant.linear`` exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from expertfs.formats.ggml import GGMLType, block_size
 from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
 from expertfs.runtime.kernels import gemm
-from expertfs.runtime.model.wide import CHUNK_ELEMS, wide_linear
+from expertfs.runtime.model.wide import CHUNK_ELEMS, dequant_linear, wide_linear
 from support.native import NEEDS_NATIVE
 
 pytestmark = NEEDS_NATIVE
@@ -51,18 +52,24 @@ def test_dequant_equals_gguf_py(t):
 
 @pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ2_XXS,
                                GGMLType.MXFP4], ids=lambda t: t.name)
-def test_wide_linear_equals_the_torch_path(t):
+def test_dequant_linear_equals_the_torch_path(t):
+    """``dequant_linear`` (``wide_linear`` where the kernels have no panel product) equals the
+    torch path bit for bit: the same floats, the same chunks, the same BLAS products. Where the
+    panel product runs (``wide_linear`` on a vector ISA) its sums are in another order:
+    within float32 rounding of them (``test_qgemm.py`` checks it per type and ISA)."""
     cols = 512
     rows = CHUNK_ELEMS // cols * 2 + 40                 # three chunks, the last one short
     raw = weight(t, rows, cols, 7)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
     mm = gemm.linear                                    # the same float32 products on both sides
-    assert torch.equal(wide_linear(x, raw, t, (rows, cols), bias),
-                       torch_linear(x, raw, t, (rows, cols), bias, matmul=mm))
+    want = torch_linear(x, raw, t, (rows, cols), bias, matmul=mm)
+    assert torch.equal(dequant_linear(x, raw, t, (rows, cols), bias), want)
     small = raw[:8 * len(raw) // rows]                    # one chunk
-    assert torch.equal(wide_linear(x, small, t, (8, cols)),
+    assert torch.equal(dequant_linear(x, small, t, (8, cols)),
                        torch_linear(x, small, t, (8, cols), matmul=mm))
+    got = wide_linear(x, raw, t, (rows, cols), bias)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_dequant_into_a_buffer_writes_its_head():
