@@ -17,6 +17,10 @@ runtime uses its torch paths. A real build (no module in the folder yet) is anno
 (what, why, how long it usually takes), with an elapsed-time line every ``PROGRESS_S`` seconds
 and an end line; the CLI shows these records (``make setup`` builds the kernels ahead).
 
+``EXPERTFS_KERNELS_EMULATE_AVX512=1`` builds a test module whose AVX-512 units run on SIMDe's
+emulation (``csrc/avx512_emulated.h``; a folder of its own): their results on a CPU without
+AVX-512, for the tests, never their speed.
+
 The code is portable C++ plus an AVX2+FMA+F16C unit and an AVX-512 (F+VL) unit whose
 functions carry target attributes, so one build runs on any x86-64 CPU; the CPU is checked
 when the module loads and the best tier it supports is used (a tier falls back to the one
@@ -31,6 +35,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -50,9 +55,16 @@ SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern
            "kern_iq.cpp", "kern_iq_avx2.cpp", "kern_iq_avx512.cpp", "kern_k_avx512.cpp",
            "qgemm.cpp")
 HEADERS = ("kern.h", "pool.h", "small_ops.h", "kern_avx2_util.h", "kern_iq_avx2_types.h",
-           "kern_k_avx2.h", "kern_avx512_pair.h")
+           "kern_k_avx2.h", "kern_avx512_pair.h", "avx512_emulated.h")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
           "-Wno-maybe-uninitialized")     # GCC 12 false positives in its AVX-512 headers
+
+#: the emulated-AVX-512 test build's (``emulate_avx512()``): AVX2, FMA and F16C for the whole
+#: module, so that SIMDe computes each 512-bit operation as two of the 256-bit ones the AVX2
+#: kernels use (its portable code would round a multiply-add twice, not once); -Wno-psabi: SIMDe
+#: passes 512-bit vectors by value, of whose ABI GCC would note at every such call
+EMULATE_CFLAGS = ("-DEFS_EMULATE_AVX512", "-mavx2", "-mfma", "-mf16c", "-Wno-psabi")
+EMULATE_HEADER = "simde/x86/avx512.h"
 
 PROGRESS_S = 20.0                 # seconds between "still building" lines
 
@@ -75,11 +87,31 @@ def _build_name() -> str:
     for f in SOURCES + HEADERS:
         h.update(f.encode())
         h.update((CSRC / f).read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(_cflags()).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     h.update(str(CSRC).encode())
     return "expertfs_kernels_" + h.hexdigest()[:16]
+
+
+def emulate_avx512() -> bool:
+    """Whether this process builds and loads the emulated-AVX-512 test module."""
+    return os.environ.get("EXPERTFS_KERNELS_EMULATE_AVX512", "").strip().lower() in (
+        "1", "on", "yes", "true")
+
+
+def _cflags() -> tuple[str, ...]:
+    return CFLAGS + EMULATE_CFLAGS if emulate_avx512() else CFLAGS
+
+
+def simde_available() -> bool:
+    """Whether the C++ compiler finds SIMDe's AVX-512 header (Debian: libsimde-dev)."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return False
+    r = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", "-"],
+                       input=f"#include <{EMULATE_HEADER}>\n", capture_output=True, text=True)
+    return r.returncode == 0
 
 
 def _why_not() -> str | None:
@@ -95,6 +127,9 @@ def _why_not() -> str | None:
     from torch.utils import cpp_extension
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
+    if emulate_avx512() and not simde_available():
+        return (f"EXPERTFS_KERNELS_EMULATE_AVX512 needs SIMDe's {EMULATE_HEADER} "
+                "(apt-get install libsimde-dev)")
     return None
 
 
@@ -168,7 +203,7 @@ def load() -> ModuleType | None:
                 _state["build_dir"] = str(bdir)
                 with _build_lock(bdir), _announce(bdir, name):
                     mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
-                                             extra_cflags=list(CFLAGS),
+                                             extra_cflags=list(_cflags()),
                                              build_directory=str(bdir), verbose=False)
                 from .iq_tables import install
                 install(mod)                # the IQ codebooks, from gguf-py

@@ -13,10 +13,11 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include "avx512_emulated.h"
 #include "kern_avx2_util.h"
 
-#define EFS_Z __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
-#define EFS_ZI __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"), always_inline)) inline
+#define EFS_Z __attribute__((target(EFS_T512_FVL)))
+#define EFS_ZI __attribute__((target(EFS_T512_FVL), always_inline)) inline
 #define EFS_KT EFS_Z
 #include "kern_k_avx2.h"      // q45_scales: a Q4_K block's scales and mins, as the AVX2 kernels
 

@@ -4,10 +4,11 @@
 // only by those units, inside an anonymous namespace, as kern_avx2_util.h.
 #pragma once
 
+#include "avx512_emulated.h"
 #include "kern_avx2_util.h"
 
-#define EFS_Z __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
-#define EFS_ZI __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"), \
+#define EFS_Z __attribute__((target(EFS_T512_FVLBW)))
+#define EFS_ZI __attribute__((target(EFS_T512_FVLBW), \
                               always_inline)) inline
 
 namespace efs {

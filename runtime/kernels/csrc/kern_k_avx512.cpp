@@ -629,7 +629,7 @@ EFS_KZ_Q8_ROWS(q8_q3_k_z, T_Q3_K)
 }  // namespace
 
 RowsFn avx512_k_rows(int type, int mode) {
-    static const bool bw = __builtin_cpu_supports("avx512bw");
+    static const bool bw = EFS_CPU_HAS_512("avx512bw");
     if (!bw) return nullptr;
     if (mode == 1) {
         switch (type) {

@@ -24,6 +24,7 @@
 #include "kern.h"
 #include "pool.h"
 #include "small_ops.h"
+#include "avx512_emulated.h"     // EFS_CPU_HAS_512
 
 namespace efs {
 namespace {
@@ -36,8 +37,8 @@ int detect_isa() {
     __builtin_cpu_init();
     if (avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
-        if (avx512_compiled() && __builtin_cpu_supports("avx512f") &&
-            __builtin_cpu_supports("avx512vl"))
+        if (avx512_compiled() && EFS_CPU_HAS_512("avx512f") &&
+            EFS_CPU_HAS_512("avx512vl"))
             return ISA_AVX512;
         return ISA_AVX2;
     }
@@ -52,7 +53,7 @@ int g_isa = g_best;
 bool detect_bw() {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    return g_best >= ISA_AVX512 && __builtin_cpu_supports("avx512bw");
+    return g_best >= ISA_AVX512 && EFS_CPU_HAS_512("avx512bw");
 #else
     return false;
 #endif
@@ -678,6 +679,11 @@ pybind11::dict info() {
     d["best_isa"] = isa_name(g_best);
     d["avx2_compiled"] = avx2_compiled();
     d["avx512_compiled"] = avx512_compiled();
+#ifdef EFS_EMULATE_AVX512
+    d["avx512_emulated"] = true;     // SIMDe's emulation (avx512_emulated.h): tests, not speed
+#else
+    d["avx512_emulated"] = false;
+#endif
     d["spin_us"] = g_spin_us;
     d["threads"] = g_threads > 0 ? g_threads : at::get_num_threads();
     pybind11::list types;

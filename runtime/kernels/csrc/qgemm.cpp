@@ -21,9 +21,10 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include "avx512_emulated.h"
 #include "kern_avx2_util.h"
 
-#define EFS_G __attribute__((target("avx512f,avx2,fma,f16c")))
+#define EFS_G __attribute__((target(EFS_T512_F)))
 #define EFS_G2 __attribute__((target("avx2,fma,f16c")))
 #define EFS_KT EFS_G
 #include "kern_k_avx2.h"      // q45_scales, q45_planes, q6_planes: a block's fields

@@ -1,0 +1,53 @@
+// AVX-512 emulated for testing on a CPU without it: built with EFS_EMULATE_AVX512 (the
+// build's EXPERTFS_KERNELS_EMULATE_AVX512=1), the AVX-512 units' intrinsics come from SIMDe
+// (https://github.com/simd-everywhere/simde, Debian's libsimde-dev), which computes each
+// 512-bit operation with two 256-bit ones (the module is built for AVX2 and FMA: fused
+// multiply-adds as the hardware's), and the CPU checks report AVX-512. The kernels' code is
+// unchanged, so a box without AVX-512 can check their results (bit for bit against the AVX2
+// kernels, as tests/runtime/kernels/test_avx512_emulated.py does); their speed means nothing.
+// Without EFS_EMULATE_AVX512 this header only names the target features of the real build.
+#pragma once
+
+#ifdef EFS_EMULATE_AVX512
+#include <immintrin.h>
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+// SIMDe 0.7.4's alias of this one takes the masked form's four arguments
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+// three conversions SIMDe 0.7.4 does not have
+static inline simde__m512 efs_simde_cvtepi32_ps(simde__m512i a) {
+    simde__m512i_private ap = simde__m512i_to_private(a);
+    simde__m512_private rp;
+    for (int i = 0; i < 16; ++i) rp.f32[i] = (float)ap.i32[i];
+    return simde__m512_from_private(rp);
+}
+static inline simde__m512i efs_simde_cvtepi8_epi32(simde__m128i a) {
+    simde__m128i_private ap = simde__m128i_to_private(a);
+    simde__m512i_private rp;
+    for (int i = 0; i < 16; ++i) rp.i32[i] = ap.i8[i];
+    return simde__m512i_from_private(rp);
+}
+static inline simde__m512i efs_simde_cvtepu8_epi32(simde__m128i a) {
+    simde__m128i_private ap = simde__m128i_to_private(a);
+    simde__m512i_private rp;
+    for (int i = 0; i < 16; ++i) rp.i32[i] = ap.u8[i];
+    return simde__m512i_from_private(rp);
+}
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps(a) efs_simde_cvtepi32_ps(a)
+#undef _mm512_cvtepi8_epi32
+#define _mm512_cvtepi8_epi32(a) efs_simde_cvtepi8_epi32(a)
+#undef _mm512_cvtepu8_epi32
+#define _mm512_cvtepu8_epi32(a) efs_simde_cvtepu8_epi32(a)
+// target features of the AVX-512 functions: none beyond AVX2 (SIMDe's code is AVX2)
+#define EFS_T512_F "avx2,fma,f16c"
+#define EFS_T512_FVL "avx2,fma,f16c"
+#define EFS_T512_FVLBW "avx2,fma,f16c"
+#define EFS_CPU_HAS_512(feature) 1
+#else
+#define EFS_T512_F "avx512f,avx2,fma,f16c"
+#define EFS_T512_FVL "avx512f,avx512vl,avx2,fma,f16c"
+#define EFS_T512_FVLBW "avx512f,avx512vl,avx512bw,avx2,fma,f16c"
+#define EFS_CPU_HAS_512(feature) __builtin_cpu_supports(feature)
+#endif
