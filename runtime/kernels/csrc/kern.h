@@ -92,7 +92,8 @@ bool avx2_dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0
 RowsFn avx512_rows(int type, int mode);   // only the types that have an AVX-512 kernel
 // The K-quants' AVX-512 (F, VL, BW) kernels (kern_k_avx512.cpp): exact Q2_K, Q3_K, Q5_K, Q6_K
 // and IQ4_NL (two rows per vector, passes of 8 tokens) and q8 Q2_K ... Q6_K (passes of 8
-// tokens), the AVX2 kernels' results bit for bit; nullptr for the rest (and without AVX-512BW).
+// tokens; Q4_K, Q5_K and Q6_K two rows per vector), the AVX2 kernels' results bit for bit;
+// nullptr for the rest (and without AVX-512BW).
 RowsFn avx512_k_rows(int type, int mode);
 bool avx512_compiled();
 

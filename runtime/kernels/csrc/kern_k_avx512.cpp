@@ -7,9 +7,10 @@
 //  - exact: two rows per 512-bit vector (see below), passes of up to 8 tokens: each group of
 //    weights is decoded once for both rows and 8 tokens, each activation load serves two rows.
 //    CPUs that run 512-bit operations at full width do twice the AVX2 unit's work per operation.
-//  - q8: a block's scales and values are decoded once for up to 8 tokens (256-bit operations;
-//    AVX-512VL's 32 registers hold the 8 tokens' sums), where the AVX2 unit decodes them again
-//    for each token.
+//  - q8: a block's scales and values are decoded once for up to 8 tokens, where the AVX2 unit
+//    decodes them again for each token; Q4_K, Q5_K and Q6_K two rows per 512-bit vector as
+//    above (one token included: each activation load serves both rows), Q2_K and Q3_K in
+//    256-bit operations (AVX-512VL's 32 registers hold the 8 tokens' sums).
 #include "kern.h"
 
 #include <string.h>
@@ -594,13 +595,165 @@ EFS_Z void q8_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     }
 }
 
-template <int NT> EFS_Z void q8_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
-    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z<NT, false>(W, rb, r0, r1, cols, xs, o); }
-template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
-    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z<NT, true>(W, rb, r0, r1, cols, xs, o); }
+// --- q8 mode: two rows per 512-bit vector (Q4_K, Q5_K, Q6_K) ------------------------------
+//
+// As the exact kernels above: lanes 0..7 of every vector are row r's lanes of the 256-bit
+// kernels just above, lanes 8..15 row r + 1's; each token's 32 activation bytes are loaded
+// once and broadcast to both halves, so a maddubs/madd pair does both rows' products. The
+// integer sums of each half are those of the 256-bit kernel, the float steps the same per
+// lane, and each half ends in that kernel's hsum(acc) (- accm): its results bit for bit.
 
-// Passes of up to 8 tokens; one token goes to the AVX2 kernel (nothing to share).
-#define EFS_KZ_Q8_ROWS(name, TYPE)                                                             \
+EFS_ZI __m512i y2(const int8_t* p) {                       // [32 bytes at p | the same]
+    return _mm512_broadcast_i64x4(loadu256((const uint8_t*)p));
+}
+
+EFS_ZI __m512i pair16_2(int a, int b, int c, int e) {     // [pair16_z(a, b) | pair16_z(c, e)]
+    return _mm512_inserti64x4(_mm512_castsi256_si512(pair16_z(a, b)), pair16_z(c, e), 1);
+}
+
+template <int NT>
+EFS_ZI void put_q8_2(Out out, int64_t r, const __m512* acc, const float* m0, const float* m1) {
+    for (int t = 0; t < NT; ++t) {
+        out.put(t, r, hsum(lo8(acc[t])) - (m0 ? m0[t] : 0.f));
+        out.put(t, r + 1, hsum(hi8(acc[t])) - (m1 ? m1[t] : 0.f));
+    }
+}
+
+template <int NT, bool FIVE>
+EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                       const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    PfPair pf(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        __m512 acc[NT];
+        float accm0[NT], accm1[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm512_setzero_ps(); accm0[t] = accm1[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b0 += BYTES, b1 += BYTES) {
+            pf.next(b0, b1, BYTES);
+            uint32_t u0[4], u1[4];
+            k4_scales_u(b0 + 4, u0);
+            k4_scales_u(b1 + 4, u1);
+            const uint8_t* sc0 = (const uint8_t*)&u0[0];
+            const uint8_t* mn0 = (const uint8_t*)&u0[2];
+            const uint8_t* sc1 = (const uint8_t*)&u1[0];
+            const uint8_t* mn1 = (const uint8_t*)&u1[2];
+            const float dmin0 = f16(b0 + 2), d0 = f16(b0), dmin1 = f16(b1 + 2), d1 = f16(b1);
+            __m512i sumi[NT];
+            for (int t = 0; t < NT; ++t) {
+                const int16_t* bs = y[t][i].bsums;
+                int ms0 = 0, ms1 = 0;
+                for (int s = 0; s < 8; ++s) {
+                    ms0 += mn0[s] * (bs[2 * s] + bs[2 * s + 1]);
+                    ms1 += mn1[s] * (bs[2 * s] + bs[2 * s + 1]);
+                }
+                accm0[t] += y[t][i].d * dmin0 * (float)ms0;
+                accm1[t] += y[t][i].d * dmin1 * (float)ms1;
+                sumi[t] = _mm512_setzero_si512();
+            }
+            const int qo = FIVE ? 48 : 16;
+            __m512i hb = FIVE ? ld2(b0 + 16, b1 + 16) : _mm512_setzero_si512();
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = ld2(b0 + qo + 32 * j, b1 + qo + 32 * j);
+                __m512i lo = _mm512_and_si512(v, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (FIVE) {
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), m10));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), m10));
+                    hb = _mm512_srli_epi16(hb, 2);
+                }
+                const __m512i sl = pair16_2(sc0[2 * j], sc0[2 * j], sc1[2 * j], sc1[2 * j]);
+                const __m512i sh = pair16_2(sc0[2 * j + 1], sc0[2 * j + 1], sc1[2 * j + 1],
+                                            sc1[2 * j + 1]);
+                for (int t = 0; t < NT; ++t) {
+                    const int8_t* q8 = y[t][i].qs;
+                    const __m512i pl = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(
+                        lo, y2(q8 + 64 * j)));
+                    const __m512i ph = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(
+                        hi, y2(q8 + 64 * j + 32)));
+                    sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(pl, ph));
+                }
+            }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm512_fmadd_ps(ps2(_mm256_set1_ps(y[t][i].d * d0),
+                                             _mm256_set1_ps(y[t][i].d * d1)),
+                                         _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        put_q8_2<NT>(out, r, acc, accm0, accm1);
+    }
+    if (r < r1) q8_q45_k_z<NT, FIVE>(W, rb, r, r1, cols, xs, out);
+}
+
+template <int NT>
+EFS_Z void q8_q6_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i m32 = _mm512_set1_epi8(32);
+    PfPair pf(rb);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        __m512 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b0 += 210, b1 += 210) {
+            pf.next(b0, b1, 210);
+            const int8_t* sc0 = (const int8_t*)(b0 + 192);
+            const int8_t* sc1 = (const int8_t*)(b1 + 192);
+            __m512i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; ++h) {
+                const __m512i A = ld2(b0 + 64 * h, b1 + 64 * h);
+                const __m512i B = ld2(b0 + 64 * h + 32, b1 + 64 * h + 32);
+                const __m512i QH = ld2(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
+                const __m512i q[4] = {
+                    _mm512_or_si512(_mm512_and_si512(A, m4),
+                                    _mm512_and_si512(_mm512_slli_epi16(QH, 4), m30)),
+                    _mm512_or_si512(_mm512_and_si512(B, m4),
+                                    _mm512_and_si512(_mm512_slli_epi16(QH, 2), m30)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), m4),
+                                    _mm512_and_si512(QH, m30)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), m4),
+                                    _mm512_and_si512(_mm512_srli_epi16(QH, 2), m30))};
+                for (int k = 0; k < 4; ++k) {
+                    const int c = 8 * h + 2 * k;
+                    const __m512i s = pair16_2(sc0[c], sc0[c + 1], sc1[c], sc1[c + 1]);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m512i yv = y2(y[t][i].qs + 128 * h + 32 * k);
+                        const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[k], yv),
+                                                           _mm512_maddubs_epi16(m32, yv));
+                        sumi[t] = _mm512_add_epi32(sumi[t], _mm512_madd_epi16(s, p));
+                    }
+                }
+            }
+            const float d0 = f16(b0 + 208), d1 = f16(b1 + 208);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm512_fmadd_ps(ps2(_mm256_set1_ps(y[t][i].d * d0),
+                                             _mm256_set1_ps(y[t][i].d * d1)),
+                                         _mm512_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        put_q8_2<NT>(out, r, acc, nullptr, nullptr);
+    }
+    if (r < r1) q8_q6_k_z<NT>(W, rb, r, r1, cols, xs, out);
+}
+
+template <int NT> EFS_Z void q8_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z2<NT, false>(W, rb, r0, r1, cols, xs, o); }
+template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z2<NT, true>(W, rb, r0, r1, cols, xs, o); }
+
+// Passes of up to 8 tokens. One token goes to the AVX2 kernel where the kernel has only
+// tokens to share (ONE 0), to the kernel itself where it shares its loads between two rows.
+#define EFS_KZ_Q8_ROWS(name, TYPE, ONE)                                                          \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
                            int accumulate) {                                                    \
@@ -610,6 +763,10 @@ template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0,
             float* yt = y + (int64_t)t0 * ys;                                                   \
             const Out o{yt, ys, alpha, accumulate};                                             \
             switch (n) {                                                                        \
+                case 1:                                                                         \
+                    if (ONE) { name<1>(W, rb, r0, r1, cols, xs + t0, o); break; }               \
+                    avx2(W, rb, r0, r1, cols, xs + t0, n, yt, ys, alpha, accumulate);           \
+                    break;                                                                      \
                 case 2: name<2>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
                 case 3: name<3>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
                 case 4: name<4>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
@@ -617,14 +774,14 @@ template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0,
                 case 6: name<6>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
                 case 7: name<7>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
                 case 8: name<8>(W, rb, r0, r1, cols, xs + t0, o); break;                        \
-                default: avx2(W, rb, r0, r1, cols, xs + t0, n, yt, ys, alpha, accumulate);      \
+                default: break;                                                                 \
             }                                                                                   \
         }                                                                                       \
     }
 
-EFS_KZ_Q8_ROWS(q8_q4_k_z, T_Q4_K) EFS_KZ_Q8_ROWS(q8_q5_k_z, T_Q5_K)
-EFS_KZ_Q8_ROWS(q8_q6_k_z, T_Q6_K) EFS_KZ_Q8_ROWS(q8_q2_k_z, T_Q2_K)
-EFS_KZ_Q8_ROWS(q8_q3_k_z, T_Q3_K)
+EFS_KZ_Q8_ROWS(q8_q4_k_z, T_Q4_K, 1) EFS_KZ_Q8_ROWS(q8_q5_k_z, T_Q5_K, 1)
+EFS_KZ_Q8_ROWS(q8_q6_k_z2, T_Q6_K, 1) EFS_KZ_Q8_ROWS(q8_q2_k_z, T_Q2_K, 0)
+EFS_KZ_Q8_ROWS(q8_q3_k_z, T_Q3_K, 0)
 
 }  // namespace
 
@@ -635,7 +792,7 @@ RowsFn avx512_k_rows(int type, int mode) {
         switch (type) {
             case T_Q4_K: return rows_q8_q4_k_z;
             case T_Q5_K: return rows_q8_q5_k_z;
-            case T_Q6_K: return rows_q8_q6_k_z;
+            case T_Q6_K: return rows_q8_q6_k_z2;
             case T_Q2_K: return rows_q8_q2_k_z;
             case T_Q3_K: return rows_q8_q3_k_z;
             default: return nullptr;

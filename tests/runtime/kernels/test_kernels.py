@@ -360,7 +360,7 @@ _KZ_Q8 = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 @pytest.mark.parametrize("t", _K[:5], ids=lambda t: t.name)
 def test_avx512_k_quants_give_the_avx2_bits_for_any_batch(t, aq):
     """The K-quants' AVX-512 kernels (exact: two rows per vector, the last odd row through the
-    AVX2 code; q8: 8 tokens per pass) give the AVX2 kernels' results bit for bit, per shape and
+    AVX2 code; q8: 8 tokens per pass, Q4_K/Q5_K/Q6_K two rows per vector too) give the AVX2 kernels' results bit for bit, per shape and
     token count (passes of each size, several passes); and on every ISA a token's result does
     not depend on the batch it comes in (exact Q4_K keeps its own AVX-512 table-lookup kernel,
     whose results differ from the AVX2 ones in the last bits)."""
