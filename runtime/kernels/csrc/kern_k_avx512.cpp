@@ -79,6 +79,35 @@ EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m5
 
 EFS_ZI __m512 magic2(float off) { return _mm512_set1_ps(8388608.f + off); }
 
+// q45_planes (kern_k_avx2.h) of each half: v = quant bytes j of the two rows' blocks.
+template <bool FIVE>
+EFS_ZI void q45_planes2(__m512i v, __m512i& hb, __m512i& lo, __m512i& hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    lo = _mm512_and_si512(v, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (FIVE) {
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), m10));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), m10));
+        hb = _mm512_srli_epi16(hb, 2);
+    }
+}
+
+// q6_planes (kern_k_avx2.h) of each half: half h of the two rows' Q6_K blocks.
+EFS_ZI void q6_planes2(const uint8_t* b0, const uint8_t* b1, int h, __m512i* q) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i A = ld2(b0 + 64 * h, b1 + 64 * h);
+    const __m512i B = ld2(b0 + 64 * h + 32, b1 + 64 * h + 32);
+    const __m512i QH = ld2(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
+    q[0] = _mm512_or_si512(_mm512_and_si512(A, m4),
+                           _mm512_and_si512(_mm512_slli_epi16(QH, 4), m30));
+    q[1] = _mm512_or_si512(_mm512_and_si512(B, m4),
+                           _mm512_and_si512(_mm512_slli_epi16(QH, 2), m30));
+    q[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), m4),
+                           _mm512_and_si512(QH, m30));
+    q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), m4),
+                           _mm512_and_si512(_mm512_srli_epi16(QH, 2), m30));
+}
+
 // Q4_K / Q5_K as ex_q45_k.
 template <int NT, bool FIVE>
 EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
@@ -88,7 +117,6 @@ EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     const float* xp[NT];
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
     const __m512 moff = magic2(0.f);
     alignas(64) float scs[16];
     PfPair pf(rb);
@@ -117,14 +145,8 @@ EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
             const int qo = FIVE ? 48 : 16;
             __m512i hb = FIVE ? ld2(b0 + 16, b1 + 16) : _mm512_setzero_si512();
             for (int j = 0; j < 4; ++j) {
-                const __m512i v = ld2(b0 + qo + 32 * j, b1 + qo + 32 * j);
-                __m512i lo = _mm512_and_si512(v, m4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                if (FIVE) {
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), m10));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), m10));
-                    hb = _mm512_srli_epi16(hb, 2);
-                }
+                __m512i lo, hi;
+                q45_planes2<FIVE>(ld2(b0 + qo + 32 * j, b1 + qo + 32 * j), hb, lo, hi);
                 const int64_t o = 256 * i + 64 * j;
                 grp2<NT>(lo, moff, xp, o, halves(scs + 2 * j, scs + 8 + 2 * j), a0);
                 grp2<NT>(hi, moff, xp, o + 32, halves(scs + 2 * j + 1, scs + 9 + 2 * j), a1);
@@ -142,7 +164,6 @@ EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const int64_t nb = cols / 256;
     const float* xp[NT];
     for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512 moff = magic2(32.f);
     PfPair pf(rb);
     int64_t r = r0;
@@ -159,22 +180,13 @@ EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                                  ps2(_mm256_mul_ps(d0, i8x8_ps(b0 + 200)),
                                      _mm256_mul_ps(d1, i8x8_ps(b1 + 200)))};
             for (int h = 0; h < 2; ++h) {
-                const __m512i A = ld2(b0 + 64 * h, b1 + 64 * h);
-                const __m512i B = ld2(b0 + 64 * h + 32, b1 + 64 * h + 32);
-                const __m512i QH = ld2(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
-                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(A, m4),
-                    _mm512_and_si512(_mm512_slli_epi16(QH, 4), m30));
-                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(B, m4),
-                    _mm512_and_si512(_mm512_slli_epi16(QH, 2), m30));
-                const __m512i q2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), m4),
-                    _mm512_and_si512(QH, m30));
-                const __m512i q3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), m4),
-                    _mm512_and_si512(_mm512_srli_epi16(QH, 2), m30));
+                __m512i q[4];
+                q6_planes2(b0, b1, h, q);
                 const int64_t o = 256 * i + 128 * h;
-                grp2<NT>(q0, moff, xp, o, pair_scale2(S[h], 0), a0);
-                grp2<NT>(q1, moff, xp, o + 32, pair_scale2(S[h], 1), a1);
-                grp2<NT>(q2, moff, xp, o + 64, pair_scale2(S[h], 2), a0);
-                grp2<NT>(q3, moff, xp, o + 96, pair_scale2(S[h], 3), a1);
+                grp2<NT>(q[0], moff, xp, o, pair_scale2(S[h], 0), a0);
+                grp2<NT>(q[1], moff, xp, o + 32, pair_scale2(S[h], 1), a1);
+                grp2<NT>(q[2], moff, xp, o + 64, pair_scale2(S[h], 2), a0);
+                grp2<NT>(q[3], moff, xp, o + 96, pair_scale2(S[h], 3), a1);
             }
         }
         put2<NT, false>(out, r, a0, a1, nullptr);
@@ -626,7 +638,6 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
     const int BYTES = FIVE ? 176 : 144;
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
     PfPair pf(rb);
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) {
@@ -660,14 +671,8 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
             const int qo = FIVE ? 48 : 16;
             __m512i hb = FIVE ? ld2(b0 + 16, b1 + 16) : _mm512_setzero_si512();
             for (int j = 0; j < 4; ++j) {
-                const __m512i v = ld2(b0 + qo + 32 * j, b1 + qo + 32 * j);
-                __m512i lo = _mm512_and_si512(v, m4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                if (FIVE) {
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(hb, 4), m10));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(hb, 3), m10));
-                    hb = _mm512_srli_epi16(hb, 2);
-                }
+                __m512i lo, hi;
+                q45_planes2<FIVE>(ld2(b0 + qo + 32 * j, b1 + qo + 32 * j), hb, lo, hi);
                 const __m512i sl = pair16_2(sc0[2 * j], sc0[2 * j], sc1[2 * j], sc1[2 * j]);
                 const __m512i sh = pair16_2(sc0[2 * j + 1], sc0[2 * j + 1], sc1[2 * j + 1],
                                             sc1[2 * j + 1]);
@@ -696,7 +701,6 @@ EFS_Z void q8_q6_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     const int64_t nb = cols / 256;
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i m32 = _mm512_set1_epi8(32);
     PfPair pf(rb);
     int64_t r = r0;
@@ -712,18 +716,8 @@ EFS_Z void q8_q6_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
             for (int h = 0; h < 2; ++h) {
-                const __m512i A = ld2(b0 + 64 * h, b1 + 64 * h);
-                const __m512i B = ld2(b0 + 64 * h + 32, b1 + 64 * h + 32);
-                const __m512i QH = ld2(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
-                const __m512i q[4] = {
-                    _mm512_or_si512(_mm512_and_si512(A, m4),
-                                    _mm512_and_si512(_mm512_slli_epi16(QH, 4), m30)),
-                    _mm512_or_si512(_mm512_and_si512(B, m4),
-                                    _mm512_and_si512(_mm512_slli_epi16(QH, 2), m30)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), m4),
-                                    _mm512_and_si512(QH, m30)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), m4),
-                                    _mm512_and_si512(_mm512_srli_epi16(QH, 2), m30))};
+                __m512i q[4];
+                q6_planes2(b0, b1, h, q);
                 for (int k = 0; k < 4; ++k) {
                     const int c = 8 * h + 2 * k;
                     const __m512i s = pair16_2(sc0[c], sc0[c + 1], sc1[c], sc1[c + 1]);
