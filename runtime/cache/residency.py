@@ -216,6 +216,18 @@ class Residency:
         if exc is not None:
             raise exc
 
+    def settle(self, e: Entry) -> None:
+        """Wait for ``e``'s read and take its outcome without raising it: for the reads of a get
+        that already raised (another of its reads failed), so that none is left loading for a
+        later get to join and inherit its failure; a failed one leaves nothing resident, as in
+        ``wait``."""
+        fut = self.loader.resolve(e)
+        self._block(fut)
+        exc = self._complete(e, fut)
+        if exc is not None:
+            log.debug("a read of a failed get (layer %d expert %d) failed too: %s", e.layer,
+                      e.expert, exc)
+
     def _complete(self, e: Entry, fut: Any) -> BaseException | None:
         if e.future is not fut or e.state is not State.LOADING:
             return None

@@ -270,7 +270,8 @@ class TierCache:
         return out
 
     def _abort(self, keys: list[int]) -> None:
-        """A failed acquire: unpin its keys, stop its staging reads."""
+        """A failed acquire: unpin its keys, stop its staging reads, and take the outcome of its
+        other reads still in flight (``Residency.settle``)."""
         res = self.residency
         if self.device_tier is not None:
             self.device_tier.abandon(keys)
@@ -280,6 +281,8 @@ class TierCache:
             if e is not None and e.staging and k not in self.stager.entries:
                 res.stop_read(e, wait=True)
                 res.discard(e)
+            elif e is not None and e.state is State.LOADING:
+                res.settle(e)
 
     # -- release, weights -------------------------------------------------------------------------
     def release(self, layer: int) -> None:
@@ -288,6 +291,9 @@ class TierCache:
             return
         if self.device_tier is not None and self.device_tier.pending:   # never finished
             self.device_tier.abandon([e.key for e in held])
+        for e in held:
+            if e.state is State.LOADING:        # a get that raised before its reads landed
+                self.residency.settle(e)        # (a finished one has none in flight)
         mark = self.copier.compute_mark()
         dev = self.dev
         for e in held:

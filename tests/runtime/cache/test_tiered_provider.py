@@ -23,8 +23,8 @@ from expertfs.runtime.policies.base import CapacityError
 from expertfs.store.reader import Store
 from support.faults import Fault, FaultInjectingBackend
 
-from support.cache_store import (K, N_EXPERTS, GatedBackend, assert_weights, check_invariants,
-                                make_store, store_bytes)
+from support.cache_store import (K, N_EXPERTS, GatedBackend, PerReadGate, assert_weights,
+                                check_invariants, make_store, store_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +233,35 @@ def test_failed_read_raises_and_leaves_it_consistent(store, data):
         assert p.cache.n_held == 0 and p.cache.state_of(p.cache.key(3, 2)) is State.ABSENT
         backend.faults.clear()
         assert_weights(store, data, 3, p.get(3, [1, 2]))
+        p.release(3)
+        check_invariants(p)
+
+
+def test_a_failed_get_takes_its_other_reads_outcome_first(store, data):
+    """A get that raises while another of its reads is still in flight waits for that read
+    before the error leaves it: one that fails too leaves nothing behind, so the next get
+    reads the expert again (the fault gone by then) instead of joining a read that fails and
+    inheriting its error (a persistent fault once did that to the next request under load)."""
+    import threading
+
+    from expertfs.runtime.io import RetryPolicy
+    e1, e2 = store.extent(3, 1), store.extent(3, 2)
+    faulty = FaultInjectingBackend(get_backend("buffered"), [Fault("eio", times=-1, offset=e1.offset),
+                                                             Fault("eio", times=-1, offset=e2.offset)])
+    gate = PerReadGate()
+    gate.inner = faulty                                   # held first, then the fault
+    gate.hold(e1.offset)
+    with provider(store, 6, backend=gate) as p:
+        p.reader.handle.retry = RetryPolicy(attempts=1)
+        timer = threading.Timer(0.3, gate.let_go, [e1.offset])
+        timer.start()
+        with pytest.raises(IOFaultError):
+            p.get(3, [2, 1])                              # (3, 2) fails while (3, 1) is held
+        timer.join()
+        assert p.cache.state_of(p.cache.key(3, 1)) is State.ABSENT
+        check_invariants(p)
+        faulty.faults.clear()
+        assert_weights(store, data, 3, p.get(3, [2, 1]))
         p.release(3)
         check_invariants(p)
 
