@@ -208,11 +208,15 @@ class Residency:
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
 
-    def wait(self, e: Entry) -> None:
-        """Block until ``e``'s read is done; raise what it raised."""
+    def _outcome(self, e: Entry) -> BaseException | None:
+        """Block until ``e``'s read is done and take its outcome: what it raised, or None."""
         fut = self.loader.resolve(e)
         self._block(fut)
-        exc = self._complete(e, fut)
+        return self._complete(e, fut)
+
+    def wait(self, e: Entry) -> None:
+        """Block until ``e``'s read is done; raise what it raised."""
+        exc = self._outcome(e)
         if exc is not None:
             raise exc
 
@@ -221,9 +225,7 @@ class Residency:
         that already raised (another of its reads failed), so that none is left loading for a
         later get to join and inherit its failure; a failed one leaves nothing resident, as in
         ``wait``."""
-        fut = self.loader.resolve(e)
-        self._block(fut)
-        exc = self._complete(e, fut)
+        exc = self._outcome(e)
         if exc is not None:
             log.debug("a read of a failed get (layer %d expert %d) failed too: %s", e.layer,
                       e.expert, exc)

@@ -291,17 +291,17 @@ class TierCache:
             return
         if self.device_tier is not None and self.device_tier.pending:   # never finished
             self.device_tier.abandon([e.key for e in held])
-        for e in held:
-            if e.state is State.LOADING:        # a get that raised before its reads landed
-                self.residency.settle(e)        # (a finished one has none in flight)
         mark = self.copier.compute_mark()
         dev = self.dev
+        res = self.residency
         for e in held:
             if mark is not None and dev is not None and e.dev_slot >= 0:
                 dev.fence[e.dev_slot] = mark
             if e.transient is not None:
                 e.transient = e.weights = None
-            self.residency.unpin(e.key)
+            res.unpin(e.key)
+            if e.state is State.LOADING:        # a get that raised before its reads landed
+                res.settle(e)                   # (a finished one has none in flight)
 
     def weights(self, e: Entry) -> ExpertWeights:
         w = e.weights

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -104,8 +105,10 @@ def _cflags() -> tuple[str, ...]:
     return CFLAGS + EMULATE_CFLAGS if emulate_avx512() else CFLAGS
 
 
+@functools.cache
 def simde_available() -> bool:
-    """Whether the C++ compiler finds SIMDe's AVX-512 header (Debian: libsimde-dev)."""
+    """Whether the C++ compiler finds SIMDe's AVX-512 header (Debian: libsimde-dev); one
+    compile of it (about 2 s), once per process."""
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return False

@@ -22,24 +22,19 @@ static inline simde__m512 efs_simde_cvtepi32_ps(simde__m512i a) {
     for (int i = 0; i < 16; ++i) rp.f32[i] = (float)ap.i32[i];
     return simde__m512_from_private(rp);
 }
-static inline simde__m512i efs_simde_cvtepi8_epi32(simde__m128i a) {
+template <bool SIGNED>
+static inline simde__m512i efs_simde_cvt8_epi32(simde__m128i a) {   // 16 bytes widened
     simde__m128i_private ap = simde__m128i_to_private(a);
     simde__m512i_private rp;
-    for (int i = 0; i < 16; ++i) rp.i32[i] = ap.i8[i];
-    return simde__m512i_from_private(rp);
-}
-static inline simde__m512i efs_simde_cvtepu8_epi32(simde__m128i a) {
-    simde__m128i_private ap = simde__m128i_to_private(a);
-    simde__m512i_private rp;
-    for (int i = 0; i < 16; ++i) rp.i32[i] = ap.u8[i];
+    for (int i = 0; i < 16; ++i) rp.i32[i] = SIGNED ? ap.i8[i] : ap.u8[i];
     return simde__m512i_from_private(rp);
 }
 #undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps(a) efs_simde_cvtepi32_ps(a)
 #undef _mm512_cvtepi8_epi32
-#define _mm512_cvtepi8_epi32(a) efs_simde_cvtepi8_epi32(a)
+#define _mm512_cvtepi8_epi32(a) efs_simde_cvt8_epi32<true>(a)
 #undef _mm512_cvtepu8_epi32
-#define _mm512_cvtepu8_epi32(a) efs_simde_cvtepu8_epi32(a)
+#define _mm512_cvtepu8_epi32(a) efs_simde_cvt8_epi32<false>(a)
 // target features of the AVX-512 functions: none beyond AVX2 (SIMDe's code is AVX2)
 #define EFS_T512_F "avx2,fma,f16c"
 #define EFS_T512_FVL "avx2,fma,f16c"

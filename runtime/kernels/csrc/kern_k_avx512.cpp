@@ -661,8 +661,9 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
                 const int16_t* bs = y[t][i].bsums;
                 int ms0 = 0, ms1 = 0;
                 for (int s = 0; s < 8; ++s) {
-                    ms0 += mn0[s] * (bs[2 * s] + bs[2 * s + 1]);
-                    ms1 += mn1[s] * (bs[2 * s] + bs[2 * s + 1]);
+                    const int b = bs[2 * s] + bs[2 * s + 1];     // the two rows' mins share it
+                    ms0 += mn0[s] * b;
+                    ms1 += mn1[s] * b;
                 }
                 accm0[t] += y[t][i].d * dmin0 * (float)ms0;
                 accm1[t] += y[t][i].d * dmin1 * (float)ms1;

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from expertfs.runtime.cache.entry import Entry
 from expertfs.runtime.cache.loader import Loader
 from expertfs.runtime.experts import ExpertProvider
 from expertfs.runtime.cache.provider import TieredProvider
-from expertfs.runtime.io import IOFaultError, Priority, get_backend
+from expertfs.runtime.io import IOFaultError, Priority, RetryPolicy, get_backend
 from expertfs.runtime.io.scheduler import ReadFuture
 from expertfs.runtime.policies.base import CapacityError
 from expertfs.store.reader import Store
@@ -225,7 +226,6 @@ def test_failed_read_raises_and_leaves_it_consistent(store, data):
     backend = FaultInjectingBackend(get_backend("buffered"),
                                     [Fault("eio", times=-1, offset=ext.offset)])
     with provider(store, 6, backend=backend) as p:
-        from expertfs.runtime.io import RetryPolicy
         p.reader.handle.retry = RetryPolicy(attempts=1)
         with pytest.raises(IOFaultError):
             p.get(3, [1, 2])
@@ -242,9 +242,6 @@ def test_a_failed_get_takes_its_other_reads_outcome_first(store, data):
     before the error leaves it: one that fails too leaves nothing behind, so the next get
     reads the expert again (the fault gone by then) instead of joining a read that fails and
     inheriting its error (a persistent fault once did that to the next request under load)."""
-    import threading
-
-    from expertfs.runtime.io import RetryPolicy
     e1, e2 = store.extent(3, 1), store.extent(3, 2)
     faulty = FaultInjectingBackend(get_backend("buffered"), [Fault("eio", times=-1, offset=e1.offset),
                                                              Fault("eio", times=-1, offset=e2.offset)])
