@@ -81,41 +81,61 @@ EFS_T void rows_ex(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
 
 // --- q8 mode ---------------------------------------------------------------------------------
 
-EFS_TI __m256i dot_ss8(__m256i x, __m256i y) {   // signed x signed -> 8 int32 sums of 4
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)),
-                             _mm256_set1_epi16(1));
-}
-
-template <class D>
-EFS_T float vd_iq(const uint8_t* b, int64_t cols, const Q8K* y, const char*& pf) {
+// Per group of 32, decoded once for up to 4 tokens: |q| times the activation bytes with q's
+// signs (maddubs: 16 sums of 2 in int16), then madd by the group's multipliers as int16 lanes
+// (l0 for elements 0..15, l1 for 16..31), which sums pairs and scales in one operation: the
+// same int32 lanes as summing pairs by 1 and multiplying by ls after (exact integers, far from
+// int32's range), so the same bits, without a 32-bit multiply per group and token.
+template <int NT, class D>
+EFS_T void q8_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                 const XPrep* xs, Out out) {
     const int64_t nb = cols / 256;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
-        pf_next(pf, b + D::BYTES);
-        const int8_t* q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ++ib) {
-            int l0, l1;
-            D::ls(b, ib, &l0, &l1);
-            const __m256i p = dot_ss8(D::q(b, ib), loadu256((const uint8_t*)(q8 + 32 * ib)));
-            const __m256i l = D::PAIR ? _mm256_setr_epi32(l0, l0, l0, l0, l1, l1, l1, l1)
-                                      : _mm256_set1_epi32(l0);
-            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, l));
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
+            pf_next(pf, b + D::BYTES);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int ib = 0; ib < 8; ++ib) {
+                int l0, l1;
+                D::ls(b, ib, &l0, &l1);
+                const __m256i ls = D::PAIR ? _mm256_set_m128i(_mm_set1_epi16((short)l1),
+                                                              _mm_set1_epi16((short)l0))
+                                           : _mm256_set1_epi16((short)l0);
+                const __m256i q = D::q(b, ib);
+                const __m256i aq = _mm256_sign_epi8(q, q);
+                for (int t = 0; t < NT; ++t) {
+                    const __m256i qy = loadu256((const uint8_t*)(y[t][i].qs + 32 * ib));
+                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(qy, q));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, ls));
+                }
+            }
+            const float d = D::d(b);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d * D::F),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * D::d(b) * D::F), _mm256_cvtepi32_ps(sumi),
-                              acc);
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
     }
-    return hsum(acc);
 }
 
 template <class D>
 EFS_T void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                    const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
-    const Out o{y, ys, alpha, accumulate};
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r)
-        for (int t = 0; t < nt; ++t)
-            o.put(t, r, vd_iq<D>(W + r * rb, cols, (const Q8K*)xs[t].q, pf));
+    for (int t0 = 0; t0 < nt; t0 += 4) {           // tokens in chunks of up to 4
+        const Out o{y + (int64_t)t0 * ys, ys, alpha, accumulate};
+        switch (nt - t0 < 4 ? nt - t0 : 4) {
+            case 1: q8_iq<1, D>(W, rb, r0, r1, cols, xs + t0, o); break;
+            case 2: q8_iq<2, D>(W, rb, r0, r1, cols, xs + t0, o); break;
+            case 3: q8_iq<3, D>(W, rb, r0, r1, cols, xs + t0, o); break;
+            default: q8_iq<4, D>(W, rb, r0, r1, cols, xs + t0, o); break;
+        }
+    }
 }
 
 }  // namespace
