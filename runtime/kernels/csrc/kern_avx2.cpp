@@ -306,18 +306,38 @@ EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in 
     return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
 }
 
-template <class D, bool SIGNED>
-EFS_T float vd_b32(const uint8_t* row, int64_t nb, const QX8* y, const char*& pf) {
-    __m256 acc = _mm256_setzero_ps();
-    float summ = 0.f;
-    for (int64_t i = 0; i < nb; ++i, row += D::BYTES) {
-        pf_next(pf, row + D::BYTES);
-        const __m256i qy = loadu256((const uint8_t*)y[i].qs);
-        const __m256i p = SIGNED ? dot_ss(D::qs(row), qy) : dot_us(D::qs(row), qy);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(D::d(row) * y[i].d), _mm256_cvtepi32_ps(p), acc);
-        if (D::MIN) summ += D::m(row) * y[i].s;
+// q8 products of up to 4 tokens (EFS_EX_ROWS chunks them): each block's weights decoded once
+// and multiplied by every token's activation block, each token's sums in its own accumulators
+// in the order of ggml's one-token dot product, so every token gets the bits of a product of
+// one. Blocks of 32 (Q8_0 / Q8_1 activations): per block acc += (d * dy) * float(8 int32 sums),
+// Q4_1 / Q5_1 adding m * s; then hsum(acc) + sum.
+template <int NT, class D, bool SIGNED>
+EFS_T void q8_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                  const XPrep* xs, Out out) {
+    const int64_t nb = cols / 32;
+    const QX8* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const QX8*)xs[t].q;
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* row = W + r * rb;
+        __m256 acc[NT];
+        float summ[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); summ[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, row += D::BYTES) {
+            pf_next(pf, row + D::BYTES);
+            const __m256i q = D::qs(row);
+            const __m256i aq = SIGNED ? _mm256_sign_epi8(q, q) : q;
+            const float dw = D::d(row);
+            for (int t = 0; t < NT; ++t) {
+                const __m256i qy = loadu256((const uint8_t*)y[t][i].qs);
+                const __m256i p = dot_us(aq, SIGNED ? _mm256_sign_epi8(qy, q) : qy);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y[t][i].d), _mm256_cvtepi32_ps(p),
+                                         acc[t]);
+                if (D::MIN) summ[t] += D::m(row) * y[t][i].s;
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) + summ[t]);
     }
-    return hsum(acc) + summ;
 }
 
 struct IQ4_0 : DQ4_0 {          // q - 8, signed
@@ -352,93 +372,115 @@ struct IIQ4_NL : DIQ4_NL {
     }
 };
 
-EFS_T float vd_iq4_nl(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IIQ4_NL, true>(r, c / 32, (const QX8*)y, pf);
-}
-EFS_T float vd_q4_0(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IQ4_0, true>(r, c / 32, (const QX8*)y, pf);
-}
-EFS_T float vd_q4_1(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IQ4_1, false>(r, c / 32, (const QX8*)y, pf);
-}
-EFS_T float vd_q5_0(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IQ5_0, true>(r, c / 32, (const QX8*)y, pf);
-}
-EFS_T float vd_q5_1(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IQ5_1, false>(r, c / 32, (const QX8*)y, pf);
-}
-EFS_T float vd_q8_0(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IQ8_0, true>(r, c / 32, (const QX8*)y, pf);
-}
-EFS_T float vd_mxfp4(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_b32<IMXFP4, true>(r, c / 32, (const QX8*)y, pf);
-}
+template <int NT> EFS_T void q8_iq4_nl(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IIQ4_NL, true>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_q4_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IQ4_0, true>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_q4_1(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IQ4_1, false>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_q5_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IQ5_0, true>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_q5_1(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IQ5_1, false>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_q8_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IQ8_0, true>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_mxfp4(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IMXFP4, true>(W, rb, r0, r1, cols, xs, out); }
 
-template <bool FIVE>
-EFS_T float vd_q45_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
-    const Q8K* y = (const Q8K*)yv;
+// Q4_K / Q5_K against Q8_K: per block acc += (dy * d) * float(sum over the sub-blocks of
+// scale * int32 sums), mins as dy * dmin * sum(min * bsums) in float; hsum(acc) - that.
+template <int NT, bool FIVE>
+EFS_T void q8_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, Out out) {
     const int64_t nb = cols / 256;
     const int BYTES = FIVE ? 176 : 144;
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.f;
-    for (int64_t i = 0; i < nb; ++i, b += BYTES) {
-        pf_next(pf, b + BYTES);
-        uint32_t u[4];
-        k4_scales(b + 4, u);
-        const uint8_t* sc = (const uint8_t*)&u[0];
-        const uint8_t* mn = (const uint8_t*)&u[2];
-        int msum = 0;
-        for (int s = 0; s < 8; ++s) msum += mn[s] * (y[i].bsums[2 * s] + y[i].bsums[2 * s + 1]);
-        accm += y[i].d * f16(b + 2) * (float)msum;
-        const uint8_t* q = b + (FIVE ? 48 : 16);
-        const int8_t* q8 = y[i].qs;
-        __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-            __m256i lo, hi;
-            q45_planes<FIVE>(loadu256(q + 32 * j), hb, lo, hi);
-            const __m256i pl = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]),
-                _mm256_maddubs_epi16(lo, loadu256((const uint8_t*)(q8 + 64 * j))));
-            const __m256i ph = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]),
-                _mm256_maddubs_epi16(hi, loadu256((const uint8_t*)(q8 + 64 * j + 32))));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        float accm[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            pf_next(pf, b + BYTES);
+            uint32_t u[4];
+            k4_scales(b + 4, u);
+            const uint8_t* sc = (const uint8_t*)&u[0];
+            const uint8_t* mn = (const uint8_t*)&u[2];
+            for (int t = 0; t < NT; ++t) {
+                int msum = 0;
+                for (int s = 0; s < 8; ++s)
+                    msum += mn[s] * (y[t][i].bsums[2 * s] + y[t][i].bsums[2 * s + 1]);
+                accm[t] += y[t][i].d * f16(b + 2) * (float)msum;
+            }
+            const uint8_t* q = b + (FIVE ? 48 : 16);
+            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                __m256i lo, hi;
+                q45_planes<FIVE>(loadu256(q + 32 * j), hb, lo, hi);
+                const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
+                for (int t = 0; t < NT; ++t) {
+                    const int8_t* q8 = y[t][i].qs + 64 * j;
+                    const __m256i pl = _mm256_madd_epi16(sl,
+                        _mm256_maddubs_epi16(lo, loadu256((const uint8_t*)q8)));
+                    const __m256i ph = _mm256_madd_epi16(sh,
+                        _mm256_maddubs_epi16(hi, loadu256((const uint8_t*)(q8 + 32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * f16(b)),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b)), _mm256_cvtepi32_ps(sumi), acc);
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
     }
-    return hsum(acc) - accm;
 }
-EFS_T float vd_q4_k(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_q45_k<false>(r, c, y, pf);
-}
-EFS_T float vd_q5_k(const uint8_t* r, int64_t c, const void* y, const char*& pf) {
-    return vd_q45_k<true>(r, c, y, pf);
-}
+template <int NT> EFS_T void q8_q4_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_q45_k<NT, false>(W, rb, r0, r1, cols, xs, out); }
+template <int NT> EFS_T void q8_q5_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out out) { q8_q45_k<NT, true>(W, rb, r0, r1, cols, xs, out); }
 
-EFS_T float vd_q6_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
-    const Q8K* y = (const Q8K*)yv;
+// Q6_K against Q8_K: the 6-bit values q (0..63) times the activations less 32 times them, per
+// 16 weights times the signed scale; per block acc += (dy * d) * float(the int32 sums).
+template <int NT>
+EFS_T void q8_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                   const XPrep* xs, Out out) {
     const int64_t nb = cols / 256;
     const __m256i m32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, b += 210) {
-        pf_next(pf, b + 210);
-        const int8_t* sc = (const int8_t*)(b + 192);
-        const int8_t* q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int h = 0; h < 2; ++h) {
-            __m256i q[4];
-            q6_planes(b, h, q);
-            for (int k = 0; k < 4; ++k) {
-                const __m256i yv8 = loadu256((const uint8_t*)(q8 + 128 * h + 32 * k));
-                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
-                                                   _mm256_maddubs_epi16(m32, yv8));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-                    pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]), p));
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 210) {
+            pf_next(pf, b + 210);
+            const int8_t* sc = (const int8_t*)(b + 192);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int h = 0; h < 2; ++h) {
+                __m256i q[4];
+                q6_planes(b, h, q);
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i s = pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * h + 32 * k));
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
+                                                           _mm256_maddubs_epi16(m32, yv8));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
             }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * f16(b + 208)),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b + 208)), _mm256_cvtepi32_ps(sumi),
-                              acc);
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
     }
-    return hsum(acc);
 }
 
 EFS_T float vd_q2_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
@@ -535,9 +577,11 @@ EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv, const char
                 o.put(t, r, vd_##name(W + r * rb, cols, xs[t].q, pf));                          \
     }
 
-EFS_Q8_ROWS(q4_0) EFS_Q8_ROWS(q4_1) EFS_Q8_ROWS(q5_0) EFS_Q8_ROWS(q5_1) EFS_Q8_ROWS(q8_0)
-EFS_Q8_ROWS(mxfp4) EFS_Q8_ROWS(q2_k) EFS_Q8_ROWS(q3_k) EFS_Q8_ROWS(q4_k) EFS_Q8_ROWS(q5_k)
-EFS_Q8_ROWS(q6_k) EFS_Q8_ROWS(iq4_xs) EFS_Q8_ROWS(iq4_nl)
+EFS_Q8_ROWS(q2_k) EFS_Q8_ROWS(q3_k) EFS_Q8_ROWS(iq4_xs)
+EFS_EX_ROWS(q8_q4_0) EFS_EX_ROWS(q8_q4_1) EFS_EX_ROWS(q8_q5_0) EFS_EX_ROWS(q8_q5_1)
+EFS_EX_ROWS(q8_q8_0) EFS_EX_ROWS(q8_mxfp4) EFS_EX_ROWS(q8_iq4_nl) EFS_EX_ROWS(q8_q4_k)
+EFS_EX_ROWS(q8_q5_k) EFS_EX_ROWS(q8_q6_k)
+
 
 }  // namespace
 

@@ -1,6 +1,6 @@
 // The K-quants Q2_K, Q3_K, Q5_K, Q6_K and IQ4_NL (exact) and Q2_K ... Q6_K (q8) on CPUs with
 // AVX-512 (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
-// (kern_k_avx2.h, kern_avx2.cpp's vd_q2_k ... vd_q6_k) in wider forms that give their results
+// (kern_k_avx2.h; kern_avx2.cpp's q8 dot products of Q2_K ... Q6_K) in wider forms that give their results
 // bit for bit, so a model's logits do not depend on the ISA, on the batch or on how the tokens
 // are cut into passes. Exact Q4_K keeps kern_avx512.cpp's table-lookup kernel.
 //
@@ -396,7 +396,7 @@ EFS_KZ_KERN(ex_q3_k_z) EFS_KZ_KERN(ex_iq4nl_z)
 
 // --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
 //
-// The AVX2 unit's vd_q2_k ... vd_q6_k (kern_avx2.cpp: ggml-cpu's integer dot products) for up
+// The AVX2 unit's q8 Q2_K ... Q6_K products (kern_avx2.cpp: ggml-cpu's integer dot products) for up
 // to 8 tokens at once: a block's scales and 4-, 5- or 6-bit values are decoded once and
 // multiplied by each token's activations; per token the same integer sums and the same float
 // operations in the same order, so the same bits.
