@@ -80,9 +80,11 @@ WIDE_TYPES_Q8 = {
 
 
 #: The same under the AVX2 kernels (exact, then q8), past which ``wide_linear`` takes the
-#: product through ``qgemm`` in AVX2: measured with 8 to 128 tokens on 2 threads with the
+#: product through ``qgemm`` in AVX2. Exact: measured with 8 to 128 tokens on 2 threads with the
 #: kernels held to AVX2 and MKL's AVX2 code (an AVX2 box's products; ``bench_kernels.py
-#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens.
+#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens. q8:
+#: measured the same way on an AVX2-only CPU (a first-generation Zen) after the q8 kernels took
+#: up to 4 tokens per decode of the weights.
 WIDE_TYPES_AVX2 = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 12,
     GGMLType.Q2_K: 32, GGMLType.Q3_K: 24, GGMLType.IQ4_XS: 24, GGMLType.MXFP4: 32,
@@ -92,12 +94,12 @@ WIDE_TYPES_AVX2 = {
     GGMLType.Q5_1: 32,
 }
 WIDE_TYPES_Q8_AVX2 = {
-    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 8,
-    GGMLType.Q2_K: 12, GGMLType.Q3_K: 16, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 16,
-    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 48, GGMLType.IQ2_XS: 32, GGMLType.IQ2_S: 32,
-    GGMLType.IQ3_XXS: 24, GGMLType.IQ3_S: 24, GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 8,
-    GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 32, GGMLType.Q4_1: 8, GGMLType.Q5_0: 16,
-    GGMLType.Q5_1: 16,
+    GGMLType.Q4_K: 12, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 16, GGMLType.Q4_0: 12,
+    GGMLType.Q2_K: 12, GGMLType.Q3_K: 16, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 32,
+    GGMLType.IQ4_NL: 24, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 48, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
+    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 24, GGMLType.Q4_1: 12, GGMLType.Q5_0: 24,
+    GGMLType.Q5_1: 32,
 }
 
 #: The same under the AVX-512 kernels where the products run at AVX-512 width too
