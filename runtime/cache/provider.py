@@ -59,9 +59,15 @@ _IN_TIME = (State.HOST, State.UPLOADING, State.DEVICE)
 
 def _warm_rates(store: Any, geo: Any, ram_policy: Policy | None) -> dict[tuple[int, int], float]:
     """What warm start loads: the learned usage, hottest first; and when the RAM tier holds every
-    routed expert, all of them (the rest at rate 0), as an mmap'd model ends up in the page cache."""
+    routed expert a decode step can ask for, all of them (the rest at rate 0), as an mmap'd model
+    ends up in the page cache. A NextN/MTP block's experts are not among those: only speculative
+    drafts route through them, and their learned usage (from runs with drafts) is what brings
+    them in; reading them all would take the drive and fresh memory for experts a run without
+    drafts never uses (a fifth of the experts of a five-layer cut)."""
     rates = load_rates(store, geo.k)
-    every = [(la, e) for la, n in zip(geo.layers, geo.experts) for e in range(n)]
+    info = getattr(store, "layer_info", None)
+    every = [(la, e) for la, n in zip(geo.layers, geo.experts)
+             if not (info is not None and info(la).get("nextn")) for e in range(n)]
     if ram_policy is not None and ram_policy.capacity >= len(every):
         rates = {**dict.fromkeys(every, 0.0), **rates}
     return rates

@@ -18,12 +18,13 @@ K = 4
 N_EXPERTS = 16
 
 
-def make_store(root: Path) -> Path:
+def make_store(root: Path, n_nextn: int = 0) -> Path:
     """glm4moe, one leading dense block (routed layers 1..3), 16 experts of mixed quant types,
-    so extents differ in size between layers (28 KiB and 20 KiB)."""
+    so extents differ in size between layers (28 KiB and 20 KiB); ``n_nextn`` NextN blocks
+    (routed layers 4..) after them."""
     cfg = dataclasses.replace(SynthConfig.tiny("glm4moe"), n_layers=4, n_dense_lead=1,
                               n_experts=N_EXPERTS, n_expert_used=K, n_embd=256, n_ff_exp=32,
-                              n_vocab=300, n_ff=64, quant="mixed", n_nextn=0)
+                              n_vocab=300, n_ff=64, quant="mixed", n_nextn=n_nextn)
     files = synthesize(cfg, root / "m.gguf", overwrite=True)
     out = root / "m.efs"
     repack(files, str(out))

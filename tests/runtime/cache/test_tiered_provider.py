@@ -305,6 +305,29 @@ def test_warm_start_loads_every_expert_when_all_fit(store, data):
         assert p.stats.warm_issued == len(store.index.usage())
 
 
+def test_warm_start_leaves_the_nextn_block_to_its_learned_usage(tmp_path):
+    """A RAM tier that holds the whole model: warm start loads every expert of the decoder's
+    layers but none of the NextN block's, which only speculative drafts route through (learned
+    usage of them, from runs with drafts, brings them in)."""
+    s = Store.open(str(make_store(tmp_path, n_nextn=1)))
+    try:
+        nextn = [la for la in s.layers if s.layer_info(la)["nextn"]]
+        assert len(nextn) == 1
+        decode = [la for la in s.layers if la not in nextn]
+        n = sum(s.n_experts(la) for la in s.layers)
+        with provider(s, n + 8, warm_start=True) as p:
+            assert p.stats.warm_issued == sum(s.n_experts(la) for la in decode)
+            li = p.cache._index[nextn[0]]
+            assert not [k for k in p.cache.entries if k // p.cache._E == li]
+        with provider(s, 4, record_usage=True) as p:       # a draft's get of a NextN expert
+            p.get(nextn[0], [3])
+            p.release(nextn[0])
+        with provider(s, n + 8, warm_start=True) as p:
+            assert p.stats.warm_issued == sum(s.n_experts(la) for la in decode) + 1
+    finally:
+        s.close()
+
+
 class _HeldReader:
     """An ExpertReader stand-in whose reads complete only when the test says so."""
 
