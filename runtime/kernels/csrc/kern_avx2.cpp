@@ -30,17 +30,6 @@ namespace {
 // exact mode
 // ---------------------------------------------------------------------------------------------
 
-// Q4_K: d, dmin, scales[12] (6-bit scale/min pairs), qs[128]; sub-block 2j+h = nibble h of
-// qs[32j..32j+31].
-EFS_TI void k4_scales(const uint8_t* s12, uint32_t* u) {
-    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
-    const uint32_t ua = u[1] & km1;
-    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
-    u[2] = ua;
-    u[0] &= km1;                      // bytes of u[0..1]: 8 scales; of u[2..3]: 8 mins
-}
 
 
 // IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group ib of 32: 6-bit scale ls, values
@@ -302,9 +291,6 @@ EFS_TI __m256i dot_ss(__m256i x, __m256i y) {
     return dot_us(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
 }
 
-EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in the high 128
-    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
-}
 
 // q8 products of up to 4 tokens (EFS_EX_ROWS chunks them): each block's weights decoded once
 // and multiplied by every token's activation block, each token's sums in its own accumulators
@@ -387,162 +373,10 @@ template <int NT> EFS_T void q8_q8_0(const uint8_t* W, int64_t rb, int64_t r0, i
 template <int NT> EFS_T void q8_mxfp4(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     int64_t cols, const XPrep* xs, Out out) { q8_b32<NT, IMXFP4, true>(W, rb, r0, r1, cols, xs, out); }
 
-// Q4_K / Q5_K against Q8_K: per block acc += (dy * d) * float(sum over the sub-blocks of
-// scale * int32 sums), mins as dy * dmin * sum(min * bsums) in float; hsum(acc) - that.
-template <int NT, bool FIVE>
-EFS_T void q8_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                    const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const int BYTES = FIVE ? 176 : 144;
-    const Q8K* y[NT];
-    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 acc[NT];
-        float accm[NT];
-        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
-        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
-            pf_next(pf, b + BYTES);
-            uint32_t u[4];
-            k4_scales(b + 4, u);
-            const uint8_t* sc = (const uint8_t*)&u[0];
-            const uint8_t* mn = (const uint8_t*)&u[2];
-            for (int t = 0; t < NT; ++t) {
-                int msum = 0;
-                for (int s = 0; s < 8; ++s)
-                    msum += mn[s] * (y[t][i].bsums[2 * s] + y[t][i].bsums[2 * s + 1]);
-                accm[t] += y[t][i].d * f16(b + 2) * (float)msum;
-            }
-            const uint8_t* q = b + (FIVE ? 48 : 16);
-            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
-            __m256i sumi[NT];
-            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-                __m256i lo, hi;
-                q45_planes<FIVE>(loadu256(q + 32 * j), hb, lo, hi);
-                const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
-                for (int t = 0; t < NT; ++t) {
-                    const int8_t* q8 = y[t][i].qs + 64 * j;
-                    const __m256i pl = _mm256_madd_epi16(sl,
-                        _mm256_maddubs_epi16(lo, loadu256((const uint8_t*)q8)));
-                    const __m256i ph = _mm256_madd_epi16(sh,
-                        _mm256_maddubs_epi16(hi, loadu256((const uint8_t*)(q8 + 32))));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
-                }
-            }
-            for (int t = 0; t < NT; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * f16(b)),
-                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
-    }
-}
 template <int NT> EFS_T void q8_q4_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     int64_t cols, const XPrep* xs, Out out) { q8_q45_k<NT, false>(W, rb, r0, r1, cols, xs, out); }
 template <int NT> EFS_T void q8_q5_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     int64_t cols, const XPrep* xs, Out out) { q8_q45_k<NT, true>(W, rb, r0, r1, cols, xs, out); }
-
-// Q6_K against Q8_K: the 6-bit values q (0..63) times the activations less 32 times them, per
-// 16 weights times the signed scale; per block acc += (dy * d) * float(the int32 sums).
-template <int NT>
-EFS_T void q8_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                   const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const __m256i m32 = _mm256_set1_epi8(32);
-    const Q8K* y[NT];
-    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 acc[NT];
-        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b += 210) {
-            pf_next(pf, b + 210);
-            const int8_t* sc = (const int8_t*)(b + 192);
-            __m256i sumi[NT];
-            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
-            for (int h = 0; h < 2; ++h) {
-                __m256i q[4];
-                q6_planes(b, h, q);
-                for (int k = 0; k < 4; ++k) {
-                    const __m256i s = pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
-                    for (int t = 0; t < NT; ++t) {
-                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * h + 32 * k));
-                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
-                                                           _mm256_maddubs_epi16(m32, yv8));
-                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
-                    }
-                }
-            }
-            for (int t = 0; t < NT; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * f16(b + 208)),
-                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
-    }
-}
-
-EFS_T float vd_q2_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
-    const Q8K* y = (const Q8K*)yv;
-    const int64_t nb = cols / 256;
-    const __m256i m3 = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.f;
-    for (int64_t i = 0; i < nb; ++i, b += 84) {
-        pf_next(pf, b + 84);
-        const uint8_t* sc = b;
-        const int8_t* q8 = y[i].qs;
-        int summs = 0;
-        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * (sc[j] >> 4);
-        accm += y[i].d * f16(b + 82) * (float)summs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int n = 0; n < 2; ++n) {
-            const __m256i Q = loadu256(b + 16 + 32 * n);
-            for (int j = 0; j < 4; ++j) {
-                const __m256i v = _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
-                const __m256i p = _mm256_maddubs_epi16(
-                    v, loadu256((const uint8_t*)(q8 + 128 * n + 32 * j)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-                    pair16(sc[8 * n + 2 * j] & 0xF, sc[8 * n + 2 * j + 1] & 0xF), p));
-            }
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b + 80)), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    return hsum(acc) - accm;
-}
-
-EFS_T float vd_q3_k(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
-    const Q8K* y = (const Q8K*)yv;
-    const int64_t nb = cols / 256;
-    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, b += 110) {
-        pf_next(pf, b + 110);
-        int8_t sc[16];
-        q3k_scales(b + 96, sc);
-        const int8_t* q8 = y[i].qs;
-        __m256i hb = loadu256(b);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int n = 0; n < 2; ++n) {
-            const __m256i Q = loadu256(b + 32 + 32 * n);
-            for (int j = 0; j < 4; ++j) {
-                const __m256i q = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
-                    _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
-                hb = _mm256_srli_epi16(hb, 1);
-                const __m256i yv8 = loadu256((const uint8_t*)(q8 + 128 * n + 32 * j));
-                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv8),
-                                                   _mm256_maddubs_epi16(m04, yv8));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-                    pair16(sc[8 * n + 2 * j] - 32, sc[8 * n + 2 * j + 1] - 32), p));
-            }
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b + 108)), _mm256_cvtepi32_ps(sumi),
-                              acc);
-    }
-    return hsum(acc);
-}
 
 EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
     const Q8K* y = (const Q8K*)yv;
@@ -577,10 +411,10 @@ EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv, const char
                 o.put(t, r, vd_##name(W + r * rb, cols, xs[t].q, pf));                          \
     }
 
-EFS_Q8_ROWS(q2_k) EFS_Q8_ROWS(q3_k) EFS_Q8_ROWS(iq4_xs)
+EFS_Q8_ROWS(iq4_xs)
 EFS_EX_ROWS(q8_q4_0) EFS_EX_ROWS(q8_q4_1) EFS_EX_ROWS(q8_q5_0) EFS_EX_ROWS(q8_q5_1)
 EFS_EX_ROWS(q8_q8_0) EFS_EX_ROWS(q8_mxfp4) EFS_EX_ROWS(q8_iq4_nl) EFS_EX_ROWS(q8_q4_k)
-EFS_EX_ROWS(q8_q5_k) EFS_EX_ROWS(q8_q6_k)
+EFS_EX_ROWS(q8_q5_k) EFS_EX_ROWS(q8_q6_k) EFS_EX_ROWS(q8_q2_k) EFS_EX_ROWS(q8_q3_k)
 
 
 }  // namespace

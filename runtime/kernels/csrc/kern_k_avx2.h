@@ -291,5 +291,223 @@ EFS_KT void ex_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
+// --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
+//
+// ggml-cpu's integer dot products (ggml_vec_dot_q*_K_q8_K) for NT tokens at once: a block's
+// scales and 2- to 6-bit values are decoded once and multiplied by each token's activations;
+// per token the same integer sums and the same float operations in the same order as ggml's
+// one-token product, so the same bits whatever the pass (the AVX2 unit takes passes of up to 4
+// tokens, the AVX-512 unit, with its 32 vector registers, up to 8).
+
+// Q4_K/Q5_K's 12 scale bytes -> u[0..1]: the 8 6-bit scales as bytes, u[2..3]: the 8 mins
+// (ggml get_scale_min_k4).
+EFS_TI void k4_scales(const uint8_t* s12, uint32_t* u) {
+    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+    const uint32_t ua = u[1] & km1;
+    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+    u[2] = ua;
+    u[0] &= km1;
+}
+
+EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in the high 128
+    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
+}
+
+template <int NT, bool FIVE>
+EFS_KT void q8_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        float accm[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            pf_next(pf, b + BYTES);
+            uint32_t u[4];
+            k4_scales(b + 4, u);
+            const uint8_t* sc = (const uint8_t*)&u[0];
+            const uint8_t* mn = (const uint8_t*)&u[2];
+            const float dmin = f16(b + 2), d = f16(b);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) {
+                const int16_t* bs = y[t][i].bsums;
+                int msum = 0;
+                for (int s = 0; s < 8; ++s) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+                accm[t] += y[t][i].d * dmin * (float)msum;
+                sumi[t] = _mm256_setzero_si256();
+            }
+            const uint8_t* q = b + (FIVE ? 48 : 16);
+            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i v = loadu256(q + 32 * j);
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (FIVE) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+                    hb = _mm256_srli_epi16(hb, 2);
+                }
+                const __m256i sl = _mm256_set1_epi16(sc[2 * j]);
+                const __m256i sh = _mm256_set1_epi16(sc[2 * j + 1]);
+                for (int t = 0; t < NT; ++t) {
+                    const int8_t* q8 = y[t][i].qs;
+                    const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(
+                        lo, loadu256((const uint8_t*)(q8 + 64 * j))));
+                    const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(
+                        hi, loadu256((const uint8_t*)(q8 + 64 * j + 32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
+    }
+}
+
+template <int NT>
+EFS_KT void q8_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m32 = _mm256_set1_epi8(32);
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 210) {
+            pf_next(pf, b + 210);
+            const int8_t* sc = (const int8_t*)(b + 192);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int h = 0; h < 2; ++h) {
+                __m256i q[4];
+                q6_planes(b, h, q);
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i s = pair16(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * h +
+                                                                      32 * k));
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
+                                                           _mm256_maddubs_epi16(m32, yv8));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            const float d = f16(b + 208);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
+    }
+}
+
+// Q2_K against Q8_K: per 16 weights the 2-bit values times the scale's low nibble, the mins
+// (high nibbles) as dy * dmin * sum(min * bsums) in float.
+template <int NT>
+EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        float accm[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b += 84) {
+            pf_next(pf, b + 84);
+            const uint8_t* sc = b;
+            const float dmin = f16(b + 82), d = f16(b + 80);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) {
+                int summs = 0;
+                for (int j = 0; j < 16; ++j) summs += y[t][i].bsums[j] * (sc[j] >> 4);
+                accm[t] += y[t][i].d * dmin * (float)summs;
+                sumi[t] = _mm256_setzero_si256();
+            }
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 16 + 32 * n);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i v = _mm256_and_si256(
+                        _mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
+                    const __m256i s = pair16(sc[8 * n + 2 * j] & 0xF,
+                                               sc[8 * n + 2 * j + 1] & 0xF);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i p = _mm256_maddubs_epi16(
+                            v, loadu256((const uint8_t*)(y[t][i].qs + 128 * n + 32 * j)));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
+    }
+}
+
+// Q3_K against Q8_K: the 3-bit values (2 low bits and the hmask bit, 0..7) less 4 times
+// the activations, per 16 weights times the signed 6-bit scale.
+template <int NT>
+EFS_KT void q8_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 110) {
+            pf_next(pf, b + 110);
+            int8_t sc[16];
+            q3k_scales(b + 96, sc);
+            __m256i hb = loadu256(b);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int n = 0; n < 2; ++n) {
+                const __m256i Q = loadu256(b + 32 + 32 * n);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
+                    hb = _mm256_srli_epi16(hb, 1);
+                    const __m256i s = pair16(sc[8 * n + 2 * j] - 32, sc[8 * n + 2 * j + 1] - 32);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * n +
+                                                                      32 * j));
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv8),
+                                                           _mm256_maddubs_epi16(m04, yv8));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            const float d = f16(b + 108);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
+    }
+}
+
 }  // namespace
 }  // namespace efs

@@ -1,16 +1,15 @@
 // The K-quants Q2_K, Q3_K, Q5_K, Q6_K and IQ4_NL (exact) and Q2_K ... Q6_K (q8) on CPUs with
 // AVX-512 (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
-// (kern_k_avx2.h; kern_avx2.cpp's q8 dot products of Q2_K ... Q6_K) in wider forms that give their results
-// bit for bit, so a model's logits do not depend on the ISA, on the batch or on how the tokens
-// are cut into passes. Exact Q4_K keeps kern_avx512.cpp's table-lookup kernel.
+// (kern_k_avx2.h) in wider forms that give their results bit for bit, so a model's logits do
+// not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q4_K keeps kern_avx512.cpp's table-lookup kernel.
 //
 //  - exact: two rows per 512-bit vector (see below), passes of up to 8 tokens: each group of
 //    weights is decoded once for both rows and 8 tokens, each activation load serves two rows.
 //    CPUs that run 512-bit operations at full width do twice the AVX2 unit's work per operation.
-//  - q8: a block's scales and values are decoded once for up to 8 tokens, where the AVX2 unit
-//    decodes them again for each token; Q4_K, Q5_K and Q6_K two rows per 512-bit vector as
-//    above (one token included: each activation load serves both rows), Q2_K and Q3_K in
-//    256-bit operations (AVX-512VL's 32 registers hold the 8 tokens' sums).
+//  - q8: a block's scales and values are decoded once for up to 8 tokens (the AVX2 unit: 4);
+//    Q4_K, Q5_K and Q6_K two rows per 512-bit vector as above (one token included: each
+//    activation load serves both rows), Q2_K and Q3_K the shared 256-bit kernels
+//    (AVX-512VL's 32 registers hold the 8 tokens' sums).
 #include "kern.h"
 
 #include <string.h>
@@ -396,221 +395,13 @@ EFS_KZ_KERN(ex_q3_k_z) EFS_KZ_KERN(ex_iq4nl_z)
 
 // --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
 //
-// The AVX2 unit's q8 Q2_K ... Q6_K products (kern_avx2.cpp: ggml-cpu's integer dot products) for up
-// to 8 tokens at once: a block's scales and 4-, 5- or 6-bit values are decoded once and
-// multiplied by each token's activations; per token the same integer sums and the same float
-// operations in the same order, so the same bits.
-
-EFS_ZI void k4_scales_u(const uint8_t* s12, uint32_t* u) {     // as kern_avx2.cpp k4_scales
-    const uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
-    const uint32_t ua = u[1] & km1;
-    u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
-    u[2] = ua;
-    u[0] &= km1;
-}
-
-EFS_ZI __m256i pair16_z(int a, int b) {   // 16-bit lanes: a in the low 128, b in the high 128
-    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
-}
-
-template <int NT, bool FIVE>
-EFS_Z void q8_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                      const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const int BYTES = FIVE ? 176 : 144;
-    const Q8K* y[NT];
-    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 acc[NT];
-        float accm[NT];
-        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
-        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
-            pf_next(pf, b + BYTES);
-            uint32_t u[4];
-            k4_scales_u(b + 4, u);
-            const uint8_t* sc = (const uint8_t*)&u[0];
-            const uint8_t* mn = (const uint8_t*)&u[2];
-            const float dmin = f16(b + 2), d = f16(b);
-            __m256i sumi[NT];
-            for (int t = 0; t < NT; ++t) {
-                const int16_t* bs = y[t][i].bsums;
-                int msum = 0;
-                for (int s = 0; s < 8; ++s) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-                accm[t] += y[t][i].d * dmin * (float)msum;
-                sumi[t] = _mm256_setzero_si256();
-            }
-            const uint8_t* q = b + (FIVE ? 48 : 16);
-            __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-                const __m256i v = loadu256(q + 32 * j);
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (FIVE) {
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
-                    hb = _mm256_srli_epi16(hb, 2);
-                }
-                const __m256i sl = _mm256_set1_epi16(sc[2 * j]);
-                const __m256i sh = _mm256_set1_epi16(sc[2 * j + 1]);
-                for (int t = 0; t < NT; ++t) {
-                    const int8_t* q8 = y[t][i].qs;
-                    const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(
-                        lo, loadu256((const uint8_t*)(q8 + 64 * j))));
-                    const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(
-                        hi, loadu256((const uint8_t*)(q8 + 64 * j + 32))));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
-                }
-            }
-            for (int t = 0; t < NT; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
-                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
-    }
-}
-
-template <int NT>
-EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const Q8K* y[NT];
-    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m256i m32 = _mm256_set1_epi8(32);
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 acc[NT];
-        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b += 210) {
-            pf_next(pf, b + 210);
-            const int8_t* sc = (const int8_t*)(b + 192);
-            __m256i sumi[NT];
-            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
-            for (int h = 0; h < 2; ++h) {
-                __m256i q[4];
-                q6_planes(b, h, q);
-                for (int k = 0; k < 4; ++k) {
-                    const __m256i s = pair16_z(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
-                    for (int t = 0; t < NT; ++t) {
-                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * h +
-                                                                      32 * k));
-                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yv8),
-                                                           _mm256_maddubs_epi16(m32, yv8));
-                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
-                    }
-                }
-            }
-            const float d = f16(b + 208);
-            for (int t = 0; t < NT; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
-                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
-    }
-}
-
-// Q2_K as vd_q2_k.
-template <int NT>
-EFS_Z void q8_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const Q8K* y[NT];
-    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 acc[NT];
-        float accm[NT];
-        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
-        for (int64_t i = 0; i < nb; ++i, b += 84) {
-            pf_next(pf, b + 84);
-            const uint8_t* sc = b;
-            const float dmin = f16(b + 82), d = f16(b + 80);
-            __m256i sumi[NT];
-            for (int t = 0; t < NT; ++t) {
-                int summs = 0;
-                for (int j = 0; j < 16; ++j) summs += y[t][i].bsums[j] * (sc[j] >> 4);
-                accm[t] += y[t][i].d * dmin * (float)summs;
-                sumi[t] = _mm256_setzero_si256();
-            }
-            for (int n = 0; n < 2; ++n) {
-                const __m256i Q = loadu256(b + 16 + 32 * n);
-                for (int j = 0; j < 4; ++j) {
-                    const __m256i v = _mm256_and_si256(
-                        _mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
-                    const __m256i s = pair16_z(sc[8 * n + 2 * j] & 0xF,
-                                               sc[8 * n + 2 * j + 1] & 0xF);
-                    for (int t = 0; t < NT; ++t) {
-                        const __m256i p = _mm256_maddubs_epi16(
-                            v, loadu256((const uint8_t*)(y[t][i].qs + 128 * n + 32 * j)));
-                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
-                    }
-                }
-            }
-            for (int t = 0; t < NT; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
-                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
-    }
-}
-
-// Q3_K as vd_q3_k.
-template <int NT>
-EFS_Z void q8_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const Q8K* y[NT];
-    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 acc[NT];
-        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b += 110) {
-            pf_next(pf, b + 110);
-            int8_t sc[16];
-            q3k_scales(b + 96, sc);
-            __m256i hb = loadu256(b);
-            __m256i sumi[NT];
-            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
-            for (int n = 0; n < 2; ++n) {
-                const __m256i Q = loadu256(b + 32 + 32 * n);
-                for (int j = 0; j < 4; ++j) {
-                    const __m256i q = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
-                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
-                    hb = _mm256_srli_epi16(hb, 1);
-                    const __m256i s = pair16_z(sc[8 * n + 2 * j] - 32, sc[8 * n + 2 * j + 1] - 32);
-                    for (int t = 0; t < NT; ++t) {
-                        const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * n +
-                                                                      32 * j));
-                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv8),
-                                                           _mm256_maddubs_epi16(m04, yv8));
-                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
-                    }
-                }
-            }
-            const float d = f16(b + 108);
-            for (int t = 0; t < NT; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
-                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
-    }
-}
+// Q2_K and Q3_K (and the rows of Q4_K ... Q6_K left after the pairs below) take the shared
+// header's q8 kernels (kern_k_avx2.h) in passes of up to 8 tokens.
 
 // --- q8 mode: two rows per 512-bit vector (Q4_K, Q5_K, Q6_K) ------------------------------
 //
 // As the exact kernels above: lanes 0..7 of every vector are row r's lanes of the 256-bit
-// kernels just above, lanes 8..15 row r + 1's; each token's 32 activation bytes are loaded
+// kernels of kern_k_avx2.h, lanes 8..15 row r + 1's; each token's 32 activation bytes are loaded
 // once and broadcast to both halves, so a maddubs/madd pair does both rows' products. The
 // integer sums of each half are those of the 256-bit kernel, the float steps the same per
 // lane, and each half ends in that kernel's hsum(acc) (- accm): its results bit for bit.
@@ -619,8 +410,8 @@ EFS_ZI __m512i y2(const int8_t* p) {                       // [32 bytes at p | t
     return _mm512_broadcast_i64x4(loadu256((const uint8_t*)p));
 }
 
-EFS_ZI __m512i pair16_2(int a, int b, int c, int e) {     // [pair16_z(a, b) | pair16_z(c, e)]
-    return _mm512_inserti64x4(_mm512_castsi256_si512(pair16_z(a, b)), pair16_z(c, e), 1);
+EFS_ZI __m512i pair16_2(int a, int b, int c, int e) {     // [pair16(a, b) | pair16(c, e)]
+    return _mm512_inserti64x4(_mm512_castsi256_si512(pair16(a, b)), pair16(c, e), 1);
 }
 
 template <int NT>
@@ -649,8 +440,8 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
         for (int64_t i = 0; i < nb; ++i, b0 += BYTES, b1 += BYTES) {
             pf.next(b0, b1, BYTES);
             uint32_t u0[4], u1[4];
-            k4_scales_u(b0 + 4, u0);
-            k4_scales_u(b1 + 4, u1);
+            k4_scales(b0 + 4, u0);
+            k4_scales(b1 + 4, u1);
             const uint8_t* sc0 = (const uint8_t*)&u0[0];
             const uint8_t* mn0 = (const uint8_t*)&u0[2];
             const uint8_t* sc1 = (const uint8_t*)&u1[0];
@@ -693,7 +484,7 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
         }
         put_q8_2<NT>(out, r, acc, accm0, accm1);
     }
-    if (r < r1) q8_q45_k_z<NT, FIVE>(W, rb, r, r1, cols, xs, out);
+    if (r < r1) q8_q45_k<NT, FIVE>(W, rb, r, r1, cols, xs, out);
 }
 
 template <int NT>
@@ -738,7 +529,7 @@ EFS_Z void q8_q6_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
         }
         put_q8_2<NT>(out, r, acc, nullptr, nullptr);
     }
-    if (r < r1) q8_q6_k_z<NT>(W, rb, r, r1, cols, xs, out);
+    if (r < r1) q8_q6_k<NT>(W, rb, r, r1, cols, xs, out);
 }
 
 template <int NT> EFS_Z void q8_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
@@ -775,8 +566,8 @@ template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0,
     }
 
 EFS_KZ_Q8_ROWS(q8_q4_k_z, T_Q4_K, 1) EFS_KZ_Q8_ROWS(q8_q5_k_z, T_Q5_K, 1)
-EFS_KZ_Q8_ROWS(q8_q6_k_z2, T_Q6_K, 1) EFS_KZ_Q8_ROWS(q8_q2_k_z, T_Q2_K, 0)
-EFS_KZ_Q8_ROWS(q8_q3_k_z, T_Q3_K, 0)
+EFS_KZ_Q8_ROWS(q8_q6_k_z2, T_Q6_K, 1) EFS_KZ_Q8_ROWS(q8_q2_k, T_Q2_K, 0)
+EFS_KZ_Q8_ROWS(q8_q3_k, T_Q3_K, 0)
 
 }  // namespace
 
@@ -788,8 +579,8 @@ RowsFn avx512_k_rows(int type, int mode) {
             case T_Q4_K: return rows_q8_q4_k_z;
             case T_Q5_K: return rows_q8_q5_k_z;
             case T_Q6_K: return rows_q8_q6_k_z2;
-            case T_Q2_K: return rows_q8_q2_k_z;
-            case T_Q3_K: return rows_q8_q3_k_z;
+            case T_Q2_K: return rows_q8_q2_k;
+            case T_Q3_K: return rows_q8_q3_k;
             default: return nullptr;
         }
     }
