@@ -65,20 +65,6 @@ EFS_T void ex_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
     }
 }
 
-template <class D>
-EFS_T void rows_ex(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                   const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
-    for (int t0 = 0; t0 < nt; t0 += 4) {           // tokens in chunks of up to 4
-        const Out o{y + (int64_t)t0 * ys, ys, alpha, accumulate};
-        switch (nt - t0 < 4 ? nt - t0 : 4) {
-            case 1: ex_iq<1, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-            case 2: ex_iq<2, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-            case 3: ex_iq<3, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-            default: ex_iq<4, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-        }
-    }
-}
-
 // --- q8 mode ---------------------------------------------------------------------------------
 
 // Per group of 32, decoded once for up to 4 tokens: |q| times the activation bytes with q's
@@ -124,16 +110,27 @@ EFS_T void q8_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
     }
 }
 
-template <class D>
-EFS_T void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+// --- either mode: tokens in chunks of up to 4 -----------------------------------------------
+
+template <int NT, class D, bool Q8>
+EFS_TI void pass(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                 const XPrep* xs, Out o) {
+    if constexpr (Q8)
+        q8_iq<NT, D>(W, rb, r0, r1, cols, xs, o);
+    else
+        ex_iq<NT, D>(W, rb, r0, r1, cols, xs, o);
+}
+
+template <class D, bool Q8>
+EFS_T void rows_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                    const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
-    for (int t0 = 0; t0 < nt; t0 += 4) {           // tokens in chunks of up to 4
+    for (int t0 = 0; t0 < nt; t0 += 4) {
         const Out o{y + (int64_t)t0 * ys, ys, alpha, accumulate};
         switch (nt - t0 < 4 ? nt - t0 : 4) {
-            case 1: q8_iq<1, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-            case 2: q8_iq<2, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-            case 3: q8_iq<3, D>(W, rb, r0, r1, cols, xs + t0, o); break;
-            default: q8_iq<4, D>(W, rb, r0, r1, cols, xs + t0, o); break;
+            case 1: pass<1, D, Q8>(W, rb, r0, r1, cols, xs + t0, o); break;
+            case 2: pass<2, D, Q8>(W, rb, r0, r1, cols, xs + t0, o); break;
+            case 3: pass<3, D, Q8>(W, rb, r0, r1, cols, xs + t0, o); break;
+            default: pass<4, D, Q8>(W, rb, r0, r1, cols, xs + t0, o); break;
         }
     }
 }
@@ -141,7 +138,7 @@ EFS_T void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
 }  // namespace
 
 RowsFn avx2_iq_rows(int type, int mode) {
-#define EFS_CASE(T, D) case T: return mode == 0 ? rows_ex<D> : rows_q8<D>;
+#define EFS_CASE(T, D) case T: return mode == 0 ? rows_iq<D, false> : rows_iq<D, true>;
     switch (type) {
         EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
         EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)
