@@ -25,12 +25,9 @@
 namespace efs {
 namespace {
 
-
 // ---------------------------------------------------------------------------------------------
 // exact mode
 // ---------------------------------------------------------------------------------------------
-
-
 
 // IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group ib of 32: 6-bit scale ls, values
 // kvalues_iq4nl[nibble] (lo nibbles = elements 0..15 of the group, hi = 16..31).
@@ -284,13 +281,9 @@ EFS_EX_ROWS(ex_f16) EFS_EX_ROWS(ex_bf16) EFS_EX_ROWS(ex_iq4_nl)
 
 EFS_TI __m256i sum_pairs16(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 
-// unsigned x signed bytes -> 8 int32 sums of 4 products
+// unsigned x signed bytes -> 8 int32 sums of 4 products (signed x signed: |x| and y with x's
+// signs, as the callers do once per block for all their tokens)
 EFS_TI __m256i dot_us(__m256i ax, __m256i sy) { return sum_pairs16(_mm256_maddubs_epi16(ax, sy)); }
-// signed x signed
-EFS_TI __m256i dot_ss(__m256i x, __m256i y) {
-    return dot_us(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
-}
-
 
 // q8 products of up to 4 tokens (EFS_EX_ROWS chunks them): each block's weights decoded once
 // and multiplied by every token's activation block, each token's sums in its own accumulators
@@ -415,7 +408,6 @@ EFS_Q8_ROWS(iq4_xs)
 EFS_EX_ROWS(q8_q4_0) EFS_EX_ROWS(q8_q4_1) EFS_EX_ROWS(q8_q5_0) EFS_EX_ROWS(q8_q5_1)
 EFS_EX_ROWS(q8_q8_0) EFS_EX_ROWS(q8_mxfp4) EFS_EX_ROWS(q8_iq4_nl) EFS_EX_ROWS(q8_q4_k)
 EFS_EX_ROWS(q8_q5_k) EFS_EX_ROWS(q8_q6_k) EFS_EX_ROWS(q8_q2_k) EFS_EX_ROWS(q8_q3_k)
-
 
 }  // namespace
 
