@@ -371,43 +371,47 @@ template <int NT> EFS_T void q8_q4_k(const uint8_t* W, int64_t rb, int64_t r0, i
 template <int NT> EFS_T void q8_q5_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     int64_t cols, const XPrep* xs, Out out) { q8_q45_k<NT, true>(W, rb, r0, r1, cols, xs, out); }
 
-EFS_T float vd_iq4_xs(const uint8_t* b, int64_t cols, const void* yv, const char*& pf) {
-    const Q8K* y = (const Q8K*)yv;
+// IQ4_XS against Q8_K: per group of 32 the table values times the activations, times the
+// group's 6-bit scale less 32; per block acc += (dy * d) * float(the int32 sums).
+template <int NT>
+EFS_T void q8_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
     const int64_t nb = cols / 256;
     const __m256i tbl = tbl_iq4nl_s();
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i, b += 136) {
-        pf_next(pf, b + 136);
-        const int8_t* q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ++ib) {
-            const __m256i v = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
-            const __m256i yv8 = loadu256((const uint8_t*)(q8 + 32 * ib));
-            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v),
-                                                   _mm256_sign_epi8(yv8, v));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-                _mm256_set1_epi16((short)(iq4xs_ls(b, ib) - 32)), p));
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i, b += 136) {
+            pf_next(pf, b + 136);
+            __m256i sumi[NT];
+            for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+            for (int ib = 0; ib < 8; ++ib) {
+                const __m256i v = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
+                const __m256i av = _mm256_sign_epi8(v, v);
+                const __m256i ls = _mm256_set1_epi16((short)(iq4xs_ls(b, ib) - 32));
+                for (int t = 0; t < NT; ++t) {
+                    const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 32 * ib));
+                    const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(yv8, v));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(ls, p));
+                }
+            }
+            const float d = f16(b);
+            for (int t = 0; t < NT; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                         _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * f16(b)), _mm256_cvtepi32_ps(sumi), acc);
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]));
     }
-    return hsum(acc);
 }
 
-#define EFS_Q8_ROWS(name)                                                                      \
-    EFS_T void rows_q8_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,            \
-                              int64_t cols, const XPrep* xs, int nt, float* y, int64_t ys,     \
-                              float alpha, int accumulate) {                                    \
-        const Out o{y, ys, alpha, accumulate};                                                  \
-        const char* pf = pf_start(W + r0 * rb);                                                 \
-        for (int64_t r = r0; r < r1; ++r)                                                       \
-            for (int t = 0; t < nt; ++t)                                                        \
-                o.put(t, r, vd_##name(W + r * rb, cols, xs[t].q, pf));                          \
-    }
-
-EFS_Q8_ROWS(iq4_xs)
 EFS_EX_ROWS(q8_q4_0) EFS_EX_ROWS(q8_q4_1) EFS_EX_ROWS(q8_q5_0) EFS_EX_ROWS(q8_q5_1)
 EFS_EX_ROWS(q8_q8_0) EFS_EX_ROWS(q8_mxfp4) EFS_EX_ROWS(q8_iq4_nl) EFS_EX_ROWS(q8_q4_k)
 EFS_EX_ROWS(q8_q5_k) EFS_EX_ROWS(q8_q6_k) EFS_EX_ROWS(q8_q2_k) EFS_EX_ROWS(q8_q3_k)
+EFS_EX_ROWS(q8_iq4_xs)
 
 }  // namespace
 
