@@ -72,6 +72,15 @@ EFS_T void ex_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
 // (l0 for elements 0..15, l1 for 16..31), which sums pairs and scales in one operation: the
 // same int32 lanes as summing pairs by 1 and multiplying by ls after (exact integers, far from
 // int32's range), so the same bits, without a 32-bit multiply per group and token.
+// Types with mag/sgn (their grid bytes unsigned, the signs apart) skip forming q and taking
+// |q| and its signs back: the grid bytes are |q| (non-zero) and their sign vector gives the
+// activations q's signs, as ggml's own AVX2 IQ2/IQ3 dot products do. The same products.
+template <class D, class = void> struct HasMag { static constexpr bool value = false; };
+template <class D>
+struct HasMag<D, decltype((void)D::mag((const uint8_t*)nullptr, 0))> {
+    static constexpr bool value = true;
+};
+
 template <int NT, class D>
 EFS_T void q8_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                  const XPrep* xs, Out out) {
@@ -93,11 +102,17 @@ EFS_T void q8_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
                 const __m256i ls = D::PAIR ? _mm256_set_m128i(_mm_set1_epi16((short)l1),
                                                               _mm_set1_epi16((short)l0))
                                            : _mm256_set1_epi16((short)l0);
-                const __m256i q = D::q(b, ib);
-                const __m256i aq = _mm256_sign_epi8(q, q);
+                __m256i aq, sq;         // |q| and q's signs for the activations
+                if constexpr (HasMag<D>::value) {
+                    aq = D::mag(b, ib);
+                    sq = D::sgn(b, ib);
+                } else {
+                    sq = D::q(b, ib);
+                    aq = _mm256_sign_epi8(sq, sq);
+                }
                 for (int t = 0; t < NT; ++t) {
                     const __m256i qy = loadu256((const uint8_t*)(y[t][i].qs + 32 * ib));
-                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(qy, q));
+                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(qy, sq));
                     sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, ls));
                 }
             }

@@ -4,7 +4,9 @@
 // namespace, as kern_avx2_util.h, so no inline symbol compiled for AVX2 is shared with the
 // portable units. Per type D: BYTES, PAIR (a multiplier per 16 weights rather than per 32), F,
 // d(b) the block scale, q(b, ib) group ib's 32 signed integer weights, w(b, ib, v) the same as
-// 4 x 8 exact floats, ls(b, ib, &l0, &l1) the integer multipliers of its two halves.
+// 4 x 8 exact floats, ls(b, ib, &l0, &l1) the integer multipliers of its two halves. The types
+// whose grid values are unsigned with separate sign bits (IQ2, IQ3) also give mag(b, ib), the
+// grid bytes, and sgn(b, ib), their signs as a sign_epi8 vector: q = sign_epi8(mag, sgn).
 #pragma once
 
 #include "kern_avx2_util.h"
@@ -66,11 +68,13 @@ struct IQ2XXS {
     static constexpr bool PAIR = false;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
+    EFS_TI static __m256i mag(const uint8_t* b, int ib) {
         const uint8_t* p = b + 2 + 8 * ib;
         const uint64_t* g = g_iq.iq2xxs;
-        return _mm256_sign_epi8(set4x64(g[p[0]], g[p[1]], g[p[2]], g[p[3]]), ksign4(u32_(p + 4)));
+        return set4x64(g[p[0]], g[p[1]], g[p[2]], g[p[3]]);
     }
+    EFS_TI static __m256i sgn(const uint8_t* b, int ib) { return ksign4(u32_(b + 2 + 8 * ib + 4)); }
+    EFS_TI static __m256i q(const uint8_t* b, int ib) { return _mm256_sign_epi8(mag(b, ib), sgn(b, ib)); }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {
         const uint8_t* p = b + 2 + 8 * ib;
         const uint32_t aux = u32_(p + 4);
@@ -87,14 +91,19 @@ struct IQ2XS {
     static constexpr bool PAIR = true;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
+    EFS_TI static __m256i mag(const uint8_t* b, int ib) {
         const uint8_t* p = b + 2 + 8 * ib;
-        const uint16_t w0 = u16_(p), w1 = u16_(p + 2), w2 = u16_(p + 4), w3 = u16_(p + 6);
         const uint64_t* g = g_iq.iq2xs;
-        const uint64_t* km = g_iq.ksigns_mask;
-        return _mm256_sign_epi8(set4x64(g[w0 & 511], g[w1 & 511], g[w2 & 511], g[w3 & 511]),
-                                set4x64(km[w0 >> 9], km[w1 >> 9], km[w2 >> 9], km[w3 >> 9]));
+        return set4x64(g[u16_(p) & 511], g[u16_(p + 2) & 511], g[u16_(p + 4) & 511],
+                       g[u16_(p + 6) & 511]);
     }
+    EFS_TI static __m256i sgn(const uint8_t* b, int ib) {
+        const uint8_t* p = b + 2 + 8 * ib;
+        const uint64_t* km = g_iq.ksigns_mask;
+        return set4x64(km[u16_(p) >> 9], km[u16_(p + 2) >> 9], km[u16_(p + 4) >> 9],
+                       km[u16_(p + 6) >> 9]);
+    }
+    EFS_TI static __m256i q(const uint8_t* b, int ib) { return _mm256_sign_epi8(mag(b, ib), sgn(b, ib)); }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {
         const uint8_t* p = b + 2 + 8 * ib;
         for (int l = 0; l < 4; ++l) {
@@ -113,14 +122,15 @@ struct IQ2S {
     static constexpr bool PAIR = true;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
+    EFS_TI static __m256i mag(const uint8_t* b, int ib) {
         const uint8_t* p = b + 2 + 4 * ib;
         const int h = b[66 + ib];
         const uint64_t* g = g_iq.iq2s;
-        return _mm256_sign_epi8(set4x64(g[p[0] | ((h << 8) & 0x300)], g[p[1] | ((h << 6) & 0x300)],
-                                        g[p[2] | ((h << 4) & 0x300)], g[p[3] | ((h << 2) & 0x300)]),
-                                sign_bits(b + 34 + 4 * ib));
+        return set4x64(g[p[0] | ((h << 8) & 0x300)], g[p[1] | ((h << 6) & 0x300)],
+                       g[p[2] | ((h << 4) & 0x300)], g[p[3] | ((h << 2) & 0x300)]);
     }
+    EFS_TI static __m256i sgn(const uint8_t* b, int ib) { return sign_bits(b + 34 + 4 * ib); }
+    EFS_TI static __m256i q(const uint8_t* b, int ib) { return _mm256_sign_epi8(mag(b, ib), sgn(b, ib)); }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {
         const uint8_t* p = b + 2 + 4 * ib;
         const int h = b[66 + ib];
@@ -139,13 +149,14 @@ struct IQ3XXS {
     static constexpr bool PAIR = false;
     static constexpr float F = 0.25f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
+    EFS_TI static __m256i mag(const uint8_t* b, int ib) {
         const uint8_t* p = b + 2 + 8 * ib;
         const uint32_t* g = g_iq.iq3xxs;
-        const __m256i v = _mm256_setr_epi32((int)g[p[0]], (int)g[p[1]], (int)g[p[2]], (int)g[p[3]],
-                                            (int)g[p[4]], (int)g[p[5]], (int)g[p[6]], (int)g[p[7]]);
-        return _mm256_sign_epi8(v, ksign4(u32_(b + 66 + 4 * ib)));
+        return _mm256_setr_epi32((int)g[p[0]], (int)g[p[1]], (int)g[p[2]], (int)g[p[3]],
+                                 (int)g[p[4]], (int)g[p[5]], (int)g[p[6]], (int)g[p[7]]);
     }
+    EFS_TI static __m256i sgn(const uint8_t* b, int ib) { return ksign4(u32_(b + 66 + 4 * ib)); }
+    EFS_TI static __m256i q(const uint8_t* b, int ib) { return _mm256_sign_epi8(mag(b, ib), sgn(b, ib)); }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {
         const uint8_t* p = b + 2 + 8 * ib;
         const uint32_t aux = u32_(b + 66 + 4 * ib);
@@ -163,17 +174,18 @@ struct IQ3S {
     static constexpr bool PAIR = false;
     static constexpr float F = 1.f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
+    EFS_TI static __m256i mag(const uint8_t* b, int ib) {
         const uint8_t* p = b + 2 + 8 * ib;
         const int h = b[66 + ib];
         const uint32_t* g = g_iq.iq3s;
-        const __m256i v = _mm256_setr_epi32(
+        return _mm256_setr_epi32(
             (int)g[p[0] | ((h << 8) & 256)], (int)g[p[1] | ((h << 7) & 256)],
             (int)g[p[2] | ((h << 6) & 256)], (int)g[p[3] | ((h << 5) & 256)],
             (int)g[p[4] | ((h << 4) & 256)], (int)g[p[5] | ((h << 3) & 256)],
             (int)g[p[6] | ((h << 2) & 256)], (int)g[p[7] | ((h << 1) & 256)]);
-        return _mm256_sign_epi8(v, sign_bits(b + 74 + 4 * ib));
     }
+    EFS_TI static __m256i sgn(const uint8_t* b, int ib) { return sign_bits(b + 74 + 4 * ib); }
+    EFS_TI static __m256i q(const uint8_t* b, int ib) { return _mm256_sign_epi8(mag(b, ib), sgn(b, ib)); }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {
         const uint8_t* p = b + 2 + 8 * ib;
         const int h = b[66 + ib];
