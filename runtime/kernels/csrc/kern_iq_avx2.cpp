@@ -72,14 +72,9 @@ EFS_T void ex_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
 // (l0 for elements 0..15, l1 for 16..31), which sums pairs and scales in one operation: the
 // same int32 lanes as summing pairs by 1 and multiplying by ls after (exact integers, far from
 // int32's range), so the same bits, without a 32-bit multiply per group and token.
-// Types with mag/sgn (their grid bytes unsigned, the signs apart) skip forming q and taking
+// Types with D::MAG (their grid bytes unsigned, the signs apart) skip forming q and taking
 // |q| and its signs back: the grid bytes are |q| (non-zero) and their sign vector gives the
 // activations q's signs, as ggml's own AVX2 IQ2/IQ3 dot products do. The same products.
-template <class D, class = void> struct HasMag { static constexpr bool value = false; };
-template <class D>
-struct HasMag<D, decltype((void)D::mag((const uint8_t*)nullptr, 0))> {
-    static constexpr bool value = true;
-};
 
 template <int NT, class D>
 EFS_T void q8_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
@@ -103,7 +98,7 @@ EFS_T void q8_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
                                                               _mm_set1_epi16((short)l0))
                                            : _mm256_set1_epi16((short)l0);
                 __m256i aq, sq;         // |q| and q's signs for the activations
-                if constexpr (HasMag<D>::value) {
+                if constexpr (D::MAG) {
                     aq = D::mag(b, ib);
                     sq = D::sgn(b, ib);
                 } else {

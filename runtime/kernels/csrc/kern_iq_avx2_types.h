@@ -4,9 +4,10 @@
 // namespace, as kern_avx2_util.h, so no inline symbol compiled for AVX2 is shared with the
 // portable units. Per type D: BYTES, PAIR (a multiplier per 16 weights rather than per 32), F,
 // d(b) the block scale, q(b, ib) group ib's 32 signed integer weights, w(b, ib, v) the same as
-// 4 x 8 exact floats, ls(b, ib, &l0, &l1) the integer multipliers of its two halves. The types
-// whose grid values are unsigned with separate sign bits (IQ2, IQ3) also give mag(b, ib), the
-// grid bytes, and sgn(b, ib), their signs as a sign_epi8 vector: q = sign_epi8(mag, sgn).
+// 4 x 8 exact floats, ls(b, ib, &l0, &l1) the integer multipliers of its two halves. MAG: the
+// type's grid values are unsigned with separate sign bits (IQ2, IQ3), and it also gives
+// mag(b, ib), the grid bytes, and sgn(b, ib), their signs as a sign_epi8 vector:
+// q = sign_epi8(mag, sgn).
 #pragma once
 
 #include "kern_avx2_util.h"
@@ -66,6 +67,7 @@ EFS_TI __m256 fgrid4x2(const float* g, int i0, int i1, const uint32_t* sg, int s
 struct IQ2XXS {
     static constexpr int BYTES = 66;
     static constexpr bool PAIR = false;
+    static constexpr bool MAG = true;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static __m256i mag(const uint8_t* b, int ib) {
@@ -89,6 +91,7 @@ struct IQ2XXS {
 struct IQ2XS {
     static constexpr int BYTES = 74;
     static constexpr bool PAIR = true;
+    static constexpr bool MAG = true;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static __m256i mag(const uint8_t* b, int ib) {
@@ -120,6 +123,7 @@ struct IQ2XS {
 struct IQ2S {
     static constexpr int BYTES = 82;
     static constexpr bool PAIR = true;
+    static constexpr bool MAG = true;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static __m256i mag(const uint8_t* b, int ib) {
@@ -147,6 +151,7 @@ struct IQ2S {
 struct IQ3XXS {
     static constexpr int BYTES = 98;
     static constexpr bool PAIR = false;
+    static constexpr bool MAG = true;
     static constexpr float F = 0.25f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static __m256i mag(const uint8_t* b, int ib) {
@@ -172,6 +177,7 @@ struct IQ3XXS {
 struct IQ3S {
     static constexpr int BYTES = 110;
     static constexpr bool PAIR = false;
+    static constexpr bool MAG = true;
     static constexpr float F = 1.f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static __m256i mag(const uint8_t* b, int ib) {
@@ -207,6 +213,7 @@ EFS_TI __m256i times8(__m256i g) {      // int8 g in {-1, 0, 1} -> 8 g
 struct IQ1S {
     static constexpr int BYTES = 50;
     static constexpr bool PAIR = false;
+    static constexpr bool MAG = false;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
     EFS_TI static __m256i q(const uint8_t* b, int ib) {
@@ -233,6 +240,7 @@ struct IQ1S {
 struct IQ1M {
     static constexpr int BYTES = 56;
     static constexpr bool PAIR = true;
+    static constexpr bool MAG = false;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) {
         const uint16_t s0 = u16_(b + 48), s1 = u16_(b + 50), s2 = u16_(b + 52), s3 = u16_(b + 54);
@@ -280,6 +288,7 @@ EFS_TI void ints_to_floats(__m256i q, __m256* v) {
 struct TQ2 {
     static constexpr int BYTES = 66;
     static constexpr bool PAIR = false;
+    static constexpr bool MAG = false;
     static constexpr float F = 1.f;
     EFS_TI static float d(const uint8_t* b) { return f16(b + 64); }
     EFS_TI static __m256i q(const uint8_t* b, int ib) {
@@ -301,6 +310,7 @@ EFS_TI __m256i mul_u8(__m256i a, __m256i m) {     // a * m mod 256 per byte
 struct TQ1 {
     static constexpr int BYTES = 54;
     static constexpr bool PAIR = false;
+    static constexpr bool MAG = false;
     static constexpr float F = 1.f;
     EFS_TI static float d(const uint8_t* b) { return f16(b + 52); }
     // Group ib's 32 bytes to take base-3 digits of and the power of 3 for each.

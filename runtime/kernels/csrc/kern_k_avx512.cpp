@@ -1,7 +1,8 @@
 // The K-quants Q2_K, Q3_K, Q5_K, Q6_K and IQ4_NL (exact) and Q2_K ... Q6_K (q8) on CPUs with
 // AVX-512 (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
 // (kern_k_avx2.h) in wider forms that give their results bit for bit, so a model's logits do
-// not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q4_K keeps kern_avx512.cpp's table-lookup kernel.
+// not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q4_K
+// keeps kern_avx512.cpp's table-lookup kernel.
 //
 //  - exact: two rows per 512-bit vector (see below), passes of up to 8 tokens: each group of
 //    weights is decoded once for both rows and 8 tokens, each activation load serves two rows.
