@@ -22,6 +22,9 @@ repacked, measured and (with ``--clean``) deleted before the next, so the disk h
 a time. Needs root (cgroups, drop_caches, readahead) and llama-cpp-python, as bench_lowram does.
 
     sudo .venv/bin/python bench/bench_matrix.py --dir /work/scratch/matrix --size 6G --clean
+
+``--expertfs-args "--act-quant q8"`` gives expertfs llama.cpp's 8-bit activations;
+``--resident-only`` skips the capped columns.
 """
 
 from __future__ import annotations
@@ -93,6 +96,10 @@ def main() -> int:
     ap.add_argument("--resident-rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("-n", type=int, default=16, help="decode tokens per run (16)")
+    ap.add_argument("--expertfs-args", default="",
+                    help="extra flags for expertfs run, e.g. \"--act-quant q8\"")
+    ap.add_argument("--resident-only", action="store_true",
+                    help="only the resident columns (no capped runs)")
     ap.add_argument("--clean", action="store_true", help="delete each row's model after it")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -103,9 +110,12 @@ def main() -> int:
         gguf = os.path.join(a.dir, f"{name}.gguf")
         cmd = [sys.executable, os.path.join(HERE, "bench_lowram.py"), "--model", gguf,
                "--size", a.size, "--like", like, "--quant", quant, "--vocab", "0",
-               "--experts", "0", "--cap", str(a.cap), "--rounds", str(a.rounds), "-n", str(a.n),
+               "--experts", "0", "--cap", "0" if a.resident_only else str(a.cap),
+               "--rounds", str(a.rounds), "-n", str(a.n),
                "--prompt-tokens", str(a.prompt_tokens), "--resident", "--resident-rounds",
                str(a.resident_rounds), "--json", *more]
+        if a.expertfs_args:
+            cmd += ["--expertfs-args", a.expertfs_args]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             out[name] = {"failed": r.returncode, "stderr": r.stderr[-800:]}
