@@ -28,6 +28,11 @@ simulator's semantics, policy by name from ``expertfs.runtime.policies.registry`
 ``prefetch_slots`` (RAM tier only) stages prefetches outside the tier, so wrong predictions
 evict nothing (see ``TierCache``); without it they are read into the tier itself.
 
+Under a memory cap (a cgroup, ``EXPERTFS_MEMORY_LIMIT``: ``runtime.memory``) the reads keep
+no copy in the page cache (``drop_behind``: buffered reads drop their pages once copied; direct
+ones never make any): the cap charges it to this process, and the tier already holds what was
+read. Without a cap the page cache is the kernel's spare memory and stays.
+
 Budgets are explicit and never exceeded: ``ram_bytes`` is the whole host slab (staging
 included), ``vram_bytes`` the device slab. ``device="cuda"`` with no VRAM budget copies each
 get's experts to the device (freed at release). Tiers are named ``vram`` and ``ram`` in stats.
@@ -45,6 +50,7 @@ from expertfs.errors import StoreError
 
 from . import State, TierCache, TieredStats, UsageRecorder, load_rates, persist_usage
 from ..io import ExpertReader, IOBackend, PinBudget
+from ..memory import limit_and_source
 from ..policies.base import Policy
 from ..prefetch import HistoryPredictor, Prefetcher
 from ..experts.protocol import (BoundedGet, ExpertProvider, ExpertWeights, PrefetchReport,
@@ -82,12 +88,14 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
                  pin: bool | str = "auto", pin_budget: PinBudget | None = None,
                  record_usage: bool = True, verify: str = "first",
                  reader: ExpertReader | None = None, prefetch_slots: int = 0,
-                 warm_held: bool = False) -> None:
+                 warm_held: bool = False, drop_behind: bool | None = None) -> None:
         self.store = store
         self.ram_bytes, self.vram_bytes = int(ram_bytes), int(vram_bytes)
         self.stats = TieredStats()
+        if drop_behind is None:       # under a cap the page cache is charged to this process
+            drop_behind = limit_and_source()[1] != "physical"
         self.reader = reader or ExpertReader(store, backend=backend, queue_depth=queue_depth,
-                                             verify=verify)
+                                             verify=verify, drop_behind=drop_behind)
         try:
             self.cache = TierCache(store, self.reader, device=device, ram_bytes=ram_bytes,
                                    vram_bytes=vram_bytes, policy=policy, queue_depth=queue_depth,

@@ -219,9 +219,12 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
     return choice
 
 
-def _options(choice: AutoChoice) -> dict[str, Any]:
-    """kvikio's POSIX path reads in the mode the probe measured faster: O_DIRECT as ``direct``
-    unless ``buffered`` beat it by more than the tie margin (the same rule as between backends)."""
+def _options(choice: AutoChoice, drop_behind: bool = False) -> dict[str, Any]:
+    """``buffered``: ``drop_behind`` as asked. kvikio's POSIX path reads in the mode the probe
+    measured faster: O_DIRECT as ``direct`` unless ``buffered`` beat it by more than the tie
+    margin (the same rule as between backends)."""
+    if choice.backend == "buffered":
+        return {"drop_behind": drop_behind}
     g = choice.gbps
     if choice.backend != "kvikio" or "direct" not in g or "buffered" not in g:
         return {}
@@ -231,17 +234,21 @@ def _options(choice: AutoChoice) -> dict[str, Any]:
 def open_file(path: str | os.PathLike[str], *, backend: str | IOBackend = "auto",
               queue_depth: int = DEFAULT_QUEUE_DEPTH, max_pending: int | None = None,
               retry: RetryPolicy | None = None, read_size: int | None = None,
-              cache_dir: str | os.PathLike[str] | None = None) -> FileHandle:
+              cache_dir: str | os.PathLike[str] | None = None,
+              drop_behind: bool = False) -> FileHandle:
     """Open ``path`` for reads with a backend object, a backend name, or ``"auto"``.
-    The handle's ``choice`` is the :class:`AutoChoice` (``None`` unless auto)."""
+    The handle's ``choice`` is the :class:`AutoChoice` (``None`` unless auto).
+    ``drop_behind``: a ``buffered`` backend chosen by name or by auto drops each read's pages
+    from the page cache (``buffered``)."""
     choice = None
     if isinstance(backend, str):
         if backend == "auto":
             choice = choose_backend(path, read_size=read_size, queue_depth=queue_depth,
                                     cache_dir=cache_dir)
-            backend = get_backend(choice.backend, **_options(choice))
+            backend = get_backend(choice.backend, **_options(choice, drop_behind))
         else:
-            backend = get_backend(backend)
+            backend = get_backend(backend, **({"drop_behind": drop_behind}
+                                              if backend == "buffered" else {}))
     fh = backend.open(path, queue_depth=queue_depth, max_pending=max_pending, retry=retry)
     fh.choice = choice
     return fh

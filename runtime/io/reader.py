@@ -88,7 +88,8 @@ class ExpertReader:
                  backend: str | IOBackend = "auto", queue_depth: int = DEFAULT_QUEUE_DEPTH,
                  max_pending: int | None = None, verify: str = "first",
                  retry: RetryPolicy | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None, rereads: int = 2) -> None:
+                 cache_dir: str | os.PathLike[str] | None = None, rereads: int = 2,
+                 drop_behind: bool = False) -> None:
         if verify not in VERIFY_MODES:
             raise IOUsageError(f"verify={verify!r} is not one of {', '.join(VERIFY_MODES)}",
                                fix="use 'first' (default), 'always' or 'never'")
@@ -102,7 +103,7 @@ class ExpertReader:
         self.rereads = max(0, int(rereads))
         self.handle: FileHandle = open_file(self.path, backend=backend, queue_depth=queue_depth,
                                             max_pending=max_pending, retry=retry,
-                                            cache_dir=cache_dir)
+                                            cache_dir=cache_dir, drop_behind=drop_behind)
         try:
             self._identity = _identity(os.stat(self.path))
         except OSError:
