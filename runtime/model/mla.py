@@ -138,17 +138,20 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
     idx = select(x, qr) if select is not None else None
     kv = w.wkv_a(x)                                                    # [T, L + R]
     c = rms_norm(kv[:, :L], w.kv_a_norm, cfg.rms_eps)                  # [T, L]
-    q_abs = w.k_b.apply(q[..., :N])                                    # [T, H, L]
     p0 = cache.pos
     kc = cache.k[layer]                                                # [1, cap, L + R]
+    q_pe = None
     if R:
         k_pe = rope.apply(kv[:, L:].reshape(T, 1, R), cos, sin)        # [T, 1, R]
         q_pe = rope.apply(q[..., N:], cos, sin)                        # [T, H, R]
-        Q = torch.cat((q_abs, q_pe), dim=-1)                           # [T, H, L + R]
         kc[0, p0:p0 + T] = torch.cat((c, k_pe[:, 0]), dim=-1)
     else:                                                              # nope-only (glm5-next)
-        Q = q_abs
         kc[0, p0:p0 + T] = c
+
+    def absorbed(a: int, b: int) -> torch.Tensor:     # queries a..b-1 as [b - a, H, L + R]
+        q_abs = w.k_b.apply(q[a:b, :, :N])                             # [b - a, H, L]
+        return q_abs if q_pe is None else torch.cat((q_abs, q_pe[a:b]), dim=-1)
+
     S = p0 + T
     k = kc[None, :, :S]                                                # [1, 1, S, L + R]
     if idx is not None and idx.dtype == torch.bool:                    # a [T, S] keep mask
@@ -162,16 +165,30 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
                 mask, idx = idx, None
             else:                                                      # kept positions first
                 order = torch.argsort(idx.to(torch.uint8), dim=1, descending=True, stable=True)
-                return _out(_sparse(Q, kc[0], order[:, :n], idx.gather(1, order[:, :n]), L,
-                                    cfg.kq_scale), w, cfg)
+                return _out(_sparse(absorbed(0, T), kc[0], order[:, :n],
+                                    idx.gather(1, order[:, :n]), L, cfg.kq_scale), w, cfg)
     if idx is not None and T == 1:
         k, mask = kc[None, :, idx[0]], None                            # [1, 1, k, L + R]
     elif idx is not None:                                              # [T, k] positions
         valid = idx <= torch.arange(p0, S, device=x.device)[:, None]   # causal (top-k pads)
         if mask is not None:
             valid &= mask.gather(1, idx)
-        return _out(_sparse(Q, kc[0], idx, valid, L, cfg.kq_scale), w, cfg)
-    return _out(_mqa(Q, k[0, 0], L, mask, cfg.kq_scale), w, cfg)
+        return _out(_sparse(absorbed(0, T), kc[0], idx, valid, L, cfg.kq_scale), w, cfg)
+    # dense: the absorbed queries a chunk of tokens at a time (a prompt batch's whole would be
+    # T x H x (L + R) floats twice over: 75 MB each for 256 tokens of DeepSeek-V3's 128 heads)
+    step = max(1, MLA_QUERY_CHUNK // (H * (L + R)))
+    if T <= step:
+        return _out(_mqa(absorbed(0, T), k[0, 0], L, mask, cfg.kq_scale), w, cfg)
+    out = torch.empty(T, H, L, dtype=q.dtype, device=q.device)
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        out[a:b] = _mqa(absorbed(a, b), k[0, 0], L, None if mask is None else mask[a:b],
+                        cfg.kq_scale)
+    return _out(out, w, cfg)
+
+
+#: the dense attention absorbs at most this many (query, head, latent) elements at once
+MLA_QUERY_CHUNK = 1 << 22
 
 
 #: the dense MQA's scores are formed for at most this many (query, head, position) at once

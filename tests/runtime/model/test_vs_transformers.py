@@ -53,6 +53,16 @@ def test_f32_logits_equal_transformers(f32_models, kind):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_mla_prompt_in_query_chunks_equals_transformers(f32_models, monkeypatch):
+    """MLA's dense attention absorbs a prompt's queries a chunk of tokens at a time
+    (``mla.MLA_QUERY_CHUNK``): at one token a chunk the logits are transformers' still."""
+    from expertfs.runtime.model import mla
+    monkeypatch.setattr(mla, "MLA_QUERY_CHUNK", 1)
+    model, _, store = f32_models["deepseek2"]
+    ref, ours = _ref(model), _ours(store)
+    assert np.abs(ours - ref).max() < F32_TOL
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_incremental_decode_equals_one_batch(f32_models, kind):
     """Prefill in batches of 5, then one token at a time: the same logits as one forward."""
