@@ -18,7 +18,7 @@ from ..errors import UsageError
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
            "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
-           "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "os_headroom",
+           "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "fallback_slab", "os_headroom",
            "runtime_overhead", "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
            "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions"]
 
@@ -165,6 +165,13 @@ _LABEL = {"kv_cache": "KV cache", "os_headroom": "OS headroom"}
 FALLBACK_SLAB = 64 << 20
 
 
+def fallback_slab(slot_bytes: int, k: int) -> int:
+    """The RAM tier ``run`` takes when its budget leaves none: ``FALLBACK_SLAB``, or one
+    layer's ``k`` experts of ``slot_bytes`` where that is more (a CPU run computes a layer's
+    experts from the tier)."""
+    return max(FALLBACK_SLAB, k * slot_bytes)
+
+
 @dataclass(frozen=True)
 class HostBudget:
     """Host memory of one run, every byte named: what the limit holds beside the RAM tier, and
@@ -206,6 +213,11 @@ class HostBudget:
         parts = " + ".join(f"{_LABEL.get(name, name)} {n >> 20} MiB"
                            for name, n in self.items()[1:] if n)
         head = f" (after {self.headroom >> 20} MiB left to the OS)" if self.headroom else ""
+        if self.room <= 0:
+            return (f"{parts} leave no room for a RAM tier in this process's memory limit of "
+                    f"{self.limit >> 20} MiB{head}: with a {ram_bytes >> 20} MiB tier the trunk is "
+                    f"evicted and re-read from disk as tokens need it (or the process killed); "
+                    f"a larger limit, a smaller --ctx or --batch, or a smaller model avoid it")
         return (f"RAM tier {ram_bytes >> 20} MiB + {parts} exceed this process's memory limit "
                 f"of {self.limit >> 20} MiB{head}: the trunk would be evicted and re-read from "
                 f"disk every token (or the process killed); use --ram {max(0, self.room) >> 20}M "

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
+from ._prompt import prompt_ids as _prompt_ids
 from ._tiers import ram_tier as _ram_tier
 
 __all__ = ["register", "run"]
@@ -214,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--preload needs the RAM tier, and --provider direct keeps no expert",
                          fix="drop --provider direct (or --preload)")
     tokens = _parse_tokens(args.tokens) if args.tokens else None
+    args.prompt_ids = None if tokens is not None else _prompt_ids(args)
+    # the memory budget holds a prompt batch's activations: no more than this prompt's tokens
+    args.budget_batch = min(args.batch, len(tokens if tokens is not None else args.prompt_ids))
     eng, spec = _open(args)
     try:
         preload_s = None
@@ -303,12 +307,7 @@ def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = Non
     from ..runtime.sampling import Sampler, SamplingParams
     from ..runtime.tokenizer.gguf import GGUFTokenizer
     tok = GGUFTokenizer(eng.kv, eng.store.path)
-    text = args.prompt
-    if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": text}])
-    prompt = tok.encode(text)
-    if not prompt:
-        raise UsageError("the prompt is empty after tokenization", fix="pass some text with -p")
+    prompt = args.prompt_ids
     sampler = Sampler(SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
     status = _Status(eng, not args.json)
     detok = tok.detokenizer()

@@ -28,7 +28,8 @@ from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION, VRAM_RESERVE_MIN, GiB,
                           MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
-from .host import LIMIT_SOURCES, os_headroom, run_host_budget, trunk_host_bytes, workspace_bytes
+from .host import (LIMIT_SOURCES, PREFILL_BATCH, os_headroom, run_host_budget, trunk_host_bytes,
+                   workspace_bytes)
 from .rates import Range
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
@@ -273,7 +274,7 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
 
     hb = run_host_budget(g, box.ctx, dev, trunk_mode, experts_on_gpu=pl.experts == "gpu",
                          kv_type=kv_type, limit=box.ram, source=box.limit_source,
-                         headroom=box.headroom)
+                         headroom=box.headroom, batch=budget_batch(box.prompt_tokens))
     h_note = ("--headroom" if box.headroom is not None else
               f"RAM/8, at least min({OS_HEADROOM_MIN // GiB} GiB, RAM/4)"
               if box.limit_source == "physical" else f"none: the limit is a cap ({box.limit_source})")
@@ -297,10 +298,10 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     short = avail < need_tier * slot
     evicted = _evicted(hb.trunk, avail, slot, k) if short and trunk_mode == "quant" else None
     if evicted is not None:
-        avail = _memory.FALLBACK_SLAB                       # run's fallback tier, trunk re-read
+        avail = _memory.fallback_slab(slot, k)              # run's fallback tier, trunk re-read
         notes.append(Note("warning", "trunk_evicted",
                           f"RAM {_gib(box.ram)} leaves no room for one layer's {k} experts beside "
-                          f"the trunk: run falls back to a {_memory.FALLBACK_SLAB >> 20} MiB tier "
+                          f"the trunk: run falls back to a {avail >> 20} MiB tier "
                           f"and the cap keeps {_gib(evicted)} of the quantized trunk out of "
                           "memory, re-read from the drive as tokens need it: expect disk-bound "
                           "decode (more memory, a smaller --ctx or a smaller model avoid it)"))
@@ -351,13 +352,18 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
                   tuple(notes), evicted or 0)
 
 
+def budget_batch(prompt_tokens: int) -> int:
+    """The prompt batch a run's memory holds (as ``run`` budgets it): ``--batch``'s default,
+    or the prompt where it is shorter (0: not given, the default batch)."""
+    return min(PREFILL_BATCH, prompt_tokens) if prompt_tokens > 0 else PREFILL_BATCH
+
+
 def _evicted(trunk: int, avail: int, slot: int, k: int) -> int | None:
     """How much of a quantized trunk (file pages, which a cap can evict) the run's fallback
     tier pushes out of memory when the budget leaves ``avail`` (< k slots) beside it; None
-    when the fallback cannot hold one layer's experts or the rest cannot fit even with the
-    trunk evicted whole (the process would be killed)."""
-    fall = _memory.FALLBACK_SLAB
-    if fall // slot < k or avail + trunk < fall:
+    when the rest cannot fit even with the trunk evicted whole (the process would be killed)."""
+    fall = _memory.fallback_slab(slot, k)
+    if avail + trunk < fall:
         return None
     return min(trunk, fall - avail)
 

@@ -12,10 +12,17 @@ from ..memory import HostBudget
 from .assumptions import CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUANT_CHUNK, QUEUE_DEPTH
 from .geometry import DTYPE_BYTES, Geometry, kv_cache_bytes
 
-__all__ = ["LIMIT_SOURCES", "os_headroom", "workspace_bytes", "trunk_host_bytes",
-           "run_host_budget"]
+__all__ = ["LIMIT_SOURCES", "os_headroom", "workspace_bytes", "prefill_activation_bytes",
+           "trunk_host_bytes", "run_host_budget", "PREFILL_BATCH"]
 
 LIMIT_SOURCES = ("physical", "cgroup", "env", "limit")
+#: ``expertfs run --batch``'s default: the prompt tokens one forward pass takes
+PREFILL_BATCH = 256
+#: the dense MLA attention forms its scores for at most this many (query, head, position) at
+#: once (``runtime.model.mla.MQA_CHUNK``), and absorbs at most this many (query, head, latent)
+#: elements at once (``runtime.model.mla.MLA_QUERY_CHUNK``)
+MQA_SCORES = 1 << 23
+MLA_QUERIES = 1 << 22
 
 
 def os_headroom(ram: int, source: str = "physical") -> int:
@@ -24,15 +31,38 @@ def os_headroom(ram: int, source: str = "physical") -> int:
     return _memory.os_headroom(ram, source)
 
 
-def workspace_bytes(g: Geometry, ctx: int, device: str) -> int:
-    """Activations and temporaries of one decode step on ``device`` ("cpu" or "gpu"): a dequant
-    chunk, the logits, attention scores at ``ctx``, hidden states."""
+def workspace_bytes(g: Geometry, ctx: int, device: str, batch: int = 1) -> int:
+    """Activations and temporaries on ``device`` ("cpu" or "gpu"): a dequant chunk, the logits,
+    attention scores at ``ctx``, hidden states of one decode step, and with ``batch`` > 1 a
+    prompt batch's activations (``prefill_activation_bytes``)."""
     chunk = CPU_DEQUANT_CHUNK if device == "cpu" else GPU_DEQUANT_CHUNK
     dequant = min(g.largest_matrix_elements, chunk) * DEQUANT_BYTES_PER_ELEMENT
     logits = g.n_vocab * 4
     scores = 2 * g.n_head * ctx * 4
     hidden = 16 * max(g.n_embd, max((m.rows for layer in g.expert_parts for m in layer), default=0)) * 4
-    return dequant + logits + scores + hidden
+    return dequant + logits + scores + hidden + prefill_activation_bytes(g, ctx, batch)
+
+
+def prefill_activation_bytes(g: Geometry, ctx: int, batch: int) -> int:
+    """Float32 activations a prompt batch of ``batch`` tokens (at most ``ctx``) holds at once on
+    the CPU, beyond one decode step's: per token, every head's query and output rows (MLA: the
+    query, the output latent and the value rows, two latents' width together, and the
+    absorbed queries a chunk of ``MLA_QUERIES`` at a time), the scores and probabilities of a
+    first prompt (MLA's in chunks of ``MQA_SCORES``), the widest trunk product's outputs
+    (gate, up, their product) and the hidden states."""
+    t = max(0, min(batch, ctx))
+    if t <= 1:
+        return 0
+    h = g.n_head
+    if g.mla_latent:
+        per_head = 2 * g.mla_latent
+        scores = 2 * MLA_QUERIES + 2 * min(MQA_SCORES, t * h * t)
+    else:
+        per_head = 2 * (g.key_length + g.value_length)
+        scores = 2 * t * h * t
+    widest = max([m.rows for m in g.trunk_matrices if m.rows != g.n_vocab]
+                 + [m.rows for layer in g.expert_parts for m in layer], default=0)
+    return 4 * (t * h * per_head + scores + 3 * t * widest + 6 * t * g.n_embd)
 
 
 def trunk_host_bytes(g: Geometry, mode: str, device: str = "cpu",
@@ -69,10 +99,11 @@ def run_host_budget(g: Geometry, ctx: int, device: str = "cpu", trunk_mode: str 
                     kv_type: str | None = None, limit: int | None = None,
                     source: str | None = None, headroom: int | None = None,
                     kept_types: frozenset[str] | None = None, vram_tier_experts: int = 0,
-                    ) -> HostBudget:
+                    batch: int = PREFILL_BATCH) -> HostBudget:
     """The host budget ``expertfs run`` sizes its default ``--ram`` with, for ``g`` at ``ctx``
     on ``device`` ("cpu" or "gpu"): ``runtime.memory.host_budget`` with this model's trunk,
-    KV cache (and fixed recurrent state), workspace and, on a GPU run, staging slots. The
+    KV cache (and fixed recurrent state), workspace (a prompt batch of ``batch`` tokens
+    included: ``run --batch``) and, on a GPU run, staging slots. The
     slab is bounded by the experts the VRAM tier does not hold. ``expertfs plan`` budgets RAM
     with the same function."""
     gpu = device != "cpu"
@@ -87,7 +118,7 @@ def run_host_budget(g: Geometry, ctx: int, device: str = "cpu", trunk_mode: str 
     left = max(0, g.n_decode_experts - vram_tier_experts)
     b = _memory.host_budget(trunk_host_bytes(g, trunk_mode, "gpu" if gpu else "cpu", kept_types, fb),
                             kv, state_bytes=0 if gpu else g.state_bytes,
-                            workspace=0 if gpu and gpu_experts else workspace_bytes(g, ctx, "cpu"),
+                            workspace=0 if gpu and gpu_experts else workspace_bytes(g, ctx, "cpu", batch),
                             staging=staging, cuda=gpu or gpu_experts,
                             experts=left * g.slot_bytes, limit=limit, source=source)
     if headroom is not None:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from .geometry import Geometry, Matrix
+from .host import PREFILL_BATCH
 from .native import compute_cost
 from .rates import Range, Rates
 
@@ -44,7 +45,6 @@ __all__ = ["FirstToken", "WidePath", "first_token", "gemm_rate", "touched_per_la
 #: float32 matrix-multiply GFLOP/s per core assumed without a probe (AVX2 at one to two FMA
 #: ports' worth of a 3 GHz core, less what BLAS loses at the batch sizes of a prefill)
 STATED_GEMM_GFLOPS = (25.0, 50.0)
-PREFILL_BATCH = 256                       # ``expertfs run --batch``'s default
 
 
 class WidePath(NamedTuple):

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from expertfs.cli import main
+from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
+from expertfs.store.reader import Store
 from expertfs.runtime.trace.synth import parse_spec, write_synthetic
 
 FAST = ["--no-probe", "--tokens", "24"]
@@ -72,9 +74,9 @@ def test_like_text_report(capsys) -> None:
 
 
 def test_cannot_run_exits_1(capsys) -> None:
-    d = run_json(capsys, "--like", "Qwen3-235B-A22B", "--ram", "6G", "--vram", "0", *FAST, code=1)
+    d = run_json(capsys, "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0", *FAST, code=1)
     assert d["status"] == "cannot_run" and d["prediction"] is None
-    assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "6G", "--vram", "0", *FAST]) == 1
+    assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0", *FAST]) == 1
     assert "CANNOT RUN" in capsys.readouterr().out
 
 
@@ -274,11 +276,15 @@ def test_plan_tier_is_runs_default_under_the_same_cap(capsys, monkeypatch, tiny_
 
 
 def test_run_json_reports_the_tier_plan_predicted(capsys, monkeypatch, tiny_store) -> None:
+    """... for the same prompt length: both budget a prompt batch of that many tokens."""
     limit = _cap(capsys, tiny_store, 64, 0.5)
+    text = "hello " * 4
+    with Store.open(str(tiny_store)) as st:
+        n = len(GGUFTokenizer(st.gguf_kv(), st.path).encode(text))
     d = run_json(capsys, str(tiny_store), "--memory-limit", limit, "--vram", "0", "--ctx", "64",
-                 "--placement", "cpu", "--trunk", "quant", *FAST)
+                 "--placement", "cpu", "--trunk", "quant", "--prompt-tokens", str(n), *FAST)
     monkeypatch.setenv("EXPERTFS_MEMORY_LIMIT", limit)
-    assert main(["run", str(tiny_store), "-p", "hi", "-n", "2", "--ctx", "64", "--trunk", "quant",
+    assert main(["run", str(tiny_store), "-p", text, "-n", "2", "--ctx", "64", "--trunk", "quant",
                  "--device", "cpu", "--json", "-t", "1"]) == 0
     r = json.loads(capsys.readouterr().out)
     slot = d["budget"]["slot_bytes"]

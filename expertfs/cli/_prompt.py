@@ -1,0 +1,25 @@
+"""``expertfs run``'s prompt as token ids, read before the engine opens: its length bounds the
+prompt batch the memory budget holds (``_tiers.ram_tier``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UsageError
+
+__all__ = ["prompt_ids"]
+
+
+def prompt_ids(args: argparse.Namespace) -> list[int]:
+    """``-p``'s text (in the chat template with ``--chat``) as the store's tokenizer encodes it."""
+    from ..runtime.tokenizer.gguf import GGUFTokenizer
+    from ..store.reader import Store
+    with Store.open(args.store) as st:
+        tok = GGUFTokenizer(st.gguf_kv(), st.path)
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
+    prompt = tok.encode(text)
+    if not prompt:
+        raise UsageError("the prompt is empty after tokenization", fix="pass some text with -p")
+    return prompt
