@@ -207,7 +207,7 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
               + ("; skipped: " + "; ".join(f"{n} ({w})" for n, w in skipped.items()) if skipped else ""))
     choice = AutoChoice(best, reason, gbps, skipped, rs, destination=destination)
     opts = _options(choice)
-    if opts:
+    if "direct_io" in opts:
         choice = replace(choice, reason=reason + "; kvikio reads " + (
             "with O_DIRECT" if opts["direct_io"] else "through the page cache")
             + ", the faster POSIX mode here")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes.util
 import logging
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from expertfs.runtime.io import (BackendUnavailable, IOUsageError, KvikioBackend, aligned_empty,
                                  choose_backend, open_file)
 from expertfs.runtime.io.auto import _pick
+from expertfs.runtime.io.pagecache import drop_file_cache
 
 
 @pytest.fixture
@@ -78,3 +81,45 @@ def test_open_file_auto_and_small_files(big, tmp_path):
         assert fh.choice is None
     with pytest.raises(IOUsageError, match="not known"):
         choose_backend(big, candidates=["floppy"], cache_dir=tmp_path, refresh=True)
+
+
+def _cached_pages(path, start: int, length: int) -> int:
+    """Pages of ``path``'s [start, start + length) in the page cache (``mincore`` on a private
+    mapping: an untouched page of it is the file's cached page, or none)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            base = ctypes.c_char.from_buffer(m)
+            vec = (ctypes.c_ubyte * (length // page))()
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(base) + start),
+                              ctypes.c_size_t(length), vec)
+            del base
+            assert rc == 0, ctypes.get_errno()
+            return sum(v & 1 for v in vec)
+        finally:
+            m.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not sys.platform.startswith("linux"),
+                    reason="needs posix_fadvise and mincore (Linux)")
+@pytest.mark.parametrize("drop", [False, True])
+def test_buffered_drop_behind_keeps_no_page_cached(big, tmp_path, drop):
+    """``drop_behind`` (a run under a memory cap): a buffered read's pages leave the page
+    cache once copied; without it they stay. Auto's pick of buffered says why, as others."""
+    drop_file_cache(big)
+    with open_file(big, backend="buffered", drop_behind=drop) as fh:
+        buf = aligned_empty(1 << 20)
+        fh.read(buf, 1 << 20)
+        assert buf.numpy().tobytes() == big.read_bytes()[1 << 20:2 << 20]
+    drop_file_cache(big)       # big.read_bytes() above cached the whole file
+    with open_file(big, backend="buffered", drop_behind=drop) as fh:
+        fh.read(aligned_empty(1 << 20), 1 << 20)
+        cached = _cached_pages(big, 1 << 20, 1 << 20)
+    assert (cached == 0) if drop else cached > 0
+    c = choose_backend(big, candidates=["buffered"], read_size=256 << 10, probe_bytes=2 << 20,
+                       cache_dir=tmp_path, refresh=True)
+    assert c.backend == "buffered" and "kvikio reads" not in c.reason
