@@ -547,3 +547,30 @@ def test_plan_ram_pool_is_runs_host_budget(name, ram, ctx, source) -> None:
         hv = run_host_budget(g, ctx, "gpu", "quant", limit=ram, source=source,
                              vram_tier_experts=v.vram.tier_slots)
         assert v.host_slab <= hv.slab < v.host_slab + g.slot_bytes
+
+
+def test_the_budget_holds_a_prompt_batch() -> None:
+    """The workspace holds a prompt batch's activations (``prefill_activation_bytes``): none for
+    one token, growing with the batch up to ``--ctx``, far more for MLA's 128 heads than for a
+    GQA model; plan budgets min(256, --prompt-tokens) as run does for its prompt. The MLA
+    chunk sizes it assumes are the model's."""
+    from expertfs.runtime.model import mla
+    from expertfs.runtime.plan.budget import budget_batch
+    from expertfs.runtime.plan.host import (MLA_QUERIES, MQA_SCORES, prefill_activation_bytes,
+                                            run_host_budget, workspace_bytes)
+    assert (MQA_SCORES, MLA_QUERIES) == (mla.MQA_CHUNK, mla.MLA_QUERY_CHUNK)
+    ds, qw = like("DeepSeek-V3"), like("Qwen3-30B-A3B")
+    for g in (ds, qw):
+        assert prefill_activation_bytes(g, 4096, 1) == 0
+        a, b = prefill_activation_bytes(g, 4096, 64), prefill_activation_bytes(g, 4096, 256)
+        assert 0 < a < b == prefill_activation_bytes(g, 256, 4096)
+        assert workspace_bytes(g, 512, "cpu", 256) - workspace_bytes(g, 512, "cpu") == \
+            prefill_activation_bytes(g, 512, 256)
+        one = run_host_budget(g, 512, "cpu", "quant", limit=64 * GiB, source="limit", batch=1)
+        full = run_host_budget(g, 512, "cpu", "quant", limit=64 * GiB, source="limit")
+        assert full.workspace - one.workspace == prefill_activation_bytes(g, 512, 256)
+    assert prefill_activation_bytes(ds, 4096, 256) > 4 * prefill_activation_bytes(qw, 4096, 256)
+    assert (budget_batch(0), budget_batch(40), budget_batch(512)) == (256, 40, 256)
+    ram = [layout(ds, Box(64 * GiB, 0, ctx=512, prompt_tokens=p, limit_source="limit"), "cpu",
+                  "quant").ram for p in (16, 512)]
+    assert ram[0].item("workspace") < ram[1].item("workspace")
