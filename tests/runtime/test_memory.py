@@ -24,6 +24,13 @@ def test_budget_warning_names_a_fitting_size():
     assert memory.check_budget(1 << 30, 1 << 30, limit=4 << 30) is None
     w = memory.check_budget(2 << 30, 1 << 30, limit=2 << 30)
     assert w and f"--ram {((1 << 30) - memory.RUNTIME_OVERHEAD) >> 20}M" in w
+    none = memory.check_budget(64 << 20, 3 << 30, limit=2 << 30)     # no room left at all
+    assert none and "leave no room for a RAM tier" in none and "--ram" not in none
+
+
+def test_fallback_tier_holds_one_layers_experts():
+    assert memory.fallback_slab(1 << 20, 8) == memory.FALLBACK_SLAB
+    assert memory.fallback_slab(9 << 20, 8) == 72 << 20               # 64 MiB would hold 7
 
 
 def test_environment_caps_the_limit(monkeypatch):
