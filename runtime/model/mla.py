@@ -152,6 +152,19 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
         q_abs = w.k_b.apply(q[a:b, :, :N])                             # [b - a, H, L]
         return q_abs if q_pe is None else torch.cat((q_abs, q_pe[a:b]), dim=-1)
 
+    def by_chunks(attend: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``attend(a, b, Q)`` (queries a..b-1 absorbed → ``[b - a, H, L]``) over the batch a
+        chunk of tokens at a time: a prompt batch's absorbed queries whole would be T x H x
+        (L + R) floats twice over (75 MB each for 256 tokens of DeepSeek-V3's 128 heads)."""
+        step = max(1, MLA_QUERY_CHUNK // (H * (L + R)))
+        if T <= step:
+            return attend(0, T, absorbed(0, T))
+        out = torch.empty(T, H, L, dtype=q.dtype, device=q.device)
+        for a in range(0, T, step):
+            b = min(T, a + step)
+            out[a:b] = attend(a, b, absorbed(a, b))
+        return out
+
     S = p0 + T
     k = kc[None, :, :S]                                                # [1, 1, S, L + R]
     if idx is not None and idx.dtype == torch.bool:                    # a [T, S] keep mask
@@ -165,29 +178,22 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
                 mask, idx = idx, None
             else:                                                      # kept positions first
                 order = torch.argsort(idx.to(torch.uint8), dim=1, descending=True, stable=True)
-                return _out(_sparse(absorbed(0, T), kc[0], order[:, :n],
-                                    idx.gather(1, order[:, :n]), L, cfg.kq_scale), w, cfg)
+                sel, kept = order[:, :n], idx.gather(1, order[:, :n])
+                return _out(by_chunks(lambda a, b, Qc: _sparse(Qc, kc[0], sel[a:b], kept[a:b], L,
+                                                               cfg.kq_scale)), w, cfg)
     if idx is not None and T == 1:
         k, mask = kc[None, :, idx[0]], None                            # [1, 1, k, L + R]
     elif idx is not None:                                              # [T, k] positions
         valid = idx <= torch.arange(p0, S, device=x.device)[:, None]   # causal (top-k pads)
         if mask is not None:
             valid &= mask.gather(1, idx)
-        return _out(_sparse(absorbed(0, T), kc[0], idx, valid, L, cfg.kq_scale), w, cfg)
-    # dense: the absorbed queries a chunk of tokens at a time (a prompt batch's whole would be
-    # T x H x (L + R) floats twice over: 75 MB each for 256 tokens of DeepSeek-V3's 128 heads)
-    step = max(1, MLA_QUERY_CHUNK // (H * (L + R)))
-    if T <= step:
-        return _out(_mqa(absorbed(0, T), k[0, 0], L, mask, cfg.kq_scale), w, cfg)
-    out = torch.empty(T, H, L, dtype=q.dtype, device=q.device)
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        out[a:b] = _mqa(absorbed(a, b), k[0, 0], L, None if mask is None else mask[a:b],
-                        cfg.kq_scale)
-    return _out(out, w, cfg)
+        return _out(by_chunks(lambda a, b, Qc: _sparse(Qc, kc[0], idx[a:b], valid[a:b], L,
+                                                       cfg.kq_scale)), w, cfg)
+    return _out(by_chunks(lambda a, b, Qc: _mqa(Qc, k[0, 0], L, None if mask is None else
+                                                mask[a:b], cfg.kq_scale)), w, cfg)
 
 
-#: the dense attention absorbs at most this many (query, head, latent) elements at once
+#: the attention absorbs at most this many (query, head, latent) elements at once
 MLA_QUERY_CHUNK = 1 << 22
 
 

@@ -245,6 +245,14 @@ def test_the_sparse_selection_changes_the_logits(built):
     assert d[:sparse].max() < 1e-5 and d[sparse:].max() > 1e-2
 
 
+def test_query_chunks_equal_transformers(built, monkeypatch):
+    """MLA absorbs a prompt's queries a chunk at a time (the k-pool keep mask's sparse path
+    too): at one token a chunk the whole prompt's logits are transformers'."""
+    from expertfs.runtime.model import mla
+    monkeypatch.setattr(mla, "MLA_QUERY_CHUNK", 1)
+    assert np.abs(_ours(built[2], prefill_batch=512) - built[3]).max() <= TOL
+
+
 @pytest.mark.parametrize("batch", [512, 5, 1], ids=["whole", "batches-of-5", "one-by-one"])
 def test_logits_equal_transformers(built, batch):
     ref = built[3]

@@ -184,6 +184,15 @@ def test_logits_equal_transformers(built, batch, fused):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_query_chunks_equal_transformers(built, monkeypatch):
+    """MLA absorbs a prompt's queries a chunk at a time, on the sparse path too: at one token a
+    chunk the whole prompt's logits are transformers'."""
+    from expertfs.runtime.model import mla
+    monkeypatch.setattr(mla, "MLA_QUERY_CHUNK", 1)
+    _, _, _, store, ref = built
+    assert np.abs(_ours(store, prefill_batch=512) - ref).max() <= TOL
+
+
 def test_rollback_rewrites_the_indexer_keys(built):
     _, _, _, store, ref = built
     with Store.open(store) as st:
