@@ -29,9 +29,9 @@ simulator's semantics, policy by name from ``expertfs.runtime.policies.registry`
 evict nothing (see ``TierCache``); without it they are read into the tier itself.
 
 Under a memory cap (a cgroup, ``EXPERTFS_MEMORY_LIMIT``: ``runtime.memory``) the reads keep
-no copy in the page cache (``drop_behind``: buffered reads drop their pages once copied; direct
-ones never make any): the cap charges it to this process, and the tier already holds what was
-read. Without a cap the page cache is the kernel's spare memory and stays.
+no copy in the page cache (``drop_behind``: auto reads direct where it can, else buffered reads
+drop their pages once copied): the cap charges the page cache to this process, and the tier
+already holds what was read. Without a cap the page cache is the kernel's spare memory.
 
 Budgets are explicit and never exceeded: ``ram_bytes`` is the whole host slab (staging
 included), ``vram_bytes`` the device slab. ``device="cuda"`` with no VRAM budget copies each

@@ -13,7 +13,7 @@ import pytest
 
 from expertfs.runtime.io import (BackendUnavailable, IOUsageError, KvikioBackend, aligned_empty,
                                  choose_backend, open_file)
-from expertfs.runtime.io.auto import _pick
+from expertfs.runtime.io.auto import AutoChoice, _pick, capped_choice
 from expertfs.runtime.io.pagecache import drop_file_cache
 
 
@@ -123,3 +123,17 @@ def test_buffered_drop_behind_keeps_no_page_cached(big, tmp_path, drop):
     c = choose_backend(big, candidates=["buffered"], read_size=256 << 10, probe_bytes=2 << 20,
                        cache_dir=tmp_path, refresh=True)
     assert c.backend == "buffered" and "kvikio reads" not in c.reason
+
+
+def test_under_a_cap_auto_reads_direct_where_it_can(big, tmp_path):
+    """``drop_behind`` (a memory cap): buffered's pick becomes direct where the probe read with
+    both; a pick without direct, or of direct, stays."""
+    both = AutoChoice("buffered", "buffered 1.1 GB/s, direct 0.8 GB/s", {"buffered": 1.1,
+                                                                       "direct": 0.8})
+    c = capped_choice(both)
+    assert c.backend == "direct" and "memory cap" in c.reason
+    alone = AutoChoice("buffered", "only buffered", {"buffered": 1.0})
+    assert capped_choice(alone) is alone and capped_choice(c) is c
+    with open_file(big, backend="auto", read_size=256 << 10, cache_dir=tmp_path,
+                   drop_behind=True) as fh:
+        assert fh.backend_name == "direct" or "direct" not in fh.choice.gbps
