@@ -225,8 +225,7 @@ def capped_choice(choice: AutoChoice) -> AutoChoice:
     probe read with both. Uncapped, buffered may measure faster (the drive's own caching, the
     kernel's larger requests), but under a cgroup cap every buffered read allocates page-cache
     pages charged to the process and reclaimed again at once: on a DeepSeek-V3 cut at a third
-    of its size, whose probe measured buffered 1.11 and direct 0.76 GB/s, direct decoded 1.58
-    and 1.74 tok/s against buffered's 1.39 and 1.44 with its pages dropped (bench/README.md)."""
+    of its size whose probe measured buffered faster, direct decoded faster (bench/README.md)."""
     if choice.backend != "buffered" or "direct" not in choice.gbps:
         return choice
     return replace(choice, backend="direct",
