@@ -1,17 +1,19 @@
-"""``expertfs run``'s prompt as token ids, read before the engine opens: its length bounds the
-prompt batch the memory budget holds (``_tiers.ram_tier``)."""
+"""``expertfs run``'s tokenizer and prompt, read before the engine opens: the prompt's length
+bounds the prompt batch the memory budget holds (``_tiers.ram_tier``)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["prompt_ids"]
+__all__ = ["tokenized_prompt"]
 
 
-def prompt_ids(args: argparse.Namespace) -> list[int]:
-    """``-p``'s text (in the chat template with ``--chat``) as the store's tokenizer encodes it."""
+def tokenized_prompt(args: argparse.Namespace) -> tuple[Any, list[int]]:
+    """The store's tokenizer and ``-p``'s text (in the chat template with ``--chat``) as it
+    encodes it."""
     from ..runtime.tokenizer.gguf import GGUFTokenizer
     from ..store.reader import Store
     with Store.open(args.store) as st:
@@ -22,4 +24,4 @@ def prompt_ids(args: argparse.Namespace) -> list[int]:
     prompt = tok.encode(text)
     if not prompt:
         raise UsageError("the prompt is empty after tokenization", fix="pass some text with -p")
-    return prompt
+    return tok, prompt

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
-from ._prompt import prompt_ids as _prompt_ids
+from ._prompt import tokenized_prompt
 from ._tiers import ram_tier as _ram_tier
 
 __all__ = ["register", "run"]
@@ -215,9 +215,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--preload needs the RAM tier, and --provider direct keeps no expert",
                          fix="drop --provider direct (or --preload)")
     tokens = _parse_tokens(args.tokens) if args.tokens else None
-    args.prompt_ids = None if tokens is not None else _prompt_ids(args)
-    # the memory budget holds a prompt batch's activations: no more than this prompt's tokens
-    args.budget_batch = min(args.batch, len(tokens if tokens is not None else args.prompt_ids))
+    tok, prompt = (None, tokens) if tokens is not None else tokenized_prompt(args)
+    args.prompt_tokens = len(prompt)        # the memory budget's prompt batch (_tiers.ram_tier)
     eng, spec = _open(args)
     try:
         preload_s = None
@@ -229,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             eng.trace(args.trace)
         if tokens is not None:
             return _run_tokens(eng, spec, tokens, args)
-        return _generate(eng, spec, args, preload_s)
+        return _generate(eng, spec, args, tok, prompt, preload_s)
     finally:
         eng.close()
 
@@ -302,12 +301,10 @@ class _Status:
             self.shown = False
 
 
-def _generate(eng, spec, args: argparse.Namespace, preload_s: float | None = None) -> int:
+def _generate(eng, spec, args: argparse.Namespace, tok, prompt: list[int],
+              preload_s: float | None = None) -> int:
     from ..runtime.generate import generate
     from ..runtime.sampling import Sampler, SamplingParams
-    from ..runtime.tokenizer.gguf import GGUFTokenizer
-    tok = GGUFTokenizer(eng.kv, eng.store.path)
-    prompt = args.prompt_ids
     sampler = Sampler(SamplingParams(args.temp, args.top_k, args.top_p, args.seed))
     status = _Status(eng, not args.json)
     detok = tok.detokenizer()
