@@ -208,7 +208,7 @@ def choose_backend(path: str | os.PathLike[str], *, candidates: Sequence[str] | 
               + ("; skipped: " + "; ".join(f"{n} ({w})" for n, w in skipped.items()) if skipped else ""))
     choice = AutoChoice(best, reason, gbps, skipped, rs, destination=destination)
     opts = _options(choice)
-    if "direct_io" in opts:
+    if opts:
         choice = replace(choice, reason=reason + "; kvikio reads " + (
             "with O_DIRECT" if opts["direct_io"] else "through the page cache")
             + ", the faster POSIX mode here")
@@ -233,12 +233,9 @@ def capped_choice(choice: AutoChoice) -> AutoChoice:
                    "charge and reclaim)")
 
 
-def _options(choice: AutoChoice, drop_behind: bool = False) -> dict[str, Any]:
-    """``buffered``: ``drop_behind`` as asked. kvikio's POSIX path reads in the mode the probe
-    measured faster: O_DIRECT as ``direct`` unless ``buffered`` beat it by more than the tie
-    margin (the same rule as between backends)."""
-    if choice.backend == "buffered":
-        return {"drop_behind": drop_behind}
+def _options(choice: AutoChoice) -> dict[str, Any]:
+    """kvikio's POSIX path reads in the mode the probe measured faster: O_DIRECT as ``direct``
+    unless ``buffered`` beat it by more than the tie margin (the same rule as between backends)."""
     g = choice.gbps
     if choice.backend != "kvikio" or "direct" not in g or "buffered" not in g:
         return {}
@@ -258,15 +255,16 @@ def open_file(path: str | os.PathLike[str], *, backend: str | IOBackend = "auto"
     read's pages from the page cache once copied."""
     choice = None
     if isinstance(backend, str):
+        opts: dict[str, Any] = {}
         if backend == "auto":
             choice = choose_backend(path, read_size=read_size, queue_depth=queue_depth,
                                     cache_dir=cache_dir)
             if drop_behind:
                 choice = capped_choice(choice)
-            backend = get_backend(choice.backend, **_options(choice, drop_behind))
-        else:
-            backend = get_backend(backend, **({"drop_behind": drop_behind}
-                                              if backend == "buffered" else {}))
+            backend, opts = choice.backend, _options(choice)
+        if backend == "buffered":
+            opts["drop_behind"] = drop_behind
+        backend = get_backend(backend, **opts)
     fh = backend.open(path, queue_depth=queue_depth, max_pending=max_pending, retry=retry)
     fh.choice = choice
     return fh
