@@ -29,11 +29,11 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
     """``--ram``, or the default ``expertfs plan`` reports for this box: what the memory limit
     (a cgroup cap or ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the
     runtime, the trunk, the KV cache at ``--ctx`` (on the CPU it is host memory) and the
-    workspace, a prompt batch included (``--batch``, or ``args.budget_batch``: ``run``'s prompt
-    where shorter; ``runtime.plan.host.run_host_budget``); a budget that would push the trunk out
-    of memory is warned about."""
+    workspace, a prompt batch included (``--batch``, or ``args.prompt_tokens``, ``run``'s prompt,
+    where shorter: ``runtime.plan.host.budget_batch``, ``run_host_budget``); a budget that would
+    push the trunk out of memory is warned about."""
     from ..runtime.memory import fallback_slab
-    from ..runtime.plan.host import PREFILL_BATCH, run_host_budget
+    from ..runtime.plan.host import PREFILL_BATCH, budget_batch, run_host_budget
     from ..runtime.plan.model import geometry_of_store
     from ..runtime.plan.paths import kept_types
     from ..store.reader import Store
@@ -48,7 +48,8 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
     budget = run_host_budget(g, args.ctx, on, args.trunk, kv_type=kv_type if on == "cpu" else None,
                              kept_types=kept_types(device, fused != "off"),
                              vram_tier_experts=vram_experts,
-                             batch=getattr(args, "budget_batch", getattr(args, "batch", PREFILL_BATCH)))
+                             batch=budget_batch(getattr(args, "prompt_tokens", 0),
+                                                getattr(args, "batch", PREFILL_BATCH)))
     ram = args.ram if args.ram is not None else (budget.slab or fallback_slab(g.slot_bytes, g.k))
     warning = budget.warning(ram)
     if warning:

@@ -28,7 +28,7 @@ from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION, VRAM_RESERVE_MIN, GiB,
                           MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
-from .host import (LIMIT_SOURCES, PREFILL_BATCH, os_headroom, run_host_budget, trunk_host_bytes,
+from .host import (LIMIT_SOURCES, budget_batch, os_headroom, run_host_budget, trunk_host_bytes,
                    workspace_bytes)
 from .rates import Range
 
@@ -350,12 +350,6 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
                           f"--ctx {box.ctx} is beyond the model's training context {g.n_ctx_train}"))
     return Memory(pl, ram_pool, vram_pool, kv, kv_type, trunk, runnable, pinned, staging,
                   tuple(notes), evicted or 0)
-
-
-def budget_batch(prompt_tokens: int) -> int:
-    """The prompt batch a run's memory holds (as ``run`` budgets it): ``--batch``'s default,
-    or the prompt where it is shorter (0: not given, the default batch)."""
-    return min(PREFILL_BATCH, prompt_tokens) if prompt_tokens > 0 else PREFILL_BATCH
 
 
 def _evicted(trunk: int, avail: int, slot: int, k: int) -> int | None:

@@ -13,7 +13,7 @@ from .assumptions import CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUA
 from .geometry import DTYPE_BYTES, Geometry, kv_cache_bytes
 
 __all__ = ["LIMIT_SOURCES", "os_headroom", "workspace_bytes", "prefill_activation_bytes",
-           "trunk_host_bytes", "run_host_budget", "PREFILL_BATCH"]
+           "budget_batch", "trunk_host_bytes", "run_host_budget", "PREFILL_BATCH"]
 
 LIMIT_SOURCES = ("physical", "cgroup", "env", "limit")
 #: ``expertfs run --batch``'s default: the prompt tokens one forward pass takes
@@ -41,6 +41,13 @@ def workspace_bytes(g: Geometry, ctx: int, device: str, batch: int = 1) -> int:
     scores = 2 * g.n_head * ctx * 4
     hidden = 16 * max(g.n_embd, max((m.rows for layer in g.expert_parts for m in layer), default=0)) * 4
     return dequant + logits + scores + hidden + prefill_activation_bytes(g, ctx, batch)
+
+
+def budget_batch(prompt_tokens: int, batch: int = PREFILL_BATCH) -> int:
+    """The prompt batch a run's memory holds: ``--batch``, or the prompt where it is shorter
+    (``prompt_tokens`` 0: not known, the whole batch). ``run`` budgets its own prompt so,
+    ``plan`` its ``--prompt-tokens``."""
+    return min(batch, prompt_tokens) if prompt_tokens > 0 else batch
 
 
 def prefill_activation_bytes(g: Geometry, ctx: int, batch: int) -> int:

@@ -555,9 +555,9 @@ def test_the_budget_holds_a_prompt_batch() -> None:
     GQA model; plan budgets min(256, --prompt-tokens) as run does for its prompt. The MLA
     chunk sizes it assumes are the model's."""
     from expertfs.runtime.model import mla
-    from expertfs.runtime.plan.budget import budget_batch
-    from expertfs.runtime.plan.host import (MLA_QUERIES, MQA_SCORES, prefill_activation_bytes,
-                                            run_host_budget, workspace_bytes)
+    from expertfs.runtime.plan.host import (MLA_QUERIES, MQA_SCORES, budget_batch,
+                                            prefill_activation_bytes, run_host_budget,
+                                            workspace_bytes)
     assert (MQA_SCORES, MLA_QUERIES) == (mla.MQA_CHUNK, mla.MLA_QUERY_CHUNK)
     ds, qw = like("DeepSeek-V3"), like("Qwen3-30B-A3B")
     for g in (ds, qw):
