@@ -180,40 +180,54 @@ class ExpertRunner:
                     shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0,
                     alpha: float = 0.0
                     ) -> tuple[torch.Tensor | None, dict[int, Any] | None, torch.Tensor | None]:
-        """One decode step that computes the resident experts (gate/up, then their down rows)
-        and the shared expert while the missing ones are read, then the rest and the weighted
-        sum in routing order: bit for bit the one-call product (``qmatvec.native_hidden``,
-        ``native_down_rows``, ``native_combine``). Returns (routed output, the weights, the
-        shared expert's output), each None when not done here: nothing to overlap or the native
-        kernels do not apply, and the caller computes from the weights as usual. ``then()`` runs
-        once this layer's reads are issued (the next layer's prefetch: it queues behind them)."""
+        """One decode step that computes each expert's rows (gate/up, then down) as soon as it
+        is in: the resident experts and the shared expert while the missing ones are read, then
+        the missing ones in the order their reads land, each group while the later reads run;
+        the weighted sum is taken in routing order: bit for bit the one-call product
+        (``qmatvec.native_hidden``, ``native_down_rows``, ``native_combine``: each expert's rows
+        depend on its weights and ``x`` only). Returns (routed output, the weights, the shared
+        expert's output), each None when not done here: every expert resident (one call does
+        it) or the native kernels do not apply, and the caller computes from the weights as
+        usual. ``then()`` runs once this layer's reads are issued (the next layer's prefetch:
+        it queues behind them)."""
         if self._split is None:
             return None, None, None
         ready, finish = self._split.get_begin(layer, experts)
         then()
         self.stats.fetches += len(experts)
-        hit = [e for e in experts if e in ready]
-        if not hit or len(hit) == len(experts):
-            return None, {**ready, **finish()}, None
+        if len(ready) == len(experts):
+            return None, ready, None
         D = x.shape[1]
-        hit_w = [ready[e] for e in hit]
-        h_hit = native_hidden(x, hit_w, self.act_quant, limit, alpha)
-        v_hit = None if h_hit is None else native_down_rows(h_hit, hit_w, D, self.act_quant)
-        sh = shared(x).float() if shared is not None and v_hit is not None else None
-        rest = finish()
-        weights = {**ready, **rest}
-        if v_hit is None:
-            return None, weights, None
-        miss = [e for e in experts if e not in ready]
-        miss_w = [rest[e] for e in miss]
-        h_miss = native_hidden(x, miss_w, self.act_quant, limit, alpha)
-        v_miss = None if h_miss is None else native_down_rows(h_miss, miss_w, D, self.act_quant)
-        if v_miss is None:
-            return None, weights, sh
-        self.stats.overlapped += 1
-        row = {e: i for i, e in enumerate(hit + miss)}              # rows of the cat below
-        return (native_combine(torch.cat((v_hit, v_miss)), w, [row[e] for e in experts]),
-                weights, sh)
+        weights = dict(ready)
+        group = [e for e in experts if e in ready]              # computable now
+        late = [e for e in experts if e not in ready]           # still being read
+        rows: list[torch.Tensor] = []
+        order: list[int] = []                                   # experts of the rows, in order
+        sh = None
+        during = False                                          # computed while reads ran
+        while True:
+            if group:
+                gw = [weights[e] for e in group]
+                h = native_hidden(x, gw, self.act_quant, limit, alpha)
+                v = None if h is None else native_down_rows(h, gw, D, self.act_quant)
+                if v is None:                                   # no native path for these types
+                    weights.update(finish())
+                    return None, weights, sh
+                rows.append(v)
+                order += group
+                during = during or bool(late)
+            if sh is None and shared is not None and late:      # independent of the reads
+                sh = shared(x).float()
+            if not late:
+                break
+            got = finish(late, some=True)
+            weights.update(got)
+            group = [e for e in late if e in got]
+            late = [e for e in late if e not in got]
+        if during:
+            self.stats.overlapped += 1
+        row = {e: i for i, e in enumerate(order)}               # rows of the cat below
+        return native_combine(torch.cat(rows), w, [row[e] for e in experts]), weights, sh
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""

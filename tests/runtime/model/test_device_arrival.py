@@ -100,3 +100,49 @@ def test_experts_are_computed_ready_first_then_as_they_land(monkeypatch):
     for j, e in enumerate(experts):                       # routing order, as the old loop
         want.add_((x * weights[e]).tanh().float() * wts[j])
     assert torch.equal(out, want)
+
+
+def test_native_step_computes_each_group_as_it_lands(monkeypatch):
+    """The CPU one-call path (``_overlapped``): the resident experts' rows first, then the
+    shared expert, both before the first wait; then each landed expert's rows while the later
+    reads run; the weighted sum in routing order over the rows as computed."""
+    D = 8
+    gen = torch.Generator().manual_seed(1)
+    weights = {e: torch.randn(D, generator=gen) for e in range(6)}
+    prov = _Provider(weights, ready=[4], landing=[1, 5, 0])
+    name = {id(v): e for e, v in weights.items()}
+
+    def hidden(x, ws, *a):
+        prov.log.append(f"hidden {[name[id(v)] for v in ws]}")
+        return torch.stack([(x[0] * v).tanh() for v in ws])
+
+    def down(h, ws, n, *a):
+        return h * 2
+
+    def combine(v, w, order):
+        return sum(float(w[j]) * v[i] for j, i in enumerate(order)).reshape(1, -1)
+
+    monkeypatch.setattr(moe_mod, "native_hidden", hidden)
+    monkeypatch.setattr(moe_mod, "native_down_rows", down)
+    monkeypatch.setattr(moe_mod, "native_combine", combine)
+    r = ExpertRunner(prov, router=None, dtype=torch.float32)
+    x = torch.randn(1, D, generator=gen)
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    experts = [0, 1, 4, 5]
+    shared = lambda x: (prov.log.append("shared"), x * 0)[1]   # noqa: E731
+    out, got, sh = r._overlapped(7, x, wts, experts, shared, lambda: prov.log.append("then"))
+    assert prov.log == ["begin", "then", "hidden [4]", "shared", "land 1", "hidden [1]",
+                        "land 5", "hidden [5]", "land 0", "hidden [0]"]
+    assert set(got) == set(experts) and sh is not None and r.stats.overlapped == 1
+    want = sum(float(wts[j]) * 2 * (x[0] * weights[e]).tanh() for j, e in enumerate(experts))
+    assert torch.equal(out, want.reshape(1, -1))
+
+    # nothing resident: the shared expert runs before the first read is awaited
+    prov = _Provider(weights, ready=[], landing=[5, 0])
+    r = ExpertRunner(prov, router=None, dtype=torch.float32)
+    r._overlapped(7, x, wts[:2], [0, 5], shared, lambda: None)
+    assert prov.log == ["begin", "shared", "land 5", "hidden [5]", "land 0", "hidden [0]"]
+    # every expert resident: left to the caller's one call
+    prov = _Provider(weights, ready=[0, 5], landing=[])
+    assert ExpertRunner(prov, router=None, dtype=torch.float32)._overlapped(
+        7, x, wts[:2], [0, 5], shared, lambda: None)[0] is None
