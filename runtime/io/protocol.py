@@ -175,7 +175,7 @@ class FileHandle:
                 raise fail(e) from e
             return then(n) if then is not None else n
 
-        return self.scheduler.submit(job, priority=priority, tag=tag, block=block)
+        return self.scheduler.submit(job, priority=priority, tag=tag, block=block, nbytes=size)
 
     def read_now(self, buf: Any, offset: int, size: int) -> int:
         """Read in the calling thread, past the queue (a worker re-reading what it just read)."""

@@ -4,7 +4,9 @@
 ``extent(layer, expert) -> Extent``, i.e. ``expertfs.store.reader.Store``) or a plain ``(path,
 extents)`` pair to an open :class:`.protocol.FileHandle`. ``verify`` says when the parts'
 xxh3 checksums are checked: ``"first"`` (default: the first read of each expert through this
-reader), ``"always"`` or ``"never"``. A mismatch is read again (``rereads`` times: a fault on
+reader), ``"always"`` or ``"never"``. At most ``max_bytes_in_flight`` bytes of reads run at once
+(``READ_BYTES_IN_FLIGHT``), so the experts of a layer land in the order they were asked for,
+one after another, rather than all together at the end. A mismatch is read again (``rereads`` times: a fault on
 the way, not on the drive, goes away) and then raises :class:`ExpertIntegrityError` naming the
 layer, expert and part; bytes that fail are never handed out. A read that fails after the I/O
 engine's retries raises :class:`IOFaultError` naming the expert. After every read the experts
@@ -40,6 +42,12 @@ __all__ = ["VERIFY_MODES", "ExpertBuffer", "ExpertReader", "part_bytes"]
 log = logging.getLogger(__name__)
 
 VERIFY_MODES = ("first", "always", "never")
+
+#: The bytes of expert reads in flight at once (``ReadScheduler.max_bytes``; a larger expert is
+#: read alone): enough requests to keep a drive busy (the block layer cuts each read into many),
+#: few enough that a layer's experts land one after another, each computed while the next is read
+#: (``bench/README.md``, the reads in the order they are asked for).
+READ_BYTES_IN_FLIGHT = 16 << 20
 
 
 def part_bytes(buf: Any, part: Part) -> Any:
@@ -89,7 +97,8 @@ class ExpertReader:
                  max_pending: int | None = None, verify: str = "first",
                  retry: RetryPolicy | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, rereads: int = 2,
-                 drop_behind: bool = False) -> None:
+                 drop_behind: bool = False,
+                 max_bytes_in_flight: int | None = READ_BYTES_IN_FLIGHT) -> None:
         if verify not in VERIFY_MODES:
             raise IOUsageError(f"verify={verify!r} is not one of {', '.join(VERIFY_MODES)}",
                                fix="use 'first' (default), 'always' or 'never'")
@@ -104,6 +113,7 @@ class ExpertReader:
         self.handle: FileHandle = open_file(self.path, backend=backend, queue_depth=queue_depth,
                                             max_pending=max_pending, retry=retry,
                                             cache_dir=cache_dir, drop_behind=drop_behind)
+        self.handle.scheduler.max_bytes = max_bytes_in_flight
         try:
             self._identity = _identity(os.stat(self.path))
         except OSError:

@@ -6,6 +6,15 @@ prefetch. A queued read can be cancelled (its future's ``cancel()``), promoted t
 priority, or displaced: when ``max_pending`` reads already wait, a new read pushes out the
 oldest of the least urgent ones if they are less urgent than it, and otherwise waits for room
 (or raises :class:`QueueFullError` with ``block=False``). Running reads are never interrupted.
+
+``max_bytes`` (None: no bound) bounds the bytes of the reads running at once, besides their
+count: the most urgent waiting read starts only while the running reads of its priority or a
+more urgent one, with it, stay within the bound, or when none of those runs (so a read larger
+than the bound runs alone). Reads that share a drive share its bandwidth: eight 9 MB reads
+started together all land near the end of the eighth's time, where one after another the first
+lands after an eighth of it and its consumer can start on it then. A single large read is
+already many requests to the device (the block layer splits it), so a few megabytes in flight
+keep a drive busy while the reads land in the order they were asked for.
 """
 
 from __future__ import annotations
@@ -64,13 +73,16 @@ class ReadFuture(Future):
 
 
 class ReadScheduler:
-    def __init__(self, workers: int, *, max_pending: int | None = None, name: str = "io") -> None:
+    def __init__(self, workers: int, *, max_pending: int | None = None, name: str = "io",
+                 max_bytes: int | None = None) -> None:
         if workers < 1:
             raise IOUsageError(f"queue depth {workers} is below 1", fix="use a queue depth of 1 or more")
         if max_pending is not None and max_pending < 1:
             raise IOUsageError(f"max_pending {max_pending} is below 1", fix="use None or 1 or more")
         self.workers = workers
         self.max_pending = max_pending
+        self.max_bytes = max_bytes
+        self._running_bytes = [0] * len(Priority)      # bytes of the running reads, per priority
         self._heap: list[list[Any]] = []     # [priority, seq, future, fn]; fn None once removed
         self._live = 0                       # entries whose fn is not None
         self._seq = itertools.count()
@@ -89,7 +101,8 @@ class ReadScheduler:
 
     # -- submitting ------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, priority: Priority = Priority.DEMAND,
-               tag: Any = None, block: bool = True) -> ReadFuture:
+               tag: Any = None, block: bool = True, nbytes: int = 0) -> ReadFuture:
+        """Queue ``fn`` (a read of ``nbytes``, which ``max_bytes`` counts) and return its future."""
         fut = ReadFuture(priority if type(priority) is Priority else Priority(priority), tag, self)
         with self._cv:
             while True:
@@ -103,7 +116,7 @@ class ReadScheduler:
                     raise QueueFullError(f"{self._live} reads already wait, none less urgent",
                                          fix="wait for reads to complete or raise max_pending")
                 self._space.wait()
-            entry = [int(fut.priority), next(self._seq), fut, fn]
+            entry = [int(fut.priority), next(self._seq), fut, fn, max(0, int(nbytes))]
             fut._entry = entry
             heapq.heappush(self._heap, entry)
             self._live += 1
@@ -146,7 +159,7 @@ class ReadScheduler:
                 return False
             fn = entry[3]
             entry[3] = None
-            new = [int(priority), entry[1], fut, fn]
+            new = [int(priority), entry[1], fut, fn, entry[4]]
             fut._entry = new
             fut.priority = Priority(priority)
             heapq.heappush(self._heap, new)
@@ -168,19 +181,26 @@ class ReadScheduler:
         return self._live
 
     # -- serving ---------------------------------------------------------------------------
+    def _fits(self, entry: list[Any]) -> bool:
+        """``entry`` may start under ``max_bytes`` (see the module docstring)."""
+        if self.max_bytes is None:
+            return True
+        ahead = sum(self._running_bytes[:entry[0] + 1])
+        return ahead == 0 or ahead + entry[4] <= self.max_bytes
+
     def _work(self) -> None:
         while True:
             with self._cv:
                 while True:
                     while self._heap and self._heap[0][3] is None:
                         heapq.heappop(self._heap)
-                    if self._heap or self._closed:
+                    if (self._heap and self._fits(self._heap[0])) or (self._closed and not self._heap):
                         break
                     self._cv.wait()
                 if not self._heap:
                     return
                 entry = heapq.heappop(self._heap)
-                fut, fn = entry[2], entry[3]
+                fut, fn, prio, nbytes = entry[2], entry[3], entry[0], entry[4]
                 entry[3] = None
                 entry[2] = fut._entry = None          # no reference cycle left to the collector
                 self._live -= 1
@@ -190,21 +210,26 @@ class ReadScheduler:
                     continue
                 self.running += 1
                 self.max_running = max(self.max_running, self.running)
+                self._running_bytes[prio] += nbytes
             fut.t_start = time.perf_counter_ns()
             try:
                 result = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the future's owner
                 fut.t_done = time.perf_counter_ns()
-                with self._cv:
-                    self.running -= 1
-                    self.stats["failed"] += 1
+                self._done(prio, nbytes, "failed")
                 fut.set_exception(e)
             else:
                 fut.t_done = time.perf_counter_ns()
-                with self._cv:
-                    self.running -= 1
-                    self.stats["completed"] += 1
+                self._done(prio, nbytes, "completed")
                 fut.set_result(result)
+
+    def _done(self, prio: int, nbytes: int, outcome: str) -> None:
+        with self._cv:
+            self.running -= 1
+            self.stats[outcome] += 1
+            self._running_bytes[prio] -= nbytes
+            if self.max_bytes is not None and nbytes:
+                self._cv.notify_all()                   # a waiting read may fit now
 
     def close(self, *, cancel_pending: bool = True, wait: bool = True) -> None:
         """Stop accepting reads; cancel (or drain) the queued ones; join the workers."""

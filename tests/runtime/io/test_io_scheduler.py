@@ -1,5 +1,6 @@
 """The read queue: at most queue-depth reads run, demand reads overtake queued prefetches,
-queued reads can be cancelled, promoted or displaced, a full queue blocks or says so."""
+queued reads can be cancelled, promoted or displaced, a full queue blocks or says so, and
+the bytes of the reads in flight can be bounded."""
 
 from __future__ import annotations
 
@@ -110,6 +111,51 @@ def test_queue_depth_bounds_reads_in_flight(tmp_path):
         assert all(f.result(10) == 4096 for f in futs)
         assert fh.scheduler.max_running == 3
         assert all(f.t_submit <= f.t_start <= f.t_done for f in futs)
+
+
+def test_max_bytes_bounds_the_bytes_in_flight_and_keeps_their_order():
+    """Reads of 6 units under a bound of 16 run two at a time, in the order submitted; a read
+    larger than the bound runs alone; small reads run side by side up to the worker count; a
+    running prefetch's bytes do not hold a demand read back."""
+    s = ReadScheduler(8, max_bytes=16)
+    lock = threading.Lock()
+    live, peak, order = [0], [0], []
+
+    def read(name, n, together=None):
+        """A read of ``n`` units; ``together``: a barrier the reads meant to overlap meet at."""
+        def fn():
+            with lock:
+                live[0] += n
+                peak[0] = max(peak[0], live[0])
+                order.append(name)
+            if together is not None:
+                together.wait(10)
+            threading.Event().wait(0.01)
+            with lock:
+                live[0] -= n
+        return fn
+
+    pair = threading.Barrier(2)
+    futs = [s.submit(read(f"m{i}", 6, pair), nbytes=6) for i in range(6)]
+    for f in futs:
+        f.result(10)
+    assert peak[0] == 12 and order == [f"m{i}" for i in range(6)]
+    peak[0] = 0
+    futs = [s.submit(read("big", 40), nbytes=40), s.submit(read("m", 6), nbytes=6)]
+    for f in futs:
+        f.result(10)
+    assert peak[0] == 40
+    peak[0] = 0
+    eight = threading.Barrier(8)
+    futs = [s.submit(read(f"s{i}", 2, eight), nbytes=2) for i in range(8)]
+    for f in futs:
+        f.result(10)
+    assert peak[0] == 16
+    prefetch_runs = threading.Event()
+    s.submit(lambda: prefetch_runs.wait(10), priority=Priority.PREFETCH, nbytes=16)
+    assert s.submit(lambda: "demand", nbytes=16).result(10) == "demand"   # beside the prefetch
+    prefetch_runs.set()
+    s.close()
 
 
 def test_errors_reach_the_future_and_close_cancels():
