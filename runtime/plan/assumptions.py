@@ -107,7 +107,8 @@ ASSUMPTIONS: dict[str, Any] = {
 
 #: How ``plan.predict`` combines its terms into the slow and the fast end of a token.
 COMBINE = ("slow = sum of the terms at pessimistic rates, the overlap term negative (resident "
-           "experts computed while a layer's misses are read, as the CPU decode does); fast = "
+           "experts, then missing ones as they land, computed while a layer's other misses are "
+           "read, as the CPU decode does); fast = "
            "max(storage + first_reads + trunk_reads, pcie, compute) at optimistic rates, compute "
            "= experts + trunk + attention + dispatch + warm_start (the CPU of the warm start's "
            "background reads)")
