@@ -100,14 +100,18 @@ bool avx512_compiled();
 // Products of many tokens (qgemm.cpp; AVX-512F or AVX2): y[t * ys + r] = dot(W[r], x_t) for
 // rows [r0, r1) and the nt tokens, whose activations come transposed: xt[k * tp + t] (tp a
 // multiple of the ISA's lanes, QGEMM_LANES_AVX512 or QGEMM_LANES_AVX2; zeros past nt). Each
-// QGEMM_PANEL rows x qgemm_kb(cols) columns dequantized into `panel` (QGEMM_PANEL rows of
-// qgemm_panel_stride(qgemm_kb(cols)) floats of scratch; the floats dequant_rows gives), then
+// QGEMM_PANEL rows x qgemm_kb(cols, tp) columns dequantized into `panel` (QGEMM_PANEL rows of
+// qgemm_panel_stride(qgemm_kb(cols, tp)) floats of scratch; the floats dequant_rows gives), then
 // multiplied by every token into `c` ((r1 - r0) x tp floats of scratch).
 constexpr int64_t QGEMM_PANEL = 24, QGEMM_KB_MAX = 4096;
-// Columns per block: whole rows up to QGEMM_KB_MAX (measured faster than blocks of 256 or 512
-// on the expert and trunk shapes of 768-4096 columns), blocks of it for wider rows, whose
-// activations would not stay in the L2 cache.
-inline int64_t qgemm_kb(int64_t cols) { return cols < QGEMM_KB_MAX ? cols : QGEMM_KB_MAX; }
+// Columns per block for tp (padded) tokens: whole rows up to QGEMM_KB_MAX (measured faster
+// than blocks of 256 or 512 on the expert and trunk shapes of 768-4096 columns at 16-64
+// tokens), and no more than keeps the block's activations (columns x tp floats, read once per
+// panel) in half the L2 cache, the panel and the sums taking the rest: a prompt's 128 tokens
+// over 4096 columns are 2 MiB, which would come from the L3 cache for every panel
+// (bench/README.md). A whole number of 256-weight blocks. The sums are kept in memory between
+// blocks and each goes on in column order, so the block size does not change a result's bits.
+int64_t qgemm_kb(int64_t cols, int64_t tp);
 constexpr int64_t QGEMM_LANES_AVX512 = 16, QGEMM_LANES_AVX2 = 8;
 // A panel row's stride: its columns and one cache line, so that the rows do not all fall into
 // one set of the L1 cache (rows a power of two apart in bytes would evict one another).

@@ -281,7 +281,7 @@ at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int6
     pybind11::gil_scoped_release nogil;
     par_chunks((rows + run - 1) / run, [&](int64_t i) {
         thread_local std::vector<float> panel, sums;
-        const int64_t need = QGEMM_PANEL * qgemm_panel_stride(qgemm_kb(cols));
+        const int64_t need = QGEMM_PANEL * qgemm_panel_stride(qgemm_kb(cols, tp));
         if ((int64_t)panel.size() < need) panel.resize(need);
         if ((int64_t)sums.size() < run * tp) sums.resize(run * tp);
         const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;

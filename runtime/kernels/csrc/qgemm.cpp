@@ -19,6 +19,22 @@
 #include "kern.h"
 
 #include <string.h>
+#include <unistd.h>
+
+namespace efs {
+
+int64_t qgemm_kb(int64_t cols, int64_t tp) {
+    // this CPU's L2 cache (per core), 512 KiB where the system does not say
+    static const int64_t l2 = [] {
+        const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        return v > 0 ? (int64_t)v : (int64_t)512 << 10;
+    }();
+    int64_t kb = l2 / 2 / (tp * (int64_t)sizeof(float)) / 256 * 256;
+    kb = kb < 256 ? 256 : kb > QGEMM_KB_MAX ? QGEMM_KB_MAX : kb;
+    return cols < kb ? cols : kb;
+}
+
+}  // namespace efs
 
 #if defined(__x86_64__) || defined(__i386__)
 #include "avx512_emulated.h"
@@ -163,7 +179,7 @@ void fill_panel(const Deq& deq, const TypeInfo* ti, const uint8_t* W, int64_t rb
     for (int64_t r = r1 - r0; r < QGEMM_PANEL; ++r) memset(panel + r * ps, 0, kn * sizeof(float));
 }
 
-// Rows [r0, r1) into y: for each block of qgemm_kb(cols) columns (whose activations stay in the
+// Rows [r0, r1) into y: for each block of qgemm_kb(cols, tp) columns (whose activations stay in the
 // L2 cache while every panel of the rows uses them), each panel dequantized for
 // those columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end.
 // `mul(P, ps, kn, xt, c, first)` runs one panel's token groups.
@@ -172,7 +188,7 @@ void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, 
                     int64_t r0, int64_t r1, int64_t cols, const float* xt, int64_t tp,
                     int64_t nt, float* panel, float* c, float* y, int64_t ys) {
     const TypeInfo* ti = type_info(type);
-    const int64_t kb = qgemm_kb(cols), ps = qgemm_panel_stride(kb);
+    const int64_t kb = qgemm_kb(cols, tp), ps = qgemm_panel_stride(kb);
     for (int64_t k0 = 0; k0 < cols; k0 += kb) {
         const int64_t kn = cols - k0 < kb ? cols - k0 : kb;
         for (int64_t p0 = r0; p0 < r1; p0 += QGEMM_PANEL) {
