@@ -13,7 +13,7 @@ from . import gemm
 from .build import load
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
-           "moe_down_rows", "moe_combine",
+           "moe_down_rows", "moe_combine", "expert_tokens",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES",
            "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
@@ -297,6 +297,34 @@ def moe_combine(v: torch.Tensor, w: torch.Tensor,
     are unavailable."""
     mod = load() if _f32_cpu(v) and v.dim() == 2 else None
     return None if mod is None else mod.moe_combine(v, w, list(order))
+
+
+def expert_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                  gate: torch.Tensor, up: torch.Tensor | None, down: torch.Tensor,
+                  types: tuple[GGMLType, GGMLType, GGMLType], n_ff: int, default_limit: int,
+                  act_quant: str | None = None, limit: float = 0.0, alpha: float = 0.0,
+                  biases: Sequence[Sequence[torch.Tensor]] = ((), (), ())) -> bool:
+    """One routed expert over its tokens of a prompt in one call: ``out[i] = w[i] ·
+    expert(x[tok[i]])`` (``expert``: ``down(swiglu(gate x, up x))`` with the (gate, up, down)
+    ``biases`` added, ``limit``/``alpha`` as ``moe``'s; ``up`` None: ``gate`` is a fused
+    gate_up). Each product as ``runtime.model.ffn.expert_ffn`` takes it, the native kernels up
+    to ``max_tokens`` of its type (``default_limit`` where the table has none), ``qgemm`` past
+    it, so each row equals ``expert_ffn``'s bit for bit. ``x [T, n_embd]``, ``out`` a
+    contiguous float32 ``[len(tok), n_embd]``. False, nothing written, when not applicable."""
+    mode = _moe_mode(act_quant)
+    D = int(x.shape[-1])
+    tg, tu, td = int(types[0]), int(types[1]), int(types[2])
+    if (not _f32_cpu(x) or x.dim() != 2 or not _f32_cpu(out) or not _applies(tg, D, mode)
+            or not _applies(tu, D, mode) or not _applies(td, n_ff, mode)
+            or not _applies(tg, D, 0) or not _applies(tu, D, 0) or not _applies(td, n_ff, 0)):
+        return False
+    mod = load()
+    if mod is None or not hasattr(mod, "expert_tokens"):
+        return False
+    lims = [max_tokens(t, default_limit, act_quant) for t in types]
+    bg, bu, bd = (list(b) for b in biases)
+    return mod.expert_tokens(x, tok, w, out, gate, [] if up is None else [up], down, tg, tu, td,
+                             int(n_ff), mode, float(limit), float(alpha), *lims, bg, bu, bd)
 
 
 def _f32_cpu(t: torch.Tensor | None) -> bool:

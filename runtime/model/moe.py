@@ -25,7 +25,8 @@ from ..experts.protocol import BoundedGet, ExpertProvider, SplitGet
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
 from ..prefetch.lookahead import LookaheadStats
-from .qmatvec import fused_experts, native_combine, native_down_rows, native_hidden
+from .qmatvec import (fused_experts, native_combine, native_down_rows, native_expert_tokens,
+                      native_hidden)
 from .router import Router, RouterWeights
 
 __all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
@@ -346,6 +347,10 @@ class ExpertRunner:
         wsorted = wts.flatten().index_select(0, order)
         start = list(itertools.accumulate(counts, initial=0))           # first pair per expert
         pairs = torch.empty((T * k, x.shape[1]), dtype=torch.float32, device=x.device)
+        # experts as plain ggml bytes: one native call each (expert_ffn's bits, none of its
+        # Python between the products)
+        fast = self.fused and x.is_cpu and x.dtype == torch.float32
+        xf = x.contiguous() if fast else x
         room = self._bounded.max_experts_per_get if self._bounded is not None else 0
         room = room if 0 < room < len(experts) else max(1, len(experts))
         for p in range(0, len(experts), room):
@@ -354,6 +359,9 @@ class ExpertRunner:
             for e, we in self._weights_each(layer, experts[p:p + room],
                                             then if room >= len(experts) else None):
                 a, b = start[e], start[e] + counts[e]
+                if fast and native_expert_tokens(xf, tok[a:b], wsorted[a:b], pairs[a:b], we,
+                                                 self.act_quant, limit, alpha):
+                    continue                  # the native kernels' one call for the expert
                 y = expert_ffn(x.index_select(0, tok[a:b]), we, self.fused,
                                self.act_quant, limit, alpha).float()
                 torch.mul(y, wsorted[a:b, None], out=pairs[a:b])

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -48,7 +48,7 @@ _F32 = GGMLType.F32
 
 __all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
            "precompile", "NATIVE_MAX_TOKENS", "native_hidden", "native_down_rows",
-           "native_combine"]
+           "native_combine", "native_expert_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,21 @@ def native_down_rows(h: torch.Tensor, experts: list, n_embd: int,
         return None
     _, _, Dn, types, _, B = p
     return native.moe_down_rows(h, Dn, types[2], n_embd, act_quant, B[2])
+
+
+def native_expert_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                         expert: Any, act_quant: str | None = None, limit: float = 0.0,
+                         alpha: float = 0.0) -> bool:
+    """A prompt's pairs routed to ``expert`` in one native call: ``out[i] = w[i] ·
+    expert_ffn(x[tok[i]])`` bit for bit (``expert_ffn`` with the native kernels, ``fused``),
+    or False (nothing written) when the expert is not plain ggml bytes the kernels take."""
+    p = _native_parts([expert], x.shape[1])
+    if p is None:
+        return False
+    G, U, Dn, types, n_ff, B = p
+    return native.expert_tokens(x, tok, w, out, G[0], U[0] if U else None, Dn[0], types, n_ff,
+                                NATIVE_MAX_TOKENS, act_quant, limit, alpha,
+                                tuple(b[:1] for b in B))
 
 
 def native_combine(v: torch.Tensor, w: torch.Tensor, order: list[int]) -> torch.Tensor | None:

@@ -10,6 +10,10 @@
 #include <ATen/core/Tensor.h>
 #include <pthread.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -213,6 +217,20 @@ at::Tensor check_x(const at::Tensor& x, int64_t cols) {
     return x.contiguous();
 }
 
+// y [nt, rows] = x [nt, cols] @ W.T with W ggml bytes (rows x rb), through the type's rows
+// kernel on the pool; checked and the GIL released by the caller.
+void matvec_into(const float* x, int nt, const uint8_t* W, int64_t rb, RowsFn fn, int type,
+                 int64_t rows, int64_t cols, int64_t mode, float* yp) {
+    Prep p;
+    p.make(x, cols, nt, cols, act_format(type, (int)mode));
+    const int64_t rc = rows_per_chunk(rows);
+    const XPrep* xs = p.xs.data();
+    par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
+        const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
+        fn(W, rb, r0, r1, cols, xs, nt, yp, rows, 1.f, 0);
+    });
+}
+
 // y [T, rows] = x [T, cols] @ W.T with W the ggml bytes `raw` (rows x row_bytes).
 at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
                   int64_t cols, int64_t mode) {
@@ -225,52 +243,29 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
     if (nt == 0 || rows == 0) return y;
     const RowsFn fn = rows_fn((int)type, (int)mode);
     TORCH_CHECK(fn != nullptr, "expertfs kernels: no kernel for type ", type);
-    Prep p;
-    p.make(x.data_ptr<float>(), cols, nt, cols, act_format((int)type, (int)mode));
-    const uint8_t* W = raw.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    const int64_t rc = rows_per_chunk(rows);
-    const XPrep* xs = p.xs.data();
-    {
-        pybind11::gil_scoped_release nogil;
-        par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
-            const int64_t r0 = c * rc, r1 = r0 + rc < rows ? r0 + rc : rows;
-            fn(W, rb, r0, r1, cols, xs, nt, yp, rows, 1.f, 0);
-        });
-    }
+    pybind11::gil_scoped_release nogil;
+    matvec_into(x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, fn, (int)type, rows, cols,
+                mode, y.data_ptr<float>());
     return y;
 }
 
-// y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm.cpp): each panel of rows dequantized
-// once into this thread's scratch, then multiplied by every token. Exact mode's numerics (the
-// dequantized floats, float32 sums). Undefined under the portable kernels (no AVX2): the
-// caller takes the wide path.
-at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
-                 int64_t cols) {
-    if (!(g_isa >= ISA_AVX2 && qgemm_compiled())) return at::Tensor();
+bool qgemm_available() { return g_isa >= ISA_AVX2 && qgemm_compiled(); }
+
+// qgemm's product into yp [nt, rows] (the caller checks and releases the GIL).
+void qgemm_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64_t type,
+                int64_t rows, int64_t cols, float* yp) {
     const bool z = g_isa >= ISA_AVX512;
     const int64_t lanes = z ? QGEMM_LANES_AVX512 : QGEMM_LANES_AVX2;
-    const TypeInfo* ti = check_type(type, cols, 0);
-    const int64_t rb = cols / ti->block * ti->bytes;
-    check_raw(raw, rows, rb, "weight");
-    const at::Tensor x = check_x(x_, cols);
-    const int64_t nt = x.size(0), tp = (nt + lanes - 1) / lanes * lanes;
-    at::Tensor y = at::empty({nt, rows}, x.options());
-    if (nt == 0 || rows == 0) return y;
-    at::Tensor xt = at::empty({cols, tp}, x.options());
-    float* xtp = xt.data_ptr<float>();
-    {
-        const float* xp = x.data_ptr<float>();
-        for (int64_t k0 = 0; k0 < cols; k0 += 64) {         // a block of XT stays in L1
-            const int64_t k1 = k0 + 64 < cols ? k0 + 64 : cols;
-            for (int64_t k = k0; k < k1; ++k)
-                for (int64_t t = nt; t < tp; ++t) xtp[k * tp + t] = 0.f;
-            for (int64_t t = 0; t < nt; ++t)
-                for (int64_t k = k0; k < k1; ++k) xtp[k * tp + t] = xp[t * cols + k];
-        }
+    const int64_t tp = (nt + lanes - 1) / lanes * lanes;
+    std::unique_ptr<float[]> xt(new float[(size_t)(cols * tp)]);
+    float* xtp = xt.get();
+    for (int64_t k0 = 0; k0 < cols; k0 += 64) {             // a block of XT stays in L1
+        const int64_t k1 = k0 + 64 < cols ? k0 + 64 : cols;
+        for (int64_t k = k0; k < k1; ++k)
+            for (int64_t t = nt; t < tp; ++t) xtp[k * tp + t] = 0.f;
+        for (int64_t t = 0; t < nt; ++t)
+            for (int64_t k = k0; k < k1; ++k) xtp[k * tp + t] = xp[t * cols + k];
     }
-    const uint8_t* W = raw.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
     // runs of panels, at least 4 per thread where the rows allow (a delayed thread is made up
     // for), at most 8 panels (their sums, 192 x tp floats, stay in the L2 cache)
     const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
@@ -278,7 +273,6 @@ at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int6
     int64_t per = panels / (4 * nth);
     per = per < 1 ? 1 : per > 8 ? 8 : per;
     const int64_t run = per * QGEMM_PANEL;
-    pybind11::gil_scoped_release nogil;
     par_chunks((rows + run - 1) / run, [&](int64_t i) {
         thread_local std::vector<float> panel, sums;
         const int64_t need = QGEMM_PANEL * qgemm_panel_stride(qgemm_kb(cols, tp));
@@ -288,6 +282,25 @@ at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int6
         (z ? avx512_qgemm_rows : avx2_qgemm_rows)((int)type, W, rb, r0, r1, cols, xtp, tp, nt,
                                                   panel.data(), sums.data(), yp, rows);
     });
+}
+
+// y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm.cpp): each panel of rows dequantized
+// once into this thread's scratch, then multiplied by every token. Exact mode's numerics (the
+// dequantized floats, float32 sums). Undefined under the portable kernels (no AVX2): the
+// caller takes the wide path.
+at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
+                 int64_t cols) {
+    if (!qgemm_available()) return at::Tensor();
+    const TypeInfo* ti = check_type(type, cols, 0);
+    const int64_t rb = cols / ti->block * ti->bytes;
+    check_raw(raw, rows, rb, "weight");
+    const at::Tensor x = check_x(x_, cols);
+    const int64_t nt = x.size(0);
+    at::Tensor y = at::empty({nt, rows}, x.options());
+    if (nt == 0 || rows == 0) return y;
+    pybind11::gil_scoped_release nogil;
+    qgemm_into(x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, type, rows, cols,
+               y.data_ptr<float>());
     return y;
 }
 
@@ -537,6 +550,81 @@ at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_,
     return y;
 }
 
+// One routed expert over a prompt's share of tokens, in one call: for pair i (its token tok[i]
+// of x), out[i] = w[i] * down(swiglu(gate x, up x)) + down bias, each product through the
+// native rows kernel up to `lim` tokens of its type (lim_g, lim_u, lim_d: kernels.max_tokens)
+// and through qgemm past it, the activation and the bias additions as torch's own operations
+// (runtime.model.ffn.swiglu: clamp, silu or sigmoid, multiply): so each row is the one
+// expert_ffn gives, bit for bit, without the Python and the pool's wake-ups between the
+// products. `up` empty: `gate` is a fused gate_up (gate rows first). Returns false, writing
+// nothing, where a product would need qgemm and this build has none.
+bool expert_tokens(const at::Tensor& x_, const at::Tensor& tok_, const at::Tensor& w_,
+                   at::Tensor out, const at::Tensor& gate, const std::vector<at::Tensor>& up,
+                   const at::Tensor& down, int64_t tg, int64_t tu, int64_t td, int64_t ff,
+                   int64_t mode, double limit, double alpha, int64_t lim_g, int64_t lim_u,
+                   int64_t lim_d, const std::vector<at::Tensor>& gate_b,
+                   const std::vector<at::Tensor>& up_b, const std::vector<at::Tensor>& down_b) {
+    const int64_t D = x_.size(-1);
+    const at::Tensor x = check_x(x_, D);
+    TORCH_CHECK(tok_.dim() == 1 && tok_.scalar_type() == at::kLong, "expertfs kernels: tok "
+                "must be int64 [n]");
+    const int64_t n = tok_.size(0);
+    TORCH_CHECK(w_.numel() == n && out.dim() == 2 && out.size(0) == n && out.size(1) == D &&
+                out.scalar_type() == at::kFloat && out.is_contiguous(),
+                "expertfs kernels: expert_tokens needs w [n] and a contiguous float32 out [n, D]");
+    const at::Tensor tok = tok_.contiguous(), w = w_.to(at::kFloat).contiguous();
+    const std::vector<at::Tensor> gl{gate}, dl{down};
+    const Experts ex = check_experts(gl, up, &dl, D, tg, tu, td, ff, mode);
+    const Biases bg = check_bias(gate_b, 1, ff, "gate"), bu = check_bias(up_b, 1, ff, "up");
+    const Biases bd = check_bias(down_b, 1, D, "down");
+    const bool fused = up.empty();
+    const bool wide_g = n > lim_g, wide_u = !fused && n > lim_u, wide_d = n > lim_d;
+    if ((wide_g || wide_u || wide_d) && !qgemm_available()) return false;
+    const RowsFn fg = rows_fn((int)tg, (int)mode), fu = rows_fn((int)ex.tu, (int)mode);
+    const RowsFn fd = rows_fn((int)td, (int)mode);
+    TORCH_CHECK(fg && fu && fd, "expertfs kernels: no kernel for these types");
+    if (n == 0) return true;
+    const int64_t* tp = tok.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(tp[i] >= 0 && tp[i] < x.size(0), "expertfs kernels: token out of range");
+    const at::TensorOptions f32 = x.options();
+    at::Tensor xs = at::empty({n, D}, f32), y;
+    at::Tensor gu = at::empty({n, (fused ? 2 : 1) * ff}, f32);
+    at::Tensor u = fused ? at::Tensor() : at::empty({n, ff}, f32);
+    {
+        pybind11::gil_scoped_release nogil;
+        const float* xp = x.data_ptr<float>();
+        float* xsp = xs.data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i) memcpy(xsp + i * D, xp + tp[i] * D, D * sizeof(float));
+        const auto product = [&](const uint8_t* W, int64_t rb, RowsFn fn, int64_t type,
+                                 int64_t rows, int64_t cols, const float* in, bool wide,
+                                 float* o) {
+            if (wide)
+                qgemm_into(in, n, W, rb, type, rows, cols, o);
+            else
+                matvec_into(in, (int)n, W, rb, fn, (int)type, rows, cols, mode, o);
+        };
+        product(ex.G[0], ex.rbg, fg, tg, (fused ? 2 : 1) * ff, D, xsp, wide_g,
+                gu.data_ptr<float>());
+        if (!fused) product(ex.U[0], ex.rbu, fu, ex.tu, ff, D, xsp, wide_u, u.data_ptr<float>());
+        at::Tensor g = fused ? gu.narrow(1, 0, ff) : gu, uu = fused ? gu.narrow(1, ff, ff) : u;
+        if (!bg.empty()) g = g.add(at::from_blob(const_cast<float*>(bg[0]), {ff}, f32));
+        if (!bu.empty()) uu = uu.add(at::from_blob(const_cast<float*>(bu[0]), {ff}, f32));
+        if (limit > 0) {                                           // ffn.swiglu's order
+            g = g.clamp(c10::nullopt, limit);
+            uu = uu.clamp(-limit, limit);
+        }
+        const at::Tensor h = (alpha > 0 ? g.mul(at::sigmoid(g.mul(alpha))).mul(uu.add(1))
+                                        : at::silu(g).mul(uu)).contiguous();
+        y = at::empty({n, D}, f32);
+        product(ex.Dn[0], ex.rbd, fd, td, D, ff, h.data_ptr<float>(), wide_d,
+                y.data_ptr<float>());
+        if (!bd.empty()) y = y.add(at::from_blob(const_cast<float*>(bd[0]), {D}, f32));
+        at::mul_out(out, y, w.unsqueeze(1));
+    }
+    return true;
+}
+
 // W [rows, cols] as float32 from the ggml bytes `raw` (rows x row_bytes) into y (contiguous):
 // the weights the exact kernels multiply by, for products too wide for them (dequantize, then
 // one matmul).
@@ -736,6 +824,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("td"), pybind11::arg("ff"), pybind11::arg("mode"),
           pybind11::arg("limit") = 0.0, pybind11::arg("alpha") = 0.0,
           pybind11::arg("gate_b") = std::vector<at::Tensor>(),
+          pybind11::arg("up_b") = std::vector<at::Tensor>(),
+          pybind11::arg("down_b") = std::vector<at::Tensor>());
+    m.def("expert_tokens", &efs::expert_tokens, "one expert over its tokens of a prompt, "
+          "weighted, into out", pybind11::arg("x"), pybind11::arg("tok"), pybind11::arg("w"),
+          pybind11::arg("out"), pybind11::arg("gate"), pybind11::arg("up"),
+          pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"), pybind11::arg("td"),
+          pybind11::arg("ff"), pybind11::arg("mode"), pybind11::arg("limit"),
+          pybind11::arg("alpha"), pybind11::arg("lim_g"), pybind11::arg("lim_u"),
+          pybind11::arg("lim_d"), pybind11::arg("gate_b") = std::vector<at::Tensor>(),
           pybind11::arg("up_b") = std::vector<at::Tensor>(),
           pybind11::arg("down_b") = std::vector<at::Tensor>());
     m.def("moe_hidden", &efs::moe_hidden, "phase 1 of moe: silu(gate x) * up x per expert",
