@@ -304,19 +304,14 @@ def expert_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, out: torc
                   types: tuple[GGMLType, GGMLType, GGMLType], n_ff: int, default_limit: int,
                   act_quant: str | None = None, limit: float = 0.0, alpha: float = 0.0,
                   biases: Sequence[Sequence[torch.Tensor]] = ((), (), ())) -> bool:
-    """One routed expert over its tokens of a prompt in one call: ``out[i] = w[i] ·
-    expert(x[tok[i]])`` (``expert``: ``down(swiglu(gate x, up x))`` with the (gate, up, down)
-    ``biases`` added, ``limit``/``alpha`` as ``moe``'s; ``up`` None: ``gate`` is a fused
-    gate_up). Each product as ``runtime.model.ffn.expert_ffn`` takes it, the native kernels up
-    to ``max_tokens`` of its type (``default_limit`` where the table has none), ``qgemm`` past
-    it, so each row equals ``expert_ffn``'s bit for bit. ``x [T, n_embd]``, ``out`` a
-    contiguous float32 ``[len(tok), n_embd]``. False, nothing written, when not applicable."""
+    """A prompt's expert in one call: ``out[i] = w[i] · expert_ffn(x[tok[i]])`` bit for bit
+    (biases, ``limit``/``alpha`` as ``moe``'s; ``up`` None: a fused gate_up; each product native
+    up to ``max_tokens`` of its type, else ``qgemm``); False (nothing written) if not applicable."""
     mode = _moe_mode(act_quant)
     D = int(x.shape[-1])
     tg, tu, td = int(types[0]), int(types[1]), int(types[2])
     if (not _f32_cpu(x) or x.dim() != 2 or not _f32_cpu(out) or not _applies(tg, D, mode)
-            or not _applies(tu, D, mode) or not _applies(td, n_ff, mode)
-            or not _applies(tg, D, 0) or not _applies(tu, D, 0) or not _applies(td, n_ff, 0)):
+            or not _applies(tu, D, mode) or not _applies(td, n_ff, mode)):
         return False
     mod = load()
     if mod is None or not hasattr(mod, "expert_tokens"):

@@ -25,8 +25,9 @@ from ..experts.protocol import BoundedGet, ExpertProvider, SplitGet
 from .dqcache import DequantCache
 from .ffn import DenseFFN, expert_ffn, to_float_expert
 from ..prefetch.lookahead import LookaheadStats
-from .qmatvec import (fused_experts, native_combine, native_down_rows, native_expert_tokens,
-                      native_hidden)
+from .native_experts import (native_combine, native_down_rows, native_expert_tokens,
+                             native_hidden)
+from .qmatvec import fused_experts
 from .router import Router, RouterWeights
 
 __all__ = ["MoEWeights", "ExpertRunner", "MoEStats"]
@@ -185,8 +186,8 @@ class ExpertRunner:
         is in: the resident experts and the shared expert while the missing ones are read, then
         the missing ones in the order their reads land, each group while the later reads run;
         the weighted sum is taken in routing order: bit for bit the one-call product
-        (``qmatvec.native_hidden``, ``native_down_rows``, ``native_combine``: each expert's rows
-        depend on its weights and ``x`` only). Returns (routed output, the weights, the shared
+        (``native_experts.native_hidden``, ``native_down_rows``, ``native_combine``: each
+        expert's rows depend on its weights and ``x`` only). Returns (routed output, the weights, the shared
         expert's output), each None when not done here: every expert resident (one call does
         it) or the native kernels do not apply, and the caller computes from the weights as
         usual. ``then()`` runs once this layer's reads are issued (the next layer's prefetch:

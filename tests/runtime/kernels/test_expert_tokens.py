@@ -21,7 +21,7 @@ from expertfs.runtime import kernels
 from expertfs.runtime.experts.protocol import ExpertWeights, QWeight
 from expertfs.runtime.model import moe as moe_mod
 from expertfs.runtime.model.ffn import expert_ffn
-from expertfs.runtime.model.qmatvec import native_expert_tokens
+from expertfs.runtime.model.native_experts import native_expert_tokens
 from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
 
 pytestmark = NEEDS_NATIVE
