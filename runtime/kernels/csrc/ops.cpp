@@ -551,7 +551,7 @@ at::Tensor moe_combine(const at::Tensor& v_, const at::Tensor& w_,
 }
 
 // One routed expert over a prompt's share of tokens, in one call: for pair i (its token tok[i]
-// of x), out[i] = w[i] * down(swiglu(gate x, up x)) + down bias, each product through the
+// of x), out[i] = w[i] * (down(swiglu(gate x, up x)) + down bias), each product through the
 // native rows kernel up to `lim` tokens of its type (lim_g, lim_u, lim_d: kernels.max_tokens)
 // and through qgemm past it, the activation and the bias additions as torch's own operations
 // (runtime.model.ffn.swiglu: clamp, silu or sigmoid, multiply): so each row is the one
