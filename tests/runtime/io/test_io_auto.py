@@ -20,8 +20,11 @@ from expertfs.runtime.io.pagecache import drop_file_cache
 @pytest.fixture
 def big(tmp_path):
     path = tmp_path / "big.bin"
-    path.write_bytes(np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
-    return path
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())    # clean pages: fadvise(DONTNEED) drops only those, not the
+    return path                 # dirty ones still waiting for writeback on a busy disk
 
 
 def test_choose_measures_logs_and_caches(big, tmp_path, caplog):
