@@ -120,8 +120,8 @@ def main() -> int:
     base, cpu = _ggml()
     print(f"cold products, {a.threads} threads, expertfs kernels "
           f"{kernels.status()['isa']}; medians of {a.rounds} alternating rounds")
-    print(f"{'type':8s} {'shape':>12s} {'tokens':>6s} {'exact Gw/s':>11s} {'q8 Gw/s':>8s} {'ggml Gw/s':>10s} "
-          f"{'ggml GB/s':>10s} {'exact/ggml':>11s} {'q8/ggml':>8s}")
+    print(f"{'type':8s} {'shape':>12s} {'tokens':>6s} {'exact Gw/s':>11s} {'q8 Gw/s':>8s} "
+          f"{'ggml Gw/s':>10s} {'ggml GB/s':>10s} {'exact/ggml':>11s} {'q8/ggml':>8s}")
     for name in a.types.split(","):
         t = GGMLType[name.upper()]
         for shape in a.shapes.split(","):

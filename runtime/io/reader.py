@@ -4,11 +4,12 @@
 ``extent(layer, expert) -> Extent``, i.e. ``expertfs.store.reader.Store``) or a plain ``(path,
 extents)`` pair to an open :class:`.protocol.FileHandle`. ``verify`` says when the parts'
 xxh3 checksums are checked: ``"first"`` (default: the first read of each expert through this
-reader), ``"always"`` or ``"never"``. At most ``max_bytes_in_flight`` bytes of reads run at once
-(``READ_BYTES_IN_FLIGHT``), so the experts of a layer land in the order they were asked for,
-one after another, rather than all together at the end. A mismatch is read again (``rereads`` times: a fault on
-the way, not on the drive, goes away) and then raises :class:`ExpertIntegrityError` naming the
-layer, expert and part; bytes that fail are never handed out. A read that fails after the I/O
+reader), ``"always"`` or ``"never"``. At most ``max_bytes_in_flight`` bytes of reads run at
+once (``READ_BYTES_IN_FLIGHT``), so the experts of a layer land in the order they were asked
+for, one after another, rather than all together at the end. A mismatch is read again
+(``rereads`` times: a fault on the way, not on the drive, goes away) and then raises
+:class:`ExpertIntegrityError` naming the layer, expert and part; bytes that fail are never
+handed out. A read that fails after the I/O
 engine's retries raises :class:`IOFaultError` naming the expert. After every read the experts
 file is checked to be the one opened (same inode, size and modification time): a store replaced,
 truncated or rewritten under the reader raises :class:`StoreChangedError` instead of handing out

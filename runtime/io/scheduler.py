@@ -194,7 +194,7 @@ class ReadScheduler:
                 while True:
                     while self._heap and self._heap[0][3] is None:
                         heapq.heappop(self._heap)
-                    if (self._heap and self._fits(self._heap[0])) or (self._closed and not self._heap):
+                    if self._heap and self._fits(self._heap[0]) or self._closed and not self._heap:
                         break
                     self._cv.wait()
                 if not self._heap:

@@ -26,20 +26,19 @@ on torch's intra-op threads; ``moe_hidden``, ``moe_down_rows`` and ``moe_combine
 steps (gate/up per expert, each expert's down rows, then their weighted sum in the given order),
 so a layer can compute its resident experts while the others load and still get ``moe``'s
 bits; ``expert_tokens`` is one expert over its tokens of a prompt (the products, the activation
-and the weighting of ``runtime.model.ffn.expert_ffn`` in one call). All return None when the kernels are unavailable (no compiler,
-``EXPERTFS_NATIVE=0``, a failed build: logged once) or do not apply (type, device, dtype), so
-callers fall back to their torch paths.
+and the weighting of ``runtime.model.ffn.expert_ffn`` in one call). All return None when the
+kernels are unavailable (no compiler, ``EXPERTFS_NATIVE=0``, a failed build: logged once) or do
+not apply (type, device, dtype), so callers fall back to their torch paths.
 """
 
 from .build import load, status
 from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, WIDE_TYPES_Q8, act_quant_mode,
                   attn_decode, available, dequant, expert_tokens, kda_step_, matvec,
-                  max_tokens, moe,
-                  moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm, rms_norm, route,
-                  set_spin_us, set_threads, sinkhorn_)
+                  max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm,
+                  rms_norm, route, set_spin_us, set_threads, sinkhorn_)
 
 __all__ = ["ACT_QUANT", "TYPES", "WIDE_TYPES", "WIDE_TYPES_Q8", "act_quant_mode",
            "attn_decode", "available", "dequant", "expert_tokens", "kda_step_", "load",
-           "matvec", "max_tokens",
-           "moe", "moe_combine", "moe_down_rows", "moe_hidden", "norm_rope_", "qgemm", "rms_norm",
-           "route", "set_spin_us", "set_threads", "sinkhorn_", "status"]
+           "matvec", "max_tokens", "moe", "moe_combine", "moe_down_rows", "moe_hidden",
+           "norm_rope_", "qgemm", "rms_norm", "route", "set_spin_us", "set_threads", "sinkhorn_",
+           "status"]

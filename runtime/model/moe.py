@@ -187,11 +187,11 @@ class ExpertRunner:
         the missing ones in the order their reads land, each group while the later reads run;
         the weighted sum is taken in routing order: bit for bit the one-call product
         (``native_experts.native_hidden``, ``native_down_rows``, ``native_combine``: each
-        expert's rows depend on its weights and ``x`` only). Returns (routed output, the weights, the shared
-        expert's output), each None when not done here: every expert resident (one call does
-        it) or the native kernels do not apply, and the caller computes from the weights as
-        usual. ``then()`` runs once this layer's reads are issued (the next layer's prefetch:
-        it queues behind them)."""
+        expert's rows depend on its weights and ``x`` only). Returns (routed output, the
+        weights, the shared expert's output), each None when not done here: every expert
+        resident (one call does it) or the native kernels do not apply, and the caller computes
+        from the weights as usual. ``then()`` runs once this layer's reads are issued (the next
+        layer's prefetch: it queues behind them)."""
         if self._split is None:
             return None, None, None
         ready, finish = self._split.get_begin(layer, experts)
@@ -218,7 +218,7 @@ class ExpertRunner:
                 rows.append(v)
                 order += group
                 during = during or bool(late)
-            if sh is None and shared is not None and late:      # independent of the reads
+            if sh is None and shared is not None:               # independent of the reads
                 sh = shared(x).float()
             if not late:
                 break

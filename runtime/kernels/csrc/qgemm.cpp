@@ -179,9 +179,9 @@ void fill_panel(const Deq& deq, const TypeInfo* ti, const uint8_t* W, int64_t rb
     for (int64_t r = r1 - r0; r < QGEMM_PANEL; ++r) memset(panel + r * ps, 0, kn * sizeof(float));
 }
 
-// Rows [r0, r1) into y: for each block of qgemm_kb(cols, tp) columns (whose activations stay in the
-// L2 cache while every panel of the rows uses them), each panel dequantized for
-// those columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end.
+// Rows [r0, r1) into y: for each block of qgemm_kb(cols, tp) columns (whose activations stay in
+// the L2 cache while every panel of the rows uses them), each panel dequantized for those
+// columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end.
 // `mul(P, ps, kn, xt, c, first)` runs one panel's token groups.
 template <class Deq, class Mul>
 void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, int64_t rb,
