@@ -1,5 +1,6 @@
 """The steps of bench/gpu_check.sh that are Python: ``env``, ``logits``, ``stream [ARGS...]``,
-``syncs`` (host syncs per decode token) and ``misses`` (a get's device misses concurrent).
+``syncs`` (host syncs per decode token), ``misses`` (a get's device misses concurrent) and
+``launches`` (kernels a decode token, a get's experts dequantized one by one and grouped).
 Reads W (the work folder), DEV (cuda, or cpu for a dry run) and PY from the environment."""
 
 from __future__ import annotations
@@ -169,6 +170,20 @@ def misses() -> None:
               f"{ps.uploads}, misses {ps.misses}, stall {ps.stall_seconds * 1e3:.2f} ms")
 
 
+def launches() -> None:
+    """Kernels and time a resident decode token on the device path, a get's experts dequantized
+    one by one against per role in one call (``bench/expert_launches.py``); fails unless the
+    grouped path launches fewer kernels and gives the same logits to float32 tolerance."""
+    s = _store("stream", big=True)
+    r = subprocess.run([PY, os.path.join(os.path.dirname(__file__), "expert_launches.py"), s,
+                        "--device", DEV, "-n", "8"], check=True, capture_output=True, text=True)
+    print(r.stdout, end="")
+    last = r.stdout.strip().splitlines()[-1]           # "  kernels: 0.12x; time: ...; |d| X"
+    ratio, d = float(last.split("kernels: ")[1].split("x")[0]), float(last.rsplit(" ", 1)[1])
+    assert ratio < 1, "grouped dequantization launched no fewer kernels"
+    assert d < 1e-2, f"grouped logits differ by {d:.2e}"
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "env":
@@ -181,6 +196,8 @@ if __name__ == "__main__":
         syncs()
     elif what == "misses":
         misses()
+    elif what == "launches":
+        launches()
     else:
         raise SystemExit("usage: gpu_check_steps.py env | logits | stream [ARGS...] | syncs | "
-                         "misses")
+                         "misses | launches")

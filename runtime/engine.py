@@ -164,6 +164,8 @@ class Engine:
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
                                    DequantCache(options.dq_cache), look)
         self.runner.fused = fused
+        self.runner.grouped = self.device.type != "cpu"   # no native products: grouped dequant
+        self.runner.group_max = max(1, self.config.n_expert_used)
         self.runner.set_act_quant(options.act_quant)
         set_act_quant(self.trunk, options.act_quant)      # the trunk's products: the same numerics
         if fused:

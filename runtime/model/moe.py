@@ -23,7 +23,8 @@ import torch
 from ...errors import UsageError
 from ..experts.protocol import BoundedGet, ExpertProvider, SplitGet
 from .dqcache import DequantCache
-from .ffn import DenseFFN, expert_ffn, to_float_expert
+from .expert_groups import as_computed
+from .ffn import DenseFFN, expert_ffn
 from ..prefetch.lookahead import LookaheadStats
 from .native_experts import (native_combine, native_down_rows, native_expert_tokens,
                              native_hidden)
@@ -72,6 +73,10 @@ class ExpertRunner:
     act_quant: str = "off"       # "q8": llama.cpp's 8-bit activations (lossy, opt-in; native)
     decoding: bool = False       # the forward running is a decode step or a verify pass, not
                                  # prefill (a router may treat those windows differently)
+    grouped: bool = False        # experts without native products dequantized up to
+                                 # ``group_max`` at a time, each role in one call
+                                 # (``expert_groups``: the device path's few launches a layer)
+    group_max: int = 8           # at most the experts the device workspace holds dequantized
 
     def __post_init__(self) -> None:
         p = self.provider
@@ -117,14 +122,7 @@ class ExpertRunner:
         if need:
             got = self.provider.get(layer, need)
             self.stats.fetches += len(need)
-            for e in need:
-                w = got[e]
-                if self.dq.enabled:
-                    f = to_float_expert(w, self.dtype)
-                    self.dq.put(layer, e, f)
-                    out[e] = f
-                else:
-                    out[e] = w
+            out.update(self._as_floats(layer, {e: got[e] for e in need}))
         return out
 
     def _weights_each(self, layer: int, experts: list[int],
@@ -136,13 +134,14 @@ class ExpertRunner:
         same weights as ``_weights`` (dequant-cache hits included), in the same order.
         ``then()`` runs once the reads are issued (prefetches queue behind them). ``arrival``:
         the ready ones first, then the rest in the order their reads land."""
-        if self._split is None:
-            weights = self._weights(layer, experts)
+        floats, need = self._dq_hits(layer, experts)
+        if self._split is None:                           # all of them fetched at once
+            got = self.provider.get(layer, need) if need else {}
+            self.stats.fetches += len(need)
             if then is not None:
                 then()
-            yield from ((e, weights[e]) for e in experts)
+            yield from self._in_groups(layer, experts, floats, got, None)
             return
-        floats, need = self._dq_hits(layer, experts)
         ready, finish = self._split.get_begin(layer, need) if need else ({}, None)
         self.stats.fetches += len(need)
         if then is not None:
@@ -152,31 +151,42 @@ class ExpertRunner:
             if late and len(late) < len(experts):
                 self.stats.overlapped += 1
             order = [e for e in experts if e not in late]
+            now = self._as_floats(layer, {e: ready[e] for e in order if e not in floats})
             for e in order:
-                yield e, self._as_float(layer, e, floats.get(e), ready.get(e))
+                yield e, floats[e] if e in floats else now[e]
             while late:
                 got = finish(late, some=True)
                 late = [e for e in late if e not in got]
-                yield from ((e, self._as_float(layer, e, None, w)) for e, w in got.items())
+                yield from self._as_floats(layer, got).items()
             return
         if late:
             self.stats.streamed += experts.index(late[-1])
-        for e in experts:
-            f, w = floats.get(e), None
-            if f is None:
-                w = ready.get(e)
-                if w is None:
-                    w = finish([e])[e]
-            yield e, self._as_float(layer, e, f, w)
+        yield from self._in_groups(layer, experts, floats, ready, finish)
 
-    def _as_float(self, layer: int, e: int, f: Any, w: Any) -> Any:
-        """A dequant-cache hit ``f`` as it is; else ``w``, put into the dequant cache when on."""
-        if f is not None:
-            return f
-        if self.dq.enabled:
-            w = to_float_expert(w, self.dtype)
-            self.dq.put(layer, e, w)
-        return w
+    def _in_groups(self, layer: int, experts: list[int], floats: dict[int, Any],
+                   ready: dict[int, Any], finish: Callable[..., dict[int, Any]] | None
+                   ) -> Iterator[tuple[int, Any]]:
+        """``(expert, weights)`` in ``experts``' order: dequant-cache hits ``floats`` as they
+        are, the ``ready`` weights (``grouped``: dequantized ``group_max`` at a time, the next
+        ready ones in order), the others awaited one by one through ``finish``."""
+        done: dict[int, Any] = {}
+        for i, e in enumerate(experts):
+            if e in floats:
+                yield e, floats[e]
+                continue
+            f = done.pop(e, None)
+            if f is None and e in ready and self.grouped:
+                nxt = [x for x in experts[i:] if x in ready and x not in floats]
+                done = self._as_floats(layer, {x: ready[x] for x in nxt[:self.group_max]})
+                f = done.pop(e)
+            elif f is None:
+                w = ready.get(e)
+                f = self._as_floats(layer, {e: finish([e])[e] if w is None else w})[e]
+            yield e, f
+
+    def _as_floats(self, layer: int, got: dict[int, Any]) -> dict[int, Any]:
+        """``got`` (expert → provider weights) as the products take them (``as_computed``)."""
+        return as_computed(layer, got, self.dtype, self.dq, self.grouped, self.group_max)
 
     def _overlapped(self, layer: int, x: torch.Tensor, w: torch.Tensor, experts: list[int],
                     shared: DenseFFN | None, then: Callable[[], None], limit: float = 0.0,

@@ -1,0 +1,150 @@
+"""Issue 17 item 7: a get's experts dequantized per role in one call (``expert_groups``), the
+device path's few launches a layer instead of some 25 per matrix. Each expert's float weights are
+the bits it gets dequantized alone (every type, fused gate_up, bias parts), so its products are
+too; the MoE layer asks for one dequantization per role and group; a tiered run (experts landing
+in groups of any size) gives a resident run's logits bit for bit, and the ungrouped path's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from expertfs.formats.dequant import dequantize
+from expertfs.formats.ggml import GGMLType as T
+from expertfs.formats.ggml import block_size
+from expertfs.formats.moe_names import Role
+from expertfs.formats.random_blocks import make_blocks
+from expertfs.runtime.engine import Engine
+from expertfs.runtime.experts.protocol import ExpertWeights, QWeight
+from expertfs.runtime.model import expert_groups
+from expertfs.runtime.model.dqcache import DequantCache
+from expertfs.runtime.model.expert_groups import as_computed, dequant_group, groupable
+from expertfs.runtime.model.ffn import FloatExpert, expert_ffn, to_float_expert
+from support.cache_store import tiny_store
+
+D, FF = 256, 256
+
+
+def q(t: T, rows: int, cols: int, seed: int) -> QWeight:
+    b = make_blocks(t, rows * cols // block_size(t), cols ** -0.5, np.random.default_rng(seed))
+    return QWeight(torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy()), t, (rows, cols))
+
+
+def bias(n: int, seed: int) -> QWeight:
+    v = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return QWeight(v.view(torch.uint8), T.F32, (n,))
+
+
+def expert(e: int, tg: T, td: T, fused: bool = False, biased: bool = False) -> ExpertWeights:
+    s = 10 * e
+    parts = {Role.DOWN: q(td, D, FF, s)}
+    if fused:
+        parts[Role.GATE_UP] = q(tg, 2 * FF, D, s + 1)
+    else:
+        parts[Role.GATE], parts[Role.UP] = q(tg, FF, D, s + 1), q(tg, FF, D, s + 2)
+    if biased:
+        parts.update({Role.GATE_BIAS: bias(FF, s + 3), Role.UP_BIAS: bias(FF, s + 4),
+                      Role.DOWN_BIAS: bias(D, s + 5)})
+    return ExpertWeights(0, e, parts)
+
+
+CASES = [(T.Q4_K, T.Q6_K, False, False), (T.IQ2_XXS, T.IQ3_S, False, False),
+         (T.IQ1_S, T.IQ1_M, False, False), (T.Q8_0, T.Q4_0, True, False),
+         (T.MXFP4, T.MXFP4, True, True), (T.F16, T.BF16, False, True)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
+        b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
+
+
+@pytest.mark.parametrize("tg,td,fused,biased", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_expert_of_a_group_is_its_own_dequantization(tg, td, fused, biased, dtype):
+    ws = [expert(e, tg, td, fused, biased) for e in range(3)]
+    assert groupable(ws)
+    x = torch.randn(2, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    for own in (False, True):
+        fs = dequant_group(ws, dtype, own=own)
+        for w, f in zip(ws, fs):
+            alone = to_float_expert(w, dtype)
+            assert f.parts.keys() == alone.parts.keys() and f.nbytes == alone.nbytes
+            for role, t in alone.parts.items():
+                assert same_bits(f.parts[role], t), (role, own)
+                assert same_bits(t, dequantize(w.parts[role].raw, w.parts[role].ggml_type,
+                                               w.parts[role].shape, dtype=dtype))
+            # its products are those of the expert dequantized alone
+            assert same_bits(expert_ffn(x, f), expert_ffn(x, alone))
+        bases = {f.parts[Role.DOWN].untyped_storage().data_ptr() for f in fs}
+        assert len(bases) == (3 if own else 1)          # own: each expert its own storage
+
+
+def test_only_one_layers_kind_of_experts_is_groupable():
+    a, b = expert(0, T.Q4_K, T.Q6_K), expert(1, T.Q4_K, T.Q6_K)
+    assert groupable([a, b]) and groupable([a])
+    assert not groupable([])
+    assert not groupable([a, expert(2, T.Q5_K, T.Q6_K)])                 # another type
+    assert not groupable([a, expert(2, T.Q4_K, T.Q6_K, fused=True)])     # other parts
+    other = ExpertWeights(0, 3, {**a.parts, Role.DOWN: q(T.Q6_K, D, 2 * FF, 3)})
+    assert not groupable([a, other])                                     # another shape
+    assert not groupable([a, to_float_expert(b, torch.float32)])         # already float
+
+
+def test_as_computed_groups_and_fills_the_dequant_cache(monkeypatch):
+    calls = []
+    real = expert_groups.dequantize
+    monkeypatch.setattr(expert_groups, "dequantize",
+                        lambda raw, t, shape, dtype: calls.append(shape) or real(raw, t, shape,
+                                                                                dtype=dtype))
+    got = {e: expert(e, T.Q4_K, T.Q6_K) for e in range(5)}
+    out = as_computed(3, got, torch.float32, DequantCache(0), grouped=True, group_max=2)
+    assert list(out) == list(got) and all(isinstance(f, FloatExpert) for f in out.values())
+    # groups of 2, 2 and 1; three roles each: one call per role and group
+    assert calls == [(2 * FF, D), (2 * FF, D), (2 * D, FF)] * 2 + [(FF, D), (FF, D), (D, FF)]
+    # not grouped: the weights as they are; with the dequant cache: float experts, cached
+    assert as_computed(3, got, torch.float32, DequantCache(0), False, 2) == got
+    dq = DequantCache(1 << 30)
+    out = as_computed(3, got, torch.float32, dq, grouped=True, group_max=8)
+    assert len(dq) == 5 and all(dq.get(3, e) is out[e] for e in got)
+    assert len({f.parts[Role.UP].untyped_storage().data_ptr() for f in out.values()}) == 5
+    mixed = {0: got[0], 1: expert(1, T.Q5_K, T.Q6_K)}                     # not one kind:
+    assert as_computed(3, mixed, torch.float32, DequantCache(0), True, 8) == mixed  # as they are
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tiny_store(tmp_path_factory.mktemp("groups"))
+
+
+def _decode(e, prompt, toks, grouped):
+    e.runner.grouped = grouped
+    out = [e.prefill(prompt)]
+    out += [e.decode(t) for t in toks]
+    return torch.stack(out)
+
+
+def test_tiered_grouped_decode_equals_a_resident_run(store, monkeypatch):
+    prompt, toks = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
+    with Engine.open(store, provider="direct", fused="off") as e:
+        assert not e.runner.grouped                     # CPU: the native path's, chunked
+        plain = _decode(e, prompt, toks, False)
+        e.reset()
+        want = _decode(e, prompt, toks, True)
+        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
+        k = e.config.n_expert_used
+    assert torch.allclose(want, plain, rtol=1e-5, atol=1e-5)
+    sizes = []
+    real = expert_groups.dequant_group
+    monkeypatch.setattr(expert_groups, "dequant_group",
+                        lambda ws, *a, **kw: sizes.append(len(ws)) or real(ws, *a, **kw))
+    with Engine.open(store, provider="tiered", ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
+                     fused="off", provider_options={"warm_start": False, "backend": "buffered",
+                                                    "record_usage": False}) as e:
+        assert e.runner.group_max == k
+        got = _decode(e, prompt, toks, True)
+        st = e.provider.stats
+        assert st.hits.get("vram", 0) > 0 and st.misses > 0
+    assert torch.equal(got, want)
+    assert max(sizes) > 1 and max(sizes) <= k          # groups of several experts, at most k
