@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The device path's operations a decode token, a get's experts dequantized one by one against
-per role in one call (``runtime.model.expert_groups``, issue 17 item 7), in one process.
+"""The device path's operations a decode token, a get's experts dequantized and multiplied one by
+one against a group at a time (``runtime.model.expert_groups``: each role dequantized in one
+call, the decode step's products over the group at once; issue 17 item 7), in one process.
 
 The device path is the one CUDA takes (no native products: ``fused="off"``); on the CPU it is
 the same torch code, so the operations counted here are the kernels a GPU would launch for them,
@@ -61,7 +62,7 @@ def main() -> None:
         res = {}
         logits = {}
         for grouped in (False, True):
-            e.runner.grouped = grouped
+            e.runner.grouped = e.runner.group_products = grouped
             e.reset()
             e.prefill(prompt)
             c = Count()
@@ -74,13 +75,9 @@ def main() -> None:
             kernels = total - sum(v for k, v in c.ops.items() if k in VIEWS)
             res[grouped] = (total / a.n, kernels / a.n, c.ops)
         times: dict[bool, list[float]] = {False: [], True: []}
-        for grouped in (False, True):
-            e.runner.grouped = grouped
-            e.reset()
-            e.prefill(prompt)
         for i, t in enumerate(toks * 2):
             for grouped in ((False, True) if i % 2 else (True, False)):
-                e.runner.grouped = grouped
+                e.runner.grouped = e.runner.group_products = grouped
                 e.reset()
                 e.prefill(prompt[:4])
                 t0 = time.perf_counter()

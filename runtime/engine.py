@@ -161,11 +161,11 @@ class Engine:
                                     float_budget=budget, nextn=options.load_nextn, fused=fused)
         self.load_seconds = time.perf_counter() - t0
         look = LookaheadStats(options.lookahead_margin) if options.lookahead else None
+        dev = self.device.type                  # no native products off the CPU: groups
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
-                                   DequantCache(options.dq_cache), look)
-        self.runner.fused = fused
-        self.runner.grouped = self.device.type != "cpu"   # no native products: grouped dequant
-        self.runner.group_max = max(1, self.config.n_expert_used)
+                                   DequantCache(options.dq_cache), look, fused=fused,
+                                   grouped=dev != "cpu", group_products=dev == "cuda",
+                                   group_max=max(1, self.config.n_expert_used))
         self.runner.set_act_quant(options.act_quant)
         set_act_quant(self.trunk, options.act_quant)      # the trunk's products: the same numerics
         if fused:

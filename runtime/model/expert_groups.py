@@ -29,9 +29,9 @@ from ...formats.dequant import dequantize
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights
 from .dqcache import DequantCache
-from .ffn import FloatExpert, to_float_expert
+from .ffn import FloatExpert, swiglu, to_float_expert
 
-__all__ = ["groupable", "dequant_group", "as_computed"]
+__all__ = ["groupable", "dequant_group", "as_computed", "group_rows"]
 
 _PARTS = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN, Role.GATE_BIAS, Role.UP_BIAS,
           Role.DOWN_BIAS)
@@ -61,16 +61,51 @@ def dequant_group(ws: Sequence[ExpertWeights], dtype: torch.dtype,
     n = len(ws)
     parts: list[dict[Role, torch.Tensor]] = [{} for _ in range(n)]
     for role in _PARTS:
-        q = ws[0].parts.get(role)
-        if q is None:
+        t = _role(ws, role, dtype)
+        if t is None:
             continue
-        raw = torch.cat([w.parts[role].raw.reshape(-1) for w in ws]) if n > 1 else q.raw
-        t = dequantize(raw, q.ggml_type, (n * q.shape[0], *q.shape[1:]), dtype=dtype)
-        t = t.view(n, *q.shape)
         for j in range(n):
             parts[j][role] = t[j].clone() if own else t[j]
     return [FloatExpert(p, sum(v.numel() * v.element_size() for v in p.values()))
             for p in parts]
+
+
+def _role(ws: Sequence[ExpertWeights], role: Role, dtype: torch.dtype) -> torch.Tensor | None:
+    """``role``'s part of every expert of ``ws`` dequantized in one call, ``[n, *shape]``."""
+    q = ws[0].parts.get(role)
+    if q is None:
+        return None
+    n = len(ws)
+    raw = torch.cat([w.parts[role].raw.reshape(-1) for w in ws]) if n > 1 else q.raw
+    return dequantize(raw, q.ggml_type, (n * q.shape[0], *q.shape[1:]), dtype=dtype).view(
+        n, *q.shape)
+
+
+def group_rows(x: torch.Tensor, ws: Sequence[ExpertWeights], limit: float = 0.0,
+               alpha: float = 0.0) -> torch.Tensor:
+    """One token ``x [1, D]`` through each expert of ``ws`` (``groupable``): ``[n, D]`` float32
+    rows, unweighted. Each role is dequantized in one call into ``x``'s dtype and multiplied
+    for the whole group at once: gate and up one matrix-vector product over the group's rows
+    each, down one batched product; each role's float weights freed before the next is made.
+    The rows equal ``expert_ffn``'s to the products' rounding (the sums may be ordered
+    otherwise than one expert's own product: not the same bits)."""
+    v = x.reshape(-1)
+    dt = x.dtype
+
+    def bias(y: torch.Tensor, role: Role) -> torch.Tensor:
+        b = _role(ws, role, dt)
+        return y if b is None else y + b
+
+    gu = _role(ws, Role.GATE_UP, dt)
+    if gu is not None:
+        g, u = torch.matmul(gu, v).chunk(2, dim=-1)
+        del gu
+    else:
+        g = bias(torch.matmul(_role(ws, Role.GATE, dt), v), Role.GATE_BIAS)
+        u = bias(torch.matmul(_role(ws, Role.UP, dt), v), Role.UP_BIAS)
+    h = swiglu(g, u, limit, alpha)
+    y = torch.bmm(_role(ws, Role.DOWN, dt), h.unsqueeze(-1)).squeeze(-1)
+    return bias(y, Role.DOWN_BIAS).float()
 
 
 def as_computed(layer: int, got: dict[int, Any], dtype: torch.dtype, dq: DequantCache,

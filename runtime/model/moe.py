@@ -23,7 +23,7 @@ import torch
 from ...errors import UsageError
 from ..experts.protocol import BoundedGet, ExpertProvider, SplitGet
 from .dqcache import DequantCache
-from .expert_groups import as_computed
+from .expert_groups import as_computed, group_rows, groupable
 from .ffn import DenseFFN, expert_ffn
 from ..prefetch.lookahead import LookaheadStats
 from .native_experts import (native_combine, native_down_rows, native_expert_tokens,
@@ -73,10 +73,10 @@ class ExpertRunner:
     act_quant: str = "off"       # "q8": llama.cpp's 8-bit activations (lossy, opt-in; native)
     decoding: bool = False       # the forward running is a decode step or a verify pass, not
                                  # prefill (a router may treat those windows differently)
-    grouped: bool = False        # experts without native products dequantized up to
-                                 # ``group_max`` at a time, each role in one call
-                                 # (``expert_groups``: the device path's few launches a layer)
+    grouped: bool = False        # experts dequantized ``group_max`` at a time, each role in
+                                 # one call (``expert_groups``: the device path's launches)
     group_max: int = 8           # at most the experts the device workspace holds dequantized
+    group_products: bool = False  # a decode step's products a group at once (``group_rows``)
 
     def __post_init__(self) -> None:
         p = self.provider
@@ -197,19 +197,37 @@ class ExpertRunner:
         the missing ones in the order their reads land, each group while the later reads run;
         the weighted sum is taken in routing order: bit for bit the one-call product
         (``native_experts.native_hidden``, ``native_down_rows``, ``native_combine``: each
-        expert's rows depend on its weights and ``x`` only). Returns (routed output, the
-        weights, the shared expert's output), each None when not done here: every expert
-        resident (one call does it) or the native kernels do not apply, and the caller computes
-        from the weights as usual. ``then()`` runs once this layer's reads are issued (the next
-        layer's prefetch: it queues behind them)."""
+        expert's rows depend on its weights and ``x`` only). On the device path (not ``fused``)
+        the same with each group's rows from ``expert_groups.group_rows`` and the sum as one
+        product. Returns (routed output, the weights, the shared expert's output), each None
+        when not done here: on the native path every expert resident (one call does it), or
+        no such path for the types, and the caller computes from the weights as usual.
+        ``then()`` runs once this layer's reads are issued (the next layer's prefetch: it
+        queues behind them)."""
         if self._split is None:
             return None, None, None
         ready, finish = self._split.get_begin(layer, experts)
         then()
         self.stats.fetches += len(experts)
-        if len(ready) == len(experts):
+        if len(ready) == len(experts) and self.fused:
             return None, ready, None
         D = x.shape[1]
+        if not self.fused:                              # the device path: group products
+
+            def rows_of(gw: list) -> torch.Tensor | None:
+                return group_rows(x, gw, limit, alpha) if groupable(gw) else None
+
+            def combine(v: torch.Tensor, at: list[int]) -> torch.Tensor:
+                rows = torch.stack([v[i] for i in at])          # routing order, no index copy
+                return (w.to(v.dtype) @ rows).unsqueeze(0)      # Σ_j w[j] · row of expert j
+        else:
+
+            def rows_of(gw: list) -> torch.Tensor | None:
+                h = native_hidden(x, gw, self.act_quant, limit, alpha)
+                return None if h is None else native_down_rows(h, gw, D, self.act_quant)
+
+            def combine(v: torch.Tensor, at: list[int]) -> torch.Tensor:
+                return native_combine(v, w, at)
         weights = dict(ready)
         group = [e for e in experts if e in ready]              # computable now
         late = [e for e in experts if e not in ready]           # still being read
@@ -219,10 +237,8 @@ class ExpertRunner:
         during = False                                          # computed while reads ran
         while True:
             if group:
-                gw = [weights[e] for e in group]
-                h = native_hidden(x, gw, self.act_quant, limit, alpha)
-                v = None if h is None else native_down_rows(h, gw, D, self.act_quant)
-                if v is None:                                   # no native path for these types
+                v = rows_of([weights[e] for e in group])
+                if v is None:                                   # no such path for these types
                     weights.update(finish())
                     return None, weights, sh
                 rows.append(v)
@@ -239,7 +255,7 @@ class ExpertRunner:
         if during:
             self.stats.overlapped += 1
         row = {e: i for i, e in enumerate(order)}               # rows of the cat below
-        return native_combine(torch.cat(rows), w, [row[e] for e in experts]), weights, sh
+        return combine(torch.cat(rows), [row[e] for e in experts]), weights, sh
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""
@@ -293,7 +309,7 @@ class ExpertRunner:
         try:
             out = weights = shared = None
             whole = self.fused                          # the one-call layer products
-            if T == 1 and whole and not self.dq.enabled:
+            if T == 1 and (whole or self.group_products) and not self.dq.enabled:
                 out, weights, shared = self._overlapped(layer, x, wts[0], experts, w.shared,
                                                         prefetch_next, w.limit, w.alpha)
             if T > 1:

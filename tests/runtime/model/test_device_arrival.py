@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from expertfs.runtime.engine import Engine
-from expertfs.runtime.experts.protocol import SplitGet
 from expertfs.runtime.model import moe as moe_mod
 from expertfs.runtime.model.moe import ExpertRunner
 from support.cache_store import tiny_store
+from support.landing import LandingProvider as _Provider
 
 
 @pytest.fixture(scope="module")
@@ -43,39 +43,6 @@ def test_cpu_device_tier_decode_equals_a_resident_run(store):
         # (whether a step found some reads still in flight depends on timing: the order of
         # computing as experts land is checked deterministically by the fake provider below)
     assert torch.equal(got, want)
-
-
-class _Provider(SplitGet):
-    """Experts 0..n with fixed weights; ``ready`` resident, the rest land in ``landing`` order,
-    one per ``finish(some=True)``."""
-
-    def __init__(self, weights, ready, landing):
-        self.w, self.ready, self.landing = weights, set(ready), list(landing)
-        self.log: list[str] = []
-        from expertfs.runtime.experts.protocol import ProviderStats
-        self.stats = ProviderStats()
-
-    def get(self, layer, experts):
-        return {e: self.w[e] for e in experts}
-
-    def get_begin(self, layer, experts):
-        self.log.append("begin")
-        late = [e for e in self.landing if e in experts]
-
-        def finish(only=None, *, some=False):
-            want = [e for e in late if only is None or e in only]
-            got = want[:1] if some else want
-            for e in got:
-                late.remove(e)
-                self.log.append(f"land {e}")
-            return {e: self.w[e] for e in got}
-        return {e: self.w[e] for e in experts if e in self.ready}, finish
-
-    def release(self, layer):
-        self.log.append("release")
-
-    def prefetch(self, layer, experts, source="gate"):
-        pass
 
 
 def test_experts_are_computed_ready_first_then_as_they_land(monkeypatch):
@@ -125,7 +92,7 @@ def test_native_step_computes_each_group_as_it_lands(monkeypatch):
     monkeypatch.setattr(moe_mod, "native_hidden", hidden)
     monkeypatch.setattr(moe_mod, "native_down_rows", down)
     monkeypatch.setattr(moe_mod, "native_combine", combine)
-    r = ExpertRunner(prov, router=None, dtype=torch.float32)
+    r = ExpertRunner(prov, router=None, dtype=torch.float32, fused=True)
     x = torch.randn(1, D, generator=gen)
     wts = torch.tensor([0.4, 0.3, 0.2, 0.1])
     experts = [0, 1, 4, 5]
@@ -139,10 +106,10 @@ def test_native_step_computes_each_group_as_it_lands(monkeypatch):
 
     # nothing resident: the shared expert runs before the first read is awaited
     prov = _Provider(weights, ready=[], landing=[5, 0])
-    r = ExpertRunner(prov, router=None, dtype=torch.float32)
+    r = ExpertRunner(prov, router=None, dtype=torch.float32, fused=True)
     r._overlapped(7, x, wts[:2], [0, 5], shared, lambda: None)
     assert prov.log == ["begin", "shared", "land 5", "hidden [5]", "land 0", "hidden [0]"]
     # every expert resident: left to the caller's one call
     prov = _Provider(weights, ready=[0, 5], landing=[])
-    assert ExpertRunner(prov, router=None, dtype=torch.float32)._overlapped(
+    assert ExpertRunner(prov, router=None, dtype=torch.float32, fused=True)._overlapped(
         7, x, wts[:2], [0, 5], shared, lambda: None)[0] is None

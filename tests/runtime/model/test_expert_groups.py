@@ -19,9 +19,11 @@ from expertfs.runtime.engine import Engine
 from expertfs.runtime.experts.protocol import ExpertWeights, QWeight
 from expertfs.runtime.model import expert_groups
 from expertfs.runtime.model.dqcache import DequantCache
-from expertfs.runtime.model.expert_groups import as_computed, dequant_group, groupable
+from expertfs.runtime.model.expert_groups import as_computed, dequant_group, group_rows, groupable
 from expertfs.runtime.model.ffn import FloatExpert, expert_ffn, to_float_expert
+from expertfs.runtime.model.moe import ExpertRunner
 from support.cache_store import tiny_store
+from support.landing import LandingProvider
 
 D, FF = 256, 256
 
@@ -148,3 +150,61 @@ def test_tiered_grouped_decode_equals_a_resident_run(store, monkeypatch):
         assert st.hits.get("vram", 0) > 0 and st.misses > 0
     assert torch.equal(got, want)
     assert max(sizes) > 1 and max(sizes) <= k          # groups of several experts, at most k
+
+
+@pytest.mark.parametrize("tg,td,fused,biased", CASES)
+@pytest.mark.parametrize("limit,alpha", [(0.0, 0.0), (0.5, 0.0), (7.0, 1.702)])
+def test_group_rows_are_each_experts_output(tg, td, fused, biased, limit, alpha):
+    ws = [expert(e, tg, td, fused, biased) for e in range(3)]
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(3))
+    rows = group_rows(x, ws, limit, alpha)
+    assert rows.shape == (3, D) and rows.dtype == torch.float32
+    for j, w in enumerate(ws):
+        want = expert_ffn(x, to_float_expert(w, torch.float32), limit=limit, alpha=alpha)[0]
+        assert torch.allclose(rows[j], want, rtol=1e-4, atol=1e-5 * want.abs().max())
+    lo = group_rows(x.bfloat16(), ws, limit, alpha)            # the compute dtype of CUDA
+    assert lo.dtype == torch.float32
+    assert torch.allclose(lo, rows, rtol=0.05, atol=0.05 * rows.abs().max())
+
+
+def test_device_step_computes_each_group_as_it_lands():
+    """The decode step's device path (``_overlapped`` without the native kernels): the
+    resident experts' rows and the shared expert before the first wait, then each landed
+    group's; the weighted sum over the rows in routing order."""
+    weights = {e: expert(e, T.Q4_K, T.Q6_K) for e in range(6)}
+    prov = LandingProvider(weights, ready=[4, 1], landing=[5, 0])
+    r = ExpertRunner(prov, router=None, dtype=torch.float32, grouped=True, group_products=True)
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(5))
+    wts = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    experts = [0, 1, 4, 5]
+
+    def shared(x):
+        prov.log.append("shared")
+        return x * 0
+    out, got, sh = r._overlapped(7, x, wts, experts, shared, lambda: prov.log.append("then"))
+    assert prov.log == ["begin", "then", "shared", "land 5", "land 0"]
+    assert set(got) == set(experts) and r.stats.overlapped == 1 and sh is not None
+    want = sum(float(wts[j]) * expert_ffn(x, to_float_expert(weights[e], torch.float32))
+               for j, e in enumerate(experts))
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    # every expert resident: computed here too (one group), not left to the caller
+    prov = LandingProvider(weights, ready=experts, landing=[])
+    r = ExpertRunner(prov, router=None, dtype=torch.float32, grouped=True, group_products=True)
+    out2, _, _ = r._overlapped(7, x, wts, experts, None, lambda: None)
+    assert torch.allclose(out2, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_tiered_decode_with_group_products_matches_a_resident_run(store):
+    prompt, toks = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
+    with Engine.open(store, provider="direct", fused="off") as e:
+        want = _decode(e, prompt, toks, False)
+        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
+        k = e.config.n_expert_used
+    with Engine.open(store, provider="tiered", ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
+                     fused="off", provider_options={"warm_start": False, "backend": "buffered",
+                                                    "record_usage": False}) as e:
+        e.runner.group_products = True
+        got = _decode(e, prompt, toks, True)
+        assert e.runner.stats.fetches > 0
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
