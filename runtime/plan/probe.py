@@ -279,9 +279,48 @@ def cuda_memory() -> int:
     return 0
 
 
-def probe_cuda(mats: Sequence[Matrix], *, budget_s: float = 3.0
+def probe_group_layers(g: Any, device: str, budget_s: float, sync=None
+                       ) -> tuple[dict[str, LinearCost], list[dict[str, Any]]]:
+    """``{layer_key: LinearCost}`` of one decode step through k experts on ``device`` as the
+    runtime's device path computes it (``runtime.model.expert_groups.group_rows``: each role
+    of the k dequantized in one call, the products over the group at once; bfloat16 off the
+    CPU), for each distinct routed-expert layer of the geometry ``g``."""
+    import torch
+
+    from ...formats.ggml import GGMLType
+    from ...formats.moe_names import Role
+    from ..experts.protocol import ExpertWeights, QWeight
+    from ..model.expert_groups import group_rows
+    from .native import layer_key
+
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    todo = {layer_key(p, g.k): p for p in g.expert_parts if len(p) in (2, 3)}
+    out: dict[str, LinearCost] = {}
+    detail: list[dict[str, Any]] = []
+    for key, parts in todo.items():
+        roles = (Role.GATE_UP, Role.DOWN) if len(parts) == 2 else (Role.GATE, Role.UP, Role.DOWN)
+        try:
+            ws = [ExpertWeights(0, i, {r: QWeight(_weight_bytes(m.ggml_type, m.rows, m.cols, i)
+                                                  .reshape(-1).to(device),
+                                                  GGMLType[m.ggml_type], (m.rows, m.cols))
+                                       for r, m in zip(roles, parts)}) for i in range(g.k)]
+            x = torch.randn(1, parts[0].cols, device=device).to(dt)
+            ts = _times(lambda ws=ws, x=x: group_rows(x, ws), 7, budget_s / len(todo), sync)
+        except Exception:                      # out of memory, a type without a kernel: stated
+            continue
+        nb = g.k * sum(m.nbytes for m in parts)
+        src = f"measured now: expert_groups.group_rows {key.split('@')[0]} x {g.k} on {device}"
+        out[key] = LinearCost(Range(0.0, 0.0, src),
+                              Range(nb / _typical(ts) / 1e9, nb / min(ts) / 1e9, src))
+        detail.append({"layer": key, "path": "expert_groups.group_rows", "times_s": ts})
+    return out, detail
+
+
+def probe_cuda(mats: Sequence[Matrix], g: Any = None, *, budget_s: float = 3.0
                ) -> tuple[DeviceRates, Range, dict[str, Any]] | None:
-    """GPU rates and pinned host->device GB/s on this machine's first CUDA device (None without)."""
+    """GPU rates and pinned host->device GB/s on this machine's first CUDA device (None without);
+    with the geometry ``g``, its routed-expert layers as the runtime's device path computes
+    them (``probe_group_layers``)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -320,5 +359,8 @@ def probe_cuda(mats: Sequence[Matrix], *, budget_s: float = 3.0
         if got is not None:
             linear[m.ggml_type] = got[0]
             detail["linear"].append(got[1])
+    layers: dict[str, LinearCost] = {}
+    if g is not None:
+        layers, detail["layers"] = probe_group_layers(g, "cuda", budget_s * 0.3, sync)
     torch.cuda.empty_cache()
-    return DeviceRates("gpu", linear, mem, op, sync_r), h2d, detail
+    return DeviceRates("gpu", linear, mem, op, sync_r, layers=layers), h2d, detail

@@ -61,8 +61,9 @@ class DeviceRates:
     #: the runtime's compiled one-token kernels for quantized matrices (experts, and a quantized
     #: trunk), where measured: they replace ``linear`` for those types
     fused: Mapping[str, LinearCost] = field(default_factory=dict)
-    #: a routed-expert layer's k experts in one native call (``runtime.kernels.moe``), by
-    #: ``plan.native.layer_key``: replaces the per-matrix costs of those layers
+    #: a routed-expert layer's k experts in one native call (``runtime.kernels.moe``; on a GPU
+    #: one group, ``expert_groups.group_rows``), by ``plan.native.layer_key``: replaces the
+    #: per-matrix costs of those layers
     layers: Mapping[str, LinearCost] = field(default_factory=dict)
     #: the runtime's own seconds per decoder layer and per token beyond the products, from a
     #: real decode (``plan.overhead``); None: the stated per-op and per-expert model
@@ -170,10 +171,13 @@ def bytes_per_element(ggml_type: str) -> float:
 def stated_gpu(types: Sequence[str], mem: Range | None = None) -> DeviceRates:
     """GPU costs from memory bandwidth: a dequant-then-matmul moves the quantized bytes plus
     ``GPU_TRAFFIC_PER_ELEMENT`` bytes per weight (float dequant written and read back), and
-    every call pays launch overhead for its ~10-20 kernels."""
+    every call pays launch overhead: the runtime dequantizes a group of k experts' role in one
+    call and multiplies the group at once (``runtime.model.expert_groups``), so an expert
+    matrix's share is a few launches, not the 20-30 of its own dequantization."""
     mem = mem or Range(500.0, 900.0, "stated default: a 24 GB consumer GPU (RTX 3090/4090 class, "
                                      "~0.94-1.0 TB/s peak)")
-    over = Range(120e-6, 40e-6, "stated default: torch eager dequant kernels, 10-20 launches per call")
+    over = Range(30e-6, 10e-6, "stated default: 2-4 torch eager launches an expert matrix, its "
+                               "share of a group's (bench/expert_launches.py)")
 
     def cost(t: str) -> LinearCost:
         bpe = bytes_per_element(t)

@@ -294,7 +294,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
         from .probe import probe_cuda
         say("measuring the GPU")
         try:
-            got = probe_cuda(gpu_mats)
+            got = probe_cuda(gpu_mats, g)
         except Exception as e:                 # out of memory, a driver error: stated figures
             got = None
             detail["gpu"] = {"error": f"{type(e).__name__}: {e}", "used": "stated defaults"}
