@@ -92,9 +92,10 @@ def main() -> None:
             total, kern, ops = res[grouped]
             name = "grouped  " if grouped else "one by one"
             top = ", ".join(f"{k} {v / a.n:.0f}" for k, v in ops.most_common(5))
+            ms = statistics.median(times[grouped]) * 1e3
             print(f"  {name}: {kern:7.0f} kernels a token ({total:.0f} ops with views; "
-                  f"{kern / max(moe, 1):.0f} a MoE layer); {statistics.median(times[grouped]) * 1e3:7.1f}"
-                  f" ms a token (median of {len(times[grouped])}); most: {top}")
+                  f"{kern / max(moe, 1):.0f} a MoE layer); {ms:7.1f} ms a token (median of "
+                  f"{len(times[grouped])}); most: {top}")
         print(f"  kernels: {res[True][1] / res[False][1]:.3f}x; time: "
               f"{statistics.median(times[True]) / statistics.median(times[False]):.3f}x; "
               f"logits max |d| {d:.2e}")

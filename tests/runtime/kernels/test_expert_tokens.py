@@ -9,34 +9,22 @@ as without it.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from expertfs.formats.ggml import GGMLType as T
-from expertfs.formats.ggml import block_size
 from expertfs.formats.moe_names import Role
-from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
-from expertfs.runtime.experts.protocol import ExpertWeights, QWeight
+from expertfs.runtime.experts.protocol import ExpertWeights
 from expertfs.runtime.model import moe as moe_mod
 from expertfs.runtime.model.ffn import expert_ffn
 from expertfs.runtime.model.native_experts import native_expert_tokens
+from support.qweights import f32_bias as bias, qweight as q
 from support.native import MOD, NEEDS_NATIVE, isa, isas  # noqa: F401  (isa: a fixture)
 
 pytestmark = NEEDS_NATIVE
 
 D, FF = 512, 256
-
-
-def q(t: T, rows: int, cols: int, seed: int) -> QWeight:
-    b = make_blocks(t, rows * cols // block_size(t), cols ** -0.5, np.random.default_rng(seed))
-    return QWeight(torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy()), t, (rows, cols))
-
-
-def bias(n: int, seed: int) -> QWeight:
-    v = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.1
-    return QWeight(v.view(torch.uint8), T.F32, (n,))
 
 
 def expert(types: tuple[T, T, T], fused: bool = False, biased: bool = False,

@@ -6,36 +6,24 @@ in groups of any size) gives a resident run's logits bit for bit, and the ungrou
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from expertfs.formats.dequant import dequantize
 from expertfs.formats.ggml import GGMLType as T
-from expertfs.formats.ggml import block_size
 from expertfs.formats.moe_names import Role
-from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime.engine import Engine
-from expertfs.runtime.experts.protocol import ExpertWeights, QWeight
+from expertfs.runtime.experts.protocol import ExpertWeights
 from expertfs.runtime.model import expert_groups
 from expertfs.runtime.model.dqcache import DequantCache
 from expertfs.runtime.model.expert_groups import as_computed, dequant_group, group_rows, groupable
 from expertfs.runtime.model.ffn import FloatExpert, expert_ffn, to_float_expert
 from expertfs.runtime.model.moe import ExpertRunner
+from support.qweights import f32_bias as bias, qweight as q
 from support.cache_store import tiny_store
 from support.landing import LandingProvider
 
 D, FF = 256, 256
-
-
-def q(t: T, rows: int, cols: int, seed: int) -> QWeight:
-    b = make_blocks(t, rows * cols // block_size(t), cols ** -0.5, np.random.default_rng(seed))
-    return QWeight(torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy()), t, (rows, cols))
-
-
-def bias(n: int, seed: int) -> QWeight:
-    v = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.1
-    return QWeight(v.view(torch.uint8), T.F32, (n,))
 
 
 def expert(e: int, tg: T, td: T, fused: bool = False, biased: bool = False) -> ExpertWeights:
