@@ -166,10 +166,11 @@ class ExpertRunner:
     def _in_groups(self, layer: int, experts: list[int], floats: dict[int, Any],
                    ready: dict[int, Any], finish: Callable[..., dict[int, Any]] | None
                    ) -> Iterator[tuple[int, Any]]:
-        """``(expert, weights)`` in ``experts``' order: dequant-cache hits ``floats`` as they
-        are, the ``ready`` weights (``grouped``: dequantized ``group_max`` at a time, the next
-        ready ones in order), the others awaited one by one through ``finish``."""
+        """``(expert, weights)`` in ``experts``' order: dequant-cache hits ``floats``, the
+        ``ready`` weights (``grouped``: half ``group_max`` at a time, as the caller holds the
+        last of the group before while the next is made), the others through ``finish``."""
         done: dict[int, Any] = {}
+        half = max(1, self.group_max // 2)
         for i, e in enumerate(experts):
             if e in floats:
                 yield e, floats[e]
@@ -177,7 +178,7 @@ class ExpertRunner:
             f = done.pop(e, None)
             if f is None and e in ready and self.grouped:
                 nxt = [x for x in experts[i:] if x in ready and x not in floats]
-                done = self._as_floats(layer, {x: ready[x] for x in nxt[:self.group_max]})
+                done = self._as_floats(layer, {x: ready[x] for x in nxt[:half]})
                 f = done.pop(e)
             elif f is None:
                 w = ready.get(e)
