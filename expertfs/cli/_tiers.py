@@ -59,7 +59,8 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
 
 def vram_tier(args: argparse.Namespace, device: str, g) -> int:
     """The default VRAM tier on CUDA (``runtime.cache.vram.plan_vram``), kept in
-    ``args.vram_plan`` for the JSON summary."""
+    ``args.vram_plan`` for the JSON summary. The workspace holds k experts dequantized at once
+    (a group's, ``runtime.model.expert_groups``) and ``--dq-cache``, which lives on the device."""
     from ..runtime.cache.vram import plan_vram
     from ..runtime.plan.geometry import kv_cache_bytes
     from ..runtime.plan.host import workspace_bytes
@@ -67,7 +68,8 @@ def vram_tier(args: argparse.Namespace, device: str, g) -> int:
     per_expert = max((sum(m.elements for m in layer) for layer in g.expert_parts), default=0)
     plan = plan_vram(trunk=g.trunk_resident("quant" if args.trunk == "quant" else "float", el),
                      kv=kv_cache_bytes(g, args.ctx, "f32" if el == 4 else "bf16"),
-                     workspace=workspace_bytes(g, args.ctx, "gpu") + g.k * per_expert * (4 + el),
+                     workspace=workspace_bytes(g, args.ctx, "gpu") + g.k * per_expert * (4 + el)
+                     + (getattr(args, "dq_cache", 0) or 0),
                      experts=g.slot_bytes * g.n_decode_experts, min_tier=g.k * g.slot_bytes,
                      device=device)
     args.vram_plan = {**vars(plan), "tier": plan.tier}

@@ -73,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "products to 8 bits as llama.cpp does (its numerics; faster where arithmetic, "
                    "not memory, bounds the products); off = exact (default)")
     p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
-                   help="keep up to SIZE of experts dequantized in RAM (0 = off)")
+                   help="keep up to SIZE of experts dequantized (in RAM; on a GPU in VRAM, "
+                   "taken from its default tier) (0 = off)")
     p.add_argument("--lookahead", action="store_true",
                    help="prefetch layer L+1's predicted experts while layer L runs")
     p.add_argument("--prefill-prefetch", action="store_true",

@@ -142,6 +142,9 @@ def test_default_vram_tier_from_free_device_memory(model, monkeypatch):
     p = args.vram_plan
     assert tier == p["tier"] == g.slot_bytes * g.n_decode_experts      # all experts fit
     assert p["trunk"] > 0 and p["kv"] > 0 and p["reserve"] >= 512 << 20
+    args.dq_cache = 1 << 30                     # the dequantized experts live on the device
+    _tiers.vram_tier(args, "cuda", g)
+    assert args.vram_plan["workspace"] == p["workspace"] + (1 << 30)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 48 << 30))
     assert _tiers.vram_tier(args, "cuda", g) == 0                       # nothing left: 0
 
