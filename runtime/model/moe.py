@@ -172,17 +172,15 @@ class ExpertRunner:
         done: dict[int, Any] = {}
         half = max(1, self.group_max // 2)
         for i, e in enumerate(experts):
-            if e in floats:
-                yield e, floats[e]
-                continue
-            f = done.pop(e, None)
+            f = floats.get(e) or done.pop(e, None)        # (weights are never falsy)
             if f is None and e in ready and self.grouped:
                 nxt = [x for x in experts[i:] if x in ready and x not in floats]
                 done = self._as_floats(layer, {x: ready[x] for x in nxt[:half]})
                 f = done.pop(e)
             elif f is None:
                 w = ready.get(e)
-                f = self._as_floats(layer, {e: finish([e])[e] if w is None else w})[e]
+                w = finish([e])[e] if w is None else w
+                f = self._as_floats(layer, {e: w})[e] if self.grouped or self.dq.enabled else w
             yield e, f
 
     def _as_floats(self, layer: int, got: dict[int, Any]) -> dict[int, Any]:
