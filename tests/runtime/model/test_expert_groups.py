@@ -196,3 +196,44 @@ def test_tiered_decode_with_group_products_matches_a_resident_run(store):
         assert e.runner.stats.fetches > 0
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def _on(w: ExpertWeights, device: str) -> ExpertWeights:
+    return ExpertWeights(w.layer, w.expert, {r: type(q)(q.raw.to(device), q.ggml_type, q.shape)
+                                              for r, q in w.parts.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tg,td,fused,biased", CASES)
+def test_group_rows_on_cuda_equal_the_cpus(tg, td, fused, biased):
+    """bench/gpu_check.sh step 2: the device path's group products on CUDA, float32 to the
+    products' rounding and bfloat16 (the CUDA compute dtype) to its precision."""
+    ws = [expert(e, tg, td, fused, biased) for e in range(3)]
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(3))
+    want = group_rows(x, ws)
+    on = [_on(w, "cuda") for w in ws]
+    got = group_rows(x.cuda(), on).cpu()
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * want.abs().max())
+    lo = group_rows(x.cuda().bfloat16(), on).cpu()
+    assert torch.allclose(lo, want, rtol=0.05, atol=0.05 * want.abs().max())
+    fs = dequant_group(on, torch.bfloat16)
+    for w, f in zip(ws, fs):
+        alone = to_float_expert(_on(w, "cuda"), torch.bfloat16)
+        assert all(torch.equal(f.parts[r], t) for r, t in alone.parts.items())
+
+
+@pytest.mark.gpu
+def test_tiered_cuda_decode_with_groups_matches_the_cpu(store):
+    """A CUDA run with a small VRAM tier (grouped dequantization and group products, its
+    defaults there) against the CPU's resident logits, float32."""
+    prompt, toks = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
+    with Engine.open(store, provider="direct", fused="off") as e:
+        want = _decode(e, prompt, toks, False)
+        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
+        k = e.config.n_expert_used
+    with Engine.open(store, provider="tiered", device="cuda", dtype=torch.float32,
+                     ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
+                     provider_options={"warm_start": False, "record_usage": False}) as e:
+        assert e.runner.grouped and e.runner.group_products and e.runner.group_max == k
+        got = _decode(e, prompt, toks, True).cpu()
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * want.abs().max())
