@@ -1,4 +1,4 @@
-"""A group of routed experts dequantized together: each role's matrices in one call.
+"""A group of routed experts dequantized together: its matrices of one type and shape in one call.
 
 Without native products (the CUDA path), an expert's matrix is dequantized by the type's torch
 kernel, some 20-30 small device kernels, then multiplied: k experts × 3 matrices a layer is
@@ -6,7 +6,8 @@ several hundred kernel launches, most of a decode token's host time at full dept
 item 7). The experts of one layer share each role's ggml type and shape (one GGUF tensor per
 role and layer), so the matrices of a group are dequantized in one call over their bytes
 concatenated (one copy kernel, then the type's kernels once, on ``n × out`` rows instead of
-``out``): about 25 launches a role for the whole group instead of 25 for each expert.
+``out``; gate and up together where they share a type and shape): about 25 launches for the
+whole group's gate and up, and 25 for its down, instead of 75 for each expert.
 
 Each expert of the group comes back as a ``FloatExpert`` whose matrices are its slices of the
 group's tensors, so the products are the ones ``expert_ffn`` already takes for a float expert
@@ -55,40 +56,49 @@ def groupable(ws: Sequence[object]) -> bool:
 
 def dequant_group(ws: Sequence[ExpertWeights], dtype: torch.dtype,
                   own: bool = False) -> list[FloatExpert]:
-    """The experts ``ws`` (``groupable``) as float experts in ``dtype``, each role of the group
-    dequantized in one call. ``own``: each expert's matrices are copied out of the group's
-    tensors, so that keeping one expert does not keep the group."""
+    """The experts ``ws`` (``groupable``) as float experts in ``dtype``, the roles of one type
+    and shape (gate and up, usually) dequantized for the whole group in one call. ``own``: each
+    expert's matrices are copied out of the group's tensors, so that keeping one expert does
+    not keep the group."""
     n = len(ws)
     parts: list[dict[Role, torch.Tensor]] = [{} for _ in range(n)]
+    kinds: dict[tuple, list[Role]] = {}
     for role in _PARTS:
-        t = _role(ws, role, dtype)
-        if t is None:
-            continue
-        for j in range(n):
-            parts[j][role] = t[j].clone() if own else t[j]
+        q = ws[0].parts.get(role)
+        if q is not None:
+            kinds.setdefault((q.ggml_type, q.shape), []).append(role)
+    for roles in kinds.values():
+        for role, t in zip(roles, _stacked(ws, roles, dtype)):
+            for j in range(n):
+                parts[j][role] = t[j].clone() if own else t[j]
     return [FloatExpert(p, sum(v.numel() * v.element_size() for v in p.values()))
             for p in parts]
 
 
+def _stacked(ws: Sequence[ExpertWeights], roles: Sequence[Role],
+             dtype: torch.dtype) -> torch.Tensor:
+    """``roles`` (present, of one type and shape) of every expert of ``ws`` dequantized in one
+    call: ``[len(roles), n, *shape]``."""
+    q, n, m = ws[0].parts[roles[0]], len(ws), len(roles)
+    raw = torch.cat([w.parts[r].raw.reshape(-1) for r in roles for w in ws]) if n * m > 1 \
+        else q.raw
+    return dequantize(raw, q.ggml_type, (m * n * q.shape[0], *q.shape[1:]), dtype=dtype).view(
+        m, n, *q.shape)
+
+
 def _role(ws: Sequence[ExpertWeights], role: Role, dtype: torch.dtype) -> torch.Tensor | None:
     """``role``'s part of every expert of ``ws`` dequantized in one call, ``[n, *shape]``."""
-    q = ws[0].parts.get(role)
-    if q is None:
-        return None
-    n = len(ws)
-    raw = torch.cat([w.parts[role].raw.reshape(-1) for w in ws]) if n > 1 else q.raw
-    return dequantize(raw, q.ggml_type, (n * q.shape[0], *q.shape[1:]), dtype=dtype).view(
-        n, *q.shape)
+    return _stacked(ws, (role,), dtype)[0] if role in ws[0].parts else None
 
 
 def group_rows(x: torch.Tensor, ws: Sequence[ExpertWeights], limit: float = 0.0,
                alpha: float = 0.0) -> torch.Tensor:
     """One token ``x [1, D]`` through each expert of ``ws`` (``groupable``): ``[n, D]`` float32
-    rows, unweighted. Each role is dequantized in one call into ``x``'s dtype and multiplied
-    for the whole group at once: gate and up one matrix-vector product over the group's rows
-    each, down one batched product; each role's float weights freed before the next is made.
-    The rows equal ``expert_ffn``'s to the products' rounding (the sums may be ordered
-    otherwise than one expert's own product: not the same bits)."""
+    rows, unweighted. Gate and up are dequantized in one call into ``x``'s dtype where they
+    share a type and shape (else one call each) and multiplied for the whole group in one
+    matrix-vector product; down one call and one batched product; each role's float weights
+    freed before the next is made. The rows equal ``expert_ffn``'s to the products' rounding
+    (the sums may be ordered otherwise than one expert's own product: not the same bits)."""
     v = x.reshape(-1)
     dt = x.dtype
 
@@ -96,10 +106,12 @@ def group_rows(x: torch.Tensor, ws: Sequence[ExpertWeights], limit: float = 0.0,
         b = _role(ws, role, dt)
         return y if b is None else y + b
 
-    gu = _role(ws, Role.GATE_UP, dt)
-    if gu is not None:
-        g, u = torch.matmul(gu, v).chunk(2, dim=-1)
-        del gu
+    p = ws[0].parts
+    if Role.GATE_UP in p:
+        g, u = torch.matmul(_role(ws, Role.GATE_UP, dt), v).chunk(2, dim=-1)
+    elif (p[Role.GATE].ggml_type, p[Role.GATE].shape) == (p[Role.UP].ggml_type, p[Role.UP].shape):
+        g, u = torch.matmul(_stacked(ws, (Role.GATE, Role.UP), dt), v).unbind(0)
+        g, u = bias(g, Role.GATE_BIAS), bias(u, Role.UP_BIAS)
     else:
         g = bias(torch.matmul(_role(ws, Role.GATE, dt), v), Role.GATE_BIAS)
         u = bias(torch.matmul(_role(ws, Role.UP, dt), v), Role.UP_BIAS)

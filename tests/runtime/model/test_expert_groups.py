@@ -91,8 +91,8 @@ def test_as_computed_groups_and_fills_the_dequant_cache(monkeypatch):
     got = {e: expert(e, T.Q4_K, T.Q6_K) for e in range(5)}
     out = as_computed(3, got, torch.float32, DequantCache(0), grouped=True, group_max=2)
     assert list(out) == list(got) and all(isinstance(f, FloatExpert) for f in out.values())
-    # groups of 2, 2 and 1; three roles each: one call per role and group
-    assert calls == [(2 * FF, D), (2 * FF, D), (2 * D, FF)] * 2 + [(FF, D), (FF, D), (D, FF)]
+    # groups of 2, 2 and 1: gate and up (one type and shape) in one call, down in another
+    assert calls == [(4 * FF, D), (2 * D, FF)] * 2 + [(2 * FF, D), (D, FF)]
     # not grouped: the weights as they are; with the dequant cache: float experts, cached
     assert as_computed(3, got, torch.float32, DequantCache(0), False, 2) == got
     dq = DequantCache(1 << 30)
