@@ -14,7 +14,9 @@
 #  7. one get with RAM hits and cold misses on the device tier: the hits uploaded before any
 #     miss is awaited, the misses as their reads land, every byte equal to the store's;
 #  8. kernels and time a resident decode token, a get's experts dequantized one by one against
-#     per role in one call (bench/expert_launches.py), the logits compared.
+#     per role in one call (bench/expert_launches.py), the logits compared;
+#  9. expertfs plan on this box (its GPU probed) against the run line it recommends: the
+#     predicted decode band and first token beside the measured ones (reported).
 #
 # Usage:  bench/gpu_check.sh [--dry-run] [WORKDIR]
 #         --dry-run (or DEV=cpu) runs every step on the CPU to check the script itself.
@@ -50,21 +52,22 @@ step() {          # step NAME TIMEOUT_S COMMAND...
     fi
 }
 
-step "1/8 environment" 60 "$PY" "$S" env
+step "1/9 environment" 60 "$PY" "$S" env
 if [ "$DEV" = cpu ]; then
-    step "2/8 gpu-marked tests (dry run: collected only)" 120 "$PY" -m pytest -q \
+    step "2/9 gpu-marked tests (dry run: collected only)" 120 "$PY" -m pytest -q \
         -p no:cacheprovider -m gpu --collect-only tests/runtime/cache tests/runtime/io \
         tests/runtime/model
 else
-    step "2/8 gpu-marked tests" 240 env EXPERTFS_TEST_DEVICE=cuda "$PY" -m pytest -q \
+    step "2/9 gpu-marked tests" 240 env EXPERTFS_TEST_DEVICE=cuda "$PY" -m pytest -q \
         -p no:cacheprovider -m gpu tests/runtime/cache tests/runtime/io tests/runtime/model
 fi
-step "3/8 CPU vs $DEV logits, Q4_K_M synthetic qwen3moe" 150 "$PY" "$S" logits
-step "4/8 streamed decode on $DEV, --vram 64M" 150 "$PY" "$S" stream --vram 64M
-step "5/8 streamed decode on $DEV, --vram unset (sized from free memory)" 150 "$PY" "$S" stream
-step "6/8 host syncs per decode token on $DEV" 150 "$PY" "$S" syncs
-step "7/8 a get's device misses concurrent on $DEV" 90 "$PY" "$S" misses
-step "8/8 kernels a decode token on $DEV, experts one by one and grouped" 150 "$PY" "$S" launches
+step "3/9 CPU vs $DEV logits, Q4_K_M synthetic qwen3moe" 150 "$PY" "$S" logits
+step "4/9 streamed decode on $DEV, --vram 64M" 150 "$PY" "$S" stream --vram 64M
+step "5/9 streamed decode on $DEV, --vram unset (sized from free memory)" 150 "$PY" "$S" stream
+step "6/9 host syncs per decode token on $DEV" 150 "$PY" "$S" syncs
+step "7/9 a get's device misses concurrent on $DEV" 90 "$PY" "$S" misses
+step "8/9 kernels a decode token on $DEV, experts one by one and grouped" 150 "$PY" "$S" launches
+step "9/9 plan against run on $DEV" 150 "$PY" "$S" plan
 
 if [ ${#FAILED[@]} -eq 0 ]; then
     echo "== all steps passed (report: $REPORT)"

@@ -1,6 +1,7 @@
 """The steps of bench/gpu_check.sh that are Python: ``env``, ``logits``, ``stream [ARGS...]``,
-``syncs`` (host syncs per decode token), ``misses`` (a get's device misses concurrent) and
-``launches`` (kernels a decode token, a get's experts dequantized one by one and grouped).
+``syncs`` (host syncs per decode token), ``misses`` (a get's device misses concurrent),
+``launches`` (kernels a decode token, a get's experts dequantized one by one and grouped) and
+``plan`` (``expertfs plan``'s band against the run it recommends, reported).
 Reads W (the work folder), DEV (cuda, or cpu for a dry run) and PY from the environment."""
 
 from __future__ import annotations
@@ -187,6 +188,30 @@ def launches() -> None:
     assert d < 1e-2, f"grouped logits differ by {d:.2e}"
 
 
+def plan_vs_run() -> None:
+    """``expertfs plan`` on this box (its GPU probed) for the stream store, then the ``run``
+    line it recommends: the predicted decode band and first token against the measured ones
+    (issue 19 on a GPU; reported, not judged: a first GPU run is where the figures come from).
+    Fails only when either command does or the plan is not JSON."""
+    import shlex
+    s = _store("stream", big=True)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = subprocess.run([PY, "-m", "expertfs", "plan", s, "--json", "-n", "32", "--prompt-tokens",
+                        "12"], check=True, capture_output=True, text=True)
+    p = json.loads(r.stdout)
+    pred, ft = p.get("prediction") or {}, p.get("first_token") or {}
+    line = shlex.split(p["run"])
+    assert line[:2] == ["expertfs", "run"], p["run"]
+    out = os.path.join(W, "plan_run.json")
+    with open(out, "w") as f:
+        _run(*line[2:], "-p", prompt, "--ignore-eos", "--json", out=f)
+    m = json.load(open(out))
+    print(f"plan: {p.get('status')}, {p['run']}")
+    print(f"decode: band {pred.get('tok_s_low', 0):.2f}-{pred.get('tok_s_high', 0):.2f} tok/s, "
+          f"run {m['decode_tokens_per_s']:.2f}; first token: band {ft.get('s_fast') or 0:.2f}-"
+          f"{ft.get('s_slow') or 0:.2f} s, run {m['time_to_first_token_s']:.2f} s")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "env":
@@ -201,6 +226,8 @@ if __name__ == "__main__":
         misses()
     elif what == "launches":
         launches()
+    elif what == "plan":
+        plan_vs_run()
     else:
         raise SystemExit("usage: gpu_check_steps.py env | logits | stream [ARGS...] | syncs | "
-                         "misses | launches")
+                         "misses | launches | plan")
