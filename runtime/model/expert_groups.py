@@ -30,12 +30,9 @@ from ...formats.dequant import dequantize
 from ...formats.moe_names import Role
 from ..experts.protocol import ExpertWeights
 from .dqcache import DequantCache
-from .ffn import FloatExpert, swiglu, to_float_expert
+from .ffn import EXPERT_PARTS, FloatExpert, swiglu, to_float_expert
 
 __all__ = ["groupable", "dequant_group", "as_computed", "group_rows"]
-
-_PARTS = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN, Role.GATE_BIAS, Role.UP_BIAS,
-          Role.DOWN_BIAS)
 
 
 def groupable(ws: Sequence[object]) -> bool:
@@ -63,7 +60,7 @@ def dequant_group(ws: Sequence[ExpertWeights], dtype: torch.dtype,
     n = len(ws)
     parts: list[dict[Role, torch.Tensor]] = [{} for _ in range(n)]
     kinds: dict[tuple, list[Role]] = {}
-    for role in _PARTS:
+    for role in EXPERT_PARTS:
         q = ws[0].parts.get(role)
         if q is not None:
             kinds.setdefault((q.ggml_type, q.shape), []).append(role)

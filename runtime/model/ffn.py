@@ -28,7 +28,7 @@ from .qmatvec import decode_matvec
 from .wide import wide_linear
 from .weights import Linear
 
-__all__ = ["DenseFFN", "FloatExpert", "expert_ffn", "swiglu", "to_float_expert"]
+__all__ = ["DenseFFN", "FloatExpert", "EXPERT_PARTS", "expert_ffn", "swiglu", "to_float_expert"]
 
 
 @dataclass
@@ -103,15 +103,16 @@ def expert_ffn(x: torch.Tensor, e: ExpertWeights | FloatExpert, fused: bool = Fa
     return _bias(lin(swiglu(g, u, limit, alpha), p[Role.DOWN]), p.get(Role.DOWN_BIAS))
 
 
-_MATRICES = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN, Role.GATE_BIAS, Role.UP_BIAS,
-             Role.DOWN_BIAS)
+#: the parts of a routed expert a float expert holds (its matrices and bias rows)
+EXPERT_PARTS = (Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN, Role.GATE_BIAS, Role.UP_BIAS,
+                Role.DOWN_BIAS)
 
 
 def to_float_expert(e: ExpertWeights, dtype: torch.dtype) -> FloatExpert:
     """Dequantize every matrix (and bias) of ``e`` (on its device) into ``dtype``."""
     parts = {}
     n = 0
-    for role in _MATRICES:
+    for role in EXPERT_PARTS:
         w = e.parts.get(role)
         if w is None:
             continue

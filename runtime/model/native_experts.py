@@ -1,5 +1,5 @@
 """A layer's routed experts through the native kernels' MoE calls, from the experts' ggml bytes:
-the one-call decode step (``_native_experts``), its two phases and their combine (a layer whose
+the one-call decode step (``native_layer``), its two phases and their combine (a layer whose
 resident experts compute while the others load: ``native_hidden``, ``native_down_rows``,
 ``native_combine``), and a prompt's expert in one call (``native_expert_tokens``). Each returns
 None (or False) where an expert is not plain ggml bytes the kernels take, and the caller keeps
@@ -16,8 +16,8 @@ from ...formats.moe_names import Role
 from .. import kernels as native
 from ..experts.protocol import QWeight as _QWeight
 
-__all__ = ["NATIVE_MAX_TOKENS", "native_hidden", "native_down_rows", "native_combine",
-           "native_expert_tokens"]
+__all__ = ["NATIVE_MAX_TOKENS", "native_layer", "native_hidden", "native_down_rows",
+           "native_combine", "native_expert_tokens"]
 
 _R_GATE, _R_UP, _R_GATE_UP, _R_DOWN = Role.GATE, Role.UP, Role.GATE_UP, Role.DOWN
 _BIAS_SLOT = {Role.GATE_BIAS: 0, Role.UP_BIAS: 1, Role.DOWN_BIAS: 2}
@@ -71,8 +71,8 @@ def _native_parts(experts: list, D: int) -> tuple | None:
     return G, (None if fused else U), Dn, (g.ggml_type, u.ggml_type, d.ggml_type), n_ff, B
 
 
-def _native_experts(x: torch.Tensor, w: torch.Tensor, experts: list, act_quant: str | None,
-                    limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor | None:
+def native_layer(x: torch.Tensor, w: torch.Tensor, experts: list, act_quant: str | None,
+                 limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor | None:
     """One native call for the layer, or None when not applicable."""
     p = _native_parts(experts, x.shape[1])
     if p is None:

@@ -40,7 +40,7 @@ import torch
 from ...formats.ggml import GGMLType
 from ...formats.moe_names import Role
 from .. import kernels as native
-from .native_experts import NATIVE_MAX_TOKENS, _native_experts
+from .native_experts import NATIVE_MAX_TOKENS, native_layer
 
 __all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
            "precompile", "NATIVE_MAX_TOKENS"]
@@ -229,7 +229,7 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, experts: list,
     quantization (native kernels only). ``limit`` > 0: the swiglu clamp, ``alpha`` > 0
     gpt-oss's ``swiglu_oai``, bias parts (native kernels only)."""
     if experts and x.dim() == 2 and x.shape[0] == 1:
-        y = _native_experts(x, w, experts, act_quant, limit, alpha)
+        y = native_layer(x, w, experts, act_quant, limit, alpha)
         if y is not None:
             return y
     if (limit or alpha or _state["ok"] is False or x.device.type != "cpu"
