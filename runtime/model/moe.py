@@ -116,14 +116,16 @@ class ExpertRunner:
         self.stats.dq_hits += len(experts) - len(need)
         return hits, need
 
+    def _fetched(self, layer: int, experts: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
+        """(the dequant cache's hits among ``experts``, the others' weights, fetched at once)."""
+        floats, need = self._dq_hits(layer, experts)
+        got = self.provider.get(layer, need) if need else {}
+        self.stats.fetches += len(need)
+        return floats, got
+
     def _weights(self, layer: int, experts: list[int]) -> dict[int, Any]:
-        """Weights of ``experts`` of ``layer``: dequant-cache hits first, the rest fetched."""
-        out, need = self._dq_hits(layer, experts)
-        if need:
-            got = self.provider.get(layer, need)
-            self.stats.fetches += len(need)
-            out.update(self._as_floats(layer, {e: got[e] for e in need}))
-        return out
+        """Weights of ``experts`` of ``layer`` as the products take them, fetched at once."""
+        return dict(self._in_groups(layer, experts, *self._fetched(layer, experts), None))
 
     def _weights_each(self, layer: int, experts: list[int],
                       then: Callable[[], None] | None = None, *, arrival: bool = False
@@ -134,14 +136,13 @@ class ExpertRunner:
         same weights as ``_weights`` (dequant-cache hits included), in the same order.
         ``then()`` runs once the reads are issued (prefetches queue behind them). ``arrival``:
         the ready ones first, then the rest in the order their reads land."""
-        floats, need = self._dq_hits(layer, experts)
         if self._split is None:                           # all of them fetched at once
-            got = self.provider.get(layer, need) if need else {}
-            self.stats.fetches += len(need)
+            floats, got = self._fetched(layer, experts)
             if then is not None:
                 then()
             yield from self._in_groups(layer, experts, floats, got, None)
             return
+        floats, need = self._dq_hits(layer, experts)
         ready, finish = self._split.get_begin(layer, need) if need else ({}, None)
         self.stats.fetches += len(need)
         if then is not None:
@@ -210,23 +211,6 @@ class ExpertRunner:
         self.stats.fetches += len(experts)
         if len(ready) == len(experts) and self.fused:
             return None, ready, None
-        D = x.shape[1]
-        if not self.fused:                              # the device path: group products
-
-            def rows_of(gw: list) -> torch.Tensor | None:
-                return group_rows(x, gw, limit, alpha) if groupable(gw) else None
-
-            def combine(v: torch.Tensor, at: list[int]) -> torch.Tensor:
-                rows = torch.stack([v[i] for i in at])          # routing order, no index copy
-                return (w.to(v.dtype) @ rows).unsqueeze(0)      # Σ_j w[j] · row of expert j
-        else:
-
-            def rows_of(gw: list) -> torch.Tensor | None:
-                h = native_hidden(x, gw, self.act_quant, limit, alpha)
-                return None if h is None else native_down_rows(h, gw, D, self.act_quant)
-
-            def combine(v: torch.Tensor, at: list[int]) -> torch.Tensor:
-                return native_combine(v, w, at)
         weights = dict(ready)
         group = [e for e in experts if e in ready]              # computable now
         late = [e for e in experts if e not in ready]           # still being read
@@ -236,7 +220,7 @@ class ExpertRunner:
         during = False                                          # computed while reads ran
         while True:
             if group:
-                v = rows_of([weights[e] for e in group])
+                v = self._rows(x, [weights[e] for e in group], limit, alpha)
                 if v is None:                                   # no such path for these types
                     weights.update(finish())
                     return None, weights, sh
@@ -254,7 +238,25 @@ class ExpertRunner:
         if during:
             self.stats.overlapped += 1
         row = {e: i for i, e in enumerate(order)}               # rows of the cat below
-        return combine(torch.cat(rows), [row[e] for e in experts]), weights, sh
+        return self._weighted_sum(torch.cat(rows), w, [row[e] for e in experts]), weights, sh
+
+    def _rows(self, x: torch.Tensor, ws: list, limit: float, alpha: float
+              ) -> torch.Tensor | None:
+        """Each of the experts ``ws``' unweighted output row ``[n, D]`` for one token ``x``:
+        the native kernels' two phases, or on the device path ``expert_groups.group_rows``;
+        None where neither takes these experts."""
+        if not self.fused:
+            return group_rows(x, ws, limit, alpha) if groupable(ws) else None
+        h = native_hidden(x, ws, self.act_quant, limit, alpha)
+        return None if h is None else native_down_rows(h, ws, x.shape[1], self.act_quant)
+
+    def _weighted_sum(self, v: torch.Tensor, w: torch.Tensor, at: list[int]) -> torch.Tensor:
+        """``Σ_j w[j] · v[at[j]]`` in routing order j, ``[1, D]``: native, the one-call
+        product's bits; on the device path one product over the rows stacked in that order
+        (views: no index tensor copied to the device)."""
+        if self.fused:
+            return native_combine(v, w, at)
+        return (w.to(v.dtype) @ torch.stack([v[i] for i in at])).unsqueeze(0)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Prefetch the union of ``ids`` for ``layer`` (used after a dense layer; one sync)."""
