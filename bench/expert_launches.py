@@ -18,6 +18,7 @@ are compared at every step.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import Counter
@@ -25,7 +26,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-VIEWS = {"view", "_unsafe_view", "slice", "select", "reshape", "alias", "as_strided", "t",
+#: operations that launch no compute kernel: views, allocations, reading a scalar
+NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "reshape", "alias", "as_strided", "t",
          "transpose", "unsqueeze", "squeeze", "expand", "permute", "detach", "split",
          "split_with_sizes", "chunk", "unbind", "lift_fresh", "_reshape_alias", "unfold",
          "view_as_real", "view_as_complex", "_to_copy_view", "empty", "empty_like",
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-n", type=int, default=16, help="decode steps")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertfs.formats.dequant import fused
@@ -72,7 +75,7 @@ def main() -> None:
                     out.append(e.decode(t))
             logits[grouped] = torch.stack(out).float().cpu()
             total = sum(c.ops.values())
-            kernels = total - sum(v for k, v in c.ops.items() if k in VIEWS)
+            kernels = total - sum(v for k, v in c.ops.items() if k in NO_KERNEL)
             res[grouped] = (total / a.n, kernels / a.n, c.ops)
         times: dict[bool, list[float]] = {False: [], True: []}
         for i, t in enumerate(toks * 2):
@@ -92,13 +95,19 @@ def main() -> None:
             total, kern, ops = res[grouped]
             name = "grouped  " if grouped else "one by one"
             top = ", ".join(f"{k} {v / a.n:.0f}" for k, v in ops.most_common(5))
-            ms = statistics.median(times[grouped]) * 1e3
-            print(f"  {name}: {kern:7.0f} kernels a token ({total:.0f} ops with views; "
-                  f"{kern / max(moe, 1):.0f} a MoE layer); {ms:7.1f} ms a token (median of "
+            t_ms = statistics.median(times[grouped]) * 1e3
+            print(f"  {name}: {kern:7.0f} kernels a token ({total:.0f} operations in all; "
+                  f"{kern / max(moe, 1):.0f} a MoE layer); {t_ms:7.1f} ms a token (median of "
                   f"{len(times[grouped])}); most: {top}")
+        ms = {g: statistics.median(times[g]) * 1e3 for g in (False, True)}
         print(f"  kernels: {res[True][1] / res[False][1]:.3f}x; time: "
-              f"{statistics.median(times[True]) / statistics.median(times[False]):.3f}x; "
-              f"logits max |d| {d:.2e}")
+              f"{ms[True] / ms[False]:.3f}x; logits max |d| {d:.2e}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": a.device, "moe_layers": moe, "tokens": a.n,
+                           "kernels": {"one_by_one": res[False][1], "grouped": res[True][1]},
+                           "ms": {"one_by_one": ms[False], "grouped": ms[True]},
+                           "logits_max_abs_diff": d}, f, indent=1)
 
 
 if __name__ == "__main__":
