@@ -108,32 +108,47 @@ def store(tmp_path_factory):
     return tiny_store(tmp_path_factory.mktemp("groups"))
 
 
-def _decode(e, prompt, toks, grouped):
+PROMPT, TOKS = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
+
+
+def _decode(e, grouped):
     e.runner.grouped = grouped
-    out = [e.prefill(prompt)]
-    out += [e.decode(t) for t in toks]
+    out = [e.prefill(PROMPT)]
+    out += [e.decode(t) for t in TOKS]
     return torch.stack(out)
 
 
-def test_tiered_grouped_decode_equals_a_resident_run(store, monkeypatch):
-    prompt, toks = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
+@pytest.fixture(scope="module")
+def resident(store):
+    """The resident run's logits on the CPU (each expert dequantized on its own), and the
+    store's expert slot and k, which size the tiered runs' small tiers."""
     with Engine.open(store, provider="direct", fused="off") as e:
         assert not e.runner.grouped                     # CPU: the native path's, chunked
-        plain = _decode(e, prompt, toks, False)
-        e.reset()
-        want = _decode(e, prompt, toks, True)
+        want = _decode(e, False)
         slot = max(e.store.extent(la, 0).length for la in e.store.layers)
-        k = e.config.n_expert_used
+        return want, slot, e.config.n_expert_used
+
+
+def _tiered(store, resident, backend=None, **kw):
+    """A run with RAM and VRAM tiers of 6 and 2 layers' experts: reads land in groups."""
+    _, slot, k = resident
+    opts = {"warm_start": False, "record_usage": False, **({"backend": backend} if backend else {})}
+    return Engine.open(store, provider="tiered", ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
+                       provider_options=opts, **kw)
+
+
+def test_tiered_grouped_decode_equals_a_resident_run(store, resident, monkeypatch):
+    plain, _, k = resident
+    with Engine.open(store, provider="direct", fused="off") as e:
+        want = _decode(e, True)
     assert torch.allclose(want, plain, rtol=1e-5, atol=1e-5)
     sizes = []
     real = expert_groups.dequant_group
     monkeypatch.setattr(expert_groups, "dequant_group",
                         lambda ws, *a, **kw: sizes.append(len(ws)) or real(ws, *a, **kw))
-    with Engine.open(store, provider="tiered", ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
-                     fused="off", provider_options={"warm_start": False, "backend": "buffered",
-                                                    "record_usage": False}) as e:
+    with _tiered(store, resident, "buffered", fused="off") as e:
         assert e.runner.group_max == k
-        got = _decode(e, prompt, toks, True)
+        got = _decode(e, True)
         st = e.provider.stats
         assert st.hits.get("vram", 0) > 0 and st.misses > 0
     assert torch.equal(got, want)
@@ -182,17 +197,11 @@ def test_device_step_computes_each_group_as_it_lands():
     assert torch.allclose(out2, want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
-def test_tiered_decode_with_group_products_matches_a_resident_run(store):
-    prompt, toks = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
-    with Engine.open(store, provider="direct", fused="off") as e:
-        want = _decode(e, prompt, toks, False)
-        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
-        k = e.config.n_expert_used
-    with Engine.open(store, provider="tiered", ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
-                     fused="off", provider_options={"warm_start": False, "backend": "buffered",
-                                                    "record_usage": False}) as e:
+def test_tiered_decode_with_group_products_matches_a_resident_run(store, resident):
+    want = resident[0]
+    with _tiered(store, resident, "buffered", fused="off") as e:
         e.runner.group_products = True
-        got = _decode(e, prompt, toks, True)
+        got = _decode(e, True)
         assert e.runner.stats.fetches > 0
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
@@ -223,17 +232,11 @@ def test_group_rows_on_cuda_equal_the_cpus(tg, td, fused, biased):
 
 
 @pytest.mark.gpu
-def test_tiered_cuda_decode_with_groups_matches_the_cpu(store):
+def test_tiered_cuda_decode_with_groups_matches_the_cpu(store, resident):
     """A CUDA run with a small VRAM tier (grouped dequantization and group products, its
     defaults there) against the CPU's resident logits, float32."""
-    prompt, toks = [3, 17, 40, 2, 9, 250, 31], [5, 99, 7, 64, 12, 31, 8, 150]
-    with Engine.open(store, provider="direct", fused="off") as e:
-        want = _decode(e, prompt, toks, False)
-        slot = max(e.store.extent(la, 0).length for la in e.store.layers)
-        k = e.config.n_expert_used
-    with Engine.open(store, provider="tiered", device="cuda", dtype=torch.float32,
-                     ram_bytes=6 * k * slot, vram_bytes=2 * k * slot,
-                     provider_options={"warm_start": False, "record_usage": False}) as e:
+    want, _, k = resident
+    with _tiered(store, resident, device="cuda", dtype=torch.float32) as e:
         assert e.runner.grouped and e.runner.group_products and e.runner.group_max == k
-        got = _decode(e, prompt, toks, True).cpu()
+        got = _decode(e, True).cpu()
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * want.abs().max())
