@@ -9,8 +9,10 @@ from typing import Sequence
 import torch
 
 from ...formats.ggml import GGMLType
-from . import gemm
 from .build import load
+from .widths import (WIDE_TYPES, WIDE_TYPES_AVX2, WIDE_TYPES_GEMM512,  # noqa: F401
+                     WIDE_TYPES_Q8, WIDE_TYPES_Q8_AVX2, WIDE_TYPES_Q8_GEMM512,
+                     WIDE_TYPES_Q8_VNNI, _WIDE, max_tokens, q8_panel)
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine", "expert_tokens",
@@ -50,97 +52,6 @@ def act_quant_mode(name: str | None) -> int:
 def available() -> bool:
     """True when the native kernels are built and loaded (builds them on first call)."""
     return load() is not None
-
-
-#: Most tokens per native product, per type, under the AVX-512 kernels where the float32
-#: products run at AVX2 width (MKL on an AMD CPU that splits 512-bit operations; exact
-#: numerics): the widest batch, of 32, 64, 128 and 256 tokens, at which the native product beat
-#: ``runtime.model.wide.wide_linear`` (then native dequantization + F.linear) over the expert
-#: and trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Measured before
-#: ``qgemm`` took the wide products, on a box not at hand since: a batch past these limits now
-#: goes through ``qgemm``, faster than before, so they err towards the native product. Types
-#: not listed keep the caller's default.
-WIDE_TYPES = {
-    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
-    GGMLType.Q3_K: 128, GGMLType.Q4_0: 256, GGMLType.Q8_0: 256, GGMLType.Q4_1: 64,
-    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.MXFP4: 64, GGMLType.IQ4_XS: 128,
-    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 256, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
-    GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 64, GGMLType.IQ1_M: 128,
-    GGMLType.TQ1_0: 128, GGMLType.TQ2_0: 128,
-}
-
-#: The same for ``act_quant="q8"`` (the native q8 product against ``wide_linear``).
-WIDE_TYPES_Q8 = {
-    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
-    GGMLType.Q3_K: 256, GGMLType.Q4_0: 128, GGMLType.Q8_0: 128, GGMLType.Q4_1: 64,
-    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.IQ4_XS: 128, GGMLType.IQ4_NL: 256, GGMLType.IQ2_XXS: 256,
-    GGMLType.IQ2_XS: 256, GGMLType.IQ2_S: 256, GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 256,
-    GGMLType.IQ1_S: 256, GGMLType.IQ1_M: 256, GGMLType.TQ1_0: 256, GGMLType.TQ2_0: 256,
-}
-
-
-#: The same under the AVX2 kernels (exact, then q8), past which ``wide_linear`` takes the
-#: product through ``qgemm`` in AVX2. Exact: measured with 8 to 128 tokens on 2 threads with the
-#: kernels held to AVX2 and MKL's AVX2 code (an AVX2 box's products; ``bench_kernels.py
-#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens. q8:
-#: measured the same way on an AVX2-only CPU (a first-generation Zen) after the q8 kernels took
-#: up to 4 tokens per decode of the weights.
-WIDE_TYPES_AVX2 = {
-    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 12,
-    GGMLType.Q2_K: 32, GGMLType.Q3_K: 24, GGMLType.IQ4_XS: 24, GGMLType.MXFP4: 32,
-    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 64, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
-    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 24, GGMLType.IQ1_M: 24,
-    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 12, GGMLType.Q5_0: 32,
-    GGMLType.Q5_1: 32,
-}
-WIDE_TYPES_Q8_AVX2 = {
-    GGMLType.Q4_K: 12, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 16, GGMLType.Q4_0: 12,
-    GGMLType.Q2_K: 12, GGMLType.Q3_K: 16, GGMLType.IQ4_XS: 64, GGMLType.MXFP4: 32,
-    GGMLType.IQ4_NL: 24, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 128,
-    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 48, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
-    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 24, GGMLType.Q4_1: 12, GGMLType.Q5_0: 24,
-    GGMLType.Q5_1: 32,
-}
-
-#: The same under the AVX-512 kernels where the products run at AVX-512 width too
-#: (``gemm.isa()``: a Zen 5, or an Intel CPU): past the limit ``wide_linear`` takes the product
-#: through ``qgemm``, the panel product, so a native product is worth fewer tokens; measured
-#: with 8 to 128 tokens on 2 threads (exact, then q8; ``bench_kernels.py --prefill``).
-WIDE_TYPES_GEMM512 = {
-    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 24, GGMLType.Q4_0: 24,
-    GGMLType.Q2_K: 24, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 24,
-    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 96, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
-    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
-    GGMLType.TQ1_0: 16, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
-    GGMLType.Q5_1: 24,
-}
-WIDE_TYPES_Q8_GEMM512 = {
-    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 8, GGMLType.Q4_0: 8,
-    GGMLType.Q2_K: 16, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 12, GGMLType.MXFP4: 16,
-    GGMLType.IQ4_NL: 48, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
-    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 32, GGMLType.IQ1_M: 64,
-    GGMLType.TQ1_0: 32, GGMLType.TQ2_0: 48, GGMLType.Q4_1: 8, GGMLType.Q5_0: 16,
-    GGMLType.Q5_1: 16,
-}
-
-#: (kernel ISA, float32 product ISA, numerics) → table
-_WIDE = {("avx512", "avx2", 0): WIDE_TYPES, ("avx512", "avx2", 1): WIDE_TYPES_Q8,
-         ("avx512", "avx512", 0): WIDE_TYPES_GEMM512, ("avx512", "avx512", 1): WIDE_TYPES_Q8_GEMM512,
-         ("avx2", "avx2", 0): WIDE_TYPES_AVX2, ("avx2", "avx2", 1): WIDE_TYPES_Q8_AVX2,
-         ("avx2", "avx512", 0): WIDE_TYPES_AVX2, ("avx2", "avx512", 1): WIDE_TYPES_Q8_AVX2}
-
-
-def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
-    """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
-    (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
-    kernels run and the width of the float32 products (``gemm.isa()``): ``WIDE_TYPES``/
-    ``WIDE_TYPES_Q8`` under AVX-512 beside AVX2 products, the ``_GEMM512`` tables beside AVX-512
-    ones, the ``_AVX2`` tables under AVX2; else ``default``."""
-    mod = load()
-    if mod is None:
-        return default
-    table = _WIDE.get((mod.isa(), gemm.isa(), _moe_mode(act_quant)), {})
-    return table.get(ggml_type, default)
 
 
 _TYPE_IDS = frozenset(int(t) for t in TYPES)
@@ -184,11 +95,14 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Seque
 
 
 def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
-          shape: Sequence[int]) -> torch.Tensor | None:
+          shape: Sequence[int], act_quant: str | None = None) -> torch.Tensor | None:
     """``x [T, in]`` float32 CPU → ``[T, out]`` for many tokens (prefill): each panel of rows of
-    W dequantized once, into the core's cache, and multiplied by every token (exact mode's
-    numerics); None when not applicable (the portable kernels only, another device or dtype, a
-    type the kernels do not take)."""
+    W decoded once, into the core's cache, and multiplied by every token. Exact mode's numerics
+    (dequantized floats, float32 sums), or with ``act_quant="q8"`` where the CPU has AVX512-VNNI
+    and the type an integer panel (``q8_panel``) q8 mode's: Q8_K activations and 8-bit integer
+    products, the q8 row kernels' results up to float summation order; q8 for another type or
+    CPU keeps the exact panel product. None when not applicable (the portable kernels only,
+    another device or dtype, a type the kernels do not take)."""
     rows, cols = int(shape[0]), int(shape[1])
     t = int(ggml_type)
     if (not x.is_cpu or x.dtype != torch.float32 or x.dim() != 2 or not raw.is_cpu
@@ -197,6 +111,8 @@ def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
     mod = load()
     if mod is None or not hasattr(mod, "qgemm"):
         return None
+    if _moe_mode(act_quant) == 1 and _applies(t, cols, 1) and q8_panel(mod, t):
+        return mod.qgemm_q8(x, raw.reshape(-1), t, rows, cols)
     return mod.qgemm(x, raw.reshape(-1), t, rows, cols)
 
 

@@ -65,7 +65,7 @@ def _q(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def _qf(x: torch.Tensor, w: QWeight, act_quant: str | None = None) -> torch.Tensor:
     y = decode_matvec(x, w.raw, w.ggml_type, w.shape, act_quant)
-    return wide_linear(x, w.raw, w.ggml_type, w.shape) if y is None else y
+    return wide_linear(x, w.raw, w.ggml_type, w.shape, act_quant=act_quant) if y is None else y
 
 
 def _bias(y: torch.Tensor, b: QWeight | torch.Tensor | None) -> torch.Tensor:

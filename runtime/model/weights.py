@@ -180,7 +180,8 @@ class Linear:
             y = decode_matvec(x, q.raw, q.ggml_type, q.shape, self.act_quant)   # native, a few tokens
             if y is not None:
                 return y if self.bias is None else y + self.bias
-            return wide_linear(x, q.raw, q.ggml_type, q.shape, self.bias)   # wider batches
+            return wide_linear(x, q.raw, q.ggml_type, q.shape, self.bias,   # wider batches
+                               self.act_quant)
         return qlinear(x, q.raw, q.ggml_type, q.shape, self.bias, matmul=gemm.linear)
 
 

@@ -44,10 +44,11 @@ def _chunk_buffer(n: int) -> torch.Tensor:
 
 
 def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[int, ...],
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, act_quant: str | None = None) -> torch.Tensor:
     """``x [..., in]`` float32 on CPU → ``F.linear(x, W, bias)`` for W of torch ``shape (out,
-    in)`` given as ggml bytes ``raw``."""
-    y = native.qgemm(x.reshape(-1, int(shape[1])), raw, t, shape)   # the panel product, if
+    in)`` given as ggml bytes ``raw``; ``act_quant="q8"``: q8 mode's numerics where the CPU has
+    its integer panel product (``kernels.qgemm``), else exact."""
+    y = native.qgemm(x.reshape(-1, int(shape[1])), raw, t, shape, act_quant)   # panels, if
     if y is None:                                                    # the kernels have it
         return dequant_linear(x, raw, t, shape, bias)
     y = y.reshape(*x.shape[:-1], int(shape[0]))

@@ -64,6 +64,17 @@ bool detect_bw() {
 }
 const bool g_bw = detect_bw();
 
+// q8 mode's panel product needs AVX512-VNNI (vpdpbusd); not in the emulated build.
+bool detect_vnni() {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512)
+    __builtin_cpu_init();
+    return g_bw && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+const bool g_vnni = detect_vnni();
+
 RowsFn rows_fn(int type, int mode) {
     RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
     if (!f && g_isa >= ISA_AVX512 && g_bw) f = avx512_iq_rows(type, mode);
@@ -282,6 +293,70 @@ void qgemm_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64
         (z ? avx512_qgemm_rows : avx2_qgemm_rows)((int)type, W, rb, r0, r1, cols, xtp, tp, nt,
                                                   panel.data(), sums.data(), yp, rows);
     });
+}
+
+// q8 mode's panel product for `type` on this CPU at the ISA in use, or nullptr.
+QgemmQ8Fn qgemm_q8_fn(int64_t type) {
+    return g_isa >= ISA_AVX512 && g_vnni ? avx512_qgemm_q8((int)type) : nullptr;
+}
+
+// The q8 panel product into yp [nt, rows] (the caller checks, finds fn and releases the GIL):
+// the tokens quantized to Q8_K as the q8 row kernels take them, their bytes stored once as
+// x + 128 with their scales and 32-element sums, then runs of 32-row panels on the pool.
+void qgemm_q8_into(QgemmQ8Fn fn, const float* xp, int64_t nt, const uint8_t* W, int64_t rb,
+                   int64_t rows, int64_t cols, float* yp) {
+    Prep p;
+    p.make(xp, cols, (int)nt, cols, X_Q8K);
+    const int64_t nb = cols / 256;
+    std::unique_ptr<uint8_t[]> u(new uint8_t[(size_t)(nt * cols)]);
+    std::vector<float> d((size_t)(nt * nb));
+    std::vector<int32_t> bs((size_t)(nt * nb * 4));
+    for (int64_t t = 0; t < nt; ++t)
+        for (int64_t i = 0; i < nb; ++i) {
+            const Q8K& q = p.q8k[(size_t)(t * nb + i)];
+            uint8_t* o = u.get() + t * cols + 256 * i;
+            for (int k = 0; k < 256; ++k) o[k] = (uint8_t)q.qs[k] ^ 0x80;
+            d[(size_t)(t * nb + i)] = q.d;
+            for (int j = 0; j < 4; ++j) {
+                const int lo = q.bsums[4 * j] + q.bsums[4 * j + 1];
+                const int hi = q.bsums[4 * j + 2] + q.bsums[4 * j + 3];
+                bs[(size_t)((t * nb + i) * 4 + j)] =
+                    (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xFFFF));
+            }
+        }
+    const Q8Tokens x{u.get(), d.data(), bs.data(), cols, nb};
+    // runs of panels as qgemm_into's: at least 4 per thread where the rows allow, at most 8
+    const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
+    const int64_t panels = (rows + 31) / 32;
+    int64_t per = panels / (4 * nth);
+    per = per < 1 ? 1 : per > 8 ? 8 : per;
+    const int64_t run = per * 32;
+    par_chunks((rows + run - 1) / run, [&](int64_t i) {
+        thread_local std::vector<float> c;
+        if ((int64_t)c.size() < 32 * nt) c.resize(32 * nt);
+        const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;
+        fn(W, rb, r0, r1, x, nt, c.data(), yp, rows);
+    });
+}
+
+// y[T, rows] = x[T, cols] @ W.T in q8 mode's numerics through the integer panel product
+// (qgemm_q8.cpp); an undefined tensor where this CPU or type has none (the caller then takes
+// the q8 row kernels or the exact panel product).
+at::Tensor qgemm_q8(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
+                    int64_t cols) {
+    const QgemmQ8Fn fn = qgemm_q8_fn(type);
+    if (fn == nullptr) return at::Tensor();
+    const TypeInfo* ti = check_type(type, cols, 1);
+    const int64_t rb = cols / ti->block * ti->bytes;
+    check_raw(raw, rows, rb, "weight");
+    const at::Tensor x = check_x(x_, cols);
+    const int64_t nt = x.size(0);
+    at::Tensor y = at::empty({nt, rows}, x.options());
+    if (nt == 0 || rows == 0) return y;
+    pybind11::gil_scoped_release nogil;
+    qgemm_q8_into(fn, x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, rows, cols,
+                  y.data_ptr<float>());
+    return y;
 }
 
 // y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm.cpp): each panel of rows dequantized
@@ -599,7 +674,10 @@ bool expert_tokens(const at::Tensor& x_, const at::Tensor& tok_, const at::Tenso
         const auto product = [&](const uint8_t* W, int64_t rb, RowsFn fn, int64_t type,
                                  int64_t rows, int64_t cols, const float* in, bool wide,
                                  float* o) {
-            if (wide)
+            const QgemmQ8Fn q8 = wide && mode == 1 ? qgemm_q8_fn(type) : nullptr;
+            if (q8)
+                qgemm_q8_into(q8, in, n, W, rb, rows, cols, o);
+            else if (wide)
                 qgemm_into(in, n, W, rb, type, rows, cols, o);
             else
                 matvec_into(in, (int)n, W, rb, fn, (int)type, rows, cols, mode, o);
@@ -796,6 +874,11 @@ pybind11::dict info() {
     }
     d["avx512_k_exact_types"] = ke;
     d["avx512_k_q8_types"] = kq;
+    pybind11::list qp;                  // q8 mode's integer panel product at the ISA in use
+    for (int t : all)
+        if (qgemm_q8_fn(t) != nullptr) qp.append(t);
+    d["q8_panel_types"] = qp;
+    d["avx512_vnni"] = g_vnni;
     d["iq_tables"] = g_iq.ok;
     return d;
 }
@@ -815,6 +898,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("matvec", &efs::matvec, "y[T, rows] = x[T, cols] @ W.T from ggml bytes",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode"));
+    m.def("qgemm_q8", &efs::qgemm_q8, "y[T, rows] = x[T, cols] @ W.T in q8 numerics, many "
+          "tokens (AVX-512 VNNI; undefined where not available)", pybind11::arg("x"), pybind11::arg("raw"),
+          pybind11::arg("type"), pybind11::arg("rows"), pybind11::arg("cols"));
     m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens (AVX2 or AVX-512)",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"));

@@ -1,0 +1,303 @@
+// Products of many tokens in q8 mode with 8-bit integer dot products (AVX-512 VNNI): the panel
+// product of qgemm.cpp for llama.cpp's numerics. The activations are Q8_K (ggml's
+// quantize_row_q8_K, as the q8 row kernels take them), the weights a block's integers, and
+// every multiply-add of a block is an exact integer one; the float steps per 256-weight block
+// are the q8 row kernels' (d_x * d * isum, less d_x * dmin * msum where the type has mins), so
+// the results are those kernels' up to float summation order, as llama.cpp's own tiled products
+// are.
+//
+//  - a panel is 32 rows (two vectors of 16 lanes, a lane a row) of one 256-weight block: each
+//    row decoded to its 256 signed 8-bit weights (Q4_K/Q5_K 0..31, Q6_K q - 32, the lattice IQ
+//    types' and TQ1_0/TQ2_0's signed grid values, as their q8 row kernels decode them) and its
+//    integer multipliers per group of 16 or 32 weights, then transposed so that a 32-bit lane
+//    holds 4 consecutive weights of one row (vpdpbusd's operand);
+//  - the activations are stored once per call as unsigned bytes x + 128, so vpdpbusd (unsigned
+//    times signed) multiplies them by the signed weights; the 128 * sum(w) this adds is taken
+//    off once per block and row (corr, computed when the panel is decoded);
+//  - the micro-kernel keeps 2 row vectors x NT tokens of group sums and of block sums in
+//    registers: for 4 weights it loads the two weight vectors, broadcasts each token's 4 bytes
+//    and issues 2 NT vpdpbusd (64 multiply-adds each: four times a float32 FMA's 16); at the
+//    end of a group the group's sums are multiplied by the rows' multipliers (vpmulld) into the
+//    block sums. A block's panel (8 KiB) stays in the L1 cache while every token uses it.
+#include "kern.h"
+
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512)
+#include "kern_avx2_util.h"
+#define EFS_KT EFS_T
+#include "kern_iq_avx2_types.h"
+#include "kern_k_avx2.h"      // q45_planes, q6_planes, k4_scales: a block's fields
+
+#define EFS_V __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define EFS_VI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c"), \
+                              always_inline)) inline
+
+namespace efs {
+namespace {
+
+constexpr int NV = 2;            // row vectors of a panel
+constexpr int TILE = 6;          // tokens per micro-kernel call
+
+// One 256-weight block of 32 rows, decoded.
+struct alignas(64) Panel {
+    int32_t w[NV][64][16];       // [vector][4-weight step][row]: 4 signed weights per lane
+    int32_t ls[NV][16][16];      // [vector][group][row] integer multipliers
+    int32_t mn[NV][4][16];       // Q4_K/Q5_K: [vector][pair][row] mins of groups 2p, 2p+1 as
+                                 // two int16 (vpdpwssd with the activations' bsums)
+    int32_t corr[NV][16];        // 128 * sum over groups of ls * sum(w): the x + 128 offset
+    float a[NV][16];             // d (Q6_K, K-quants), d * F (IQ types)
+    float m[NV][16];             // dmin (Q4_K/Q5_K), else 0
+    alignas(64) int8_t rows[16][256];   // one vector's rows before the transpose
+};
+
+// Sums of each 16 signed bytes of w[256] (16 groups).
+EFS_VI void sums16(const int8_t* w, int32_t* s) {
+    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+    for (int c = 0; c < 8; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * c));
+        const __m256i q = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, v), one16);  // 8 quads
+        alignas(32) int32_t t[8];
+        _mm256_store_si256((__m256i*)t, q);
+        s[2 * c] = t[0] + t[1] + t[2] + t[3];
+        s[2 * c + 1] = t[4] + t[5] + t[6] + t[7];
+    }
+}
+
+// The decoder (kern_iq_avx2_types.h) of a lattice IQ or ternary type.
+template <int TYPE> struct IqOf;
+template <> struct IqOf<T_IQ2_XXS> { using D = IQ2XXS; };
+template <> struct IqOf<T_IQ2_XS> { using D = IQ2XS; };
+template <> struct IqOf<T_IQ2_S> { using D = IQ2S; };
+template <> struct IqOf<T_IQ3_XXS> { using D = IQ3XXS; };
+template <> struct IqOf<T_IQ3_S> { using D = IQ3S; };
+template <> struct IqOf<T_IQ1_S> { using D = IQ1S; };
+template <> struct IqOf<T_IQ1_M> { using D = IQ1M; };
+template <> struct IqOf<T_TQ1_0> { using D = TQ1; };
+template <> struct IqOf<T_TQ2_0> { using D = TQ2; };
+
+// Row j of vector v from block b: weights into p.rows[j], multipliers, mins and scales.
+template <int TYPE>
+EFS_VI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
+    int8_t* w = p.rows[j];
+    int32_t ls[16], s[16];
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        constexpr bool FIVE = TYPE == T_Q5_K;
+        uint32_t u[4];
+        k4_scales(b + 4, u);
+        const uint8_t* sc = (const uint8_t*)&u[0];
+        const uint8_t* mn = (const uint8_t*)&u[2];
+        const uint8_t* q = b + (FIVE ? 48 : 16);
+        __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+        for (int k = 0; k < 4; ++k) {
+            __m256i lo, hi;
+            q45_planes<FIVE>(loadu256(q + 32 * k), hb, lo, hi);
+            _mm256_storeu_si256((__m256i*)(w + 64 * k), lo);
+            _mm256_storeu_si256((__m256i*)(w + 64 * k + 32), hi);
+        }
+        for (int g = 0; g < 8; ++g) {
+            ls[2 * g] = ls[2 * g + 1] = sc[g];
+            p.ls[v][g][j] = sc[g];                         // groups of 32
+        }
+        for (int q2 = 0; q2 < 4; ++q2)
+            p.mn[v][q2][j] = (int32_t)((uint32_t)mn[2 * q2] | ((uint32_t)mn[2 * q2 + 1] << 16));
+        p.a[v][j] = f16(b);
+        p.m[v][j] = f16(b + 2);
+    } else if constexpr (TYPE == T_Q6_K) {
+        const __m256i k32 = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            q6_planes(b, h, q);
+            for (int k = 0; k < 4; ++k)
+                _mm256_storeu_si256((__m256i*)(w + 128 * h + 32 * k), _mm256_sub_epi8(q[k], k32));
+        }
+        const int8_t* sc = (const int8_t*)(b + 192);
+        for (int g = 0; g < 16; ++g) p.ls[v][g][j] = ls[g] = sc[g];
+        p.a[v][j] = f16(b + 208);
+        p.m[v][j] = 0.f;
+    } else {
+        using D = typename IqOf<TYPE>::D;
+        for (int ib = 0; ib < 8; ++ib) {
+            _mm256_storeu_si256((__m256i*)(w + 32 * ib), D::q(b, ib));
+            int l0, l1;
+            D::ls(b, ib, &l0, &l1);
+            if (!D::PAIR) l1 = l0;
+            p.ls[v][2 * ib][j] = ls[2 * ib] = l0;
+            p.ls[v][2 * ib + 1][j] = ls[2 * ib + 1] = l1;
+        }
+        p.a[v][j] = D::d(b) * D::F;
+        p.m[v][j] = 0.f;
+    }
+    sums16(w, s);
+    int32_t c = 0;
+    for (int g = 0; g < 16; ++g) c += ls[g] * s[g];
+    p.corr[v][j] = 128 * c;
+}
+
+// A zero row (past the matrix's last): no weights, no multipliers.
+EFS_VI void zero_row(Panel& p, int v, int j) {
+    memset(p.rows[j], 0, 256);
+    for (int g = 0; g < 16; ++g) p.ls[v][g][j] = 0;
+    for (int q2 = 0; q2 < 4; ++q2) p.mn[v][q2][j] = 0;
+    p.corr[v][j] = 0;
+    p.a[v][j] = p.m[v][j] = 0.f;
+}
+
+// p.rows (16 rows of 64 32-bit words) into p.w[v] ([64 words][16 rows]): four 16 x 16
+// transposes, each four rounds of swapping the off-diagonal blocks of 8, 4, 2, 1 words.
+EFS_VI void transpose(Panel& p, int v) {
+    static const int D[4] = {8, 4, 2, 1};
+    __m512i lo[4], hi[4];
+    for (int s = 0; s < 4; ++s) {
+        alignas(64) int32_t a[16], b[16];
+        for (int c = 0; c < 16; ++c) {
+            const bool set = c & D[s];
+            a[c] = set ? 16 + c - D[s] : c;        // row i (bit clear): A[c] or B[c - d]
+            b[c] = set ? 16 + c : c + D[s];        // row i + d: A[c + d] or B[c]
+        }
+        lo[s] = _mm512_load_si512(a);
+        hi[s] = _mm512_load_si512(b);
+    }
+    for (int cb = 0; cb < 4; ++cb) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(p.rows[i] + 64 * cb);
+        for (int s = 0; s < 4; ++s) {
+            const int d = D[s];
+            for (int i = 0; i < 16; ++i) {
+                if (i & d) continue;
+                const __m512i A = r[i], B = r[i + d];
+                r[i] = _mm512_permutex2var_epi32(A, lo[s], B);
+                r[i + d] = _mm512_permutex2var_epi32(A, hi[s], B);
+            }
+        }
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(p.w[v][16 * cb + i], r[i]);
+    }
+}
+
+// Rows [r0, r0 + 32) of the matrix at block i into p (rows past r1 zero).
+template <int TYPE>
+EFS_V void decode_panel(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
+                        int bytes, Panel& p) {
+    for (int v = 0; v < NV; ++v) {
+        for (int j = 0; j < 16; ++j) {
+            const int64_t r = r0 + 16 * v + j;
+            if (r < r1)
+                decode_row<TYPE>(W + r * rb + i * bytes, p, v, j);
+            else
+                zero_row(p, v, j);
+        }
+        transpose(p, v);
+    }
+}
+
+// NT tokens (t0 ...) of block i against panel p into C [token][32] (stride 32), added.
+template <int NT, int G, bool MINS>
+EFS_V void tile(const Panel& p, const Q8Tokens& x, int64_t t0, int64_t i, float* C) {
+    __m512i bsum[NV][NT];
+    for (int v = 0; v < NV; ++v)
+        for (int t = 0; t < NT; ++t) bsum[v][t] = _mm512_setzero_si512();
+    const uint8_t* xu[NT];
+    for (int t = 0; t < NT; ++t) xu[t] = x.u + (t0 + t) * x.cols + 256 * i;
+    for (int g = 0; g < 256 / G; ++g) {
+        __m512i acc[NV][NT];
+        for (int v = 0; v < NV; ++v)
+            for (int t = 0; t < NT; ++t) acc[v][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int s = g * G / 4; s < (g + 1) * G / 4; ++s) {
+            const __m512i w0 = _mm512_load_si512(p.w[0][s]), w1 = _mm512_load_si512(p.w[1][s]);
+            for (int t = 0; t < NT; ++t) {
+                int32_t q;
+                memcpy(&q, xu[t] + 4 * s, 4);
+                const __m512i xb = _mm512_set1_epi32(q);
+                acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], xb, w0);
+                acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], xb, w1);
+            }
+        }
+        for (int v = 0; v < NV; ++v) {
+            const __m512i l = _mm512_load_si512(p.ls[v][g]);
+            for (int t = 0; t < NT; ++t)
+                bsum[v][t] = _mm512_add_epi32(bsum[v][t], _mm512_mullo_epi32(acc[v][t], l));
+        }
+    }
+    for (int v = 0; v < NV; ++v) {
+        const __m512i corr = _mm512_load_si512(p.corr[v]);
+        const __m512 a = _mm512_load_ps(p.a[v]);
+        for (int t = 0; t < NT; ++t) {
+            const float dx = x.d[(t0 + t) * x.nb + i];
+            float* c = C + (t0 + t) * 32 + 16 * v;
+            const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(bsum[v][t], corr));
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dx), a), isum);
+            if (MINS) {
+                const int32_t* bs = x.bs + ((t0 + t) * x.nb + i) * 4;
+                __m512i ms = _mm512_setzero_si512();
+                for (int q2 = 0; q2 < 4; ++q2)
+                    ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(p.mn[v][q2]),
+                                             _mm512_set1_epi32(bs[q2]));
+                y = _mm512_sub_ps(y, _mm512_mul_ps(_mm512_mul_ps(
+                    _mm512_set1_ps(dx), _mm512_load_ps(p.m[v])), _mm512_cvtepi32_ps(ms)));
+            }
+            _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), y));
+        }
+    }
+}
+
+template <int G, bool MINS>
+EFS_V void tokens(const Panel& p, const Q8Tokens& x, int64_t nt, int64_t i, float* C) {
+    int64_t t0 = 0;
+    for (; t0 + TILE <= nt; t0 += TILE) tile<TILE, G, MINS>(p, x, t0, i, C);
+    switch (nt - t0) {
+        case 1: tile<1, G, MINS>(p, x, t0, i, C); break;
+        case 2: tile<2, G, MINS>(p, x, t0, i, C); break;
+        case 3: tile<3, G, MINS>(p, x, t0, i, C); break;
+        case 4: tile<4, G, MINS>(p, x, t0, i, C); break;
+        case 5: tile<5, G, MINS>(p, x, t0, i, C); break;
+        default: break;
+    }
+}
+
+template <int TYPE>
+EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8Tokens& x,
+                   int64_t nt, float* C, float* y, int64_t ys) {
+    constexpr bool K45 = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    const int bytes = (int)(rb / x.nb);
+    alignas(64) static thread_local Panel p;
+    for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
+        memset(C, 0, sizeof(float) * 32 * nt);
+        for (int64_t i = 0; i < x.nb; ++i) {
+            decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
+            tokens<K45 ? 32 : 16, K45>(p, x, nt, i, C);
+        }
+        const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
+        for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
+    }
+}
+
+}  // namespace
+
+QgemmQ8Fn avx512_qgemm_q8(int type) {
+    switch (type) {
+        case T_Q4_K: return rows_q8<T_Q4_K>;
+        case T_Q5_K: return rows_q8<T_Q5_K>;
+        case T_Q6_K: return rows_q8<T_Q6_K>;
+        case T_IQ2_XXS: return rows_q8<T_IQ2_XXS>;
+        case T_IQ2_XS: return rows_q8<T_IQ2_XS>;
+        case T_IQ2_S: return rows_q8<T_IQ2_S>;
+        case T_IQ3_XXS: return rows_q8<T_IQ3_XXS>;
+        case T_IQ3_S: return rows_q8<T_IQ3_S>;
+        case T_IQ1_S: return rows_q8<T_IQ1_S>;
+        case T_IQ1_M: return rows_q8<T_IQ1_M>;
+        case T_TQ1_0: return rows_q8<T_TQ1_0>;
+        case T_TQ2_0: return rows_q8<T_TQ2_0>;
+        default: return nullptr;
+    }
+}
+
+}  // namespace efs
+
+#else  // not x86, or the emulated-AVX-512 test build (no VNNI there)
+
+namespace efs {
+QgemmQ8Fn avx512_qgemm_q8(int) { return nullptr; }
+}  // namespace efs
+
+#endif

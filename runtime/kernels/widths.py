@@ -1,0 +1,134 @@
+"""How many tokens one native product should take before a batch goes to the panel product
+(``kernels.qgemm``: each panel of weights decoded once and multiplied by every token), per type,
+ISA and numerics, as measured (bench/README.md): ``max_tokens``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ...formats.ggml import GGMLType
+from . import gemm
+from .build import load
+
+__all__ = ["max_tokens", "q8_panel", "WIDE_TYPES", "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2",
+           "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_GEMM512", "WIDE_TYPES_Q8_GEMM512",
+           "WIDE_TYPES_Q8_VNNI"]
+
+#: Most tokens per native product, per type, under the AVX-512 kernels where the float32
+#: products run at AVX2 width (MKL on an AMD CPU that splits 512-bit operations; exact
+#: numerics): the widest batch, of 32, 64, 128 and 256 tokens, at which the native product beat
+#: ``runtime.model.wide.wide_linear`` (then native dequantization + F.linear) over the expert
+#: and trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Measured before
+#: ``qgemm`` took the wide products, on a box not at hand since: a batch past these limits now
+#: goes through ``qgemm``, faster than before, so they err towards the native product. Types
+#: not listed keep the caller's default.
+WIDE_TYPES = {
+    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
+    GGMLType.Q3_K: 128, GGMLType.Q4_0: 256, GGMLType.Q8_0: 256, GGMLType.Q4_1: 64,
+    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.MXFP4: 64, GGMLType.IQ4_XS: 128,
+    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 256, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 64, GGMLType.IQ1_M: 128,
+    GGMLType.TQ1_0: 128, GGMLType.TQ2_0: 128,
+}
+
+#: The same for ``act_quant="q8"`` (the native q8 product against ``wide_linear``).
+WIDE_TYPES_Q8 = {
+    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
+    GGMLType.Q3_K: 256, GGMLType.Q4_0: 128, GGMLType.Q8_0: 128, GGMLType.Q4_1: 64,
+    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.IQ4_XS: 128, GGMLType.IQ4_NL: 256, GGMLType.IQ2_XXS: 256,
+    GGMLType.IQ2_XS: 256, GGMLType.IQ2_S: 256, GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 256,
+    GGMLType.IQ1_S: 256, GGMLType.IQ1_M: 256, GGMLType.TQ1_0: 256, GGMLType.TQ2_0: 256,
+}
+
+
+#: The same under the AVX2 kernels (exact, then q8), past which ``wide_linear`` takes the
+#: product through ``qgemm`` in AVX2. Exact: measured with 8 to 128 tokens on 2 threads with the
+#: kernels held to AVX2 and MKL's AVX2 code (an AVX2 box's products; ``bench_kernels.py
+#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens. q8:
+#: measured the same way on an AVX2-only CPU (a first-generation Zen) after the q8 kernels took
+#: up to 4 tokens per decode of the weights.
+WIDE_TYPES_AVX2 = {
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 12,
+    GGMLType.Q2_K: 32, GGMLType.Q3_K: 24, GGMLType.IQ4_XS: 24, GGMLType.MXFP4: 32,
+    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 64, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
+    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 24, GGMLType.IQ1_M: 24,
+    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 12, GGMLType.Q5_0: 32,
+    GGMLType.Q5_1: 32,
+}
+WIDE_TYPES_Q8_AVX2 = {
+    GGMLType.Q4_K: 12, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 16, GGMLType.Q4_0: 12,
+    GGMLType.Q2_K: 12, GGMLType.Q3_K: 16, GGMLType.IQ4_XS: 64, GGMLType.MXFP4: 32,
+    GGMLType.IQ4_NL: 24, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 48, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
+    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 24, GGMLType.Q4_1: 12, GGMLType.Q5_0: 24,
+    GGMLType.Q5_1: 32,
+}
+
+#: The same under the AVX-512 kernels where the products run at AVX-512 width too
+#: (``gemm.isa()``: a Zen 5, or an Intel CPU): past the limit ``wide_linear`` takes the product
+#: through ``qgemm``, the panel product, so a native product is worth fewer tokens; measured
+#: with 8 to 128 tokens on 2 threads (exact, then q8; ``bench_kernels.py --prefill``).
+WIDE_TYPES_GEMM512 = {
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 24, GGMLType.Q4_0: 24,
+    GGMLType.Q2_K: 24, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 24,
+    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 96, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
+    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
+    GGMLType.TQ1_0: 16, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
+    GGMLType.Q5_1: 24,
+}
+WIDE_TYPES_Q8_GEMM512 = {
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 8, GGMLType.Q4_0: 8,
+    GGMLType.Q2_K: 16, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 12, GGMLType.MXFP4: 16,
+    GGMLType.IQ4_NL: 48, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
+    GGMLType.IQ3_XXS: 128, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 32, GGMLType.IQ1_M: 64,
+    GGMLType.TQ1_0: 32, GGMLType.TQ2_0: 48, GGMLType.Q4_1: 8, GGMLType.Q5_0: 16,
+    GGMLType.Q5_1: 16,
+}
+
+#: (kernel ISA, float32 product ISA, numerics) → table
+_WIDE = {("avx512", "avx2", 0): WIDE_TYPES, ("avx512", "avx2", 1): WIDE_TYPES_Q8,
+         ("avx512", "avx512", 0): WIDE_TYPES_GEMM512, ("avx512", "avx512", 1): WIDE_TYPES_Q8_GEMM512,
+         ("avx2", "avx2", 0): WIDE_TYPES_AVX2, ("avx2", "avx2", 1): WIDE_TYPES_Q8_AVX2,
+         ("avx2", "avx512", 0): WIDE_TYPES_AVX2, ("avx2", "avx512", 1): WIDE_TYPES_Q8_AVX2}
+
+
+def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
+    """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
+    (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
+    kernels run and the width of the float32 products (``gemm.isa()``): ``WIDE_TYPES``/
+    ``WIDE_TYPES_Q8`` under AVX-512 beside AVX2 products, the ``_GEMM512`` tables beside AVX-512
+    ones, the ``_AVX2`` tables under AVX2; else ``default``."""
+    mod = load()
+    if mod is None:
+        return default
+    q8 = act_quant is not None and act_quant != "off"
+    if q8 and q8_panel(mod, ggml_type):
+        return WIDE_TYPES_Q8_VNNI.get(ggml_type, default)
+    table = _WIDE.get((mod.isa(), gemm.isa(), int(q8)), {})
+    return table.get(ggml_type, default)
+
+
+#: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these
+#: token counts a batch goes to it. Measured on the AVX-512 Xeon against the q8 row kernels
+#: over 2048x7168, 768x2048, 2048x768 and 1536x4096 at 6-16 tokens (``bench_kernels.py
+#: --q8-panel``): the rows kernels lead up to 8 tokens (one pass of theirs), the panel product
+#: from 10 (Q6_K's rows kernels, two rows a vector, up to 10). TQ1_0 and TQ2_0, not measured,
+#: take the lattice types' figure (the same rows kernels).
+WIDE_TYPES_Q8_VNNI = {
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 10, GGMLType.IQ2_XXS: 8,
+    GGMLType.IQ2_XS: 8, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8,
+    GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8,
+}
+
+#: ISA in use → the type ids q8 mode's integer panel product takes there
+_Q8_PANEL: dict[str, frozenset[int]] = {}
+
+
+def q8_panel(mod: ModuleType, ggml_type: GGMLType | int) -> bool:
+    """Whether q8 mode's integer panel product (AVX512-VNNI) takes ``ggml_type`` at the ISA the
+    kernels run now (``set_isa`` may change it; looked up once per ISA)."""
+    isa = mod.isa()
+    types = _Q8_PANEL.get(isa)
+    if types is None:
+        types = _Q8_PANEL[isa] = frozenset(mod.info().get("q8_panel_types", ()))
+    return int(ggml_type) in types

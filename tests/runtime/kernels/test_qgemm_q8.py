@@ -1,0 +1,101 @@
+"""q8 mode's integer panel product (``kernels.qgemm`` with ``act_quant="q8"``, AVX512-VNNI):
+for every type it takes, its results are the q8 row kernels' (themselves checked against
+llama.cpp's numerics in test_kernels.py) up to float summation order, for token counts around
+its tile of 6 and rows around its panel of 32; the same bits on one thread and two; and where
+the CPU or the ISA in use has no VNNI, q8's wide products keep the exact panel product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from expertfs.formats.dequant import dequantize
+from expertfs.formats.ggml import GGMLType as T
+from expertfs.formats.random_blocks import make_blocks
+from expertfs.runtime import kernels
+from support.native import MOD, NEEDS_NATIVE
+
+PANEL = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S,
+         T.IQ1_M, T.TQ1_0, T.TQ2_0]
+
+pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
+    MOD is None or not MOD.info().get("avx512_vnni"), reason="this CPU has no AVX512-VNNI")]
+
+
+def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Valid random blocks (TQ: random bytes, every code, and a random fp16 d) as bytes."""
+    rng = np.random.default_rng(seed)
+    if t in (T.TQ1_0, T.TQ2_0):
+        b = rng.integers(0, 256, (rows * cols // 256, 54 if t == T.TQ1_0 else 66), dtype=np.uint8)
+        d = (rng.uniform(0.5, 1.5, b.shape[0]) * cols ** -0.5).astype(np.float16)
+        b[:, -2:] = d.view(np.uint8).reshape(-1, 2)
+    else:
+        b = make_blocks(t, rows * cols // 256, cols ** -0.5, rng)
+    return torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy())
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float rounding allowance: a few ulps of sum |x| |w| per output."""
+    return 4e-6 * (x.double().abs() @ w.double().abs().T).float() + 1e-30
+
+
+@pytest.mark.parametrize("t", PANEL, ids=lambda t: t.name)
+def test_equals_the_q8_row_kernels(t):
+    for k, (rows, cols) in enumerate(((37, 256), (64, 768), (5, 512), (70, 1024))):
+        raw = weight(t, rows, cols, int(t) * 11 + k)
+        W = dequantize(raw, t, (rows, cols))
+        for nt in (1, 5, 6, 7, 13, 40):
+            x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt + 7 * k))
+            if cols > 256:
+                x[0, :256] = 0.0                              # an all-zero block
+            got = kernels.qgemm(x, raw, t, (rows, cols), "q8")
+            rows_q8 = kernels.matvec(x, raw, t, (rows, cols), act_quant="q8")
+            assert got.shape == (nt, rows)
+            assert ((got - rows_q8).abs() <= bound(x, W)).all(), (t.name, rows, cols, nt)
+            exact = kernels.qgemm(x, raw, t, (rows, cols))
+            assert not torch.equal(got, exact)               # q8 numerics, not the exact ones
+
+
+def test_thread_split_keeps_the_bits():
+    raw = weight(T.Q4_K, 200, 512, 1)
+    x = torch.randn(23, 512, generator=torch.Generator().manual_seed(3))
+    old = torch.get_num_threads()
+    out = []
+    try:
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            kernels.set_threads(th)
+            out.append(kernels.qgemm(x, raw, T.Q4_K, (200, 512), "q8"))
+    finally:
+        torch.set_num_threads(old)
+        kernels.set_threads(0)
+    assert torch.equal(out[0], out[1])
+
+
+def test_without_vnni_q8_keeps_the_exact_panel_product():
+    """Under the AVX2 kernels (no VNNI panel there) a q8 wide product is the exact one, and
+    ``max_tokens`` gives q8 the row kernels' own limits again."""
+    raw = weight(T.IQ2_XXS, 48, 512, 2)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(4))
+    assert kernels.widths.q8_panel(MOD, T.IQ2_XXS)
+    MOD.set_isa("avx2")
+    try:
+        assert not kernels.widths.q8_panel(MOD, T.IQ2_XXS)
+        assert torch.equal(kernels.qgemm(x, raw, T.IQ2_XXS, (48, 512), "q8"),
+                           kernels.qgemm(x, raw, T.IQ2_XXS, (48, 512)))
+    finally:
+        MOD.set_isa("best")
+
+
+def test_other_types_keep_the_exact_panel_product():
+    raw = weight(T.Q4_K, 40, 512, 5)
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
+    W = dequantize(raw, T.Q4_K, (40, 512))
+    # Q4_0 and Q8_0 (blocks of 32, Q8_0 activations) have no integer panel
+    q = torch.from_numpy(make_blocks(T.Q8_0, 40 * 512 // 32, 512 ** -0.5,
+                                     np.random.default_rng(6)).reshape(-1).copy())
+    assert torch.equal(kernels.qgemm(x, q, T.Q8_0, (40, 512), "q8"),
+                       kernels.qgemm(x, q, T.Q8_0, (40, 512)))
+    assert ((kernels.qgemm(x, raw, T.Q4_K, (40, 512), "q8") - x @ W.T).abs()
+            <= 0.05 * (x @ W.T).abs().max()).all()          # q8's rounding, not garbage
