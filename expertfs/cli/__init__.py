@@ -14,10 +14,12 @@ import logging
 import pkgutil
 import sys
 
-# Before any command imports torch: the runtime's OpenMP wait policy (it loads nothing else).
-from ..runtime import openmp as _openmp  # noqa: I001
+# Before any command imports torch: the runtime's OpenMP wait policy and the C heap's
+# thresholds (they load nothing else).
+from ..runtime import heap as _heap, openmp as _openmp  # noqa: I001
 
 _openmp.configure()
+_heap.configure()
 
 from .. import __version__
 from ..errors import ExpertfsError

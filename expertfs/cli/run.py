@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--act-quant", choices=("off", "q8"), default="off",
                    help="LOSSY, opt-in: q8 quantizes the activations of the expert and trunk "
                    "products to 8 bits as llama.cpp does (its numerics; faster where arithmetic, "
-                   "not memory, bounds the products); off = exact (default)")
+                   "not memory, bounds the products: a prompt's, on AVX512-VNNI CPUs through "
+                   "8-bit integer panels); off = exact (default)")
     p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
                    help="keep up to SIZE of experts dequantized (in RAM; on a GPU in VRAM, "
                    "taken from its default tier) (0 = off)")

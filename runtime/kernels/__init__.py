@@ -10,7 +10,10 @@ Two numerics, chosen per call by ``act_quant``:
   the K-quants, the IQ types but IQ4_NL and the TQ types, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL, Q8_1 for
   Q4_1/Q5_1, fp16/bf16 rounding for F16/BF16) and integer dot products per block: llama.cpp's
   own numerics. Its
-  quality cost against the exact mode is measured by ``bench/bench_decode_actquant.py``.
+  quality cost against the exact mode is measured by ``bench/bench_decode_actquant.py``. Its
+  wide products (``qgemm``: a prompt's) go through 8-bit integer panels where the CPU has
+  AVX512-VNNI and the type has one (the K-quants Q4_K-Q6_K, the lattice IQ and TQ types;
+  ``widths.q8_panel``), else through the exact float panel product.
 
 Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1, BF16, F16,
 IQ4_NL, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (the lattice IQ types' codebooks

@@ -124,18 +124,12 @@ void avx2_qgemm_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, 
                      float* c, float* y, int64_t ys);
 bool qgemm_compiled();
 
-// q8 mode's products of many tokens (qgemm_q8.cpp; AVX-512 VNNI): the activations as Q8_K,
-// stored once per call for the integer panel product.
-struct Q8Tokens {
-    const uint8_t* u;            // [nt][cols] each Q8_K byte + 128 (qs ^ 0x80), unsigned
-    const float* d;              // [nt][nb] Q8_K scales
-    const int32_t* bs;           // [nt][nb][4] sums of each 32 (bsums pairs), two int16 a word
-    int64_t cols, nb;            // nb = cols / 256
-};
-// y[t * ys + r] = the q8 product of W[r] and token t for rows [r0, r1) (c: scratch of
-// 32 * nt floats): the q8 row kernels' integer sums and float steps per block.
+// q8 mode's products of many tokens (qgemm_q8.cpp; AVX-512 VNNI): y[t * ys + r] = the q8
+// product of W[r] and token t (x: nt tokens of cols / 256 Q8_K blocks each, token-major) for
+// rows [r0, r1) (c: scratch of 32 * nt floats): the q8 row kernels' integer sums and float
+// steps per block.
 typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
-                          const Q8Tokens& x, int64_t nt, float* c, float* y, int64_t ys);
+                          const Q8K* x, int64_t nt, int64_t cols, float* c, float* y, int64_t ys);
 // The function for `type` (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0), nullptr for
 // the others and where not compiled; the caller checks that the CPU has AVX512-VNNI.
 QgemmQ8Fn avx512_qgemm_q8(int type);

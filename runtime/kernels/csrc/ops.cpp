@@ -301,30 +301,13 @@ QgemmQ8Fn qgemm_q8_fn(int64_t type) {
 }
 
 // The q8 panel product into yp [nt, rows] (the caller checks, finds fn and releases the GIL):
-// the tokens quantized to Q8_K as the q8 row kernels take them, their bytes stored once as
-// x + 128 with their scales and 32-element sums, then runs of 32-row panels on the pool.
+// the tokens quantized to Q8_K as the q8 row kernels take them, then runs of 32-row panels on
+// the pool.
 void qgemm_q8_into(QgemmQ8Fn fn, const float* xp, int64_t nt, const uint8_t* W, int64_t rb,
                    int64_t rows, int64_t cols, float* yp) {
     Prep p;
     p.make(xp, cols, (int)nt, cols, X_Q8K);
-    const int64_t nb = cols / 256;
-    std::unique_ptr<uint8_t[]> u(new uint8_t[(size_t)(nt * cols)]);
-    std::vector<float> d((size_t)(nt * nb));
-    std::vector<int32_t> bs((size_t)(nt * nb * 4));
-    for (int64_t t = 0; t < nt; ++t)
-        for (int64_t i = 0; i < nb; ++i) {
-            const Q8K& q = p.q8k[(size_t)(t * nb + i)];
-            uint8_t* o = u.get() + t * cols + 256 * i;
-            for (int k = 0; k < 256; ++k) o[k] = (uint8_t)q.qs[k] ^ 0x80;
-            d[(size_t)(t * nb + i)] = q.d;
-            for (int j = 0; j < 4; ++j) {
-                const int lo = q.bsums[4 * j] + q.bsums[4 * j + 1];
-                const int hi = q.bsums[4 * j + 2] + q.bsums[4 * j + 3];
-                bs[(size_t)((t * nb + i) * 4 + j)] =
-                    (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xFFFF));
-            }
-        }
-    const Q8Tokens x{u.get(), d.data(), bs.data(), cols, nb};
+    const Q8K* x = p.q8k.data();
     // runs of panels as qgemm_into's: at least 4 per thread where the rows allow, at most 8
     const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
     const int64_t panels = (rows + 31) / 32;
@@ -335,7 +318,7 @@ void qgemm_q8_into(QgemmQ8Fn fn, const float* xp, int64_t nt, const uint8_t* W, 
         thread_local std::vector<float> c;
         if ((int64_t)c.size() < 32 * nt) c.resize(32 * nt);
         const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;
-        fn(W, rb, r0, r1, x, nt, c.data(), yp, rows);
+        fn(W, rb, r0, r1, x, nt, cols, c.data(), yp, rows);
     });
 }
 

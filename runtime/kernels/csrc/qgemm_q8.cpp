@@ -7,13 +7,15 @@
 // are.
 //
 //  - a panel is 32 rows (two vectors of 16 lanes, a lane a row) of one 256-weight block: each
-//    row decoded to its 256 signed 8-bit weights (Q4_K/Q5_K 0..31, Q6_K q - 32, the lattice IQ
-//    types' and TQ1_0/TQ2_0's signed grid values, as their q8 row kernels decode them) and its
-//    integer multipliers per group of 16 or 32 weights, then transposed so that a 32-bit lane
-//    holds 4 consecutive weights of one row (vpdpbusd's operand);
-//  - the activations are stored once per call as unsigned bytes x + 128, so vpdpbusd (unsigned
-//    times signed) multiplies them by the signed weights; the 128 * sum(w) this adds is taken
-//    off once per block and row (corr, computed when the panel is decoded);
+//    row decoded to 256 unsigned bytes (Q4_K/Q5_K's 0..31 and Q6_K's 0..63 as stored, the
+//    lattice IQ and ternary types' signed grid values + 128) and its integer multipliers per
+//    group of 16 or 32 weights, then transposed so that a 32-bit lane holds 4 consecutive
+//    weights of one row (vpdpbusd's unsigned operand);
+//  - the activations are the Q8_K blocks as the q8 row kernels take them: vpdpbusd multiplies
+//    the weights by each token's signed bytes, broadcast 4 at a time. What a weight's offset
+//    adds (Q6_K's 32, the IQ types' 128, times the group's sum of x) is taken off per block
+//    from the Q8_K block's sums of 16 (bsums) by one vpdpwssd per two groups, as Q4_K/Q5_K's
+//    mins are (off: the rows' offset multipliers or mins as int16 pairs);
 //  - the micro-kernel keeps 2 row vectors x NT tokens of group sums and of block sums in
 //    registers: for 4 weights it loads the two weight vectors, broadcasts each token's 4 bytes
 //    and issues 2 NT vpdpbusd (64 multiply-adds each: four times a float32 FMA's 16); at the
@@ -41,27 +43,22 @@ constexpr int TILE = 6;          // tokens per micro-kernel call
 
 // One 256-weight block of 32 rows, decoded.
 struct alignas(64) Panel {
-    int32_t w[NV][64][16];       // [vector][4-weight step][row]: 4 signed weights per lane
+    int32_t w[NV][64][16];       // [vector][4-weight step][row]: 4 unsigned weights per lane
     int32_t ls[NV][16][16];      // [vector][group][row] integer multipliers
-    int32_t mn[NV][4][16];       // Q4_K/Q5_K: [vector][pair][row] mins of groups 2p, 2p+1 as
-                                 // two int16 (vpdpwssd with the activations' bsums)
-    int32_t corr[NV][16];        // 128 * sum over groups of ls * sum(w): the x + 128 offset
-    float a[NV][16];             // d (Q6_K, K-quants), d * F (IQ types)
+    int32_t off[NV][8][16];      // [vector][pair][row] two int16: the multipliers of groups
+                                 // 2p, 2p+1 of the weights' offset (Q6_K sc, IQ ls), or
+                                 // Q4_K/Q5_K's mins of the 32-group p (twice)
+    float a[NV][16];             // d (K-quants), d * F (IQ types)
     float m[NV][16];             // dmin (Q4_K/Q5_K), else 0
-    alignas(64) int8_t rows[16][256];   // one vector's rows before the transpose
+    alignas(64) uint8_t rows[16][256];   // one vector's rows before the transpose
 };
 
-// Sums of each 16 signed bytes of w[256] (16 groups).
-EFS_VI void sums16(const int8_t* w, int32_t* s) {
-    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
-    for (int c = 0; c < 8; ++c) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * c));
-        const __m256i q = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, v), one16);  // 8 quads
-        alignas(32) int32_t t[8];
-        _mm256_store_si256((__m256i*)t, q);
-        s[2 * c] = t[0] + t[1] + t[2] + t[3];
-        s[2 * c + 1] = t[4] + t[5] + t[6] + t[7];
-    }
+// Offset of the stored weights (their 0 is this), as a shift: Q6_K 32, IQ types 128, else 0.
+template <int TYPE>
+constexpr int OFFSET_SHIFT = TYPE == T_Q6_K ? 5 : (TYPE == T_Q4_K || TYPE == T_Q5_K) ? -1 : 7;
+
+EFS_VI int32_t i16pair(int lo, int hi) {
+    return (int32_t)(((uint32_t)(uint16_t)(int16_t)hi << 16) | (uint16_t)(int16_t)lo);
 }
 
 // The decoder (kern_iq_avx2_types.h) of a lattice IQ or ternary type.
@@ -76,11 +73,10 @@ template <> struct IqOf<T_IQ1_M> { using D = IQ1M; };
 template <> struct IqOf<T_TQ1_0> { using D = TQ1; };
 template <> struct IqOf<T_TQ2_0> { using D = TQ2; };
 
-// Row j of vector v from block b: weights into p.rows[j], multipliers, mins and scales.
+// Row j of vector v from block b: weights into p.rows[j], multipliers, offsets and scales.
 template <int TYPE>
 EFS_VI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
-    int8_t* w = p.rows[j];
-    int32_t ls[16], s[16];
+    uint8_t* w = p.rows[j];
     if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
         constexpr bool FIVE = TYPE == T_Q5_K;
         uint32_t u[4];
@@ -96,50 +92,45 @@ EFS_VI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
             _mm256_storeu_si256((__m256i*)(w + 64 * k + 32), hi);
         }
         for (int g = 0; g < 8; ++g) {
-            ls[2 * g] = ls[2 * g + 1] = sc[g];
             p.ls[v][g][j] = sc[g];                         // groups of 32
+            p.off[v][g][j] = i16pair(mn[g], mn[g]);         // its two bsums
         }
-        for (int q2 = 0; q2 < 4; ++q2)
-            p.mn[v][q2][j] = (int32_t)((uint32_t)mn[2 * q2] | ((uint32_t)mn[2 * q2 + 1] << 16));
         p.a[v][j] = f16(b);
         p.m[v][j] = f16(b + 2);
     } else if constexpr (TYPE == T_Q6_K) {
-        const __m256i k32 = _mm256_set1_epi8(32);
         for (int h = 0; h < 2; ++h) {
             __m256i q[4];
             q6_planes(b, h, q);
             for (int k = 0; k < 4; ++k)
-                _mm256_storeu_si256((__m256i*)(w + 128 * h + 32 * k), _mm256_sub_epi8(q[k], k32));
+                _mm256_storeu_si256((__m256i*)(w + 128 * h + 32 * k), q[k]);
         }
         const int8_t* sc = (const int8_t*)(b + 192);
-        for (int g = 0; g < 16; ++g) p.ls[v][g][j] = ls[g] = sc[g];
+        for (int g = 0; g < 16; ++g) p.ls[v][g][j] = sc[g];
+        for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = i16pair(sc[2 * q2], sc[2 * q2 + 1]);
         p.a[v][j] = f16(b + 208);
         p.m[v][j] = 0.f;
     } else {
         using D = typename IqOf<TYPE>::D;
+        const __m256i k128 = _mm256_set1_epi8((char)0x80);
         for (int ib = 0; ib < 8; ++ib) {
-            _mm256_storeu_si256((__m256i*)(w + 32 * ib), D::q(b, ib));
+            _mm256_storeu_si256((__m256i*)(w + 32 * ib), _mm256_xor_si256(D::q(b, ib), k128));
             int l0, l1;
             D::ls(b, ib, &l0, &l1);
             if (!D::PAIR) l1 = l0;
-            p.ls[v][2 * ib][j] = ls[2 * ib] = l0;
-            p.ls[v][2 * ib + 1][j] = ls[2 * ib + 1] = l1;
+            p.ls[v][2 * ib][j] = l0;
+            p.ls[v][2 * ib + 1][j] = l1;
+            p.off[v][ib][j] = i16pair(l0, l1);
         }
         p.a[v][j] = D::d(b) * D::F;
         p.m[v][j] = 0.f;
     }
-    sums16(w, s);
-    int32_t c = 0;
-    for (int g = 0; g < 16; ++g) c += ls[g] * s[g];
-    p.corr[v][j] = 128 * c;
 }
 
 // A zero row (past the matrix's last): no weights, no multipliers.
 EFS_VI void zero_row(Panel& p, int v, int j) {
     memset(p.rows[j], 0, 256);
     for (int g = 0; g < 16; ++g) p.ls[v][g][j] = 0;
-    for (int q2 = 0; q2 < 4; ++q2) p.mn[v][q2][j] = 0;
-    p.corr[v][j] = 0;
+    for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = 0;
     p.a[v][j] = p.m[v][j] = 0.f;
 }
 
@@ -191,13 +182,13 @@ EFS_V void decode_panel(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, in
 }
 
 // NT tokens (t0 ...) of block i against panel p into C [token][32] (stride 32), added.
-template <int NT, int G, bool MINS>
-EFS_V void tile(const Panel& p, const Q8Tokens& x, int64_t t0, int64_t i, float* C) {
+template <int NT, int G, int SHIFT>
+EFS_V void tile(const Panel& p, const Q8K* x, int64_t nb, int64_t t0, int64_t i, float* C) {
     __m512i bsum[NV][NT];
     for (int v = 0; v < NV; ++v)
         for (int t = 0; t < NT; ++t) bsum[v][t] = _mm512_setzero_si512();
-    const uint8_t* xu[NT];
-    for (int t = 0; t < NT; ++t) xu[t] = x.u + (t0 + t) * x.cols + 256 * i;
+    const Q8K* xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = x + (t0 + t) * nb + i;
     for (int g = 0; g < 256 / G; ++g) {
         __m512i acc[NV][NT];
         for (int v = 0; v < NV; ++v)
@@ -207,10 +198,10 @@ EFS_V void tile(const Panel& p, const Q8Tokens& x, int64_t t0, int64_t i, float*
             const __m512i w0 = _mm512_load_si512(p.w[0][s]), w1 = _mm512_load_si512(p.w[1][s]);
             for (int t = 0; t < NT; ++t) {
                 int32_t q;
-                memcpy(&q, xu[t] + 4 * s, 4);
-                const __m512i xb = _mm512_set1_epi32(q);
-                acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], xb, w0);
-                acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], xb, w1);
+                memcpy(&q, xb[t]->qs + 4 * s, 4);
+                const __m512i xq = _mm512_set1_epi32(q);
+                acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], w0, xq);
+                acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], w1, xq);
             }
         }
         for (int v = 0; v < NV; ++v) {
@@ -220,52 +211,56 @@ EFS_V void tile(const Panel& p, const Q8Tokens& x, int64_t t0, int64_t i, float*
         }
     }
     for (int v = 0; v < NV; ++v) {
-        const __m512i corr = _mm512_load_si512(p.corr[v]);
         const __m512 a = _mm512_load_ps(p.a[v]);
         for (int t = 0; t < NT; ++t) {
-            const float dx = x.d[(t0 + t) * x.nb + i];
+            int32_t bs[8];                                 // the bsums as int16 pairs
+            memcpy(bs, xb[t]->bsums, sizeof(bs));
+            __m512i o = _mm512_setzero_si512();
+            for (int q2 = 0; q2 < 8; ++q2)
+                o = _mm512_dpwssd_epi32(o, _mm512_load_si512(p.off[v][q2]), _mm512_set1_epi32(bs[q2]));
+            const __m512 dx = _mm512_set1_ps(xb[t]->d);
             float* c = C + (t0 + t) * 32 + 16 * v;
-            const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(bsum[v][t], corr));
-            __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dx), a), isum);
-            if (MINS) {
-                const int32_t* bs = x.bs + ((t0 + t) * x.nb + i) * 4;
-                __m512i ms = _mm512_setzero_si512();
-                for (int q2 = 0; q2 < 4; ++q2)
-                    ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(p.mn[v][q2]),
-                                             _mm512_set1_epi32(bs[q2]));
-                y = _mm512_sub_ps(y, _mm512_mul_ps(_mm512_mul_ps(
-                    _mm512_set1_ps(dx), _mm512_load_ps(p.m[v])), _mm512_cvtepi32_ps(ms)));
+            __m512 y;
+            if (SHIFT >= 0) {                              // the offset's share, in integers
+                const __m512i isum = _mm512_sub_epi32(bsum[v][t], _mm512_slli_epi32(o, SHIFT));
+                y = _mm512_mul_ps(_mm512_mul_ps(dx, a), _mm512_cvtepi32_ps(isum));
+            } else {                                       // Q4_K/Q5_K: dmin * mins
+                y = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(dx, a),
+                                                _mm512_cvtepi32_ps(bsum[v][t])),
+                                  _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_load_ps(p.m[v])),
+                                                _mm512_cvtepi32_ps(o)));
             }
             _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), y));
         }
     }
 }
 
-template <int G, bool MINS>
-EFS_V void tokens(const Panel& p, const Q8Tokens& x, int64_t nt, int64_t i, float* C) {
+template <int G, int SHIFT>
+EFS_V void tokens(const Panel& p, const Q8K* x, int64_t nb, int64_t nt, int64_t i, float* C) {
     int64_t t0 = 0;
-    for (; t0 + TILE <= nt; t0 += TILE) tile<TILE, G, MINS>(p, x, t0, i, C);
+    for (; t0 + TILE <= nt; t0 += TILE) tile<TILE, G, SHIFT>(p, x, nb, t0, i, C);
     switch (nt - t0) {
-        case 1: tile<1, G, MINS>(p, x, t0, i, C); break;
-        case 2: tile<2, G, MINS>(p, x, t0, i, C); break;
-        case 3: tile<3, G, MINS>(p, x, t0, i, C); break;
-        case 4: tile<4, G, MINS>(p, x, t0, i, C); break;
-        case 5: tile<5, G, MINS>(p, x, t0, i, C); break;
+        case 1: tile<1, G, SHIFT>(p, x, nb, t0, i, C); break;
+        case 2: tile<2, G, SHIFT>(p, x, nb, t0, i, C); break;
+        case 3: tile<3, G, SHIFT>(p, x, nb, t0, i, C); break;
+        case 4: tile<4, G, SHIFT>(p, x, nb, t0, i, C); break;
+        case 5: tile<5, G, SHIFT>(p, x, nb, t0, i, C); break;
         default: break;
     }
 }
 
 template <int TYPE>
-EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8Tokens& x,
-                   int64_t nt, float* C, float* y, int64_t ys) {
+EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
+                   int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
     constexpr bool K45 = TYPE == T_Q4_K || TYPE == T_Q5_K;
-    const int bytes = (int)(rb / x.nb);
+    const int64_t nb = cols / 256;
+    const int bytes = (int)(rb / nb);
     alignas(64) static thread_local Panel p;
     for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
         memset(C, 0, sizeof(float) * 32 * nt);
-        for (int64_t i = 0; i < x.nb; ++i) {
+        for (int64_t i = 0; i < nb; ++i) {
             decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
-            tokens<K45 ? 32 : 16, K45>(p, x, nt, i, C);
+            tokens<K45 ? 32 : 16, OFFSET_SHIFT<TYPE>>(p, x, nb, nt, i, C);
         }
         const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
         for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
