@@ -31,10 +31,11 @@ the ISAs alternating round by round; µs per product and avx2 / avx512.
 
 ``--prefill``: instead, per type, ``--shapes`` and ``--tokens`` (defaults: the expert and trunk
 shapes at 32 to 256 tokens), the native product (exact, and q8) against ``wide_linear``
-(native dequantization + ``F.linear``, what products wider than ``kernels.max_tokens`` take),
-alternating round by round, best of ``--rounds``: CPU time of the process (every thread's;
-robust on a shared machine) and wall time. ``ratio`` = wide / native exact (above 1: the
-native product wins); ``max_tokens`` is what ``kernels.max_tokens`` says for the type.
+(the panel product, what products wider than ``kernels.max_tokens`` take: exact, and in q8
+numerics, the integer one where the CPU has AVX512-VNNI), alternating round by round, best of
+``--rounds``: CPU time of the process (every thread's; robust on a shared machine) and wall
+time. ``ratio`` = wide / native exact, ``q8 ratio`` = wide-q8 / native-q8 (above 1: the native
+product wins); ``max_tokens`` is what ``kernels.max_tokens`` says for the type.
 
     .venv/bin/python bench/bench_kernels.py --prefill -t 2 --types q4_k,q6_k [--rounds 5]
 """
@@ -190,7 +191,9 @@ PREFILL_TOKENS = "32,64,128,256"
 
 def prefill(types: list[GGMLType], shapes: list[tuple[int, int]], tokens: list[int],
             rounds: int) -> dict:
-    """{type: {"RxC/nt": {"native"|"native-q8"|"wide": (cpu µs, wall µs)}}}, best of rounds."""
+    """{type: {"RxC/nt": {"native"|"native-q8"|"wide"|"wide-q8": (cpu µs, wall µs)}}}, best of
+    rounds; "wide-q8" is ``wide_linear`` in q8 numerics (the integer panel product where the CPU
+    has AVX512-VNNI and the type one, else the exact one)."""
     from expertfs.runtime import kernels
     from expertfs.runtime.model.wide import wide_linear
     out: dict = {}
@@ -202,7 +205,8 @@ def prefill(types: list[GGMLType], shapes: list[tuple[int, int]], tokens: list[i
                 n = max(1, int(2e8 / (rows * cols * nt)))
                 fns = {"native": lambda: kernels.matvec(x, raw, t, (rows, cols)),
                        "native-q8": lambda: kernels.matvec(x, raw, t, (rows, cols), "q8"),
-                       "wide": lambda: wide_linear(x, raw, t, (rows, cols))}
+                       "wide": lambda: wide_linear(x, raw, t, (rows, cols)),
+                       "wide-q8": lambda: wide_linear(x, raw, t, (rows, cols), act_quant="q8")}
                 cell = out.setdefault(t.name, {}).setdefault(f"{rows}x{cols}/{nt}", {})
                 for f in fns.values():                  # warm-up
                     f()
@@ -220,26 +224,26 @@ def prefill(types: list[GGMLType], shapes: list[tuple[int, int]], tokens: list[i
 def print_prefill(res: dict, threads: int) -> None:
     from expertfs.runtime import kernels
     print(f"µs per product, best of rounds, {threads} thread(s), CPU time of the process (wall "
-          f"in brackets); ratio = wide / native (CPU, wall); load average "
-          f"{os.getloadavg()[0]:.1f}")
+          f"in brackets); ratio = wide / native, q8 ratio = wide-q8 / native-q8 (CPU, wall); "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"  {'type':8s} {'shape/tokens':>16s} {'native':>16s} {'native-q8':>16s} "
-          f"{'wide':>16s} {'ratio':>12s} {'q8 ratio':>12s} {'max_tokens':>10s}")
+          f"{'wide':>16s} {'wide-q8':>16s} {'ratio':>12s} {'q8 ratio':>12s} {'max_tokens':>10s}")
     for name, cells in res.items():
         mt = kernels.max_tokens(GGMLType[name], 32)
         for key, c in cells.items():
-            nat, q8, wide = c["native"], c["native-q8"], c["wide"]
+            nat, q8, wide, wq8 = c["native"], c["native-q8"], c["wide"], c["wide-q8"]
             print(f"  {name:8s} {key:>16s}" + "".join(
-                f"{v[0]:9.0f} ({v[1]:4.0f})" for v in (nat, q8, wide)) +
+                f"{v[0]:9.0f} ({v[1]:4.0f})" for v in (nat, q8, wide, wq8)) +
                 f"{wide[0] / nat[0]:7.2f} ({wide[1] / nat[1]:.2f})"
-                f"{wide[0] / q8[0]:7.2f} ({wide[1] / q8[1]:.2f}){mt:>10d}")
-    print("geometric mean over the shapes of wide / native wall time, exact (q8); limit: the "
-          "widest batch up to which every mean is at least 1.05")
+                f"{wq8[0] / q8[0]:7.2f} ({wq8[1] / q8[1]:.2f}){mt:>10d}")
+    print("geometric mean over the shapes of wide / native wall time, exact (q8: wide-q8 / "
+          "native-q8); limit: the widest batch up to which every mean is at least 1.05")
     for name, cells in res.items():
         by_nt: dict[int, dict[str, list[float]]] = {}
         for key, c in cells.items():
             d = by_nt.setdefault(int(key.rsplit("/", 1)[1]), {"native": [], "native-q8": []})
-            for k in d:
-                d[k].append(c["wide"][1] / c[k][1])
+            d["native"].append(c["wide"][1] / c["native"][1])
+            d["native-q8"].append(c["wide-q8"][1] / c["native-q8"][1])
         means = {nt: {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in d.items()}
                  for nt, d in sorted(by_nt.items())}
         limits = {}

@@ -111,9 +111,9 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these
 #: token counts a batch goes to it. Measured on the AVX-512 Xeon against the q8 row kernels
 #: over 2048x7168, 768x2048, 2048x768 and 1536x4096 at 6-16 tokens (``bench_kernels.py
-#: --q8-panel``): the rows kernels lead up to 8 tokens (one pass of theirs), the panel product
-#: from 10 (Q6_K's rows kernels, two rows a vector, up to 10). TQ1_0 and TQ2_0, not measured,
-#: take the lattice types' figure (the same rows kernels).
+#: --prefill --tokens 6,8,10,12,16``, the q8 ratio): the rows kernels lead up to 8 tokens (one
+#: pass of theirs), the panel product from 10 (Q6_K's rows kernels, two rows a vector, up to
+#: 10). TQ1_0 and TQ2_0, not measured, take the lattice types' figure (the same rows kernels).
 WIDE_TYPES_Q8_VNNI = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 10, GGMLType.IQ2_XXS: 8,
     GGMLType.IQ2_XS: 8, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8,

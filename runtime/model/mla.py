@@ -14,8 +14,9 @@ cached positions it selects. Tensors: ``attn_q`` or ``attn_q_a``/``attn_q_a_norm
 ``k_b``/``v_b`` are ``HeadMatrices``: float, or their ggml bytes multiplied by the native
 kernels (llama.cpp's ``ggml_mul_mat`` of the 3-D tensor: one matrix per head, rows of the
 contracted dimension): a decode step is one native call per tensor, every head's product in
-it; a batch of up to ``HEAD_MAX_TOKENS`` tokens one native product per head; a bigger one
-dequantizes the tensor for that call (float32, freed after it).
+it; a batch of up to ``HEAD_MAX_TOKENS`` tokens one native product per head (the rows kernels up
+to the type's ``kernels.max_tokens``, the panel product past it); a bigger one dequantizes the
+tensor for that call (float32, freed after it).
 
 T=tokens, H=heads, L=kv_lora, R=rope dims, N=nope dims, V=value dims, S=cached positions.
 """
@@ -40,6 +41,13 @@ __all__ = ["MLAWeights", "HeadMatrices", "HEAD_MAX_TOKENS", "mla_attention"]
 #: head, re-read from cache for every token); beyond it dequantizing the tensor for the call
 #: and one batched product measured faster (bench/README.md).
 HEAD_MAX_TOKENS = 128
+#: Fewest tokens for which a head's product goes through the panel product (``kernels.qgemm``)
+#: rather than the rows kernels: a head's matrix is small (DeepSeek-V3: 512 x 128), so the
+#: panel's fixed cost pays later than on the expert and trunk shapes the types' limits were
+#: measured on. 128 heads of Q5_0 512x128, Q4_K 128x512 and Q8_0 512x128, 2 threads: the panel
+#: 1.11-1.43x the rows kernels' time at 16 tokens, 0.90-0.99x at 32, 0.73-0.80x at 128
+#: (bench/README.md).
+HEAD_PANEL_TOKENS = 32
 
 
 class HeadMatrices:
@@ -87,8 +95,12 @@ class HeadMatrices:
                     return y.view(1, H, R).to(x.dtype)
             else:
                 xh = xf.transpose(0, 1).contiguous()                   # [H, T, C]
-                ys = [native.matvec(xh[h], self.heads[h], self.ggml_type, (R, C))
-                      for h in range(H)]
+                # from HEAD_PANEL_TOKENS and past the type's own limit each head's matrix is
+                # decoded once, into a panel, for all T tokens (kernels.qgemm), not once per
+                # pass of the rows kernels
+                wide = T >= max(HEAD_PANEL_TOKENS, native.max_tokens(self.ggml_type, 0) + 1)
+                product = native.qgemm if wide else native.matvec
+                ys = [product(xh[h], self.heads[h], self.ggml_type, (R, C)) for h in range(H)]
                 if all(y is not None for y in ys):
                     return torch.stack(ys, dim=1).to(x.dtype)
         w = self.weight if self.weight is not None else self.dense(x.dtype)
