@@ -109,15 +109,15 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 
 
 #: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these
-#: token counts a batch goes to it. Measured on the AVX-512 Xeon against the q8 row kernels
-#: over 2048x7168, 768x2048, 2048x768 and 1536x4096 at 6-16 tokens (``bench_kernels.py
-#: --prefill --tokens 6,8,10,12,16``, the q8 ratio): the rows kernels lead up to 8 tokens (one
-#: pass of theirs), the panel product from 10 (Q6_K's rows kernels, two rows a vector, up to
-#: 10). TQ1_0 and TQ2_0, not measured, take the lattice types' figure (the same rows kernels).
+#: token counts a batch goes to it. Measured on the AVX-512 Xeon over 2048x7168, 768x2048,
+#: 2048x768 and 1536x4096 at 4-16 tokens (``bench_kernels.py --prefill -t 2 --tokens
+#: 4,6,8,10,12,16``, the q8 ratio's geometric mean): the widest batch up to which the rows
+#: kernels are at least 1.05x faster; where they are not even at 4 tokens (Q4_K 0.99, IQ3_XXS
+#: 0.97, TQ1_0 0.98: a tie), 4, which the rows kernels take in one pass.
 WIDE_TYPES_Q8_VNNI = {
-    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 10, GGMLType.IQ2_XXS: 8,
-    GGMLType.IQ2_XS: 8, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8,
-    GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8,
+    GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
+    GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
+    GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
 }
 
 #: ISA in use → the type ids q8 mode's integer panel product takes there
