@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Products of one or a few tokens from cold weights: expertfs's native kernels (exact and q8)
-against llama.cpp's own ``ggml_mul_mat`` on the same bytes, in one process.
+"""Products of one or a few tokens from cold weights: expertfs's native kernels (exact and q8,
+as the runtime dispatches them: the rows kernels up to ``kernels.max_tokens`` of the type, the
+panel product past it) against llama.cpp's own ``ggml_mul_mat`` on the same bytes, in one
+process.
 
 For each ``--types`` × ``--shapes`` (rows x cols), enough matrices of random valid blocks
 (``bench_kernels.weight``) to exceed the last-level cache are multiplied by ``--tokens`` float32
@@ -86,8 +88,10 @@ def product(base, cpu, kernels, name: str, t: GGMLType, raws: list[torch.Tensor]
     nbytes = raws[0].numel()
     x = torch.randn(tokens, cols)
 
-    def native(mode: str):
-        return lambda: [kernels.matvec(x, r, t, (rows, cols), mode) for r in raws]
+    def native(mode: str):                  # as the runtime dispatches: rows kernels, panels
+        if tokens <= kernels.max_tokens(t, 32, mode):
+            return lambda: [kernels.matvec(x, r, t, (rows, cols), mode) for r in raws]
+        return lambda: [kernels.qgemm(x, r, t, (rows, cols), mode) for r in raws]
     gstep, ctx = ggml_step(base, cpu, t, raws, x, rows, cols, a.threads)
     paths = {"exact": native("off"), "q8": native("q8"), "ggml": gstep}
     rate: dict[str, list[float]] = {k: [] for k in paths}

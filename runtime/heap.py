@@ -7,11 +7,9 @@ the kernel and hands them back on free. A prompt's activations (a 128-token batc
 faults in zeroed pages for every one of them (slow on a virtual machine's first touch) until
 glibc's dynamic rule has raised the threshold, on each free of a large block, to that block's
 size (at most 32 MiB on 64-bit) and the trim threshold to twice it. Setting both to that end
-point at start gives the first prompt the heap a warmed process has: in-process, the IQ1
-deepseek2 store's first 128-token prompt 3.37 → 2.93 s in q8 mode (4.44 → 4.21 s exact), later
-prompts unchanged; through ``expertfs run``, alternating runs, the first token 2.94 → 2.84 s
-(IQ1, q8) and 1.64 → 1.58 s (Q4_K_M, exact), medians of 4 (bench/README.md). The memory kept
-is what glibc itself keeps after the first large frees: at most 64 MiB of freed heap top.
+point at start gives the first prompt the heap a warmed process has (bench/README.md, "The
+first prompt's heap": its time with and without). The memory kept is what glibc itself keeps
+after the first large frees: at most 64 MiB of freed heap top.
 
 ``configure()`` does it where the C library has ``mallopt`` (glibc); the user's own
 ``GLIBC_TUNABLES`` malloc settings or ``MALLOC_*_`` variables win. The CLI calls it first thing;

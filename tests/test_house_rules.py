@@ -24,7 +24,7 @@ LEVELS = {
     "runtime": 3, "runtime.openmp": 3, "runtime.memory": 3, "runtime.sampling": 3,
     "runtime.hostsync": 3,
     "runtime.tokenizer": 3, "runtime.trace": 3, "runtime.policies": 3, "runtime.prefetch": 3,
-    "runtime.kernels": 3, "runtime.io": 3,
+    "runtime.kernels": 3, "runtime.io": 3, "runtime.heap": 3,
     "runtime.sim": 4, "runtime.experts": 4,
     "runtime.cache": 5, "runtime.model": 5,
     "runtime.engine": 6,

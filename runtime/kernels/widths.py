@@ -111,9 +111,10 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these
 #: token counts a batch goes to it. Measured on the AVX-512 Xeon over 2048x7168, 768x2048,
 #: 2048x768 and 1536x4096 at 4-16 tokens (``bench_kernels.py --prefill -t 2 --tokens
-#: 4,6,8,10,12,16``, the q8 ratio's geometric mean): the widest batch up to which the rows
-#: kernels are at least 1.05x faster; where they are not even at 4 tokens (Q4_K 0.99, IQ3_XXS
-#: 0.97, TQ1_0 0.98: a tie), 4, which the rows kernels take in one pass.
+#: 4,6,8,10,12,16``, the q8 ratio's geometric mean): the widest batch up to which the panel
+#: product takes at least 1.05 times the rows kernels' time; where it does not even at 4 tokens
+#: (Q4_K, IQ3_XXS, TQ1_0: a tie there), 4, which the rows kernels take in one pass
+#: (bench/README.md).
 WIDE_TYPES_Q8_VNNI = {
     GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,

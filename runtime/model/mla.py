@@ -44,9 +44,8 @@ HEAD_MAX_TOKENS = 128
 #: Fewest tokens for which a head's product goes through the panel product (``kernels.qgemm``)
 #: rather than the rows kernels: a head's matrix is small (DeepSeek-V3: 512 x 128), so the
 #: panel's fixed cost pays later than on the expert and trunk shapes the types' limits were
-#: measured on. 128 heads of Q5_0 512x128, Q4_K 128x512 and Q8_0 512x128, 2 threads: the panel
-#: 1.11-1.43x the rows kernels' time at 16 tokens, 0.90-0.99x at 32, 0.73-0.80x at 128
-#: (bench/README.md).
+#: measured on; on 128 heads of Q5_0, Q4_K and Q8_0 it loses at 16 tokens and wins from 32
+#: (bench/README.md, "The panel product for MLA's heads").
 HEAD_PANEL_TOKENS = 32
 
 
