@@ -133,6 +133,9 @@ typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64
 // The function for `type` (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0), nullptr for
 // the others and where not compiled; the caller checks that the CPU has AVX512-VNNI.
 QgemmQ8Fn avx512_qgemm_q8(int type);
+// The same in AVX2 with AVX-VNNI (256-bit vpdpbusd; Intel's cores since Alder Lake), the same
+// bits; the caller checks that the CPU has AVX-VNNI.
+QgemmQ8Fn avxvnni_qgemm_q8(int type);
 
 // Activation preparation (scalar; the AVX2 unit provides faster versions of the same).
 void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order

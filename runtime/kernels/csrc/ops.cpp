@@ -75,6 +75,17 @@ bool detect_vnni() {
 }
 const bool g_vnni = detect_vnni();
 
+// ... or, at the AVX2 tier, AVX-VNNI (the same product in 256-bit vectors).
+bool detect_avxvnni() {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512)
+    __builtin_cpu_init();
+    return g_best >= ISA_AVX2 && __builtin_cpu_supports("avxvnni");
+#else
+    return false;
+#endif
+}
+const bool g_avxvnni = detect_avxvnni();
+
 RowsFn rows_fn(int type, int mode) {
     RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
     if (!f && g_isa >= ISA_AVX512 && g_bw) f = avx512_iq_rows(type, mode);
@@ -295,9 +306,11 @@ void qgemm_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64
     });
 }
 
-// q8 mode's panel product for `type` on this CPU at the ISA in use, or nullptr.
+// q8 mode's panel product for `type` on this CPU at the ISA in use (AVX-512 VNNI, else
+// AVX-VNNI at the AVX2 tier), or nullptr.
 QgemmQ8Fn qgemm_q8_fn(int64_t type) {
-    return g_isa >= ISA_AVX512 && g_vnni ? avx512_qgemm_q8((int)type) : nullptr;
+    if (g_isa >= ISA_AVX512 && g_vnni) return avx512_qgemm_q8((int)type);
+    return g_isa >= ISA_AVX2 && g_avxvnni ? avxvnni_qgemm_q8((int)type) : nullptr;
 }
 
 // The q8 panel product into yp [nt, rows] (the caller checks, finds fn and releases the GIL):
@@ -862,6 +875,7 @@ pybind11::dict info() {
         if (qgemm_q8_fn(t) != nullptr) qp.append(t);
     d["q8_panel_types"] = qp;
     d["avx512_vnni"] = g_vnni;
+    d["avx_vnni"] = g_avxvnni;
     d["iq_tables"] = g_iq.ok;
     return d;
 }

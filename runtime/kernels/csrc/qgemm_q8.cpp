@@ -34,12 +34,14 @@
 #define EFS_V __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
 #define EFS_VI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c"), \
                               always_inline)) inline
+#define EFS_W __attribute__((target("avx2,fma,f16c,avxvnni")))        // AVX-VNNI, 256 bits
 
 namespace efs {
 namespace {
 
 constexpr int NV = 2;            // row vectors of a panel
-constexpr int TILE = 6;          // tokens per micro-kernel call
+constexpr int TILE = 6;          // tokens per micro-kernel call (AVX-512)
+constexpr int TILE8 = 3;         // the same under AVX-VNNI (16 registers)
 
 // One 256-weight block of 32 rows, decoded.
 struct alignas(64) Panel {
@@ -57,7 +59,7 @@ struct alignas(64) Panel {
 template <int TYPE>
 constexpr int OFFSET_SHIFT = TYPE == T_Q6_K ? 5 : (TYPE == T_Q4_K || TYPE == T_Q5_K) ? -1 : 7;
 
-EFS_VI int32_t i16pair(int lo, int hi) {
+EFS_TI int32_t i16pair(int lo, int hi) {
     return (int32_t)(((uint32_t)(uint16_t)(int16_t)hi << 16) | (uint16_t)(int16_t)lo);
 }
 
@@ -75,7 +77,7 @@ template <> struct IqOf<T_TQ2_0> { using D = TQ2; };
 
 // Row j of vector v from block b: weights into p.rows[j], multipliers, offsets and scales.
 template <int TYPE>
-EFS_VI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
+EFS_TI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
     uint8_t* w = p.rows[j];
     if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
         constexpr bool FIVE = TYPE == T_Q5_K;
@@ -127,7 +129,7 @@ EFS_VI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
 }
 
 // A zero row (past the matrix's last): no weights, no multipliers.
-EFS_VI void zero_row(Panel& p, int v, int j) {
+EFS_TI void zero_row(Panel& p, int v, int j) {
     memset(p.rows[j], 0, 256);
     for (int g = 0; g < 16; ++g) p.ls[v][g][j] = 0;
     for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = 0;
@@ -165,19 +167,63 @@ EFS_VI void transpose(Panel& p, int v) {
     }
 }
 
-// Rows [r0, r0 + 32) of the matrix at block i into p (rows past r1 zero).
+// The same for AVX2 (8 rows a vector): p.rows into p.w[v] in the same layout, 8 x 8 blocks
+// of 32-bit words transposed by unpacks and 128-bit permutes.
+EFS_TI void transpose8(Panel& p, int v) {
+    for (int h = 0; h < 2; ++h)                       // rows 8h .. 8h + 7
+        for (int qb = 0; qb < 8; ++qb) {              // words 8qb .. 8qb + 7
+            __m256i r[8], t[8], u[8];
+            for (int i = 0; i < 8; ++i)
+                r[i] = _mm256_load_si256((const __m256i*)(p.rows[8 * h + i] + 32 * qb));
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+                t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+                u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+                u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+                u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+            }
+            for (int j = 0; j < 4; ++j) {
+                _mm256_store_si256((__m256i*)(p.w[v][8 * qb + j] + 8 * h),
+                                   _mm256_permute2x128_si256(u[j], u[j + 4], 0x20));
+                _mm256_store_si256((__m256i*)(p.w[v][8 * qb + j + 4] + 8 * h),
+                                   _mm256_permute2x128_si256(u[j], u[j + 4], 0x31));
+            }
+        }
+}
+
+// Vector v's 16 rows of the matrix (rows r0 + 16 v ...) at block i into p.rows, with their
+// multipliers and scales (rows past r1 zero).
+template <int TYPE>
+EFS_TI void decode_rows(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
+                        int bytes, Panel& p, int v) {
+    for (int j = 0; j < 16; ++j) {
+        const int64_t r = r0 + 16 * v + j;
+        if (r < r1)
+            decode_row<TYPE>(W + r * rb + i * bytes, p, v, j);
+        else
+            zero_row(p, v, j);
+    }
+}
+
+// Rows [r0, r0 + 32) of the matrix at block i into p.
 template <int TYPE>
 EFS_V void decode_panel(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
                         int bytes, Panel& p) {
     for (int v = 0; v < NV; ++v) {
-        for (int j = 0; j < 16; ++j) {
-            const int64_t r = r0 + 16 * v + j;
-            if (r < r1)
-                decode_row<TYPE>(W + r * rb + i * bytes, p, v, j);
-            else
-                zero_row(p, v, j);
-        }
+        decode_rows<TYPE>(W, rb, r0, r1, i, bytes, p, v);
         transpose(p, v);
+    }
+}
+
+template <int TYPE>
+EFS_W void decode_panel8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
+                         int bytes, Panel& p) {
+    for (int v = 0; v < NV; ++v) {
+        decode_rows<TYPE>(W, rb, r0, r1, i, bytes, p, v);
+        transpose8(p, v);
     }
 }
 
@@ -249,43 +295,133 @@ EFS_V void tokens(const Panel& p, const Q8K* x, int64_t nb, int64_t nt, int64_t 
     }
 }
 
-template <int TYPE>
-EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
-                   int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
+// tile's AVX-VNNI form: a row vector (16 rows) as two halves of 8 at a time, the same
+// integer sums and, lane by lane, the same float steps, so the same bits.
+template <int NT, int G, int SHIFT>
+EFS_W void tile8(const Panel& p, const Q8K* x, int64_t nb, int64_t t0, int64_t i, float* C) {
+    const Q8K* xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = x + (t0 + t) * nb + i;
+    for (int v = 0; v < NV; ++v) {
+        __m256i bsum[2][NT];
+        for (int h = 0; h < 2; ++h)
+            for (int t = 0; t < NT; ++t) bsum[h][t] = _mm256_setzero_si256();
+        for (int g = 0; g < 256 / G; ++g) {
+            __m256i acc[2][NT];
+            for (int h = 0; h < 2; ++h)
+                for (int t = 0; t < NT; ++t) acc[h][t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int s = g * G / 4; s < (g + 1) * G / 4; ++s) {
+                const __m256i w0 = _mm256_load_si256((const __m256i*)p.w[v][s]);
+                const __m256i w1 = _mm256_load_si256((const __m256i*)(p.w[v][s] + 8));
+                for (int t = 0; t < NT; ++t) {
+                    int32_t q;
+                    memcpy(&q, xb[t]->qs + 4 * s, 4);
+                    const __m256i xq = _mm256_set1_epi32(q);
+                    acc[0][t] = _mm256_dpbusd_avx_epi32(acc[0][t], w0, xq);
+                    acc[1][t] = _mm256_dpbusd_avx_epi32(acc[1][t], w1, xq);
+                }
+            }
+            for (int h = 0; h < 2; ++h) {
+                const __m256i l = _mm256_load_si256((const __m256i*)(p.ls[v][g] + 8 * h));
+                for (int t = 0; t < NT; ++t)
+                    bsum[h][t] = _mm256_add_epi32(bsum[h][t], _mm256_mullo_epi32(acc[h][t], l));
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256 a = _mm256_load_ps(p.a[v] + 8 * h);
+            for (int t = 0; t < NT; ++t) {
+                int32_t bs[8];
+                memcpy(bs, xb[t]->bsums, sizeof(bs));
+                __m256i o = _mm256_setzero_si256();
+                for (int q2 = 0; q2 < 8; ++q2)
+                    o = _mm256_dpwssd_avx_epi32(
+                        o, _mm256_load_si256((const __m256i*)(p.off[v][q2] + 8 * h)),
+                        _mm256_set1_epi32(bs[q2]));
+                const __m256 dx = _mm256_set1_ps(xb[t]->d);
+                float* c = C + (t0 + t) * 32 + 16 * v + 8 * h;
+                __m256 y;
+                if (SHIFT >= 0) {
+                    const __m256i isum = _mm256_sub_epi32(bsum[h][t], _mm256_slli_epi32(o, SHIFT));
+                    y = _mm256_mul_ps(_mm256_mul_ps(dx, a), _mm256_cvtepi32_ps(isum));
+                } else {
+                    y = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dx, a),
+                                                    _mm256_cvtepi32_ps(bsum[h][t])),
+                                      _mm256_mul_ps(_mm256_mul_ps(
+                                          dx, _mm256_load_ps(p.m[v] + 8 * h)),
+                                          _mm256_cvtepi32_ps(o)));
+                }
+                _mm256_storeu_ps(c, _mm256_add_ps(_mm256_loadu_ps(c), y));
+            }
+        }
+    }
+}
+
+template <int G, int SHIFT>
+EFS_W void tokens8(const Panel& p, const Q8K* x, int64_t nb, int64_t nt, int64_t i, float* C) {
+    int64_t t0 = 0;
+    for (; t0 + TILE8 <= nt; t0 += TILE8) tile8<TILE8, G, SHIFT>(p, x, nb, t0, i, C);
+    switch (nt - t0) {
+        case 1: tile8<1, G, SHIFT>(p, x, nb, t0, i, C); break;
+        case 2: tile8<2, G, SHIFT>(p, x, nb, t0, i, C); break;
+        default: break;
+    }
+}
+
+// A thread's rows: each 32-row panel's blocks decoded and multiplied by every token (WIDE:
+// AVX-512, else AVX-VNNI), the sums kept in C and copied to y at the panel's end.
+template <int TYPE, bool WIDE>
+EFS_TI void panels(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
+                   int64_t nt, int64_t cols, float* C, float* y, int64_t ys, Panel& p) {
     constexpr bool K45 = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    constexpr int G = K45 ? 32 : 16, SHIFT = OFFSET_SHIFT<TYPE>;
     const int64_t nb = cols / 256;
     const int bytes = (int)(rb / nb);
-    alignas(64) static thread_local Panel p;
     for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
         memset(C, 0, sizeof(float) * 32 * nt);
         for (int64_t i = 0; i < nb; ++i) {
-            decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
-            tokens<K45 ? 32 : 16, OFFSET_SHIFT<TYPE>>(p, x, nb, nt, i, C);
+            if constexpr (WIDE) {
+                decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
+                tokens<G, SHIFT>(p, x, nb, nt, i, C);
+            } else {
+                decode_panel8<TYPE>(W, rb, p0, r1, i, bytes, p);
+                tokens8<G, SHIFT>(p, x, nb, nt, i, C);
+            }
         }
         const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
         for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
     }
 }
 
+thread_local Panel t_panel;
+
+template <int TYPE>
+EFS_W void rows_q8_8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
+                     int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
+    panels<TYPE, false>(W, rb, r0, r1, x, nt, cols, C, y, ys, t_panel);
+}
+
+template <int TYPE>
+EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
+                   int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
+    panels<TYPE, true>(W, rb, r0, r1, x, nt, cols, C, y, ys, t_panel);
+}
+
 }  // namespace
 
-QgemmQ8Fn avx512_qgemm_q8(int type) {
-    switch (type) {
-        case T_Q4_K: return rows_q8<T_Q4_K>;
-        case T_Q5_K: return rows_q8<T_Q5_K>;
-        case T_Q6_K: return rows_q8<T_Q6_K>;
-        case T_IQ2_XXS: return rows_q8<T_IQ2_XXS>;
-        case T_IQ2_XS: return rows_q8<T_IQ2_XS>;
-        case T_IQ2_S: return rows_q8<T_IQ2_S>;
-        case T_IQ3_XXS: return rows_q8<T_IQ3_XXS>;
-        case T_IQ3_S: return rows_q8<T_IQ3_S>;
-        case T_IQ1_S: return rows_q8<T_IQ1_S>;
-        case T_IQ1_M: return rows_q8<T_IQ1_M>;
-        case T_TQ1_0: return rows_q8<T_TQ1_0>;
-        case T_TQ2_0: return rows_q8<T_TQ2_0>;
-        default: return nullptr;
+#define EFS_Q8_CASES(FN)                                                                  \
+    switch (type) {                                                                       \
+        case T_Q4_K: return FN<T_Q4_K>;       case T_Q5_K: return FN<T_Q5_K>;             \
+        case T_Q6_K: return FN<T_Q6_K>;       case T_IQ2_XXS: return FN<T_IQ2_XXS>;       \
+        case T_IQ2_XS: return FN<T_IQ2_XS>;   case T_IQ2_S: return FN<T_IQ2_S>;           \
+        case T_IQ3_XXS: return FN<T_IQ3_XXS>; case T_IQ3_S: return FN<T_IQ3_S>;           \
+        case T_IQ1_S: return FN<T_IQ1_S>;     case T_IQ1_M: return FN<T_IQ1_M>;           \
+        case T_TQ1_0: return FN<T_TQ1_0>;     case T_TQ2_0: return FN<T_TQ2_0>;           \
+        default: return nullptr;                                                          \
     }
-}
+
+QgemmQ8Fn avx512_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8) }
+QgemmQ8Fn avxvnni_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8_8) }
+#undef EFS_Q8_CASES
 
 }  // namespace efs
 
@@ -293,6 +429,7 @@ QgemmQ8Fn avx512_qgemm_q8(int type) {
 
 namespace efs {
 QgemmQ8Fn avx512_qgemm_q8(int) { return nullptr; }
+QgemmQ8Fn avxvnni_qgemm_q8(int) { return nullptr; }
 }  // namespace efs
 
 #endif

@@ -1,8 +1,9 @@
 """q8 mode's integer panel product (``kernels.qgemm`` with ``act_quant="q8"``, AVX512-VNNI):
 for every type it takes, its results are the q8 row kernels' (themselves checked against
 llama.cpp's numerics in test_kernels.py) up to float summation order, for token counts around
-its tile of 6 and rows around its panel of 32; the same bits on one thread and two; and where
-the CPU or the ISA in use has no VNNI, q8's wide products keep the exact panel product."""
+its tile of 6 and rows around its panel of 32; the same bits on one thread and two, and in its
+AVX-VNNI form (256-bit) as in its AVX-512 one; and where the CPU or the ISA in use has no VNNI,
+q8's wide products keep the exact panel product."""
 
 from __future__ import annotations
 
@@ -73,17 +74,24 @@ def test_thread_split_keeps_the_bits():
     assert torch.equal(out[0], out[1])
 
 
-def test_without_vnni_q8_keeps_the_exact_panel_product():
-    """Under the AVX2 kernels (no VNNI panel there) a q8 wide product is the exact one, and
-    ``max_tokens`` gives q8 the row kernels' own limits again."""
-    raw = weight(T.IQ2_XXS, 48, 512, 2)
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.IQ2_XXS, T.IQ1_M, T.TQ2_0], ids=lambda t: t.name)
+def test_the_avx_vnni_form_gives_the_same_bits(t):
+    """At the AVX2 tier the product runs in 256-bit vectors where the CPU has AVX-VNNI (the
+    same integer sums and, lane by lane, the same float steps: the same bits), and is the exact
+    panel product where it has not; ``max_tokens`` follows."""
+    raw = weight(t, 70, 512, 2)
     x = torch.randn(20, 512, generator=torch.Generator().manual_seed(4))
-    assert kernels.widths.q8_panel(MOD, T.IQ2_XXS)
+    wide = kernels.qgemm(x, raw, t, (70, 512), "q8")
     MOD.set_isa("avx2")
     try:
-        assert not kernels.widths.q8_panel(MOD, T.IQ2_XXS)
-        assert torch.equal(kernels.qgemm(x, raw, T.IQ2_XXS, (48, 512), "q8"),
-                           kernels.qgemm(x, raw, T.IQ2_XXS, (48, 512)))
+        if MOD.info()["avx_vnni"]:
+            assert kernels.widths.q8_panel(MOD, t)
+            for nt in (1, 2, 3, 4, 7, 20):      # tiles of 3 and what is left
+                assert torch.equal(kernels.qgemm(x[:nt], raw, t, (70, 512), "q8"), wide[:nt])
+        else:
+            assert not kernels.widths.q8_panel(MOD, t)
+            assert torch.equal(kernels.qgemm(x, raw, t, (70, 512), "q8"),
+                               kernels.qgemm(x, raw, t, (70, 512)))
     finally:
         MOD.set_isa("best")
 
