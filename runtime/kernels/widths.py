@@ -12,7 +12,7 @@ from .build import load
 
 __all__ = ["max_tokens", "q8_panel", "WIDE_TYPES", "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2",
            "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_GEMM512", "WIDE_TYPES_Q8_GEMM512",
-           "WIDE_TYPES_Q8_VNNI"]
+           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_AVXVNNI"]
 
 #: Most tokens per native product, per type, under the AVX-512 kernels where the float32
 #: products run at AVX2 width (MKL on an AMD CPU that splits 512-bit operations; exact
@@ -103,7 +103,8 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
         return default
     q8 = act_quant is not None and act_quant != "off"
     if q8 and q8_panel(mod, ggml_type):
-        return WIDE_TYPES_Q8_VNNI.get(ggml_type, default)
+        vnni = WIDE_TYPES_Q8_VNNI if mod.isa() == "avx512" else WIDE_TYPES_Q8_AVXVNNI
+        return vnni.get(ggml_type, default)
     table = _WIDE.get((mod.isa(), gemm.isa(), int(q8)), {})
     return table.get(ggml_type, default)
 
@@ -120,6 +121,12 @@ WIDE_TYPES_Q8_VNNI = {
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
     GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
 }
+
+#: The same at the AVX2 tier with AVX-VNNI (the panel product in 256-bit vectors): measured on
+#: the Xeon with the kernels held to AVX2 (``bench_kernels.py --prefill -t 2 --isa avx2``, the
+#: same shapes, 4-128 tokens): the panel product takes less time than the AVX2 q8 rows kernels
+#: from 4 tokens, or ties there (bench/README.md), so past 4, their one pass.
+WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI}
 
 #: ISA in use → the type ids q8 mode's integer panel product takes there
 _Q8_PANEL: dict[str, frozenset[int]] = {}

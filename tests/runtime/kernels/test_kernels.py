@@ -341,7 +341,9 @@ def test_max_tokens_follows_the_isa(monkeypatch):
         try:
             for t in kernels.TYPES:
                 assert kernels.max_tokens(t, 32) == ex.get(t, 32), (name, gemm_isa, t.name)
-                want = (ops.WIDE_TYPES_Q8_VNNI[t] if kernels.widths.q8_panel(MOD, t)
+                vnni = (kernels.widths.WIDE_TYPES_Q8_VNNI if name == "avx512"
+                        else kernels.widths.WIDE_TYPES_Q8_AVXVNNI)
+                want = (vnni[t] if kernels.widths.q8_panel(MOD, t)
                         else q8.get(t, 32))        # the integer panel product takes over
                 assert kernels.max_tokens(t, 32, "q8") == want, (name, gemm_isa, t.name)
         finally:
