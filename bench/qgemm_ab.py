@@ -7,7 +7,10 @@ bytes can go without it, alternating rep by rep in one process (medians of ``--r
   dequantized into a reused 4 MiB buffer and multiplied by the box's GEMM library
   (``kernels.gemm.linear``: oneDNN or MKL);
 - ``float gemm``: the same library on weights already in float32 (no dequantization at all:
-  the float32 arithmetic's own speed on this box, the ceiling of an exact product).
+  the float32 arithmetic's own speed on this box, the ceiling of an exact product);
+- ``qgemm q8``: the panel product in q8 numerics (``act_quant="q8"``: the 8-bit integer panel
+  where the CPU has AVX512-VNNI or AVX-VNNI and the type one, else the exact panel);
+- ``q8 rows``: the q8 row kernels over all the tokens (what q8 took before its panel).
 
     .venv/bin/python bench/qgemm_ab.py [--types q4_k,q6_k,q8_0] [--tokens 16,32,64,131]
         [--isa avx2]   # with EXPERTFS_GEMM=mkl on an AMD CPU: an AVX2 box's products
@@ -47,7 +50,8 @@ def main() -> None:
     print(f"ms per product (GFLOP/s), medians of {a.rounds} alternating reps, {a.threads} "
           f"thread(s), kernels {mod.info()['isa']}, GEMM {gemm.backend()}")
     print(f"  {'type':6s} {'tokens x out x in':>20s} {'qgemm':>16s} {'dequant+gemm':>16s} "
-          f"{'float gemm':>16s} {'(dequant+gemm)/qgemm':>21s}")
+          f"{'float gemm':>16s} {'qgemm q8':>16s} {'q8 rows':>16s} "
+          f"{'(dequant+gemm)/qgemm':>21s}")
     for name in a.types.split(","):
         t = GGMLType[name.upper()]
         for shape in a.shapes.split(","):
@@ -58,7 +62,9 @@ def main() -> None:
                 x = torch.randn(nt, cols)
                 ways = {"qgemm": lambda: kernels.qgemm(x, raw, t, (rows, cols)),
                         "dequant+gemm": lambda: dequant_linear(x, raw, t, (rows, cols)),
-                        "float gemm": lambda: gemm.linear(x, W)}
+                        "float gemm": lambda: gemm.linear(x, W),
+                        "qgemm q8": lambda: kernels.qgemm(x, raw, t, (rows, cols), "q8"),
+                        "q8 rows": lambda: kernels.matvec(x, raw, t, (rows, cols), "q8")}
                 times: dict[str, list[float]] = {k: [] for k in ways}
                 for f in ways.values():                  # warm-up (oneDNN compiles a shape)
                     f()
