@@ -20,15 +20,17 @@ __all__ = ["max_tokens", "q8_panel", "WIDE_TYPES", "WIDE_TYPES_Q8", "WIDE_TYPES_
 #: ``runtime.model.wide.wide_linear`` (then native dequantization + F.linear) over the expert
 #: and trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Measured before
 #: ``qgemm`` took the wide products, on a box not at hand since: a batch past these limits now
-#: goes through ``qgemm``, faster than before, so they err towards the native product. Types
-#: not listed keep the caller's default.
+#: goes through ``qgemm``, faster than before, so they err towards the native product. The
+#: lattice IQ and TQ types' limits are the AVX-512 panel's against the AVX-512 rows kernels
+#: (``WIDE_TYPES_GEMM512``'s, not measured on such a box: the float32 products' width plays no
+#: part in either). Types not listed keep the caller's default.
 WIDE_TYPES = {
     GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
     GGMLType.Q3_K: 128, GGMLType.Q4_0: 256, GGMLType.Q8_0: 256, GGMLType.Q4_1: 64,
     GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.MXFP4: 64, GGMLType.IQ4_XS: 128,
-    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 256, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
-    GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 128, GGMLType.IQ1_S: 64, GGMLType.IQ1_M: 128,
-    GGMLType.TQ1_0: 128, GGMLType.TQ2_0: 128,
+    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,
+    GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12, GGMLType.IQ1_M: 12,
+    GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8,
 }
 
 #: The same for ``act_quant="q8"`` (the native q8 product against ``wide_linear``).
@@ -44,15 +46,17 @@ WIDE_TYPES_Q8 = {
 #: The same under the AVX2 kernels (exact, then q8), past which ``wide_linear`` takes the
 #: product through ``qgemm`` in AVX2. Exact: measured with 8 to 128 tokens on 2 threads with the
 #: kernels held to AVX2 and MKL's AVX2 code (an AVX2 box's products; ``bench_kernels.py
-#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens. q8:
+#: --prefill --isa avx2``, ``EXPERTFS_GEMM=mkl``); 8 where qgemm is as fast at 8 tokens; the
+#: lattice IQ and TQ types again after their panel took the AVX2 dequantization (4-48 tokens:
+#: the panel product is faster from 6, IQ2_XXS from 8). q8:
 #: measured the same way on an AVX2-only CPU (a first-generation Zen) after the q8 kernels took
 #: up to 4 tokens per decode of the weights.
 WIDE_TYPES_AVX2 = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 8, GGMLType.Q8_0: 12, GGMLType.Q4_0: 12,
     GGMLType.Q2_K: 32, GGMLType.Q3_K: 24, GGMLType.IQ4_XS: 24, GGMLType.MXFP4: 32,
-    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 64, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
-    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 24, GGMLType.IQ1_M: 24,
-    GGMLType.TQ1_0: 12, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 12, GGMLType.Q5_0: 32,
+    GGMLType.IQ4_NL: 32, GGMLType.IQ2_XXS: 6, GGMLType.IQ2_XS: 4, GGMLType.IQ2_S: 4,
+    GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 4, GGMLType.IQ1_S: 4, GGMLType.IQ1_M: 4,
+    GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 4, GGMLType.Q4_1: 12, GGMLType.Q5_0: 32,
     GGMLType.Q5_1: 32,
 }
 WIDE_TYPES_Q8_AVX2 = {
@@ -67,13 +71,15 @@ WIDE_TYPES_Q8_AVX2 = {
 #: The same under the AVX-512 kernels where the products run at AVX-512 width too
 #: (``gemm.isa()``: a Zen 5, or an Intel CPU): past the limit ``wide_linear`` takes the product
 #: through ``qgemm``, the panel product, so a native product is worth fewer tokens; measured
-#: with 8 to 128 tokens on 2 threads (exact, then q8; ``bench_kernels.py --prefill``).
+#: with 8 to 128 tokens on 2 threads (exact, then q8; ``bench_kernels.py --prefill``); the
+#: lattice IQ and TQ types' exact limits again (8-48 tokens) after their panel took the AVX2
+#: dequantization, where it had been the portable one.
 WIDE_TYPES_GEMM512 = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 24, GGMLType.Q4_0: 24,
     GGMLType.Q2_K: 24, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 24,
-    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 96, GGMLType.IQ2_XS: 64, GGMLType.IQ2_S: 96,
-    GGMLType.IQ3_XXS: 96, GGMLType.IQ3_S: 64, GGMLType.IQ1_S: 16, GGMLType.IQ1_M: 24,
-    GGMLType.TQ1_0: 16, GGMLType.TQ2_0: 12, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
+    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,
+    GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12, GGMLType.IQ1_M: 12,
+    GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
     GGMLType.Q5_1: 24,
 }
 WIDE_TYPES_Q8_GEMM512 = {

@@ -85,8 +85,8 @@ void dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int
                   int64_t cols, float* y);
 RowsFn avx2_rows(int type, int mode);
 bool avx2_compiled();
-// dequant_rows in AVX2 for the types it has (Q4_K, Q5_K, Q6_K; the same floats); false for the
-// others.
+// dequant_rows in AVX2 for the types it has (Q4_K, Q5_K, Q6_K, the lattice IQ and TQ types;
+// the same floats); false for the others.
 bool avx2_dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                        int64_t cols, float* y);
 RowsFn avx512_rows(int type, int mode);   // only the types that have an AVX-512 kernel
@@ -210,6 +210,9 @@ float vdot_q8_iq(int type, const uint8_t* row, int64_t cols, const Q8K* y);
 // The lattice IQ types' and TQ1_0 / TQ2_0's AVX2 kernels (kern_iq_avx2.cpp); nullptr when not
 // implemented.
 RowsFn avx2_iq_rows(int type, int mode);
+// Their rows as float32 in AVX2, dequant_rows's floats bit for bit (false for other types).
+bool avx2_iq_dequant_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
+                          int64_t cols, float* y);
 // Their and IQ4_NL's AVX-512 (F, VL, BW) kernels (kern_iq_avx512.cpp), bit for bit the AVX2
 // ones' results (which they call for the token counts where those are as fast); nullptr where
 // a type and mode keep the AVX2 kernel.

@@ -688,7 +688,7 @@ bool avx2_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64
         case T_Q6_K: deq_q6_k(W, rb, r0, r1, cols, y); return true;
         case T_Q4_K: deq_q45_k<false>(W, rb, r0, r1, cols, y); return true;
         case T_Q5_K: deq_q45_k<true>(W, rb, r0, r1, cols, y); return true;
-        default: return false;
+        default: return avx2_iq_dequant_rows(type, W, rb, r0, r1, cols, y);   // lattice, TQ
     }
 }
 

@@ -145,7 +145,65 @@ EFS_T void rows_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
     }
 }
 
+// --- dequantization ---------------------------------------------------------------------------
+
+// One block's 256 floats as ggml's dequantize_row_* (kern_iq.cpp's deq_block_iq) gives them,
+// bit for bit: each 8 weights' exact floats from D::w (IQ1: 8 g +- 1, times 1/8 exactly: g +-
+// 1/8) times the scale the portable code computes, by the same float operations.
+template <int TYPE, class D>
+EFS_TI void deq_iq_block(const uint8_t* b, float* y) {
+    const float d = D::d(b);
+    for (int ib = 0; ib < 8; ++ib) {
+        __m256 v[4];
+        D::w(b, ib, v);
+        for (int l = 0; l < 4; ++l) {
+            float s;
+            __m256 x = v[l];
+            if constexpr (TYPE == T_IQ2_XXS) {
+                s = d * (0.5f + (float)(u32_(b + 6 + 8 * ib) >> 28)) * 0.25f;
+            } else if constexpr (TYPE == T_IQ2_XS || TYPE == T_IQ2_S) {
+                const uint8_t sc = b[(TYPE == T_IQ2_XS ? 66 : 74) + ib];
+                s = d * (0.5f + (float)(l < 2 ? sc & 0xf : sc >> 4)) * 0.25f;
+            } else if constexpr (TYPE == T_IQ3_XXS) {
+                s = d * (0.5f + (float)(u32_(b + 66 + 4 * ib) >> 28)) * 0.5f;
+            } else if constexpr (TYPE == T_IQ3_S) {
+                s = d * (float)(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xf));
+            } else if constexpr (TYPE == T_IQ1_S) {
+                s = d * (float)(2 * ((u16_(b + 34 + 2 * ib) >> 12) & 7) + 1);
+                x = _mm256_mul_ps(x, _mm256_set1_ps(0.125f));
+            } else if constexpr (TYPE == T_IQ1_M) {
+                const int sc = u16_(b + 48 + 2 * (ib / 2));
+                s = d * (float)(2 * ((sc >> (6 * (ib % 2) + 3 * (l / 2))) & 7) + 1);
+                x = _mm256_mul_ps(x, _mm256_set1_ps(0.125f));
+            } else {                                                  // TQ1_0, TQ2_0
+                s = d;
+            }
+            _mm256_storeu_ps(y + 32 * ib + 8 * l, _mm256_mul_ps(_mm256_set1_ps(s), x));
+        }
+    }
+}
+
+template <int TYPE, class D>
+EFS_T void deq_iq_rows(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                       float* y) {
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < cols / 256; ++i)
+            deq_iq_block<TYPE, D>(W + r * rb + i * D::BYTES, y + (r - r0) * cols + 256 * i);
+}
+
 }  // namespace
+
+bool avx2_iq_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+                          int64_t cols, float* y) {
+#define EFS_CASE(T, D) case T: deq_iq_rows<T, D>(W, rb, r0, r1, cols, y); return true;
+    switch (type) {
+        EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
+        EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)
+        EFS_CASE(T_IQ1_M, IQ1M) EFS_CASE(T_TQ1_0, TQ1) EFS_CASE(T_TQ2_0, TQ2)
+        default: return false;
+    }
+#undef EFS_CASE
+}
 
 RowsFn avx2_iq_rows(int type, int mode) {
 #define EFS_CASE(T, D) case T: return mode == 0 ? rows_iq<D, false> : rows_iq<D, true>;
@@ -164,6 +222,9 @@ RowsFn avx2_iq_rows(int type, int mode) {
 
 namespace efs {
 RowsFn avx2_iq_rows(int, int) { return nullptr; }
+bool avx2_iq_dequant_rows(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*) {
+    return false;
+}
 }  // namespace efs
 
 #endif
