@@ -1,5 +1,6 @@
-// Products of many tokens in q8 mode with 8-bit integer dot products (AVX-512 VNNI): the panel
-// product of qgemm.cpp for llama.cpp's numerics. The activations are Q8_K (ggml's
+// Products of many tokens in q8 mode with 8-bit integer dot products (AVX-512 VNNI, or AVX-VNNI
+// in 256-bit vectors with the same bits): the panel product of qgemm.cpp for llama.cpp's
+// numerics. The activations are Q8_K (ggml's
 // quantize_row_q8_K, as the q8 row kernels take them), the weights a block's integers, and
 // every multiply-add of a block is an exact integer one; the float steps per 256-weight block
 // are the q8 row kernels' (d_x * d * isum, less d_x * dmin * msum where the type has mins), so
@@ -55,7 +56,8 @@ struct alignas(64) Panel {
     alignas(64) uint8_t rows[16][256];   // one vector's rows before the transpose
 };
 
-// Offset of the stored weights (their 0 is this), as a shift: Q6_K 32, IQ types 128, else 0.
+// Offset of the stored weights (their 0 is this) as a shift: Q6_K 32 (5), the IQ and TQ types
+// 128 (7); -1: none (Q4_K/Q5_K, whose mins take the offset's place in the block's sum).
 template <int TYPE>
 constexpr int OFFSET_SHIFT = TYPE == T_Q6_K ? 5 : (TYPE == T_Q4_K || TYPE == T_Q5_K) ? -1 : 7;
 
