@@ -134,8 +134,15 @@ typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64
 // the others and where not compiled; the caller checks that the CPU has AVX512-VNNI.
 QgemmQ8Fn avx512_qgemm_q8(int type);
 // The same in AVX2 with AVX-VNNI (256-bit vpdpbusd; Intel's cores since Alder Lake), the same
-// bits; the caller checks that the CPU has AVX-VNNI.
+// bits; the caller checks that the CPU has AVX-VNNI. nullptr where the compiler predates the
+// avxvnni target (GCC 11, clang 12): EFS_AVXVNNI_TARGET says whether it has it.
 QgemmQ8Fn avxvnni_qgemm_q8(int type);
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define EFS_AVXVNNI_TARGET 1
+#else
+#define EFS_AVXVNNI_TARGET 0
+#endif
 
 // Activation preparation (scalar; the AVX2 unit provides faster versions of the same).
 void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order

@@ -77,7 +77,8 @@ const bool g_vnni = detect_vnni();
 
 // ... or, at the AVX2 tier, AVX-VNNI (the same product in 256-bit vectors).
 bool detect_avxvnni() {
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512) && \
+    EFS_AVXVNNI_TARGET
     __builtin_cpu_init();
     return g_best >= ISA_AVX2 && __builtin_cpu_supports("avxvnni");
 #else

@@ -169,6 +169,7 @@ EFS_VI void transpose(Panel& p, int v) {
     }
 }
 
+#if EFS_AVXVNNI_TARGET
 // The same for AVX2 (8 rows a vector): p.rows into p.w[v] in the same layout, 8 x 8 blocks
 // of 32-bit words transposed by unpacks and 128-bit permutes.
 EFS_TI void transpose8(Panel& p, int v) {
@@ -196,6 +197,8 @@ EFS_TI void transpose8(Panel& p, int v) {
         }
 }
 
+#endif
+
 // Vector v's 16 rows of the matrix (rows r0 + 16 v ...) at block i into p.rows, with their
 // multipliers and scales (rows past r1 zero).
 template <int TYPE>
@@ -220,6 +223,7 @@ EFS_V void decode_panel(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, in
     }
 }
 
+#if EFS_AVXVNNI_TARGET
 template <int TYPE>
 EFS_W void decode_panel8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
                          int bytes, Panel& p) {
@@ -228,6 +232,7 @@ EFS_W void decode_panel8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, i
         transpose8(p, v);
     }
 }
+#endif
 
 // NT tokens (t0 ...) of block i against panel p into C [token][32] (stride 32), added.
 template <int NT, int G, int SHIFT>
@@ -297,6 +302,7 @@ EFS_V void tokens(const Panel& p, const Q8K* x, int64_t nb, int64_t nt, int64_t 
     }
 }
 
+#if EFS_AVXVNNI_TARGET
 // tile's AVX-VNNI form: a row vector (16 rows) as two halves of 8 at a time, the same
 // integer sums and, lane by lane, the same float steps, so the same bits.
 template <int NT, int G, int SHIFT>
@@ -368,6 +374,7 @@ EFS_W void tokens8(const Panel& p, const Q8K* x, int64_t nb, int64_t nt, int64_t
         default: break;
     }
 }
+#endif
 
 // A thread's rows: each 32-row panel's blocks decoded and multiplied by every token (WIDE:
 // AVX-512, else AVX-VNNI), the sums kept in C and copied to y at the panel's end.
@@ -385,8 +392,10 @@ EFS_TI void panels(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q
                 decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
                 tokens<G, SHIFT>(p, x, nb, nt, i, C);
             } else {
+#if EFS_AVXVNNI_TARGET
                 decode_panel8<TYPE>(W, rb, p0, r1, i, bytes, p);
                 tokens8<G, SHIFT>(p, x, nb, nt, i, C);
+#endif
             }
         }
         const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
@@ -396,11 +405,13 @@ EFS_TI void panels(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q
 
 thread_local Panel t_panel;
 
+#if EFS_AVXVNNI_TARGET
 template <int TYPE>
 EFS_W void rows_q8_8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
                      int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
     panels<TYPE, false>(W, rb, r0, r1, x, nt, cols, C, y, ys, t_panel);
 }
+#endif
 
 template <int TYPE>
 EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
@@ -422,7 +433,11 @@ EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q
     }
 
 QgemmQ8Fn avx512_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8) }
+#if EFS_AVXVNNI_TARGET
 QgemmQ8Fn avxvnni_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8_8) }
+#else
+QgemmQ8Fn avxvnni_qgemm_q8(int) { return nullptr; }
+#endif
 #undef EFS_Q8_CASES
 
 }  // namespace efs
