@@ -37,7 +37,8 @@ WIDE_TYPES = {
 WIDE_TYPES_Q8 = {
     GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
     GGMLType.Q3_K: 256, GGMLType.Q4_0: 128, GGMLType.Q8_0: 128, GGMLType.Q4_1: 64,
-    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.IQ4_XS: 128, GGMLType.IQ4_NL: 256, GGMLType.IQ2_XXS: 256,
+    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.IQ4_XS: 128, GGMLType.IQ4_NL: 256,
+    GGMLType.IQ2_XXS: 256,
     GGMLType.IQ2_XS: 256, GGMLType.IQ2_S: 256, GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 256,
     GGMLType.IQ1_S: 256, GGMLType.IQ1_M: 256, GGMLType.TQ1_0: 256, GGMLType.TQ2_0: 256,
 }
@@ -93,7 +94,8 @@ WIDE_TYPES_Q8_GEMM512 = {
 
 #: (kernel ISA, float32 product ISA, numerics) → table
 _WIDE = {("avx512", "avx2", 0): WIDE_TYPES, ("avx512", "avx2", 1): WIDE_TYPES_Q8,
-         ("avx512", "avx512", 0): WIDE_TYPES_GEMM512, ("avx512", "avx512", 1): WIDE_TYPES_Q8_GEMM512,
+         ("avx512", "avx512", 0): WIDE_TYPES_GEMM512,
+         ("avx512", "avx512", 1): WIDE_TYPES_Q8_GEMM512,
          ("avx2", "avx2", 0): WIDE_TYPES_AVX2, ("avx2", "avx2", 1): WIDE_TYPES_Q8_AVX2,
          ("avx2", "avx512", 0): WIDE_TYPES_AVX2, ("avx2", "avx512", 1): WIDE_TYPES_Q8_AVX2}
 

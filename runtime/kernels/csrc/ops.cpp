@@ -897,8 +897,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode"));
     m.def("qgemm_q8", &efs::qgemm_q8, "y[T, rows] = x[T, cols] @ W.T in q8 numerics, many "
-          "tokens (AVX-512 VNNI; undefined where not available)", pybind11::arg("x"), pybind11::arg("raw"),
-          pybind11::arg("type"), pybind11::arg("rows"), pybind11::arg("cols"));
+          "tokens (AVX-512 VNNI or AVX-VNNI; undefined where not available)",
+          pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
+          pybind11::arg("rows"), pybind11::arg("cols"));
     m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens (AVX2 or AVX-512)",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"));

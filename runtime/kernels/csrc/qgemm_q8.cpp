@@ -270,7 +270,8 @@ EFS_V void tile(const Panel& p, const Q8K* x, int64_t nb, int64_t t0, int64_t i,
             memcpy(bs, xb[t]->bsums, sizeof(bs));
             __m512i o = _mm512_setzero_si512();
             for (int q2 = 0; q2 < 8; ++q2)
-                o = _mm512_dpwssd_epi32(o, _mm512_load_si512(p.off[v][q2]), _mm512_set1_epi32(bs[q2]));
+                o = _mm512_dpwssd_epi32(o, _mm512_load_si512(p.off[v][q2]),
+                                        _mm512_set1_epi32(bs[q2]));
             const __m512 dx = _mm512_set1_ps(xb[t]->d);
             float* c = C + (t0 + t) * 32 + 16 * v;
             __m512 y;
