@@ -13,16 +13,22 @@ __all__ = ["ram_tier", "vram_tier"]
 log = logging.getLogger("expertfs.cli.run")
 
 
-def _log_paths(g, device: str, fused: str) -> None:
+def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
     """One line per ggml type that falls back to torch dequantization (WARNING for expert
-    tensors, INFO for the trunk's), and every type's path at INFO."""
-    from ..runtime.plan.paths import describe_paths
+    tensors, INFO for the trunk's), and every type's path at INFO; with ``--act-quant q8`` on
+    the CPU, which types' prompt products take the 8-bit integer panel and which keep the
+    exact float one."""
+    from ..runtime.plan.paths import describe_paths, q8_prompt_paths
     summary, slow = describe_paths(g, device, fused != "off")
     log.info("compute paths on %s: %s", device, summary)
     for t, role in slow:
         (log.warning if role == "experts" else log.info)(
             "%s tensors of type %s have no native kernel here: they run through torch "
             "dequantization (far slower)", role, t)
+    if act_quant == "q8" and device == "cpu":
+        panel, exact = q8_prompt_paths(g)
+        log.info("--act-quant q8 prompts: 8-bit integer panel for %s; exact float panel for %s",
+                 ", ".join(panel) or "no type (this CPU has no VNNI)", ", ".join(exact) or "-")
 
 
 def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
@@ -41,7 +47,7 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
     on = "cpu" if device == "cpu" else "gpu"
     with Store.open(args.store) as s:
         g = geometry_of_store(s)
-    _log_paths(g, device, fused)
+    _log_paths(g, device, fused, getattr(args, "act_quant", "off"))
     if args.vram is None:
         args.vram = vram_tier(args, device, g) if on == "gpu" else 0
     vram_experts = (args.vram // g.slot_bytes) if on == "gpu" else 0

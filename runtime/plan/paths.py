@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 __all__ = ["NATIVE", "COMPILED", "DEQUANT", "FLOAT", "path_table", "paths_for", "slow_types",
-           "kept_types", "describe_paths"]
+           "kept_types", "describe_paths", "q8_prompt_paths"]
 
 NATIVE = "native kernel"
 COMPILED = "compiled torch"
@@ -73,3 +73,21 @@ def describe_paths(g, device: str = "cpu", fused: bool = True
     slow = [] if device != "cpu" else (
         [(t, "experts") for t in slow_types(exp)] + [(t, "trunk") for t in slow_types(trunk)])
     return line, slow
+
+
+def q8_prompt_paths(g) -> tuple[list[str], list[str]]:
+    """With ``--act-quant q8`` on the CPU: (the expert and trunk types whose prompt products go
+    through the 8-bit integer panel here, ``kernels.widths.q8_panel``; the natively computed
+    ones whose prompts keep the exact float panel: no integer panel for the type, or no VNNI in
+    this CPU) for a ``plan.Geometry``."""
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+    types = {m.ggml_type for layer in g.expert_parts for m in layer} | \
+        {m.ggml_type for m in g.trunk_matrices}
+    mod = kernels.load()
+    native = {t.name for t in kernels.TYPES} - {"F16", "BF16"}
+    panel, exact = [], []
+    for t in sorted(types & native):
+        (panel if mod is not None and kernels.widths.q8_panel(mod, GGMLType[t]) else exact
+         ).append(t)
+    return panel, exact

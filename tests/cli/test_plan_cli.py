@@ -338,6 +338,30 @@ def test_run_logs_a_type_without_a_native_path_once(caplog, monkeypatch, tiny_st
     assert len(warn) == 1 and etype in warn[0].getMessage() and "torch" in warn[0].getMessage()
 
 
+def test_run_says_which_types_prompts_take_the_integer_panel_in_q8(caplog, tiny_store) -> None:
+    import logging
+
+    from expertfs.cli import _tiers
+    from expertfs.runtime import kernels
+    from expertfs.runtime.plan.model import geometry_of_store
+    from expertfs.runtime.plan.paths import q8_prompt_paths
+    from expertfs.store.reader import Store
+
+    with Store.open(str(tiny_store)) as s:
+        g = geometry_of_store(s)
+    panel, exact = q8_prompt_paths(g)
+    native = {t.name for t in kernels.TYPES} if kernels.available() else set()
+    types = {m.ggml_type for layer in g.expert_parts for m in layer} | \
+        {m.ggml_type for m in g.trunk_matrices}
+    assert set(panel) | set(exact) == types & (native - {"F16", "BF16"})
+    assert not set(panel) & set(exact)
+    with caplog.at_level(logging.INFO, logger=_tiers.log.name):
+        _tiers._log_paths(g, "cpu", "auto", "q8")
+        _tiers._log_paths(g, "cpu", "auto", "off")
+    lines = [r.getMessage() for r in caplog.records if "--act-quant q8" in r.getMessage()]
+    assert len(lines) == 1 and all(t in lines[0] for t in panel + exact)
+
+
 def test_a_store_that_learned_its_usage_is_planned_from_it(capsys, tmp_path) -> None:
     """Runs teach a store its usage; once it has seen enough tokens, plan draws its routing
     from it (labelled, not synthetic) instead of the synthetic presets."""
