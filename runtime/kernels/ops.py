@@ -111,7 +111,8 @@ def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
     mod = load()
     if mod is None or not hasattr(mod, "qgemm"):
         return None
-    if _moe_mode(act_quant) == 1 and _applies(t, cols, 1) and q8_panel(mod, t):
+    if _moe_mode(act_quant) == 1 and cols % 256 == 0 and _applies(t, cols, 1) \
+            and q8_panel(mod, t):
         return mod.qgemm_q8(x, raw.reshape(-1), t, rows, cols)
     return mod.qgemm(x, raw.reshape(-1), t, rows, cols)
 

@@ -123,18 +123,20 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: 4,6,8,10,12,16``, the q8 ratio's geometric mean): the widest batch up to which the panel
 #: product takes at least 1.05 times the rows kernels' time; where it does not even at 4 tokens
 #: (Q4_K, IQ3_XXS, TQ1_0: a tie there), 4, which the rows kernels take in one pass
-#: (bench/README.md).
+#: (bench/README.md). The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4: rows of whole
+#: 256-weight panels only) the same way at 4-128 tokens: 4.
 WIDE_TYPES_Q8_VNNI = {
     GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
     GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
+    GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,
 }
 
 #: The same at the AVX2 tier with AVX-VNNI (the panel product in 256-bit vectors): measured on
 #: the Xeon with the kernels held to AVX2 (``bench_kernels.py --prefill -t 2 --isa avx2``, the
 #: same shapes, 4-128 tokens): the panel product takes less time than the AVX2 q8 rows kernels
 #: from 4 tokens, or ties there (bench/README.md), so past 4, their one pass.
-WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI}
+WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI}     # (no blocks-of-32 form there)
 
 #: ISA in use → the type ids q8 mode's integer panel product takes there
 _Q8_PANEL: dict[str, frozenset[int]] = {}

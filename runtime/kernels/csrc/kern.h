@@ -125,13 +125,16 @@ void avx2_qgemm_rows(int type, const uint8_t* W, int64_t row_bytes, int64_t r0, 
 bool qgemm_compiled();
 
 // q8 mode's products of many tokens (qgemm_q8.cpp; AVX-512 VNNI): y[t * ys + r] = the q8
-// product of W[r] and token t (x: nt tokens of cols / 256 Q8_K blocks each, token-major) for
-// rows [r0, r1) (c: scratch of 32 * nt floats): the q8 row kernels' integer sums and float
-// steps per block.
+// product of W[r] and token t for rows [r0, r1) (c: scratch of 32 * nt floats): the q8 row
+// kernels' integer sums and float steps per block. x: the nt tokens' activations in the type's
+// q8 format (q8_format), token-major: Q8K blocks of 256, or QX8 blocks of 32 with xsum, each
+// block's sum of its 32 bytes; cols a multiple of 256 either way.
 typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
-                          const Q8K* x, int64_t nt, int64_t cols, float* c, float* y, int64_t ys);
-// The function for `type` (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0), nullptr for
-// the others and where not compiled; the caller checks that the CPU has AVX512-VNNI.
+                          const void* x, const int32_t* xsum, int64_t nt, int64_t cols,
+                          float* c, float* y, int64_t ys);
+// The function for `type` (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0; Q8_0, Q4_0,
+// IQ4_NL, MXFP4), nullptr for the others and where not compiled; the caller checks that the
+// CPU has AVX512-VNNI.
 QgemmQ8Fn avx512_qgemm_q8(int type);
 // The same in AVX2 with AVX-VNNI (256-bit vpdpbusd; Intel's cores since Alder Lake), the same
 // bits; the caller checks that the CPU has AVX-VNNI. nullptr where the compiler predates the

@@ -314,14 +314,29 @@ QgemmQ8Fn qgemm_q8_fn(int64_t type) {
     return g_isa >= ISA_AVX2 && g_avxvnni ? avxvnni_qgemm_q8((int)type) : nullptr;
 }
 
+// ... and for a matrix of `cols` columns (whole panels of 256 weights).
+QgemmQ8Fn qgemm_q8_fn(int64_t type, int64_t cols) {
+    return cols % 256 == 0 ? qgemm_q8_fn(type) : nullptr;
+}
+
 // The q8 panel product into yp [nt, rows] (the caller checks, finds fn and releases the GIL):
 // the tokens quantized to Q8_K as the q8 row kernels take them, then runs of 32-row panels on
 // the pool.
-void qgemm_q8_into(QgemmQ8Fn fn, const float* xp, int64_t nt, const uint8_t* W, int64_t rb,
-                   int64_t rows, int64_t cols, float* yp) {
+void qgemm_q8_into(QgemmQ8Fn fn, int64_t type, const float* xp, int64_t nt, const uint8_t* W,
+                   int64_t rb, int64_t rows, int64_t cols, float* yp) {
     Prep p;
-    p.make(xp, cols, (int)nt, cols, X_Q8K);
-    const Q8K* x = p.q8k.data();
+    const int fmt = q8_format((int)type);
+    p.make(xp, cols, (int)nt, cols, fmt);
+    const void* x = fmt == X_Q8K ? (const void*)p.q8k.data() : (const void*)p.qx8.data();
+    std::vector<int32_t> xsum;                  // blocks of 32: each block's sum of its bytes
+    if (fmt != X_Q8K) {
+        xsum.resize(p.qx8.size());
+        for (size_t b = 0; b < xsum.size(); ++b) {
+            int32_t sum = 0;
+            for (int k = 0; k < 32; ++k) sum += p.qx8[b].qs[k];
+            xsum[b] = sum;
+        }
+    }
     // runs of panels as qgemm_into's: at least 4 per thread where the rows allow, at most 8
     const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
     const int64_t panels = (rows + 31) / 32;
@@ -332,7 +347,7 @@ void qgemm_q8_into(QgemmQ8Fn fn, const float* xp, int64_t nt, const uint8_t* W, 
         thread_local std::vector<float> c;
         if ((int64_t)c.size() < 32 * nt) c.resize(32 * nt);
         const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;
-        fn(W, rb, r0, r1, x, nt, cols, c.data(), yp, rows);
+        fn(W, rb, r0, r1, x, xsum.data(), nt, cols, c.data(), yp, rows);
     });
 }
 
@@ -341,7 +356,7 @@ void qgemm_q8_into(QgemmQ8Fn fn, const float* xp, int64_t nt, const uint8_t* W, 
 // the q8 row kernels or the exact panel product).
 at::Tensor qgemm_q8(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
                     int64_t cols) {
-    const QgemmQ8Fn fn = qgemm_q8_fn(type);
+    const QgemmQ8Fn fn = qgemm_q8_fn(type, cols);
     if (fn == nullptr) return at::Tensor();
     const TypeInfo* ti = check_type(type, cols, 1);
     const int64_t rb = cols / ti->block * ti->bytes;
@@ -351,7 +366,7 @@ at::Tensor qgemm_q8(const at::Tensor& x_, const at::Tensor& raw, int64_t type, i
     at::Tensor y = at::empty({nt, rows}, x.options());
     if (nt == 0 || rows == 0) return y;
     pybind11::gil_scoped_release nogil;
-    qgemm_q8_into(fn, x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, rows, cols,
+    qgemm_q8_into(fn, type, x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, rows, cols,
                   y.data_ptr<float>());
     return y;
 }
@@ -671,9 +686,9 @@ bool expert_tokens(const at::Tensor& x_, const at::Tensor& tok_, const at::Tenso
         const auto product = [&](const uint8_t* W, int64_t rb, RowsFn fn, int64_t type,
                                  int64_t rows, int64_t cols, const float* in, bool wide,
                                  float* o) {
-            const QgemmQ8Fn q8 = wide && mode == 1 ? qgemm_q8_fn(type) : nullptr;
+            const QgemmQ8Fn q8 = wide && mode == 1 ? qgemm_q8_fn(type, cols) : nullptr;
             if (q8)
-                qgemm_q8_into(q8, in, n, W, rb, rows, cols, o);
+                qgemm_q8_into(q8, type, in, n, W, rb, rows, cols, o);
             else if (wide)
                 qgemm_into(in, n, W, rb, type, rows, cols, o);
             else

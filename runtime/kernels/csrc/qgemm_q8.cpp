@@ -140,7 +140,8 @@ EFS_TI void zero_row(Panel& p, int v, int j) {
 
 // p.rows (16 rows of 64 32-bit words) into p.w[v] ([64 words][16 rows]): four 16 x 16
 // transposes, each four rounds of swapping the off-diagonal blocks of 8, 4, 2, 1 words.
-EFS_VI void transpose(Panel& p, int v) {
+template <class P>
+EFS_VI void transpose(P& p, int v) {
     static const int D[4] = {8, 4, 2, 1};
     __m512i lo[4], hi[4];
     for (int s = 0; s < 4; ++s) {
@@ -408,16 +409,150 @@ thread_local Panel t_panel;
 
 #if EFS_AVXVNNI_TARGET
 template <int TYPE>
-EFS_W void rows_q8_8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
-                     int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
-    panels<TYPE, false>(W, rb, r0, r1, x, nt, cols, C, y, ys, t_panel);
+EFS_W void rows_q8_8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const void* x,
+                     const int32_t*, int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
+    panels<TYPE, false>(W, rb, r0, r1, (const Q8K*)x, nt, cols, C, y, ys, t_panel);
 }
 #endif
 
 template <int TYPE>
-EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
-                   int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
-    panels<TYPE, true>(W, rb, r0, r1, x, nt, cols, C, y, ys, t_panel);
+EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const void* x,
+                   const int32_t*, int64_t nt, int64_t cols, float* C, float* y, int64_t ys) {
+    panels<TYPE, true>(W, rb, r0, r1, (const Q8K*)x, nt, cols, C, y, ys, t_panel);
+}
+
+// --- blocks of 32 against Q8_0 activations: Q8_0, Q4_0, IQ4_NL, MXFP4 (AVX-512) -------------
+//
+// The same panel of 32 rows x 256 weights (eight blocks), each block's weights + 128 as
+// unsigned bytes and its float scale; per block and token the integer sum less 128 times the
+// token's block sum (xsum), times d_w * d_x, added into float sums kept in registers over the
+// panel's eight blocks: ggml_vec_dot_*_q8_0's numerics (sumi * (d_w * d_x) per block) up to
+// float rounding and order.
+
+constexpr int TILE32 = 5;        // tokens per call: 2 x 5 integer and 2 x 5 float sums
+
+struct alignas(64) Panel32 {
+    int32_t w[NV][64][16];       // as Panel's
+    float bd[NV][8][16];         // [vector][block][row] the block's scale
+    alignas(64) uint8_t rows[16][256];
+};
+
+// ggml's kvalues_iq4nl and kvalues_mxfp4 (doubled E2M1), twice: a 256-bit shuffle table
+EFS_TI __m256i kv_table(int type) {
+    return type == T_IQ4_NL
+        ? _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                           113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                           89, 113)
+        : _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3,
+                           4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+template <int TYPE>
+constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : 18;
+
+// Row j of vector v: its 8 blocks from b (the first of them), weights + 128 and scales.
+template <int TYPE>
+EFS_TI void decode_row32(const uint8_t* b, Panel32& p, int v, int j) {
+    const __m256i k128 = _mm256_set1_epi8((char)0x80);
+    for (int k = 0; k < 8; ++k, b += B32_BYTES<TYPE>) {
+        __m256i w;
+        if constexpr (TYPE == T_Q8_0) {
+            w = _mm256_xor_si256(loadu256(b + 2), k128);
+        } else if constexpr (TYPE == T_Q4_0) {          // q - 8 + 128
+            w = _mm256_add_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(120));
+        } else {                                        // IQ4_NL, MXFP4: the table's values
+            const __m256i nib = nibbles(loadu128(b + (TYPE == T_MXFP4 ? 1 : 2)));
+            w = _mm256_xor_si256(_mm256_shuffle_epi8(kv_table(TYPE), nib), k128);
+        }
+        _mm256_storeu_si256((__m256i*)(p.rows[j] + 32 * k), w);
+        p.bd[v][k][j] = TYPE == T_MXFP4 ? e8m0h(b[0]) : f16(b);
+    }
+}
+
+template <int TYPE>
+EFS_V void decode_panel32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
+                          Panel32& p) {
+    for (int v = 0; v < NV; ++v) {
+        for (int j = 0; j < 16; ++j) {
+            const int64_t r = r0 + 16 * v + j;
+            if (r < r1) {
+                decode_row32<TYPE>(W + r * rb + i * 8 * B32_BYTES<TYPE>, p, v, j);
+            } else {
+                memset(p.rows[j], 0, 256);
+                for (int k = 0; k < 8; ++k) p.bd[v][k][j] = 0.f;
+            }
+        }
+        transpose(p, v);
+    }
+}
+
+// NT tokens (t0 ...) of the panel's eight blocks (the 256 weights of block-group i).
+template <int NT>
+EFS_V void tile32(const Panel32& p, const QX8* x, const int32_t* xsum, int64_t nb, int64_t t0,
+                  int64_t i, float* C) {
+    __m512 f[NV][NT];
+    for (int v = 0; v < NV; ++v)
+        for (int t = 0; t < NT; ++t) f[v][t] = _mm512_setzero_ps();
+    for (int k = 0; k < 8; ++k) {
+        const int64_t blk = 8 * i + k;
+        __m512i acc[NV][NT];
+        for (int v = 0; v < NV; ++v)
+            for (int t = 0; t < NT; ++t) acc[v][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) {
+            const __m512i w0 = _mm512_load_si512(p.w[0][8 * k + s]);
+            const __m512i w1 = _mm512_load_si512(p.w[1][8 * k + s]);
+            for (int t = 0; t < NT; ++t) {
+                int32_t q;
+                memcpy(&q, x[(t0 + t) * nb + blk].qs + 4 * s, 4);
+                const __m512i xq = _mm512_set1_epi32(q);
+                acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], w0, xq);
+                acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], w1, xq);
+            }
+        }
+        for (int v = 0; v < NV; ++v) {
+            const __m512 bd = _mm512_load_ps(p.bd[v][k]);
+            for (int t = 0; t < NT; ++t) {
+                const int64_t at = (t0 + t) * nb + blk;
+                const __m512i isum = _mm512_sub_epi32(acc[v][t], _mm512_set1_epi32(128 * xsum[at]));
+                f[v][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                          _mm512_mul_ps(bd, _mm512_set1_ps(x[at].d)), f[v][t]);
+            }
+        }
+    }
+    for (int v = 0; v < NV; ++v)
+        for (int t = 0; t < NT; ++t) {
+            float* c = C + (t0 + t) * 32 + 16 * v;
+            _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), f[v][t]));
+        }
+}
+
+thread_local Panel32 t_panel32;
+
+template <int TYPE>
+EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const void* xv,
+                      const int32_t* xsum, int64_t nt, int64_t cols, float* C, float* y,
+                      int64_t ys) {
+    const QX8* x = (const QX8*)xv;
+    const int64_t nb = cols / 32;
+    Panel32& p = t_panel32;
+    for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
+        memset(C, 0, sizeof(float) * 32 * nt);
+        for (int64_t i = 0; i < cols / 256; ++i) {
+            decode_panel32<TYPE>(W, rb, p0, r1, i, p);
+            int64_t t0 = 0;
+            for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, C);
+            switch (nt - t0) {
+                case 1: tile32<1>(p, x, xsum, nb, t0, i, C); break;
+                case 2: tile32<2>(p, x, xsum, nb, t0, i, C); break;
+                case 3: tile32<3>(p, x, xsum, nb, t0, i, C); break;
+                case 4: tile32<4>(p, x, xsum, nb, t0, i, C); break;
+                default: break;
+            }
+        }
+        const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
+        for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
+    }
 }
 
 }  // namespace
@@ -433,7 +568,16 @@ EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q
         default: return nullptr;                                                          \
     }
 
-QgemmQ8Fn avx512_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8) }
+QgemmQ8Fn avx512_qgemm_q8(int type) {
+    switch (type) {
+        case T_Q8_0: return rows_q8_32<T_Q8_0>;
+        case T_Q4_0: return rows_q8_32<T_Q4_0>;
+        case T_IQ4_NL: return rows_q8_32<T_IQ4_NL>;
+        case T_MXFP4: return rows_q8_32<T_MXFP4>;
+        default: break;
+    }
+    EFS_Q8_CASES(rows_q8)
+}
 #if EFS_AVXVNNI_TARGET
 QgemmQ8Fn avxvnni_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8_8) }
 #else

@@ -18,7 +18,8 @@ from expertfs.runtime import kernels
 from support.native import MOD, NEEDS_NATIVE
 
 PANEL = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S,
-         T.IQ1_M, T.TQ1_0, T.TQ2_0]
+         T.IQ1_M, T.TQ1_0, T.TQ2_0, T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]
+BLOCKS32 = (T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4)           # Q8_0 activations, blocks of 32
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("avx512_vnni"), reason="this CPU has no AVX512-VNNI")]
@@ -32,7 +33,8 @@ def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
         d = (rng.uniform(0.5, 1.5, b.shape[0]) * cols ** -0.5).astype(np.float16)
         b[:, -2:] = d.view(np.uint8).reshape(-1, 2)
     else:
-        b = make_blocks(t, rows * cols // 256, cols ** -0.5, rng)
+        n = rows * cols // (32 if t in BLOCKS32 else 256)
+        b = make_blocks(t, n, cols ** -0.5, rng)
     return torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy())
 
 
@@ -96,14 +98,19 @@ def test_the_avx_vnni_form_gives_the_same_bits(t):
         MOD.set_isa("best")
 
 
-def test_other_types_keep_the_exact_panel_product():
+def test_other_types_and_rows_keep_the_exact_panel_product():
+    """Types without an integer panel (Q3_K here) and blocks-of-32 rows that are not whole
+    panels of 256 weights keep the exact panel product; q8's own results are near the exact
+    ones (its rounding, not garbage)."""
+    x = torch.randn(12, 288, generator=torch.Generator().manual_seed(5))
+    q = weight(T.Q8_0, 40, 288, 6)
+    assert torch.equal(kernels.qgemm(x, q, T.Q8_0, (40, 288), "q8"),
+                       kernels.qgemm(x, q, T.Q8_0, (40, 288)))
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(7))
+    q3 = weight(T.Q3_K, 40, 512, 8)
+    assert torch.equal(kernels.qgemm(x, q3, T.Q3_K, (40, 512), "q8"),
+                       kernels.qgemm(x, q3, T.Q3_K, (40, 512)))
     raw = weight(T.Q4_K, 40, 512, 5)
-    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
     W = dequantize(raw, T.Q4_K, (40, 512))
-    # Q4_0 and Q8_0 (blocks of 32, Q8_0 activations) have no integer panel
-    q = torch.from_numpy(make_blocks(T.Q8_0, 40 * 512 // 32, 512 ** -0.5,
-                                     np.random.default_rng(6)).reshape(-1).copy())
-    assert torch.equal(kernels.qgemm(x, q, T.Q8_0, (40, 512), "q8"),
-                       kernels.qgemm(x, q, T.Q8_0, (40, 512)))
     assert ((kernels.qgemm(x, raw, T.Q4_K, (40, 512), "q8") - x @ W.T).abs()
-            <= 0.05 * (x @ W.T).abs().max()).all()          # q8's rounding, not garbage
+            <= 0.05 * (x @ W.T).abs().max()).all()
