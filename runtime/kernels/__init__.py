@@ -12,8 +12,9 @@ Two numerics, chosen per call by ``act_quant``:
   own numerics. Its
   quality cost against the exact mode is measured by ``bench/bench_decode_actquant.py``. Its
   wide products (``qgemm``: a prompt's) go through 8-bit integer panels where the CPU has
-  AVX512-VNNI and the type has one (the K-quants Q4_K-Q6_K, the lattice IQ and TQ types;
-  ``widths.q8_panel``), else through the exact float panel product.
+  AVX512-VNNI (or AVX-VNNI) and the type has one (the K-quants Q4_K-Q6_K, the lattice IQ and
+  TQ types; with AVX512-VNNI also Q8_0, Q4_0, IQ4_NL and MXFP4 in rows of whole 256-weight
+  panels; ``widths.q8_panel``), else through the exact float panel product.
 
 Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1, BF16, F16,
 IQ4_NL, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (the lattice IQ types' codebooks
