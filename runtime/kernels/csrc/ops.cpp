@@ -274,6 +274,16 @@ at::Tensor matvec(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int
 
 bool qgemm_available() { return g_isa >= ISA_AVX2 && qgemm_compiled(); }
 
+// Rows a pool task of a panel product takes: runs of panels (`panel` rows each), at least 4
+// per thread where the rows allow (a delayed thread is made up for), at most 8 panels (their
+// sums stay in the L2 cache).
+int64_t panel_run(int64_t rows, int64_t panel) {
+    const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
+    int64_t per = (rows + panel - 1) / panel / (4 * nth);
+    per = per < 1 ? 1 : per > 8 ? 8 : per;
+    return per * panel;
+}
+
 // qgemm's product into yp [nt, rows] (the caller checks and releases the GIL).
 void qgemm_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64_t type,
                 int64_t rows, int64_t cols, float* yp) {
@@ -289,13 +299,7 @@ void qgemm_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64
         for (int64_t t = 0; t < nt; ++t)
             for (int64_t k = k0; k < k1; ++k) xtp[k * tp + t] = xp[t * cols + k];
     }
-    // runs of panels, at least 4 per thread where the rows allow (a delayed thread is made up
-    // for), at most 8 panels (their sums, 192 x tp floats, stay in the L2 cache)
-    const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
-    const int64_t panels = (rows + QGEMM_PANEL - 1) / QGEMM_PANEL;
-    int64_t per = panels / (4 * nth);
-    per = per < 1 ? 1 : per > 8 ? 8 : per;
-    const int64_t run = per * QGEMM_PANEL;
+    const int64_t run = panel_run(rows, QGEMM_PANEL);
     par_chunks((rows + run - 1) / run, [&](int64_t i) {
         thread_local std::vector<float> panel, sums;
         const int64_t need = QGEMM_PANEL * qgemm_panel_stride(qgemm_kb(cols, tp));
@@ -337,12 +341,7 @@ void qgemm_q8_into(QgemmQ8Fn fn, int64_t type, const float* xp, int64_t nt, cons
             xsum[b] = sum;
         }
     }
-    // runs of panels as qgemm_into's: at least 4 per thread where the rows allow, at most 8
-    const int nth = g_threads > 0 ? g_threads : at::get_num_threads();
-    const int64_t panels = (rows + 31) / 32;
-    int64_t per = panels / (4 * nth);
-    per = per < 1 ? 1 : per > 8 ? 8 : per;
-    const int64_t run = per * 32;
+    const int64_t run = panel_run(rows, 32);
     par_chunks((rows + run - 1) / run, [&](int64_t i) {
         thread_local std::vector<float> c;
         if ((int64_t)c.size() < 32 * nt) c.resize(32 * nt);
