@@ -12,7 +12,7 @@ from ...formats.ggml import GGMLType
 from .build import load
 from .widths import (WIDE_TYPES, WIDE_TYPES_AVX2, WIDE_TYPES_GEMM512,  # noqa: F401
                      WIDE_TYPES_Q8, WIDE_TYPES_Q8_AVX2, WIDE_TYPES_Q8_GEMM512,
-                     WIDE_TYPES_Q8_VNNI, _WIDE, max_tokens, q8_panel)
+                     WIDE_TYPES_Q8_VNNI, _WIDE, max_tokens)
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine", "expert_tokens",
@@ -99,9 +99,9 @@ def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
     """``x [T, in]`` float32 CPU → ``[T, out]`` for many tokens (prefill): each panel of rows of
     W decoded once, into the core's cache, and multiplied by every token. Exact mode's numerics
     (dequantized floats, float32 sums), or with ``act_quant="q8"`` where the CPU has AVX512-VNNI
-    and the type an integer panel (``q8_panel``) q8 mode's: Q8_K activations and 8-bit integer
-    products, the q8 row kernels' results up to float summation order; q8 for another type or
-    CPU keeps the exact panel product. None when not applicable (the portable kernels only,
+    or AVX-VNNI and the type an integer panel (``widths.q8_panel``) q8 mode's: the q8 row
+    kernels' activations and 8-bit integer products, their results up to float summation order;
+    q8 for another type, CPU or row length keeps the exact panel product. None when not applicable (the portable kernels only,
     another device or dtype, a type the kernels do not take)."""
     rows, cols = int(shape[0]), int(shape[1])
     t = int(ggml_type)
@@ -111,10 +111,7 @@ def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,
     mod = load()
     if mod is None or not hasattr(mod, "qgemm"):
         return None
-    if _moe_mode(act_quant) == 1 and cols % 256 == 0 and _applies(t, cols, 1) \
-            and q8_panel(mod, t):
-        return mod.qgemm_q8(x, raw.reshape(-1), t, rows, cols)
-    return mod.qgemm(x, raw.reshape(-1), t, rows, cols)
+    return mod.qgemm(x, raw.reshape(-1), t, rows, cols, _moe_mode(act_quant))
 
 
 def dequant(raw: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int],

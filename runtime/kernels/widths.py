@@ -109,12 +109,11 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     mod = load()
     if mod is None:
         return default
-    q8 = act_quant is not None and act_quant != "off"
-    if q8 and q8_panel(mod, ggml_type):
-        vnni = WIDE_TYPES_Q8_VNNI if mod.isa() == "avx512" else WIDE_TYPES_Q8_AVXVNNI
+    isa, q8 = mod.isa(), act_quant is not None and act_quant != "off"
+    if q8 and int(ggml_type) in _panel_types(mod, isa):
+        vnni = WIDE_TYPES_Q8_VNNI if isa == "avx512" else WIDE_TYPES_Q8_AVXVNNI
         return vnni.get(ggml_type, default)
-    table = _WIDE.get((mod.isa(), gemm.isa(), int(q8)), {})
-    return table.get(ggml_type, default)
+    return _WIDE.get((isa, gemm.isa(), int(q8)), {}).get(ggml_type, default)
 
 
 #: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these
@@ -136,17 +135,23 @@ WIDE_TYPES_Q8_VNNI = {
 #: the Xeon with the kernels held to AVX2 (``bench_kernels.py --prefill -t 2 --isa avx2``, the
 #: same shapes, 4-128 tokens): the panel product takes less time than the AVX2 q8 rows kernels
 #: from 4 tokens, or ties there (bench/README.md), so past 4, their one pass.
-WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI}     # (no blocks-of-32 form there)
+WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of-32 form)
+                         if t not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.IQ4_NL,
+                                      GGMLType.MXFP4)}
 
 #: ISA in use → the type ids q8 mode's integer panel product takes there
 _Q8_PANEL: dict[str, frozenset[int]] = {}
 
 
-def q8_panel(mod: ModuleType, ggml_type: GGMLType | int) -> bool:
-    """Whether q8 mode's integer panel product (AVX512-VNNI) takes ``ggml_type`` at the ISA the
-    kernels run now (``set_isa`` may change it; looked up once per ISA)."""
-    isa = mod.isa()
+def _panel_types(mod: ModuleType, isa: str) -> frozenset[int]:
     types = _Q8_PANEL.get(isa)
     if types is None:
         types = _Q8_PANEL[isa] = frozenset(mod.info().get("q8_panel_types", ()))
-    return int(ggml_type) in types
+    return types
+
+
+def q8_panel(mod: ModuleType, ggml_type: GGMLType | int) -> bool:
+    """Whether q8 mode's integer panel product (AVX512-VNNI, or AVX-VNNI at the AVX2 tier) takes
+    ``ggml_type`` at the ISA the kernels run now (``set_isa`` may change it; looked up once per
+    ISA)."""
+    return int(ggml_type) in _panel_types(mod, mod.isa())

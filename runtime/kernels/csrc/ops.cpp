@@ -350,32 +350,25 @@ void qgemm_q8_into(QgemmQ8Fn fn, int64_t type, const float* xp, int64_t nt, cons
     });
 }
 
-// y[T, rows] = x[T, cols] @ W.T in q8 mode's numerics through the integer panel product
-// (qgemm_q8.cpp); an undefined tensor where this CPU or type has none (the caller then takes
-// the q8 row kernels or the exact panel product).
-at::Tensor qgemm_q8(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
-                    int64_t cols) {
-    const QgemmQ8Fn fn = qgemm_q8_fn(type, cols);
-    if (fn == nullptr) return at::Tensor();
-    const TypeInfo* ti = check_type(type, cols, 1);
-    const int64_t rb = cols / ti->block * ti->bytes;
-    check_raw(raw, rows, rb, "weight");
-    const at::Tensor x = check_x(x_, cols);
-    const int64_t nt = x.size(0);
-    at::Tensor y = at::empty({nt, rows}, x.options());
-    if (nt == 0 || rows == 0) return y;
-    pybind11::gil_scoped_release nogil;
-    qgemm_q8_into(fn, type, x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, rows, cols,
-                  y.data_ptr<float>());
-    return y;
+// A wide product into yp [nt, rows] (the caller checks and releases the GIL): in q8 mode
+// (`mode` 1) through the integer panel product where this CPU and type have one (whole panels of
+// 256 weights), else through the exact panel product.
+void wide_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64_t type,
+               int64_t rows, int64_t cols, int64_t mode, float* yp) {
+    const QgemmQ8Fn q8 = mode == 1 ? qgemm_q8_fn(type, cols) : nullptr;
+    if (q8)
+        qgemm_q8_into(q8, type, xp, nt, W, rb, rows, cols, yp);
+    else
+        qgemm_into(xp, nt, W, rb, type, rows, cols, yp);
 }
 
-// y[T, rows] = x[T, cols] @ W.T for many tokens (qgemm.cpp): each panel of rows dequantized
-// once into this thread's scratch, then multiplied by every token. Exact mode's numerics (the
-// dequantized floats, float32 sums). Undefined under the portable kernels (no AVX2): the
-// caller takes the wide path.
+// y[T, rows] = x[T, cols] @ W.T for many tokens: each panel of rows decoded once into this
+// thread's scratch, then multiplied by every token (wide_into: qgemm.cpp's float panel in exact
+// mode's numerics, the dequantized floats and float32 sums; in q8 mode qgemm_q8.cpp's integer
+// panel where there is one). Undefined under the portable kernels (no AVX2): the caller takes
+// the wide path.
 at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int64_t rows,
-                 int64_t cols) {
+                 int64_t cols, int64_t mode) {
     if (!qgemm_available()) return at::Tensor();
     const TypeInfo* ti = check_type(type, cols, 0);
     const int64_t rb = cols / ti->block * ti->bytes;
@@ -385,8 +378,8 @@ at::Tensor qgemm(const at::Tensor& x_, const at::Tensor& raw, int64_t type, int6
     at::Tensor y = at::empty({nt, rows}, x.options());
     if (nt == 0 || rows == 0) return y;
     pybind11::gil_scoped_release nogil;
-    qgemm_into(x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, type, rows, cols,
-               y.data_ptr<float>());
+    wide_into(x.data_ptr<float>(), nt, raw.data_ptr<uint8_t>(), rb, type, rows, cols, mode,
+              y.data_ptr<float>());
     return y;
 }
 
@@ -685,11 +678,8 @@ bool expert_tokens(const at::Tensor& x_, const at::Tensor& tok_, const at::Tenso
         const auto product = [&](const uint8_t* W, int64_t rb, RowsFn fn, int64_t type,
                                  int64_t rows, int64_t cols, const float* in, bool wide,
                                  float* o) {
-            const QgemmQ8Fn q8 = wide && mode == 1 ? qgemm_q8_fn(type, cols) : nullptr;
-            if (q8)
-                qgemm_q8_into(q8, type, in, n, W, rb, rows, cols, o);
-            else if (wide)
-                qgemm_into(in, n, W, rb, type, rows, cols, o);
+            if (wide)
+                wide_into(in, n, W, rb, type, rows, cols, mode, o);
             else
                 matvec_into(in, (int)n, W, rb, fn, (int)type, rows, cols, mode, o);
         };
@@ -910,13 +900,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("matvec", &efs::matvec, "y[T, rows] = x[T, cols] @ W.T from ggml bytes",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
           pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode"));
-    m.def("qgemm_q8", &efs::qgemm_q8, "y[T, rows] = x[T, cols] @ W.T in q8 numerics, many "
-          "tokens (AVX-512 VNNI or AVX-VNNI; undefined where not available)",
+    m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens (AVX2 or AVX-512; "
+          "mode 1: q8, through the integer panel where there is one)",
           pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
-          pybind11::arg("rows"), pybind11::arg("cols"));
-    m.def("qgemm", &efs::qgemm, "y[T, rows] = x[T, cols] @ W.T, many tokens (AVX2 or AVX-512)",
-          pybind11::arg("x"), pybind11::arg("raw"), pybind11::arg("type"),
-          pybind11::arg("rows"), pybind11::arg("cols"));
+          pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("mode") = 0);
     m.def("moe", &efs::moe, "one decode step through a layer's selected experts",
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("gate"), pybind11::arg("up"),
           pybind11::arg("down"), pybind11::arg("tg"), pybind11::arg("tu"),
