@@ -378,8 +378,21 @@ EFS_W void tokens8(const Panel& p, const Q8K* x, int64_t nb, int64_t nt, int64_t
 }
 #endif
 
-// A thread's rows: each 32-row panel's blocks decoded and multiplied by every token (WIDE:
-// AVX-512, else AVX-VNNI), the sums kept in C and copied to y at the panel's end.
+// A thread's rows [r0, r1), a 32-row panel at a time: its sums C zeroed, `block(p0, i)` for
+// each of its nblk 256-weight blocks (decodes the block and multiplies it by every token into
+// C), then C copied to y.
+template <class Block>
+EFS_TI void over_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nblk, float* C, float* y,
+                        int64_t ys, const Block& block) {
+    for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
+        memset(C, 0, sizeof(float) * 32 * nt);
+        for (int64_t i = 0; i < nblk; ++i) block(p0, i);
+        const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
+        for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
+    }
+}
+
+// The Q8_K types' panels (WIDE: AVX-512, else AVX-VNNI).
 template <int TYPE, bool WIDE>
 EFS_TI void panels(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
                    int64_t nt, int64_t cols, float* C, float* y, int64_t ys, Panel& p) {
@@ -387,22 +400,17 @@ EFS_TI void panels(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q
     constexpr int G = K45 ? 32 : 16, SHIFT = OFFSET_SHIFT<TYPE>;
     const int64_t nb = cols / 256;
     const int bytes = (int)(rb / nb);
-    for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
-        memset(C, 0, sizeof(float) * 32 * nt);
-        for (int64_t i = 0; i < nb; ++i) {
-            if constexpr (WIDE) {
-                decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
-                tokens<G, SHIFT>(p, x, nb, nt, i, C);
-            } else {
+    over_panels(r0, r1, nt, nb, C, y, ys, [&](int64_t p0, int64_t i) {
+        if constexpr (WIDE) {
+            decode_panel<TYPE>(W, rb, p0, r1, i, bytes, p);
+            tokens<G, SHIFT>(p, x, nb, nt, i, C);
+        } else {
 #if EFS_AVXVNNI_TARGET
-                decode_panel8<TYPE>(W, rb, p0, r1, i, bytes, p);
-                tokens8<G, SHIFT>(p, x, nb, nt, i, C);
+            decode_panel8<TYPE>(W, rb, p0, r1, i, bytes, p);
+            tokens8<G, SHIFT>(p, x, nb, nt, i, C);
 #endif
-            }
         }
-        const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
-        for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
-    }
+    });
 }
 
 thread_local Panel t_panel;
@@ -536,23 +544,18 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
     const QX8* x = (const QX8*)xv;
     const int64_t nb = cols / 32;
     Panel32& p = t_panel32;
-    for (int64_t p0 = r0; p0 < r1; p0 += 16 * NV) {
-        memset(C, 0, sizeof(float) * 32 * nt);
-        for (int64_t i = 0; i < cols / 256; ++i) {
-            decode_panel32<TYPE>(W, rb, p0, r1, i, p);
-            int64_t t0 = 0;
-            for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, C);
-            switch (nt - t0) {
-                case 1: tile32<1>(p, x, xsum, nb, t0, i, C); break;
-                case 2: tile32<2>(p, x, xsum, nb, t0, i, C); break;
-                case 3: tile32<3>(p, x, xsum, nb, t0, i, C); break;
-                case 4: tile32<4>(p, x, xsum, nb, t0, i, C); break;
-                default: break;
-            }
+    over_panels(r0, r1, nt, cols / 256, C, y, ys, [&](int64_t p0, int64_t i) {
+        decode_panel32<TYPE>(W, rb, p0, r1, i, p);
+        int64_t t0 = 0;
+        for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, C);
+        switch (nt - t0) {
+            case 1: tile32<1>(p, x, xsum, nb, t0, i, C); break;
+            case 2: tile32<2>(p, x, xsum, nb, t0, i, C); break;
+            case 3: tile32<3>(p, x, xsum, nb, t0, i, C); break;
+            case 4: tile32<4>(p, x, xsum, nb, t0, i, C); break;
+            default: break;
         }
-        const int64_t n = r1 - p0 < 32 ? r1 - p0 : 32;
-        for (int64_t t = 0; t < nt; ++t) memcpy(y + t * ys + p0, C + t * 32, n * sizeof(float));
-    }
+    });
 }
 
 }  // namespace
