@@ -197,9 +197,7 @@ bool avx2_iq_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, in
                           int64_t cols, float* y) {
 #define EFS_CASE(T, D) case T: deq_iq_rows<T, D>(W, rb, r0, r1, cols, y); return true;
     switch (type) {
-        EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
-        EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)
-        EFS_CASE(T_IQ1_M, IQ1M) EFS_CASE(T_TQ1_0, TQ1) EFS_CASE(T_TQ2_0, TQ2)
+        EFS_IQ_DECODERS(EFS_CASE)
         default: return false;
     }
 #undef EFS_CASE
@@ -208,9 +206,7 @@ bool avx2_iq_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, in
 RowsFn avx2_iq_rows(int type, int mode) {
 #define EFS_CASE(T, D) case T: return mode == 0 ? rows_iq<D, false> : rows_iq<D, true>;
     switch (type) {
-        EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
-        EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)
-        EFS_CASE(T_IQ1_M, IQ1M) EFS_CASE(T_TQ1_0, TQ1) EFS_CASE(T_TQ2_0, TQ2)
+        EFS_IQ_DECODERS(EFS_CASE)
         default: return nullptr;
     }
 #undef EFS_CASE

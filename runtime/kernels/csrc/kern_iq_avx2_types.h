@@ -344,5 +344,16 @@ struct TQ1 {
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) { ints_to_floats(q(b, ib), v); }
 };
 
+// Every type these decoders cover, as X(type id, decoder): the units' dispatch switches.
+#define EFS_IQ_DECODERS(X)                                                                    \
+    X(T_IQ2_XXS, IQ2XXS) X(T_IQ2_XS, IQ2XS) X(T_IQ2_S, IQ2S) X(T_IQ3_XXS, IQ3XXS)             \
+    X(T_IQ3_S, IQ3S) X(T_IQ1_S, IQ1S) X(T_IQ1_M, IQ1M) X(T_TQ1_0, TQ1) X(T_TQ2_0, TQ2)
+
+// A type id's decoder: IqOf<T_IQ2_XXS>::D is IQ2XXS.
+template <int TYPE> struct IqOf;
+#define EFS_IQ_OF(T, DEC) template <> struct IqOf<T> { using D = DEC; };
+EFS_IQ_DECODERS(EFS_IQ_OF)
+#undef EFS_IQ_OF
+
 }  // namespace
 }  // namespace efs

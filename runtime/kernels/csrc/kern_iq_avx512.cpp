@@ -283,9 +283,7 @@ RowsFn avx512_iq_rows(int type, int mode) {
     // (IQ4_NL's exact kernel is with the K-quants', kern_k_avx512.cpp)
 #define EFS_CASE(T, D) case T: return mode == 1 ? rows_q8z<D, T> : rows_exz<D, T>;
     switch (type) {
-        EFS_CASE(T_IQ2_XXS, IQ2XXS) EFS_CASE(T_IQ2_XS, IQ2XS) EFS_CASE(T_IQ2_S, IQ2S)
-        EFS_CASE(T_IQ3_XXS, IQ3XXS) EFS_CASE(T_IQ3_S, IQ3S) EFS_CASE(T_IQ1_S, IQ1S)
-        EFS_CASE(T_IQ1_M, IQ1M) EFS_CASE(T_TQ1_0, TQ1) EFS_CASE(T_TQ2_0, TQ2)
+        EFS_IQ_DECODERS(EFS_CASE)
         case T_IQ4_NL: return mode == 1 ? rows_q8z<IQ4NL, T_IQ4_NL> : nullptr;
         default: return nullptr;
     }

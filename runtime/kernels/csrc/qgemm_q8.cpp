@@ -65,18 +65,6 @@ EFS_TI int32_t i16pair(int lo, int hi) {
     return (int32_t)(((uint32_t)(uint16_t)(int16_t)hi << 16) | (uint16_t)(int16_t)lo);
 }
 
-// The decoder (kern_iq_avx2_types.h) of a lattice IQ or ternary type.
-template <int TYPE> struct IqOf;
-template <> struct IqOf<T_IQ2_XXS> { using D = IQ2XXS; };
-template <> struct IqOf<T_IQ2_XS> { using D = IQ2XS; };
-template <> struct IqOf<T_IQ2_S> { using D = IQ2S; };
-template <> struct IqOf<T_IQ3_XXS> { using D = IQ3XXS; };
-template <> struct IqOf<T_IQ3_S> { using D = IQ3S; };
-template <> struct IqOf<T_IQ1_S> { using D = IQ1S; };
-template <> struct IqOf<T_IQ1_M> { using D = IQ1M; };
-template <> struct IqOf<T_TQ1_0> { using D = TQ1; };
-template <> struct IqOf<T_TQ2_0> { using D = TQ2; };
-
 // Row j of vector v from block b: weights into p.rows[j], multipliers, offsets and scales.
 template <int TYPE>
 EFS_TI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
@@ -560,14 +548,12 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
 
 }  // namespace
 
-#define EFS_Q8_CASES(FN)                                                                  \
+// The Q8_K types' switch: EFS_Q8_FN, defined around each use, is the rows function template.
+#define EFS_Q8_CASE(T, D) case T: return EFS_Q8_FN<T>;
+#define EFS_Q8_CASES                                                                      \
     switch (type) {                                                                       \
-        case T_Q4_K: return FN<T_Q4_K>;       case T_Q5_K: return FN<T_Q5_K>;             \
-        case T_Q6_K: return FN<T_Q6_K>;       case T_IQ2_XXS: return FN<T_IQ2_XXS>;       \
-        case T_IQ2_XS: return FN<T_IQ2_XS>;   case T_IQ2_S: return FN<T_IQ2_S>;           \
-        case T_IQ3_XXS: return FN<T_IQ3_XXS>; case T_IQ3_S: return FN<T_IQ3_S>;           \
-        case T_IQ1_S: return FN<T_IQ1_S>;     case T_IQ1_M: return FN<T_IQ1_M>;           \
-        case T_TQ1_0: return FN<T_TQ1_0>;     case T_TQ2_0: return FN<T_TQ2_0>;           \
+        EFS_Q8_CASE(T_Q4_K, -) EFS_Q8_CASE(T_Q5_K, -) EFS_Q8_CASE(T_Q6_K, -)              \
+        EFS_IQ_DECODERS(EFS_Q8_CASE)                                                      \
         default: return nullptr;                                                          \
     }
 
@@ -579,14 +565,21 @@ QgemmQ8Fn avx512_qgemm_q8(int type) {
         case T_MXFP4: return rows_q8_32<T_MXFP4>;
         default: break;
     }
-    EFS_Q8_CASES(rows_q8)
+#define EFS_Q8_FN rows_q8
+    EFS_Q8_CASES
+#undef EFS_Q8_FN
 }
 #if EFS_AVXVNNI_TARGET
-QgemmQ8Fn avxvnni_qgemm_q8(int type) { EFS_Q8_CASES(rows_q8_8) }
+QgemmQ8Fn avxvnni_qgemm_q8(int type) {
+#define EFS_Q8_FN rows_q8_8
+    EFS_Q8_CASES
+#undef EFS_Q8_FN
+}
 #else
 QgemmQ8Fn avxvnni_qgemm_q8(int) { return nullptr; }
 #endif
 #undef EFS_Q8_CASES
+#undef EFS_Q8_CASE
 
 }  // namespace efs
 
