@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 __all__ = ["NATIVE", "COMPILED", "DEQUANT", "FLOAT", "path_table", "paths_for", "slow_types",
-           "kept_types", "describe_paths", "q8_prompt_paths"]
+           "kept_types", "describe_paths", "q8_prompt_paths", "amx_prompt_types"]
 
 NATIVE = "native kernel"
 COMPILED = "compiled torch"
@@ -73,6 +73,18 @@ def describe_paths(g, device: str = "cpu", fused: bool = True
     slow = [] if device != "cpu" else (
         [(t, "experts") for t in slow_types(exp)] + [(t, "trunk") for t in slow_types(trunk)])
     return line, slow
+
+
+def amx_prompt_types(g) -> list[str]:
+    """The expert and trunk types of a ``plan.Geometry`` whose exact-mode prompt products run
+    on this CPU's AMX tile unit (``kernels.info()["amx_types"]``; none without AMX-BF16)."""
+    from ...formats.ggml import GGMLType
+    from .. import kernels
+    mod = kernels.load()
+    amx = set(mod.info().get("amx_types", ())) if mod is not None else set()
+    types = {m.ggml_type for layer in g.expert_parts for m in layer} | \
+        {m.ggml_type for m in g.trunk_matrices}
+    return sorted(t for t in types if t in GGMLType.__members__ and int(GGMLType[t]) in amx)
 
 
 def q8_prompt_paths(g) -> tuple[list[str], list[str]]:

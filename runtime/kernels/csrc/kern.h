@@ -147,6 +147,28 @@ QgemmQ8Fn avxvnni_qgemm_q8(int type);
 #define EFS_AVXVNNI_TARGET 0
 #endif
 
+// Exact mode's products of many tokens on AMX (qgemm_amx.cpp; AMX-BF16 and AVX512-BF16):
+// y[t * ys + r] = dot(W[r], x_t) for rows [r0, r1), cols a multiple of 256, up to float32
+// rounding (bf16 parts that sum to the weights and the activations exactly). xb, xs: the nt
+// tokens prepared by amx_prepare (xb: 3 * tp * cols / 2 words, xs: cols / 32 * tp floats, tp =
+// nt rounded up to 16).
+typedef void (*QgemmAmxFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
+                           const uint32_t* xb, const float* xs, int64_t nt, int64_t cols,
+                           float* y, int64_t ys);
+// The function for `type` (the Q8_K types: Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0,
+// TQ2_0), nullptr for the others and where not compiled; the caller checks amx_enable().
+QgemmAmxFn amx_qgemm(int type);
+void amx_prepare(const float* x, int64_t nt, int64_t cols, uint32_t* xb, float* xs);
+// Whether this CPU has AMX-BF16 and AVX512-BF16 and the OS grants this process the tile state
+// (asked once: Linux's ARCH_REQ_XCOMP_PERM).
+bool amx_enable();
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define EFS_AMX_TARGET 1
+#else
+#define EFS_AMX_TARGET 0
+#endif
+
 // Activation preparation (scalar; the AVX2 unit provides faster versions of the same).
 void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order
 void perm128(const float* x, float* xz, int64_t n);       // the AVX-512 Q4_K lookup order

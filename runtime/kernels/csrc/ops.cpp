@@ -87,6 +87,19 @@ bool detect_avxvnni() {
 }
 const bool g_avxvnni = detect_avxvnni();
 
+// Exact mode's panel product on AMX where the CPU has it and the OS grants the tile state (not
+// in the emulated build); g_amx_on: in use (set_amx).
+bool detect_amx() {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512)
+    return g_bw && amx_enable();
+#else
+    return false;
+#endif
+}
+const bool g_amx = detect_amx();
+// EXPERTFS_AMX=0 leaves it off (the float panel's numerics and speed, for comparisons).
+bool g_amx_on = g_amx && !(getenv("EXPERTFS_AMX") && strcmp(getenv("EXPERTFS_AMX"), "0") == 0);
+
 RowsFn rows_fn(int type, int mode) {
     RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
     if (!f && g_isa >= ISA_AVX512 && g_bw) f = avx512_iq_rows(type, mode);
@@ -284,9 +297,33 @@ int64_t panel_run(int64_t rows, int64_t panel) {
     return per * panel;
 }
 
-// qgemm's product into yp [nt, rows] (the caller checks and releases the GIL).
+// The AMX product for `type` at the ISA in use (the AVX-512 tier, AMX in use, cols a multiple
+// of 256), or nullptr.
+QgemmAmxFn qgemm_amx_fn(int64_t type, int64_t cols) {
+    return g_isa >= ISA_AVX512 && g_amx_on && cols % 256 == 0 ? amx_qgemm((int)type) : nullptr;
+}
+
+// The AMX product into yp [nt, rows]: the tokens prepared once, then runs of 16-row panels on
+// the pool.
+void qgemm_amx_into(QgemmAmxFn fn, const float* xp, int64_t nt, const uint8_t* W, int64_t rb,
+                    int64_t rows, int64_t cols, float* yp) {
+    const int64_t tp = (nt + 15) / 16 * 16;
+    std::unique_ptr<uint32_t[]> xb(new uint32_t[(size_t)(3 * tp * cols / 2)]);
+    std::unique_ptr<float[]> xs(new float[(size_t)(cols / 32 * tp)]);
+    amx_prepare(xp, nt, cols, xb.get(), xs.get());
+    const int64_t run = panel_run(rows, 16);
+    par_chunks((rows + run - 1) / run, [&](int64_t i) {
+        const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;
+        fn(W, rb, r0, r1, xb.get(), xs.get(), nt, cols, yp, rows);
+    });
+}
+
+// qgemm's product into yp [nt, rows] (the caller checks and releases the GIL): on AMX where
+// there is a product for the type, else the float panel.
 void qgemm_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64_t type,
                 int64_t rows, int64_t cols, float* yp) {
+    if (const QgemmAmxFn amx = qgemm_amx_fn(type, cols))
+        return qgemm_amx_into(amx, xp, nt, W, rb, rows, cols, yp);
     const bool z = g_isa >= ISA_AVX512;
     const int64_t lanes = z ? QGEMM_LANES_AVX512 : QGEMM_LANES_AVX2;
     const int64_t tp = (nt + lanes - 1) / lanes * lanes;
@@ -808,6 +845,13 @@ std::string set_isa(const std::string& name) {
     return isa_name(g_isa);
 }
 
+// Exact mode's AMX panel product on or off; gives whether it is now in use.
+bool set_amx(bool on) {
+    TORCH_CHECK(!on || g_amx, "expertfs kernels: this CPU (or OS, or build) has no AMX-BF16");
+    g_amx_on = on;
+    return g_amx_on;
+}
+
 int64_t set_spin_us(int64_t us) {
     TORCH_CHECK(us >= 0, "expertfs kernels: spin time must be >= 0");
     std::shared_ptr<Pool> old;
@@ -881,6 +925,11 @@ pybind11::dict info() {
     d["q8_panel_types"] = qp;
     d["avx512_vnni"] = g_vnni;
     d["avx_vnni"] = g_avxvnni;
+    d["amx"] = g_amx;                   // exact mode's AMX panel product: the CPU has it
+    pybind11::list ap;                  // ... and the types it takes at the ISA in use now
+    for (int t : all)
+        if (qgemm_amx_fn(t, 256) != nullptr) ap.append(t);
+    d["amx_types"] = ap;
     d["iq_tables"] = g_iq.ok;
     return d;
 }
@@ -941,6 +990,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("cols"), pybind11::arg("out"));
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
+    m.def("set_amx", &efs::set_amx, "exact mode's AMX panel product on or off (where the CPU "
+          "has AMX-BF16)");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");
     m.def("isa", &efs::isa, "the ISA in use: scalar, avx2 or avx512");
     m.def("set_spin_us", &efs::set_spin_us, "how long idle pool workers spin before sleeping");

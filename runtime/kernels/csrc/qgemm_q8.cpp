@@ -31,6 +31,8 @@
 #define EFS_KT EFS_T
 #include "kern_iq_avx2_types.h"
 #include "kern_k_avx2.h"      // q45_planes, q6_planes, k4_scales: a block's fields
+#include "qpanel_rows.h"       // decode_block
+#include "transpose16.h"
 
 #define EFS_V __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
 #define EFS_VI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c"), \
@@ -56,11 +58,6 @@ struct alignas(64) Panel {
     alignas(64) uint8_t rows[16][256];   // one vector's rows before the transpose
 };
 
-// Offset of the stored weights (their 0 is this) as a shift: Q6_K 32 (5), the IQ and TQ types
-// 128 (7); -1: none (Q4_K/Q5_K, whose mins take the offset's place in the block's sum).
-template <int TYPE>
-constexpr int OFFSET_SHIFT = TYPE == T_Q6_K ? 5 : (TYPE == T_Q4_K || TYPE == T_Q5_K) ? -1 : 7;
-
 EFS_TI int32_t i16pair(int lo, int hi) {
     return (int32_t)(((uint32_t)(uint16_t)(int16_t)hi << 16) | (uint16_t)(int16_t)lo);
 }
@@ -68,53 +65,16 @@ EFS_TI int32_t i16pair(int lo, int hi) {
 // Row j of vector v from block b: weights into p.rows[j], multipliers, offsets and scales.
 template <int TYPE>
 EFS_TI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
-    uint8_t* w = p.rows[j];
-    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-        constexpr bool FIVE = TYPE == T_Q5_K;
-        uint32_t u[4];
-        k4_scales(b + 4, u);
-        const uint8_t* sc = (const uint8_t*)&u[0];
-        const uint8_t* mn = (const uint8_t*)&u[2];
-        const uint8_t* q = b + (FIVE ? 48 : 16);
-        __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
-        for (int k = 0; k < 4; ++k) {
-            __m256i lo, hi;
-            q45_planes<FIVE>(loadu256(q + 32 * k), hb, lo, hi);
-            _mm256_storeu_si256((__m256i*)(w + 64 * k), lo);
-            _mm256_storeu_si256((__m256i*)(w + 64 * k + 32), hi);
-        }
+    int32_t ls[16], mn[8];
+    decode_block<TYPE>(b, p.rows[j], ls, mn, &p.a[v][j], &p.m[v][j]);
+    if constexpr (LS_GROUP<TYPE> == 32) {
         for (int g = 0; g < 8; ++g) {
-            p.ls[v][g][j] = sc[g];                         // groups of 32
+            p.ls[v][g][j] = ls[g];                          // groups of 32
             p.off[v][g][j] = i16pair(mn[g], mn[g]);         // its two bsums
         }
-        p.a[v][j] = f16(b);
-        p.m[v][j] = f16(b + 2);
-    } else if constexpr (TYPE == T_Q6_K) {
-        for (int h = 0; h < 2; ++h) {
-            __m256i q[4];
-            q6_planes(b, h, q);
-            for (int k = 0; k < 4; ++k)
-                _mm256_storeu_si256((__m256i*)(w + 128 * h + 32 * k), q[k]);
-        }
-        const int8_t* sc = (const int8_t*)(b + 192);
-        for (int g = 0; g < 16; ++g) p.ls[v][g][j] = sc[g];
-        for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = i16pair(sc[2 * q2], sc[2 * q2 + 1]);
-        p.a[v][j] = f16(b + 208);
-        p.m[v][j] = 0.f;
     } else {
-        using D = typename IqOf<TYPE>::D;
-        const __m256i k128 = _mm256_set1_epi8((char)0x80);
-        for (int ib = 0; ib < 8; ++ib) {
-            _mm256_storeu_si256((__m256i*)(w + 32 * ib), _mm256_xor_si256(D::q(b, ib), k128));
-            int l0, l1;
-            D::ls(b, ib, &l0, &l1);
-            if (!D::PAIR) l1 = l0;
-            p.ls[v][2 * ib][j] = l0;
-            p.ls[v][2 * ib + 1][j] = l1;
-            p.off[v][ib][j] = i16pair(l0, l1);
-        }
-        p.a[v][j] = D::d(b) * D::F;
-        p.m[v][j] = 0.f;
+        for (int g = 0; g < 16; ++g) p.ls[v][g][j] = ls[g];
+        for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = i16pair(ls[2 * q2], ls[2 * q2 + 1]);
     }
 }
 
@@ -127,35 +87,11 @@ EFS_TI void zero_row(Panel& p, int v, int j) {
 }
 
 // p.rows (16 rows of 64 32-bit words) into p.w[v] ([64 words][16 rows]): four 16 x 16
-// transposes, each four rounds of swapping the off-diagonal blocks of 8, 4, 2, 1 words.
+// transposes.
 template <class P>
 EFS_VI void transpose(P& p, int v) {
-    static const int D[4] = {8, 4, 2, 1};
-    __m512i lo[4], hi[4];
-    for (int s = 0; s < 4; ++s) {
-        alignas(64) int32_t a[16], b[16];
-        for (int c = 0; c < 16; ++c) {
-            const bool set = c & D[s];
-            a[c] = set ? 16 + c - D[s] : c;        // row i (bit clear): A[c] or B[c - d]
-            b[c] = set ? 16 + c : c + D[s];        // row i + d: A[c + d] or B[c]
-        }
-        lo[s] = _mm512_load_si512(a);
-        hi[s] = _mm512_load_si512(b);
-    }
-    for (int cb = 0; cb < 4; ++cb) {
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(p.rows[i] + 64 * cb);
-        for (int s = 0; s < 4; ++s) {
-            const int d = D[s];
-            for (int i = 0; i < 16; ++i) {
-                if (i & d) continue;
-                const __m512i A = r[i], B = r[i + d];
-                r[i] = _mm512_permutex2var_epi32(A, lo[s], B);
-                r[i + d] = _mm512_permutex2var_epi32(A, hi[s], B);
-            }
-        }
-        for (int i = 0; i < 16; ++i) _mm512_store_si512(p.w[v][16 * cb + i], r[i]);
-    }
+    for (int cb = 0; cb < 4; ++cb)
+        transpose16((const int32_t*)(p.rows[0] + 64 * cb), 64, p.w[v][16 * cb], 16);
 }
 
 #if EFS_AVXVNNI_TARGET

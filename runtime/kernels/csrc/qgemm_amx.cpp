@@ -1,0 +1,294 @@
+// Products of many tokens in exact mode on AMX (Intel's tile matrix unit, Sapphire Rapids and
+// later: bf16 products summed in float32, 16 x 16 x 32 of them an instruction): qgemm.cpp's
+// panel product for the Q8_K types, with nothing rounded but the float32 sums.
+//
+//  - each activation is split into three bf16 numbers whose sum is it exactly (x rounded to
+//    bf16, the rest rounded, what is left: 8 + 8 + 8 significant bits hold a float's 24);
+//  - each weight of a 256-weight block is the integer v = ls * (u - offset) of decode_block (at
+//    most 4096 in magnitude for every Q8_K type), split into two exact bf16 numbers, a multiple
+//    of 16 and the rest (-8..7), so that the weight is a * v [- m * mn];
+//  - the product of a weight part and an activation part is exact in float32, so the tile
+//    unit's sums over a block are float32 sums of exact terms, as the float panel's FMAs are;
+//    per block they are multiplied by a, and Q4_K/Q5_K's mins taken off (m times the sum over
+//    the groups of mn times the group's sum of x), as the q8 rows kernels do per block.
+// The result is F.linear on the reference dequantization up to float32 rounding (the float
+// panel's test bound), not the float panel's bits: its summation order differs.
+//
+// Layout: the weights are the tiles' A operand (16 rows x 32 weights, a panel's rows as they are
+// decoded); the activations the B operand, prepared once per call (amx_prepare) as bf16 pairs
+// of consecutive weights' activations, [part][token tile][pair][16 tokens]; the sums C are 16
+// rows x 16 tokens, four token tiles at a time in tiles 4-7.
+#include "kern.h"
+
+#include <string.h>
+
+#include <memory>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(EFS_EMULATE_AVX512) && \
+    EFS_AMX_TARGET
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "kern_avx2_util.h"
+#define EFS_KT EFS_T
+#include "kern_iq_avx2_types.h"
+#include "kern_k_avx2.h"      // q45_planes, q6_planes, k4_scales
+#include "qpanel_rows.h"      // decode_block
+#include "transpose16.h"
+
+#define EFS_X __attribute__((target( \
+    "avx512f,avx512vl,avx512bw,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")))
+// The tile loads read memory the compiler is not told of: stores before them must be done.
+#define EFS_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+namespace efs {
+namespace {
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// A 32-row panel of one 256-weight block: for each 32-weight step two A tiles (rows 0-15,
+// 16-31), with their rows' float multipliers of the step's group (a * ls) and Q4_K/Q5_K's
+// mins (m * mn).
+struct alignas(64) AmxPanel {
+    uint16_t A[8][2][16][32];    // [step][half][row][weight]: bf16 of u - offset
+    float s[8][2][16];           // [step][half][row] the multiplier of the step's group
+    float mm[8][2][16];          // ... and its mins' (Q4_K/Q5_K), else 0
+    alignas(64) uint8_t u[32][256];
+};
+
+// 32 bytes (u - off, as signed bytes after the offset) as 32 bf16: exact, |v| <= 128.
+EFS_X inline void store_bf16(uint16_t* o, __m256i v8) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37,
+                                         35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7,
+                                         5, 3, 1);
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v8)));
+    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v8, 1)));
+    _mm512_storeu_si512(o, _mm512_permutex2var_epi16(_mm512_castps_si512(f0), odd,
+                                                     _mm512_castps_si512(f1)));
+}
+
+// The types whose multipliers are per group of 32 weights (a step's A tile): Q4_K, Q5_K and
+// the IQ and TQ types with one multiplier per 32 (not IQ2_XS, IQ2_S, IQ1_M or Q6_K, whose
+// multipliers per 16 would take two tiles a step: the float panel is as fast for them).
+template <int TYPE>
+constexpr bool amx_type() {
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) return true;
+    else if constexpr (TYPE == T_Q6_K) return false;
+    else return !IqOf<TYPE>::D::PAIR;
+}
+
+// Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P.
+template <int TYPE>
+EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
+                        int64_t bytes, AmxPanel& P) {
+    constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
+    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    const __m256i off = _mm256_set1_epi8((char)OFF);
+    for (int j = 0; j < 32; ++j) {
+        const int h = j / 16, r = j % 16;
+        if (p0 + j >= r1) {
+            for (int kk = 0; kk < 8; ++kk) {
+                memset(P.A[kk][h][r], 0, 64);
+                P.s[kk][h][r] = P.mm[kk][h][r] = 0.f;
+            }
+            continue;
+        }
+        int32_t ls[16], mn[8];
+        float a, m;
+        decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &a, &m);
+        for (int kk = 0; kk < 8; ++kk) {
+            store_bf16(P.A[kk][h][r], _mm256_sub_epi8(loadu256(P.u[j] + 32 * kk), off));
+            P.s[kk][h][r] = a * (float)(LS_GROUP<TYPE> == 32 ? ls[kk] : ls[2 * kk]);
+            P.mm[kk][h][r] = MINS ? m * (float)mn[kk] : 0.f;
+        }
+    }
+}
+
+// Step kk of block i for NJ token tiles (jt ...): tiles 0/1 the panel's two A tiles, 2/3 the
+// activations' parts in turn, 4 + 2 j + h the sums of A tile h and token tile j, stored to
+// cbuf[2 j + h]. xb: the prepared activations, ntile token tiles of half = cols / 2 pairs a
+// part.
+template <int NJ>
+EFS_X void step_sums(const AmxPanel& P, const uint32_t* xb, int64_t ntile, int64_t half,
+                     int64_t jt, int64_t i, int kk, float (*cbuf)[16][16]) {
+    _tile_zero(4);
+    _tile_zero(5);
+    if constexpr (NJ > 1) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    _tile_loadd(0, P.A[kk][0], 64);
+    _tile_loadd(1, P.A[kk][1], 64);
+    const uint32_t* b = xb + (jt * half + 16 * (8 * i + kk)) * 16;
+    const int64_t part = ntile * half * 16, tile = half * 16;
+#define EFS_AMX_TILE(J, C0, C1)                                                             \
+    if constexpr (NJ > J) {                                                                 \
+        _tile_loadd(2, b + J * tile, 64);                                                   \
+        _tile_dpbf16ps(C0, 0, 2);                                                           \
+        _tile_dpbf16ps(C1, 1, 2);                                                           \
+        _tile_loadd(3, b + part + J * tile, 64);                                            \
+        _tile_dpbf16ps(C0, 0, 3);                                                           \
+        _tile_dpbf16ps(C1, 1, 3);                                                           \
+        _tile_loadd(2, b + 2 * part + J * tile, 64);                                        \
+        _tile_dpbf16ps(C0, 0, 2);                                                           \
+        _tile_dpbf16ps(C1, 1, 2);                                                           \
+    }
+    EFS_AMX_TILE(0, 4, 5)
+    EFS_AMX_TILE(1, 6, 7)
+#undef EFS_AMX_TILE
+    _tile_stored(4, cbuf[0], 64);
+    _tile_stored(5, cbuf[1], 64);
+    if constexpr (NJ > 1) {
+        _tile_stored(6, cbuf[2], 64);
+        _tile_stored(7, cbuf[3], 64);
+    }
+}
+
+// The panel's rows' sums acc [rows][tp] += multiplier * step sums - mins * the group's sums of
+// x, for nj token tiles from jt. xs: [group of 32][tp] the groups' sums of x.
+template <bool MINS>
+EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float* xs,
+                    int64_t tp, int64_t jt, int nj, int64_t i, int kk, float* acc) {
+    for (int jj = 0; jj < nj; ++jj) {
+        const int64_t t0 = 16 * (jt + jj);
+        const __m512 xg = MINS ? _mm512_loadu_ps(xs + (8 * i + kk) * tp + t0)
+                               : _mm512_setzero_ps();
+        for (int h = 0; h < 2; ++h)
+            for (int r = 0; r < 16; ++r) {
+                float* o = acc + (16 * h + r) * tp + t0;
+                __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(P.s[kk][h][r]),
+                                           _mm512_load_ps(cbuf[2 * jj + h][r]),
+                                           _mm512_loadu_ps(o));
+                if (MINS) y = _mm512_fnmadd_ps(_mm512_set1_ps(P.mm[kk][h][r]), xg, y);
+                _mm512_storeu_ps(o, y);
+            }
+    }
+}
+
+thread_local AmxPanel t_panel;
+
+template <int TYPE>
+EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
+                    const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
+    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    constexpr int PR = 32;
+    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
+    thread_local std::vector<float> accv;
+    if ((int64_t)accv.size() < 32 * tp) accv.resize(32 * tp);
+    float* acc = accv.data();
+    AmxPanel& P = t_panel;
+    alignas(64) float cbuf[4][16][16];
+    alignas(64) float out[16][16];
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    EFS_MEMORY_BARRIER();
+    _tile_loadconfig(&cfg);
+    for (int64_t p0 = r0; p0 < r1; p0 += PR) {
+        memset(acc, 0, sizeof(float) * PR * tp);
+        for (int64_t i = 0; i < nb; ++i) {
+            decode_panel<TYPE>(W, rb, p0, r1, i, rb / nb, P);
+            EFS_MEMORY_BARRIER();
+            for (int64_t jt = 0; jt < ntile; jt += 2) {
+                const int nj = ntile - jt < 2 ? 1 : 2;
+                for (int kk = 0; kk < 8; ++kk) {
+                    if (nj == 1)
+                        step_sums<1>(P, xb, ntile, half, jt, i, kk, cbuf);
+                    else
+                        step_sums<2>(P, xb, ntile, half, jt, i, kk, cbuf);
+                    add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, kk, acc);
+                }
+            }
+        }
+        for (int64_t q0 = p0; q0 < p0 + PR && q0 < r1; q0 += 16) {
+            const int64_t n = r1 - q0 < 16 ? r1 - q0 : 16;
+            const float* a = acc + (q0 - p0) * tp;
+            for (int64_t j = 0; j < ntile; ++j) {       // [16 rows][16 tokens] to y's tokens
+                transpose16((const int32_t*)a + 16 * j, tp, (int32_t*)out[0], 16);
+                for (int64_t t = 16 * j; t < nt && t < 16 * j + 16; ++t)
+                    memcpy(y + t * ys + q0, out[t - 16 * j], n * sizeof(float));
+            }
+        }
+    }
+    _tile_release();
+}
+
+}  // namespace
+
+bool amx_enable() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+        return false;                                   // AMX-TILE, AMX-BF16
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5)))
+        return false;                                   // AVX512-BF16
+#ifdef __linux__
+    // the tile state is granted per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return false;
+#endif
+}
+
+EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, uint32_t* xb, float* xs) {
+    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, half = cols / 2;
+    thread_local std::vector<uint16_t> spv;
+    if ((int64_t)spv.size() < 3 * 16 * cols) spv.resize(3 * 16 * cols);
+    uint16_t* sp = spv.data();                          // [part][16 tokens][cols] bf16
+    for (int64_t j = 0; j < ntile; ++j) {
+        for (int64_t t = 0; t < 16; ++t) {
+            const int64_t tok = 16 * j + t;
+            uint16_t* o = sp + t * cols;
+            if (tok >= nt) {
+                for (int s = 0; s < 3; ++s) memset(o + s * 16 * cols, 0, cols * 2);
+                for (int64_t g = 0; g < cols / 32; ++g) xs[g * tp + tok] = 0.f;
+                continue;
+            }
+            const float* xr = x + tok * cols;
+            for (int64_t k = 0; k < cols; k += 16) {
+                __m512 v = _mm512_loadu_ps(xr + k);
+                for (int s = 0; s < 3; ++s) {
+                    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+                    _mm256_storeu_si256((__m256i*)(o + s * 16 * cols + k), h);
+                    v = _mm512_sub_ps(v, _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+                }
+            }
+            for (int64_t g = 0; g < cols / 32; ++g)
+                xs[g * tp + tok] = _mm512_reduce_add_ps(_mm512_add_ps(
+                    _mm512_loadu_ps(xr + 32 * g), _mm512_loadu_ps(xr + 32 * g + 16)));
+        }
+        for (int s = 0; s < 3; ++s)
+            for (int64_t p = 0; p < half; p += 16)
+                transpose16((const int32_t*)(sp + s * 16 * cols) + p, half,
+                            (int32_t*)xb + ((s * ntile + j) * half + p) * 16, 16);
+    }
+}
+
+#define EFS_AMX_CASE(T, D) case T: return amx_type<T>() ? rows_amx<T> : nullptr;
+QgemmAmxFn amx_qgemm(int type) {
+    switch (type) {
+        EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)
+        EFS_IQ_DECODERS(EFS_AMX_CASE)
+        default: return nullptr;
+    }
+}
+#undef EFS_AMX_CASE
+
+}  // namespace efs
+
+#else  // not x86, the emulated-AVX-512 test build, or a compiler without the AMX targets
+
+namespace efs {
+bool amx_enable() { return false; }
+void amx_prepare(const float*, int64_t, int64_t, uint32_t*, float*) {}
+QgemmAmxFn amx_qgemm(int) { return nullptr; }
+}  // namespace efs
+
+#endif

@@ -1,0 +1,78 @@
+// A 256-weight block of one row as integers, for the panel products that multiply integers
+// (qgemm_q8.cpp, q8 mode) or exact small integers in bf16 (qgemm_amx.cpp, exact mode): the
+// Q8_K types (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0). Included inside an
+// anonymous namespace after kern_iq_avx2_types.h and kern_k_avx2.h (EFS_KT set), as they are.
+//
+// decode_block gives the block's 256 weights as unsigned bytes u (Q4_K/Q5_K's 0..31 and Q6_K's
+// 0..63 as stored, the IQ and ternary types' signed grid values + 128) and the integer
+// multiplier of each group (ls: 8 groups of 32 for Q4_K/Q5_K, else 16 of 16), the mins of
+// Q4_K/Q5_K (mn, 8) and the float scales a (d; the IQ types' d * F) and m (dmin, else 0):
+// weight k of group g is a * ls[g] * (u[k] - offset) - m * mn[g], the offset 1 << OFFSET_SHIFT
+// (0 for Q4_K/Q5_K), the value ggml's dequantize_row_* gives up to float rounding.
+#pragma once
+
+#include <string.h>
+
+namespace efs {
+namespace {
+
+// Offset of the stored weights (their 0 is this) as a shift: Q6_K 32 (5), the IQ and TQ types
+// 128 (7); -1: none (Q4_K/Q5_K, whose mins take the offset's place in the block's sum).
+template <int TYPE>
+constexpr int OFFSET_SHIFT = TYPE == T_Q6_K ? 5 : (TYPE == T_Q4_K || TYPE == T_Q5_K) ? -1 : 7;
+
+// Weights per group of the multipliers ls (Q4_K/Q5_K 32, else 16).
+template <int TYPE>
+constexpr int LS_GROUP = TYPE == T_Q4_K || TYPE == T_Q5_K ? 32 : 16;
+
+template <int TYPE>
+EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn, float* a,
+                         float* m) {
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        constexpr bool FIVE = TYPE == T_Q5_K;
+        uint32_t u[4];
+        k4_scales(b + 4, u);
+        const uint8_t* sc = (const uint8_t*)&u[0];
+        const uint8_t* mins = (const uint8_t*)&u[2];
+        const uint8_t* q = b + (FIVE ? 48 : 16);
+        __m256i hb = FIVE ? loadu256(b + 16) : _mm256_setzero_si256();
+        for (int k = 0; k < 4; ++k) {
+            __m256i lo, hi;
+            q45_planes<FIVE>(loadu256(q + 32 * k), hb, lo, hi);
+            _mm256_storeu_si256((__m256i*)(w + 64 * k), lo);
+            _mm256_storeu_si256((__m256i*)(w + 64 * k + 32), hi);
+        }
+        for (int g = 0; g < 8; ++g) {
+            ls[g] = sc[g];
+            mn[g] = mins[g];
+        }
+        *a = f16(b);
+        *m = f16(b + 2);
+    } else if constexpr (TYPE == T_Q6_K) {
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            q6_planes(b, h, q);
+            for (int k = 0; k < 4; ++k)
+                _mm256_storeu_si256((__m256i*)(w + 128 * h + 32 * k), q[k]);
+        }
+        const int8_t* sc = (const int8_t*)(b + 192);
+        for (int g = 0; g < 16; ++g) ls[g] = sc[g];
+        *a = f16(b + 208);
+        *m = 0.f;
+    } else {
+        using D = typename IqOf<TYPE>::D;
+        const __m256i k128 = _mm256_set1_epi8((char)0x80);
+        for (int ib = 0; ib < 8; ++ib) {
+            _mm256_storeu_si256((__m256i*)(w + 32 * ib), _mm256_xor_si256(D::q(b, ib), k128));
+            int l0, l1;
+            D::ls(b, ib, &l0, &l1);
+            ls[2 * ib] = l0;
+            ls[2 * ib + 1] = D::PAIR ? l1 : l0;
+        }
+        *a = D::d(b) * D::F;
+        *m = 0.f;
+    }
+}
+
+}  // namespace
+}  // namespace efs

@@ -1,0 +1,95 @@
+"""Exact mode's panel product on AMX (``kernels.qgemm`` where the CPU has AMX-BF16): for every
+type it takes (a multiplier per 32 weights), its results equal ``F.linear`` on the reference
+dequantization (formats.dequant, itself tested against gguf-py) within the float panel's
+rounding bound, and closer to the float64 product than the float panel, for token counts around
+its token tiles (16, in pairs) and rows around its panel of 32; the same bits on one thread and
+two; the types it does not take keep the float panel's bits; ``set_amx(False)`` restores the
+float panel. Skipped where the CPU (or the OS) has no AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertfs.formats.dequant import dequantize
+from expertfs.formats.ggml import GGMLType as T
+from expertfs.runtime import kernels
+from support.native import MOD, NEEDS_NATIVE
+
+import test_kernels as k_quants
+from test_qgemm_q8 import weight
+
+AMX = [T.Q4_K, T.Q5_K, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0]
+FLOAT_PANEL = [T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.Q8_0, T.Q4_0]     # kept on the float panel
+
+pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
+    MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]
+
+
+@pytest.fixture
+def float_panel():
+    """A function running its argument with AMX off (the float panel), AMX back on after."""
+    def run(f):
+        MOD.set_amx(False)
+        try:
+            return f()
+        finally:
+            MOD.set_amx(True)
+    return run
+
+
+def test_the_types_it_takes():
+    assert sorted(MOD.info()["amx_types"]) == sorted(int(t) for t in AMX)
+
+
+@pytest.mark.parametrize("t", AMX, ids=lambda t: t.name)
+def test_equals_dequant_linear_and_beats_the_float_panel(t, float_panel):
+    for rows, cols in ((32, 256), (70, 512)):       # a whole panel; a panel of 6 rows at the end
+        raw = weight(t, rows, cols, int(t) + rows)
+        W = dequantize(raw, t, (rows, cols))
+        err_amx = err_float = 0.0
+        for nt in (1, 15, 16, 17, 32, 33, 40):       # token tiles of 16, in pairs, and tails
+            x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt))
+            got = kernels.qgemm(x, raw, t, (rows, cols))
+            flt = float_panel(lambda: kernels.qgemm(x, raw, t, (rows, cols)))
+            ref = F.linear(x.double(), W.double())
+            bound = k_quants.bound(x, W)
+            assert got.shape == (nt, rows)
+            assert ((got - ref).abs() <= bound).all(), (t.name, rows, nt)
+            assert not torch.equal(got, flt) or nt == 1
+            err_amx += float((got - ref).abs().sum())
+            err_float += float((flt - ref).abs().sum())
+        # exact products, short float32 sums: closer to the float64 product than the FMAs' chain
+        assert err_amx < err_float, (t.name, err_amx, err_float)
+
+
+def test_does_not_depend_on_threads():
+    t, rows, cols = T.Q4_K, 100, 768
+    raw = weight(t, rows, cols, 3)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(4))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.qgemm(x, raw, t, (rows, cols))
+        torch.set_num_threads(2)
+        two = kernels.qgemm(x, raw, t, (rows, cols))
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("t", FLOAT_PANEL, ids=lambda t: t.name)
+def test_other_types_keep_the_float_panel(t, float_panel):
+    raw = weight(t, 40, 512, 7)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kernels.qgemm(x, raw, t, (40, 512)),
+                       float_panel(lambda: kernels.qgemm(x, raw, t, (40, 512))))
+
+
+def test_off_at_the_avx2_tier():
+    MOD.set_isa("avx2")
+    try:
+        assert MOD.info()["amx_types"] == []
+    finally:
+        MOD.set_isa("best")
