@@ -2,7 +2,11 @@
 """The panel product (``kernels.qgemm``) against the two ways a many-token product from ggml
 bytes can go without it, alternating rep by rep in one process (medians of ``--rounds``):
 
-- ``qgemm``: each 24-row panel dequantized into the core's cache, multiplied by every token;
+- ``qgemm``: each 24-row panel dequantized into the core's cache, multiplied by every token
+  (on a CPU with AMX-BF16, the types ``qgemm_amx.cpp`` takes run on the tile unit);
+- ``float panel``: on such a CPU, ``qgemm`` with AMX off (``set_amx(False)``);
+- ``exact rows``: the exact row kernels over all the tokens (what a batch below the type's
+  ``max_tokens`` takes);
 - ``dequant+gemm``: ``wide.dequant_linear``, ``wide_linear``'s path without it: the rows
   dequantized into a reused 4 MiB buffer and multiplied by the box's GEMM library
   (``kernels.gemm.linear``: oneDNN or MKL);
@@ -49,9 +53,17 @@ def main() -> None:
 
     print(f"ms per product (GFLOP/s), medians of {a.rounds} alternating reps, {a.threads} "
           f"thread(s), kernels {mod.info()['isa']}, GEMM {gemm.backend()}")
+    amx = bool(mod.info().get("amx"))
     print(f"  {'type':6s} {'tokens x out x in':>20s} {'qgemm':>16s} {'dequant+gemm':>16s} "
-          f"{'float gemm':>16s} {'qgemm q8':>16s} {'q8 rows':>16s} "
-          f"{'(dequant+gemm)/qgemm':>21s}")
+          f"{'float gemm':>16s} {'qgemm q8':>16s} {'q8 rows':>16s} {'exact rows':>16s}"
+          + (f"{'float panel':>16s}" if amx else "") + f"{'(dequant+gemm)/qgemm':>21s}")
+
+    def float_panel(f):
+        mod.set_amx(False)
+        try:
+            return f()
+        finally:
+            mod.set_amx(True)
     for name in a.types.split(","):
         t = GGMLType[name.upper()]
         for shape in a.shapes.split(","):
@@ -64,7 +76,11 @@ def main() -> None:
                         "dequant+gemm": lambda: dequant_linear(x, raw, t, (rows, cols)),
                         "float gemm": lambda: gemm.linear(x, W),
                         "qgemm q8": lambda: kernels.qgemm(x, raw, t, (rows, cols), "q8"),
-                        "q8 rows": lambda: kernels.matvec(x, raw, t, (rows, cols), "q8")}
+                        "q8 rows": lambda: kernels.matvec(x, raw, t, (rows, cols), "q8"),
+                        "exact rows": lambda: kernels.matvec(x, raw, t, (rows, cols))}
+                if amx:
+                    ways["float panel"] = lambda: float_panel(
+                        lambda: kernels.qgemm(x, raw, t, (rows, cols)))
                 times: dict[str, list[float]] = {k: [] for k in ways}
                 for f in ways.values():                  # warm-up (oneDNN compiles a shape)
                     f()
