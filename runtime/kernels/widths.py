@@ -12,7 +12,7 @@ from .build import load
 
 __all__ = ["max_tokens", "q8_panel", "WIDE_TYPES", "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2",
            "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_GEMM512", "WIDE_TYPES_Q8_GEMM512",
-           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_AVXVNNI"]
+           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_AVXVNNI", "WIDE_TYPES_AMX"]
 
 #: Most tokens per native product, per type, under the AVX-512 kernels where the float32
 #: products run at AVX2 width (MKL on an AMD CPU that splits 512-bit operations; exact
@@ -105,7 +105,9 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
     kernels run and the width of the float32 products (``gemm.isa()``): ``WIDE_TYPES``/
     ``WIDE_TYPES_Q8`` under AVX-512 beside AVX2 products, the ``_GEMM512`` tables beside AVX-512
-    ones, the ``_AVX2`` tables under AVX2; else ``default``."""
+    ones, the ``_AVX2`` tables under AVX2; ``WIDE_TYPES_Q8_VNNI``/``_AVXVNNI`` where q8's
+    integer panel takes the type, ``WIDE_TYPES_AMX`` where exact mode's AMX panel does; else
+    ``default``."""
     mod = load()
     if mod is None:
         return default
@@ -113,6 +115,8 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     if q8 and int(ggml_type) in _panel_types(mod, isa):
         vnni = WIDE_TYPES_Q8_VNNI if isa == "avx512" else WIDE_TYPES_Q8_AVXVNNI
         return vnni.get(ggml_type, default)
+    if not q8 and ggml_type in WIDE_TYPES_AMX and mod.amx():
+        return WIDE_TYPES_AMX[ggml_type]
     return _WIDE.get((isa, gemm.isa(), int(q8)), {}).get(ggml_type, default)
 
 
@@ -123,12 +127,14 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: product takes at least 1.05 times the rows kernels' time; where it does not even at 4 tokens
 #: (Q4_K, IQ3_XXS, TQ1_0: a tie there), 4, which the rows kernels take in one pass
 #: (bench/README.md). The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4: rows of whole
-#: 256-weight panels only) the same way at 4-128 tokens: 4.
+#: 256-weight panels only) the same way at 4-128 tokens: 4. IQ4_XS (its panel added later) the
+#: same way at 4-16 tokens: 6.
 WIDE_TYPES_Q8_VNNI = {
     GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
     GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
     GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,
+    GGMLType.IQ4_XS: 6,
 }
 
 #: The same at the AVX2 tier with AVX-VNNI (the panel product in 256-bit vectors): measured on
@@ -138,6 +144,16 @@ WIDE_TYPES_Q8_VNNI = {
 WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of-32 form)
                          if t not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.IQ4_NL,
                                       GGMLType.MXFP4)}
+
+#: Exact mode where the CPU has AMX-BF16 and the type an AMX panel product (``qgemm_amx.cpp``):
+#: past these token counts a batch goes to it. Measured on the AVX-512 Xeon as the q8 limits
+#: above (``bench_kernels.py --prefill -t 2 --tokens 4,6,8,10,12,16,24``, the exact ratio's
+#: geometric mean, at least 1.05; bench/README.md).
+WIDE_TYPES_AMX = {
+    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.IQ4_XS: 4, GGMLType.IQ2_XXS: 8,
+    GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8, GGMLType.IQ1_S: 8, GGMLType.TQ1_0: 6,
+    GGMLType.TQ2_0: 6,
+}
 
 #: ISA in use → the type ids q8 mode's integer panel product takes there
 _Q8_PANEL: dict[str, frozenset[int]] = {}

@@ -132,9 +132,9 @@ bool qgemm_compiled();
 typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                           const void* x, const int32_t* xsum, int64_t nt, int64_t cols,
                           float* c, float* y, int64_t ys);
-// The function for `type` (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0; Q8_0, Q4_0,
-// IQ4_NL, MXFP4), nullptr for the others and where not compiled; the caller checks that the
-// CPU has AVX512-VNNI.
+// The function for `type` (Q4_K, Q5_K, Q6_K, IQ4_XS, the lattice IQ types, TQ1_0, TQ2_0;
+// Q8_0, Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled; the caller checks
+// that the CPU has AVX512-VNNI.
 QgemmQ8Fn avx512_qgemm_q8(int type);
 // The same in AVX2 with AVX-VNNI (256-bit vpdpbusd; Intel's cores since Alder Lake), the same
 // bits; the caller checks that the CPU has AVX-VNNI. nullptr where the compiler predates the
@@ -155,8 +155,9 @@ QgemmQ8Fn avxvnni_qgemm_q8(int type);
 typedef void (*QgemmAmxFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                            const uint32_t* xb, const float* xs, int64_t nt, int64_t cols,
                            float* y, int64_t ys);
-// The function for `type` (the Q8_K types: Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0,
-// TQ2_0), nullptr for the others and where not compiled; the caller checks amx_enable().
+// The function for `type` (the Q8_K types with a multiplier per 32 weights: Q4_K, Q5_K, IQ4_XS,
+// IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, TQ1_0, TQ2_0), nullptr for the others and where not
+// compiled; the caller checks amx_enable().
 QgemmAmxFn amx_qgemm(int type);
 void amx_prepare(const float* x, int64_t nt, int64_t cols, uint32_t* xb, float* xs);
 // Whether this CPU has AMX-BF16 and AVX512-BF16 and the OS grants this process the tile state

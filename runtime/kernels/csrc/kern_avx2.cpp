@@ -29,22 +29,12 @@ namespace {
 // exact mode
 // ---------------------------------------------------------------------------------------------
 
-// IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group ib of 32: 6-bit scale ls, values
-// kvalues_iq4nl[nibble] (lo nibbles = elements 0..15 of the group, hi = 16..31).
-EFS_TI __m256i tbl_iq4nl_s() {   // kvalues_iq4nl
-    return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                            113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-                            89, 113);
-}
+// IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group ib of 32: 6-bit scale ls (iq4xs_ls),
+// values kvalues_iq4nl[nibble] (tbl_iq4nl_s; lo nibbles = elements 0..15 of the group, hi =
+// 16..31).
 EFS_TI __m256i tbl_mxfp4_s() {   // kvalues_mxfp4 (twice the E2M1 values; e8m0h halves)
     return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-}
-
-EFS_TI int iq4xs_ls(const uint8_t* b, int ib) {
-    uint16_t sh;
-    memcpy(&sh, b + 2, 2);
-    return ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xf) | (((sh >> 2 * ib) & 3) << 4);
 }
 
 template <int NT>

@@ -53,6 +53,20 @@ EFS_TI __m256i nibbles(__m128i q) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
 }
 
+// ggml's kvalues_iq4nl, twice (a shuffle table): IQ4_NL's and IQ4_XS's values.
+EFS_TI __m256i tbl_iq4nl_s() {
+    return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                            113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                            89, 113);
+}
+
+// IQ4_XS's 6-bit scale of group ib (0..63; the multiplier is it less 32).
+EFS_TI int iq4xs_ls(const uint8_t* b, int ib) {
+    uint16_t sh;
+    memcpy(&sh, b + 2, 2);
+    return ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xf) | (((sh >> 2 * ib) & 3) << 4);
+}
+
 // 32 bits -> 32 bytes, 0xFF where the bit is set (byte i <-> bit i).
 EFS_TI __m256i bytes_from_bits_32(const uint8_t* x) {
     uint32_t x32;

@@ -990,6 +990,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("cols"), pybind11::arg("out"));
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
+    m.def("amx", [] { return efs::qgemm_amx_fn(efs::T_Q4_K, 256) != nullptr; },
+          "whether exact mode's wide products run on AMX now (the CPU has it, it is on, the "
+          "kernels run at the AVX-512 tier)");
     m.def("set_amx", &efs::set_amx, "exact mode's AMX panel product on or off (where the CPU "
           "has AMX-BF16)");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");

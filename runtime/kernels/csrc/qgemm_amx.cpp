@@ -73,12 +73,12 @@ EFS_X inline void store_bf16(uint16_t* o, __m256i v8) {
                                                      _mm512_castps_si512(f1)));
 }
 
-// The types whose multipliers are per group of 32 weights (a step's A tile): Q4_K, Q5_K and
-// the IQ and TQ types with one multiplier per 32 (not IQ2_XS, IQ2_S, IQ1_M or Q6_K, whose
-// multipliers per 16 would take two tiles a step: the float panel is as fast for them).
+// The types whose multipliers are per group of 32 weights (a step's A tile): Q4_K, Q5_K,
+// IQ4_XS and the IQ and TQ types with one multiplier per 32 (not IQ2_XS, IQ2_S, IQ1_M or Q6_K,
+// whose multipliers per 16 would take two tiles a step: the float panel is as fast for them).
 template <int TYPE>
 constexpr bool amx_type() {
-    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) return true;
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_IQ4_XS) return true;
     else if constexpr (TYPE == T_Q6_K) return false;
     else return !IqOf<TYPE>::D::PAIR;
 }
@@ -275,6 +275,7 @@ EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, uint32_t* xb, f
 QgemmAmxFn amx_qgemm(int type) {
     switch (type) {
         EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)
+        EFS_AMX_CASE(T_IQ4_XS, -)
         EFS_IQ_DECODERS(EFS_AMX_CASE)
         default: return nullptr;
     }

@@ -489,6 +489,7 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
 #define EFS_Q8_CASES                                                                      \
     switch (type) {                                                                       \
         EFS_Q8_CASE(T_Q4_K, -) EFS_Q8_CASE(T_Q5_K, -) EFS_Q8_CASE(T_Q6_K, -)              \
+        EFS_Q8_CASE(T_IQ4_XS, -)                                                          \
         EFS_IQ_DECODERS(EFS_Q8_CASE)                                                      \
         default: return nullptr;                                                          \
     }

@@ -1,11 +1,12 @@
 // A 256-weight block of one row as integers, for the panel products that multiply integers
 // (qgemm_q8.cpp, q8 mode) or exact small integers in bf16 (qgemm_amx.cpp, exact mode): the
-// Q8_K types (Q4_K, Q5_K, Q6_K, the lattice IQ types, TQ1_0, TQ2_0). Included inside an
+// Q8_K types (Q4_K, Q5_K, Q6_K, IQ4_XS, the lattice IQ types, TQ1_0, TQ2_0). Included inside an
 // anonymous namespace after kern_iq_avx2_types.h and kern_k_avx2.h (EFS_KT set), as they are.
 //
 // decode_block gives the block's 256 weights as unsigned bytes u (Q4_K/Q5_K's 0..31 and Q6_K's
-// 0..63 as stored, the IQ and ternary types' signed grid values + 128) and the integer
-// multiplier of each group (ls: 8 groups of 32 for Q4_K/Q5_K, else 16 of 16), the mins of
+// 0..63 as stored, the IQ and ternary types' signed values + 128) and the integer
+// multiplier of each group (ls: 8 groups of 32 for Q4_K/Q5_K, else 16 of 16; IQ4_XS's scale
+// less 32), the mins of
 // Q4_K/Q5_K (mn, 8) and the float scales a (d; the IQ types' d * F) and m (dmin, else 0):
 // weight k of group g is a * ls[g] * (u[k] - offset) - m * mn[g], the offset 1 << OFFSET_SHIFT
 // (0 for Q4_K/Q5_K), the value ggml's dequantize_row_* gives up to float rounding.
@@ -58,6 +59,15 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
         const int8_t* sc = (const int8_t*)(b + 192);
         for (int g = 0; g < 16; ++g) ls[g] = sc[g];
         *a = f16(b + 208);
+        *m = 0.f;
+    } else if constexpr (TYPE == T_IQ4_XS) {
+        const __m256i tbl = tbl_iq4nl_s(), k128 = _mm256_set1_epi8((char)0x80);
+        for (int ib = 0; ib < 8; ++ib) {
+            const __m256i v = _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 8 + 16 * ib)));
+            _mm256_storeu_si256((__m256i*)(w + 32 * ib), _mm256_xor_si256(v, k128));
+            ls[2 * ib] = ls[2 * ib + 1] = iq4xs_ls(b, ib) - 32;
+        }
+        *a = f16(b);
         *m = 0.f;
     } else {
         using D = typename IqOf<TYPE>::D;

@@ -20,7 +20,7 @@ from support.native import MOD, NEEDS_NATIVE
 import test_kernels as k_quants
 from test_qgemm_q8 import weight
 
-AMX = [T.Q4_K, T.Q5_K, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0]
+AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0]
 FLOAT_PANEL = [T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.Q8_0, T.Q4_0]     # kept on the float panel
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
@@ -93,3 +93,14 @@ def test_off_at_the_avx2_tier():
         assert MOD.info()["amx_types"] == []
     finally:
         MOD.set_isa("best")
+
+
+def test_max_tokens_takes_the_amx_limits_while_it_is_on():
+    from expertfs.runtime.kernels import gemm, widths
+    t = T.IQ2_XXS
+    assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]
+    MOD.set_amx(False)
+    try:
+        assert kernels.max_tokens(t, 32) == widths._WIDE[("avx512", gemm.isa(), 0)][t]
+    finally:
+        MOD.set_amx(True)

@@ -17,8 +17,8 @@ from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
 from support.native import MOD, NEEDS_NATIVE
 
-PANEL = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S,
-         T.IQ1_M, T.TQ1_0, T.TQ2_0, T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]
+PANEL = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+         T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]
 BLOCKS32 = (T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4)           # Q8_0 activations, blocks of 32
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
