@@ -303,15 +303,15 @@ QgemmAmxFn qgemm_amx_fn(int64_t type, int64_t cols) {
     return g_isa >= ISA_AVX512 && g_amx_on && cols % 256 == 0 ? amx_qgemm((int)type) : nullptr;
 }
 
-// The AMX product into yp [nt, rows]: the tokens prepared once, then runs of 16-row panels on
-// the pool.
+// The AMX product into yp [nt, rows]: the tokens prepared once (a tile of 16 a pool task), then
+// runs of 32-row panels on the pool.
 void qgemm_amx_into(QgemmAmxFn fn, const float* xp, int64_t nt, const uint8_t* W, int64_t rb,
                     int64_t rows, int64_t cols, float* yp) {
     const int64_t tp = (nt + 15) / 16 * 16;
     std::unique_ptr<uint32_t[]> xb(new uint32_t[(size_t)(3 * tp * cols / 2)]);
     std::unique_ptr<float[]> xs(new float[(size_t)(cols / 32 * tp)]);
-    amx_prepare(xp, nt, cols, xb.get(), xs.get());
-    const int64_t run = panel_run(rows, 16);
+    par_chunks(tp / 16, [&](int64_t j) { amx_prepare(xp, nt, cols, j, xb.get(), xs.get()); });
+    const int64_t run = panel_run(rows, 32);
     par_chunks((rows + run - 1) / run, [&](int64_t i) {
         const int64_t r0 = i * run, r1 = r0 + run < rows ? r0 + run : rows;
         fn(W, rb, r0, r1, xb.get(), xs.get(), nt, cols, yp, rows);

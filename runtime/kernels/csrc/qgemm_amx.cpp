@@ -110,13 +110,13 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
     }
 }
 
-// Step kk of block i for NJ token tiles (jt ...): tiles 0/1 the panel's two A tiles, 2/3 the
-// activations' parts in turn, 4 + 2 j + h the sums of A tile h and token tile j, stored to
-// cbuf[2 j + h]. xb: the prepared activations, ntile token tiles of half = cols / 2 pairs a
-// part.
+// The products of step kk of block i for NJ token tiles (jt ...): tiles 0/1 the panel's two A
+// tiles, 2/3 the activations' parts in turn, 4 + 2 j + h the sums of A tile h and token tile j
+// (store_sums takes them out). xb: the prepared activations, ntile token tiles of half =
+// cols / 2 pairs a part.
 template <int NJ>
-EFS_X void step_sums(const AmxPanel& P, const uint32_t* xb, int64_t ntile, int64_t half,
-                     int64_t jt, int64_t i, int kk, float (*cbuf)[16][16]) {
+EFS_X void step_products(const AmxPanel& P, const uint32_t* xb, int64_t ntile, int64_t half,
+                         int64_t jt, int64_t i, int kk) {
     _tile_zero(4);
     _tile_zero(5);
     if constexpr (NJ > 1) {
@@ -142,6 +142,11 @@ EFS_X void step_sums(const AmxPanel& P, const uint32_t* xb, int64_t ntile, int64
     EFS_AMX_TILE(0, 4, 5)
     EFS_AMX_TILE(1, 6, 7)
 #undef EFS_AMX_TILE
+}
+
+// The sums of step_products into cbuf[2 j + h].
+template <int NJ>
+EFS_X void store_sums(float (*cbuf)[16][16]) {
     _tile_stored(4, cbuf[0], 64);
     _tile_stored(5, cbuf[1], 64);
     if constexpr (NJ > 1) {
@@ -198,13 +203,20 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
             EFS_MEMORY_BARRIER();
             for (int64_t jt = 0; jt < ntile; jt += 2) {
                 const int nj = ntile - jt < 2 ? 1 : 2;
+                // step kk's products are issued before step kk - 1's sums are added, so that
+                // the tile unit and the vector units work at once
                 for (int kk = 0; kk < 8; ++kk) {
                     if (nj == 1)
-                        step_sums<1>(P, xb, ntile, half, jt, i, kk, cbuf);
+                        step_products<1>(P, xb, ntile, half, jt, i, kk);
                     else
-                        step_sums<2>(P, xb, ntile, half, jt, i, kk, cbuf);
-                    add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, kk, acc);
+                        step_products<2>(P, xb, ntile, half, jt, i, kk);
+                    if (kk > 0) add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, kk - 1, acc);
+                    if (nj == 1)
+                        store_sums<1>(cbuf);
+                    else
+                        store_sums<2>(cbuf);
                 }
+                add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, 7, acc);
             }
         }
         for (int64_t q0 = p0; q0 < p0 + PR && q0 < r1; q0 += 16) {
@@ -236,39 +248,38 @@ bool amx_enable() {
 #endif
 }
 
-EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, uint32_t* xb, float* xs) {
+EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint32_t* xb,
+                       float* xs) {
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, half = cols / 2;
     thread_local std::vector<uint16_t> spv;
     if ((int64_t)spv.size() < 3 * 16 * cols) spv.resize(3 * 16 * cols);
     uint16_t* sp = spv.data();                          // [part][16 tokens][cols] bf16
-    for (int64_t j = 0; j < ntile; ++j) {
-        for (int64_t t = 0; t < 16; ++t) {
-            const int64_t tok = 16 * j + t;
-            uint16_t* o = sp + t * cols;
-            if (tok >= nt) {
-                for (int s = 0; s < 3; ++s) memset(o + s * 16 * cols, 0, cols * 2);
-                for (int64_t g = 0; g < cols / 32; ++g) xs[g * tp + tok] = 0.f;
-                continue;
-            }
-            const float* xr = x + tok * cols;
-            for (int64_t k = 0; k < cols; k += 16) {
-                __m512 v = _mm512_loadu_ps(xr + k);
-                for (int s = 0; s < 3; ++s) {
-                    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-                    _mm256_storeu_si256((__m256i*)(o + s * 16 * cols + k), h);
-                    v = _mm512_sub_ps(v, _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-                }
-            }
-            for (int64_t g = 0; g < cols / 32; ++g)
-                xs[g * tp + tok] = _mm512_reduce_add_ps(_mm512_add_ps(
-                    _mm512_loadu_ps(xr + 32 * g), _mm512_loadu_ps(xr + 32 * g + 16)));
+    for (int64_t t = 0; t < 16; ++t) {
+        const int64_t tok = 16 * j + t;
+        uint16_t* o = sp + t * cols;
+        if (tok >= nt) {
+            for (int s = 0; s < 3; ++s) memset(o + s * 16 * cols, 0, cols * 2);
+            for (int64_t g = 0; g < cols / 32; ++g) xs[g * tp + tok] = 0.f;
+            continue;
         }
-        for (int s = 0; s < 3; ++s)
-            for (int64_t p = 0; p < half; p += 16)
-                transpose16((const int32_t*)(sp + s * 16 * cols) + p, half,
-                            (int32_t*)xb + ((s * ntile + j) * half + p) * 16, 16);
+        const float* xr = x + tok * cols;
+        for (int64_t k = 0; k < cols; k += 16) {
+            __m512 v = _mm512_loadu_ps(xr + k);
+            for (int s = 0; s < 3; ++s) {
+                const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+                _mm256_storeu_si256((__m256i*)(o + s * 16 * cols + k), h);
+                v = _mm512_sub_ps(v, _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            }
+        }
+        for (int64_t g = 0; g < cols / 32; ++g)
+            xs[g * tp + tok] = _mm512_reduce_add_ps(_mm512_add_ps(
+                _mm512_loadu_ps(xr + 32 * g), _mm512_loadu_ps(xr + 32 * g + 16)));
     }
+    for (int s = 0; s < 3; ++s)
+        for (int64_t p = 0; p < half; p += 16)
+            transpose16((const int32_t*)(sp + s * 16 * cols) + p, half,
+                        (int32_t*)xb + ((s * ntile + j) * half + p) * 16, 16);
 }
 
 #define EFS_AMX_CASE(T, D) case T: return amx_type<T>() ? rows_amx<T> : nullptr;
@@ -288,7 +299,7 @@ QgemmAmxFn amx_qgemm(int type) {
 
 namespace efs {
 bool amx_enable() { return false; }
-void amx_prepare(const float*, int64_t, int64_t, uint32_t*, float*) {}
+void amx_prepare(const float*, int64_t, int64_t, int64_t, uint32_t*, float*) {}
 QgemmAmxFn amx_qgemm(int) { return nullptr; }
 }  // namespace efs
 
