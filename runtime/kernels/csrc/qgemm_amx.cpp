@@ -57,8 +57,8 @@ struct alignas(64) TileConfig {
 // mins (m * mn).
 struct alignas(64) AmxPanel {
     uint16_t A[8][2][16][32];    // [step][half][row][weight]: bf16 of u - offset
-    float s[8][2][16];           // [step][half][row] the multiplier of the step's group
-    float mm[8][2][16];          // ... and its mins' (Q4_K/Q5_K), else 0
+    float s[2][16][8];           // [half][row][step] the multiplier of the step's group
+    float mm[2][16][8];          // ... and its mins' (Q4_K/Q5_K), else 0
     alignas(64) uint8_t u[32][256];
 };
 
@@ -93,20 +93,22 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
     for (int j = 0; j < 32; ++j) {
         const int h = j / 16, r = j % 16;
         if (p0 + j >= r1) {
-            for (int kk = 0; kk < 8; ++kk) {
-                memset(P.A[kk][h][r], 0, 64);
-                P.s[kk][h][r] = P.mm[kk][h][r] = 0.f;
-            }
+            for (int kk = 0; kk < 8; ++kk) memset(P.A[kk][h][r], 0, 64);
+            _mm256_storeu_ps(P.s[h][r], _mm256_setzero_ps());
+            _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
             continue;
         }
-        int32_t ls[16], mn[8];
+        alignas(32) int32_t ls[16], mn[8];
         float a, m;
         decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &a, &m);
-        for (int kk = 0; kk < 8; ++kk) {
+        for (int kk = 0; kk < 8; ++kk)
             store_bf16(P.A[kk][h][r], _mm256_sub_epi8(loadu256(P.u[j] + 32 * kk), off));
-            P.s[kk][h][r] = a * (float)(LS_GROUP<TYPE> == 32 ? ls[kk] : ls[2 * kk]);
-            P.mm[kk][h][r] = MINS ? m * (float)mn[kk] : 0.f;
-        }
+        alignas(32) int32_t l8[8];                // the steps' multipliers (IQ: ls of 16, twice)
+        for (int kk = 0; kk < 8; ++kk) l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
+        _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
+            _mm256_load_si256((const __m256i*)l8))));
+        _mm256_storeu_ps(P.mm[h][r], MINS ? _mm256_mul_ps(_mm256_set1_ps(m), _mm256_cvtepi32_ps(
+            _mm256_load_si256((const __m256i*)mn))) : _mm256_setzero_ps());
     }
 }
 
@@ -167,10 +169,10 @@ EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float*
         for (int h = 0; h < 2; ++h)
             for (int r = 0; r < 16; ++r) {
                 float* o = acc + (16 * h + r) * tp + t0;
-                __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(P.s[kk][h][r]),
+                __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(P.s[h][r][kk]),
                                            _mm512_load_ps(cbuf[2 * jj + h][r]),
                                            _mm512_loadu_ps(o));
-                if (MINS) y = _mm512_fnmadd_ps(_mm512_set1_ps(P.mm[kk][h][r]), xg, y);
+                if (MINS) y = _mm512_fnmadd_ps(_mm512_set1_ps(P.mm[h][r][kk]), xg, y);
                 _mm512_storeu_ps(o, y);
             }
     }
