@@ -6,10 +6,10 @@ Two numerics, chosen per call by ``act_quant``:
 - ``"off"`` (the default, *exact*): float32 activations and float32 accumulation. The result
   equals ``F.linear(x, dequantize(W))`` up to float rounding (weights enter as scale × integer,
   factored per sub-block: ``Σ_s d·sc_s·Σ q·x − dmin·m_s·Σ x``). Where the CPU has AMX-BF16
-  (Intel, Sapphire Rapids on), a prompt's wide products of the types with a multiplier per 32
-  weights (Q4_K, Q5_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, TQ1_0, TQ2_0) run on the tile
-  unit from exact bf16 parts of the weights and the activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0``
-  or ``set_amx(False)`` keeps the float panel): the same bound, not the same bits.
+  (Intel, Sapphire Rapids on), a prompt's wide products of the Q8_K types (Q4_K, Q5_K, Q6_K,
+  IQ4_XS, the lattice IQ and TQ types) run on the tile unit from exact bf16 parts of the
+  weights and the activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0`` or ``set_amx(False)``
+  keeps the float panel): the same bound, not the same bits.
 - ``"q8"`` (opt-in, lossy): activations quantized the way llama.cpp quantizes them (Q8_K for
   the K-quants, the IQ types but IQ4_NL and the TQ types, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL, Q8_1 for
   Q4_1/Q5_1, fp16/bf16 rounding for F16/BF16) and integer dot products per block: llama.cpp's

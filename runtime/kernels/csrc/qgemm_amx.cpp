@@ -4,20 +4,23 @@
 //
 //  - each activation is split into three bf16 numbers whose sum is it exactly (x rounded to
 //    bf16, the rest rounded, what is left: 8 + 8 + 8 significant bits hold a float's 24);
-//  - each weight of a 256-weight block is the integer v = ls * (u - offset) of decode_block (at
-//    most 4096 in magnitude for every Q8_K type), split into two exact bf16 numbers, a multiple
-//    of 16 and the rest (-8..7), so that the weight is a * v [- m * mn];
+//  - the weights are decode_block's integers: u - offset (at most 128 in magnitude, exact in
+//    bf16) for the types with a multiplier per 32 weights, whose step of 32 weights is then one
+//    A tile, its sums multiplied by the step's a * ls and Q4_K/Q5_K's mins (m * mn times the
+//    group's sum of x) taken off per step (rows_amx); for those with a multiplier per 16 (Q6_K,
+//    IQ2_XS, IQ2_S, IQ1_M), v = ls * (u - offset) (at most 4096) split into two exact bf16
+//    numbers, a multiple of 16 and the rest (-8..7), two A tiles a step whose sums add up over
+//    the block and are multiplied by a once (rows_amx16);
 //  - the product of a weight part and an activation part is exact in float32, so the tile
-//    unit's sums over a block are float32 sums of exact terms, as the float panel's FMAs are;
-//    per block they are multiplied by a, and Q4_K/Q5_K's mins taken off (m times the sum over
-//    the groups of mn times the group's sum of x), as the q8 rows kernels do per block.
+//    unit's sums are float32 sums of exact terms, as the float panel's FMAs are.
 // The result is F.linear on the reference dequantization up to float32 rounding (the float
-// panel's test bound), not the float panel's bits: its summation order differs.
+// panel's test bound; closer to the float64 product than the float panel), not the float
+// panel's bits: its summation order differs.
 //
 // Layout: the weights are the tiles' A operand (16 rows x 32 weights, a panel's rows as they are
-// decoded); the activations the B operand, prepared once per call (amx_prepare) as bf16 pairs
-// of consecutive weights' activations, [part][token tile][pair][16 tokens]; the sums C are 16
-// rows x 16 tokens, four token tiles at a time in tiles 4-7.
+// decoded; a panel is 32 rows, two A tiles); the activations the B operand, prepared once per
+// call (amx_prepare) as bf16 pairs of consecutive weights' activations, [part][token tile]
+// [pair][16 tokens]; the sums C are 16 rows x 16 tokens in tiles 4-7.
 #include "kern.h"
 
 #include <string.h>
@@ -62,22 +65,34 @@ struct alignas(64) AmxPanel {
     alignas(64) uint8_t u[32][256];
 };
 
-// 32 bytes (u - off, as signed bytes after the offset) as 32 bf16: exact, |v| <= 128.
-EFS_X inline void store_bf16(uint16_t* o, __m256i v8) {
+// 32 floats that are integers of at most 8 significant bits as 32 bf16 (exact: their upper
+// halves).
+EFS_X inline void store_bf16(uint16_t* o, __m512 f0, __m512 f1) {
     const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37,
                                          35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7,
                                          5, 3, 1);
-    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v8)));
-    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v8, 1)));
     _mm512_storeu_si512(o, _mm512_permutex2var_epi16(_mm512_castps_si512(f0), odd,
                                                      _mm512_castps_si512(f1)));
 }
 
-// The types whose multipliers are per group of 32 weights (a step's A tile): Q4_K, Q5_K,
-// IQ4_XS and the IQ and TQ types with one multiplier per 32 (not IQ2_XS, IQ2_S, IQ1_M or Q6_K,
-// whose multipliers per 16 would take two tiles a step: the float panel is as fast for them).
+// 32 signed bytes as 32 bf16.
+EFS_X inline void store_bf16_i8(uint16_t* o, __m256i v8) {
+    store_bf16(o, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v8))),
+               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v8, 1))));
+}
+
+// 32 int16 of at most 8 significant bits as 32 bf16.
+EFS_X inline void store_bf16_i16(uint16_t* o, __m512i v) {
+    store_bf16(o, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))),
+               _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))));
+}
+
+// The types whose multipliers are per group of 32 weights, a step's A tile (Q4_K, Q5_K, IQ4_XS
+// and the IQ and TQ types with one multiplier per 32), take the sums of each step times its
+// multiplier (rows_amx); those with a multiplier per 16 (Q6_K, IQ2_XS, IQ2_S, IQ1_M) the
+// multipliers folded into the weights (rows_amx16).
 template <int TYPE>
-constexpr bool amx_type() {
+constexpr bool per32() {
     if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_IQ4_XS) return true;
     else if constexpr (TYPE == T_Q6_K) return false;
     else return !IqOf<TYPE>::D::PAIR;
@@ -102,7 +117,7 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
         float a, m;
         decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &a, &m);
         for (int kk = 0; kk < 8; ++kk)
-            store_bf16(P.A[kk][h][r], _mm256_sub_epi8(loadu256(P.u[j] + 32 * kk), off));
+            store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(P.u[j] + 32 * kk), off));
         alignas(32) int32_t l8[8];                // the steps' multipliers (IQ: ls of 16, twice)
         for (int kk = 0; kk < 8; ++kk) l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
         _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
@@ -178,19 +193,16 @@ EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float*
     }
 }
 
-thread_local AmxPanel t_panel;
-
-template <int TYPE>
-EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
-                    const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
-    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
-    constexpr int PR = 32;
-    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
+// A thread's rows [r0, r1), a 32-row panel at a time: the panel's sums acc [32][tp] zeroed,
+// `block(p0, i, acc)` for each 256-weight block i, then acc to y's tokens; the tiles configured
+// (eight of 16 rows x 64 bytes) for the call and released after.
+template <class Block>
+EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, int64_t ys,
+                      const Block& block) {
+    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16;
     thread_local std::vector<float> accv;
     if ((int64_t)accv.size() < 32 * tp) accv.resize(32 * tp);
     float* acc = accv.data();
-    AmxPanel& P = t_panel;
-    alignas(64) float cbuf[4][16][16];
     alignas(64) float out[16][16];
     TileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
@@ -198,30 +210,10 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     EFS_MEMORY_BARRIER();
     _tile_loadconfig(&cfg);
-    for (int64_t p0 = r0; p0 < r1; p0 += PR) {
-        memset(acc, 0, sizeof(float) * PR * tp);
-        for (int64_t i = 0; i < nb; ++i) {
-            decode_panel<TYPE>(W, rb, p0, r1, i, rb / nb, P);
-            EFS_MEMORY_BARRIER();
-            for (int64_t jt = 0; jt < ntile; jt += 2) {
-                const int nj = ntile - jt < 2 ? 1 : 2;
-                // step kk's products are issued before step kk - 1's sums are added, so that
-                // the tile unit and the vector units work at once
-                for (int kk = 0; kk < 8; ++kk) {
-                    if (nj == 1)
-                        step_products<1>(P, xb, ntile, half, jt, i, kk);
-                    else
-                        step_products<2>(P, xb, ntile, half, jt, i, kk);
-                    if (kk > 0) add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, kk - 1, acc);
-                    if (nj == 1)
-                        store_sums<1>(cbuf);
-                    else
-                        store_sums<2>(cbuf);
-                }
-                add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, 7, acc);
-            }
-        }
-        for (int64_t q0 = p0; q0 < p0 + PR && q0 < r1; q0 += 16) {
+    for (int64_t p0 = r0; p0 < r1; p0 += 32) {
+        memset(acc, 0, sizeof(float) * 32 * tp);
+        for (int64_t i = 0; i < nb; ++i) block(p0, i, acc);
+        for (int64_t q0 = p0; q0 < p0 + 32 && q0 < r1; q0 += 16) {
             const int64_t n = r1 - q0 < 16 ? r1 - q0 : 16;
             const float* a = acc + (q0 - p0) * tp;
             for (int64_t j = 0; j < ntile; ++j) {       // [16 rows][16 tokens] to y's tokens
@@ -232,6 +224,143 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
         }
     }
     _tile_release();
+}
+
+thread_local AmxPanel t_panel;
+
+template <int TYPE>
+EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
+                    const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
+    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
+    AmxPanel& P = t_panel;
+    alignas(64) float cbuf[4][16][16];
+    amx_panels(r0, r1, nt, nb, y, ys, [&](int64_t p0, int64_t i, float* acc) {
+        decode_panel<TYPE>(W, rb, p0, r1, i, rb / nb, P);
+        EFS_MEMORY_BARRIER();
+        for (int64_t jt = 0; jt < ntile; jt += 2) {
+            const int nj = ntile - jt < 2 ? 1 : 2;
+            // step kk's products are issued before step kk - 1's sums are added, so that the
+            // tile unit and the vector units work at once
+            for (int kk = 0; kk < 8; ++kk) {
+                if (nj == 1)
+                    step_products<1>(P, xb, ntile, half, jt, i, kk);
+                else
+                    step_products<2>(P, xb, ntile, half, jt, i, kk);
+                if (kk > 0) add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, kk - 1, acc);
+                if (nj == 1)
+                    store_sums<1>(cbuf);
+                else
+                    store_sums<2>(cbuf);
+            }
+            add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, 7, acc);
+        }
+    });
+}
+
+// --- types with a multiplier per 16 weights (Q6_K, IQ2_XS, IQ2_S, IQ1_M): multipliers folded in
+//
+// Each weight's integer v = ls * (u - offset) (at most 4096 in magnitude) is split into two exact
+// bf16 numbers, a multiple of 16 and the rest (-8..7): a step's 32 weights of 16 rows are two A
+// tiles, whose products with the activations' three parts add into one sum tile over the
+// block's eight steps; per block the sums are multiplied by a.
+
+struct alignas(64) AmxPanel16 {
+    uint16_t A[8][2][2][16][32];  // [step][half][part][row][weight] bf16
+    float a[2][16];               // [half][row] the block's scale
+    alignas(64) uint8_t u[32][256];
+};
+
+// Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P.
+template <int TYPE>
+EFS_X void decode_panel16(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
+                          int64_t bytes, AmxPanel16& P) {
+    constexpr int OFF = 1 << OFFSET_SHIFT<TYPE>;
+    for (int j = 0; j < 32; ++j) {
+        const int h = j / 16, r = j % 16;
+        if (p0 + j >= r1) {
+            for (int kk = 0; kk < 8; ++kk)
+                memset(P.A[kk][h][0][r], 0, 64), memset(P.A[kk][h][1][r], 0, 64);
+            P.a[h][r] = 0.f;
+            continue;
+        }
+        int32_t ls[16], mn[8];
+        float m;
+        decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &P.a[h][r], &m);
+        for (int kk = 0; kk < 8; ++kk) {
+            __m512i v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(loadu256(P.u[j] + 32 * kk)),
+                                         _mm512_set1_epi16(OFF));
+            v = _mm512_mullo_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)ls[2 * kk]),
+                                                         _mm256_set1_epi16((short)ls[2 * kk + 1]),
+                                                         1));
+            const __m512i hi = _mm512_and_si512(_mm512_add_epi16(v, _mm512_set1_epi16(8)),
+                                                _mm512_set1_epi16(~15));
+            store_bf16_i16(P.A[kk][h][0][r], hi);
+            store_bf16_i16(P.A[kk][h][1][r], _mm512_sub_epi16(v, hi));
+        }
+    }
+}
+
+// Block i's sums for token tile j: tiles 0-3 the A tiles of the two halves, 4/5 the
+// activations' parts in turn, 6/7 the halves' sums (fold_store takes them out).
+EFS_X void fold_products(const AmxPanel16& P, const uint32_t* xb, int64_t ntile, int64_t half,
+                         int64_t j, int64_t i) {
+    _tile_zero(6);
+    _tile_zero(7);
+    const int64_t part = ntile * half * 16;
+    for (int kk = 0; kk < 8; ++kk) {
+        _tile_loadd(0, P.A[kk][0][0], 64);
+        _tile_loadd(1, P.A[kk][0][1], 64);
+        _tile_loadd(2, P.A[kk][1][0], 64);
+        _tile_loadd(3, P.A[kk][1][1], 64);
+        const uint32_t* b = xb + (j * half + 16 * (8 * i + kk)) * 16;
+#define EFS_AMX_PART(B, OFS)                                                                \
+        _tile_loadd(B, b + OFS, 64);                                                        \
+        _tile_dpbf16ps(6, 0, B);                                                            \
+        _tile_dpbf16ps(6, 1, B);                                                            \
+        _tile_dpbf16ps(7, 2, B);                                                            \
+        _tile_dpbf16ps(7, 3, B);
+        EFS_AMX_PART(4, 0)
+        EFS_AMX_PART(5, part)
+        EFS_AMX_PART(4, 2 * part)
+#undef EFS_AMX_PART
+    }
+}
+
+EFS_X void fold_store(float (*cbuf)[16][16]) {
+    _tile_stored(6, cbuf[0], 64);
+    _tile_stored(7, cbuf[1], 64);
+}
+
+// acc's token tile j += a * the block's sums.
+EFS_X void fold_add(const AmxPanel16& P, const float (*cbuf)[16][16], int64_t tp, int64_t j,
+                    float* acc) {
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < 16; ++r) {
+            float* o = acc + (16 * h + r) * tp + 16 * j;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(P.a[h][r]),
+                                                _mm512_load_ps(cbuf[h][r]), _mm512_loadu_ps(o)));
+        }
+}
+
+thread_local AmxPanel16 t_panel16;
+
+template <int TYPE>
+EFS_X void rows_amx16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
+                      const float*, int64_t nt, int64_t cols, float* y, int64_t ys) {
+    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
+    AmxPanel16& P = t_panel16;
+    alignas(64) float cbuf[2][16][16];
+    amx_panels(r0, r1, nt, nb, y, ys, [&](int64_t p0, int64_t i, float* acc) {
+        decode_panel16<TYPE>(W, rb, p0, r1, i, rb / nb, P);
+        EFS_MEMORY_BARRIER();
+        for (int64_t j = 0; j < ntile; ++j) {       // tile j's products before tile j - 1's sums
+            fold_products(P, xb, ntile, half, j, i);
+            if (j > 0) fold_add(P, cbuf, tp, j - 1, acc);
+            fold_store(cbuf);
+        }
+        fold_add(P, cbuf, tp, ntile - 1, acc);
+    });
 }
 
 }  // namespace
@@ -284,7 +413,13 @@ EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint
                         (int32_t*)xb + ((s * ntile + j) * half + p) * 16, 16);
 }
 
-#define EFS_AMX_CASE(T, D) case T: return amx_type<T>() ? rows_amx<T> : nullptr;
+template <int TYPE>
+QgemmAmxFn amx_fn() {
+    if constexpr (per32<TYPE>()) return rows_amx<TYPE>;
+    else return rows_amx16<TYPE>;
+}
+
+#define EFS_AMX_CASE(T, D) case T: return amx_fn<T>();
 QgemmAmxFn amx_qgemm(int type) {
     switch (type) {
         EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)

@@ -1,5 +1,6 @@
 """Exact mode's panel product on AMX (``kernels.qgemm`` where the CPU has AMX-BF16): for every
-type it takes (a multiplier per 32 weights), its results equal ``F.linear`` on the reference
+type it takes (the Q8_K types: a multiplier per 32 weights, or per 16 folded into the weights),
+its results equal ``F.linear`` on the reference
 dequantization (formats.dequant, itself tested against gguf-py) within the float panel's
 rounding bound, and closer to the float64 product than the float panel, for token counts around
 its token tiles (16, in pairs) and rows around its panel of 32; the same bits on one thread and
@@ -20,8 +21,9 @@ from support.native import MOD, NEEDS_NATIVE
 import test_kernels as k_quants
 from test_qgemm_q8 import weight
 
-AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0]
-FLOAT_PANEL = [T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.Q8_0, T.Q4_0]     # kept on the float panel
+AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0,
+       T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M]              # the last four: multipliers per 16
+FLOAT_PANEL = [T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]        # kept on the float panel
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]
