@@ -156,8 +156,8 @@ typedef void (*QgemmAmxFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int6
                            const uint32_t* xb, const float* xs, int64_t nt, int64_t cols,
                            float* y, int64_t ys);
 // The function for `type` (the Q8_K types: Q4_K, Q5_K, Q6_K, IQ4_XS, the lattice IQ types,
-// TQ1_0, TQ2_0), nullptr for the others and where not compiled; the caller checks
-// amx_enable().
+// TQ1_0, TQ2_0; Q8_0, Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled;
+// the caller checks amx_enable().
 QgemmAmxFn amx_qgemm(int type);
 // Token tile j (tokens 16 j ...) of amx_prepare's xb and xs.
 void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint32_t* xb, float* xs);

@@ -32,10 +32,6 @@ namespace {
 // IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group ib of 32: 6-bit scale ls (iq4xs_ls),
 // values kvalues_iq4nl[nibble] (tbl_iq4nl_s; lo nibbles = elements 0..15 of the group, hi =
 // 16..31).
-EFS_TI __m256i tbl_mxfp4_s() {   // kvalues_mxfp4 (twice the E2M1 values; e8m0h halves)
-    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-}
 
 template <int NT>
 EFS_T void ex_iq4_xs(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,

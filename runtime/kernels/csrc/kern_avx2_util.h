@@ -60,6 +60,12 @@ EFS_TI __m256i tbl_iq4nl_s() {
                             89, 113);
 }
 
+// ggml's kvalues_mxfp4 (twice the E2M1 values; e8m0h halves the scale), twice.
+EFS_TI __m256i tbl_mxfp4_s() {
+    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
 // IQ4_XS's 6-bit scale of group ib (0..63; the multiplier is it less 32).
 EFS_TI int iq4xs_ls(const uint8_t* b, int ib) {
     uint16_t sh;

@@ -1,13 +1,15 @@
 // Products of many tokens in exact mode on AMX (Intel's tile matrix unit, Sapphire Rapids and
 // later: bf16 products summed in float32, 16 x 16 x 32 of them an instruction): qgemm.cpp's
-// panel product for the Q8_K types, with nothing rounded but the float32 sums.
+// panel product for the Q8_K types and the blocks-of-32 types Q8_0, Q4_0, IQ4_NL and MXFP4 (in
+// rows of whole 256-weight panels), with nothing rounded but the float32 sums.
 //
 //  - each activation is split into three bf16 numbers whose sum is it exactly (x rounded to
 //    bf16, the rest rounded, what is left: 8 + 8 + 8 significant bits hold a float's 24);
 //  - the weights are decode_block's integers: u - offset (at most 128 in magnitude, exact in
 //    bf16) for the types with a multiplier per 32 weights, whose step of 32 weights is then one
-//    A tile, its sums multiplied by the step's a * ls and Q4_K/Q5_K's mins (m * mn times the
-//    group's sum of x) taken off per step (rows_amx); for those with a multiplier per 16 (Q6_K,
+//    A tile, its sums multiplied by the step's a * ls (the blocks-of-32 types: the block's
+//    scale) and Q4_K/Q5_K's mins (m * mn times the group's sum of x) taken off per step
+//    (rows_amx); for those with a multiplier per 16 (Q6_K,
 //    IQ2_XS, IQ2_S, IQ1_M), v = ls * (u - offset) (at most 4096) split into two exact bf16
 //    numbers, a multiple of 16 and the rest (-8..7), two A tiles a step whose sums add up over
 //    the block and are multiplied by a once (rows_amx16);
@@ -87,13 +89,20 @@ EFS_X inline void store_bf16_i16(uint16_t* o, __m512i v) {
                _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))));
 }
 
-// The types whose multipliers are per group of 32 weights, a step's A tile (Q4_K, Q5_K, IQ4_XS
-// and the IQ and TQ types with one multiplier per 32), take the sums of each step times its
+// The types whose multipliers are per group of 32 weights, a step's A tile (Q4_K, Q5_K, IQ4_XS,
+// the IQ and TQ types with one multiplier per 32, and the blocks-of-32 types Q8_0, Q4_0, IQ4_NL
+// and MXFP4, whose float scale is the step's), take the sums of each step times its
 // multiplier (rows_amx); those with a multiplier per 16 (Q6_K, IQ2_XS, IQ2_S, IQ1_M) the
 // multipliers folded into the weights (rows_amx16).
 template <int TYPE>
+constexpr bool blocks32() {
+    return TYPE == T_Q8_0 || TYPE == T_Q4_0 || TYPE == T_IQ4_NL || TYPE == T_MXFP4;
+}
+
+template <int TYPE>
 constexpr bool per32() {
-    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_IQ4_XS) return true;
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_IQ4_XS || blocks32<TYPE>())
+        return true;
     else if constexpr (TYPE == T_Q6_K) return false;
     else return !IqOf<TYPE>::D::PAIR;
 }
@@ -113,17 +122,23 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
             continue;
         }
-        alignas(32) int32_t ls[16], mn[8];
-        float a, m;
-        decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &a, &m);
+        if constexpr (blocks32<TYPE>()) {               // the blocks' scales: the steps'
+            decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], P.s[h][r]);
+            _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
+        } else {
+            alignas(32) int32_t ls[16], mn[8], l8[8];
+            float a, m;
+            decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &a, &m);
+            for (int kk = 0; kk < 8; ++kk)      // the steps' multipliers (IQ: ls of 16, twice)
+                l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
+            _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
+                _mm256_load_si256((const __m256i*)l8))));
+            _mm256_storeu_ps(P.mm[h][r], MINS ? _mm256_mul_ps(_mm256_set1_ps(m),
+                _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)mn)))
+                : _mm256_setzero_ps());
+        }
         for (int kk = 0; kk < 8; ++kk)
             store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(P.u[j] + 32 * kk), off));
-        alignas(32) int32_t l8[8];                // the steps' multipliers (IQ: ls of 16, twice)
-        for (int kk = 0; kk < 8; ++kk) l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
-        _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
-            _mm256_load_si256((const __m256i*)l8))));
-        _mm256_storeu_ps(P.mm[h][r], MINS ? _mm256_mul_ps(_mm256_set1_ps(m), _mm256_cvtepi32_ps(
-            _mm256_load_si256((const __m256i*)mn))) : _mm256_setzero_ps());
     }
 }
 
@@ -423,7 +438,8 @@ QgemmAmxFn amx_fn() {
 QgemmAmxFn amx_qgemm(int type) {
     switch (type) {
         EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)
-        EFS_AMX_CASE(T_IQ4_XS, -)
+        EFS_AMX_CASE(T_IQ4_XS, -) EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -)
+        EFS_AMX_CASE(T_IQ4_NL, -) EFS_AMX_CASE(T_MXFP4, -)
         EFS_IQ_DECODERS(EFS_AMX_CASE)
         default: return nullptr;
     }

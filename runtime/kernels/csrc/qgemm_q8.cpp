@@ -369,36 +369,12 @@ struct alignas(64) Panel32 {
     alignas(64) uint8_t rows[16][256];
 };
 
-// ggml's kvalues_iq4nl and kvalues_mxfp4 (doubled E2M1), twice: a 256-bit shuffle table
-EFS_TI __m256i kv_table(int type) {
-    return type == T_IQ4_NL
-        ? _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                           113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-                           89, 113)
-        : _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3,
-                           4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-}
-
-template <int TYPE>
-constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : 18;
-
 // Row j of vector v: its 8 blocks from b (the first of them), weights + 128 and scales.
 template <int TYPE>
 EFS_TI void decode_row32(const uint8_t* b, Panel32& p, int v, int j) {
-    const __m256i k128 = _mm256_set1_epi8((char)0x80);
-    for (int k = 0; k < 8; ++k, b += B32_BYTES<TYPE>) {
-        __m256i w;
-        if constexpr (TYPE == T_Q8_0) {
-            w = _mm256_xor_si256(loadu256(b + 2), k128);
-        } else if constexpr (TYPE == T_Q4_0) {          // q - 8 + 128
-            w = _mm256_add_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(120));
-        } else {                                        // IQ4_NL, MXFP4: the table's values
-            const __m256i nib = nibbles(loadu128(b + (TYPE == T_MXFP4 ? 1 : 2)));
-            w = _mm256_xor_si256(_mm256_shuffle_epi8(kv_table(TYPE), nib), k128);
-        }
-        _mm256_storeu_si256((__m256i*)(p.rows[j] + 32 * k), w);
-        p.bd[v][k][j] = TYPE == T_MXFP4 ? e8m0h(b[0]) : f16(b);
-    }
+    float d[8];
+    decode_blocks32<TYPE>(b, p.rows[j], d);
+    for (int k = 0; k < 8; ++k) p.bd[v][k][j] = d[k];
 }
 
 template <int TYPE>

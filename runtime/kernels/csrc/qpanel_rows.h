@@ -84,5 +84,30 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
     }
 }
 
+// The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4): eight blocks from b (the first of them)
+// as 256 bytes u, each weight's signed value + 128, and the blocks' float scales d: weight k is
+// d[k / 32] * (u[k] - 128).
+template <int TYPE>
+constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : 18;
+
+template <int TYPE>
+EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d) {
+    const __m256i k128 = _mm256_set1_epi8((char)0x80);
+    for (int k = 0; k < 8; ++k, b += B32_BYTES<TYPE>) {
+        __m256i w;
+        if constexpr (TYPE == T_Q8_0) {
+            w = _mm256_xor_si256(loadu256(b + 2), k128);
+        } else if constexpr (TYPE == T_Q4_0) {          // q - 8 + 128
+            w = _mm256_add_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(120));
+        } else {                                        // IQ4_NL, MXFP4: the table's values
+            const __m256i nib = nibbles(loadu128(b + (TYPE == T_MXFP4 ? 1 : 2)));
+            w = _mm256_xor_si256(_mm256_shuffle_epi8(
+                TYPE == T_IQ4_NL ? tbl_iq4nl_s() : tbl_mxfp4_s(), nib), k128);
+        }
+        _mm256_storeu_si256((__m256i*)(u + 32 * k), w);
+        d[k] = TYPE == T_MXFP4 ? e8m0h(b[0]) : f16(b);
+    }
+}
+
 }  // namespace
 }  // namespace efs

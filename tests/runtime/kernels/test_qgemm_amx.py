@@ -1,6 +1,6 @@
 """Exact mode's panel product on AMX (``kernels.qgemm`` where the CPU has AMX-BF16): for every
-type it takes (the Q8_K types: a multiplier per 32 weights, or per 16 folded into the weights),
-its results equal ``F.linear`` on the reference
+type it takes (the Q8_K types: a multiplier per 32 weights, or per 16 folded into the weights;
+the blocks-of-32 types in rows of whole 256-weight panels), its results equal ``F.linear`` on the reference
 dequantization (formats.dequant, itself tested against gguf-py) within the float panel's
 rounding bound, and closer to the float64 product than the float panel, for token counts around
 its token tiles (16, in pairs) and rows around its panel of 32; the same bits on one thread and
@@ -22,8 +22,9 @@ import test_kernels as k_quants
 from test_qgemm_q8 import weight
 
 AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0,
-       T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M]              # the last four: multipliers per 16
-FLOAT_PANEL = [T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]        # kept on the float panel
+       T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M,              # multipliers per 16, folded in
+       T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]               # blocks of 32
+FLOAT_PANEL = [T.Q2_K, T.Q3_K, T.Q4_1, T.Q5_0, T.Q5_1]   # kept on the float panel
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]
@@ -83,7 +84,8 @@ def test_does_not_depend_on_threads():
 
 @pytest.mark.parametrize("t", FLOAT_PANEL, ids=lambda t: t.name)
 def test_other_types_keep_the_float_panel(t, float_panel):
-    raw = weight(t, 40, 512, 7)
+    from test_qgemm import weight as any_weight
+    raw = any_weight(t, 40, 512, 7)
     x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1))
     assert torch.equal(kernels.qgemm(x, raw, t, (40, 512)),
                        float_panel(lambda: kernels.qgemm(x, raw, t, (40, 512))))
@@ -106,3 +108,10 @@ def test_max_tokens_takes_the_amx_limits_while_it_is_on():
         assert kernels.max_tokens(t, 32) == widths._WIDE[("avx512", gemm.isa(), 0)][t]
     finally:
         MOD.set_amx(True)
+
+
+def test_blocks_of_32_in_rows_not_whole_panels_keep_the_float_panel(float_panel):
+    raw = weight(T.Q8_0, 40, 288, 5)                 # 288 weights: nine blocks of 32
+    x = torch.randn(33, 288, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(kernels.qgemm(x, raw, T.Q8_0, (40, 288)),
+                       float_panel(lambda: kernels.qgemm(x, raw, T.Q8_0, (40, 288))))
