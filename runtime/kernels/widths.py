@@ -145,14 +145,18 @@ WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of
                          if t not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.IQ4_NL,
                                       GGMLType.MXFP4)}
 
-#: Exact mode where the CPU has AMX-BF16 and the type an AMX panel product (``qgemm_amx.cpp``):
-#: past these token counts a batch goes to it. Measured on the AVX-512 Xeon as the q8 limits
+#: Exact mode where the CPU has AMX-BF16 and the type an AMX panel product (``qgemm_amx.cpp``;
+#: the blocks-of-32 types' rows of whole 256-weight panels; other rows take the float panel past
+#: the same limits): past these token counts a batch
+#: goes to it. Measured on the AVX-512 Xeon as the q8 limits
 #: above (``bench_kernels.py --prefill -t 2 --tokens 4,6,8,10,12,16,24``, the exact ratio's
 #: geometric mean, at least 1.05; bench/README.md).
 WIDE_TYPES_AMX = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.IQ4_XS: 4, GGMLType.IQ2_XXS: 8,
     GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8, GGMLType.IQ1_S: 8, GGMLType.TQ1_0: 6,
-    GGMLType.TQ2_0: 6,
+    GGMLType.TQ2_0: 6, GGMLType.Q6_K: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,
+    GGMLType.IQ1_M: 8, GGMLType.Q8_0: 8, GGMLType.Q4_0: 8, GGMLType.IQ4_NL: 8,
+    GGMLType.MXFP4: 8,
 }
 
 #: ISA in use → the type ids q8 mode's integer panel product takes there
