@@ -329,11 +329,12 @@ EFS_X void fold_products(const AmxPanel16& P, const uint32_t* xb, int64_t ntile,
         _tile_loadd(2, P.A[kk][1][0], 64);
         _tile_loadd(3, P.A[kk][1][1], 64);
         const uint32_t* b = xb + (j * half + 16 * (8 * i + kk)) * 16;
-#define EFS_AMX_PART(B, OFS)                                                                \
+#define EFS_AMX_PART(B, OFS)     /* the two sums in turn: each product waits for its sum's  \
+                                    previous one */                                         \
         _tile_loadd(B, b + OFS, 64);                                                        \
         _tile_dpbf16ps(6, 0, B);                                                            \
-        _tile_dpbf16ps(6, 1, B);                                                            \
         _tile_dpbf16ps(7, 2, B);                                                            \
+        _tile_dpbf16ps(6, 1, B);                                                            \
         _tile_dpbf16ps(7, 3, B);
         EFS_AMX_PART(4, 0)
         EFS_AMX_PART(5, part)
