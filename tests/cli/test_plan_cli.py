@@ -362,6 +362,33 @@ def test_run_says_which_types_prompts_take_the_integer_panel_in_q8(caplog, tiny_
     assert len(lines) == 1 and all(t in lines[0] for t in panel + exact)
 
 
+def test_run_says_which_types_prompts_take_amx_in_exact_mode(caplog, tiny_store) -> None:
+    """Where the CPU has AMX the exact-mode log names the types whose prompts run on it (those
+    of the store the kernels take there); nothing in q8 mode or without AMX."""
+    import logging
+
+    from expertfs.cli import _tiers
+    from expertfs.formats.ggml import GGMLType
+    from expertfs.runtime import kernels
+    from expertfs.runtime.plan.model import geometry_of_store
+    from expertfs.runtime.plan.paths import amx_prompt_types
+    from expertfs.store.reader import Store
+
+    with Store.open(str(tiny_store)) as s:
+        g = geometry_of_store(s)
+    mod = kernels.load()
+    on = set(mod.info()["amx_types"]) if mod is not None else set()
+    types = {m.ggml_type for layer in g.expert_parts for m in layer} | \
+        {m.ggml_type for m in g.trunk_matrices}
+    want = sorted(t for t in types if t in GGMLType.__members__ and int(GGMLType[t]) in on)
+    assert amx_prompt_types(g) == want
+    with caplog.at_level(logging.INFO, logger=_tiers.log.name):
+        _tiers._log_paths(g, "cpu", "auto", "off")
+        _tiers._log_paths(g, "cpu", "auto", "q8")
+    lines = [r.getMessage() for r in caplog.records if "AMX" in r.getMessage()]
+    assert len(lines) == (1 if want else 0) and all(t in lines[0] for t in want)
+
+
 def test_a_store_that_learned_its_usage_is_planned_from_it(capsys, tmp_path) -> None:
     """Runs teach a store its usage; once it has seen enough tokens, plan draws its routing
     from it (labelled, not synthetic) instead of the synthetic presets."""
