@@ -98,7 +98,10 @@ bool detect_amx() {
 }
 const bool g_amx = detect_amx();
 // EXPERTFS_AMX=0 leaves it off (the float panel's numerics and speed, for comparisons).
-bool g_amx_on = g_amx && !(getenv("EXPERTFS_AMX") && strcmp(getenv("EXPERTFS_AMX"), "0") == 0);
+bool g_amx_on = g_amx && [] {
+    const char* e = getenv("EXPERTFS_AMX");
+    return !(e && strcmp(e, "0") == 0);
+}();
 
 RowsFn rows_fn(int type, int mode) {
     RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
@@ -297,10 +300,13 @@ int64_t panel_run(int64_t rows, int64_t panel) {
     return per * panel;
 }
 
-// The AMX product for `type` at the ISA in use (the AVX-512 tier, AMX in use, cols a multiple
-// of 256), or nullptr.
+// Whether exact mode's wide products run on AMX now: the CPU has it, it is on, the kernels run
+// at the AVX-512 tier.
+bool amx_in_use() { return g_isa >= ISA_AVX512 && g_amx_on; }
+
+// The AMX product for `type` where it is in use and cols a multiple of 256, or nullptr.
 QgemmAmxFn qgemm_amx_fn(int64_t type, int64_t cols) {
-    return g_isa >= ISA_AVX512 && g_amx_on && cols % 256 == 0 ? amx_qgemm((int)type) : nullptr;
+    return amx_in_use() && cols % 256 == 0 ? amx_qgemm((int)type) : nullptr;
 }
 
 // The AMX product into yp [nt, rows]: the tokens prepared once (a tile of 16 a pool task), then
@@ -845,11 +851,12 @@ std::string set_isa(const std::string& name) {
     return isa_name(g_isa);
 }
 
-// Exact mode's AMX panel product on or off; gives whether it is now in use.
+// Exact mode's AMX panel product on or off; gives the setting it replaces (to restore it).
 bool set_amx(bool on) {
     TORCH_CHECK(!on || g_amx, "expertfs kernels: this CPU (or OS, or build) has no AMX-BF16");
+    const bool was = g_amx_on;
     g_amx_on = on;
-    return g_amx_on;
+    return was;
 }
 
 int64_t set_spin_us(int64_t us) {
@@ -990,11 +997,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("cols"), pybind11::arg("out"));
     m.def("quantize_q8k_bytes", &efs::quantize_q8k_bytes, "Q8_K blocks of x as bytes");
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
-    m.def("amx", [] { return efs::qgemm_amx_fn(efs::T_Q4_K, 256) != nullptr; },
-          "whether exact mode's wide products run on AMX now (the CPU has it, it is on, the "
-          "kernels run at the AVX-512 tier)");
+    m.def("amx", &efs::amx_in_use, "whether exact mode's wide products run on AMX now (the CPU "
+          "has it, it is on, the kernels run at the AVX-512 tier)");
     m.def("set_amx", &efs::set_amx, "exact mode's AMX panel product on or off (where the CPU "
-          "has AMX-BF16)");
+          "has AMX-BF16); returns the setting it replaces");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");
     m.def("isa", &efs::isa, "the ISA in use: scalar, avx2 or avx512");
     m.def("set_spin_us", &efs::set_spin_us, "how long idle pool workers spin before sleeping");

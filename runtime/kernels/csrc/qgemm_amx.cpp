@@ -64,7 +64,6 @@ struct alignas(64) AmxPanel {
     uint16_t A[8][2][16][32];    // [step][half][row][weight]: bf16 of u - offset
     float s[2][16][8];           // [half][row][step] the multiplier of the step's group
     float mm[2][16][8];          // ... and its mins' (Q4_K/Q5_K), else 0
-    alignas(64) uint8_t u[32][256];
 };
 
 // 32 floats that are integers of at most 8 significant bits as 32 bf16 (exact: their upper
@@ -122,13 +121,14 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
             continue;
         }
+        alignas(32) uint8_t u[256];                     // the row's block, decoded
         if constexpr (blocks32<TYPE>()) {               // the blocks' scales: the steps'
-            decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], P.s[h][r]);
+            decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, u, P.s[h][r]);
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
         } else {
             alignas(32) int32_t ls[16], mn[8], l8[8];
             float a, m;
-            decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &a, &m);
+            decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, u, ls, mn, &a, &m);
             for (int kk = 0; kk < 8; ++kk)      // the steps' multipliers (IQ: ls of 16, twice)
                 l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
             _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
@@ -138,7 +138,7 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
                 : _mm256_setzero_ps());
         }
         for (int kk = 0; kk < 8; ++kk)
-            store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(P.u[j] + 32 * kk), off));
+            store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(u + 32 * kk), off));
     }
 }
 
@@ -209,11 +209,12 @@ EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float*
 }
 
 // A thread's rows [r0, r1), a 32-row panel at a time: the panel's sums acc [32][tp] zeroed,
-// `block(p0, i, acc)` for each 256-weight block i, then acc to y's tokens; the tiles configured
-// (eight of 16 rows x 64 bytes) for the call and released after.
-template <class Block>
+// for each 256-weight block i `decode(p0, i)` (the panel's A tiles into memory) and
+// `multiply(i, acc)` (the tile products, added into acc), then acc to y's tokens; the tiles
+// configured (eight of 16 rows x 64 bytes) for the call and released after.
+template <class Decode, class Multiply>
 EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, int64_t ys,
-                      const Block& block) {
+                      const Decode& decode, const Multiply& multiply) {
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16;
     thread_local std::vector<float> accv;
     if ((int64_t)accv.size() < 32 * tp) accv.resize(32 * tp);
@@ -227,7 +228,11 @@ EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, 
     _tile_loadconfig(&cfg);
     for (int64_t p0 = r0; p0 < r1; p0 += 32) {
         memset(acc, 0, sizeof(float) * 32 * tp);
-        for (int64_t i = 0; i < nb; ++i) block(p0, i, acc);
+        for (int64_t i = 0; i < nb; ++i) {
+            decode(p0, i);
+            EFS_MEMORY_BARRIER();
+            multiply(i, acc);
+        }
         for (int64_t q0 = p0; q0 < p0 + 32 && q0 < r1; q0 += 16) {
             const int64_t n = r1 - q0 < 16 ? r1 - q0 : 16;
             const float* a = acc + (q0 - p0) * tp;
@@ -250,9 +255,10 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
     AmxPanel& P = t_panel;
     alignas(64) float cbuf[4][16][16];
-    amx_panels(r0, r1, nt, nb, y, ys, [&](int64_t p0, int64_t i, float* acc) {
+    const auto decode = [&](int64_t p0, int64_t i) {
         decode_panel<TYPE>(W, rb, p0, r1, i, rb / nb, P);
-        EFS_MEMORY_BARRIER();
+    };
+    amx_panels(r0, r1, nt, nb, y, ys, decode, [&](int64_t i, float* acc) {
         for (int64_t jt = 0; jt < ntile; jt += 2) {
             const int nj = ntile - jt < 2 ? 1 : 2;
             // step kk's products are issued before step kk - 1's sums are added, so that the
@@ -283,7 +289,6 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
 struct alignas(64) AmxPanel16 {
     uint16_t A[8][2][2][16][32];  // [step][half][part][row][weight] bf16
     float a[2][16];               // [half][row] the block's scale
-    alignas(64) uint8_t u[32][256];
 };
 
 // Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P.
@@ -299,11 +304,12 @@ EFS_X void decode_panel16(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, 
             P.a[h][r] = 0.f;
             continue;
         }
+        alignas(32) uint8_t u[256];
         int32_t ls[16], mn[8];
         float m;
-        decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, P.u[j], ls, mn, &P.a[h][r], &m);
+        decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, u, ls, mn, &P.a[h][r], &m);
         for (int kk = 0; kk < 8; ++kk) {
-            __m512i v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(loadu256(P.u[j] + 32 * kk)),
+            __m512i v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(loadu256(u + 32 * kk)),
                                          _mm512_set1_epi16(OFF));
             v = _mm512_mullo_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)ls[2 * kk]),
                                                          _mm256_set1_epi16((short)ls[2 * kk + 1]),
@@ -367,9 +373,10 @@ EFS_X void rows_amx16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
     AmxPanel16& P = t_panel16;
     alignas(64) float cbuf[2][16][16];
-    amx_panels(r0, r1, nt, nb, y, ys, [&](int64_t p0, int64_t i, float* acc) {
+    const auto decode = [&](int64_t p0, int64_t i) {
         decode_panel16<TYPE>(W, rb, p0, r1, i, rb / nb, P);
-        EFS_MEMORY_BARRIER();
+    };
+    amx_panels(r0, r1, nt, nb, y, ys, decode, [&](int64_t i, float* acc) {
         for (int64_t j = 0; j < ntile; ++j) {       // tile j's products before tile j - 1's sums
             fold_products(P, xb, ntile, half, j, i);
             if (j > 0) fold_add(P, cbuf, tp, j - 1, acc);
