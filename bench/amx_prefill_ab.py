@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A prompt's prefill with exact mode's wide products on AMX against the float panel
-(``set_amx(False)``), alternating in one process with every expert and the trunk resident
+(``kernels.without_amx``), alternating in one process with every expert and the trunk resident
 (``Engine.warm``) and the code paths already run once, so only the products differ: medians of
 ``--rounds``. Needs a CPU with AMX-BF16.
 
@@ -12,6 +12,7 @@ The prompt is ``bench_lowram.py``'s text (its words repeated to ``--prompt-token
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -50,16 +51,13 @@ def main() -> None:
     with Engine.open(a.store, provider="tiered", ram_bytes=ram) as eng:
         eng.warm()
         eng.prefill(ids)                      # the first prompt's one-off costs
-        try:
-            for _ in range(a.rounds):
-                for amx in (False, True):
-                    mod.set_amx(amx)
+        for _ in range(a.rounds):
+            for amx in (False, True):
+                with contextlib.nullcontext() if amx else kernels.without_amx():
                     eng.reset()
                     t0 = time.perf_counter()
                     eng.prefill(ids)
                     times[amx].append(time.perf_counter() - t0)
-        finally:
-            mod.set_amx(True)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     print(f"{os.path.basename(os.path.normpath(a.store))}: {len(ids)}-token prefill, medians of "
           f"{a.rounds} alternating: float panel {off * 1e3:.0f} ms, AMX {on * 1e3:.0f} ms, "

@@ -4,7 +4,7 @@ bytes can go without it, alternating rep by rep in one process (medians of ``--r
 
 - ``qgemm``: each 24-row panel dequantized into the core's cache, multiplied by every token
   (on a CPU with AMX-BF16, the types ``qgemm_amx.cpp`` takes run on the tile unit);
-- ``float panel``: on such a CPU, ``qgemm`` with AMX off (``set_amx(False)``);
+- ``float panel``: on such a CPU, ``qgemm`` with AMX off (``kernels.without_amx``);
 - ``exact rows``: the exact row kernels over all the tokens (what a batch below the type's
   ``max_tokens`` takes);
 - ``dequant+gemm``: ``wide.dequant_linear``, ``wide_linear``'s path without it: the rows
@@ -59,11 +59,8 @@ def main() -> None:
           + (f"{'float panel':>16s}" if amx else "") + f"{'(dequant+gemm)/qgemm':>21s}")
 
     def float_panel(f):
-        mod.set_amx(False)
-        try:
+        with kernels.without_amx():
             return f()
-        finally:
-            mod.set_amx(True)
     for name in a.types.split(","):
         t = GGMLType[name.upper()]
         for shape in a.shapes.split(","):

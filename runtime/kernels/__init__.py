@@ -8,7 +8,7 @@ Two numerics, chosen per call by ``act_quant``:
   factored per sub-block: ``Σ_s d·sc_s·Σ q·x − dmin·m_s·Σ x``). Where the CPU has AMX-BF16
   (Intel, Sapphire Rapids on), a prompt's wide products of the Q8_K types (Q4_K, Q5_K, Q6_K,
   IQ4_XS, the lattice IQ and TQ types) run on the tile unit from exact bf16 parts of the
-  weights and the activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0`` or ``set_amx(False)``
+  weights and the activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0`` or ``without_amx()``
   keeps the float panel): the same bound, not the same bits.
 - ``"q8"`` (opt-in, lossy): activations quantized the way llama.cpp quantizes them (Q8_K for
   the K-quants, the IQ types but IQ4_NL and the TQ types, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL, Q8_1 for
@@ -44,10 +44,10 @@ from .build import load, status
 from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, WIDE_TYPES_Q8, act_quant_mode,
                   attn_decode, available, dequant, expert_tokens, kda_step_, matvec,
                   max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm,
-                  rms_norm, route, set_spin_us, set_threads, sinkhorn_)
+                  rms_norm, route, set_spin_us, set_threads, sinkhorn_, without_amx)
 
 __all__ = ["ACT_QUANT", "TYPES", "WIDE_TYPES", "WIDE_TYPES_Q8", "act_quant_mode",
            "attn_decode", "available", "dequant", "expert_tokens", "kda_step_", "load",
            "matvec", "max_tokens", "moe", "moe_combine", "moe_down_rows", "moe_hidden",
            "norm_rope_", "qgemm", "rms_norm", "route", "set_spin_us", "set_threads", "sinkhorn_",
-           "status", "widths"]
+           "status", "widths", "without_amx"]

@@ -4,7 +4,8 @@ dtype, mode) and returns None otherwise, so callers fall back to their torch pat
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
@@ -18,7 +19,7 @@ __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_h
            "moe_down_rows", "moe_combine", "expert_tokens",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES",
-           "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2"]
+           "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2", "without_amx"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}
@@ -70,6 +71,19 @@ def set_spin_us(us: int) -> None:
     mod = load()
     if mod is not None:
         mod.set_spin_us(int(us))
+
+
+@contextmanager
+def without_amx() -> Iterator[None]:
+    """Exact mode's wide products on the float panel inside the block (AMX off where the CPU
+    has it, for comparisons), the setting before it restored after."""
+    mod = load()
+    was = mod.set_amx(False) if mod is not None else False
+    try:
+        yield
+    finally:
+        if was:
+            mod.set_amx(True)
 
 
 def _applies(t: int, cols: int, mode: int) -> bool:

@@ -75,6 +75,12 @@ def describe_paths(g, device: str = "cpu", fused: bool = True
     return line, slow
 
 
+def _matrix_types(g) -> set[str]:
+    """The ggml type names of a ``plan.Geometry``'s expert and trunk matrices."""
+    return {m.ggml_type for layer in g.expert_parts for m in layer} | \
+        {m.ggml_type for m in g.trunk_matrices}
+
+
 def amx_prompt_types(g) -> list[str]:
     """The expert and trunk types of a ``plan.Geometry`` whose exact-mode prompt products run
     on this CPU's AMX tile unit (``kernels.info()["amx_types"]``; none without AMX-BF16)."""
@@ -82,9 +88,8 @@ def amx_prompt_types(g) -> list[str]:
     from .. import kernels
     mod = kernels.load()
     amx = set(mod.info().get("amx_types", ())) if mod is not None else set()
-    types = {m.ggml_type for layer in g.expert_parts for m in layer} | \
-        {m.ggml_type for m in g.trunk_matrices}
-    return sorted(t for t in types if t in GGMLType.__members__ and int(GGMLType[t]) in amx)
+    return sorted(t for t in _matrix_types(g)
+                  if t in GGMLType.__members__ and int(GGMLType[t]) in amx)
 
 
 def q8_prompt_paths(g) -> tuple[list[str], list[str]]:
@@ -94,12 +99,10 @@ def q8_prompt_paths(g) -> tuple[list[str], list[str]]:
     this CPU) for a ``plan.Geometry``."""
     from ...formats.ggml import GGMLType
     from .. import kernels
-    types = {m.ggml_type for layer in g.expert_parts for m in layer} | \
-        {m.ggml_type for m in g.trunk_matrices}
     mod = kernels.load()
     native = {t.name for t in kernels.TYPES} - {"F16", "BF16"}
     panel, exact = [], []
-    for t in sorted(types & native):
+    for t in sorted(_matrix_types(g) & native):
         (panel if mod is not None and kernels.widths.q8_panel(mod, GGMLType[t]) else exact
          ).append(t)
     return panel, exact

@@ -1,11 +1,12 @@
 """Exact mode's panel product on AMX (``kernels.qgemm`` where the CPU has AMX-BF16): for every
 type it takes (the Q8_K types: a multiplier per 32 weights, or per 16 folded into the weights;
-the blocks-of-32 types in rows of whole 256-weight panels), its results equal ``F.linear`` on the reference
-dequantization (formats.dequant, itself tested against gguf-py) within the float panel's
-rounding bound, and closer to the float64 product than the float panel, for token counts around
-its token tiles (16, in pairs) and rows around its panel of 32; the same bits on one thread and
-two; the types it does not take keep the float panel's bits; ``set_amx(False)`` restores the
-float panel. Skipped where the CPU (or the OS) has no AMX."""
+the blocks-of-32 types in rows of whole 256-weight panels), its results equal ``F.linear`` on
+the reference dequantization (formats.dequant, itself tested against gguf-py) within the float
+panel's rounding bound, and closer to the float64 product than the float panel, for token
+counts around its token tiles (16, in pairs) and rows around its panel of 32; the types it does
+not take keep the float panel's bits; ``kernels.without_amx()`` restores the float panel. (That
+its results do not depend on the thread count is test_qgemm.py's test, which takes it on such a
+CPU.) Skipped where the CPU (or the OS) has no AMX."""
 
 from __future__ import annotations
 
@@ -30,16 +31,10 @@ pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]
 
 
-@pytest.fixture
-def float_panel():
-    """A function running its argument with AMX off (the float panel), AMX back on after."""
-    def run(f):
-        MOD.set_amx(False)
-        try:
-            return f()
-        finally:
-            MOD.set_amx(True)
-    return run
+def float_panel(f):
+    """f() with AMX off: the float panel's product."""
+    with kernels.without_amx():
+        return f()
 
 
 def test_the_types_it_takes():
@@ -47,7 +42,7 @@ def test_the_types_it_takes():
 
 
 @pytest.mark.parametrize("t", AMX, ids=lambda t: t.name)
-def test_equals_dequant_linear_and_beats_the_float_panel(t, float_panel):
+def test_equals_dequant_linear_and_beats_the_float_panel(t):
     for rows, cols in ((32, 256), (70, 512)):       # a whole panel; a panel of 6 rows at the end
         raw = weight(t, rows, cols, int(t) + rows)
         W = dequantize(raw, t, (rows, cols))
@@ -67,23 +62,8 @@ def test_equals_dequant_linear_and_beats_the_float_panel(t, float_panel):
         assert err_amx < err_float, (t.name, err_amx, err_float)
 
 
-def test_does_not_depend_on_threads():
-    t, rows, cols = T.Q4_K, 100, 768
-    raw = weight(t, rows, cols, 3)
-    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(4))
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernels.qgemm(x, raw, t, (rows, cols))
-        torch.set_num_threads(2)
-        two = kernels.qgemm(x, raw, t, (rows, cols))
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, two)
-
-
 @pytest.mark.parametrize("t", FLOAT_PANEL, ids=lambda t: t.name)
-def test_other_types_keep_the_float_panel(t, float_panel):
+def test_other_types_keep_the_float_panel(t):
     from test_qgemm import weight as any_weight
     raw = any_weight(t, 40, 512, 7)
     x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1))
@@ -103,14 +83,12 @@ def test_max_tokens_takes_the_amx_limits_while_it_is_on():
     from expertfs.runtime.kernels import gemm, widths
     t = T.IQ2_XXS
     assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]
-    MOD.set_amx(False)
-    try:
+    with kernels.without_amx():
         assert kernels.max_tokens(t, 32) == widths._WIDE[("avx512", gemm.isa(), 0)][t]
-    finally:
-        MOD.set_amx(True)
+    assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]      # on again after
 
 
-def test_blocks_of_32_in_rows_not_whole_panels_keep_the_float_panel(float_panel):
+def test_blocks_of_32_in_rows_not_whole_panels_keep_the_float_panel():
     raw = weight(T.Q8_0, 40, 288, 5)                 # 288 weights: nine blocks of 32
     x = torch.randn(33, 288, generator=torch.Generator().manual_seed(3))
     assert torch.equal(kernels.qgemm(x, raw, T.Q8_0, (40, 288)),
