@@ -127,10 +127,10 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: product takes at least 1.05 times the rows kernels' time; where it does not even at 4 tokens
 #: (Q4_K, IQ3_XXS, TQ1_0: a tie there), 4, which the rows kernels take in one pass
 #: (bench/README.md). The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4: rows of whole
-#: 256-weight panels only) the same way at 4-128 tokens: 4. IQ4_XS (its panel added later) the
-#: same way at 4-16 tokens: 6.
+#: 256-weight panels only) the same way at 4-128 tokens: 4. IQ4_XS, Q2_K and Q3_K (their
+#: panels added later) the same way at 4-24 tokens: 6, 4 and 6.
 WIDE_TYPES_Q8_VNNI = {
-    GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
+    GGMLType.Q2_K: 4, GGMLType.Q3_K: 6, GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
     GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
     GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,
@@ -151,6 +151,7 @@ WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of
 #: AVX-512 Xeon as the q8 limits above (``bench_kernels.py --prefill -t 2 --tokens
 #: 4,6,8,10,12,16,24``, the exact ratio's geometric mean, at least 1.05; bench/README.md).
 WIDE_TYPES_AMX = {
+    GGMLType.Q2_K: 8, GGMLType.Q3_K: 6,
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.IQ4_XS: 4, GGMLType.IQ2_XXS: 8,
     GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8, GGMLType.IQ1_S: 8, GGMLType.TQ1_0: 6,
     GGMLType.TQ2_0: 6, GGMLType.Q6_K: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,

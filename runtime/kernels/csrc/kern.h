@@ -132,8 +132,8 @@ bool qgemm_compiled();
 typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                           const void* x, const int32_t* xsum, int64_t nt, int64_t cols,
                           float* c, float* y, int64_t ys);
-// The function for `type` (Q4_K, Q5_K, Q6_K, IQ4_XS, the lattice IQ types, TQ1_0, TQ2_0;
-// Q8_0, Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled; the caller checks
+// The function for `type` (Q2_K ... Q6_K, IQ4_XS, the lattice IQ types, TQ1_0, TQ2_0; Q8_0,
+// Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled; the caller checks
 // that the CPU has AVX512-VNNI.
 QgemmQ8Fn avx512_qgemm_q8(int type);
 // The same in AVX2 with AVX-VNNI (256-bit vpdpbusd; Intel's cores since Alder Lake), the same
@@ -151,12 +151,12 @@ QgemmQ8Fn avxvnni_qgemm_q8(int type);
 // y[t * ys + r] = dot(W[r], x_t) for rows [r0, r1), cols a multiple of 256, up to float32
 // rounding (bf16 parts that sum to the weights and the activations exactly). xb, xs: the nt
 // tokens prepared by amx_prepare, a tile of 16 tokens a call (xb: 3 * tp * cols / 2 words, xs:
-// cols / 32 * tp floats, tp = nt rounded up to 16).
+// cols / 16 * tp floats, the sums of x's groups of 16, tp = nt rounded up to 16).
 typedef void (*QgemmAmxFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                            const uint32_t* xb, const float* xs, int64_t nt, int64_t cols,
                            float* y, int64_t ys);
-// The function for `type` (the Q8_K types: Q4_K, Q5_K, Q6_K, IQ4_XS, the lattice IQ types,
-// TQ1_0, TQ2_0; Q8_0, Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled;
+// The function for `type` (the Q8_K types: Q2_K ... Q6_K, IQ4_XS, the lattice IQ types, TQ1_0,
+// TQ2_0; Q8_0, Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled;
 // the caller checks amx_enable().
 QgemmAmxFn amx_qgemm(int type);
 // Token tile j (tokens 16 j ...) of amx_prepare's xb and xs.

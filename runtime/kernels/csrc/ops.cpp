@@ -315,7 +315,7 @@ void qgemm_amx_into(QgemmAmxFn fn, const float* xp, int64_t nt, const uint8_t* W
                     int64_t rows, int64_t cols, float* yp) {
     const int64_t tp = (nt + 15) / 16 * 16;
     std::unique_ptr<uint32_t[]> xb(new uint32_t[(size_t)(3 * tp * cols / 2)]);
-    std::unique_ptr<float[]> xs(new float[(size_t)(cols / 32 * tp)]);
+    std::unique_ptr<float[]> xs(new float[(size_t)(cols / 16 * tp)]);
     par_chunks(tp / 16, [&](int64_t j) { amx_prepare(xp, nt, cols, j, xb.get(), xs.get()); });
     const int64_t run = panel_run(rows, 32);
     par_chunks((rows + run - 1) / run, [&](int64_t i) {

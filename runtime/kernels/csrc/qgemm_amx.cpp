@@ -9,10 +9,10 @@
 //    bf16) for the types with a multiplier per 32 weights, whose step of 32 weights is then one
 //    A tile, its sums multiplied by the step's a * ls (the blocks-of-32 types: the block's
 //    scale) and Q4_K/Q5_K's mins (m * mn times the group's sum of x) taken off per step
-//    (rows_amx); for those with a multiplier per 16 (Q6_K,
-//    IQ2_XS, IQ2_S, IQ1_M), v = ls * (u - offset) (at most 4096) split into two exact bf16
-//    numbers, a multiple of 16 and the rest (-8..7), two A tiles a step whose sums add up over
-//    the block and are multiplied by a once (rows_amx16);
+//    (rows_amx); for those with a multiplier per 16 (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M),
+//    v = ls * (u - offset), exact in bf16 (Q2_K, Q3_K: one A tile a step) or split into two
+//    exact bf16 numbers (a multiple of 16 and the rest: two A tiles), whose sums add up over
+//    the block and are multiplied by a once, Q2_K's mins taken off per block (rows_amx16);
 //  - the product of a weight part and an activation part is exact in float32, so the tile
 //    unit's sums are float32 sums of exact terms, as the float panel's FMAs are.
 // The result is F.linear on the reference dequantization up to float32 rounding (the float
@@ -102,7 +102,7 @@ template <int TYPE>
 constexpr bool per32() {
     if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_IQ4_XS || blocks32<TYPE>())
         return true;
-    else if constexpr (TYPE == T_Q6_K) return false;
+    else if constexpr (TYPE == T_Q2_K || TYPE == T_Q3_K || TYPE == T_Q6_K) return false;
     else return !IqOf<TYPE>::D::PAIR;
 }
 
@@ -126,7 +126,7 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
             decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, u, P.s[h][r]);
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
         } else {
-            alignas(32) int32_t ls[16], mn[8], l8[8];
+            alignas(32) int32_t ls[16], mn[16], l8[8];
             float a, m;
             decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, u, ls, mn, &a, &m);
             for (int kk = 0; kk < 8; ++kk)      // the steps' multipliers (IQ: ls of 16, twice)
@@ -188,13 +188,14 @@ EFS_X void store_sums(float (*cbuf)[16][16]) {
 }
 
 // The panel's rows' sums acc [rows][tp] += multiplier * step sums - mins * the group's sums of
-// x, for nj token tiles from jt. xs: [group of 32][tp] the groups' sums of x.
+// x, for nj token tiles from jt. xs: [group of 16][tp] the groups' sums of x.
 template <bool MINS>
 EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float* xs,
                     int64_t tp, int64_t jt, int nj, int64_t i, int kk, float* acc) {
     for (int jj = 0; jj < nj; ++jj) {
         const int64_t t0 = 16 * (jt + jj);
-        const __m512 xg = MINS ? _mm512_loadu_ps(xs + (8 * i + kk) * tp + t0)
+        const float* xg2 = xs + 2 * (8 * i + kk) * tp + t0;      // the step's two groups
+        const __m512 xg = MINS ? _mm512_add_ps(_mm512_loadu_ps(xg2), _mm512_loadu_ps(xg2 + tp))
                                : _mm512_setzero_ps();
         for (int h = 0; h < 2; ++h)
             for (int r = 0; r < 16; ++r) {
@@ -279,51 +280,66 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
     });
 }
 
-// --- types with a multiplier per 16 weights (Q6_K, IQ2_XS, IQ2_S, IQ1_M): multipliers folded in
+// --- types with a multiplier per 16 weights (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M): multipliers
+// folded in
 //
-// Each weight's integer v = ls * (u - offset) (at most 4096 in magnitude) is split into two exact
-// bf16 numbers, a multiple of 16 and the rest (-8..7): a step's 32 weights of 16 rows are two A
-// tiles, whose products with the activations' three parts add into one sum tile over the
-// block's eight steps; per block the sums are multiplied by a.
+// Each weight's integer v = ls * (u - offset) is exact in bf16 where it is at most 256 in
+// magnitude (Q2_K's 45, Q3_K's 128: one part); else (at most 4096) it is split into two exact
+// bf16 numbers, a multiple of 16 and the rest (-8..7). A step's 32 weights of 16 rows are one A
+// tile a part, whose products with the activations' three parts add into one sum tile over the
+// block's eight steps; per block the sums are multiplied by a, and Q2_K's mins (m * mn times the
+// groups' sums of x, 16 a block) taken off.
+
+template <int TYPE>
+constexpr int FOLD_PARTS = TYPE == T_Q2_K || TYPE == T_Q3_K ? 1 : 2;
 
 struct alignas(64) AmxPanel16 {
     uint16_t A[8][2][2][16][32];  // [step][half][part][row][weight] bf16
     float a[2][16];               // [half][row] the block's scale
+    float mm[2][16][16];          // [half][row][group] Q2_K's m * mn
 };
 
 // Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P.
 template <int TYPE>
 EFS_X void decode_panel16(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
                           int64_t bytes, AmxPanel16& P) {
-    constexpr int OFF = 1 << OFFSET_SHIFT<TYPE>;
+    constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
     for (int j = 0; j < 32; ++j) {
         const int h = j / 16, r = j % 16;
         if (p0 + j >= r1) {
             for (int kk = 0; kk < 8; ++kk)
-                memset(P.A[kk][h][0][r], 0, 64), memset(P.A[kk][h][1][r], 0, 64);
+                for (int pt = 0; pt < FOLD_PARTS<TYPE>; ++pt) memset(P.A[kk][h][pt][r], 0, 64);
             P.a[h][r] = 0.f;
+            if (HAS_MINS<TYPE>) memset(P.mm[h][r], 0, sizeof(P.mm[h][r]));
             continue;
         }
         alignas(32) uint8_t u[256];
-        int32_t ls[16], mn[8];
+        int32_t ls[16], mn[16];
         float m;
         decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, u, ls, mn, &P.a[h][r], &m);
+        if constexpr (HAS_MINS<TYPE>)
+            for (int g = 0; g < 16; ++g) P.mm[h][r][g] = m * (float)mn[g];
         for (int kk = 0; kk < 8; ++kk) {
             __m512i v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(loadu256(u + 32 * kk)),
                                          _mm512_set1_epi16(OFF));
             v = _mm512_mullo_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)ls[2 * kk]),
                                                          _mm256_set1_epi16((short)ls[2 * kk + 1]),
                                                          1));
-            const __m512i hi = _mm512_and_si512(_mm512_add_epi16(v, _mm512_set1_epi16(8)),
-                                                _mm512_set1_epi16(~15));
-            store_bf16_i16(P.A[kk][h][0][r], hi);
-            store_bf16_i16(P.A[kk][h][1][r], _mm512_sub_epi16(v, hi));
+            if constexpr (FOLD_PARTS<TYPE> == 1) {
+                store_bf16_i16(P.A[kk][h][0][r], v);
+            } else {
+                const __m512i hi = _mm512_and_si512(_mm512_add_epi16(v, _mm512_set1_epi16(8)),
+                                                    _mm512_set1_epi16(~15));
+                store_bf16_i16(P.A[kk][h][0][r], hi);
+                store_bf16_i16(P.A[kk][h][1][r], _mm512_sub_epi16(v, hi));
+            }
         }
     }
 }
 
-// Block i's sums for token tile j: tiles 0-3 the A tiles of the two halves, 4/5 the
+// Block i's sums for token tile j: tiles 0-3 the A tiles (half h, part pt: 2 h + pt), 4/5 the
 // activations' parts in turn, 6/7 the halves' sums (fold_store takes them out).
+template <int PARTS>
 EFS_X void fold_products(const AmxPanel16& P, const uint32_t* xb, int64_t ntile, int64_t half,
                          int64_t j, int64_t i) {
     _tile_zero(6);
@@ -331,17 +347,21 @@ EFS_X void fold_products(const AmxPanel16& P, const uint32_t* xb, int64_t ntile,
     const int64_t part = ntile * half * 16;
     for (int kk = 0; kk < 8; ++kk) {
         _tile_loadd(0, P.A[kk][0][0], 64);
-        _tile_loadd(1, P.A[kk][0][1], 64);
         _tile_loadd(2, P.A[kk][1][0], 64);
-        _tile_loadd(3, P.A[kk][1][1], 64);
+        if constexpr (PARTS == 2) {
+            _tile_loadd(1, P.A[kk][0][1], 64);
+            _tile_loadd(3, P.A[kk][1][1], 64);
+        }
         const uint32_t* b = xb + (j * half + 16 * (8 * i + kk)) * 16;
 #define EFS_AMX_PART(B, OFS)     /* the two sums in turn: each product waits for its sum's  \
                                     previous one */                                         \
         _tile_loadd(B, b + OFS, 64);                                                        \
         _tile_dpbf16ps(6, 0, B);                                                            \
         _tile_dpbf16ps(7, 2, B);                                                            \
-        _tile_dpbf16ps(6, 1, B);                                                            \
-        _tile_dpbf16ps(7, 3, B);
+        if constexpr (PARTS == 2) {                                                         \
+            _tile_dpbf16ps(6, 1, B);                                                        \
+            _tile_dpbf16ps(7, 3, B);                                                        \
+        }
         EFS_AMX_PART(4, 0)
         EFS_AMX_PART(5, part)
         EFS_AMX_PART(4, 2 * part)
@@ -354,14 +374,23 @@ EFS_X void fold_store(float (*cbuf)[16][16]) {
     _tile_stored(7, cbuf[1], 64);
 }
 
-// acc's token tile j += a * the block's sums.
-EFS_X void fold_add(const AmxPanel16& P, const float (*cbuf)[16][16], int64_t tp, int64_t j,
-                    float* acc) {
+// acc's token tile j += a * the block's sums (less Q2_K's mins: m * mn[g] times group g's sum
+// of x, xs [group of 16][tp]).
+template <bool MINS>
+EFS_X void fold_add(const AmxPanel16& P, const float (*cbuf)[16][16], const float* xs,
+                    int64_t tp, int64_t i, int64_t j, float* acc) {
+    __m512 xg[16];
+    if constexpr (MINS)
+        for (int g = 0; g < 16; ++g) xg[g] = _mm512_loadu_ps(xs + (16 * i + g) * tp + 16 * j);
     for (int h = 0; h < 2; ++h)
         for (int r = 0; r < 16; ++r) {
             float* o = acc + (16 * h + r) * tp + 16 * j;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(P.a[h][r]),
-                                                _mm512_load_ps(cbuf[h][r]), _mm512_loadu_ps(o)));
+            __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(P.a[h][r]), _mm512_load_ps(cbuf[h][r]),
+                                       _mm512_loadu_ps(o));
+            if constexpr (MINS)
+                for (int g = 0; g < 16; ++g)
+                    y = _mm512_fnmadd_ps(_mm512_set1_ps(P.mm[h][r][g]), xg[g], y);
+            _mm512_storeu_ps(o, y);
         }
 }
 
@@ -369,7 +398,8 @@ thread_local AmxPanel16 t_panel16;
 
 template <int TYPE>
 EFS_X void rows_amx16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
-                      const float*, int64_t nt, int64_t cols, float* y, int64_t ys) {
+                      const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
+    constexpr bool MINS = HAS_MINS<TYPE>;
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
     AmxPanel16& P = t_panel16;
     alignas(64) float cbuf[2][16][16];
@@ -378,11 +408,11 @@ EFS_X void rows_amx16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
     };
     amx_panels(r0, r1, nt, nb, y, ys, decode, [&](int64_t i, float* acc) {
         for (int64_t j = 0; j < ntile; ++j) {       // tile j's products before tile j - 1's sums
-            fold_products(P, xb, ntile, half, j, i);
-            if (j > 0) fold_add(P, cbuf, tp, j - 1, acc);
+            fold_products<FOLD_PARTS<TYPE>>(P, xb, ntile, half, j, i);
+            if (j > 0) fold_add<MINS>(P, cbuf, xs, tp, i, j - 1, acc);
             fold_store(cbuf);
         }
-        fold_add(P, cbuf, tp, ntile - 1, acc);
+        fold_add<MINS>(P, cbuf, xs, tp, i, ntile - 1, acc);
     });
 }
 
@@ -413,7 +443,7 @@ EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint
         uint16_t* o = sp + t * cols;
         if (tok >= nt) {
             for (int s = 0; s < 3; ++s) memset(o + s * 16 * cols, 0, cols * 2);
-            for (int64_t g = 0; g < cols / 32; ++g) xs[g * tp + tok] = 0.f;
+            for (int64_t g = 0; g < cols / 16; ++g) xs[g * tp + tok] = 0.f;
             continue;
         }
         const float* xr = x + tok * cols;
@@ -426,9 +456,8 @@ EFS_X void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint
                     _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
             }
         }
-        for (int64_t g = 0; g < cols / 32; ++g)
-            xs[g * tp + tok] = _mm512_reduce_add_ps(_mm512_add_ps(
-                _mm512_loadu_ps(xr + 32 * g), _mm512_loadu_ps(xr + 32 * g + 16)));
+        for (int64_t g = 0; g < cols / 16; ++g)
+            xs[g * tp + tok] = _mm512_reduce_add_ps(_mm512_loadu_ps(xr + 16 * g));
     }
     for (int s = 0; s < 3; ++s)
         for (int64_t p = 0; p < half; p += 16)
@@ -446,7 +475,7 @@ QgemmAmxFn amx_fn() {
 QgemmAmxFn amx_qgemm(int type) {
     switch (type) {
         EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)
-        EFS_AMX_CASE(T_IQ4_XS, -) EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -)
+        EFS_AMX_CASE(T_Q2_K, -) EFS_AMX_CASE(T_Q3_K, -) EFS_AMX_CASE(T_IQ4_XS, -) EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -)
         EFS_AMX_CASE(T_IQ4_NL, -) EFS_AMX_CASE(T_MXFP4, -)
         EFS_IQ_DECODERS(EFS_AMX_CASE)
         default: return nullptr;

@@ -8,15 +8,15 @@
 // are.
 //
 //  - a panel is 32 rows (two vectors of 16 lanes, a lane a row) of one 256-weight block: each
-//    row decoded to 256 unsigned bytes (Q4_K/Q5_K's 0..31 and Q6_K's 0..63 as stored, the
+//    row decoded to 256 unsigned bytes (decode_block: the K-quants' values as stored, the
 //    lattice IQ and ternary types' signed grid values + 128) and its integer multipliers per
 //    group of 16 or 32 weights, then transposed so that a 32-bit lane holds 4 consecutive
 //    weights of one row (vpdpbusd's unsigned operand);
 //  - the activations are the Q8_K blocks as the q8 row kernels take them: vpdpbusd multiplies
 //    the weights by each token's signed bytes, broadcast 4 at a time. What a weight's offset
 //    adds (Q6_K's 32, the IQ types' 128, times the group's sum of x) is taken off per block
-//    from the Q8_K block's sums of 16 (bsums) by one vpdpwssd per two groups, as Q4_K/Q5_K's
-//    mins are (off: the rows' offset multipliers or mins as int16 pairs);
+//    from the Q8_K block's sums of 16 (bsums) by one vpdpwssd per two groups, as the mins of
+//    Q2_K, Q4_K and Q5_K are (off: the rows' offset multipliers or mins as int16 pairs);
 //  - the micro-kernel keeps 2 row vectors x NT tokens of group sums and of block sums in
 //    registers: for 4 weights it loads the two weight vectors, broadcasts each token's 4 bytes
 //    and issues 2 NT vpdpbusd (64 multiply-adds each: four times a float32 FMA's 16); at the
@@ -52,9 +52,10 @@ struct alignas(64) Panel {
     int32_t ls[NV][16][16];      // [vector][group][row] integer multipliers
     int32_t off[NV][8][16];      // [vector][pair][row] two int16: the multipliers of groups
                                  // 2p, 2p+1 of the weights' offset (Q6_K sc, IQ ls), or
-                                 // Q4_K/Q5_K's mins of the 32-group p (twice)
+                                 // the mins of groups 2p, 2p+1 (Q2_K) or of the
+                                 // 32-group p, twice (Q4_K/Q5_K)
     float a[NV][16];             // d (K-quants), d * F (IQ types)
-    float m[NV][16];             // dmin (Q4_K/Q5_K), else 0
+    float m[NV][16];             // dmin (the types with mins), else 0
     alignas(64) uint8_t rows[16][256];   // one vector's rows before the transpose
 };
 
@@ -65,7 +66,7 @@ EFS_TI int32_t i16pair(int lo, int hi) {
 // Row j of vector v from block b: weights into p.rows[j], multipliers, offsets and scales.
 template <int TYPE>
 EFS_TI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
-    int32_t ls[16], mn[8];
+    int32_t ls[16], mn[16];
     decode_block<TYPE>(b, p.rows[j], ls, mn, &p.a[v][j], &p.m[v][j]);
     if constexpr (LS_GROUP<TYPE> == 32) {
         for (int g = 0; g < 8; ++g) {
@@ -73,8 +74,9 @@ EFS_TI void decode_row(const uint8_t* b, Panel& p, int v, int j) {
             p.off[v][g][j] = i16pair(mn[g], mn[g]);         // its two bsums
         }
     } else {
+        const int32_t* o = HAS_MINS<TYPE> ? mn : ls;        // Q2_K's mins per 16, else ls
         for (int g = 0; g < 16; ++g) p.ls[v][g][j] = ls[g];
-        for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = i16pair(ls[2 * q2], ls[2 * q2 + 1]);
+        for (int q2 = 0; q2 < 8; ++q2) p.off[v][q2][j] = i16pair(o[2 * q2], o[2 * q2 + 1]);
     }
 }
 
@@ -203,7 +205,7 @@ EFS_V void tile(const Panel& p, const Q8K* x, int64_t nb, int64_t t0, int64_t i,
             if (SHIFT >= 0) {                              // the offset's share, in integers
                 const __m512i isum = _mm512_sub_epi32(bsum[v][t], _mm512_slli_epi32(o, SHIFT));
                 y = _mm512_mul_ps(_mm512_mul_ps(dx, a), _mm512_cvtepi32_ps(isum));
-            } else {                                       // Q4_K/Q5_K: dmin * mins
+            } else {                                       // dmin * mins
                 y = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(dx, a),
                                                 _mm512_cvtepi32_ps(bsum[v][t])),
                                   _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_load_ps(p.m[v])),
@@ -320,8 +322,7 @@ EFS_TI void over_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nblk, float*
 template <int TYPE, bool WIDE>
 EFS_TI void panels(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const Q8K* x,
                    int64_t nt, int64_t cols, float* C, float* y, int64_t ys, Panel& p) {
-    constexpr bool K45 = TYPE == T_Q4_K || TYPE == T_Q5_K;
-    constexpr int G = K45 ? 32 : 16, SHIFT = OFFSET_SHIFT<TYPE>;
+    constexpr int G = LS_GROUP<TYPE>, SHIFT = OFFSET_SHIFT<TYPE>;
     const int64_t nb = cols / 256;
     const int bytes = (int)(rb / nb);
     over_panels(r0, r1, nt, nb, C, y, ys, [&](int64_t p0, int64_t i) {
@@ -465,7 +466,7 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
 #define EFS_Q8_CASES                                                                      \
     switch (type) {                                                                       \
         EFS_Q8_CASE(T_Q4_K, -) EFS_Q8_CASE(T_Q5_K, -) EFS_Q8_CASE(T_Q6_K, -)              \
-        EFS_Q8_CASE(T_IQ4_XS, -)                                                          \
+        EFS_Q8_CASE(T_Q2_K, -) EFS_Q8_CASE(T_Q3_K, -) EFS_Q8_CASE(T_IQ4_XS, -)            \
         EFS_IQ_DECODERS(EFS_Q8_CASE)                                                      \
         default: return nullptr;                                                          \
     }

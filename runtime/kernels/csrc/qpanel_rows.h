@@ -1,15 +1,15 @@
 // A 256-weight block of one row as integers, for the panel products that multiply integers
 // (qgemm_q8.cpp, q8 mode) or exact small integers in bf16 (qgemm_amx.cpp, exact mode): the
-// Q8_K types (Q4_K, Q5_K, Q6_K, IQ4_XS, the lattice IQ types, TQ1_0, TQ2_0). Included inside an
+// Q8_K types (Q2_K ... Q6_K, IQ4_XS, the lattice IQ types, TQ1_0, TQ2_0). Included inside an
 // anonymous namespace after kern_iq_avx2_types.h and kern_k_avx2.h (EFS_KT set), as they are.
 //
-// decode_block gives the block's 256 weights as unsigned bytes u (Q4_K/Q5_K's 0..31 and Q6_K's
-// 0..63 as stored, the IQ and ternary types' signed values + 128) and the integer
-// multiplier of each group (ls: 8 groups of 32 for Q4_K/Q5_K, else 16 of 16; IQ4_XS's scale
-// less 32), the mins of
-// Q4_K/Q5_K (mn, 8) and the float scales a (d; the IQ types' d * F) and m (dmin, else 0):
+// decode_block gives the block's 256 weights as unsigned bytes u (Q2_K's 0..3, Q3_K's 0..7,
+// Q4_K/Q5_K's 0..31 and Q6_K's 0..63 as stored, the IQ and ternary types' signed values + 128)
+// and the integer multiplier of each group (ls: 8 groups of 32 for Q4_K/Q5_K, else 16 of 16;
+// Q3_K's and IQ4_XS's scales less 32), the mins of the types that have them (mn: Q4_K/Q5_K's 8,
+// Q2_K's 16; room for 16) and the float scales a (d; the IQ types' d * F) and m (dmin, else 0):
 // weight k of group g is a * ls[g] * (u[k] - offset) - m * mn[g], the offset 1 << OFFSET_SHIFT
-// (0 for Q4_K/Q5_K), the value ggml's dequantize_row_* gives up to float rounding.
+// (0 for the types with mins), the value ggml's dequantize_row_* gives up to float rounding.
 #pragma once
 
 #include <string.h>
@@ -17,10 +17,15 @@
 namespace efs {
 namespace {
 
-// Offset of the stored weights (their 0 is this) as a shift: Q6_K 32 (5), the IQ and TQ types
-// 128 (7); -1: none (Q4_K/Q5_K, whose mins take the offset's place in the block's sum).
+// Whether the type has mins (m * mn[g] taken off each weight of group g).
 template <int TYPE>
-constexpr int OFFSET_SHIFT = TYPE == T_Q6_K ? 5 : (TYPE == T_Q4_K || TYPE == T_Q5_K) ? -1 : 7;
+constexpr bool HAS_MINS = TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q2_K;
+
+// Offset of the stored weights (their 0 is this) as a shift: Q3_K 4 (2), Q6_K 32 (5), the IQ
+// and TQ types 128 (7); -1: none (the types with mins, which take the offset's place in the
+// block's sum).
+template <int TYPE>
+constexpr int OFFSET_SHIFT = HAS_MINS<TYPE> ? -1 : TYPE == T_Q3_K ? 2 : TYPE == T_Q6_K ? 5 : 7;
 
 // Weights per group of the multipliers ls (Q4_K/Q5_K 32, else 16).
 template <int TYPE>
@@ -49,6 +54,37 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
         }
         *a = f16(b);
         *m = f16(b + 2);
+    } else if constexpr (TYPE == T_Q2_K) {     // scales[16] (ls | mn << 4), qs[64], d, dmin
+        const __m256i m3 = _mm256_set1_epi8(3);
+        for (int n = 0; n < 2; ++n) {
+            const __m256i Q = loadu256(b + 16 + 32 * n);
+            for (int j = 0; j < 4; ++j)
+                _mm256_storeu_si256((__m256i*)(w + 128 * n + 32 * j), _mm256_and_si256(
+                    _mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3));
+        }
+        for (int g = 0; g < 16; ++g) {
+            ls[g] = b[g] & 15;
+            mn[g] = b[g] >> 4;
+        }
+        *a = f16(b + 80);
+        *m = f16(b + 82);
+    } else if constexpr (TYPE == T_Q3_K) {     // hmask[32], qs[64], scales[12], d
+        const __m256i m3 = _mm256_set1_epi8(3), m04 = _mm256_set1_epi8(4);
+        __m256i hb = loadu256(b);
+        for (int n = 0; n < 2; ++n) {
+            const __m256i Q = loadu256(b + 32 + 32 * n);
+            for (int j = 0; j < 4; ++j) {         // the 2 low bits and the hmask bit: 0..7
+                _mm256_storeu_si256((__m256i*)(w + 128 * n + 32 * j), _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
+                    _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04)));
+                hb = _mm256_srli_epi16(hb, 1);
+            }
+        }
+        int8_t sc[16];
+        q3k_scales(b + 96, sc);
+        for (int g = 0; g < 16; ++g) ls[g] = sc[g] - 32;
+        *a = f16(b + 108);
+        *m = 0.f;
     } else if constexpr (TYPE == T_Q6_K) {
         for (int h = 0; h < 2; ++h) {
             __m256i q[4];

@@ -23,9 +23,10 @@ import test_kernels as k_quants
 from test_qgemm_q8 import weight
 
 AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0,
-       T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M,              # multipliers per 16, folded in
+       T.Q2_K, T.Q3_K,                                  # multipliers per 16, one part
+       T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M,              # multipliers per 16, two parts
        T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]               # blocks of 32
-FLOAT_PANEL = [T.Q2_K, T.Q3_K, T.Q4_1, T.Q5_0, T.Q5_1]   # kept on the float panel
+FLOAT_PANEL = [T.Q4_1, T.Q5_0, T.Q5_1]                   # kept on the float panel
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]

@@ -17,7 +17,7 @@ from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
 from support.native import MOD, NEEDS_NATIVE
 
-PANEL = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+PANEL = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
          T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]
 BLOCKS32 = (T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4)           # Q8_0 activations, blocks of 32
 
@@ -76,7 +76,8 @@ def test_thread_split_keeps_the_bits():
     assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.IQ2_XXS, T.IQ1_M, T.TQ2_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.IQ2_XXS, T.IQ1_M, T.TQ2_0],
+                         ids=lambda t: t.name)
 def test_the_avx_vnni_form_gives_the_same_bits(t):
     """At the AVX2 tier the product runs in 256-bit vectors where the CPU has AVX-VNNI (the
     same integer sums and, lane by lane, the same float steps: the same bits), and is the exact
@@ -99,7 +100,7 @@ def test_the_avx_vnni_form_gives_the_same_bits(t):
 
 
 def test_other_types_and_rows_keep_the_exact_panel_product():
-    """Types without an integer panel (Q3_K here) and blocks-of-32 rows that are not whole
+    """Types without an integer panel (Q5_0 here) and blocks-of-32 rows that are not whole
     panels of 256 weights keep the exact panel product; q8's own results are near the exact
     ones (its rounding, not garbage)."""
     x = torch.randn(12, 288, generator=torch.Generator().manual_seed(5))
@@ -107,9 +108,10 @@ def test_other_types_and_rows_keep_the_exact_panel_product():
     assert torch.equal(kernels.qgemm(x, q, T.Q8_0, (40, 288), "q8"),
                        kernels.qgemm(x, q, T.Q8_0, (40, 288)))
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(7))
-    q3 = weight(T.Q3_K, 40, 512, 8)
-    assert torch.equal(kernels.qgemm(x, q3, T.Q3_K, (40, 512), "q8"),
-                       kernels.qgemm(x, q3, T.Q3_K, (40, 512)))
+    from test_qgemm import weight as any_weight
+    q5 = any_weight(T.Q5_0, 40, 512, 8)
+    assert torch.equal(kernels.qgemm(x, q5, T.Q5_0, (40, 512), "q8"),
+                       kernels.qgemm(x, q5, T.Q5_0, (40, 512)))
     raw = weight(T.Q4_K, 40, 512, 5)
     W = dequantize(raw, T.Q4_K, (40, 512))
     assert ((kernels.qgemm(x, raw, T.Q4_K, (40, 512), "q8") - x @ W.T).abs()
