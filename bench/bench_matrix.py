@@ -14,6 +14,8 @@ Rows (``--rows``, comma-separated names; all by default):
   dense block and 8 GB (two MoE layers: DeepSeek-V3's three dense blocks would leave a 6 GB
   cut one);
 - ``q4_0``: qwen3moe at Qwen3-30B-A3B geometry, every tensor Q4_0 but the Q6_K output.
+- ``q2_k-xl``: glm4moe at GLM-4.5-Air geometry, a Q2_K_XL-style mix (the low-bit K-quant
+  downloads of the big MoE models: Q2_K gate/up, Q3_K down, Q4_K trunk, Q6_K output).
 
 Columns: resident decode and prefill (``--prompt-tokens``, 128 by default) against llama.cpp
 with the model in memory; decode under ``--cap`` of the model's size against llama.cpp at
@@ -45,6 +47,7 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {     # name -> (--like, --quant, 
     "iq1-dynamic": ("DeepSeek-V3", "Q4_K,experts=IQ1_S,down=IQ1_M,embd=Q6_K,output=Q6_K",
                     ["--dense-lead", "1", "--size", "8G"]),
     "q4_0": ("Qwen3-30B-A3B", "Q4_0,output=Q6_K", []),
+    "q2_k-xl": ("GLM-4.5-Air", "Q4_K,experts=Q2_K,down=Q3_K,output=Q6_K", []),
 }
 
 

@@ -146,8 +146,8 @@ WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of
                                       GGMLType.MXFP4)}
 
 #: Exact mode where the CPU has AMX-BF16 and the type an AMX panel product (``qgemm_amx.cpp``;
-#: for the blocks-of-32 types in rows of whole 256-weight panels, other rows taking the float
-#: panel past the same limits): past these token counts a batch goes to it. Measured on the
+#: the blocks-of-32 types in rows of any multiple of 32 weights): past these token counts a
+#: batch goes to it. Measured on the
 #: AVX-512 Xeon as the q8 limits above (``bench_kernels.py --prefill -t 2 --tokens
 #: 4,6,8,10,12,16,24``, the exact ratio's geometric mean, at least 1.05; bench/README.md).
 WIDE_TYPES_AMX = {

@@ -148,17 +148,18 @@ QgemmQ8Fn avxvnni_qgemm_q8(int type);
 #endif
 
 // Exact mode's products of many tokens on AMX (qgemm_amx.cpp; AMX-BF16 and AVX512-BF16):
-// y[t * ys + r] = dot(W[r], x_t) for rows [r0, r1), cols a multiple of 256, up to float32
+// y[t * ys + r] = dot(W[r], x_t) for rows [r0, r1), cols as amx_qgemm takes them, up to float32
 // rounding (bf16 parts that sum to the weights and the activations exactly). xb, xs: the nt
 // tokens prepared by amx_prepare, a tile of 16 tokens a call (xb: 3 * tp * cols / 2 words, xs:
 // cols / 16 * tp floats, the sums of x's groups of 16, tp = nt rounded up to 16).
 typedef void (*QgemmAmxFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                            const uint32_t* xb, const float* xs, int64_t nt, int64_t cols,
                            float* y, int64_t ys);
-// The function for `type` (the Q8_K types: Q2_K ... Q6_K, IQ4_XS, the lattice IQ types, TQ1_0,
-// TQ2_0; Q8_0, Q4_0, IQ4_NL, MXFP4), nullptr for the others and where not compiled;
-// the caller checks amx_enable().
-QgemmAmxFn amx_qgemm(int type);
+// The function for `type` in rows of `cols` weights (the Q8_K types: Q2_K ... Q6_K, IQ4_XS,
+// the lattice IQ types, TQ1_0, TQ2_0, cols a multiple of 256; Q8_0, Q4_0, IQ4_NL, MXFP4, a
+// multiple of 32), nullptr for the others and where not compiled; the caller checks
+// amx_enable().
+QgemmAmxFn amx_qgemm(int type, int64_t cols);
 // Token tile j (tokens 16 j ...) of amx_prepare's xb and xs.
 void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint32_t* xb, float* xs);
 // Whether this CPU has AMX-BF16 and AVX512-BF16 and the OS grants this process the tile state

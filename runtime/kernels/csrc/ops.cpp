@@ -304,9 +304,9 @@ int64_t panel_run(int64_t rows, int64_t panel) {
 // at the AVX-512 tier.
 bool amx_in_use() { return g_isa >= ISA_AVX512 && g_amx_on; }
 
-// The AMX product for `type` where it is in use and cols a multiple of 256, or nullptr.
+// The AMX product for `type` in rows of `cols` weights where it is in use, or nullptr.
 QgemmAmxFn qgemm_amx_fn(int64_t type, int64_t cols) {
-    return amx_in_use() && cols % 256 == 0 ? amx_qgemm((int)type) : nullptr;
+    return amx_in_use() ? amx_qgemm((int)type, cols) : nullptr;
 }
 
 // The AMX product into yp [nt, rows]: the tokens prepared once (a tile of 16 a pool task), then

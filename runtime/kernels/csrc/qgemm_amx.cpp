@@ -1,7 +1,7 @@
 // Products of many tokens in exact mode on AMX (Intel's tile matrix unit, Sapphire Rapids and
 // later: bf16 products summed in float32, 16 x 16 x 32 of them an instruction): qgemm.cpp's
 // panel product for the Q8_K types and the blocks-of-32 types Q8_0, Q4_0, IQ4_NL and MXFP4 (in
-// rows of whole 256-weight panels), with nothing rounded but the float32 sums.
+// rows of any multiple of 32 weights), with nothing rounded but the float32 sums.
 //
 //  - each activation is split into three bf16 numbers whose sum is it exactly (x rounded to
 //    bf16, the rest rounded, what is left: 8 + 8 + 8 significant bits hold a float's 24);
@@ -106,24 +106,25 @@ constexpr bool per32() {
     else return !IqOf<TYPE>::D::PAIR;
 }
 
-// Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P.
+// Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P: its first ns
+// steps (8; the blocks-of-32 types at the end of a row of cols % 256 weights, fewer).
 template <int TYPE>
 EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
-                        int64_t bytes, AmxPanel& P) {
+                        int64_t bytes, int ns, AmxPanel& P) {
     constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
     constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
     const __m256i off = _mm256_set1_epi8((char)OFF);
     for (int j = 0; j < 32; ++j) {
         const int h = j / 16, r = j % 16;
         if (p0 + j >= r1) {
-            for (int kk = 0; kk < 8; ++kk) memset(P.A[kk][h][r], 0, 64);
+            for (int kk = 0; kk < ns; ++kk) memset(P.A[kk][h][r], 0, 64);
             _mm256_storeu_ps(P.s[h][r], _mm256_setzero_ps());
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
             continue;
         }
         alignas(32) uint8_t u[256];                     // the row's block, decoded
         if constexpr (blocks32<TYPE>()) {               // the blocks' scales: the steps'
-            decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, u, P.s[h][r]);
+            decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, u, P.s[h][r], ns);
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
         } else {
             alignas(32) int32_t ls[16], mn[16], l8[8];
@@ -137,7 +138,7 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
                 _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)mn)))
                 : _mm256_setzero_ps());
         }
-        for (int kk = 0; kk < 8; ++kk)
+        for (int kk = 0; kk < ns; ++kk)
             store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(u + 32 * kk), off));
     }
 }
@@ -253,18 +254,24 @@ template <int TYPE>
 EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
                     const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
     constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
-    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
+    // blocks of 32: a last block of the cols % 256 weights' steps where the row is not whole
+    // 256-weight panels
+    const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = (cols + 255) / 256;
+    const int64_t half = cols / 2, bytes = blocks32<TYPE>() ? 8 * B32_BYTES<TYPE> : rb / nb;
+    const auto steps = [&](int64_t i) { return i + 1 < nb || cols % 256 == 0 ? 8
+                                               : (int)(cols % 256 / 32); };
     AmxPanel& P = t_panel;
     alignas(64) float cbuf[4][16][16];
     const auto decode = [&](int64_t p0, int64_t i) {
-        decode_panel<TYPE>(W, rb, p0, r1, i, rb / nb, P);
+        decode_panel<TYPE>(W, rb, p0, r1, i, bytes, steps(i), P);
     };
     amx_panels(r0, r1, nt, nb, y, ys, decode, [&](int64_t i, float* acc) {
+        const int ns = steps(i);
         for (int64_t jt = 0; jt < ntile; jt += 2) {
             const int nj = ntile - jt < 2 ? 1 : 2;
             // step kk's products are issued before step kk - 1's sums are added, so that the
             // tile unit and the vector units work at once
-            for (int kk = 0; kk < 8; ++kk) {
+            for (int kk = 0; kk < ns; ++kk) {
                 if (nj == 1)
                     step_products<1>(P, xb, ntile, half, jt, i, kk);
                 else
@@ -275,7 +282,7 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
                 else
                     store_sums<2>(cbuf);
             }
-            add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, 7, acc);
+            add_step<MINS>(P, cbuf, xs, tp, jt, nj, i, ns - 1, acc);
         }
     });
 }
@@ -472,11 +479,20 @@ QgemmAmxFn amx_fn() {
 }
 
 #define EFS_AMX_CASE(T, D) case T: return amx_fn<T>();
-QgemmAmxFn amx_qgemm(int type) {
+QgemmAmxFn amx_qgemm(int type, int64_t cols) {
+    if (cols % 256 != 0) {          // the blocks-of-32 types, a last block of fewer steps
+        if (cols % 32 != 0) return nullptr;
+        switch (type) {
+            EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -) EFS_AMX_CASE(T_IQ4_NL, -)
+            EFS_AMX_CASE(T_MXFP4, -)
+            default: return nullptr;
+        }
+    }
     switch (type) {
         EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)
-        EFS_AMX_CASE(T_Q2_K, -) EFS_AMX_CASE(T_Q3_K, -) EFS_AMX_CASE(T_IQ4_XS, -) EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -)
-        EFS_AMX_CASE(T_IQ4_NL, -) EFS_AMX_CASE(T_MXFP4, -)
+        EFS_AMX_CASE(T_Q2_K, -) EFS_AMX_CASE(T_Q3_K, -) EFS_AMX_CASE(T_IQ4_XS, -)
+        EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -) EFS_AMX_CASE(T_IQ4_NL, -)
+        EFS_AMX_CASE(T_MXFP4, -)
         EFS_IQ_DECODERS(EFS_AMX_CASE)
         default: return nullptr;
     }
@@ -490,7 +506,7 @@ QgemmAmxFn amx_qgemm(int type) {
 namespace efs {
 bool amx_enable() { return false; }
 void amx_prepare(const float*, int64_t, int64_t, int64_t, uint32_t*, float*) {}
-QgemmAmxFn amx_qgemm(int) { return nullptr; }
+QgemmAmxFn amx_qgemm(int, int64_t) { return nullptr; }
 }  // namespace efs
 
 #endif

@@ -120,16 +120,17 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
     }
 }
 
-// The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4): eight blocks from b (the first of them)
-// as 256 bytes u, each weight's signed value + 128, and the blocks' float scales d: weight k is
+// The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4): n blocks (8, fewer at the end of a row
+// that is not whole 256-weight panels) from b (the first of them) as 32 n bytes u, each
+// weight's signed value + 128, and the blocks' float scales d: weight k is
 // d[k / 32] * (u[k] - 128).
 template <int TYPE>
 constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : 18;
 
 template <int TYPE>
-EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d) {
+EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8) {
     const __m256i k128 = _mm256_set1_epi8((char)0x80);
-    for (int k = 0; k < 8; ++k, b += B32_BYTES<TYPE>) {
+    for (int k = 0; k < n; ++k, b += B32_BYTES<TYPE>) {
         __m256i w;
         if constexpr (TYPE == T_Q8_0) {
             w = _mm256_xor_si256(loadu256(b + 2), k128);

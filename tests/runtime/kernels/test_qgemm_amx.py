@@ -1,6 +1,6 @@
 """Exact mode's panel product on AMX (``kernels.qgemm`` where the CPU has AMX-BF16): for every
 type it takes (the Q8_K types: a multiplier per 32 weights, or per 16 folded into the weights;
-the blocks-of-32 types in rows of whole 256-weight panels), its results equal ``F.linear`` on
+the blocks-of-32 types in rows of any multiple of 32 weights), its results equal ``F.linear`` on
 the reference dequantization (formats.dequant, itself tested against gguf-py) within the float
 panel's rounding bound, and closer to the float64 product than the float panel, for token
 counts around its token tiles (16, in pairs) and rows around its panel of 32; the types it does
@@ -89,8 +89,17 @@ def test_max_tokens_takes_the_amx_limits_while_it_is_on():
     assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]      # on again after
 
 
-def test_blocks_of_32_in_rows_not_whole_panels_keep_the_float_panel():
-    raw = weight(T.Q8_0, 40, 288, 5)                 # 288 weights: nine blocks of 32
-    x = torch.randn(33, 288, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(kernels.qgemm(x, raw, T.Q8_0, (40, 288)),
-                       float_panel(lambda: kernels.qgemm(x, raw, T.Q8_0, (40, 288))))
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
+def test_blocks_of_32_in_rows_not_whole_panels(t):
+    """Rows of cols % 256 weights (llama.cpp's fallback types on GLM-4.5-Air's 1408-wide
+    ffn_down, say): the last block's steps only, the same bound and the float64 product
+    closer than the float panel's."""
+    for rows, cols in ((40, 288), (33, 1408)):       # nine blocks of 32; 5.5 panels
+        raw = weight(t, rows, cols, 5)
+        W = dequantize(raw, t, (rows, cols))
+        x = torch.randn(21, cols, generator=torch.Generator().manual_seed(3))
+        got = kernels.qgemm(x, raw, t, (rows, cols))
+        flt = float_panel(lambda: kernels.qgemm(x, raw, t, (rows, cols)))
+        ref = F.linear(x.double(), W.double())
+        assert ((got - ref).abs() <= k_quants.bound(x, W)).all(), (t.name, cols)
+        assert float((got - ref).abs().sum()) < float((flt - ref).abs().sum()), (t.name, cols)
