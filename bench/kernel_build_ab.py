@@ -11,7 +11,7 @@ changes); the figure per shape is the median over ``--rounds`` of each build's G
 (rows x cols / seconds a product, whatever the token count).
 
     .venv/bin/python bench/kernel_build_ab.py --before ~/.cache/expertfs/kernels/X \\
-        --types q4_k,q6_k,q8_0 --tokens 1,4 -t 1
+        --types q4_k,q6_k,q8_0 --tokens 1,4 -t 1 [--qgemm]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x2048,2048x768", help="ROWSxCOLS, comma-separated")
     ap.add_argument("--tokens", default="1", help="activation rows, comma-separated")
     ap.add_argument("--act-quant", default="off", choices=("off", "q8"))
+    ap.add_argument("--qgemm", action="store_true",
+                    help="time the panel product (qgemm) instead of the row kernels (matvec)")
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
@@ -63,6 +65,7 @@ def main() -> None:
     for m in (before, after):
         m.set_threads(a.threads)
     mode = 0 if a.act_quant == "off" else 1
+    fn = "qgemm" if a.qgemm else "matvec"
     rng = np.random.default_rng(0)
     for name in a.types.split(","):
         t = GGMLType[name.upper()]
@@ -79,10 +82,11 @@ def main() -> None:
                 res: dict[str, list[float]] = {"before": [], "after": []}
                 for _ in range(a.rounds):
                     for tag, m in (("before", before), ("after", after)):
-                        m.matvec(x, raw, int(t), rows, cols, mode)
+                        f = getattr(m, fn)
+                        f(x, raw, int(t), rows, cols, mode)
                         t0 = time.perf_counter()
                         for i in range(n):
-                            m.matvec(x, raws[i % len(raws)], int(t), rows, cols, mode)
+                            f(x, raws[i % len(raws)], int(t), rows, cols, mode)
                         res[tag].append(rows * cols * n / (time.perf_counter() - t0) / 1e9)
                 b, f = (statistics.median(res[k]) for k in ("before", "after"))
                 print(f"{t.name:8s} {rows}x{cols} tokens {nt}: before {b:6.2f}, after {f:6.2f} "

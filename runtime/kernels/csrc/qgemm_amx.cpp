@@ -106,15 +106,15 @@ constexpr bool per32() {
     else return !IqOf<TYPE>::D::PAIR;
 }
 
-// Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P: its first ns
-// steps (8; the blocks-of-32 types at the end of a row of cols % 256 weights, fewer).
+// Rows p0 + j0 .. p0 + j1 - 1 of the matrix (those from r1 on zero) at block i into P: its
+// first ns steps (8; the blocks-of-32 types at the end of a row of cols % 256 weights, fewer).
 template <int TYPE>
 EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
-                        int64_t bytes, int ns, AmxPanel& P) {
+                        int64_t bytes, int ns, AmxPanel& P, int j0, int j1) {
     constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
     constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
     const __m256i off = _mm256_set1_epi8((char)OFF);
-    for (int j = 0; j < 32; ++j) {
+    for (int j = j0; j < j1; ++j) {
         const int h = j / 16, r = j % 16;
         if (p0 + j >= r1) {
             for (int kk = 0; kk < ns; ++kk) memset(P.A[kk][h][r], 0, 64);
@@ -211,12 +211,19 @@ EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float*
 }
 
 // A thread's rows [r0, r1), a 32-row panel at a time: the panel's sums acc [32][tp] zeroed,
-// for each 256-weight block i `decode(p0, i)` (the panel's A tiles into memory) and
-// `multiply(i, acc)` (the tile products, added into acc), then acc to y's tokens; the tiles
-// configured (eight of 16 rows x 64 bytes) for the call and released after.
-template <class Decode, class Multiply>
+// for each 256-weight block i `multiply(i, P, acc, between)` (the tile products of the block
+// decoded in P, added into acc), then acc to y's tokens; the tiles configured (eight of 16 rows
+// x 64 bytes) for the call and released after. `decode(Q, p0, i, j0, j1)` writes rows j0 .. j1
+// - 1 of panel p0's block i into Q. PIPE: the (panel, block) after each one is decoded into the
+// other of the two panels `bufs` while its products run: multiply calls `between(k, n)` after
+// issuing step k of n of its first token tile's products, which decodes the next block's rows
+// 32 k / n .. 32 (k + 1) / n - 1 (the vector units decode while the tile unit multiplies: the
+// folded form, whose steps are all products). Else each block is decoded into bufs[0] before
+// its products (rows_amx, whose vector units scale each step's sums while the next step's
+// products run: there the decode between them measured slower).
+template <bool PIPE, class Panel, class Decode, class Multiply>
 EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, int64_t ys,
-                      const Decode& decode, const Multiply& multiply) {
+                      Panel (&bufs)[2], const Decode& decode, const Multiply& multiply) {
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16;
     thread_local std::vector<float> accv;
     if ((int64_t)accv.size() < 32 * tp) accv.resize(32 * tp);
@@ -228,12 +235,25 @@ EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, 
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     EFS_MEMORY_BARRIER();
     _tile_loadconfig(&cfg);
+    int cur = 0;
+    if (PIPE) decode(bufs[0], r0, 0, 0, 32);
     for (int64_t p0 = r0; p0 < r1; p0 += 32) {
         memset(acc, 0, sizeof(float) * 32 * tp);
         for (int64_t i = 0; i < nb; ++i) {
-            decode(p0, i);
-            EFS_MEMORY_BARRIER();
-            multiply(i, acc);
+            if constexpr (PIPE) {
+                const int64_t np0 = i + 1 < nb ? p0 : p0 + 32, ni = i + 1 < nb ? i + 1 : 0;
+                Panel& next = bufs[cur ^ 1];
+                EFS_MEMORY_BARRIER();
+                multiply(i, bufs[cur], acc, [&](int k, int n) {
+                    EFS_MEMORY_BARRIER();           // after the step's tile loads
+                    if (np0 < r1) decode(next, np0, ni, 32 * k / n, 32 * (k + 1) / n);
+                });
+                cur ^= 1;
+            } else {
+                decode(bufs[0], p0, i, 0, 32);
+                EFS_MEMORY_BARRIER();
+                multiply(i, bufs[0], acc, [](int, int) {});
+            }
         }
         for (int64_t q0 = p0; q0 < p0 + 32 && q0 < r1; q0 += 16) {
             const int64_t n = r1 - q0 < 16 ? r1 - q0 : 16;
@@ -248,7 +268,7 @@ EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, 
     _tile_release();
 }
 
-thread_local AmxPanel t_panel;
+thread_local AmxPanel t_panel[2];
 
 template <int TYPE>
 EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
@@ -260,12 +280,12 @@ EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const 
     const int64_t half = cols / 2, bytes = blocks32<TYPE>() ? 8 * B32_BYTES<TYPE> : rb / nb;
     const auto steps = [&](int64_t i) { return i + 1 < nb || cols % 256 == 0 ? 8
                                                : (int)(cols % 256 / 32); };
-    AmxPanel& P = t_panel;
     alignas(64) float cbuf[4][16][16];
-    const auto decode = [&](int64_t p0, int64_t i) {
-        decode_panel<TYPE>(W, rb, p0, r1, i, bytes, steps(i), P);
+    const auto decode = [&](AmxPanel& Q, int64_t p0, int64_t i, int j0, int j1) {
+        decode_panel<TYPE>(W, rb, p0, r1, i, bytes, steps(i), Q, j0, j1);
     };
-    amx_panels(r0, r1, nt, nb, y, ys, decode, [&](int64_t i, float* acc) {
+    amx_panels<false>(r0, r1, nt, nb, y, ys, t_panel, decode,
+                      [&](int64_t i, const AmxPanel& P, float* acc, const auto&) {
         const int ns = steps(i);
         for (int64_t jt = 0; jt < ntile; jt += 2) {
             const int nj = ntile - jt < 2 ? 1 : 2;
@@ -306,12 +326,12 @@ struct alignas(64) AmxPanel16 {
     float mm[2][16][16];          // [half][row][group] Q2_K's m * mn
 };
 
-// Rows p0 .. p0 + 31 of the matrix (those from r1 on zero) at block i into P.
+// Rows p0 + j0 .. p0 + j1 - 1 of the matrix (those from r1 on zero) at block i into P.
 template <int TYPE>
 EFS_X void decode_panel16(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
-                          int64_t bytes, AmxPanel16& P) {
+                          int64_t bytes, AmxPanel16& P, int j0, int j1) {
     constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
-    for (int j = 0; j < 32; ++j) {
+    for (int j = j0; j < j1; ++j) {
         const int h = j / 16, r = j % 16;
         if (p0 + j >= r1) {
             for (int kk = 0; kk < 8; ++kk)
@@ -345,10 +365,11 @@ EFS_X void decode_panel16(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, 
 }
 
 // Block i's sums for token tile j: tiles 0-3 the A tiles (half h, part pt: 2 h + pt), 4/5 the
-// activations' parts in turn, 6/7 the halves' sums (fold_store takes them out).
-template <int PARTS>
+// activations' parts in turn, 6/7 the halves' sums (fold_store takes them out); between(kk, 8)
+// after each step's products.
+template <int PARTS, class Between>
 EFS_X void fold_products(const AmxPanel16& P, const uint32_t* xb, int64_t ntile, int64_t half,
-                         int64_t j, int64_t i) {
+                         int64_t j, int64_t i, const Between& between) {
     _tile_zero(6);
     _tile_zero(7);
     const int64_t part = ntile * half * 16;
@@ -373,6 +394,7 @@ EFS_X void fold_products(const AmxPanel16& P, const uint32_t* xb, int64_t ntile,
         EFS_AMX_PART(5, part)
         EFS_AMX_PART(4, 2 * part)
 #undef EFS_AMX_PART
+        between(kk, 8);
     }
 }
 
@@ -401,21 +423,25 @@ EFS_X void fold_add(const AmxPanel16& P, const float (*cbuf)[16][16], const floa
         }
 }
 
-thread_local AmxPanel16 t_panel16;
+thread_local AmxPanel16 t_panel16[2];
 
 template <int TYPE>
 EFS_X void rows_amx16(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
                       const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
     constexpr bool MINS = HAS_MINS<TYPE>;
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = cols / 256, half = cols / 2;
-    AmxPanel16& P = t_panel16;
     alignas(64) float cbuf[2][16][16];
-    const auto decode = [&](int64_t p0, int64_t i) {
-        decode_panel16<TYPE>(W, rb, p0, r1, i, rb / nb, P);
+    const auto decode = [&](AmxPanel16& Q, int64_t p0, int64_t i, int j0, int j1) {
+        decode_panel16<TYPE>(W, rb, p0, r1, i, rb / nb, Q, j0, j1);
     };
-    amx_panels(r0, r1, nt, nb, y, ys, decode, [&](int64_t i, float* acc) {
+    const auto none = [](int, int) {};
+    amx_panels<true>(r0, r1, nt, nb, y, ys, t_panel16, decode,
+                     [&](int64_t i, const AmxPanel16& P, float* acc, const auto& between) {
         for (int64_t j = 0; j < ntile; ++j) {       // tile j's products before tile j - 1's sums
-            fold_products<FOLD_PARTS<TYPE>>(P, xb, ntile, half, j, i);
+            if (j == 0)
+                fold_products<FOLD_PARTS<TYPE>>(P, xb, ntile, half, j, i, between);
+            else
+                fold_products<FOLD_PARTS<TYPE>>(P, xb, ntile, half, j, i, none);
             if (j > 0) fold_add<MINS>(P, cbuf, xs, tp, i, j - 1, acc);
             fold_store(cbuf);
         }
