@@ -127,8 +127,8 @@ bool qgemm_compiled();
 // q8 mode's products of many tokens (qgemm_q8.cpp; AVX-512 VNNI): y[t * ys + r] = the q8
 // product of W[r] and token t for rows [r0, r1) (c: scratch of 32 * nt floats): the q8 row
 // kernels' integer sums and float steps per block. x: the nt tokens' activations in the type's
-// q8 format (q8_format), token-major: Q8K blocks of 256, or QX8 blocks of 32 with xsum, each
-// block's sum of its 32 bytes; cols a multiple of 256 either way.
+// q8 format (q8_format), token-major: Q8K blocks of 256 (cols a multiple of 256), or QX8 blocks
+// of 32 with xsum, each block's sum of its 32 bytes (cols a multiple of 32).
 typedef void (*QgemmQ8Fn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int64_t r1,
                           const void* x, const int32_t* xsum, int64_t nt, int64_t cols,
                           float* c, float* y, int64_t ys);

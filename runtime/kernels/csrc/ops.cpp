@@ -361,9 +361,12 @@ QgemmQ8Fn qgemm_q8_fn(int64_t type) {
     return g_isa >= ISA_AVX2 && g_avxvnni ? avxvnni_qgemm_q8((int)type) : nullptr;
 }
 
-// ... and for a matrix of `cols` columns (whole panels of 256 weights).
+// ... and for a matrix of `cols` columns: whole panels of 256 weights, or for the blocks-of-32
+// types under AVX-512 VNNI any multiple of 32 (a last panel of fewer blocks).
 QgemmQ8Fn qgemm_q8_fn(int64_t type, int64_t cols) {
-    return cols % 256 == 0 ? qgemm_q8_fn(type) : nullptr;
+    if (cols % 256 == 0) return qgemm_q8_fn(type);
+    const bool b32 = cols % 32 == 0 && q8_format((int)type) != X_Q8K;
+    return b32 && g_isa >= ISA_AVX512 && g_vnni ? avx512_qgemm_q8((int)type) : nullptr;
 }
 
 // The q8 panel product into yp [nt, rows] (the caller checks, finds fn and releases the GIL):
@@ -394,8 +397,8 @@ void qgemm_q8_into(QgemmQ8Fn fn, int64_t type, const float* xp, int64_t nt, cons
 }
 
 // A wide product into yp [nt, rows] (the caller checks and releases the GIL): in q8 mode
-// (`mode` 1) through the integer panel product where this CPU and type have one (whole panels of
-// 256 weights), else through the exact panel product.
+// (`mode` 1) through the integer panel product where this CPU, type and row length have one,
+// else through the exact panel product.
 void wide_into(const float* xp, int64_t nt, const uint8_t* W, int64_t rb, int64_t type,
                int64_t rows, int64_t cols, int64_t mode, float* yp) {
     const QgemmQ8Fn q8 = mode == 1 ? qgemm_q8_fn(type, cols) : nullptr;

@@ -370,22 +370,23 @@ struct alignas(64) Panel32 {
     alignas(64) uint8_t rows[16][256];
 };
 
-// Row j of vector v: its 8 blocks from b (the first of them), weights + 128 and scales.
+// Row j of vector v: its ns blocks from b (the first of them; 8, or fewer at the end of a row
+// that is not whole 256-weight panels), weights + 128 and scales.
 template <int TYPE>
-EFS_TI void decode_row32(const uint8_t* b, Panel32& p, int v, int j) {
+EFS_TI void decode_row32(const uint8_t* b, Panel32& p, int v, int j, int ns) {
     float d[8];
-    decode_blocks32<TYPE>(b, p.rows[j], d);
-    for (int k = 0; k < 8; ++k) p.bd[v][k][j] = d[k];
+    decode_blocks32<TYPE>(b, p.rows[j], d, ns);
+    for (int k = 0; k < ns; ++k) p.bd[v][k][j] = d[k];
 }
 
 template <int TYPE>
 EFS_V void decode_panel32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
-                          Panel32& p) {
+                          int ns, Panel32& p) {
     for (int v = 0; v < NV; ++v) {
         for (int j = 0; j < 16; ++j) {
             const int64_t r = r0 + 16 * v + j;
             if (r < r1) {
-                decode_row32<TYPE>(W + r * rb + i * 8 * B32_BYTES<TYPE>, p, v, j);
+                decode_row32<TYPE>(W + r * rb + i * 8 * B32_BYTES<TYPE>, p, v, j, ns);
             } else {
                 memset(p.rows[j], 0, 256);
                 for (int k = 0; k < 8; ++k) p.bd[v][k][j] = 0.f;
@@ -398,11 +399,11 @@ EFS_V void decode_panel32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, 
 // NT tokens (t0 ...) of the panel's eight blocks (the 256 weights of block-group i).
 template <int NT>
 EFS_V void tile32(const Panel32& p, const QX8* x, const int32_t* xsum, int64_t nb, int64_t t0,
-                  int64_t i, float* C) {
+                  int64_t i, int ns, float* C) {
     __m512 f[NV][NT];
     for (int v = 0; v < NV; ++v)
         for (int t = 0; t < NT; ++t) f[v][t] = _mm512_setzero_ps();
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < ns; ++k) {
         const int64_t blk = 8 * i + k;
         __m512i acc[NV][NT];
         for (int v = 0; v < NV; ++v)
@@ -445,15 +446,17 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
     const QX8* x = (const QX8*)xv;
     const int64_t nb = cols / 32;
     Panel32& p = t_panel32;
-    over_panels(r0, r1, nt, cols / 256, C, y, ys, [&](int64_t p0, int64_t i) {
-        decode_panel32<TYPE>(W, rb, p0, r1, i, p);
+    const int64_t nblk = (cols + 255) / 256;    // a last panel of fewer blocks: cols % 256
+    over_panels(r0, r1, nt, nblk, C, y, ys, [&](int64_t p0, int64_t i) {
+        const int ns = i + 1 < nblk || cols % 256 == 0 ? 8 : (int)(cols % 256 / 32);
+        decode_panel32<TYPE>(W, rb, p0, r1, i, ns, p);
         int64_t t0 = 0;
-        for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, C);
+        for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, ns, C);
         switch (nt - t0) {
-            case 1: tile32<1>(p, x, xsum, nb, t0, i, C); break;
-            case 2: tile32<2>(p, x, xsum, nb, t0, i, C); break;
-            case 3: tile32<3>(p, x, xsum, nb, t0, i, C); break;
-            case 4: tile32<4>(p, x, xsum, nb, t0, i, C); break;
+            case 1: tile32<1>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 2: tile32<2>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 3: tile32<3>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 4: tile32<4>(p, x, xsum, nb, t0, i, ns, C); break;
             default: break;
         }
     });

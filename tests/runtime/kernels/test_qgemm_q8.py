@@ -1,7 +1,8 @@
 """q8 mode's integer panel product (``kernels.qgemm`` with ``act_quant="q8"``, AVX512-VNNI):
 for every type it takes, its results are the q8 row kernels' (themselves checked against
 llama.cpp's numerics in test_kernels.py) up to float summation order, for token counts around
-its tile of 6 and rows around its panel of 32; the same bits on one thread and two, and in its
+its tile of 6 and rows around its panel of 32, the blocks-of-32 types in rows of any multiple
+of 32 weights; the same bits on one thread and two, and in its
 AVX-VNNI form (256-bit) as in its AVX-512 one; and where the CPU or the ISA in use has no VNNI,
 q8's wide products keep the exact panel product."""
 
@@ -99,14 +100,24 @@ def test_the_avx_vnni_form_gives_the_same_bits(t):
         MOD.set_isa("best")
 
 
-def test_other_types_and_rows_keep_the_exact_panel_product():
-    """Types without an integer panel (Q5_0 here) and blocks-of-32 rows that are not whole
-    panels of 256 weights keep the exact panel product; q8's own results are near the exact
-    ones (its rounding, not garbage)."""
-    x = torch.randn(12, 288, generator=torch.Generator().manual_seed(5))
-    q = weight(T.Q8_0, 40, 288, 6)
-    assert torch.equal(kernels.qgemm(x, q, T.Q8_0, (40, 288), "q8"),
-                       kernels.qgemm(x, q, T.Q8_0, (40, 288)))
+@pytest.mark.parametrize("t", BLOCKS32, ids=lambda t: t.name)
+def test_blocks_of_32_in_rows_not_whole_panels(t):
+    """Rows of cols % 256 weights (llama.cpp's fallback types on GLM-4.5-Air's 1408-wide
+    ffn_down): the last panel's blocks only, the q8 row kernels' results as above."""
+    for rows, cols in ((40, 288), (33, 1408)):
+        raw = weight(t, rows, cols, 6)
+        W = dequantize(raw, t, (rows, cols))
+        for nt in (1, 6, 13):
+            x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt))
+            got = kernels.qgemm(x, raw, t, (rows, cols), "q8")
+            rows_q8 = kernels.matvec(x, raw, t, (rows, cols), act_quant="q8")
+            assert ((got - rows_q8).abs() <= bound(x, W)).all(), (t.name, cols, nt)
+            assert not torch.equal(got, kernels.qgemm(x, raw, t, (rows, cols)))
+
+
+def test_other_types_keep_the_exact_panel_product():
+    """Types without an integer panel (Q5_0 here) keep the exact panel product; q8's own
+    results are near the exact ones (its rounding, not garbage)."""
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(7))
     from test_qgemm import weight as any_weight
     q5 = any_weight(T.Q5_0, 40, 512, 8)
