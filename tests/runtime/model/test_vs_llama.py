@@ -22,8 +22,8 @@ TOKENS = [5, 100, 200, 37, 400, 12, 7, 300, 255, 1, 2, 3, 77, 500, 9, 64]
 pytestmark = pytest.mark.llama
 
 
-def ours(store: str, tokens: list[int]) -> np.ndarray:
-    with Engine.open(store, provider="direct") as eng:
+def ours(store: str, tokens: list[int], act_quant: str = "off") -> np.ndarray:
+    with Engine.open(store, provider="direct", act_quant=act_quant) as eng:
         return eng.logits(tokens).numpy()
 
 
@@ -44,14 +44,24 @@ def test_quantized_top1_agrees_with_llama_cpp(tmp_path, kind, qt):
     assert np.median(np.abs(got - ref)) < 0.05
 
 
-def test_synth_model_with_k_quants_agrees(tmp_path):
-    """A synth qwen3moe in Q4_K_M (K-quants, which gguf-py cannot write) through both."""
+@pytest.mark.parametrize("quant", ["q4_k_m", "q3_k_m", "Q4_K,experts=Q2_K,down=Q3_K,output=Q6_K"])
+def test_synth_model_with_k_quants_agrees(tmp_path, quant):
+    """A synth qwen3moe in K-quant mixes (which gguf-py cannot write: Q4_K_M, Q3_K_M, a
+    Q2_K_XL-style one) through both: the 13-token prompt's trunk products and its busier
+    experts' (8 experts, top-2) take the panel products. Exact mode differs from llama.cpp's 8-bit activations, and the low-bit mixes'
+    logits of this random tiny model have near-ties (11 of 13 top-1 on the two low-bit ones);
+    ``act_quant="q8"`` is llama.cpp's numerics, so its logits agree but for float order."""
     from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
-    cfg = SynthConfig.tiny("qwen3moe").replace(quant="q4_k_m", n_layers=3)
+    cfg = SynthConfig.tiny("qwen3moe").replace(quant=quant, n_layers=3)
     gguf = str(tmp_path / "s.gguf")
     synthesize(cfg, gguf)
     repack([gguf], str(tmp_path / "s.efs"))
     toks = list(range(3, 40, 3))
-    ref, got = llama_logits(gguf, toks), ours(str(tmp_path / "s.efs"), toks)
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.85
+    ref = llama_logits(gguf, toks)
+    got = ours(str(tmp_path / "s.efs"), toks)
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+    assert np.median(np.abs(got - ref)) < 0.05
+    q8 = ours(str(tmp_path / "s.efs"), toks, "q8")
+    assert (q8.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert np.median(np.abs(q8 - ref)) < 1e-4
