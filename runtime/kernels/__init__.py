@@ -7,8 +7,8 @@ Two numerics, chosen per call by ``act_quant``:
   equals ``F.linear(x, dequantize(W))`` up to float rounding (weights enter as scale × integer,
   factored per sub-block: ``Σ_s d·sc_s·Σ q·x − dmin·m_s·Σ x``). Where the CPU has AMX-BF16
   (Intel, Sapphire Rapids on), a prompt's wide products of the Q8_K types (Q2_K ... Q6_K,
-  IQ4_XS, the lattice IQ and TQ types) and of Q8_0, Q4_0, IQ4_NL and MXFP4 (rows of any
-  multiple of 32 weights) run on the tile unit from exact bf16 parts of the weights and the
+  IQ4_XS, the lattice IQ and TQ types) and of the blocks-of-32 types (Q8_0, Q4_0, Q5_0, Q4_1,
+  Q5_1, IQ4_NL, MXFP4: rows of any multiple of 32 weights) run on the tile unit from exact bf16 parts of the weights and the
   activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0`` or ``without_amx()``
   keeps the float panel): the same bound, not the same bits.
 - ``"q8"`` (opt-in, lossy): activations quantized the way llama.cpp quantizes them (Q8_K for

@@ -1,14 +1,16 @@
 // Products of many tokens in exact mode on AMX (Intel's tile matrix unit, Sapphire Rapids and
 // later: bf16 products summed in float32, 16 x 16 x 32 of them an instruction): qgemm.cpp's
-// panel product for the Q8_K types and the blocks-of-32 types Q8_0, Q4_0, IQ4_NL and MXFP4 (in
-// rows of any multiple of 32 weights), with nothing rounded but the float32 sums.
+// panel product for the Q8_K types and the blocks-of-32 types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1,
+// IQ4_NL and MXFP4 (in rows of any multiple of 32 weights), with nothing rounded but the
+// float32 sums.
 //
 //  - each activation is split into three bf16 numbers whose sum is it exactly (x rounded to
 //    bf16, the rest rounded, what is left: 8 + 8 + 8 significant bits hold a float's 24);
 //  - the weights are decode_block's integers: u - offset (at most 128 in magnitude, exact in
 //    bf16) for the types with a multiplier per 32 weights, whose step of 32 weights is then one
 //    A tile, its sums multiplied by the step's a * ls (the blocks-of-32 types: the block's
-//    scale) and Q4_K/Q5_K's mins (m * mn times the group's sum of x) taken off per step
+//    scale) and the mins (Q4_K/Q5_K's m * mn, Q4_1/Q5_1's m, times the group's sum of x) taken
+//    off per step
 //    (rows_amx); for those with a multiplier per 16 (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M),
 //    v = ls * (u - offset), exact in bf16 (Q2_K, Q3_K: one A tile a step) or split into two
 //    exact bf16 numbers (a multiple of 16 and the rest: two A tiles), whose sums add up over
@@ -89,13 +91,14 @@ EFS_X inline void store_bf16_i16(uint16_t* o, __m512i v) {
 }
 
 // The types whose multipliers are per group of 32 weights, a step's A tile (Q4_K, Q5_K, IQ4_XS,
-// the IQ and TQ types with one multiplier per 32, and the blocks-of-32 types Q8_0, Q4_0, IQ4_NL
-// and MXFP4, whose float scale is the step's), take the sums of each step times its
-// multiplier (rows_amx); those with a multiplier per 16 (Q6_K, IQ2_XS, IQ2_S, IQ1_M) the
-// multipliers folded into the weights (rows_amx16).
+// the IQ and TQ types with one multiplier per 32, and the blocks-of-32 types, whose float
+// scale is the step's), take the sums of each step times its multiplier (rows_amx); those with
+// a multiplier per 16 (Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M) the multipliers folded into the
+// weights (rows_amx16).
 template <int TYPE>
 constexpr bool blocks32() {
-    return TYPE == T_Q8_0 || TYPE == T_Q4_0 || TYPE == T_IQ4_NL || TYPE == T_MXFP4;
+    return TYPE == T_Q8_0 || TYPE == T_Q4_0 || TYPE == T_IQ4_NL || TYPE == T_MXFP4 ||
+           TYPE == T_Q5_0 || TYPE == T_Q4_1 || TYPE == T_Q5_1;
 }
 
 template <int TYPE>
@@ -106,24 +109,31 @@ constexpr bool per32() {
     else return !IqOf<TYPE>::D::PAIR;
 }
 
-// The 4-bit types whose nibbles index a table of 16 values (Q4_0's q - 8, IQ4_NL's and IQ4_XS's
-// kvalues): a step's 32 weights become bf16 by one word permute of the table (bf16_lut)
-// instead of a byte shuffle and a conversion through float. (Measured slower for Q4_K's and
-// Q5_K's bytes, and no faster for MXFP4's nibbles, so those convert.)
+// The 4- and 5-bit blocks whose values index a table of at most 32 (Q4_0's q - 8, Q5_0's q -
+// 16, Q4_1's and Q5_1's q, IQ4_NL's and IQ4_XS's kvalues): a step's 32 weights become bf16 by
+// one word permute of the table (bf16_lut) instead of a conversion through float. (Measured
+// slower for Q4_K's and Q5_K's bytes, and no faster for MXFP4's nibbles, so those convert.)
 template <int TYPE>
-constexpr bool LUT = TYPE == T_Q4_0 || TYPE == T_IQ4_NL || TYPE == T_IQ4_XS;
+constexpr bool LUT = TYPE == T_Q4_0 || TYPE == T_IQ4_NL || TYPE == T_IQ4_XS ||
+                     TYPE == T_Q5_0 || TYPE == T_Q4_1 || TYPE == T_Q5_1;
+
+// The blocks of 32 with a min (w = d q + m: Q4_1, Q5_1), taken off per step as Q4_K's mins.
+template <int TYPE>
+constexpr bool MINS32 = TYPE == T_Q4_1 || TYPE == T_Q5_1;
 
 template <int TYPE>
 EFS_X __m512i bf16_lut() {
-    const __m256i v = TYPE == T_Q4_0 ? _mm256_setr_epi8(
-        -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1,
-        0, 1, 2, 3, 4, 5, 6, 7) : tbl_iq4nl_s();
+    const __m256i k = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                       17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    const __m256i v = TYPE == T_Q4_0 ? _mm256_sub_epi8(k, _mm256_set1_epi8(8))
+                      : TYPE == T_Q5_0 ? _mm256_sub_epi8(k, _mm256_set1_epi8(16))
+                      : TYPE == T_Q4_1 || TYPE == T_Q5_1 ? k : tbl_iq4nl_s();
     alignas(64) uint16_t t[32];
     store_bf16_i8(t, v);
     return _mm512_load_si512(t);
 }
 
-// 32 nibbles (bytes) as their bf16 values from lut.
+// 32 indices (bytes under 32) as their bf16 values from lut.
 EFS_X inline void store_lut(uint16_t* o, __m256i idx, __m512i lut) {
     _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx), lut));
 }
@@ -137,13 +147,47 @@ EFS_X void decode_lut_row(const uint8_t* b, int ns, __m512i lut, AmxPanel& P, in
             P.s[h][r][kk] = a * (float)(iq4xs_ls(b, kk) - 32);
             store_lut(P.A[kk][h][r], nibbles(loadu128(b + 8 + 16 * kk)), lut);
         }
-    } else {                                            // Q4_0, IQ4_NL: blocks of 32
+        _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
+        _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
+    } else {                                            // blocks of 32
+        constexpr bool FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, MIN = MINS32<TYPE>;
+        constexpr int QS = 2 + (MIN ? 2 : 0) + (FIVE ? 4 : 0);     // the nibbles' offset
         for (int kk = 0; kk < ns; ++kk, b += B32_BYTES<TYPE>) {
             P.s[h][r][kk] = f16(b);
-            store_lut(P.A[kk][h][r], nibbles(loadu128(b + 2)), lut);
+            P.mm[h][r][kk] = MIN ? -f16(b + 2) : 0.f;              // w = d q + m
+            __m256i q = nibbles(loadu128(b + QS));
+            if constexpr (FIVE)                                     // the fifth bits, qh
+                q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits_32(b + QS - 4),
+                                                        _mm256_set1_epi8(0x10)));
+            store_lut(P.A[kk][h][r], q, lut);
         }
     }
-    _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
+}
+
+// decode_panel's row j (h, r) of the other types at b: decode_block's (or decode_blocks32's)
+// bytes less the offset, through float to bf16.
+template <int TYPE>
+EFS_X void decode_bytes_row(const uint8_t* b, int ns, AmxPanel& P, int h, int r) {
+    constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
+    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    alignas(32) uint8_t u[256];                         // the row's block, decoded
+    if constexpr (blocks32<TYPE>()) {                   // the blocks' scales: the steps'
+        decode_blocks32<TYPE>(b, u, P.s[h][r], ns);
+        _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
+    } else {
+        alignas(32) int32_t ls[16], mn[16], l8[8];
+        float a, m;
+        decode_block<TYPE>(b, u, ls, mn, &a, &m);
+        for (int kk = 0; kk < 8; ++kk)          // the steps' multipliers (IQ: ls of 16, twice)
+            l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
+        _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
+            _mm256_load_si256((const __m256i*)l8))));
+        _mm256_storeu_ps(P.mm[h][r], MINS ? _mm256_mul_ps(_mm256_set1_ps(m),
+            _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)mn))) : _mm256_setzero_ps());
+    }
+    const __m256i off = _mm256_set1_epi8((char)OFF);
+    for (int kk = 0; kk < ns; ++kk)
+        store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(u + 32 * kk), off));
 }
 
 // Rows p0 + j0 .. p0 + j1 - 1 of the matrix (those from r1 on zero) at block i into P: its
@@ -151,9 +195,6 @@ EFS_X void decode_lut_row(const uint8_t* b, int ns, __m512i lut, AmxPanel& P, in
 template <int TYPE>
 EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
                         int64_t bytes, int ns, AmxPanel& P, int j0, int j1) {
-    constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
-    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
-    const __m256i off = _mm256_set1_epi8((char)OFF);
     const __m512i lut = LUT<TYPE> ? bf16_lut<TYPE>() : _mm512_setzero_si512();
     for (int j = j0; j < j1; ++j) {
         const int h = j / 16, r = j % 16;
@@ -163,28 +204,11 @@ EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, in
             _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
             continue;
         }
-        if constexpr (LUT<TYPE>) {
-            decode_lut_row<TYPE>(W + (p0 + j) * rb + i * bytes, ns, lut, P, h, r);
-            continue;
-        }
-        alignas(32) uint8_t u[256];                     // the row's block, decoded
-        if constexpr (blocks32<TYPE>()) {               // the blocks' scales: the steps'
-            decode_blocks32<TYPE>(W + (p0 + j) * rb + i * bytes, u, P.s[h][r], ns);
-            _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
-        } else {
-            alignas(32) int32_t ls[16], mn[16], l8[8];
-            float a, m;
-            decode_block<TYPE>(W + (p0 + j) * rb + i * bytes, u, ls, mn, &a, &m);
-            for (int kk = 0; kk < 8; ++kk)      // the steps' multipliers (IQ: ls of 16, twice)
-                l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
-            _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
-                _mm256_load_si256((const __m256i*)l8))));
-            _mm256_storeu_ps(P.mm[h][r], MINS ? _mm256_mul_ps(_mm256_set1_ps(m),
-                _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)mn)))
-                : _mm256_setzero_ps());
-        }
-        for (int kk = 0; kk < ns; ++kk)
-            store_bf16_i8(P.A[kk][h][r], _mm256_sub_epi8(loadu256(u + 32 * kk), off));
+        const uint8_t* b = W + (p0 + j) * rb + i * bytes;
+        if constexpr (LUT<TYPE>)
+            decode_lut_row<TYPE>(b, ns, lut, P, h, r);
+        else
+            decode_bytes_row<TYPE>(b, ns, P, h, r);
     }
 }
 
@@ -318,7 +342,7 @@ thread_local AmxPanel t_panel[2];
 template <int TYPE>
 EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
                     const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
-    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
+    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K || MINS32<TYPE>;
     // blocks of 32: a last block of the cols % 256 weights' steps where the row is not whole
     // 256-weight panels
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = (cols + 255) / 256;
@@ -555,7 +579,8 @@ QgemmAmxFn amx_qgemm(int type, int64_t cols) {
         if (cols % 32 != 0) return nullptr;
         switch (type) {
             EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -) EFS_AMX_CASE(T_IQ4_NL, -)
-            EFS_AMX_CASE(T_MXFP4, -)
+            EFS_AMX_CASE(T_MXFP4, -) EFS_AMX_CASE(T_Q5_0, -) EFS_AMX_CASE(T_Q4_1, -)
+            EFS_AMX_CASE(T_Q5_1, -)
             default: return nullptr;
         }
     }
@@ -563,7 +588,8 @@ QgemmAmxFn amx_qgemm(int type, int64_t cols) {
         EFS_AMX_CASE(T_Q4_K, -) EFS_AMX_CASE(T_Q5_K, -) EFS_AMX_CASE(T_Q6_K, -)
         EFS_AMX_CASE(T_Q2_K, -) EFS_AMX_CASE(T_Q3_K, -) EFS_AMX_CASE(T_IQ4_XS, -)
         EFS_AMX_CASE(T_Q8_0, -) EFS_AMX_CASE(T_Q4_0, -) EFS_AMX_CASE(T_IQ4_NL, -)
-        EFS_AMX_CASE(T_MXFP4, -)
+        EFS_AMX_CASE(T_MXFP4, -) EFS_AMX_CASE(T_Q5_0, -) EFS_AMX_CASE(T_Q4_1, -)
+        EFS_AMX_CASE(T_Q5_1, -)
         EFS_IQ_DECODERS(EFS_AMX_CASE)
         default: return nullptr;
     }

@@ -125,7 +125,8 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
 // weight's signed value + 128, and the blocks' float scales d: weight k is
 // d[k / 32] * (u[k] - 128).
 template <int TYPE>
-constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : 18;
+constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : TYPE == T_Q5_0 ? 22
+                          : TYPE == T_Q4_1 ? 20 : TYPE == T_Q5_1 ? 24 : 18;
 
 template <int TYPE>
 EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8) {

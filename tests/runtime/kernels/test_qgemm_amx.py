@@ -20,16 +20,22 @@ from expertfs.runtime import kernels
 from support.native import MOD, NEEDS_NATIVE
 
 import test_kernels as k_quants
-from test_qgemm_q8 import weight
+from test_qgemm import weight as any_weight
+from test_qgemm_q8 import weight as q8_weight
 
 AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0,
        T.Q2_K, T.Q3_K,                                  # multipliers per 16, one part
        T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M,              # multipliers per 16, two parts
-       T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]               # blocks of 32
-FLOAT_PANEL = [T.Q4_1, T.Q5_0, T.Q5_1]                   # kept on the float panel
+       T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4, T.Q5_0, T.Q4_1, T.Q5_1]   # blocks of 32
+FLOAT_PANEL = [T.BF16, T.F16]                             # kept on the float panel
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]
+
+
+def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Valid random blocks of t (test_qgemm_q8's for the types it knows, else test_qgemm's)."""
+    return (any_weight if t in (T.Q5_0, T.Q4_1, T.Q5_1) else q8_weight)(t, rows, cols, seed)
 
 
 def float_panel(f):
@@ -65,7 +71,6 @@ def test_equals_dequant_linear_and_beats_the_float_panel(t):
 
 @pytest.mark.parametrize("t", FLOAT_PANEL, ids=lambda t: t.name)
 def test_other_types_keep_the_float_panel(t):
-    from test_qgemm import weight as any_weight
     raw = any_weight(t, 40, 512, 7)
     x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1))
     assert torch.equal(kernels.qgemm(x, raw, t, (40, 512)),
@@ -89,7 +94,8 @@ def test_max_tokens_takes_the_amx_limits_while_it_is_on():
     assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]      # on again after
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4, T.Q5_0, T.Q4_1, T.Q5_1],
+                         ids=lambda t: t.name)
 def test_blocks_of_32_in_rows_not_whole_panels(t):
     """Rows of cols % 256 weights (llama.cpp's fallback types on GLM-4.5-Air's 1408-wide
     ffn_down, say): the last block's steps only, the same bound and the float64 product
