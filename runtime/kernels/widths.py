@@ -130,7 +130,8 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: 256-weight panels only) the same way at 4-128 tokens: 4. IQ4_XS, Q2_K and Q3_K (their
 #: panels added later) the same way at 4-24 tokens: 6, 4 and 6.
 WIDE_TYPES_Q8_VNNI = {
-    GGMLType.Q2_K: 4, GGMLType.Q3_K: 6, GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8, GGMLType.IQ2_XXS: 4,
+    GGMLType.Q2_K: 4, GGMLType.Q3_K: 6, GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8,
+    GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
     GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
     GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,

@@ -157,8 +157,8 @@ typedef void (*QgemmAmxFn)(const uint8_t* W, int64_t row_bytes, int64_t r0, int6
                            float* y, int64_t ys);
 // The function for `type` in rows of `cols` weights (the Q8_K types: Q2_K ... Q6_K, IQ4_XS,
 // the lattice IQ types, TQ1_0, TQ2_0, cols a multiple of 256; the blocks of 32, Q8_0, Q4_0,
-// Q5_0, Q4_1, Q5_1, IQ4_NL, MXFP4, a multiple of 32), nullptr for the others and where not compiled; the caller checks
-// amx_enable().
+// Q5_0, Q4_1, Q5_1, IQ4_NL, MXFP4, a multiple of 32), nullptr for the others and where not
+// compiled; the caller checks amx_enable().
 QgemmAmxFn amx_qgemm(int type, int64_t cols);
 // Token tile j (tokens 16 j ...) of amx_prepare's xb and xs.
 void amx_prepare(const float* x, int64_t nt, int64_t cols, int64_t j, uint32_t* xb, float* xs);

@@ -60,12 +60,12 @@ struct alignas(64) TileConfig {
 };
 
 // A 32-row panel of one 256-weight block: for each 32-weight step two A tiles (rows 0-15,
-// 16-31), with their rows' float multipliers of the step's group (a * ls) and Q4_K/Q5_K's
-// mins (m * mn).
+// 16-31), with their rows' float multipliers of the step's group (a * ls) and mins (Q4_K/Q5_K's
+// m * mn, Q4_1/Q5_1's -m).
 struct alignas(64) AmxPanel {
     uint16_t A[8][2][16][32];    // [step][half][row][weight]: bf16 of u - offset
     float s[2][16][8];           // [half][row][step] the multiplier of the step's group
-    float mm[2][16][8];          // ... and its mins' (Q4_K/Q5_K), else 0
+    float mm[2][16][8];          // ... and its mins' (HAS_MINS), else 0
 };
 
 // 32 floats that are integers of at most 8 significant bits as 32 bf16 (exact: their upper
@@ -117,20 +117,15 @@ template <int TYPE>
 constexpr bool LUT = TYPE == T_Q4_0 || TYPE == T_IQ4_NL || TYPE == T_IQ4_XS ||
                      TYPE == T_Q5_0 || TYPE == T_Q4_1 || TYPE == T_Q5_1;
 
-// The blocks of 32 with a min (w = d q + m: Q4_1, Q5_1), taken off per step as Q4_K's mins.
+// The table of a LUT type, its 32 entries as bf16 into t.
 template <int TYPE>
-constexpr bool MINS32 = TYPE == T_Q4_1 || TYPE == T_Q5_1;
-
-template <int TYPE>
-EFS_X __m512i bf16_lut() {
+EFS_X void bf16_lut(uint16_t* t) {
     const __m256i k = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
                                        17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
     const __m256i v = TYPE == T_Q4_0 ? _mm256_sub_epi8(k, _mm256_set1_epi8(8))
                       : TYPE == T_Q5_0 ? _mm256_sub_epi8(k, _mm256_set1_epi8(16))
                       : TYPE == T_Q4_1 || TYPE == T_Q5_1 ? k : tbl_iq4nl_s();
-    alignas(64) uint16_t t[32];
     store_bf16_i8(t, v);
-    return _mm512_load_si512(t);
 }
 
 // 32 indices (bytes under 32) as their bf16 values from lut.
@@ -148,9 +143,8 @@ EFS_X void decode_lut_row(const uint8_t* b, int ns, __m512i lut, AmxPanel& P, in
             store_lut(P.A[kk][h][r], nibbles(loadu128(b + 8 + 16 * kk)), lut);
         }
         _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
-        _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
     } else {                                            // blocks of 32
-        constexpr bool FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, MIN = MINS32<TYPE>;
+        constexpr bool FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, MIN = HAS_MINS<TYPE>;
         constexpr int QS = 2 + (MIN ? 2 : 0) + (FIVE ? 4 : 0);     // the nibbles' offset
         for (int kk = 0; kk < ns; ++kk, b += B32_BYTES<TYPE>) {
             P.s[h][r][kk] = f16(b);
@@ -169,7 +163,6 @@ EFS_X void decode_lut_row(const uint8_t* b, int ns, __m512i lut, AmxPanel& P, in
 template <int TYPE>
 EFS_X void decode_bytes_row(const uint8_t* b, int ns, AmxPanel& P, int h, int r) {
     constexpr int OFF = OFFSET_SHIFT<TYPE> < 0 ? 0 : 1 << OFFSET_SHIFT<TYPE>;
-    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K;
     alignas(32) uint8_t u[256];                         // the row's block, decoded
     if constexpr (blocks32<TYPE>()) {                   // the blocks' scales: the steps'
         decode_blocks32<TYPE>(b, u, P.s[h][r], ns);
@@ -182,7 +175,7 @@ EFS_X void decode_bytes_row(const uint8_t* b, int ns, AmxPanel& P, int h, int r)
             l8[kk] = ls[LS_GROUP<TYPE> == 32 ? kk : 2 * kk];
         _mm256_storeu_ps(P.s[h][r], _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(
             _mm256_load_si256((const __m256i*)l8))));
-        _mm256_storeu_ps(P.mm[h][r], MINS ? _mm256_mul_ps(_mm256_set1_ps(m),
+        _mm256_storeu_ps(P.mm[h][r], HAS_MINS<TYPE> ? _mm256_mul_ps(_mm256_set1_ps(m),
             _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)mn))) : _mm256_setzero_ps());
     }
     const __m256i off = _mm256_set1_epi8((char)OFF);
@@ -191,11 +184,12 @@ EFS_X void decode_bytes_row(const uint8_t* b, int ns, AmxPanel& P, int h, int r)
 }
 
 // Rows p0 + j0 .. p0 + j1 - 1 of the matrix (those from r1 on zero) at block i into P: its
-// first ns steps (8; the blocks-of-32 types at the end of a row of cols % 256 weights, fewer).
+// first ns steps (panel_steps); lut32: a LUT type's bf16_lut.
 template <int TYPE>
 EFS_X void decode_panel(const uint8_t* W, int64_t rb, int64_t p0, int64_t r1, int64_t i,
-                        int64_t bytes, int ns, AmxPanel& P, int j0, int j1) {
-    const __m512i lut = LUT<TYPE> ? bf16_lut<TYPE>() : _mm512_setzero_si512();
+                        int64_t bytes, int ns, const uint16_t* lut32, AmxPanel& P, int j0,
+                        int j1) {
+    const __m512i lut = LUT<TYPE> ? _mm512_load_si512(lut32) : _mm512_setzero_si512();
     for (int j = j0; j < j1; ++j) {
         const int h = j / 16, r = j % 16;
         if (p0 + j >= r1) {
@@ -284,15 +278,15 @@ EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float*
 // decoded in P, added into acc), then acc to y's tokens; the tiles configured (eight of 16 rows
 // x 64 bytes) for the call and released after. `decode(Q, p0, i, j0, j1)` writes rows j0 .. j1
 // - 1 of panel p0's block i into Q. PIPE: the (panel, block) after each one is decoded into the
-// other of the two panels `bufs` while its products run: multiply calls `between(k, n)` after
+// other of the two panels bufs[0], bufs[1] while its products run: multiply calls `between(k, n)` after
 // issuing step k of n of its first token tile's products, which decodes the next block's rows
 // 32 k / n .. 32 (k + 1) / n - 1 (the vector units decode while the tile unit multiplies: the
-// folded form, whose steps are all products). Else each block is decoded into bufs[0] before
-// its products (rows_amx, whose vector units scale each step's sums while the next step's
+// folded form, whose steps are all products). Else each block is decoded into bufs[0], the
+// only one, before its products (rows_amx, whose vector units scale each step's sums while the next step's
 // products run: there the decode between them measured slower).
 template <bool PIPE, class Panel, class Decode, class Multiply>
 EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, int64_t ys,
-                      Panel (&bufs)[2], const Decode& decode, const Multiply& multiply) {
+                      Panel* bufs, const Decode& decode, const Multiply& multiply) {
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16;
     thread_local std::vector<float> accv;
     if ((int64_t)accv.size() < 32 * tp) accv.resize(32 * tp);
@@ -337,25 +331,25 @@ EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, 
     _tile_release();
 }
 
-thread_local AmxPanel t_panel[2];
+thread_local AmxPanel t_panel;
 
 template <int TYPE>
 EFS_X void rows_amx(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const uint32_t* xb,
                     const float* xs, int64_t nt, int64_t cols, float* y, int64_t ys) {
-    constexpr bool MINS = TYPE == T_Q4_K || TYPE == T_Q5_K || MINS32<TYPE>;
+    constexpr bool MINS = HAS_MINS<TYPE>;
     // blocks of 32: a last block of the cols % 256 weights' steps where the row is not whole
     // 256-weight panels
     const int64_t tp = (nt + 15) / 16 * 16, ntile = tp / 16, nb = (cols + 255) / 256;
     const int64_t half = cols / 2, bytes = blocks32<TYPE>() ? 8 * B32_BYTES<TYPE> : rb / nb;
-    const auto steps = [&](int64_t i) { return i + 1 < nb || cols % 256 == 0 ? 8
-                                               : (int)(cols % 256 / 32); };
     alignas(64) float cbuf[4][16][16];
+    alignas(64) uint16_t lut[32];
+    if constexpr (LUT<TYPE>) bf16_lut<TYPE>(lut);
     const auto decode = [&](AmxPanel& Q, int64_t p0, int64_t i, int j0, int j1) {
-        decode_panel<TYPE>(W, rb, p0, r1, i, bytes, steps(i), Q, j0, j1);
+        decode_panel<TYPE>(W, rb, p0, r1, i, bytes, panel_steps(i, nb, cols), lut, Q, j0, j1);
     };
-    amx_panels<false>(r0, r1, nt, nb, y, ys, t_panel, decode,
+    amx_panels<false>(r0, r1, nt, nb, y, ys, &t_panel, decode,
                       [&](int64_t i, const AmxPanel& P, float* acc, const auto&) {
-        const int ns = steps(i);
+        const int ns = panel_steps(i, nb, cols);
         for (int64_t jt = 0; jt < ntile; jt += 2) {
             const int nj = ntile - jt < 2 ? 1 : 2;
             // step kk's products are issued before step kk - 1's sums are added, so that the

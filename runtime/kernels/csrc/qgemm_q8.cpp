@@ -448,7 +448,7 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
     Panel32& p = t_panel32;
     const int64_t nblk = (cols + 255) / 256;    // a last panel of fewer blocks: cols % 256
     over_panels(r0, r1, nt, nblk, C, y, ys, [&](int64_t p0, int64_t i) {
-        const int ns = i + 1 < nblk || cols % 256 == 0 ? 8 : (int)(cols % 256 / 32);
+        const int ns = panel_steps(i, nblk, cols);
         decode_panel32<TYPE>(W, rb, p0, r1, i, ns, p);
         int64_t t0 = 0;
         for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, ns, C);

@@ -17,9 +17,11 @@
 namespace efs {
 namespace {
 
-// Whether the type has mins (m * mn[g] taken off each weight of group g).
+// Whether the type has mins (m * mn[g] taken off each weight of group g; Q4_1's and Q5_1's
+// block min, w = d q + m, for the panels that take them as blocks of 32).
 template <int TYPE>
-constexpr bool HAS_MINS = TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q2_K;
+constexpr bool HAS_MINS = TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q2_K ||
+                          TYPE == T_Q4_1 || TYPE == T_Q5_1;
 
 // Offset of the stored weights (their 0 is this) as a shift: Q3_K 4 (2), Q6_K 32 (5), the IQ
 // and TQ types 128 (7); -1: none (the types with mins, which take the offset's place in the
@@ -127,6 +129,12 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
 template <int TYPE>
 constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : TYPE == T_Q5_0 ? 22
                           : TYPE == T_Q4_1 ? 20 : TYPE == T_Q5_1 ? 24 : 18;
+
+// Blocks of 32 in 256-weight panel i of nblk, in rows of cols weights: 8, the last panel of a
+// row that is not whole panels fewer.
+constexpr int panel_steps(int64_t i, int64_t nblk, int64_t cols) {
+    return i + 1 < nblk || cols % 256 == 0 ? 8 : (int)(cols % 256 / 32);
+}
 
 template <int TYPE>
 EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8) {

@@ -21,7 +21,7 @@ from support.native import MOD, NEEDS_NATIVE
 
 import test_kernels as k_quants
 from test_qgemm import weight as any_weight
-from test_qgemm_q8 import weight as q8_weight
+from test_qgemm_q8 import weight
 
 AMX = [T.Q4_K, T.Q5_K, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.TQ1_0, T.TQ2_0,
        T.Q2_K, T.Q3_K,                                  # multipliers per 16, one part
@@ -31,11 +31,6 @@ FLOAT_PANEL = [T.BF16, T.F16]                             # kept on the float pa
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("amx"), reason="this CPU has no AMX-BF16")]
-
-
-def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Valid random blocks of t (test_qgemm_q8's for the types it knows, else test_qgemm's)."""
-    return (any_weight if t in (T.Q5_0, T.Q4_1, T.Q5_1) else q8_weight)(t, rows, cols, seed)
 
 
 def float_panel(f):

@@ -14,6 +14,7 @@ import torch
 
 from expertfs.formats.dequant import dequantize
 from expertfs.formats.ggml import GGMLType as T
+from expertfs.formats.ggml import block_size
 from expertfs.formats.random_blocks import make_blocks
 from expertfs.runtime import kernels
 from support.native import MOD, NEEDS_NATIVE
@@ -34,8 +35,7 @@ def weight(t: T, rows: int, cols: int, seed: int) -> torch.Tensor:
         d = (rng.uniform(0.5, 1.5, b.shape[0]) * cols ** -0.5).astype(np.float16)
         b[:, -2:] = d.view(np.uint8).reshape(-1, 2)
     else:
-        n = rows * cols // (32 if t in BLOCKS32 else 256)
-        b = make_blocks(t, n, cols ** -0.5, rng)
+        b = make_blocks(t, rows * cols // block_size(t), cols ** -0.5, rng)
     return torch.from_numpy(np.ascontiguousarray(b).reshape(-1).copy())
 
 
