@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--qgemm", action="store_true",
                     help="time the panel product (qgemm) instead of the row kernels (matvec)")
     ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--isa", default="best", help="both builds' kernels held to this ISA "
+                    "(set_isa: best, avx512, avx2, scalar)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="rotate over this many MiB of copies of each matrix (0: one, hot)")
@@ -64,6 +66,7 @@ def main() -> None:
     after, before = build.load(), load_build(a.before)
     for m in (before, after):
         m.set_threads(a.threads)
+        m.set_isa(a.isa)
     mode = 0 if a.act_quant == "off" else 1
     fn = "qgemm" if a.qgemm else "matvec"
     rng = np.random.default_rng(0)

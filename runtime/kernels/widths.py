@@ -153,13 +153,14 @@ WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of
 #: 1.05; bench/README.md);
 #: Q4_0's and IQ4_NL's again (4-16 tokens) after their nibbles took the table decode, and the
 #: folded form's (4-12 tokens: Q6_K and IQ2_XS 12 -> 10) after its decode took the pipeline;
-#: Q5_0, Q4_1 and Q5_1 (llama.cpp's fallbacks for Q4_K and Q5_K), measured as the others: 4.
+#: Q5_0, Q4_1 and Q5_1 (llama.cpp's fallbacks for Q4_K and Q5_K), measured as the others: 4;
+#: IQ1_M's again (8-16 tokens) after its rows kernels took the float table: 8 -> 12.
 WIDE_TYPES_AMX = {
     GGMLType.Q2_K: 8, GGMLType.Q3_K: 6, GGMLType.Q4_K: 8, GGMLType.Q5_K: 8,
     GGMLType.IQ4_XS: 4, GGMLType.IQ2_XXS: 8,
     GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8, GGMLType.IQ1_S: 8, GGMLType.TQ1_0: 6,
     GGMLType.TQ2_0: 6, GGMLType.Q6_K: 10, GGMLType.IQ2_XS: 10, GGMLType.IQ2_S: 8,
-    GGMLType.IQ1_M: 8, GGMLType.Q8_0: 8, GGMLType.Q4_0: 6, GGMLType.IQ4_NL: 6,
+    GGMLType.IQ1_M: 12, GGMLType.Q8_0: 8, GGMLType.Q4_0: 6, GGMLType.IQ4_NL: 6,
     GGMLType.MXFP4: 8, GGMLType.Q5_0: 4, GGMLType.Q4_1: 4, GGMLType.Q5_1: 4,
 }
 

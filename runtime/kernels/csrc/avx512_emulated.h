@@ -15,7 +15,7 @@
 // SIMDe 0.7.4's alias of this one takes the masked form's four arguments
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
-// three conversions SIMDe 0.7.4 does not have
+// four conversions SIMDe 0.7.4 does not have
 static inline simde__m512 efs_simde_cvtepi32_ps(simde__m512i a) {
     simde__m512i_private ap = simde__m512i_to_private(a);
     simde__m512_private rp;
@@ -29,6 +29,14 @@ static inline simde__m512i efs_simde_cvt8_epi32(simde__m128i a) {   // 16 bytes 
     for (int i = 0; i < 16; ++i) rp.i32[i] = SIGNED ? ap.i8[i] : ap.u8[i];
     return simde__m512i_from_private(rp);
 }
+static inline simde__m512i efs_simde_cvtepu8_epi16(simde__m256i a) {   // 32 bytes widened
+    simde__m256i_private ap = simde__m256i_to_private(a);
+    simde__m512i_private rp;
+    for (int i = 0; i < 32; ++i) rp.i16[i] = ap.u8[i];
+    return simde__m512i_from_private(rp);
+}
+#undef _mm512_cvtepu8_epi16
+#define _mm512_cvtepu8_epi16(a) efs_simde_cvtepu8_epi16(a)
 #undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps(a) efs_simde_cvtepi32_ps(a)
 #undef _mm512_cvtepi8_epi32

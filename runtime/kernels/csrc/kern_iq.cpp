@@ -80,6 +80,11 @@ void float_tables(int k) {
     };
     if (k < 6) {
         for (int i = 0; i < fs[k].n; ++i) fs[k].dst[i] = (float)fs[k].src[i];
+        if (k == 5)
+            for (int i = 0; i < 2 * 2048; ++i)
+                for (int j = 0; j < 8; ++j)
+                    g_iq.f_iq1[8 * i + j] =
+                        8.f * (float)g8(g_iq.iq1s, i & 2047)[j] + (i >> 11 ? -1.f : 1.f);
     } else if (k == 6) {
         for (int i = 0; i < 128; ++i)
             for (int j = 0; j < 8; ++j)

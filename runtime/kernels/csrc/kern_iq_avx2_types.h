@@ -49,14 +49,9 @@ EFS_TI __m256 fgrid8(const float* g, int idx, const uint32_t* sg, int s) {
 }
 
 // The same from the int8 grid (8 bytes an entry, a quarter of the float table's cache
-// footprint: for the large grids, IQ2_S and IQ1_S/IQ1_M).
+// footprint: IQ2_S's).
 EFS_TI __m256 igrid8(const uint64_t* g, int idx) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(g + idx))));
-}
-
-// +1.f, or -1.f where `neg` is nonzero, without a branch.
-EFS_TI __m256 pm1(int neg) {
-    return _mm256_castsi256_ps(_mm256_set1_epi32((int)(0x3f800000u | ((uint32_t)(neg != 0) << 31))));
 }
 
 EFS_TI __m256 fgrid4x2(const float* g, int i0, int i1, const uint32_t* sg, int s) {
@@ -224,13 +219,12 @@ struct IQ1S {
                                   g[p[2] | ((qh << 2) & 0x700)], g[p[3] | ((qh >> 1) & 0x700)]);
         return _mm256_add_epi8(times8(v), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
     }
-    EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {   // 8 g + delta, exact
+    EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {   // 8 g + delta (f_iq1)
         const uint8_t* p = b + 2 + 4 * ib;
         const int qh = u16_(b + 34 + 2 * ib);
-        const __m256 dl = pm1(qh & 0x8000), eight = _mm256_set1_ps(8.f);
+        const float* t = g_iq.f_iq1 + (qh & 0x8000 ? 2048 * 8 : 0);
         for (int l = 0; l < 4; ++l)
-            v[l] = _mm256_fmadd_ps(igrid8(g_iq.iq1s, p[l] | (((qh >> (3 * l)) & 7) << 8)), eight,
-                                   dl);
+            v[l] = _mm256_load_ps(t + 8 * (p[l] | (((qh >> (3 * l)) & 7) << 8)));
     }
     EFS_TI static void ls(const uint8_t* b, int ib, int* l0, int* l1) {
         *l0 = *l1 = 2 * ((u16_(b + 34 + 2 * ib) >> 12) & 7) + 1;
@@ -259,12 +253,11 @@ struct IQ1M {
                                       h1 & 0x08 ? neg : pos, h1 & 0x80 ? neg : pos);
         return _mm256_add_epi8(times8(v), delta);
     }
-    EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {
+    EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {   // 8 g + delta (f_iq1)
         const uint8_t* p = b + 4 * ib;
-        for (int l = 0; l < 4; ++l) {
+        for (int l = 0; l < 4; ++l) {      // the nibble's bit 3 (delta's sign) is f_iq1's 11
             const int h = b[32 + 2 * ib + l / 2] >> (4 * (l % 2));
-            v[l] = _mm256_fmadd_ps(igrid8(g_iq.iq1s, p[l] | ((h & 7) << 8)),
-                                   _mm256_set1_ps(8.f), pm1(h & 8));
+            v[l] = _mm256_load_ps(g_iq.f_iq1 + 8 * (p[l] | ((h & 15) << 8)));
         }
     }
     EFS_TI static void ls(const uint8_t* b, int ib, int* l0, int* l1) {

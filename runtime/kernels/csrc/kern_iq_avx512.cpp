@@ -29,6 +29,61 @@ namespace {
 
 // --- exact mode ------------------------------------------------------------------------------
 
+// IQ1_S's and IQ1_M's weights by table (kern.h's f_iq1, 8 g + delta as floats): a block's 32
+// entries' offsets in one vector, then each 8 weights of a row one load from the table, where
+// the AVX2 decoder converts them from the int8 grid (a widening, a conversion and a multiply-add
+// an 8: the bulk of the exact kernels' time at a prompt's few tokens an expert). The same
+// floats, so the same bits. An offset is 4 x the entry, so 8 x it is the entry's byte offset
+// (the largest, 16380, fits 16 bits).
+EFS_ZI __m512i u16_table(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
+
+template <class D> struct Tab1 { static constexpr bool ON = false; };
+template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l], qh[ib]
+    static constexpr bool ON = true;
+    EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
+        static const uint16_t grp[32] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                                         4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7};
+        static const uint16_t sh[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
+                                        0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
+        const __m512i qs = _mm512_cvtepu8_epi16(loadu256(b + 2));
+        const __m512i qh = _mm512_permutexvar_epi16(
+            u16_table(grp), _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(b + 34))));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, u16_table(sh)),
+                                            _mm512_set1_epi16(7));        // index bits 8..10
+        const __m512i neg = _mm512_srli_epi16(qh, 15);                    // delta's sign
+        const __m512i idx = _mm512_or_si512(
+            qs, _mm512_or_si512(_mm512_slli_epi16(hi, 8), _mm512_slli_epi16(neg, 11)));
+        _mm512_storeu_si512(o, _mm512_slli_epi16(idx, 2));
+    }
+};
+template <> struct Tab1<IQ1M> {                  // lane j: qs[j], nibble j % 2 of qh[j / 2]
+    static constexpr bool ON = true;
+    EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
+        static const uint16_t half[32] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
+                                          8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
+                                          15, 15};
+        static const uint16_t sh[32] = {0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4,
+                                        0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+        const __m512i qs = _mm512_cvtepu8_epi16(loadu256(b));
+        const __m512i qh = _mm512_permutexvar_epi16(
+            u16_table(half), _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
+                                 _mm_loadu_si128((const __m128i*)(b + 32)))));
+        // the nibble's bits 0..2 are the index's 8..10 and its bit 3 the delta's sign: bit 11
+        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(qh, u16_table(sh)),
+                                             _mm512_set1_epi16(15));
+        _mm512_storeu_si512(o, _mm512_slli_epi16(_mm512_or_si512(qs, _mm512_slli_epi16(nib, 8)),
+                                                 2));
+    }
+};
+
+// Group ib's 4 x 8 weights of both rows from their blocks' offsets (Tab1).
+EFS_ZI void tab1_pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
+    const char* t = (const char*)g_iq.f_iq1;
+    for (int l = 0; l < 4; ++l)
+        w[l] = ps2(_mm256_load_ps((const float*)(t + 8 * (size_t)o0[4 * ib + l])),
+                   _mm256_load_ps((const float*)(t + 8 * (size_t)o1[4 * ib + l])));
+}
+
 // One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
 // the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
 // half the AVX2 kernel's products, scales and sums in its order, so its bits. Rows in pairs
@@ -40,6 +95,7 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
     PfPair pf(rb);
+    alignas(64) uint16_t o0[32], o1[32];                   // Tab1's offsets of the two blocks
     for (int64_t r = r0; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
@@ -48,6 +104,10 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         for (int64_t i = 0; i < nb; ++i, b0 += D::BYTES, b1 += D::BYTES) {
             pf.next(b0, b1, D::BYTES);
             const float df0 = D::d(b0) * D::F, df1 = D::d(b1) * D::F;
+            if constexpr (Tab1<D>::ON) {
+                Tab1<D>::offsets(b0, o0);
+                Tab1<D>::offsets(b1, o1);
+            }
             for (int ib = 0; ib < 8; ++ib) {
                 int l00, l01, l10, l11;
                 D::ls(b0, ib, &l00, &l01);
@@ -57,11 +117,15 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                 const __m512 s1 = D::PAIR ? ps2(_mm256_set1_ps(df0 * (float)l01),
                                                 _mm256_set1_ps(df1 * (float)l11))
                                           : s0;
-                __m256 u[4], v[4];
-                D::w(b0, ib, u);
-                D::w(b1, ib, v);
                 __m512 w[4];
-                for (int l = 0; l < 4; ++l) w[l] = ps2(u[l], v[l]);
+                if constexpr (Tab1<D>::ON) {
+                    tab1_pair(o0, o1, ib, w);
+                } else {
+                    __m256 u[4], v[4];
+                    D::w(b0, ib, u);
+                    D::w(b1, ib, v);
+                    for (int l = 0; l < 4; ++l) w[l] = ps2(u[l], v[l]);
+                }
                 for (int t = 0; t < NT; ++t) {
                     const float* x = xv[t] + 256 * i + 32 * ib;
                     __m512 h0 = _mm512_mul_ps(w[0], bc8(x));
