@@ -8,7 +8,8 @@ For each store (synthesised and repacked when missing) and cap (``none``, or a f
 store's size): ``plan STORE --memory-limit CAP`` once, as a user would before a first run, then
 ``run`` ``--rounds`` times in a memory cgroup of that size (page cache included, caches dropped
 before each run, as ``bench_lowram.py`` does), rows alternated round by round so a drifting disk
-moves every row alike. ``run`` gets no ``--ram``: the tier it sizes for itself under the cap is
+moves every row alike; ``--act-quant q8`` gives both ``plan`` and ``run`` the 8-bit
+activations. ``run`` gets no ``--ram``: the tier it sizes for itself under the cap is
 compared with the one ``plan`` recommends. Printed per row: the tier each chose, the decode band
 ``plan`` predicts against the measured median (and the median over the band's geometric
 midpoint), the same for the first token of a prompt of about ``--prompt-tokens`` tokens, the
@@ -67,6 +68,7 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace, prompt_tokens: i
     argv = ["plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json",
             "--prompt-tokens", str(prompt_tokens)]
     argv += ["--memory-limit", str(limit)] if limit else []
+    argv += ["--act-quant", a.act_quant] if a.act_quant != "off" else []
     r = _ef(*argv, timeout=600)
     try:
         p = json.loads(r.stdout)
@@ -83,6 +85,7 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace, prompt_tokens: i
 def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt: str) -> dict:
     argv = [EXPERTFS, "run", store, "-p", prompt, "-n", str(a.n), "--ignore-eos", "--temp", "1.0",
             "--ctx", str(a.ctx), "-t", str(a.threads), "--json"]
+    argv += ["--act-quant", a.act_quant] if a.act_quant != "off" else []
     r = run_capped(argv, limit, dev, timeout=a.timeout)
     if r.returncode:
         return {"failed": r.returncode, "stderr": r.stderr[-400:], "peak": r.peak_bytes}
@@ -139,6 +142,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64,
                     help="a prompt of about this many tokens for both (64)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--act-quant", choices=("off", "q8"), default="off",
+                    help="both plan and run in these numerics (run's --act-quant)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", metavar="OUT", help="write every round here")
     ap.add_argument("--clean", action="store_true", help="delete the stores at the end")

@@ -18,19 +18,15 @@ def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
     tensors, INFO for the trunk's), and every type's path at INFO; with ``--act-quant q8`` on
     the CPU, which types' prompt products take the 8-bit integer panel and which keep the
     exact float one; else which run on AMX where the CPU has it."""
-    from ..runtime.plan.paths import amx_prompt_types, describe_paths, q8_prompt_paths
+    from ..runtime.plan.paths import describe_paths, prompt_paths
     summary, slow = describe_paths(g, device, fused != "off")
     log.info("compute paths on %s: %s", device, summary)
     for t, role in slow:
         (log.warning if role == "experts" else log.info)(
             "%s tensors of type %s have no native kernel here: they run through torch "
             "dequantization (far slower)", role, t)
-    if act_quant != "q8" and device == "cpu" and (amx := amx_prompt_types(g)):
-        log.info("prompts: %s products on the AMX tile unit (exact bf16 parts)", ", ".join(amx))
-    if act_quant == "q8" and device == "cpu":
-        panel, exact = q8_prompt_paths(g)
-        log.info("--act-quant q8 prompts: 8-bit integer panel for %s; exact float panel for %s",
-                 ", ".join(panel) or "no type (this CPU has no VNNI)", ", ".join(exact) or "-")
+    if device == "cpu" and (line := prompt_paths(g, act_quant)):
+        log.info("%s", line)
 
 
 def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:

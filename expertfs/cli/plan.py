@@ -104,6 +104,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="PCIe generation for the stated H2D rate without CUDA (4)")
     p.add_argument("--gpu-bw", type=float, metavar="GB/s",
                    help="GPU memory bandwidth to assume instead of the stated default")
+    p.add_argument("--act-quant", choices=("off", "q8"), default="off",
+                   help="plan for run's --act-quant (LOSSY, opt-in): q8 prices the CPU's "
+                        "products as the native kernels compute them with 8-bit activations "
+                        "(measured so); off = exact (default)")
     p.add_argument("--no-probe", dest="probe", action="store_false",
                    help="measure nothing: stated defaults for storage, CPU and GPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                       trunk=args.trunk, io_profile=args.io_profile, trace=args.trace,
                       synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
                       n_predict=args.n_predict, prompt_tokens=args.prompt_tokens,
-                      pcie_gen=args.pcie, gpu_gbps=args.gpu_bw,
+                      pcie_gen=args.pcie, gpu_gbps=args.gpu_bw, act_quant=args.act_quant,
                       disk_gbps=_gbps(args.disk_gbps, "--disk-gbps"))
     if args.like:                  # the preset's model, described in memory: the runtime plans it
         if args.target:

@@ -153,27 +153,34 @@ def _cost(d: dict[str, Any]) -> LinearCost:
     return LinearCost(_range(d["overhead_s"]), _range(d["gbps"]))
 
 
-def _from_entry(e: dict[str, Any]) -> DeviceRates:
+def _numerics(act_quant: str) -> str:
+    """The suffix of an entry's fields measured in ``act_quant``'s numerics (the native
+    kernels' figures: ``fused``, ``layers``, ``panel_gflops``): none for exact mode, ``_q8``."""
+    return "" if act_quant in (None, "off") else f"_{act_quant}"
+
+
+def _from_entry(e: dict[str, Any], sfx: str = "") -> DeviceRates:
     base = stated_cpu()
     linear = dict(base.linear)
     linear.update({t: _cost(c) for t, c in e.get("linear", {}).items()})
     return DeviceRates("cpu", linear,
                        _range(e["mem_gbps"]) if "mem_gbps" in e else base.mem_gbps,
                        _range(e["op_s"]) if "op_s" in e else base.op_s, base.sync_s,
-                       {t: _cost(c) for t, c in e.get("fused", {}).items()},
-                       {t: _cost(c) for t, c in e.get("layers", {}).items()},
+                       {t: _cost(c) for t, c in e.get("fused" + sfx, {}).items()},
+                       {t: _cost(c) for t, c in e.get("layers" + sfx, {}).items()},
                        _range(e["layer_s"]) if e.get("layer_s") else base.layer_s,
                        _range(e["token_s"]) if e.get("token_s") else base.token_s)
 
 
-def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
+def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str = "off"
               ) -> tuple[DeviceRates, dict[str, Any]]:
-    """The CPU's rates for ``g``: the cached figures of this machine, with whatever ``g``
-    needs and the cache lacks measured now (``probe``) and added to it."""
+    """The CPU's rates for ``g`` with the native kernels in ``act_quant``'s numerics (run's
+    ``--act-quant``): the cached figures of this machine, with whatever ``g`` needs and the
+    cache lacks measured now (``probe``) and added to it."""
     from .native import layer_key, probe_expert_layers, probe_trunk_types
 
     data = load()
-    key = cpu_key()
+    key, sfx = cpu_key(), _numerics(act_quant)
     entry = dict(data.get(key) or {})
     detail: dict[str, Any] = {"cache": cache_path(), "key": key, "measured": []}
     if probe:
@@ -187,16 +194,16 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
         data["speed|" + key] = recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
-        fused = dict(entry.get("fused", {}))
+        fused = dict(entry.get("fused" + sfx, {}))
         missing = [m for m in quant if m.ggml_type not in fused]
         if missing:
-            got, d = probe_trunk_types(missing, budget_s=1.5)
+            got, d = probe_trunk_types(missing, budget_s=1.5, act_quant=act_quant)
             fused.update({t: c.as_dict() for t, c in got.items()})
             detail["measured"] += d
-        layers = dict(entry.get("layers", {}))
+        layers = dict(entry.get("layers" + sfx, {}))
         want = {layer_key(p, g.k) for p in g.expert_parts}
         if want - set(layers):
-            got, d = probe_expert_layers(g, budget_s=2.0, known=list(layers))
+            got, d = probe_expert_layers(g, budget_s=2.0, known=list(layers), act_quant=act_quant)
             layers.update({t: c.as_dict() for t, c in got.items()})
             detail["measured"] += d
         if "mem_gbps" not in entry or any(m.ggml_type not in entry.get("linear", {})
@@ -213,13 +220,13 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True
             lay, tok, d = probe_overhead(k=4)
             entry["layer_s"], entry["token_s"] = lay.as_dict(), tok.as_dict()
             detail["overhead"] = d
-        entry["fused"], entry["layers"] = fused, layers
+        entry["fused" + sfx], entry["layers" + sfx] = fused, layers
         data[key] = entry
         save(data)
     detail["from_cache"] = bool(entry) and not detail["measured"] and "overhead" not in detail \
         and "torch" not in detail
     with _read_back(detail["from_cache"]):
-        rates = _from_entry(entry) if entry else stated_cpu()
+        rates = _from_entry(entry, sfx) if entry else stated_cpu()
     checks = data.get("speed|" + key)
     if entry and isinstance(entry.get("check_gbps"), (int, float)) and checks:
         detail["spread"] = spread_of(checks, float(entry["check_gbps"]))
@@ -346,9 +353,11 @@ def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
     return _type_rates("dequant_gwps", types, probe, probe_dequant)
 
 
-def panel_rates(types: list[str], probe: bool = True) -> dict[str, Range]:
-    """This machine's panel product rate (GFLOP/s, ``kernels.qgemm``) per type, for the first
-    token's wide products: cached figures, the missing ones measured now (``probe``) and
-    cached."""
+def panel_rates(types: list[str], probe: bool = True, act_quant: str = "off"
+                ) -> dict[str, Range]:
+    """This machine's panel product rate (GFLOP/s, ``kernels.qgemm``) per type in
+    ``act_quant``'s numerics, for the first token's wide products: cached figures, the missing
+    ones measured now (``probe``) and cached."""
     from .native import probe_panel
-    return _type_rates("panel_gflops", types, probe, probe_panel)
+    return _type_rates("panel_gflops" + _numerics(act_quant), types, probe,
+                       lambda ts: probe_panel(ts, act_quant=act_quant))

@@ -52,6 +52,7 @@ class Box:
     limit_source: str = "physical"  # "physical": the box's RAM (OS headroom kept); else a cap
     n_predict: int = 64            # tokens a run generates (run's -n): its first reads spread over them
     prompt_tokens: int = 0         # the prompt before them (its experts loaded before the decode)
+    act_quant: str = "off"         # run's --act-quant: the native kernels' numerics
 
     def __post_init__(self) -> None:
         if self.ram <= 0:

@@ -164,12 +164,15 @@ def probe_dequant(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Rang
 PANEL_TOKENS = 128
 
 
-def probe_panel(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]:
+def probe_panel(types: Sequence[str], budget_s: float = 1.0, act_quant: str = "off"
+                ) -> dict[str, Range]:
     """GFLOP/s of ``runtime.kernels.qgemm`` (the wide products of a prefill's batch past a
     type's native token limit: each panel of rows dequantized in the core's cache and multiplied
     by every token, its dequantization included) for each of ``types`` it takes, on
-    [``PANEL_TOKENS``, 2048] x [1024, 2048]ᵀ: the slow end its typical call, the fast end its
-    best. Empty where the kernels have no vector ISA (``run`` then dequantizes and calls BLAS)."""
+    [``PANEL_TOKENS``, 2048] x [1024, 2048]ᵀ, in ``act_quant``'s numerics (q8: the 8-bit
+    integer panel where the CPU and type have one): the slow end its typical call, the fast end
+    its best. Empty where the kernels have no vector ISA (``run`` then dequantizes and calls
+    BLAS)."""
     import torch
 
     from ...formats.ggml import GGMLType
@@ -177,26 +180,39 @@ def probe_panel(types: Sequence[str], budget_s: float = 1.0) -> dict[str, Range]
 
     x = torch.randn(PANEL_TOKENS, 2048)
     return _probe_per_type(types, budget_s,
-                           lambda ty, raw: kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048)),
+                           lambda ty, raw: kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048),
+                                                         _q8(act_quant)),
                            2.0 * PANEL_TOKENS * 1024 * 2048,
-                           "qgemm {ty} %dx2048 by 1024x2048" % PANEL_TOKENS)
+                           f"qgemm {{ty}} {PANEL_TOKENS}x2048 by 1024x2048{_numerics(act_quant)}")
 
 
-def wide_limits(types: Sequence[str]) -> dict[str, int]:
-    """The most tokens one native product takes for each of ``types`` (``expertfs run``'s
-    rule, ``model.qmatvec.decode_matvec``): past it a product takes the wide path
-    (``model.wide.wide_linear``: the panel product, else dequantization and BLAS)."""
+def wide_limits(types: Sequence[str], act_quant: str = "off") -> dict[str, int]:
+    """The most tokens one native product takes for each of ``types`` in ``act_quant``'s
+    numerics (``expertfs run``'s rule, ``model.qmatvec.decode_matvec``): past it a product
+    takes the wide path (``model.wide.wide_linear``: the panel product, else dequantization and
+    BLAS)."""
     from ...formats.ggml import GGMLType
     from .. import kernels
     from ..model.qmatvec import NATIVE_MAX_TOKENS
 
-    return {t: kernels.max_tokens(GGMLType[t], NATIVE_MAX_TOKENS)
+    return {t: kernels.max_tokens(GGMLType[t], NATIVE_MAX_TOKENS, act_quant)
             for t in types if t in GGMLType.__members__}
 
 
-def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str, LinearCost], list]:
+def _numerics(act_quant: str) -> str:
+    """What a measured figure's source adds for ``act_quant``'s numerics."""
+    return "" if act_quant in (None, "off") else f", --act-quant {act_quant}"
+
+
+def _q8(act_quant: str | None) -> str | None:
+    return None if act_quant in (None, "off") else act_quant
+
+
+def probe_trunk_types(mats: Sequence[Matrix], budget_s: float, act_quant: str = "off"
+                      ) -> tuple[dict[str, LinearCost], list]:
     """``{type: LinearCost}`` of ``runtime.kernels.matvec`` for each natively computed type of
-    ``mats`` (its largest matrix, capped, and a small one: overhead + bytes / rate)."""
+    ``mats`` (its largest matrix, capped, and a small one: overhead + bytes / rate), in
+    ``act_quant``'s numerics."""
     import torch
 
     from ...formats.ggml import GGMLType, row_bytes
@@ -220,20 +236,22 @@ def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str
             # copies up to about _CAP bytes, each call the next: from memory, as a decode reads
             raws = [_raw(ty, rows, m.cols, seed=i)
                     for i in range(max(1, min(16, _CAP // (rows * rb))))]
-            raw, x, at = raws[0], torch.randn(1, m.cols), [0]
-            if kernels.matvec(x, raw, t, (rows, m.cols)) is None:
+            raw, x, at, aq = raws[0], torch.randn(1, m.cols), [0], _q8(act_quant)
+            if kernels.matvec(x, raw, t, (rows, m.cols), aq) is None:
                 continue
 
             def big():
                 at[0] = (at[0] + 1) % len(raws)
-                return kernels.matvec(x, raws[at[0]], t, (rows, m.cols))
+                return kernels.matvec(x, raws[at[0]], t, (rows, m.cols), aq)
             tb = _times(big, 9, per * 0.7)
             rs = raw[: small_rows * rb]
-            ts = _times(lambda: kernels.matvec(x, rs, t, (small_rows, m.cols)), 15, per * 0.3)
+            ts = _times(lambda: kernels.matvec(x, rs, t, (small_rows, m.cols), aq), 15,
+                        per * 0.3)
         except Exception:                         # a type the build refuses: no native figure
             continue
         nb, ns = rows * rb, small_rows * rb
-        src = f"measured now: runtime.kernels.matvec {ty} {rows}x{m.cols} ({isa})"
+        src = (f"measured now: runtime.kernels.matvec {ty} {rows}x{m.cols} "
+               f"({isa}{_numerics(act_quant)})")
 
         def fit(b: float, s: float) -> tuple[float, float]:
             rate = (nb - ns) / (b - s) if b > s and nb > ns else nb / b
@@ -244,7 +262,7 @@ def probe_trunk_types(mats: Sequence[Matrix], budget_s: float) -> tuple[dict[str
         out[ty] = LinearCost(Range(max(o_slow, o_fast), min(o_slow, o_fast), src),
                              Range(min(r_slow, r_fast) / 1e9, max(r_slow, r_fast) / 1e9, src))
         detail.append({"type": ty, "shape": [rows, m.cols], "kernel": "runtime.kernels.matvec",
-                       "isa": isa, "big_s": tb, "small_s": ts})
+                       "isa": isa, "act_quant": act_quant, "big_s": tb, "small_s": ts})
     return out, detail
 
 
@@ -269,11 +287,12 @@ def layer_key(parts: Sequence[Matrix], k: int) -> str:
     return "+".join(f"{m.ggml_type}:{m.rows}x{m.cols}" for m in parts) + f"@k{k}"
 
 
-def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = ()
-                        ) -> tuple[dict[str, LinearCost], list]:
+def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = (),
+                        act_quant: str = "off") -> tuple[dict[str, LinearCost], list]:
     """``{layer_key: LinearCost}`` of one decode step through k experts with
-    ``runtime.kernels.moe`` (gate, up, SiLU, down, weighted sum in one call), for each distinct
-    layer of ``g`` whose types the kernels take (``known`` keys are skipped: cached)."""
+    ``runtime.kernels.moe`` (gate, up, SiLU, down, weighted sum in one call) in ``act_quant``'s
+    numerics, for each distinct layer of ``g`` whose types the kernels take (``known`` keys are
+    skipped: cached)."""
     import torch
 
     from ...formats.ggml import GGMLType
@@ -309,15 +328,17 @@ def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = ()
                 pick = [ws[(at[0] + i) % n_dist] for i in range(g.k)]
                 at[0] = (at[0] + g.k) % n_dist
                 return kernels.moe(x, w, [p[0] for p in pick], None if fused_gu else [p[1] for p in pick],
-                                   [p[-1] for p in pick], types, n_ff)
+                                   [p[-1] for p in pick], types, n_ff, _q8(act_quant))
             if call() is None:
                 continue
             ts = _times(call, 9, per)
         except Exception:
             continue
         nb = g.k * layer_bytes
-        src = (f"measured now: runtime.kernels.moe {key.split('@')[0]} x {g.k} experts ({isa})")
+        src = (f"measured now: runtime.kernels.moe {key.split('@')[0]} x {g.k} experts "
+               f"({isa}{_numerics(act_quant)})")
         out[key] = LinearCost(Range(0.0, 0.0, src), Range(nb / _typical(ts) / 1e9, nb / min(ts) / 1e9, src))
         detail.append({"layer": key, "kernel": "runtime.kernels.moe", "isa": isa,
+                       "act_quant": act_quant,
                        "distinct_experts": n_dist, "times_s": ts})
     return out, detail

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 __all__ = ["NATIVE", "COMPILED", "DEQUANT", "FLOAT", "path_table", "paths_for", "slow_types",
-           "kept_types", "describe_paths", "q8_prompt_paths", "amx_prompt_types"]
+           "kept_types", "describe_paths", "q8_prompt_paths", "amx_prompt_types",
+           "prompt_paths"]
 
 NATIVE = "native kernel"
 COMPILED = "compiled torch"
@@ -106,3 +107,18 @@ def q8_prompt_paths(g) -> tuple[list[str], list[str]]:
         (panel if mod is not None and kernels.widths.q8_panel(mod, GGMLType[t]) else exact
          ).append(t)
     return panel, exact
+
+
+def prompt_paths(g, act_quant: str = "off") -> str | None:
+    """What a CPU run's prompt products take beyond the native rows kernels, for a
+    ``plan.Geometry`` (``run`` logs it, ``plan`` prints it): with ``--act-quant q8`` which types
+    take the 8-bit integer panel and which keep the exact float one; in exact mode which take
+    the AMX tile unit, where the CPU has it (else None)."""
+    if act_quant == "q8":
+        panel, exact = q8_prompt_paths(g)
+        return ("--act-quant q8 prompts: 8-bit integer panel for "
+                f"{', '.join(panel) or 'no type (this CPU has no VNNI)'}; exact float panel "
+                f"for {', '.join(exact) or '-'}")
+    amx = amx_prompt_types(g)
+    return f"prompts: {', '.join(amx)} products on the AMX tile unit (exact bf16 parts)" \
+        if amx else None

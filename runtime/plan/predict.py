@@ -326,6 +326,7 @@ class Plan:
             args.append(f"--vram {size(m.vram.tier_bytes)}")
         args += [f"--trunk {m.placement.trunk_mode}", f"--ctx {self.box.ctx}"]
         args += [f"-n {self.box.n_predict}"] if self.box.n_predict != 64 else []
+        args += [f"--act-quant {self.box.act_quant}"] if self.box.act_quant != "off" else []
         return " ".join(args)
 
 

@@ -96,6 +96,8 @@ def format_plan(p: Plan) -> str:
                 lines.append("  CPU compute paths: experts " + ", ".join(
                     f"{t} {x}" for t, x in cp["experts"].items()) + "; trunk " + ", ".join(
                     f"{t} {x}" for t, x in cp["trunk"].items()))
+                if cp.get("prompts"):
+                    lines.append(f"  CPU {cp['prompts']}")
             lines.append(f"  {dev.upper()} memory {r.mem_gbps.slow:.0f}-{r.mem_gbps.fast:.0f} GB/s, "
                          f"{r.op_s.fast * 1e6:.1f}-{r.op_s.slow * 1e6:.1f} us per small op  "
                          f"[{r.mem_gbps.source}]")

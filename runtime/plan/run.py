@@ -60,6 +60,7 @@ class PlanRequest:
                                            # STATED_SLOW of it)
     disk_gbps: tuple[float, ...] | None = None   # the planned box's drive at expert-sized random
                                            # reads, stated: (fast,) as gpu_gbps, or (slow, fast)
+    act_quant: str = "off"                 # run's --act-quant: the CPU products' numerics
 
 
 def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
@@ -103,7 +104,7 @@ def _box(req: PlanRequest, n_ctx_train: int) -> Box:
         label += ", capped by --memory-limit"
     ctx = req.ctx if req.ctx is not None else min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
     return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label, source,
-               req.n_predict, req.prompt_tokens)
+               req.n_predict, req.prompt_tokens, req.act_quant)
 
 
 RoutingFor = Callable[[Memory], RoutingRange]
@@ -280,7 +281,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if cpu_mats and (req.probe or req.use_cache):
         from .boxcache import cpu_rates
         say("measuring the CPU kernels" if req.probe else "reading cached rates")
-        cpu, detail["cpu"] = cpu_rates(g, cpu_mats, probe=req.probe)
+        cpu, detail["cpu"] = cpu_rates(g, cpu_mats, probe=req.probe, act_quant=req.act_quant)
     gpu_mem = None
     if req.gpu_gbps is not None:
         if req.gpu_gbps <= 0:
@@ -301,7 +302,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
         if got is not None:
             gpu, pcie, detail["gpu"] = got
     rates = Rates(storage, pcie, cpu, gpu, read_cpu_from(detail.get("storage"), storage.source))
-    detail["compute_paths"] = _compute_paths(g)
+    detail["compute_paths"] = _compute_paths(g, req.act_quant)
 
     # --- routing and the choice ------------------------------------------------------------
     replays = Replays(g, req, ({}, None) if req.trace else learned_usage(req.target, g), say)
@@ -328,7 +329,8 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     measured = slow == "trace" or slow.startswith("usage:")
     slow_replay = replays.get(slow) if measured else None
     types = sorted({t.ggml_type for t in g.trunk_matrices})
-    limits, panel = wide_limits(types), panel_rates(types, probe=req.probe)
+    limits = wide_limits(types, req.act_quant)
+    panel = panel_rates(types, probe=req.probe, act_quant=req.act_quant)
     deq = dequant_rates([t for t in types if t not in panel], probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay,
@@ -376,15 +378,17 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     return rng, detail
 
 
-def _compute_paths(g: Geometry) -> dict[str, Any]:
-    """Which CPU path each expert and trunk type takes in ``expertfs run`` on this machine."""
-    from .paths import path_table, paths_for
+def _compute_paths(g: Geometry, act_quant: str) -> dict[str, Any]:
+    """Which CPU path each expert and trunk type takes in ``expertfs run`` on this machine,
+    and what its prompt products take in ``act_quant``'s numerics (``paths.prompt_paths``)."""
+    from .paths import path_table, paths_for, prompt_paths
     try:
         table = path_table("cpu")
     except ImportError:                       # no torch: nothing to say
         return {}
     return {"experts": paths_for({m.ggml_type for layer in g.expert_parts for m in layer}, table),
-            "trunk": paths_for({m.ggml_type for m in g.trunk_matrices}, table, trunk=True)}
+            "trunk": paths_for({m.ggml_type for m in g.trunk_matrices}, table, trunk=True),
+            "prompts": prompt_paths(g, act_quant)}
 
 
 def _cuda() -> bool:

@@ -295,11 +295,37 @@ def test_run_json_reports_the_tier_plan_predicted(capsys, monkeypatch, tiny_stor
 def test_plan_says_which_compute_path_each_type_takes(capsys, tiny_store) -> None:
     d = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", *FAST)
     cp = d["measurements"]["compute_paths"]
-    assert set(cp) == {"experts", "trunk"} and cp["experts"]
+    assert set(cp) == {"experts", "trunk", "prompts"} and cp["experts"]
     paths = {"native kernel", "compiled torch", "torch dequant", "float (torch)"}
     assert set(cp["experts"].values()) <= paths and set(cp["trunk"].values()) <= paths
     assert main(["plan", str(tiny_store), "--ram", "16G", "--vram", "0", *FAST]) == 0
     assert "CPU compute paths: experts " in capsys.readouterr().out
+
+
+def test_plan_for_act_quant_q8_measures_the_q8_kernels(capsys, tiny_store) -> None:
+    """``plan --act-quant q8`` prices the native kernels as run's ``--act-quant q8`` computes
+    them: measured in q8 numerics and cached apart from exact mode's figures (neither replaces
+    the other), said in the figures' sources and the prompt paths, and its run line asks for
+    the same numerics."""
+    from expertfs.runtime.plan import boxcache
+
+    argv = [str(tiny_store), "--ram", "16G", "--vram", "0", "--tokens", "16"]
+    q8 = run_json(capsys, *argv, "--act-quant", "q8")
+    assert q8["run"].endswith("--act-quant q8")
+    assert q8["measurements"]["compute_paths"]["prompts"].startswith("--act-quant q8 prompts")
+    exact = run_json(capsys, *argv)
+    assert "--act-quant" not in exact["run"]
+    if q8["measurements"]["cpu"]["key"].split("|")[2] == "no-native":
+        return
+    for d, has in ((q8, True), (exact, False)):
+        cpu = d["rates"]["cpu"]
+        srcs = [c["gbps"]["source"] for c in (*cpu["layers"].values(), cpu["fused"]["Q4_K"])]
+        assert srcs and all(("--act-quant q8" in s) == has for s in srcs), srcs
+    entry = boxcache.load()[q8["measurements"]["cpu"]["key"]]
+    assert entry["fused_q8"] and entry["layers_q8"] and entry["fused"] and entry["layers"]
+    again = run_json(capsys, *argv, "--act-quant", "q8", "--no-probe")   # from the cache
+    assert again["measurements"]["cpu"]["from_cache"] is True
+    assert "--act-quant q8" in again["rates"]["cpu"]["fused"]["Q4_K"]["gbps"]["source"]
 
 
 def test_inspect_says_which_compute_path_each_type_takes(capsys, tiny_store) -> None:
