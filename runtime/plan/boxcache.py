@@ -53,9 +53,10 @@ def _cpu_model() -> str:
 
 
 #: how the CPU probes measure; raised when that changes, so no entry of the old way is used
-#: (2: the kernels timed on weights past the last-level cache, ``native._CAP``; 3: the float
-#: products through ``kernels.gemm``, whose library is part of the key)
-PROBE_VERSION = 3
+#: (2: the kernels timed on weights past the last-level cache, ``coldweights.CAP``; 3: the float
+#: products through ``kernels.gemm``, whose library is part of the key; 4: past a last-level
+#: cache of any size, ``coldweights.cold_bytes``)
+PROBE_VERSION = 4
 
 
 def cpu_key() -> str:
@@ -215,6 +216,8 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
                                **{t: c.as_dict() for t, c in r.linear.items() if t != "*"}}
             entry["mem_gbps"], entry["op_s"] = r.mem_gbps.as_dict(), r.op_s.as_dict()
             detail["torch"] = d
+        from .coldweights import release_pool
+        release_pool()                            # the kernels' timings are done
         if not entry.get("layer_s"):
             from .overhead import probe_overhead
             lay, tok, d = probe_overhead(k=4)

@@ -16,17 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .coldweights import CAP, rotation
 from .geometry import Geometry, Matrix
 from .rates import DeviceRates, LinearCost, Range
 
 __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trunk_types",
            "probe_expert_layers", "stated_native", "STATED_NATIVE_GWPS", "STATED_NATIVE_CALL_S",
            "probe_dequant", "probe_panel", "PANEL_TOKENS", "wide_limits", "speed_check"]
-
-#: bytes of weights one timing streams through: past a desktop or server last-level cache, as a
-#: decode's weights come from memory (timed inside the cache, the probe priced a full-depth
-#: decode well faster than it ran, bench/README.md), short enough to time
-_CAP = 96 << 20
 
 #: the native kernels' one-token rate when nothing was measured: weights a second per core at
 #: the (slow, fast) end, exact numerics on an AVX2-class core, bounded by the memory bandwidth:
@@ -230,12 +226,12 @@ def probe_trunk_types(mats: Sequence[Matrix], budget_s: float, act_quant: str = 
     for ty, m in big.items():
         t = GGMLType[ty]
         rb = row_bytes(t, m.cols)
-        rows = max(1, min(m.rows, _CAP // max(1, rb)))
+        rows = max(1, min(m.rows, CAP // max(1, rb)))
         small_rows = min(rows, 16)
         try:
-            # copies up to about _CAP bytes, each call the next: from memory, as a decode reads
-            raws = [_raw(ty, rows, m.cols, seed=i)
-                    for i in range(max(1, min(16, _CAP // (rows * rb))))]
+            # copies past the last-level cache, each call the next: from memory, as a decode reads
+            raws = [r for (r,) in rotation([(_raw(ty, rows, m.cols, seed=i),)
+                                             for i in range(max(1, min(16, CAP // (rows * rb))))])]
             raw, x, at, aq = raws[0], torch.randn(1, m.cols), [0], _q8(act_quant)
             if kernels.matvec(x, raw, t, (rows, m.cols), aq) is None:
                 continue
@@ -313,11 +309,13 @@ def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = (),
         fused_gu = len(parts) == 2
         n_ff = down.cols
         layer_bytes = sum(m.nbytes for m in parts)
-        # about _CAP bytes of distinct experts, each call the next k of them (wrapping around),
-        # so their weights come from memory as a decode's do, not from the last-level cache
-        n_dist = max(1, min(4 * g.k, _CAP // max(1, layer_bytes)))
+        # distinct experts repeated past the last-level cache, each call the next k of them
+        # (wrapping around), so their weights come from memory as a decode's do
+        n_dist = max(1, min(4 * g.k, CAP // max(1, layer_bytes)))
         try:
-            ws = [[_raw(m.ggml_type, m.rows, m.cols, seed=i) for m in parts] for i in range(n_dist)]
+            ws = rotation([[_raw(m.ggml_type, m.rows, m.cols, seed=i) for m in parts]
+                            for i in range(n_dist)])
+            n_dist = len(ws)
             x = torch.randn(1, down.rows)
             w = torch.full((g.k,), 1.0 / g.k)
             types = tuple(GGMLType[m.ggml_type] for m in (parts[0], parts[0] if fused_gu else parts[1],
