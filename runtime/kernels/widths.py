@@ -128,14 +128,15 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: (Q4_K, IQ3_XXS, TQ1_0: a tie there), 4, which the rows kernels take in one pass
 #: (bench/README.md). The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4: rows of whole
 #: 256-weight panels only) the same way at 4-128 tokens: 4. IQ4_XS, Q2_K and Q3_K (their
-#: panels added later) the same way at 4-24 tokens: 6, 4 and 6.
+#: panels added later) the same way at 4-24 tokens: 6, 4 and 6; Q5_0, Q4_1 and Q5_1 (Q8_0 and
+#: Q8_1 activations, panels added later still): 4.
 WIDE_TYPES_Q8_VNNI = {
     GGMLType.Q2_K: 4, GGMLType.Q3_K: 6, GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8,
     GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
     GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
     GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,
-    GGMLType.IQ4_XS: 6,
+    GGMLType.IQ4_XS: 6, GGMLType.Q5_0: 4, GGMLType.Q4_1: 4, GGMLType.Q5_1: 4,
 }
 
 #: The same at the AVX2 tier with AVX-VNNI (the panel product in 256-bit vectors): measured on
@@ -144,7 +145,8 @@ WIDE_TYPES_Q8_VNNI = {
 #: from 4 tokens, or ties there (bench/README.md), so past 4, their one pass.
 WIDE_TYPES_Q8_AVXVNNI = {t: 4 for t in WIDE_TYPES_Q8_VNNI        # (no blocks-of-32 form)
                          if t not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.IQ4_NL,
-                                      GGMLType.MXFP4)}
+                                      GGMLType.MXFP4, GGMLType.Q5_0, GGMLType.Q4_1,
+                                      GGMLType.Q5_1)}
 
 #: Exact mode where the CPU has AMX-BF16 and the type an AMX panel product (``qgemm_amx.cpp``;
 #: the blocks-of-32 types in rows of any multiple of 32 weights): past these token counts a

@@ -354,29 +354,34 @@ EFS_V void rows_q8(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, const v
     panels<TYPE, true>(W, rb, r0, r1, (const Q8K*)x, nt, cols, C, y, ys, t_panel);
 }
 
-// --- blocks of 32 against Q8_0 activations: Q8_0, Q4_0, IQ4_NL, MXFP4 (AVX-512) -------------
+// --- blocks of 32 against Q8_0 / Q8_1 activations (AVX-512) -----------------------------------
 //
-// The same panel of 32 rows x 256 weights (eight blocks), each block's weights + 128 as
-// unsigned bytes and its float scale; per block and token the integer sum less 128 times the
-// token's block sum (xsum), times d_w * d_x, added into float sums kept in registers over the
-// panel's eight blocks: ggml_vec_dot_*_q8_0's numerics (sumi * (d_w * d_x) per block) up to
-// float rounding and order.
+// Q8_0, Q4_0, IQ4_NL, MXFP4 and Q5_0 against Q8_0 activations, Q4_1 and Q5_1 against Q8_1. The
+// same panel of 32 rows x 256 weights (eight blocks), each block's weights as unsigned bytes
+// (the signed types' + 128: B32_OFF), its float scale and (Q4_1, Q5_1) min; per block and token
+// the integer sum (less 128 times the token's block sum, xsum, for the signed types) times
+// d_w * d_x, plus the min times the token's block s (d_x times its sum), added into float sums
+// kept in registers over the panel's eight blocks: ggml_vec_dot_*_q8_0's and _q8_1's numerics
+// (sumi * (d_w * d_x) per block, + m_w * s_x) up to float rounding and order.
 
 constexpr int TILE32 = 5;        // tokens per call: 2 x 5 integer and 2 x 5 float sums
 
 struct alignas(64) Panel32 {
     int32_t w[NV][64][16];       // as Panel's
     float bd[NV][8][16];         // [vector][block][row] the block's scale
+    float bm[NV][8][16];         // [vector][block][row] the block's min (Q4_1, Q5_1)
     alignas(64) uint8_t rows[16][256];
 };
 
 // Row j of vector v: its ns blocks from b (the first of them; 8, or fewer at the end of a row
-// that is not whole 256-weight panels), weights + 128 and scales.
+// that is not whole 256-weight panels), weights (+ B32_OFF), scales and mins.
 template <int TYPE>
 EFS_TI void decode_row32(const uint8_t* b, Panel32& p, int v, int j, int ns) {
-    float d[8];
-    decode_blocks32<TYPE>(b, p.rows[j], d, ns);
+    float d[8], m[8];
+    decode_blocks32<TYPE>(b, p.rows[j], d, ns, m);
     for (int k = 0; k < ns; ++k) p.bd[v][k][j] = d[k];
+    if constexpr (HAS_MINS<TYPE>)
+        for (int k = 0; k < ns; ++k) p.bm[v][k][j] = m[k];
 }
 
 template <int TYPE>
@@ -389,7 +394,7 @@ EFS_V void decode_panel32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, 
                 decode_row32<TYPE>(W + r * rb + i * 8 * B32_BYTES<TYPE>, p, v, j, ns);
             } else {
                 memset(p.rows[j], 0, 256);
-                for (int k = 0; k < 8; ++k) p.bd[v][k][j] = 0.f;
+                for (int k = 0; k < 8; ++k) p.bd[v][k][j] = p.bm[v][k][j] = 0.f;
             }
         }
         transpose(p, v);
@@ -397,7 +402,7 @@ EFS_V void decode_panel32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, 
 }
 
 // NT tokens (t0 ...) of the panel's eight blocks (the 256 weights of block-group i).
-template <int NT>
+template <int TYPE, int NT>
 EFS_V void tile32(const Panel32& p, const QX8* x, const int32_t* xsum, int64_t nb, int64_t t0,
                   int64_t i, int ns, float* C) {
     __m512 f[NV][NT];
@@ -424,9 +429,13 @@ EFS_V void tile32(const Panel32& p, const QX8* x, const int32_t* xsum, int64_t n
             const __m512 bd = _mm512_load_ps(p.bd[v][k]);
             for (int t = 0; t < NT; ++t) {
                 const int64_t at = (t0 + t) * nb + blk;
-                const __m512i isum = _mm512_sub_epi32(acc[v][t], _mm512_set1_epi32(128 * xsum[at]));
+                const __m512i isum = B32_OFF<TYPE> == 0 ? acc[v][t] : _mm512_sub_epi32(
+                    acc[v][t], _mm512_set1_epi32(B32_OFF<TYPE> * xsum[at]));
                 f[v][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
                                           _mm512_mul_ps(bd, _mm512_set1_ps(x[at].d)), f[v][t]);
+                if constexpr (HAS_MINS<TYPE>)
+                    f[v][t] = _mm512_fmadd_ps(_mm512_load_ps(p.bm[v][k]),
+                                              _mm512_set1_ps(x[at].s), f[v][t]);
             }
         }
     }
@@ -451,12 +460,13 @@ EFS_V void rows_q8_32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, cons
         const int ns = panel_steps(i, nblk, cols);
         decode_panel32<TYPE>(W, rb, p0, r1, i, ns, p);
         int64_t t0 = 0;
-        for (; t0 + TILE32 <= nt; t0 += TILE32) tile32<TILE32>(p, x, xsum, nb, t0, i, ns, C);
+        for (; t0 + TILE32 <= nt; t0 += TILE32)
+            tile32<TYPE, TILE32>(p, x, xsum, nb, t0, i, ns, C);
         switch (nt - t0) {
-            case 1: tile32<1>(p, x, xsum, nb, t0, i, ns, C); break;
-            case 2: tile32<2>(p, x, xsum, nb, t0, i, ns, C); break;
-            case 3: tile32<3>(p, x, xsum, nb, t0, i, ns, C); break;
-            case 4: tile32<4>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 1: tile32<TYPE, 1>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 2: tile32<TYPE, 2>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 3: tile32<TYPE, 3>(p, x, xsum, nb, t0, i, ns, C); break;
+            case 4: tile32<TYPE, 4>(p, x, xsum, nb, t0, i, ns, C); break;
             default: break;
         }
     });
@@ -480,6 +490,9 @@ QgemmQ8Fn avx512_qgemm_q8(int type) {
         case T_Q4_0: return rows_q8_32<T_Q4_0>;
         case T_IQ4_NL: return rows_q8_32<T_IQ4_NL>;
         case T_MXFP4: return rows_q8_32<T_MXFP4>;
+        case T_Q5_0: return rows_q8_32<T_Q5_0>;
+        case T_Q4_1: return rows_q8_32<T_Q4_1>;
+        case T_Q5_1: return rows_q8_32<T_Q5_1>;
         default: break;
     }
 #define EFS_Q8_FN rows_q8

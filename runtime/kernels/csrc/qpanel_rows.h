@@ -122,10 +122,14 @@ EFS_TI void decode_block(const uint8_t* b, uint8_t* w, int32_t* ls, int32_t* mn,
     }
 }
 
-// The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4): n blocks (8, fewer at the end of a row
-// that is not whole 256-weight panels) from b (the first of them) as 32 n bytes u, each
-// weight's signed value + 128, and the blocks' float scales d: weight k is
-// d[k / 32] * (u[k] - 128).
+// The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4, Q5_0; Q4_1, Q5_1): n blocks (8, fewer at
+// the end of a row that is not whole 256-weight panels) from b (the first of them) as 32 n
+// bytes u, each weight's value + B32_OFF, the blocks' float scales d and (Q4_1, Q5_1) mins m:
+// weight k is d[k / 32] * (u[k] - B32_OFF) + m[k / 32]. The signed types' offset is 128; Q4_1's
+// and Q5_1's values are unsigned (0..15, 0..31) and kept as they are, their mins apart.
+template <int TYPE>
+constexpr int B32_OFF = TYPE == T_Q4_1 || TYPE == T_Q5_1 ? 0 : 128;
+
 template <int TYPE>
 constexpr int B32_BYTES = TYPE == T_Q8_0 ? 34 : TYPE == T_MXFP4 ? 17 : TYPE == T_Q5_0 ? 22
                           : TYPE == T_Q4_1 ? 20 : TYPE == T_Q5_1 ? 24 : 18;
@@ -137,7 +141,8 @@ constexpr int panel_steps(int64_t i, int64_t nblk, int64_t cols) {
 }
 
 template <int TYPE>
-EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8) {
+EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8,
+                            float* m = nullptr) {
     const __m256i k128 = _mm256_set1_epi8((char)0x80);
     for (int k = 0; k < n; ++k, b += B32_BYTES<TYPE>) {
         __m256i w;
@@ -145,6 +150,15 @@ EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8) {
             w = _mm256_xor_si256(loadu256(b + 2), k128);
         } else if constexpr (TYPE == T_Q4_0) {          // q - 8 + 128
             w = _mm256_add_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(120));
+        } else if constexpr (TYPE == T_Q5_0 || TYPE == T_Q4_1 || TYPE == T_Q5_1) {
+            constexpr bool FIVE = TYPE != T_Q4_1, MIN = TYPE != T_Q5_0;
+            constexpr int QS = 2 + (MIN ? 2 : 0) + (FIVE ? 4 : 0);    // the nibbles' offset
+            w = nibbles(loadu128(b + QS));
+            if constexpr (FIVE)                                       // the fifth bits, qh
+                w = _mm256_or_si256(w, _mm256_and_si256(bytes_from_bits_32(b + QS - 4),
+                                                        _mm256_set1_epi8(0x10)));
+            if constexpr (TYPE == T_Q5_0) w = _mm256_add_epi8(w, _mm256_set1_epi8(112));
+            if constexpr (MIN) m[k] = f16(b + 2);                     // q - 16 + 128 above
         } else {                                        // IQ4_NL, MXFP4: the table's values
             const __m256i nib = nibbles(loadu128(b + (TYPE == T_MXFP4 ? 1 : 2)));
             w = _mm256_xor_si256(_mm256_shuffle_epi8(

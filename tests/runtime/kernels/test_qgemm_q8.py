@@ -20,8 +20,10 @@ from expertfs.runtime import kernels
 from support.native import MOD, NEEDS_NATIVE
 
 PANEL = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
-         T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4]
-BLOCKS32 = (T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4)           # Q8_0 activations, blocks of 32
+         T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4, T.Q5_0, T.Q4_1,
+         T.Q5_1]
+#: blocks of 32: Q8_0 activations, Q8_1 for Q4_1 and Q5_1 (their mins times the blocks' s)
+BLOCKS32 = (T.Q8_0, T.Q4_0, T.IQ4_NL, T.MXFP4, T.Q5_0, T.Q4_1, T.Q5_1)
 
 pytestmark = [NEEDS_NATIVE, pytest.mark.skipif(
     MOD is None or not MOD.info().get("avx512_vnni"), reason="this CPU has no AVX512-VNNI")]
@@ -116,13 +118,19 @@ def test_blocks_of_32_in_rows_not_whole_panels(t):
 
 
 def test_other_types_keep_the_exact_panel_product():
-    """Types without an integer panel (Q5_0 here) keep the exact panel product; q8's own
-    results are near the exact ones (its rounding, not garbage)."""
+    """Every quantized type the kernels take has the integer panel; a type without it (the
+    float ones) keeps the exact panel product; q8's own results are near the exact ones (its
+    rounding, not garbage)."""
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(7))
     from test_qgemm import weight as any_weight
-    q5 = any_weight(T.Q5_0, 40, 512, 8)
-    assert torch.equal(kernels.qgemm(x, q5, T.Q5_0, (40, 512), "q8"),
-                       kernels.qgemm(x, q5, T.Q5_0, (40, 512)))
+    panel = set(MOD.info()["q8_panel_types"])
+    quantized = {t for t in kernels.TYPES if t not in (T.F16, T.BF16, T.F32)}
+    assert {int(t) for t in quantized} <= panel
+    for t in set(kernels.TYPES) - quantized:
+        w = any_weight(t, 40, 512, 8)
+        if kernels.qgemm(x, w, t, (40, 512)) is not None:
+            assert torch.equal(kernels.qgemm(x, w, t, (40, 512), "q8"),
+                               kernels.qgemm(x, w, t, (40, 512)))
     raw = weight(T.Q4_K, 40, 512, 5)
     W = dequantize(raw, T.Q4_K, (40, 512))
     assert ((kernels.qgemm(x, raw, T.Q4_K, (40, 512), "q8") - x @ W.T).abs()
