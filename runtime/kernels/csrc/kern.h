@@ -208,7 +208,8 @@ void avx2_silu_mul(float* g, const float* u, int64_t n, float limit = 0.f, float
 // The f_* tables are the small grids (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S) as float32, one entry
 // of 8 (IQ3: 4) floats per index, and f_ksigns / f_bits the sign bits of ksigns[k] / of the
 // byte k as float sign masks (0x80000000 where set): the exact kernels load those weights as
-// floats, no conversion (IQ2_S's grid stays int8, to stay in the L1 cache). f_iq1 is IQ1_S's
+// floats, no conversion (IQ2_S's decoder keeps its int8 grid: in the L1 cache; its float form,
+// f_iq2s, is the AVX-512 two-row kernels' table, as f_iq1). f_iq1 is IQ1_S's
 // and IQ1_M's grid as the exact kernels' weights 8 g + delta: entry (neg << 11 | index), 8
 // floats of 8 g - 1 where neg, else 8 g + 1 (128 KiB, in the L2 cache: a load an 8 weights
 // where the int8 grid took a widening, a conversion and a multiply-add, measured faster).
@@ -216,6 +217,7 @@ struct IqTables {
     alignas(64) float f_iq1[2 * 2048 * 8];
     alignas(32) float f_iq2xxs[256 * 8];
     alignas(32) float f_iq2xs[512 * 8];
+    alignas(32) float f_iq2s[1024 * 8];
     alignas(32) float f_iq3xxs[256 * 4];
     alignas(32) float f_iq3s[512 * 4];
     alignas(32) uint32_t f_ksigns[128 * 8];

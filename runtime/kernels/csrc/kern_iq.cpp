@@ -73,7 +73,7 @@ void float_tables(int k) {
     const F fs[6] = {
         {(const int8_t*)g_iq.iq2xxs, g_iq.f_iq2xxs, 256 * 8},
         {(const int8_t*)g_iq.iq2xs, g_iq.f_iq2xs, 512 * 8},
-        {nullptr, nullptr, 0},                                          // iq2s: int8 only
+        {(const int8_t*)g_iq.iq2s, g_iq.f_iq2s, 1024 * 8},
         {(const int8_t*)g_iq.iq3xxs, g_iq.f_iq3xxs, 256 * 4},
         {(const int8_t*)g_iq.iq3s, g_iq.f_iq3s, 512 * 4},
         {nullptr, nullptr, 0},                                          // iq1s: int8 only

@@ -29,25 +29,35 @@ namespace {
 
 // --- exact mode ------------------------------------------------------------------------------
 
-// IQ1_S's and IQ1_M's weights by table (kern.h's f_iq1, 8 g + delta as floats): a block's 32
-// entries' offsets in one vector, then each 8 weights of a row one load from the table, where
-// the AVX2 decoder converts them from the int8 grid (a widening, a conversion and a multiply-add
-// an 8: the bulk of the exact kernels' time at a prompt's few tokens an expert). The same
+// The lattice types whose decoders convert an int8 grid entry per 8 weights (IQ1_S, IQ1_M,
+// IQ2_S), by float table instead (kern.h's f_iq1: 8 g + delta; f_iq2s with f_bits' sign masks):
+// a block's 32 entries' offsets computed in one vector, then each 8 weights of a row one load
+// (IQ2_S: two and a xor), where the AVX2 decoder widens, converts and (IQ1) multiply-adds: the
+// bulk of the exact kernels' time at one token and at a prompt's few tokens an expert. The same
 // floats, so the same bits. An offset is 4 x the entry, so 8 x it is the entry's byte offset
-// (the largest, 16380, fits 16 bits).
+// (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, pair(o0, o1, ib, w)
+// group ib's 4 x 8 weights of both rows.
 EFS_ZI __m512i u16_table(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
+
+// lane 4 ib + l of a block's 32 groups of 8: ib = lane / 4, l = lane % 4
+alignas(64) const uint16_t GRP4[32] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                                       4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7};
+
+EFS_ZI __m512 tab_entry2(const char* t, const uint16_t* o0, const uint16_t* o1, int j) {
+    return ps2(_mm256_load_ps((const float*)(t + 8 * (size_t)o0[j])),
+               _mm256_load_ps((const float*)(t + 8 * (size_t)o1[j])));
+}
 
 template <class D> struct Tab1 { static constexpr bool ON = false; };
 template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l], qh[ib]
     static constexpr bool ON = true;
+    static constexpr int N = 32;                 // offsets a block
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
-        static const uint16_t grp[32] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
-                                         4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7};
         static const uint16_t sh[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
                                         0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
         const __m512i qs = _mm512_cvtepu8_epi16(loadu256(b + 2));
         const __m512i qh = _mm512_permutexvar_epi16(
-            u16_table(grp), _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(b + 34))));
+            u16_table(GRP4), _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(b + 34))));
         const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, u16_table(sh)),
                                             _mm512_set1_epi16(7));        // index bits 8..10
         const __m512i neg = _mm512_srli_epi16(qh, 15);                    // delta's sign
@@ -55,9 +65,11 @@ template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l],
             qs, _mm512_or_si512(_mm512_slli_epi16(hi, 8), _mm512_slli_epi16(neg, 11)));
         _mm512_storeu_si512(o, _mm512_slli_epi16(idx, 2));
     }
+    EFS_ZI static void pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
+        for (int l = 0; l < 4; ++l) w[l] = tab_entry2((const char*)g_iq.f_iq1, o0, o1, 4 * ib + l);
+    }
 };
-template <> struct Tab1<IQ1M> {                  // lane j: qs[j], nibble j % 2 of qh[j / 2]
-    static constexpr bool ON = true;
+template <> struct Tab1<IQ1M> : Tab1<IQ1S> {     // lane j: qs[j], nibble j % 2 of qh[j / 2]
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t half[32] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
                                           8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
@@ -75,14 +87,32 @@ template <> struct Tab1<IQ1M> {                  // lane j: qs[j], nibble j % 2 
                                                  2));
     }
 };
-
-// Group ib's 4 x 8 weights of both rows from their blocks' offsets (Tab1).
-EFS_ZI void tab1_pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
-    const char* t = (const char*)g_iq.f_iq1;
-    for (int l = 0; l < 4; ++l)
-        w[l] = ps2(_mm256_load_ps((const float*)(t + 8 * (size_t)o0[4 * ib + l])),
-                   _mm256_load_ps((const float*)(t + 8 * (size_t)o1[4 * ib + l])));
-}
+template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l of qh[ib];
+    static constexpr bool ON = true;             // signs: byte 4 ib + l of the sign bytes
+    static constexpr int N = 64;                 // 32 grid offsets, then 32 sign offsets
+    EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
+        static const uint16_t sh[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                        0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
+        const __m512i qs = _mm512_cvtepu8_epi16(loadu256(b + 2));
+        const __m512i qh = _mm512_permutexvar_epi16(
+            u16_table(GRP4), _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
+                                 _mm_loadl_epi64((const __m128i*)(b + 66)))));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, u16_table(sh)),
+                                            _mm512_set1_epi16(3));        // index bits 8..9
+        _mm512_storeu_si512(o, _mm512_slli_epi16(_mm512_or_si512(qs, _mm512_slli_epi16(hi, 8)),
+                                                 2));
+        _mm512_storeu_si512(o + 32, _mm512_slli_epi16(_mm512_cvtepu8_epi16(loadu256(b + 34)),
+                                                      2));
+    }
+    EFS_ZI static void pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
+        const char* g = (const char*)g_iq.f_iq2s;
+        const char* s = (const char*)g_iq.f_bits;
+        for (int l = 0; l < 4; ++l)
+            w[l] = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(tab_entry2(g, o0, o1, 4 * ib + l)),
+                _mm512_castps_si512(tab_entry2(s, o0 + 32, o1 + 32, 4 * ib + l))));
+    }
+};
 
 // One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
 // the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
@@ -95,7 +125,7 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
     PfPair pf(rb);
-    alignas(64) uint16_t o0[32], o1[32];                   // Tab1's offsets of the two blocks
+    alignas(64) uint16_t o0[64], o1[64];                   // Tab1's offsets of the two blocks
     for (int64_t r = r0; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
@@ -119,7 +149,7 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                                           : s0;
                 __m512 w[4];
                 if constexpr (Tab1<D>::ON) {
-                    tab1_pair(o0, o1, ib, w);
+                    Tab1<D>::pair(o0, o1, ib, w);
                 } else {
                     __m256 u[4], v[4];
                     D::w(b0, ib, u);
