@@ -10,12 +10,13 @@
 
 #ifdef EFS_EMULATE_AVX512
 #include <immintrin.h>
+#include <string.h>
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 // SIMDe 0.7.4's alias of this one takes the masked form's four arguments
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
-// four conversions SIMDe 0.7.4 does not have
+// the conversions and the gather SIMDe 0.7.4 does not have
 static inline simde__m512 efs_simde_cvtepi32_ps(simde__m512i a) {
     simde__m512i_private ap = simde__m512i_to_private(a);
     simde__m512_private rp;
@@ -37,6 +38,24 @@ static inline simde__m512i efs_simde_cvtepu8_epi16(simde__m256i a) {   // 32 byt
 }
 #undef _mm512_cvtepu8_epi16
 #define _mm512_cvtepu8_epi16(a) efs_simde_cvtepu8_epi16(a)
+static inline simde__m512i efs_simde_cvtepu16_epi64(simde__m128i a) {   // 8 words widened
+    simde__m128i_private ap = simde__m128i_to_private(a);
+    simde__m512i_private rp;
+    for (int i = 0; i < 8; ++i) rp.i64[i] = ap.u16[i];
+    return simde__m512i_from_private(rp);
+}
+#undef _mm512_cvtepu16_epi64
+#define _mm512_cvtepu16_epi64(a) efs_simde_cvtepu16_epi64(a)
+static inline simde__m512i efs_simde_i64gather_epi64(simde__m512i idx, const void* base,
+                                                     int scale) {        // 8 qwords gathered
+    simde__m512i_private ip = simde__m512i_to_private(idx);
+    simde__m512i_private rp;
+    for (int i = 0; i < 8; ++i)
+        memcpy(&rp.i64[i], (const char*)base + ip.i64[i] * scale, 8);
+    return simde__m512i_from_private(rp);
+}
+#undef _mm512_i64gather_epi64
+#define _mm512_i64gather_epi64(i, b, s) efs_simde_i64gather_epi64(i, b, s)
 #undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps(a) efs_simde_cvtepi32_ps(a)
 #undef _mm512_cvtepi8_epi32

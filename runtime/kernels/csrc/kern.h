@@ -215,6 +215,7 @@ void avx2_silu_mul(float* g, const float* u, int64_t n, float limit = 0.f, float
 // where the int8 grid took a widening, a conversion and a multiply-add, measured faster).
 struct IqTables {
     alignas(64) float f_iq1[2 * 2048 * 8];
+    uint64_t i_iq1[2 * 2048];            // the same as int8 (q8 mode's integer weights)
     alignas(32) float f_iq2xxs[256 * 8];
     alignas(32) float f_iq2xs[512 * 8];
     alignas(32) float f_iq2s[1024 * 8];

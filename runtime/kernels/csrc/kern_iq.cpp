@@ -82,9 +82,11 @@ void float_tables(int k) {
         for (int i = 0; i < fs[k].n; ++i) fs[k].dst[i] = (float)fs[k].src[i];
         if (k == 5)
             for (int i = 0; i < 2 * 2048; ++i)
-                for (int j = 0; j < 8; ++j)
-                    g_iq.f_iq1[8 * i + j] =
-                        8.f * (float)g8(g_iq.iq1s, i & 2047)[j] + (i >> 11 ? -1.f : 1.f);
+                for (int j = 0; j < 8; ++j) {
+                    const int v = 8 * g8(g_iq.iq1s, i & 2047)[j] + (i >> 11 ? -1 : 1);
+                    g_iq.f_iq1[8 * i + j] = (float)v;
+                    ((int8_t*)&g_iq.i_iq1[i])[j] = (int8_t)v;
+                }
     } else if (k == 6) {
         for (int i = 0; i < 128; ++i)
             for (int j = 0; j < 8; ++j)

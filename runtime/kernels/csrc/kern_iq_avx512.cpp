@@ -20,6 +20,8 @@
 
 #include <string.h>
 
+#include <type_traits>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include "kern_avx512_pair.h"
 #include "kern_iq_avx2_types.h"
@@ -229,12 +231,15 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const char* pf = pf_start(W + r0 * rb);
     const __m512i zero = _mm512_setzero_si512();
+    constexpr bool IQ1 = std::is_same<D, IQ1S>::value || std::is_same<D, IQ1M>::value;
+    alignas(64) uint16_t o[64];                 // IQ1: the block's Tab1 offsets (i_iq1's too)
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
             pf_next(pf, b + D::BYTES);
+            if constexpr (IQ1) Tab1<D>::offsets(b, o);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
             for (int ib = 0; ib < 8; ib += 2) {
@@ -244,8 +249,13 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
                 if (!D::PAIR) { l1 = l0; l3 = l2; }
                 const __m512i ls = ls_lanes((uint32_t)l0 | (uint32_t)l1 << 8 |
                                             (uint32_t)l2 << 16 | (uint32_t)l3 << 24);
-                const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(D::q(b, ib)),
-                                                     D::q(b, ib + 1), 1);
+                __m512i q;
+                if constexpr (IQ1)      // groups ib, ib + 1: 8 entries of 8 g + delta, gathered
+                    q = _mm512_i64gather_epi64(_mm512_cvtepu16_epi64(_mm_load_si128(
+                        (const __m128i*)(o + 4 * ib))), (const long long*)g_iq.i_iq1, 2);
+                else
+                    q = _mm512_inserti64x4(_mm512_castsi256_si512(D::q(b, ib)), D::q(b, ib + 1),
+                                           1);
                 const __m512i aq = _mm512_abs_epi8(q);
                 const __mmask64 neg = _mm512_movepi8_mask(q);
                 for (int t = 0; t < NT; ++t) {
@@ -347,7 +357,10 @@ struct Q8Kern<IQ4NL> {
 
 // Passes of up to 8 tokens; a pass of one token goes to the AVX2 kernel (measured no faster
 // here: no decode is shared then, and 512-bit operations split in two halves cost what two
-// 256-bit ones do).
+// 256-bit ones do), but IQ1_S's and IQ1_M's, whose weights the gathered table gives.
+template <class D>
+constexpr bool Q8_Z_ONE = std::is_same<D, IQ1S>::value || std::is_same<D, IQ1M>::value;
+
 template <class D, int TYPE>
 EFS_Z void rows_q8z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
@@ -358,7 +371,12 @@ EFS_Z void rows_q8z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         const XPrep* x = xs + t0;
         const Out o{yt, ys, alpha, accumulate};
         switch (n) {
-            case 1: avx2(W, rb, r0, r1, cols, x, 1, yt, ys, alpha, accumulate); break;
+            case 1:
+                if constexpr (Q8_Z_ONE<D>)
+                    Q8Kern<D>::template run<1>(W, rb, r0, r1, cols, x, o);
+                else
+                    avx2(W, rb, r0, r1, cols, x, 1, yt, ys, alpha, accumulate);
+                break;
             case 2: Q8Kern<D>::template run<2>(W, rb, r0, r1, cols, x, o); break;
             case 3: Q8Kern<D>::template run<3>(W, rb, r0, r1, cols, x, o); break;
             case 4: Q8Kern<D>::template run<4>(W, rb, r0, r1, cols, x, o); break;
