@@ -129,12 +129,13 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
 #: (bench/README.md). The blocks-of-32 types (Q8_0, Q4_0, IQ4_NL, MXFP4: rows of whole
 #: 256-weight panels only) the same way at 4-128 tokens: 4. IQ4_XS, Q2_K and Q3_K (their
 #: panels added later) the same way at 4-24 tokens: 6, 4 and 6; Q5_0, Q4_1 and Q5_1 (Q8_0 and
-#: Q8_1 activations, panels added later still): 4.
+#: Q8_1 activations, panels added later still): 4. IQ1_S's and IQ1_M's again (6-16 tokens) after
+#: their rows kernels took the gathered table: 6 -> 8 and 8 -> 10.
 WIDE_TYPES_Q8_VNNI = {
     GGMLType.Q2_K: 4, GGMLType.Q3_K: 6, GGMLType.Q4_K: 4, GGMLType.Q5_K: 4, GGMLType.Q6_K: 8,
     GGMLType.IQ2_XXS: 4,
     GGMLType.IQ2_XS: 6, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 4, GGMLType.IQ3_S: 8,
-    GGMLType.IQ1_S: 6, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
+    GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 10, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
     GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,
     GGMLType.IQ4_XS: 6, GGMLType.Q5_0: 4, GGMLType.Q4_1: 4, GGMLType.Q5_1: 4,
 }
