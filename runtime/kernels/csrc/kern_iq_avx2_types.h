@@ -200,24 +200,18 @@ struct IQ3S {
     }
 };
 
-EFS_TI __m256i times8(__m256i g) {      // int8 g in {-1, 0, 1} -> 8 g
-    const __m256i g2 = _mm256_add_epi8(g, g), g4 = _mm256_add_epi8(g2, g2);
-    return _mm256_add_epi8(g4, g4);
-}
-
 struct IQ1S {
     static constexpr int BYTES = 50;
     static constexpr bool PAIR = false;
     static constexpr bool MAG = false;
     static constexpr float F = 0.125f;
     EFS_TI static float d(const uint8_t* b) { return f16(b); }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
+    EFS_TI static __m256i q(const uint8_t* b, int ib) {          // 8 g + delta (i_iq1)
         const uint8_t* p = b + 2 + 4 * ib;
         const int qh = u16_(b + 34 + 2 * ib);
-        const uint64_t* g = g_iq.iq1s;
-        const __m256i v = set4x64(g[p[0] | ((qh << 8) & 0x700)], g[p[1] | ((qh << 5) & 0x700)],
-                                  g[p[2] | ((qh << 2) & 0x700)], g[p[3] | ((qh >> 1) & 0x700)]);
-        return _mm256_add_epi8(times8(v), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+        const uint64_t* g = g_iq.i_iq1 + (qh & 0x8000 ? 2048 : 0);
+        return set4x64(g[p[0] | ((qh << 8) & 0x700)], g[p[1] | ((qh << 5) & 0x700)],
+                       g[p[2] | ((qh << 2) & 0x700)], g[p[3] | ((qh >> 1) & 0x700)]);
     }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {   // 8 g + delta (f_iq1)
         const uint8_t* p = b + 2 + 4 * ib;
@@ -242,16 +236,12 @@ struct IQ1M {
                                       (s3 & 0xf000));
         return _cvtsh_ss(h);
     }
-    EFS_TI static __m256i q(const uint8_t* b, int ib) {
-        const uint8_t* p = b + 4 * ib;
-        const int h0 = b[32 + 2 * ib], h1 = b[33 + 2 * ib];
-        const uint64_t* g = g_iq.iq1s;
-        const __m256i v = set4x64(g[p[0] | ((h0 << 8) & 0x700)], g[p[1] | ((h0 << 4) & 0x700)],
-                                  g[p[2] | ((h1 << 8) & 0x700)], g[p[3] | ((h1 << 4) & 0x700)]);
-        const uint64_t neg = ~0ull, pos = 0x0101010101010101ull;
-        const __m256i delta = set4x64(h0 & 0x08 ? neg : pos, h0 & 0x80 ? neg : pos,
-                                      h1 & 0x08 ? neg : pos, h1 & 0x80 ? neg : pos);
-        return _mm256_add_epi8(times8(v), delta);
+    EFS_TI static __m256i q(const uint8_t* b, int ib) {          // 8 g + delta (i_iq1): a
+        const uint8_t* p = b + 4 * ib;                            // nibble's bit 3 is the
+        const int h0 = b[32 + 2 * ib], h1 = b[33 + 2 * ib];       // delta's sign, entry bit 11
+        const uint64_t* g = g_iq.i_iq1;
+        return set4x64(g[p[0] | ((h0 & 15) << 8)], g[p[1] | ((h0 >> 4) << 8)],
+                       g[p[2] | ((h1 & 15) << 8)], g[p[3] | ((h1 >> 4) << 8)]);
     }
     EFS_TI static void w(const uint8_t* b, int ib, __m256* v) {   // 8 g + delta (f_iq1)
         const uint8_t* p = b + 4 * ib;
