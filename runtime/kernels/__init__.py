@@ -8,9 +8,9 @@ Two numerics, chosen per call by ``act_quant``:
   factored per sub-block: ``Σ_s d·sc_s·Σ q·x − dmin·m_s·Σ x``). Where the CPU has AMX-BF16
   (Intel, Sapphire Rapids on), a prompt's wide products of the Q8_K types (Q2_K ... Q6_K,
   IQ4_XS, the lattice IQ and TQ types) and of the blocks-of-32 types (Q8_0, Q4_0, Q5_0, Q4_1,
-  Q5_1, IQ4_NL, MXFP4: rows of any multiple of 32 weights) run on the tile unit from exact bf16 parts of the weights and the
-  activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0`` or ``without_amx()``
-  keeps the float panel): the same bound, not the same bits.
+  Q5_1, IQ4_NL, MXFP4: rows of any multiple of 32 weights) run on the tile unit from exact
+  bf16 parts of the weights and the activations (``qgemm_amx.cpp``; ``EXPERTFS_AMX=0`` or
+  ``without_amx()`` keeps the float panel): the same bound, not the same bits.
 - ``"q8"`` (opt-in, lossy): activations quantized the way llama.cpp quantizes them (Q8_K for
   the K-quants, the IQ types but IQ4_NL and the TQ types, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL, Q8_1 for
   Q4_1/Q5_1, fp16/bf16 rounding for F16/BF16) and integer dot products per block: llama.cpp's
@@ -18,9 +18,9 @@ Two numerics, chosen per call by ``act_quant``:
   quality cost against the exact mode is measured by ``bench/bench_decode_actquant.py``. Its
   wide products (``qgemm``: a prompt's) go through 8-bit integer panels where the CPU has
   AVX512-VNNI (or AVX-VNNI) and the type has one (the K-quants Q2_K-Q6_K, IQ4_XS, the lattice
-  IQ and TQ types; with AVX512-VNNI also Q8_0, Q4_0, IQ4_NL and MXFP4 in rows of whole 256-weight
-  panels; ``widths.q8_panel``), else through the exact panel product (AMX's where it takes the
-  type).
+  IQ and TQ types; with AVX512-VNNI also the blocks-of-32 types Q8_0, Q4_0, Q5_0, Q4_1, Q5_1,
+  IQ4_NL and MXFP4 in rows of any multiple of 32 weights; ``widths.q8_panel``), else through
+  the exact panel product (AMX's where it takes the type).
 
 Types: Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, Q2_K, Q3_K, IQ4_XS, MXFP4, Q5_0, Q5_1, Q4_1, BF16, F16,
 IQ4_NL, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (the lattice IQ types' codebooks

@@ -154,7 +154,7 @@ def _cost(d: dict[str, Any]) -> LinearCost:
     return LinearCost(_range(d["overhead_s"]), _range(d["gbps"]))
 
 
-def _numerics(act_quant: str) -> str:
+def _field_suffix(act_quant: str) -> str:
     """The suffix of an entry's fields measured in ``act_quant``'s numerics (the native
     kernels' figures: ``fused``, ``layers``, ``panel_gflops``): none for exact mode, ``_q8``."""
     return "" if act_quant in (None, "off") else f"_{act_quant}"
@@ -181,7 +181,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
     from .native import layer_key, probe_expert_layers, probe_trunk_types
 
     data = load()
-    key, sfx = cpu_key(), _numerics(act_quant)
+    key, sfx = cpu_key(), _field_suffix(act_quant)
     entry = dict(data.get(key) or {})
     detail: dict[str, Any] = {"cache": cache_path(), "key": key, "measured": []}
     if probe:
@@ -362,5 +362,5 @@ def panel_rates(types: list[str], probe: bool = True, act_quant: str = "off"
     ``act_quant``'s numerics, for the first token's wide products: cached figures, the missing
     ones measured now (``probe``) and cached."""
     from .native import probe_panel
-    return _type_rates("panel_gflops" + _numerics(act_quant), types, probe,
+    return _type_rates("panel_gflops" + _field_suffix(act_quant), types, probe,
                        lambda ts: probe_panel(ts, act_quant=act_quant))

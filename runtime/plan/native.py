@@ -179,7 +179,8 @@ def probe_panel(types: Sequence[str], budget_s: float = 1.0, act_quant: str = "o
                            lambda ty, raw: kernels.qgemm(x, raw, GGMLType[ty], (1024, 2048),
                                                          _q8(act_quant)),
                            2.0 * PANEL_TOKENS * 1024 * 2048,
-                           f"qgemm {{ty}} {PANEL_TOKENS}x2048 by 1024x2048{_numerics(act_quant)}")
+                           f"qgemm {{ty}} {PANEL_TOKENS}x2048 by 1024x2048"
+                           + _source_note(act_quant))
 
 
 def wide_limits(types: Sequence[str], act_quant: str = "off") -> dict[str, int]:
@@ -195,7 +196,7 @@ def wide_limits(types: Sequence[str], act_quant: str = "off") -> dict[str, int]:
             for t in types if t in GGMLType.__members__}
 
 
-def _numerics(act_quant: str) -> str:
+def _source_note(act_quant: str) -> str:
     """What a measured figure's source adds for ``act_quant``'s numerics."""
     return "" if act_quant in (None, "off") else f", --act-quant {act_quant}"
 
@@ -247,7 +248,7 @@ def probe_trunk_types(mats: Sequence[Matrix], budget_s: float, act_quant: str = 
             continue
         nb, ns = rows * rb, small_rows * rb
         src = (f"measured now: runtime.kernels.matvec {ty} {rows}x{m.cols} "
-               f"({isa}{_numerics(act_quant)})")
+               f"({isa}{_source_note(act_quant)})")
 
         def fit(b: float, s: float) -> tuple[float, float]:
             rate = (nb - ns) / (b - s) if b > s and nb > ns else nb / b
@@ -334,7 +335,7 @@ def probe_expert_layers(g: Geometry, budget_s: float, known: Sequence[str] = (),
             continue
         nb = g.k * layer_bytes
         src = (f"measured now: runtime.kernels.moe {key.split('@')[0]} x {g.k} experts "
-               f"({isa}{_numerics(act_quant)})")
+               f"({isa}{_source_note(act_quant)})")
         out[key] = LinearCost(Range(0.0, 0.0, src), Range(nb / _typical(ts) / 1e9, nb / min(ts) / 1e9, src))
         detail.append({"layer": key, "kernel": "runtime.kernels.moe", "isa": isa,
                        "act_quant": act_quant,

@@ -23,29 +23,19 @@ static inline simde__m512 efs_simde_cvtepi32_ps(simde__m512i a) {
     for (int i = 0; i < 16; ++i) rp.f32[i] = (float)ap.i32[i];
     return simde__m512_from_private(rp);
 }
-template <bool SIGNED>
-static inline simde__m512i efs_simde_cvt8_epi32(simde__m128i a) {   // 16 bytes widened
-    simde__m128i_private ap = simde__m128i_to_private(a);
-    simde__m512i_private rp;
-    for (int i = 0; i < 16; ++i) rp.i32[i] = SIGNED ? ap.i8[i] : ap.u8[i];
-    return simde__m512i_from_private(rp);
+// N elements of type S in a (a vector of N * sizeof(S) bytes) widened to D: a 512-bit vector
+template <class D, class S, int N, class A>
+static inline simde__m512i efs_simde_widen(A a) {
+    static_assert(N * sizeof(S) <= sizeof(A), "N elements of a");
+    static_assert(N * sizeof(D) == sizeof(simde__m512i), "a 512-bit result");
+    S s[N];
+    D d[N];
+    memcpy(s, &a, sizeof s);
+    for (int i = 0; i < N; ++i) d[i] = (D)s[i];
+    simde__m512i r;
+    memcpy(&r, d, sizeof r);
+    return r;
 }
-static inline simde__m512i efs_simde_cvtepu8_epi16(simde__m256i a) {   // 32 bytes widened
-    simde__m256i_private ap = simde__m256i_to_private(a);
-    simde__m512i_private rp;
-    for (int i = 0; i < 32; ++i) rp.i16[i] = ap.u8[i];
-    return simde__m512i_from_private(rp);
-}
-#undef _mm512_cvtepu8_epi16
-#define _mm512_cvtepu8_epi16(a) efs_simde_cvtepu8_epi16(a)
-static inline simde__m512i efs_simde_cvtepu16_epi64(simde__m128i a) {   // 8 words widened
-    simde__m128i_private ap = simde__m128i_to_private(a);
-    simde__m512i_private rp;
-    for (int i = 0; i < 8; ++i) rp.i64[i] = ap.u16[i];
-    return simde__m512i_from_private(rp);
-}
-#undef _mm512_cvtepu16_epi64
-#define _mm512_cvtepu16_epi64(a) efs_simde_cvtepu16_epi64(a)
 static inline simde__m512i efs_simde_i64gather_epi64(simde__m512i idx, const void* base,
                                                      int scale) {        // 8 qwords gathered
     simde__m512i_private ip = simde__m512i_to_private(idx);
@@ -54,14 +44,18 @@ static inline simde__m512i efs_simde_i64gather_epi64(simde__m512i idx, const voi
         memcpy(&rp.i64[i], (const char*)base + ip.i64[i] * scale, 8);
     return simde__m512i_from_private(rp);
 }
-#undef _mm512_i64gather_epi64
-#define _mm512_i64gather_epi64(i, b, s) efs_simde_i64gather_epi64(i, b, s)
 #undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps(a) efs_simde_cvtepi32_ps(a)
 #undef _mm512_cvtepi8_epi32
-#define _mm512_cvtepi8_epi32(a) efs_simde_cvt8_epi32<true>(a)
+#define _mm512_cvtepi8_epi32(a) efs_simde_widen<int32_t, int8_t, 16>(a)
 #undef _mm512_cvtepu8_epi32
-#define _mm512_cvtepu8_epi32(a) efs_simde_cvt8_epi32<false>(a)
+#define _mm512_cvtepu8_epi32(a) efs_simde_widen<int32_t, uint8_t, 16>(a)
+#undef _mm512_cvtepu8_epi16
+#define _mm512_cvtepu8_epi16(a) efs_simde_widen<int16_t, uint8_t, 32>(a)
+#undef _mm512_cvtepu16_epi64
+#define _mm512_cvtepu16_epi64(a) efs_simde_widen<int64_t, uint16_t, 8>(a)
+#undef _mm512_i64gather_epi64
+#define _mm512_i64gather_epi64(i, b, s) efs_simde_i64gather_epi64(i, b, s)
 // target features of the AVX-512 functions: none beyond AVX2 (SIMDe's code is AVX2)
 #define EFS_T512_F "avx2,fma,f16c"
 #define EFS_T512_FVL "avx2,fma,f16c"

@@ -76,7 +76,7 @@ void float_tables(int k) {
         {(const int8_t*)g_iq.iq2s, g_iq.f_iq2s, 1024 * 8},
         {(const int8_t*)g_iq.iq3xxs, g_iq.f_iq3xxs, 256 * 4},
         {(const int8_t*)g_iq.iq3s, g_iq.f_iq3s, 512 * 4},
-        {nullptr, nullptr, 0},                                          // iq1s: int8 only
+        {nullptr, nullptr, 0},                      // iq1s: f_iq1 and i_iq1, 8 g + delta, below
     };
     if (k < 6) {
         for (int i = 0; i < fs[k].n; ++i) fs[k].dst[i] = (float)fs[k].src[i];

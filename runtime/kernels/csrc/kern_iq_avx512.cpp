@@ -20,8 +20,6 @@
 
 #include <string.h>
 
-#include <type_traits>
-
 #if defined(__x86_64__) || defined(__i386__)
 #include "kern_avx512_pair.h"
 #include "kern_iq_avx2_types.h"
@@ -38,7 +36,8 @@ namespace {
 // bulk of the exact kernels' time at one token and at a prompt's few tokens an expert. The same
 // floats, so the same bits. An offset is 4 x the entry, so 8 x it is the entry's byte offset
 // (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, pair(o0, o1, ib, w)
-// group ib's 4 x 8 weights of both rows.
+// group ib's 4 x 8 weights of both rows; I8: its first 32 offsets are also i_iq1's (q8 mode's
+// int8 weights, 8 bytes an entry: twice the offset).
 EFS_ZI __m512i u16_table(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
 
 // lane 4 ib + l of a block's 32 groups of 8: ib = lane / 4, l = lane % 4
@@ -50,10 +49,9 @@ EFS_ZI __m512 tab_entry2(const char* t, const uint16_t* o0, const uint16_t* o1, 
                _mm256_load_ps((const float*)(t + 8 * (size_t)o1[j])));
 }
 
-template <class D> struct Tab1 { static constexpr bool ON = false; };
+template <class D> struct Tab1 { static constexpr bool ON = false, I8 = false; };
 template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l], qh[ib]
-    static constexpr bool ON = true;
-    static constexpr int N = 32;                 // offsets a block
+    static constexpr bool ON = true, I8 = true;
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
                                         0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
@@ -68,7 +66,8 @@ template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l],
         _mm512_storeu_si512(o, _mm512_slli_epi16(idx, 2));
     }
     EFS_ZI static void pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
-        for (int l = 0; l < 4; ++l) w[l] = tab_entry2((const char*)g_iq.f_iq1, o0, o1, 4 * ib + l);
+        const char* t = (const char*)g_iq.f_iq1;
+        for (int l = 0; l < 4; ++l) w[l] = tab_entry2(t, o0, o1, 4 * ib + l);
     }
 };
 template <> struct Tab1<IQ1M> : Tab1<IQ1S> {     // lane j: qs[j], nibble j % 2 of qh[j / 2]
@@ -90,8 +89,8 @@ template <> struct Tab1<IQ1M> : Tab1<IQ1S> {     // lane j: qs[j], nibble j % 2 
     }
 };
 template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l of qh[ib];
-    static constexpr bool ON = true;             // signs: byte 4 ib + l of the sign bytes
-    static constexpr int N = 64;                 // 32 grid offsets, then 32 sign offsets
+    static constexpr bool ON = true, I8 = false; // signs: byte 4 ib + l of the sign bytes
+    // 32 grid offsets, then 32 sign offsets
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
                                         0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
@@ -231,15 +230,14 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const char* pf = pf_start(W + r0 * rb);
     const __m512i zero = _mm512_setzero_si512();
-    constexpr bool IQ1 = std::is_same<D, IQ1S>::value || std::is_same<D, IQ1M>::value;
-    alignas(64) uint16_t o[64];                 // IQ1: the block's Tab1 offsets (i_iq1's too)
+    alignas(64) uint16_t o[64];                 // Tab1<D>::I8: the block's offsets
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
             pf_next(pf, b + D::BYTES);
-            if constexpr (IQ1) Tab1<D>::offsets(b, o);
+            if constexpr (Tab1<D>::I8) Tab1<D>::offsets(b, o);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
             for (int ib = 0; ib < 8; ib += 2) {
@@ -250,7 +248,7 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
                 const __m512i ls = ls_lanes((uint32_t)l0 | (uint32_t)l1 << 8 |
                                             (uint32_t)l2 << 16 | (uint32_t)l3 << 24);
                 __m512i q;
-                if constexpr (IQ1)      // groups ib, ib + 1: 8 entries of 8 g + delta, gathered
+                if constexpr (Tab1<D>::I8)      // groups ib, ib + 1: 8 int8 entries, gathered
                     q = _mm512_i64gather_epi64(_mm512_cvtepu16_epi64(_mm_load_si128(
                         (const __m128i*)(o + 4 * ib))), (const long long*)g_iq.i_iq1, 2);
                 else
@@ -357,10 +355,7 @@ struct Q8Kern<IQ4NL> {
 
 // Passes of up to 8 tokens; a pass of one token goes to the AVX2 kernel (measured no faster
 // here: no decode is shared then, and 512-bit operations split in two halves cost what two
-// 256-bit ones do), but IQ1_S's and IQ1_M's, whose weights the gathered table gives.
-template <class D>
-constexpr bool Q8_Z_ONE = std::is_same<D, IQ1S>::value || std::is_same<D, IQ1M>::value;
-
+// 256-bit ones do), but where the gathered table gives the weights (Tab1<D>::I8).
 template <class D, int TYPE>
 EFS_Z void rows_q8z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
@@ -372,7 +367,7 @@ EFS_Z void rows_q8z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         const Out o{yt, ys, alpha, accumulate};
         switch (n) {
             case 1:
-                if constexpr (Q8_Z_ONE<D>)
+                if constexpr (Tab1<D>::I8)
                     Q8Kern<D>::template run<1>(W, rb, r0, r1, cols, x, o);
                 else
                     avx2(W, rb, r0, r1, cols, x, 1, yt, ys, alpha, accumulate);

@@ -144,16 +144,10 @@ EFS_X void decode_lut_row(const uint8_t* b, int ns, __m512i lut, AmxPanel& P, in
         }
         _mm256_storeu_ps(P.mm[h][r], _mm256_setzero_ps());
     } else {                                            // blocks of 32
-        constexpr bool FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, MIN = HAS_MINS<TYPE>;
-        constexpr int QS = 2 + (MIN ? 2 : 0) + (FIVE ? 4 : 0);     // the nibbles' offset
         for (int kk = 0; kk < ns; ++kk, b += B32_BYTES<TYPE>) {
             P.s[h][r][kk] = f16(b);
-            P.mm[h][r][kk] = MIN ? -f16(b + 2) : 0.f;              // w = d q + m
-            __m256i q = nibbles(loadu128(b + QS));
-            if constexpr (FIVE)                                     // the fifth bits, qh
-                q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits_32(b + QS - 4),
-                                                        _mm256_set1_epi8(0x10)));
-            store_lut(P.A[kk][h][r], q, lut);
+            P.mm[h][r][kk] = HAS_MINS<TYPE> ? -f16(b + 2) : 0.f;   // w = d q + m
+            store_lut(P.A[kk][h][r], b32_codes<TYPE>(b), lut);
         }
     }
 }
@@ -278,12 +272,13 @@ EFS_X void add_step(const AmxPanel& P, const float (*cbuf)[16][16], const float*
 // decoded in P, added into acc), then acc to y's tokens; the tiles configured (eight of 16 rows
 // x 64 bytes) for the call and released after. `decode(Q, p0, i, j0, j1)` writes rows j0 .. j1
 // - 1 of panel p0's block i into Q. PIPE: the (panel, block) after each one is decoded into the
-// other of the two panels bufs[0], bufs[1] while its products run: multiply calls `between(k, n)` after
-// issuing step k of n of its first token tile's products, which decodes the next block's rows
-// 32 k / n .. 32 (k + 1) / n - 1 (the vector units decode while the tile unit multiplies: the
-// folded form, whose steps are all products). Else each block is decoded into bufs[0], the
-// only one, before its products (rows_amx, whose vector units scale each step's sums while the next step's
-// products run: there the decode between them measured slower).
+// other of the two panels bufs[0], bufs[1] while its products run: multiply calls
+// `between(k, n)` after issuing step k of n of its first token tile's products, which decodes
+// the next block's rows 32 k / n .. 32 (k + 1) / n - 1 (the vector units decode while the tile
+// unit multiplies: the folded form, whose steps are all products). Else each block is decoded
+// into bufs[0], the only one, before its products (rows_amx, whose vector units scale each
+// step's sums while the next step's products run: there the decode between them measured
+// slower).
 template <bool PIPE, class Panel, class Decode, class Multiply>
 EFS_X void amx_panels(int64_t r0, int64_t r1, int64_t nt, int64_t nb, float* y, int64_t ys,
                       Panel* bufs, const Decode& decode, const Multiply& multiply) {

@@ -140,6 +140,18 @@ constexpr int panel_steps(int64_t i, int64_t nblk, int64_t cols) {
     return i + 1 < nblk || cols % 256 == 0 ? 8 : (int)(cols % 256 / 32);
 }
 
+// The stored codes of a block of 32 with nibbles (Q4_0, IQ4_NL, Q5_0, Q4_1, Q5_1) at b: 0..15,
+// or with qh's fifth bits (Q5_0, Q5_1) 0..31, in element order.
+template <int TYPE>
+EFS_TI __m256i b32_codes(const uint8_t* b) {
+    constexpr bool FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1;
+    constexpr int QS = 2 + (HAS_MINS<TYPE> ? 2 : 0) + (FIVE ? 4 : 0);   // the nibbles' offset
+    const __m256i q = nibbles(loadu128(b + QS));
+    if constexpr (!FIVE) return q;
+    return _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits_32(b + QS - 4),
+                                                _mm256_set1_epi8(0x10)));
+}
+
 template <int TYPE>
 EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8,
                             float* m = nullptr) {
@@ -150,15 +162,11 @@ EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8,
             w = _mm256_xor_si256(loadu256(b + 2), k128);
         } else if constexpr (TYPE == T_Q4_0) {          // q - 8 + 128
             w = _mm256_add_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(120));
-        } else if constexpr (TYPE == T_Q5_0 || TYPE == T_Q4_1 || TYPE == T_Q5_1) {
-            constexpr bool FIVE = TYPE != T_Q4_1, MIN = TYPE != T_Q5_0;
-            constexpr int QS = 2 + (MIN ? 2 : 0) + (FIVE ? 4 : 0);    // the nibbles' offset
-            w = nibbles(loadu128(b + QS));
-            if constexpr (FIVE)                                       // the fifth bits, qh
-                w = _mm256_or_si256(w, _mm256_and_si256(bytes_from_bits_32(b + QS - 4),
-                                                        _mm256_set1_epi8(0x10)));
-            if constexpr (TYPE == T_Q5_0) w = _mm256_add_epi8(w, _mm256_set1_epi8(112));
-            if constexpr (MIN) m[k] = f16(b + 2);                     // q - 16 + 128 above
+        } else if constexpr (TYPE == T_Q5_0) {          // q - 16 + 128
+            w = _mm256_add_epi8(b32_codes<TYPE>(b), _mm256_set1_epi8(112));
+        } else if constexpr (TYPE == T_Q4_1 || TYPE == T_Q5_1) {  // q as stored, the min apart
+            w = b32_codes<TYPE>(b);
+            m[k] = f16(b + 2);
         } else {                                        // IQ4_NL, MXFP4: the table's values
             const __m256i nib = nibbles(loadu128(b + (TYPE == T_MXFP4 ? 1 : 2)));
             w = _mm256_xor_si256(_mm256_shuffle_epi8(

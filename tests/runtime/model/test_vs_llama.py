@@ -48,8 +48,9 @@ def test_quantized_top1_agrees_with_llama_cpp(tmp_path, kind, qt):
 def test_synth_model_with_k_quants_agrees(tmp_path, quant):
     """A synth qwen3moe in K-quant mixes (which gguf-py cannot write: Q4_K_M, Q3_K_M, a
     Q2_K_XL-style one) through both: the 13-token prompt's trunk products and its busier
-    experts' (8 experts, top-2) take the panel products. Exact mode differs from llama.cpp's 8-bit activations, and the low-bit mixes'
-    logits of this random tiny model have near-ties (11 of 13 top-1 on the two low-bit ones);
+    experts' (8 experts, top-2) take the panel products. Exact mode differs from llama.cpp's
+    8-bit activations, and the low-bit mixes' logits of this random tiny model have near-ties
+    (11 of 13 top-1 on the two low-bit ones);
     ``act_quant="q8"`` is llama.cpp's numerics, so its logits agree but for float order."""
     from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
