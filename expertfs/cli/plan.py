@@ -162,6 +162,18 @@ def geometry_from_like(name: str, quant: str = "default") -> Geometry:
     return geometry_from_model(*like_model(name, quant))
 
 
+def tiny_gguf(path: str, arch: str, n_layers: int, k: int, period: int) -> None:
+    """``plan.overhead.TinyWriter`` by ``expertfs synth``: the tiny model of ``arch`` at
+    ``n_layers`` with ``k`` experts used (of its 8); glm5-next's KDA layers between MLA
+    layers ``period`` apart, each MLA layer with its full indexer (GLM-5.3-Flash's kinds)."""
+    from ..synth import SynthConfig, synthesize
+
+    over: dict[str, Any] = {"n_layers": n_layers, "n_expert_used": k}
+    if arch == "glm5-next":
+        over.update(kda_interval=max(2, period), indexer_freq=1)
+    synthesize(SynthConfig.tiny(arch, **over), path, overwrite=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..runtime.plan.predict import plan_to_dict
     from ..runtime.plan.report import format_plan
@@ -183,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
                       synthetic=synthetic, policy=policy, tokens=args.tokens, probe=args.probe,
                       n_predict=args.n_predict, prompt_tokens=args.prompt_tokens,
                       pcie_gen=args.pcie, gpu_gbps=args.gpu_bw, act_quant=args.act_quant,
-                      disk_gbps=_gbps(args.disk_gbps, "--disk-gbps"))
+                      disk_gbps=_gbps(args.disk_gbps, "--disk-gbps"), tiny_store=tiny_gguf)
     if args.like:                  # the preset's model, described in memory: the runtime plans it
         if args.target:
             raise UsageError("give a store/GGUF or --like, not both", fix="drop one of them")

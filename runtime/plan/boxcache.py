@@ -55,8 +55,9 @@ def _cpu_model() -> str:
 #: how the CPU probes measure; raised when that changes, so no entry of the old way is used
 #: (2: the kernels timed on weights past the last-level cache, ``coldweights.CAP``; 3: the float
 #: products through ``kernels.gemm``, whose library is part of the key; 4: past a last-level
-#: cache of any size, ``coldweights.cold_bytes``)
-PROBE_VERSION = 4
+#: cache of any size, ``coldweights.cold_bytes``; 5: the per-layer overhead per architecture,
+#: ``overhead.probe_overhead``)
+PROBE_VERSION = 5
 
 
 def cpu_key() -> str:
@@ -160,8 +161,9 @@ def _field_suffix(act_quant: str) -> str:
     return "" if act_quant in (None, "off") else f"_{act_quant}"
 
 
-def _from_entry(e: dict[str, Any], sfx: str = "") -> DeviceRates:
+def _from_entry(e: dict[str, Any], sfx: str = "", kind: str = "") -> DeviceRates:
     base = stated_cpu()
+    over = (e.get("overhead") or {}).get(kind) or {}
     linear = dict(base.linear)
     linear.update({t: _cost(c) for t, c in e.get("linear", {}).items()})
     return DeviceRates("cpu", linear,
@@ -169,15 +171,29 @@ def _from_entry(e: dict[str, Any], sfx: str = "") -> DeviceRates:
                        _range(e["op_s"]) if "op_s" in e else base.op_s, base.sync_s,
                        {t: _cost(c) for t, c in e.get("fused" + sfx, {}).items()},
                        {t: _cost(c) for t, c in e.get("layers" + sfx, {}).items()},
-                       _range(e["layer_s"]) if e.get("layer_s") else base.layer_s,
-                       _range(e["token_s"]) if e.get("token_s") else base.token_s)
+                       _range(over["layer_s"]) if over.get("layer_s") else base.layer_s,
+                       _range(over["token_s"]) if over.get("token_s") else base.token_s)
 
 
-def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str = "off"
-              ) -> tuple[DeviceRates, dict[str, Any]]:
+def _overhead_kind(g: Geometry, entry: dict[str, Any], tiny: Any,
+                   probe: bool) -> tuple[str, int, Any]:
+    """(cache key, period, writer) of the per-layer overhead ``g`` is priced by: its own
+    architecture's where an earlier plan measured it or a writer of its tiny GGUFs is given
+    to measure it now, else the built-in tiny qwen3moe's."""
+    from .overhead import overhead_kind
+    arch, period = overhead_kind(g)
+    key = f"{arch}/{period}"
+    if key in (entry.get("overhead") or {}) or (probe and tiny is not None):
+        return key, period, tiny
+    return "qwen3moe/1", 1, None
+
+
+def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str = "off",
+              tiny: Any = None) -> tuple[DeviceRates, dict[str, Any]]:
     """The CPU's rates for ``g`` with the native kernels in ``act_quant``'s numerics (run's
     ``--act-quant``): the cached figures of this machine, with whatever ``g`` needs and the
-    cache lacks measured now (``probe``) and added to it."""
+    cache lacks measured now (``probe``) and added to it. ``tiny`` (``overhead.TinyWriter``)
+    writes the tiny GGUFs of ``g``'s architecture the per-layer overhead is measured on."""
     from .native import layer_key, probe_expert_layers, probe_trunk_types
 
     data = load()
@@ -192,6 +208,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
                           and 1 / DRIFT <= now / then <= DRIFT):
             detail["dropped"] = {"check_gbps_then": then, "check_gbps_now": now}
             entry = {}
+        kind, period, tiny = _overhead_kind(g, entry, tiny, probe)
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
         data["speed|" + key] = recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
@@ -218,18 +235,22 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
             detail["torch"] = d
         from .coldweights import release_pool
         release_pool()                            # the kernels' timings are done
-        if not entry.get("layer_s"):
+        over = dict(entry.get("overhead") or {})
+        if kind not in over:
             from .overhead import probe_overhead
-            lay, tok, d = probe_overhead(k=4)
-            entry["layer_s"], entry["token_s"] = lay.as_dict(), tok.as_dict()
+            lay, tok, d = probe_overhead(k=4, arch=g.arch, period=period, writer=tiny)
+            over[kind] = {"layer_s": lay.as_dict(), "token_s": tok.as_dict()}
+            entry["overhead"] = over
             detail["overhead"] = d
         entry["fused" + sfx], entry["layers" + sfx] = fused, layers
         data[key] = entry
         save(data)
     detail["from_cache"] = bool(entry) and not detail["measured"] and "overhead" not in detail \
         and "torch" not in detail
+    if not probe:
+        kind = _overhead_kind(g, entry, None, False)[0]
     with _read_back(detail["from_cache"]):
-        rates = _from_entry(entry, sfx) if entry else stated_cpu()
+        rates = _from_entry(entry, sfx, kind) if entry else stated_cpu()
     checks = data.get("speed|" + key)
     if entry and isinstance(entry.get("check_gbps"), (int, float)) and checks:
         detail["spread"] = spread_of(checks, float(entry["check_gbps"]))

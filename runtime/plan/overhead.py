@@ -1,23 +1,33 @@
-"""The runtime's own time per decode step, measured on a real decode: a tiny qwen3moe store
-(random ggml blocks from ``formats.random_blocks``, written with ``formats.gguf_write`` and
-repacked into a temporary folder) at two depths, decoded by ``runtime.engine.Engine`` with
-every expert resident. Its matrices are a few KiB, so its step is the Python and dispatch
-of the forward pass: per layer (norms, attention, router, the expert call, residuals) and
-per token (embedding, output head, sampling), the terms ``plan.predict`` adds beside the
-kernels' products."""
+"""The runtime's own time per decode step, measured on a real decode: a tiny store of the
+planned model's architecture at two depths, decoded by ``runtime.engine.Engine`` with every
+expert resident. Its matrices are a few KiB, so its step is the Python and dispatch of the
+forward pass: per layer (norms, attention of the architecture's kinds: grouped-query, MLA, KDA,
+the DSA indexer, mHC's stream mixing; the router, the expert call, residuals) and per token
+(embedding, output head, sampling), the terms ``plan.predict`` adds beside the kernels'
+products. An MLA or KDA layer does several times a qwen3moe layer's small operations, so the
+probe runs the architecture itself where the caller gives a writer of tiny GGUFs (the CLI
+gives ``expertfs synth``'s; the runtime does not depend on the synthesiser), and a tiny
+qwen3moe written here otherwise, which the figures' source then says."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .geometry import Geometry
 from .rates import Range
 
-__all__ = ["probe_overhead", "write_tiny_gguf"]
+__all__ = ["TinyWriter", "overhead_kind", "probe_overhead", "write_tiny_gguf"]
+
+#: ``writer(path, arch, n_layers, k, period)`` writes a tiny GGUF of ``arch`` with ``n_layers``
+#: decoder layers (the same leading dense blocks at any depth), ``k`` experts used a token,
+#: and its layer kinds repeating every ``period`` layers as the planned model's do
+TinyWriter = Callable[[str, str, int, int, int], None]
 
 _EMBD, _FF, _HEADS, _KV_HEADS, _HD, _VOCAB, _EXPERTS = 256, 256, 4, 2, 64, 512, 8
 
@@ -74,14 +84,25 @@ def write_tiny_gguf(path: str, n_layers: int, k: int, seed: int = 0) -> None:
     write_gguf(path, kv, specs, chunks, alignment=32)
 
 
-def _decode_times(folder: str, n_layers: int, k: int, tokens: int) -> list[float]:
+def overhead_kind(g: Geometry) -> tuple[str, int]:
+    """(architecture, period) of ``g``'s decoder layers as the overhead probe builds them: the
+    period is how often the layer kinds repeat (glm5-next: an MLA layer every ``period``, KDA
+    on the rest), 1 where every layer is alike."""
+    if g.arch == "glm5-next" and g.kv_heads:
+        mla = sum(1 for h in g.kv_heads if h)
+        return g.arch, max(1, round(len(g.kv_heads) / mla)) if mla else 1
+    return g.arch, 1
+
+
+def _decode_times(folder: str, n_layers: int, k: int, tokens: int,
+                  write: Callable[[str, int], None]) -> list[float]:
     """Per-token decode seconds of a tiny store of ``n_layers`` (after a warm-up)."""
     from ...store.repack import repack
     from ..engine import Engine
 
     gguf = os.path.join(folder, f"t{n_layers}.gguf")
     store = os.path.join(folder, f"t{n_layers}.efs")
-    write_tiny_gguf(gguf, n_layers, k)
+    write(gguf, n_layers)
     repack(gguf, store)
     os.unlink(gguf)
     with Engine.open(store, ram_bytes=256 << 20, n_ctx=256,
@@ -93,7 +114,7 @@ def _decode_times(folder: str, n_layers: int, k: int, tokens: int) -> list[float
             logits = eng.decode(tok)
             if i >= 4:
                 out.append(time.perf_counter() - t0)
-            tok = int(logits.argmax()) % _VOCAB
+            tok = int(logits.reshape(-1)[:_VOCAB].argmax())
     return out
 
 
@@ -102,19 +123,33 @@ def _ends(xs: list[float]) -> tuple[float, float]:
     return s[min(len(s) - 1, int(0.3 * len(s)))], s[0]
 
 
-def probe_overhead(k: int = 4, tokens: int = 24) -> tuple[Range, Range, dict[str, Any]]:
+def probe_overhead(k: int = 4, tokens: int = 24, arch: str = "qwen3moe", period: int = 1,
+                   writer: TinyWriter | None = None) -> tuple[Range, Range, dict[str, Any]]:
     """(seconds per layer, seconds per token beyond the layers, details) of the runtime's
-    decode step, through two points: a 2-layer and an 8-layer tiny store. Slow end from the
-    30th percentiles, fast end from the best steps."""
+    decode step, through two points: a tiny store of ``arch`` (by ``writer``; without one, a
+    tiny qwen3moe) at a shallow and a deep depth, both whole multiples of ``period`` so the
+    layers between them mix the kinds as the model does. Slow end from the 30th percentiles,
+    fast end from the best steps."""
     k = max(1, min(_EXPERTS, k))
+    if writer is None:
+        arch, period = "qwen3moe", 1
+
+        def write(path: str, n: int) -> None:
+            write_tiny_gguf(path, n, k)
+    else:
+        def write(path: str, n: int) -> None:
+            writer(path, arch, n, k, period)
+    lo, hi = (2, 8) if period == 1 else (period, 3 * period)
     with tempfile.TemporaryDirectory(prefix="expertfs-plan-") as d:
-        t2 = _decode_times(d, 2, k, tokens)
-        t8 = _decode_times(d, 8, k, tokens)
-    (s2, f2), (s8, f8) = _ends(t2), _ends(t8)
-    layer_s, layer_f = max(1e-6, (s8 - s2) / 6), max(1e-6, (f8 - f2) / 6)
-    tok_s, tok_f = max(0.0, s2 - 2 * layer_s), max(0.0, f2 - 2 * layer_f)
-    src = (f"measured now: decode of a tiny qwen3moe store at 2 and 8 layers, top-{k} of "
-           f"{_EXPERTS} experts, every expert resident ({tokens} tokens each)")
-    detail = {"k": k, "decode_s_2_layers": t2, "decode_s_8_layers": t8}
+        t_lo = _decode_times(d, lo, k, tokens, write)
+        t_hi = _decode_times(d, hi, k, tokens, write)
+    (s_lo, f_lo), (s_hi, f_hi) = _ends(t_lo), _ends(t_hi)
+    layer_s, layer_f = max(1e-6, (s_hi - s_lo) / (hi - lo)), max(1e-6, (f_hi - f_lo) / (hi - lo))
+    tok_s, tok_f = max(0.0, s_lo - lo * layer_s), max(0.0, f_lo - lo * layer_f)
+    kinds = f", an MLA layer every {period}" if period > 1 else ""
+    src = (f"measured now: decode of a tiny {arch} store at {lo} and {hi} layers{kinds}, top-{k} "
+           f"of {_EXPERTS} experts, every expert resident ({tokens} tokens each)")
+    detail = {"k": k, "arch": arch, "period": period, f"decode_s_{lo}_layers": t_lo,
+              f"decode_s_{hi}_layers": t_hi}
     return (Range(max(layer_s, layer_f), min(layer_s, layer_f), src),
             Range(max(tok_s, tok_f), min(tok_s, tok_f), src), detail)

@@ -17,9 +17,8 @@ from typing import Any
 from ...errors import UsageError
 from .budget import Box, Memory, candidates
 from .geometry import Geometry
-from .predict import (Option, Plan, Rates, RoutingRange, make_plan,
-                      predict_option, stated_cpu, stated_gpu, stated_pcie, stated_storage,
-                      storage_from_profile)
+from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
+                      stated_gpu, stated_pcie, stated_storage, storage_from_profile)
 from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
 from .model import load_geometry
 from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
@@ -61,6 +60,7 @@ class PlanRequest:
     disk_gbps: tuple[float, ...] | None = None   # the planned box's drive at expert-sized random
                                            # reads, stated: (fast,) as gpu_gbps, or (slow, fast)
     act_quant: str = "off"                 # run's --act-quant: the CPU products' numerics
+    tiny_store: Any = None                 # overhead.TinyWriter (None: a tiny qwen3moe's)
 
 
 def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
@@ -281,7 +281,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if cpu_mats and (req.probe or req.use_cache):
         from .boxcache import cpu_rates
         say("measuring the CPU kernels" if req.probe else "reading cached rates")
-        cpu, detail["cpu"] = cpu_rates(g, cpu_mats, probe=req.probe, act_quant=req.act_quant)
+        cpu, detail["cpu"] = cpu_rates(g, cpu_mats, probe=req.probe, act_quant=req.act_quant,
+                                       tiny=req.tiny_store)
     gpu_mem = None
     if req.gpu_gbps is not None:
         if req.gpu_gbps <= 0:
