@@ -81,29 +81,65 @@ class TrunkReader:
         self._buf = (torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None
                      else torch.empty(0, dtype=torch.uint8))
         self._closed = threading.Event()       # stops a background prefetch between steps
+        self.row_tables = self._row_tables()
+        for a, b in self._pages(self.row_tables, inner=True):
+            try:                               # a lookup's fault reads its pages, not around
+                self._mm.madvise(mmap.MADV_RANDOM, a, b - a)
+            except OSError:
+                break
 
-    def _advise(self, advice: int) -> bool:
-        """``madvise(advice)`` over the whole map, a step at a time in file order, until the
-        reader is closed; False when the kernel refuses it."""
+    def _row_tables(self) -> list[str]:
+        """The tensors only ever read a row at a time (a token's): the token embedding where
+        the model has an output head of its own (untied), and NextN blocks' ``embed_tokens``.
+        The memory model does not count them resident (``plan.host.trunk_host_bytes``)."""
+        names = [n for n in self.records if n.endswith("nextn.embed_tokens.weight")]
+        if "output.weight" in self.records and "token_embd.weight" in self.records:
+            names.append("token_embd.weight")
+        return names
+
+    def _pages(self, names: list[str], inner: bool) -> list[tuple[int, int]]:
+        """Page ranges of the tensors ``names``: the pages wholly inside each (``inner``: safe
+        to advise for it alone), else every page touching it."""
+        page, out = mmap.PAGESIZE, []
+        for n in names:
+            r = self.records[n]
+            a, b = r.offset, min(r.offset + r.nbytes, self._buf.numel())
+            a, b = (-(-a // page) * page, b // page * page) if inner else \
+                (a // page * page, -(-b // page) * page)
+            if b > a:
+                out.append((a, b))
+        return sorted(out)
+
+    def _advise(self, advice: int, skip: list[tuple[int, int]] = ()) -> bool:
+        """``madvise(advice)`` over the whole map but the ranges ``skip``, a step at a time in
+        file order, until the reader is closed; False when the kernel refuses it."""
         mm = self._mm
         size = len(mm) if mm is not None else 0
-        for a in range(0, size, _ADVICE_STEP):
-            if self._closed.is_set():
-                break
-            try:
-                mm.madvise(advice, a, min(_ADVICE_STEP, size - a))
-            except OSError:
-                return False
+        spans, at = [], 0
+        for a, b in (*skip, (size, size)):
+            if a > at:
+                spans.append((at, min(a, size)))
+            at = max(at, b)
+        for lo, hi in spans:
+            for a in range(lo, hi, _ADVICE_STEP):
+                if self._closed.is_set():
+                    return True
+                try:
+                    mm.madvise(advice, a, min(_ADVICE_STEP, hi - a))
+                except OSError:
+                    return False
         return True
 
     def prefetch(self) -> None:
-        """Have the kernel read all of trunk.bin into the page cache in the background
+        """Have the kernel read trunk.bin into the page cache in the background
         (``MADV_WILLNEED`` from a thread: the call itself can wait on the drive's queue), so the
-        prompt's first pass over the trunk, and a decode step's embedding row, find their pages
-        in memory rather than faulting them in while the compute waits. The trunk is resident
-        in the memory model (``run``'s and ``plan``'s), so this reads nothing it does not count."""
+        prompt's first pass over the trunk finds its pages in memory rather than faulting them
+        in while the compute waits. The trunk is resident in the memory model (``run``'s and
+        ``plan``'s); the row tables are not (a token reads one row of them), so they are left
+        out: under a cap their pages would push out what the model counts."""
         if self._mm is not None:
-            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED,),
+            skip = self._pages(self.row_tables, inner=False)
+            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED, skip),
                              name="expertfs-trunk-prefetch", daemon=True).start()
 
     def populate(self) -> None:
