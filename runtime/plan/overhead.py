@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import UsageError
 from .geometry import Geometry
 from .rates import Range
 
@@ -141,7 +142,12 @@ def probe_overhead(k: int = 4, tokens: int = 24, arch: str = "qwen3moe", period:
             writer(path, arch, n, k, period)
     lo, hi = (2, 8) if period == 1 else (period, 3 * period)
     with tempfile.TemporaryDirectory(prefix="expertfs-plan-") as d:
-        t_lo = _decode_times(d, lo, k, tokens, write)
+        try:
+            t_lo = _decode_times(d, lo, k, tokens, write)
+        except UsageError:                     # the writer has no tiny model of ``arch``
+            if writer is None:
+                raise
+            return probe_overhead(k, tokens)
         t_hi = _decode_times(d, hi, k, tokens, write)
     (s_lo, f_lo), (s_hi, f_hi) = _ends(t_lo), _ends(t_hi)
     layer_s, layer_f = max(1e-6, (s_hi - s_lo) / (hi - lo)), max(1e-6, (f_hi - f_lo) / (hi - lo))

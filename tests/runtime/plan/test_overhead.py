@@ -50,3 +50,13 @@ def test_cpu_rates_cache_the_overhead_per_architecture(tmp_path, monkeypatch) ->
     assert set(entry["overhead"]) == {"qwen3moe/1", "deepseek2/1"}
     offline, d = boxcache.cpu_rates(g, [], probe=False)            # --no-probe: the cached one
     assert "tiny deepseek2 store" in offline.layer_s.source and len(asked) == 2
+
+
+def test_an_architecture_the_writer_lacks_falls_back_to_the_tiny_qwen3moe() -> None:
+    from expertfs.errors import UsageError
+
+    def writer(path, arch, n_layers, k, period):
+        raise UsageError(f"unknown architecture {arch!r}", fix="t")
+
+    lay, _, d = probe_overhead(k=2, tokens=2, arch="qwen9moe", writer=writer)
+    assert d["arch"] == "qwen3moe" and "tiny qwen3moe store" in lay.source
