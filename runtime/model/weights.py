@@ -82,11 +82,7 @@ class TrunkReader:
                      else torch.empty(0, dtype=torch.uint8))
         self._closed = threading.Event()       # stops a background prefetch between steps
         self.row_tables = self._row_tables()
-        for a, b in self._pages(self.row_tables, inner=True):
-            try:                               # a lookup's fault reads its pages, not around
-                self._mm.madvise(mmap.MADV_RANDOM, a, b - a)
-            except OSError:
-                break
+        self._advise_rows(mmap.MADV_RANDOM)    # a lookup's fault reads its pages, not around
 
     def _row_tables(self) -> list[str]:
         """The tensors only ever read a row at a time (a token's): the token embedding where
@@ -96,6 +92,13 @@ class TrunkReader:
         if "output.weight" in self.records and "token_embd.weight" in self.records:
             names.append("token_embd.weight")
         return names
+
+    def _advise_rows(self, advice: int) -> None:
+        for a, b in self._pages(self.row_tables, inner=True):
+            try:
+                self._mm.madvise(advice, a, b - a)
+            except OSError:
+                return
 
     def _pages(self, names: list[str], inner: bool) -> list[tuple[int, int]]:
         """Page ranges of the tensors ``names``: the pages wholly inside each (``inner``: safe
@@ -144,8 +147,13 @@ class TrunkReader:
 
     def populate(self) -> None:
         """Fault every page of trunk.bin in now (``MADV_POPULATE_READ``; where the kernel lacks
-        it, a read of one byte a page): the trunk resident before the first token."""
-        if self._mm is None or self._advise(MADV_POPULATE_READ):
+        it, a read of one byte a page): the trunk resident before the first token, the row
+        tables too, so they are read as the rest, in the drive's read-ahead, not a page at a
+        time."""
+        if self._mm is None:
+            return
+        self._advise_rows(mmap.MADV_NORMAL)
+        if self._advise(MADV_POPULATE_READ):
             return
         log.debug("MADV_POPULATE_READ refused; touching trunk.bin a page at a time")
         page = mmap.PAGESIZE

@@ -97,3 +97,16 @@ def test_a_closed_reader_advises_no_further(store):
     r._mm = type("Map", (), {"__len__": lambda self: 3 << 26,
                              "madvise": lambda self, *a: calls.append(a)})()
     assert r._advise(mmap.MADV_WILLNEED) and not calls
+
+
+def test_populate_reads_the_row_tables_with_the_rest(store):
+    """A populate makes the row tables resident too: it lifts their page-at-a-time advice first,
+    so the kernel reads them in its read-ahead as the rest of the trunk, not 4 KiB a fault."""
+    r = TrunkReader(store)
+    rows = r._pages(r.row_tables, inner=True)
+    calls = []
+    r._mm = type("Map", (), {"__len__": lambda self: len(r._buf),
+                             "madvise": lambda self, *a: calls.append(a)})()
+    r.populate()
+    assert rows and calls[:len(rows)] == [(mmap.MADV_NORMAL, a, b - a) for a, b in rows]
+    assert all(c[0] != mmap.MADV_RANDOM for c in calls)
