@@ -314,14 +314,16 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Ten
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
-          sigmoid: bool, norm_w: bool, w_min: float,
-          w_scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+          sigmoid: bool, norm_w: bool, w_min: float, w_scale: float, n_group: int = 1,
+          n_group_used: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One token's expert choice (``x [1, D]``, router ``weight [E, D]``): softmax or sigmoid
-    probabilities, the top ``k`` of probs (+ ``bias``, for the choice only) best first, their
-    probs as weights, normalised (sum clamped at ``w_min``) when ``norm_w``, times
+    probabilities, the top ``k`` of probs (+ ``bias``, for the choice only) best first, with
+    ``n_group > 1`` only among the ``n_group_used`` groups whose two best score highest,
+    their probs as weights, normalised (sum clamped at ``w_min``) when ``norm_w``, times
     ``w_scale``. ``(ids [1, k] int64, weights [1, k] float32)``; None when not applicable."""
     if not (_f32_cpu(x) and _f32_cpu(weight) and _f32_cpu(bias)) or x.shape[0] != 1:
         return None
     mod = load()
     return None if mod is None else mod.route(x, weight, bias, int(k), bool(sigmoid),
-                                              bool(norm_w), float(w_min), float(w_scale))
+                                              bool(norm_w), float(w_min), float(w_scale),
+                                              int(n_group), int(n_group_used))

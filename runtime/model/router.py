@@ -41,7 +41,20 @@ class Router:
         self.gating, self.norm_w, self.w_scale = cfg.gating, cfg.norm_w, cfg.w_scale
         self.k = k or cfg.n_expert_used
         self.n_group, self.n_group_used = cfg.n_group, cfg.n_group_used
-        self.native = self.n_group <= 1 and self.gating in (GATING_SOFTMAX, GATING_SIGMOID)
+        self.native = self.gating in (GATING_SOFTMAX, GATING_SIGMOID)
+
+    def _native(self, x: torch.Tensor, w: RouterWeights, k: int) -> tuple[int, int] | None:
+        """(n_group, n_group_used) of one token's native choice of ``k``, (1, 1) without a
+        group limit; None where the native call does not apply."""
+        if not self.native or x.shape[0] != 1 or w.bias is not None:
+            return None
+        if self.n_group <= 1:
+            return 1, 1
+        E, G = w.weight.shape[0], self.n_group
+        if E % G or E // G < 2 or not 1 <= self.n_group_used <= G \
+                or k > self.n_group_used * (E // G):
+            return None
+        return G, self.n_group_used
 
     def probs(self, x: torch.Tensor, w: RouterWeights) -> torch.Tensor:
         logits = gemm.linear(x.float(), w.weight, w.bias)            # [T, E]
@@ -68,9 +81,10 @@ class Router:
     def top(self, x: torch.Tensor, w: RouterWeights, k: int) -> torch.Tensor:
         """The top-``k`` ids ``[T, k]`` best first, without their weights (a guess of the
         choice: the lookahead's); one token's from one native call where the kernels take it."""
-        if self.native and x.shape[0] == 1 and w.bias is None:
+        groups = self._native(x, w, k)
+        if groups is not None:
             r = native.route(x, w.weight, w.probs_bias, k, self.gating == GATING_SIGMOID,
-                             False, W_SUM_MIN, 1.0)
+                             False, W_SUM_MIN, 1.0, *groups)
             if r is not None:
                 return r[0]
         return self.select(self.probs(x, w), w, k)
@@ -79,9 +93,10 @@ class Router:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x [T, n_embd]`` → ``(ids [T, k] int64, weights [T, k] float32, probs [T, E])``;
         one token's choice comes from one native call where the kernels take it (probs None)."""
-        if self.native and x.shape[0] == 1 and w.bias is None:
+        groups = self._native(x, w, self.k)
+        if groups is not None:
             r = native.route(x, w.weight, w.probs_bias, self.k, self.gating == GATING_SIGMOID,
-                             self.norm_w, W_SUM_MIN, self.w_scale or 1.0)
+                             self.norm_w, W_SUM_MIN, self.w_scale or 1.0, *groups)
             if r is not None:
                 return r[0], r[1], None
         probs = self.probs(x, w)

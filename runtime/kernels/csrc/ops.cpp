@@ -1024,7 +1024,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("route", &efs::route, "one token's expert ids and weights",
           pybind11::arg("x"), pybind11::arg("W"), pybind11::arg("bias"), pybind11::arg("k"),
           pybind11::arg("sigmoid"), pybind11::arg("norm_w"), pybind11::arg("w_min"),
-          pybind11::arg("w_scale"));
+          pybind11::arg("w_scale"), pybind11::arg("n_group"), pybind11::arg("n_group_used"));
     m.def("set_iq_table", &efs::set_iq_table_t, "one lattice IQ table (gguf-py's, as bytes)",
           pybind11::arg("name"), pybind11::arg("data"));
     m.def("set_threads", &efs::set_threads, "threads of the kernels (0: torch.get_num_threads())");

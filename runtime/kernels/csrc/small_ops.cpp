@@ -222,12 +222,17 @@ void kda_head(void* ctx, int64_t h) {
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& W,
                                          const c10::optional<at::Tensor>& bias, int64_t k,
                                          bool sigmoid, bool norm_w, double w_min,
-                                         double w_scale) {
+                                         double w_scale, int64_t n_group, int64_t n_group_used) {
     check_f32(x, "x");
     check_f32(W, "router weight");
     const int64_t E = W.size(0), D = W.size(1);
     TORCH_CHECK(W.dim() == 2 && x.numel() == D && k >= 1 && k <= E,
                 "expertfs small ops: route takes x [1, D], W [E, D] and 1 <= k <= E");
+    const int64_t G = std::max<int64_t>(1, n_group);
+    TORCH_CHECK(E % G == 0 && (G == 1 || (E / G >= 2 && n_group_used >= 1 &&
+                n_group_used <= G && k <= n_group_used * (E / G))),
+                "expertfs small ops: route's groups must split E evenly, at least 2 experts "
+                "each, and keep room for k");
     const float* bp = weight_of(bias, E);
     std::vector<float> probs((size_t)E), sel((size_t)E);
     logits_rows(W.data_ptr<float>(), x.data_ptr<float>(), probs.data(), E, D);
@@ -240,6 +245,32 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
         for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
     }
     for (int64_t e = 0; e < E; ++e) sel[e] = bp ? probs[e] + bp[e] : probs[e];
+    if (G > 1) {        // a group's score: its two best sel summed; the best n_group_used stay
+        const int64_t per = E / G;
+        std::vector<float> score((size_t)G);
+        for (int64_t g = 0; g < G; ++g) {
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+                if (sel[e] > a) {
+                    b = a;
+                    a = sel[e];
+                } else if (sel[e] > b) {
+                    b = sel[e];
+                }
+            }
+            score[g] = a + b;
+        }
+        std::vector<int64_t> groups((size_t)G);
+        for (int64_t g = 0; g < G; ++g) groups[g] = g;
+        std::partial_sort(groups.begin(), groups.begin() + n_group_used, groups.end(),
+                          [&](int64_t a, int64_t b) {
+                              return score[a] > score[b] || (score[a] == score[b] && a < b);
+                          });
+        std::vector<char> keep((size_t)G, 0);
+        for (int64_t j = 0; j < n_group_used; ++j) keep[groups[j]] = 1;
+        for (int64_t e = 0; e < E; ++e)
+            if (!keep[e / per]) sel[e] = -INFINITY;
+    }
     std::vector<int64_t> order((size_t)E);
     for (int64_t e = 0; e < E; ++e) order[e] = e;
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {

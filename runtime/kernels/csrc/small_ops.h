@@ -29,14 +29,16 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        at::Tensor& kc, at::Tensor& vc, int64_t p0, double scale);
 
 // One token's expert choice, as runtime/model/router.py: logits = W x (W [E, D], x [1, D]);
-// probs = softmax or sigmoid (`sigmoid`); the top k of probs (+ bias [E] when given, for the
-// choice only), best first, ties to the lower id; weights = probs of those, divided by their
-// sum (clamped at w_min) when `norm_w`, times `w_scale`. Returns (ids [1, k] int64, weights
+// probs = softmax or sigmoid (`sigmoid`); sel = probs (+ bias [E] when given, for the choice
+// only); with n_group > 1 groups of E / n_group experts, each scored by its two best sel
+// summed, only the n_group_used best groups' experts stay (ties to the lower group); the top
+// k of sel, best first, ties to the lower id; weights = probs of those, divided by their sum
+// (clamped at w_min) when `norm_w`, times `w_scale`. Returns (ids [1, k] int64, weights
 // [1, k] float32).
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& W,
                                          const c10::optional<at::Tensor>& bias, int64_t k,
                                          bool sigmoid, bool norm_w, double w_min,
-                                         double w_scale);
+                                         double w_scale, int64_t n_group, int64_t n_group_used);
 
 // One token of the gated delta rule (runtime/model/kda.py, delta_rule_step), in place on the
 // state S [H, Dk, Dv]: per head, with e = exp g, kv = (k e)ᵀS, d = beta (v - kv),

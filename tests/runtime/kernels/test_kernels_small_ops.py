@@ -171,6 +171,45 @@ def test_route_matches_torch_router(gating, biased, norm_w, w_scale):
     assert ids2.shape == (3, 6) and probs2 is not None
 
 
+@pytest.mark.parametrize("E,G,used,k", [(256, 8, 4, 8), (8, 4, 2, 2), (64, 8, 3, 6),
+                                         (48, 6, 1, 8)])
+def test_grouped_route_matches_torch_router(E, G, used, k):
+    """DeepSeek-V3's group-limited choice (sigmoid, selection bias, the best ``used`` of ``G``
+    groups by their two best, then top-k) in the native call: the torch path's ids."""
+    from expertfs.runtime.model.config import GATING_SIGMOID
+    from expertfs.runtime.model.router import Router, RouterWeights
+
+    class Cfg:
+        gating, norm_w, w_scale = GATING_SIGMOID, True, 2.5
+    Cfg.n_expert_used, Cfg.n_group, Cfg.n_group_used = k, G, used
+    g = torch.Generator().manual_seed(E + G)
+    rw = RouterWeights(torch.randn(E, 64, generator=g) / 4, torch.randn(E, generator=g) / 8)
+    r = Router(Cfg())
+    for _ in range(50):
+        x = torch.randn(1, 64, generator=g)
+        ids, wts, probs = r(x, rw)
+        assert probs is None                                        # the native call
+        r.native = False
+        ids_t, wts_t, _ = r(x, rw)
+        top = r.top(x, rw, k)
+        r.native = True
+        assert torch.equal(ids, ids_t) and torch.equal(r.top(x, rw, k), top)
+        torch.testing.assert_close(wts, wts_t, rtol=1e-5, atol=1e-7)
+
+
+def test_grouped_route_that_cannot_hold_k_takes_the_torch_path():
+    from expertfs.runtime.model.config import GATING_SIGMOID
+    from expertfs.runtime.model.router import Router, RouterWeights
+
+    class Cfg:
+        gating, norm_w, w_scale, n_expert_used, n_group, n_group_used = GATING_SIGMOID, True, 1, 6, 4, 1
+    rw = RouterWeights(torch.randn(16, 8), None)
+    ids, _, probs = Router(Cfg())(torch.randn(1, 8), rw)          # 6 > 1 group of 4
+    assert probs is not None and ids.shape == (1, 6)
+    with pytest.raises(RuntimeError, match="groups"):
+        kernels.route(torch.randn(1, 8), rw.weight, None, 6, True, True, 1e-5, 1.0, 4, 1)
+
+
 @pytest.mark.parametrize("shape", [(1, 4, 4), (9, 4, 4), (2, 3, 6, 6), (1, 1, 1)])
 @pytest.mark.parametrize("iters", [1, 2, 20])
 def test_sinkhorn_matches_the_torch_path(shape, iters, monkeypatch):
