@@ -347,6 +347,22 @@ def test_prediction_arithmetic() -> None:
     assert pageable.term("pcie").slow_s == pytest.approx(2 * t["pcie"].slow_s)
 
 
+def test_attention_moves_the_kda_state_both_ways() -> None:
+    """A recurrent (KDA) layer reads its fixed state and writes it back each token: the
+    attention term moves the cache once and the state twice."""
+    g = like("GLM-5.3-Flash")
+    assert g.state_bytes > 0
+    box = Box(512 * GiB, 0, ctx=4096)
+    mem = layout(g, box, "cpu", "quant")
+    mib = 2**20
+    r = Routing("a", True, "wlfu", 100, 1.0, 0.0, 0.0, 0, 0, 0)
+    rates = Rates(Range(1.0, 4.0, "t"), Range(10.0, 20.0, "t"), stated_cpu(), stated_gpu(["Q4_K"]))
+    t = predict(g, mem, RoutingRange(r, r), rates, box).term("attention")
+    moved = kv_cache_bytes(g, 4096, mem.kv_type) + g.state_bytes
+    assert t.slow_s == pytest.approx(moved / (rates.cpu.mem_gbps.slow * 1e9))
+    assert f"{moved / mib:.0f} MiB" in t.detail and "KDA state read and written" in t.detail
+
+
 def test_cpu_run_has_no_pcie_term_and_is_cpu_bound() -> None:
     g = like("Qwen3-30B-A3B")
     p = plan_for(g, Box(64 * GiB, 0), where="cpu", trunk="quant")
