@@ -12,6 +12,7 @@ qwen3moe written here otherwise, which the figures' source then says."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from ...errors import UsageError
 from .geometry import Geometry
 from .rates import Range
 
-__all__ = ["TinyWriter", "overhead_kind", "probe_overhead", "write_tiny_gguf"]
+__all__ = ["TinyWriter", "overhead_kind", "probe_overhead", "source_label", "write_tiny_gguf"]
 
 #: ``writer(path, arch, n_layers, k, period)`` writes a tiny GGUF of ``arch`` with ``n_layers``
 #: decoder layers (the same leading dense blocks at any depth), ``k`` experts used a token,
@@ -93,6 +94,14 @@ def overhead_kind(g: Geometry) -> tuple[str, int]:
         mla = sum(1 for h in g.kv_heads if h)
         return g.arch, max(1, round(len(g.kv_heads) / mla)) if mla else 1
     return g.arch, 1
+
+
+def source_label(source: str) -> str:
+    """A figure's source in short: when it was measured, and on which tiny store (so a plan
+    says whether its model's own architecture or the tiny qwen3moe set its overhead)."""
+    m = re.search(r"a tiny (\S+) store", source)
+    head = source.split(":")[0]
+    return f"{head}, a tiny {m.group(1)} store" if m else head
 
 
 def _decode_times(folder: str, n_layers: int, k: int, tokens: int,

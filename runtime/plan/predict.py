@@ -22,6 +22,7 @@ from .budget import Box, Memory, Note, _gib, trunk_reads
 from .coldstart import start_terms
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
+from .overhead import source_label
 from .overlap import OVERLAP_DETAIL, decode_overlap
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
                     stated_pcie, stated_storage, storage_from_profile)
@@ -167,7 +168,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
         terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x {lr.fast * 1e6:.0f}-"
                                            f"{lr.slow * 1e6:.0f} us + {tk.fast * 1e6:.0f}-"
                                            f"{tk.slow * 1e6:.0f} us a token of the runtime's "
-                                           f"own work ({lr.source.split(':')[0]})"))
+                                           f"own work ({source_label(lr.source)})"))
     else:
         dp = both(lambda e: g.n_layers * (OPS_PER_LAYER * trunk_rates.op_s.at(e)
                                          + syncs * rates.gpu.sync_s.at(e)))

@@ -195,6 +195,7 @@ def test_store_probe_measures_storage_and_cpu(capsys, tiny_store) -> None:
             "measured now: runtime.kernels.matvec Q4_K")
     assert cpu["layer_s"]["source"].startswith("measured now: decode of a tiny qwen3moe store")
     assert "expert_overhead" not in d["prediction"]["terms"]
+    assert "(measured now, a tiny qwen3moe store)" in d["prediction"]["terms"]["dispatch"]["detail"]
     # cached per box: --no-probe now reads this machine's figures, measuring nothing
     again = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", "--tokens", "16",
                      "--no-probe")
