@@ -209,7 +209,8 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
                           and 1 / DRIFT <= now / then <= DRIFT):
             detail["dropped"] = {"check_gbps_then": then, "check_gbps_now": now}
             entry = {}
-        kind, period, tiny = _overhead_kind(g, entry, tiny, probe)
+    kind, period, tiny = _overhead_kind(g, entry, tiny, probe)
+    if probe:
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
         data["speed|" + key] = recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
@@ -248,8 +249,6 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
         save(data)
     detail["from_cache"] = bool(entry) and not detail["measured"] and "overhead" not in detail \
         and "torch" not in detail
-    if not probe:
-        kind = _overhead_kind(g, entry, None, False)[0]
     with _read_back(detail["from_cache"]):
         rates = _from_entry(entry, sfx, kind) if entry else stated_cpu()
     checks = data.get("speed|" + key)

@@ -151,10 +151,9 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
     tr = both(lambda e: _compute_cost(trunk_rates, mats, e, quantized=pl.trunk_mode == "quant"))
     terms.append(Term("trunk", *tr, f"{sum(m.nbytes * m.count for m in mats) / MiB:.0f} MiB of "
                                     f"trunk matrices ({pl.trunk_mode}) on the {pl.trunk.upper()}"))
-    # the cache read, and the recurrent layers' state (KDA) written back as well as read
-    kv_slow = kv_cache_bytes(g, box.ctx, mem.kv_type) + g.state_bytes
-    kv_fast = kv_cache_bytes(g, max(1, int(box.ctx * ATTENTION_FAST_FRACTION)), mem.kv_type) \
-        + g.state_bytes
+    # the cache read (its fixed state part too), and the recurrent layers' state written back
+    kv_slow, kv_fast = (kv_cache_bytes(g, ctx, mem.kv_type) + g.state_bytes
+                        for ctx in (box.ctx, max(1, int(box.ctx * ATTENTION_FAST_FRACTION))))
     at = (kv_slow / (trunk_rates.mem_gbps.slow * 1e9), kv_fast / (trunk_rates.mem_gbps.fast * 1e9))
     what = "KV cache read" + (", KDA state read and written," if g.state_bytes else "")
     terms.append(Term("attention", *at, f"{what} {kv_slow / MiB:.0f} MiB at ctx {box.ctx} "

@@ -160,10 +160,8 @@ EFS_TI void decode_blocks32(const uint8_t* b, uint8_t* u, float* d, int n = 8,
         __m256i w;
         if constexpr (TYPE == T_Q8_0) {
             w = _mm256_xor_si256(loadu256(b + 2), k128);
-        } else if constexpr (TYPE == T_Q4_0) {          // q - 8 + 128
-            w = _mm256_add_epi8(nibbles(loadu128(b + 2)), _mm256_set1_epi8(120));
-        } else if constexpr (TYPE == T_Q5_0) {          // q - 16 + 128
-            w = _mm256_add_epi8(b32_codes<TYPE>(b), _mm256_set1_epi8(112));
+        } else if constexpr (TYPE == T_Q4_0 || TYPE == T_Q5_0) {   // q - 8 (Q5_0: 16) + 128
+            w = _mm256_add_epi8(b32_codes<TYPE>(b), _mm256_set1_epi8(TYPE == T_Q4_0 ? 120 : 112));
         } else if constexpr (TYPE == T_Q4_1 || TYPE == T_Q5_1) {  // q as stored, the min apart
             w = b32_codes<TYPE>(b);
             m[k] = f16(b + 2);
