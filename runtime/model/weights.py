@@ -82,6 +82,7 @@ class TrunkReader:
                      else torch.empty(0, dtype=torch.uint8))
         self._closed = threading.Event()       # stops a background prefetch between steps
         self.row_tables = self._row_tables()
+        self.row_pages = self._pages(self.row_tables)
         self._advise_rows(mmap.MADV_RANDOM)    # a lookup's fault reads its pages, not around
 
     def _row_tables(self) -> list[str]:
@@ -94,21 +95,20 @@ class TrunkReader:
         return names
 
     def _advise_rows(self, advice: int) -> None:
-        for a, b in self._pages(self.row_tables, inner=True):
+        for a, b in self.row_pages:
             try:
                 self._mm.madvise(advice, a, b - a)
             except OSError:
                 return
 
-    def _pages(self, names: list[str], inner: bool) -> list[tuple[int, int]]:
-        """Page ranges of the tensors ``names``: the pages wholly inside each (``inner``: safe
-        to advise for it alone), else every page touching it."""
+    def _pages(self, names: list[str]) -> list[tuple[int, int]]:
+        """Byte ranges of the pages wholly inside each of the tensors ``names``: what can be
+        advised for them alone (a page they share holds a neighbour's bytes too)."""
         page, out = mmap.PAGESIZE, []
         for n in names:
             r = self.records[n]
-            a, b = r.offset, min(r.offset + r.nbytes, self._buf.numel())
-            a, b = (-(-a // page) * page, b // page * page) if inner else \
-                (a // page * page, -(-b // page) * page)
+            a = -(-r.offset // page) * page
+            b = min(r.offset + r.nbytes, self._buf.numel()) // page * page
             if b > a:
                 out.append((a, b))
         return sorted(out)
@@ -139,10 +139,10 @@ class TrunkReader:
         prompt's first pass over the trunk finds its pages in memory rather than faulting them
         in while the compute waits. The trunk is resident in the memory model (``run``'s and
         ``plan``'s); the row tables are not (a token reads one row of them), so they are left
-        out: under a cap their pages would push out what the model counts."""
+        out (but the pages they share with a neighbour): under a cap their pages would push
+        out what the model counts."""
         if self._mm is not None:
-            skip = self._pages(self.row_tables, inner=False)
-            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED, skip),
+            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED, self.row_pages),
                              name="expertfs-trunk-prefetch", daemon=True).start()
 
     def populate(self) -> None:

@@ -66,14 +66,14 @@ def test_prefetch_reads_it_in_the_background_but_the_row_tables(store):
     leaves it out, and a lookup reads its own pages, not the drive's read-ahead around them."""
     r = cold_reader(store)
     assert r.row_tables == ["token_embd.weight"]
-    rows = r._pages(r.row_tables, inner=False)
+    page, rec = mmap.PAGESIZE, r.records["token_embd.weight"]
+    rows = [(rec.offset // page * page, -(-(rec.offset + rec.nbytes) // page) * page)]
     r.prefetch()
     end = time.monotonic() + 30
     while resident(r, rows) < 1.0 and time.monotonic() < end:
         time.sleep(0.01)
     assert resident(r, rows) == 1.0
-    inner = r._pages(r.row_tables, inner=True)
-    page = mmap.PAGESIZE
+    inner = r.row_pages
     if not inner or inner[0][1] - inner[0][0] < 8 * page:
         pytest.skip("the tiny store's embedding spans too few pages")
     a, b = inner[0]
@@ -103,7 +103,7 @@ def test_populate_reads_the_row_tables_with_the_rest(store):
     """A populate makes the row tables resident too: it lifts their page-at-a-time advice first,
     so the kernel reads them in its read-ahead as the rest of the trunk, not 4 KiB a fault."""
     r = TrunkReader(store)
-    rows = r._pages(r.row_tables, inner=True)
+    rows = r.row_pages
     calls = []
     r._mm = type("Map", (), {"__len__": lambda self: len(r._buf),
                              "madvise": lambda self, *a: calls.append(a)})()
