@@ -162,6 +162,10 @@ def _metadata(w: GGUFWriter, kind: str, c, n_vocab: int) -> None:
         w.add_rope_scaling_factor(float(rp["factor"]))
         if rp["rope_type"] == "yarn":
             w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+            if rp.get("beta_fast") is not None:                    # as conversion/base.py
+                w.add_rope_scaling_yarn_beta_fast(float(rp["beta_fast"]))
+            if rp.get("beta_slow") is not None:
+                w.add_rope_scaling_yarn_beta_slow(float(rp["beta_slow"]))
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     n_exp = {"qwen3moe": "num_experts", "glm4moe": "n_routed_experts",

@@ -206,6 +206,9 @@ class ModelConfig:
             rope_yarn=scaling == "yarn",
             rope_orig_ctx=int(a("rope.scaling.original_context_length", 0) or
                               a("context_length", 4096)),
+            # the file's (the converter writes the model's; Kimi-K2's are 1 / 1), as transformers
+            # computes; llama.cpp 0.3.36 reads them for grok and mistral3 only, its deepseek2
+            # keeps 32 / 1 (so its Kimi-K2 logits drift from these with the position)
             yarn_beta_fast=float(a("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
             yarn_beta_slow=float(a("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
             gating=gating, norm_w=norm_w, w_scale=w_scale,

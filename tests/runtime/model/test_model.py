@@ -262,6 +262,12 @@ def test_kv_cache_grows_and_refuses_overflow(tmp_path):
     ("mixtral", {"rope_type": "linear", "factor": 2.0}),
     ("deepseek2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                    "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+    # Kimi-K2's: beta_fast = beta_slow = 1 (a one-dimension ramp), which the file carries and
+    # llama.cpp 0.3.36's deepseek2 does not read (it keeps its 32 / 1): transformers is the
+    # reference here
+    ("deepseek2", {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                   "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                   "rope_theta": 50000.0}),
 ])
 def test_rope_scaling_matches_transformers(tmp_path, kind, scaling):
     model, _, store = convert(kind, str(tmp_path), seed=15, rope_scaling=scaling,
