@@ -239,7 +239,8 @@ def _projections(x: torch.Tensor, w: KDAWeights) -> tuple[torch.Tensor, ...]:
     else:
         fa, ga, b = w.f_a(x), w.g_a(x), w.beta(x)
     fg = None if x.shape[0] != 1 or w.b_rows is None else native.moe_down_rows(  # both in one
-        torch.cat((fa, ga)).float(), w.b_rows, w.f_b.q.ggml_type, w.f_b.out_features)
+        torch.cat((fa, ga)).float(), w.b_rows, w.f_b.q.ggml_type, w.f_b.out_features,
+        w.f_b.act_quant)
     f, gate = (fg[:1], fg[1:]) if fg is not None else (w.f_b(fa), w.g_b(ga))
     return qkv.float(), f.float(), gate.float(), b.float()
 

@@ -242,16 +242,24 @@ def set_act_quant(t: TrunkWeights, mode: str) -> None:
     for lin in linears(t, nextn=True):
         if lin.q is not None and lin.fused:
             lin.act_quant = None if mode == "off" else mode
+    for b in t.blocks + t.nextn:                          # MLA's per-head k_b / v_b products
+        for hm in _attrs_of(b.attn, HeadMatrices):
+            hm.act_quant = None if mode == "off" else mode
 
 
 def _linears_of(obj: object) -> list[Linear]:
-    """The ``Linear`` attributes of a weights dataclass, nested ones (an indexer's) included."""
+    return _attrs_of(obj, Linear)
+
+
+def _attrs_of(obj: object, kind: type) -> list:
+    """The ``kind`` attributes of a weights dataclass, nested ones (an indexer's, a glm5-next
+    layer's MLA) included."""
     if obj is None:
         return []
     out = []
     for v in vars(obj).values():
-        if isinstance(v, Linear):
+        if isinstance(v, kind):
             out.append(v)
         elif hasattr(v, "__dataclass_fields__"):
-            out += _linears_of(v)
+            out += _attrs_of(v, kind)
     return out

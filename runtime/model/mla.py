@@ -55,7 +55,7 @@ class HeadMatrices:
     (``raw``, every head's rows contiguous) for the native kernels; ``quantized`` builds the
     second from a ``RawTensor`` where the kernels take its type (else None)."""
 
-    __slots__ = ("weight", "raw", "heads", "ggml_type", "shape", "max_tokens")
+    __slots__ = ("weight", "raw", "heads", "ggml_type", "shape", "max_tokens", "act_quant")
 
     def __init__(self, weight: torch.Tensor | None, raw: RawTensor | None = None) -> None:
         self.weight, self.raw = weight, raw
@@ -64,6 +64,7 @@ class HeadMatrices:
         self.ggml_type = None if raw is None else raw.ggml_type
         self.heads = None if raw is None else list(raw.raw.view(self.shape[0], -1).unbind(0))
         self.max_tokens = 0 if raw is None else HEAD_MAX_TOKENS
+        self.act_quant: str | None = None   # "q8": llama.cpp's 8-bit activations (loader)
 
     @classmethod
     def quantized(cls, raw: RawTensor) -> HeadMatrices | None:
@@ -89,7 +90,8 @@ class HeadMatrices:
         if T <= self.max_tokens and x.is_cpu:
             xf = x.float()
             if T == 1:                         # every head in one call: row h by matrix h
-                y = native.moe_down_rows(xf[0].contiguous(), self.heads, self.ggml_type, R)
+                y = native.moe_down_rows(xf[0].contiguous(), self.heads, self.ggml_type, R,
+                                         self.act_quant)
                 if y is not None:
                     return y.view(1, H, R).to(x.dtype)
             else:
@@ -99,7 +101,8 @@ class HeadMatrices:
                 # pass of the rows kernels
                 wide = T >= max(HEAD_PANEL_TOKENS, native.max_tokens(self.ggml_type, 0) + 1)
                 product = native.qgemm if wide else native.matvec
-                ys = [product(xh[h], self.heads[h], self.ggml_type, (R, C)) for h in range(H)]
+                ys = [product(xh[h], self.heads[h], self.ggml_type, (R, C), self.act_quant)
+                      for h in range(H)]
                 if all(y is not None for y in ys):
                     return torch.stack(ys, dim=1).to(x.dtype)
         w = self.weight if self.weight is not None else self.dense(x.dtype)

@@ -60,6 +60,38 @@ def test_quantized_head_matrices_equal_the_float_einsum(t, T):
     assert _maxd(hm.apply(wide[..., :C]), torch.einsum("thc,hrc->thr", wide[..., :C], w)) <= TOL
 
 
+@needs_native
+@pytest.mark.parametrize("T", [1, 3])
+def test_head_matrices_take_q8_activations_like_the_trunk(T):
+    """``--act-quant q8`` reaches MLA's per-head products (llama.cpp quantizes ``q_nope`` and
+    the attention's latents as it does every activation): each head as the q8 row kernels
+    multiply it."""
+    H, R, C = 4, 48, 256
+    raw = _heads_raw(GT.Q8_0, H, R, C, 11)
+    hm = HeadMatrices.quantized(RawTensor("attn_v_b.weight", raw, GGMLType.Q8_0, (H, R, C)))
+    x = torch.randn(T, H, C, generator=torch.Generator().manual_seed(3))
+    exact = hm.apply(x)
+    hm.act_quant = "q8"
+    got = hm.apply(x)
+    want = torch.stack([native.matvec(x[:, h].contiguous(), hm.heads[h], GGMLType.Q8_0, (R, C),
+                                      "q8") for h in range(H)], dim=1)
+    assert torch.equal(got, want) and not torch.equal(got, exact)
+
+
+@needs_native
+def test_the_engine_sets_q8_on_every_layers_head_matrices(tmp_path):
+    from expertfs.runtime.engine import Engine
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    synthesize(SynthConfig.tiny("deepseek2").replace(quant="Q8_0"), str(tmp_path / "d.gguf"))
+    repack([str(tmp_path / "d.gguf")], str(tmp_path / "d.efs"))
+    for mode, want in (("q8", "q8"), ("off", None)):
+        with Engine.open(str(tmp_path / "d.efs"), provider="direct", act_quant=mode) as e:
+            heads = [b.attn.k_b for b in e.model.trunk.blocks] + [b.attn.v_b
+                                                                  for b in e.model.trunk.blocks]
+            assert heads and all(h.raw is not None and h.act_quant == want for h in heads)
+
+
 def test_float_and_unsupported_head_matrices_stay_float():
     w = torch.randn(2, 8, 32)
     hm = HeadMatrices(w)

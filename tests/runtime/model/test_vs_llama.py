@@ -66,3 +66,17 @@ def test_synth_model_with_k_quants_agrees(tmp_path, quant):
     q8 = ours(str(tmp_path / "s.efs"), toks, "q8")
     assert (q8.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
     assert np.median(np.abs(q8 - ref)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm-dsa", "glm5-next"])
+def test_mla_q8_mode_is_llama_cpps_numerics(tmp_path, arch):
+    """MLA's per-head ``k_b``/``v_b`` products take q8 activations too: a short prompt (every
+    product on the row kernels) in q8 mode gives llama.cpp's logits but for float order."""
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    gguf = str(tmp_path / "m.gguf")
+    synthesize(SynthConfig.tiny(arch).replace(quant="Q8_0"), gguf)
+    repack([gguf], str(tmp_path / "m.efs"))
+    toks = [5, 100, 37]
+    ref = llama_logits(gguf, toks)
+    assert np.abs(ours(str(tmp_path / "m.efs"), toks, "q8") - ref).max() < 1e-4
