@@ -99,6 +99,13 @@ def plan_slots(geo: SlotGeometry, ram_bytes: int, vram_bytes: int, *, queue_dept
                              + (" (reads are staged in RAM on their way to the device)" if vram else ""))
     total = sum(geo.experts)              # more slots than experts would never be used
     vram = min(vram, total)
+    tier, name, have = (vram, "VRAM", vram_bytes) if vram else (min(host, total), "RAM", ram_bytes)
+    if tier < min(geo.k, total):          # a decode step holds a layer's k experts at once
+        raise UsageError(f"a {name} budget of {have} bytes holds {tier} "
+                         f"expert{'' if tier == 1 else 's'}, and a token uses {geo.k} of a "
+                         f"layer at once (one slot is {geo.stride} bytes)",
+                         fix=f"give at least {geo.k * geo.stride} bytes"
+                             + (", or 0" if vram else ""))
     if not vram:
         if host >= total:                 # every expert fits: nothing to predict
             return Slots(total, 0, total, 0)

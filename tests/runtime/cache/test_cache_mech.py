@@ -86,6 +86,13 @@ def test_plan_slots_budgets(store):
         plan_slots(g, 10 * g.stride, 100, queue_depth=8)
     with pytest.raises(UsageError, match="staged in RAM"):
         plan_slots(g, 0, 10 * g.stride, queue_depth=8)
+    # a decode step holds a layer's k experts at once: a tier of fewer is refused up front
+    # (it used to fail at the first token, a CapacityError out of the cache)
+    with pytest.raises(UsageError, match=f"holds {K - 1} experts.*uses {K} of a layer"):
+        plan_slots(g, (K - 1) * g.stride, 0, queue_depth=8)
+    with pytest.raises(UsageError, match=f"VRAM budget .* holds {K - 1} experts"):
+        plan_slots(g, 20 * g.stride, (K - 1) * g.stride, queue_depth=8)
+    assert plan_slots(g, K * g.stride, 0, queue_depth=8).compute == K
 
 
 def test_slot_table_cpu_is_one_array():
