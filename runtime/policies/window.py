@@ -56,7 +56,11 @@ class WindowLFU(Policy):
         cand = self._leaving()
         weakest = self.main.lowest(self.pinned) if len(self.main) else None
         if cand is None and weakest is None:
-            raise self._full_error()
+            # the frequency region is all pinned (seeded hot keys the running layer uses) and
+            # the window not yet full: its least recent unpinned key goes
+            cand = next((k for k in self.win if k not in self.pinned), None)
+            if cand is None:
+                raise self._full_error()
         if cand is None:
             return weakest
         if weakest is None:

@@ -153,6 +153,20 @@ def test_window_lfu_key_that_became_frequent_wins_its_duel() -> None:
     assert resident(p, "abcd") == {"b", "d"}
 
 
+def test_window_lfu_evicts_from_a_part_full_window_when_the_rest_is_pinned() -> None:
+    """Seeded hot keys fill the frequency region, the window is not full, and the running
+    layer pins the hot keys: the window's unpinned key is the victim (it was a CapacityError
+    with a free slot's worth of unpinned keys, at a tier of exactly k slots)."""
+    p = WindowLFU(4, window=4, half_life=None)
+    p.seed({"a": 5.0, "b": 4.0}, 0)
+    replay(p, "cd")
+    p.pinned |= {"a", "b", "d", "e"}
+    assert p.victim("e") == "c"
+    p.pinned.add("c")
+    with pytest.raises(CapacityError):
+        p.victim("e")
+
+
 def test_window_lfu_without_room_for_its_window_is_plain_decayed_lfu() -> None:
     p, q = WindowLFU(3, window=4, half_life=8), DecayLFU(3, half_life=8)
     seq = [i % 5 for i in range(40)] + [0, 0, 1] * 5
