@@ -23,12 +23,18 @@ def even_quotas(capacity: int, n_layers: int) -> list[int]:
 
 class PerLayer(Policy):
     def __init__(self, capacity: int, factory: Callable[[int], Policy], layer_of: Callable[[Key], int],
-                 n_layers: int, quotas: Sequence[int] | None = None) -> None:
+                 n_layers: int, quotas: Sequence[int] | None = None, need: int = 1) -> None:
+        """``need``: slots a layer uses at once (a token's k), which every quota must hold."""
         super().__init__(capacity)
         quotas = list(quotas) if quotas is not None else even_quotas(capacity, n_layers)
         if len(quotas) != n_layers or sum(quotas) != capacity or min(quotas) < 1:
             raise UsageError(f"per-layer quotas {quotas} do not split {capacity} slots over "
                              f"{n_layers} layers", fix="give at least one slot per layer")
+        if min(quotas) < need:
+            raise UsageError(f"a per-layer policy gives a layer {min(quotas)} of the tier's "
+                             f"{capacity} slots, and a token uses {need} of a layer at once",
+                             fix=f"give the tier at least {need * n_layers} slots, or a global "
+                                 "policy (without /layer)")
         self.layer_of = layer_of
         self.subs = [factory(q) for q in quotas]
         self.name = f"{self.subs[0].name}/layer"

@@ -73,7 +73,7 @@ def make_factory(spec: str, *, n_layers: int, route_width: int, layer_of: Callab
     if not slash:
         return _base(name, n_layers * route_width)
     base = _base(name, route_width)
-    return lambda c: PerLayer(c, base, layer_of, n_layers)
+    return lambda c: PerLayer(c, base, layer_of, n_layers, need=route_width)
 
 
 def parse_policies(text: str) -> list[str]:

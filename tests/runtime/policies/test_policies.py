@@ -195,6 +195,14 @@ def test_per_layer_quota_is_a_wall() -> None:
     assert p.name == "lru/layer"
 
 
+def test_per_layer_quotas_below_a_route_are_refused() -> None:
+    """A layer's quota must hold the experts a token uses of it at once (else the first token
+    failed with a CapacityError out of the cache)."""
+    make_factory("lru/layer", n_layers=2, route_width=4, layer_of=lambda k: k % 2)(8)
+    with pytest.raises(UsageError, match="gives a layer 3 of the tier's 7 slots.*uses 4"):
+        make_factory("lru/layer", n_layers=2, route_width=4, layer_of=lambda k: k % 2)(7)
+
+
 def test_per_layer_shares_pinned() -> None:
     p = PerLayer(2, LRU, lambda k: k[0], n_layers=2)
     replay(p, [(0, 1), (1, 1)])
@@ -241,6 +249,8 @@ FACTORIES = {name: make_factory(name, n_layers=3, route_width=2, layer_of=lambda
        rows=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=2, unique=True),
                      max_size=120))
 def test_protocol_invariants(name: str, cap: int, rows) -> None:
+    if name.endswith("/layer"):
+        cap = max(cap, 6)               # quotas of the route width (2) on each of 3 layers
     p = FACTORIES[name](cap)
     shadow: set[int] = set()
     for t, row in enumerate(rows):
