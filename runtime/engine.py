@@ -33,7 +33,7 @@ from ..errors import UsageError
 from .experts.protocol import ExpertProvider, WarmStart
 from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
-from .model import DequantCache, ExpertRunner, Model, ModelConfig, Router, TrunkReader, load_trunk
+from .model import ExpertRunner, Model, ModelConfig, Router, TrunkReader, dequant_cache, load_trunk
 from .model.loader import set_act_quant
 from .prefetch.lookahead import LookaheadStats, lookahead_slots
 
@@ -163,8 +163,8 @@ class Engine:
         look = LookaheadStats(options.lookahead_margin) if options.lookahead else None
         dev = self.device.type                  # no native products off the CPU: groups
         self.runner = ExpertRunner(provider, Router(self.config), self.dtype,
-                                   DequantCache(options.dq_cache), look, fused=fused,
-                                   grouped=dev != "cpu", group_products=dev == "cuda",
+                                   dequant_cache(store, options.dq_cache, fused, dev), look,
+                                   fused=fused, grouped=dev != "cpu", group_products=dev == "cuda",
                                    group_max=max(1, self.config.n_expert_used))
         self.runner.set_act_quant(options.act_quant)
         set_act_quant(self.trunk, options.act_quant)      # the trunk's products: the same numerics

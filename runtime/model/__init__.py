@@ -14,12 +14,12 @@ holds one module per architecture with layer kinds of its own (``glm_dsa``: GLM-
 """
 
 from .config import ARCHS, ModelConfig
-from .dqcache import DequantCache
+from .dqcache import DequantCache, dequant_cache
 from .loader import TrunkWeights, load_trunk
 from .model import Model
 from .moe import ExpertRunner, MoEStats
 from .router import Router
 from .weights import TrunkReader
 
-__all__ = ["ARCHS", "ModelConfig", "DequantCache", "TrunkWeights", "load_trunk",
+__all__ = ["ARCHS", "ModelConfig", "DequantCache", "dequant_cache", "TrunkWeights", "load_trunk",
            "Model", "ExpertRunner", "MoEStats", "Router", "TrunkReader"]

@@ -201,9 +201,9 @@ def test_lookahead_prefetches_next_layer_and_scores(glm):
 
 def test_dequant_cache_hits_and_same_logits(tmp_path):
     _, _, store = convert("qwen3moe", str(tmp_path), seed=12, expert_type=T.Q4_0)
-    with Engine.open(store, provider="direct") as a:
+    with Engine.open(store, provider="direct", fused="off") as a:
         ref = a.logits(TOKENS).numpy()
-    with Engine.open(store, provider="direct", dq_cache=64 << 20) as b:
+    with Engine.open(store, provider="direct", dq_cache=64 << 20, fused="off") as b:
         got1 = b.logits(TOKENS).numpy()
         fetched = b.runner.stats.fetches
         got2 = b.logits(TOKENS).numpy()
@@ -214,10 +214,25 @@ def test_dequant_cache_hits_and_same_logits(tmp_path):
     assert s["dq_cache"]["hits"] > 0 and s["dq_cache"]["used"] <= 64 << 20
 
 
+def test_dequant_cache_is_off_where_the_native_kernels_take_every_expert_type(tmp_path, caplog):
+    """On the CPU the native products from the blocks beat dequantized floats: the cache is
+    not used, and says so."""
+    from expertfs.runtime import kernels
+    _, _, store = convert("qwen3moe", str(tmp_path), seed=12, expert_type=T.Q4_0)
+    with caplog.at_level("WARNING"), Engine.open(store, provider="direct",
+                                                 dq_cache=64 << 20) as e:
+        e.logits(TOKENS)
+        s = e.stats()["dq_cache"]
+    if kernels.available():
+        assert s["budget"] == 0 and s["hits"] == 0 and "--dq-cache not used" in caplog.text
+    else:
+        assert s["budget"] == 64 << 20
+
+
 def test_dequant_cache_budget_evicts(tmp_path):
     _, _, store = convert("qwen3moe", str(tmp_path), seed=13)
     one = 3 * 32 * 64 * 4                                   # one float32 expert
-    with Engine.open(store, provider="direct", dq_cache=3 * one) as e:
+    with Engine.open(store, provider="direct", dq_cache=3 * one, fused="off") as e:
         e.logits(TOKENS)
         s = e.stats()["dq_cache"]
     assert s["experts"] <= 3 and s["used"] <= 3 * one and s["evictions"] > 0
