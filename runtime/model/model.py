@@ -71,10 +71,11 @@ class Model:
         if self.runner.lookahead is not None:
             self.runner.lookahead.reset_pending()
 
-    def _predict(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """Layer ``layer+1``'s router on this layer's residual stream (its own FFN norm): with
-        the lookahead on, or for a prompt batch with ``prefill_prefetch`` (top-k per token: the
-        batch's union is what the next layer will mostly read)."""
+    def predict_next(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """Layer ``layer+1``'s router on this layer's residual stream (glm5-next: this layer's
+        FFN input from its streams), through its own FFN norm: with the lookahead on, or for a
+        prompt batch with ``prefill_prefetch`` (top-k per token: the batch's union is what the
+        next layer will mostly read)."""
         nxt = layer + 1
         batch = x.shape[0] > 1 and self.prefill_prefetch and not self.lookahead
         if not (self.lookahead or batch) or nxt >= self.cfg.n_layers:
@@ -116,7 +117,7 @@ class Model:
             h = rms_norm(x, blk.attn_norm, cfg.rms_eps).to(self.dtype)
             x = x + attend(h, blk.attn, cfg, self.rope, cos, sin, self.cache, L, mask).float()
             h = rms_norm(x, blk.ffn_norm, cfg.rms_eps).to(self.dtype)
-            pred = self._predict(L, x)
+            pred = self.predict_next(L, x)
             if blk.moe is not None:
                 y = self.runner.forward(L, h, blk.moe, pred)
             else:

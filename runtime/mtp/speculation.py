@@ -103,7 +103,7 @@ def attach(engine: Any, options: MTPOptions) -> Speculation | None:
     blk = nextn_block(engine.model) if engine.options.load_nextn else None
     if blk is None:
         raise UsageError("--mtp: this store has no NextN/MTP block",
-                         fix="run without --mtp (GLM-4.5-class glm4moe stores carry one)")
+                         fix="run without --mtp (GLM-4.5 and GLM-5 stores carry one)")
     if o.mtp == "auto":
         from .gate import UtilityGate
         depth: Any = UtilityGate(max_depth=max(1, o.mtp_max))

@@ -284,9 +284,13 @@ def forward_blocks(m: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             return att(h, w.attn, cfg, m.rope, cos, sin, m.cache, L, mask).float()
 
         def ffn(h: torch.Tensor) -> torch.Tensor:
+            pred = m.predict_next(L, h)       # the next layer's router on this FFN's input
             h = rms_norm(h, blk.ffn_norm, cfg.rms_eps).to(m.dtype)
-            y = m.runner.forward(L, h, blk.moe) if blk.moe is not None else blk.dense(h)
-            return y.float()
+            if blk.moe is not None:
+                return m.runner.forward(L, h, blk.moe, pred).float()
+            if pred is not None:
+                m.runner.prefetch(*pred)
+            return blk.dense(h).float()
 
         s = hc_block(s, w.hc_attn, g.hc, attn)
         s = hc_block(s, w.hc_ffn, g.hc, ffn)

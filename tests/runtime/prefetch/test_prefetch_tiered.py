@@ -228,16 +228,19 @@ def test_staged_predictions_still_queued_when_their_layer_runs_are_dropped_unrea
         p.close()
 
 
-def test_engine_lookahead_stages_its_prefetches_and_keeps_logits(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3moe", "glm5-next"])
+def test_engine_lookahead_stages_its_prefetches_and_keeps_logits(tmp_path, arch):
     """``lookahead=True`` with a RAM tier smaller than the model: the lookahead reads into
-    k + margin + 1 staged slots, and decoding is bit-identical to the uncached provider."""
+    k + margin + 1 staged slots, and decoding is bit-identical to the uncached provider.
+    glm5-next (mHC streams, its own block loop) predicts from its FFN blocks' inputs."""
     import torch
 
     from expertfs.store.repack import repack
     from expertfs.runtime.engine import Engine
     from expertfs.synth import SynthConfig, synthesize
     g, s = tmp_path / "m.gguf", tmp_path / "m.efs"
-    synthesize(SynthConfig.tiny("qwen3moe").replace(quant="q4_0", n_layers=3), str(g))
+    cfg = SynthConfig.tiny(arch)
+    synthesize(cfg.replace(quant="q4_0", n_layers=max(3, cfg.n_dense_lead + 3)), str(g))
     repack([str(g)], str(s))
     steps = [5, 17, 300, 42, 7, 99, 512, 3, 64, 1000]
     with Engine.open(str(s), provider="direct") as e:
