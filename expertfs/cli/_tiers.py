@@ -8,9 +8,17 @@ import argparse
 import logging
 import sys
 
-__all__ = ["ram_tier", "vram_tier"]
+__all__ = ["LOOKAHEAD_ARCHS", "lookahead_choice", "ram_tier", "vram_tier"]
 
 log = logging.getLogger("expertfs.cli.run")
+
+#: Architectures whose experts the lookahead predicts well enough to be on by default while they
+#: stream (``--lookahead auto``): glm5-next's mHC streams change little from one layer to the
+#: next, so layer L+1's router on layer L's FFN input finds most of its route (bench/README.md,
+#: "The lookahead on GLM-5.3-Flash"); on the others it stays opt-in
+LOOKAHEAD_ARCHS = ("glm5-next",)
+#: the margin ``auto`` uses: predictions beyond top-k were more wasted reads than hits there
+AUTO_MARGIN = 0
 
 
 def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
@@ -78,3 +86,23 @@ def vram_tier(args: argparse.Namespace, device: str, g) -> int:
                      device=device)
     args.vram_plan = {**vars(plan), "tier": plan.tier}
     return plan.tier
+
+
+def lookahead_choice(args: argparse.Namespace, ram: int) -> tuple[bool, int]:
+    """(on, margin) for ``args.lookahead``: ``on`` (``--lookahead``), ``off``
+    (``--no-lookahead``) or ``auto`` (the default; ``serve``'s always): on for
+    ``LOOKAHEAD_ARCHS`` when the RAM tier cannot hold every expert (nothing to predict when
+    it can), with ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given."""
+    from ..runtime.plan.model import geometry_of_store
+    from ..store.reader import Store
+    mode = getattr(args, "lookahead", "auto")
+    margin = getattr(args, "lookahead_margin", None)
+    if mode in ("on", "off"):
+        return mode == "on", 2 if margin is None else margin
+    with Store.open(args.store) as s:
+        g = geometry_of_store(s)
+    on = g.arch in LOOKAHEAD_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
+        and not getattr(args, "vram", 0)
+    if on:
+        log.info("lookahead on (auto: %s streams its experts)", g.arch)
+    return on, AUTO_MARGIN if margin is None else margin

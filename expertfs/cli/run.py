@@ -20,6 +20,7 @@ from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
 from ._prompt import tokenized_prompt
+from ._tiers import lookahead_choice
 from ._tiers import ram_tier as _ram_tier
 
 __all__ = ["register", "run"]
@@ -76,13 +77,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dq-cache", type=size_arg, default=0, metavar="SIZE",
                    help="keep up to SIZE of experts dequantized (in RAM; on a GPU in VRAM, "
                    "taken from its default tier) (0 = off)")
-    p.add_argument("--lookahead", action="store_true",
-                   help="prefetch layer L+1's predicted experts while layer L runs")
+    p.add_argument("--lookahead", action="store_const", const="on", default="auto",
+                   help="prefetch layer L+1's predicted experts while layer L runs (default: "
+                   "on, with margin 0, for GLM-5.3-class glm5-next stores whose experts "
+                   "stream; off for the others)")
+    p.add_argument("--no-lookahead", dest="lookahead", action="store_const", const="off",
+                   help="no lookahead, whatever the store")
     p.add_argument("--prefill-prefetch", action="store_true",
                    help="a prompt batch prefetches the next layer's gate-predicted experts "
                         "behind its own reads (off: it measured slower under a cap)")
-    p.add_argument("--lookahead-margin", type=int, default=2, metavar="M",
-                   help="experts beyond top-k prefetched per token (2)")
+    p.add_argument("--lookahead-margin", type=int, default=None, metavar="M",
+                   help="experts beyond top-k prefetched per token (2; auto: 0)")
     p.add_argument("--prefetch-slots", type=int, default=None, metavar="N",
                    help="RAM-tier slots the lookahead reads its predictions into, outside the "
                    "cache so wrong ones evict nothing (default k + margin + 1; 0 = read them "
@@ -162,17 +167,19 @@ def _open(args: argparse.Namespace):
     fused = args.fused
     if args.tokens and fused == "auto":
         fused = "off"            # --tokens runs batches only: nothing to compile for
-    opts = EngineOptions(device=_device(args.device), dtype=args.dtype, n_ctx=args.ctx,
-                         trunk=args.trunk, dq_cache=args.dq_cache, lookahead=args.lookahead,
+    device = _device(args.device)
+    ram = _ram_tier(args, device, fused)
+    args.ram_tier_bytes = ram
+    lookahead, margin = lookahead_choice(args, ram)
+    opts = EngineOptions(device=device, dtype=args.dtype, n_ctx=args.ctx,
+                         trunk=args.trunk, dq_cache=args.dq_cache, lookahead=lookahead,
                          fused=fused, act_quant=args.act_quant,
-                         lookahead_margin=args.lookahead_margin, prefill_batch=args.batch,
+                         lookahead_margin=margin, prefill_batch=args.batch,
                          prefetch_slots=args.prefetch_slots,
                          prefill_prefetch=args.prefill_prefetch)
     mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                      draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     opts = mtp.engine_options(opts)
-    ram = _ram_tier(args, opts.device, fused)
-    args.ram_tier_bytes = ram
     extra = {"warm_start": False} if args.no_warm_start and args.provider != "direct" else None
     eng = Engine.open(args.store, provider=args.provider, ram_bytes=ram, vram_bytes=args.vram,
                       options=opts, provider_options=extra)

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.server import ServerConfig, build_app
     from ..runtime.server.session import Session
     from ..runtime.tokenizer.gguf import GGUFTokenizer
+    from ._tiers import lookahead_choice
     from .run import _device, _ram_tier
 
     if not 0 < args.port < 65536:
@@ -98,8 +99,11 @@ def run(args: argparse.Namespace) -> int:
                          "--body-timeout 30 --header-timeout 30 --max-depth 64")
     if args.threads:
         torch.set_num_threads(args.threads)
-    opts = EngineOptions(device=_device(args.device), n_ctx=args.ctx, trunk=args.trunk)
-    ram = _ram_tier(args, opts.device)
+    device = _device(args.device)
+    ram = _ram_tier(args, device)
+    lookahead, margin = lookahead_choice(args, ram)
+    opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, lookahead=lookahead,
+                         lookahead_margin=margin)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     eng.start_warm()                    # the cache fills while no request is waiting
     try:

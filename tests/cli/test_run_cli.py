@@ -165,3 +165,27 @@ def test_json_reports_the_prefills_reads_against_the_drive(model, capsys, tmp_pa
     boxcache.save({boxcache.storage_key(data, g.slot_bytes): {"slow": 0.5, "fast": 1.5}})
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["drive_mb_s"] == pytest.approx(1500)
+
+
+@pytest.mark.parametrize("arch,ram,flag,on", [
+    ("glm5-next", "small", None, True), ("glm5-next", "small", "--no-lookahead", False),
+    ("glm5-next", "all", None, False), ("qwen3moe", "small", None, False),
+    ("qwen3moe", "small", "--lookahead", True)])
+def test_lookahead_is_on_by_default_where_glm5_next_streams(tmp_path, capsys, arch, ram, flag, on):
+    """The lookahead's default: on for glm5-next while its experts stream (a tier smaller than
+    them), off when every expert fits and for the other architectures; the flags force it."""
+    from expertfs.store.reader import Store
+    from expertfs.synth import SynthConfig, synthesize
+    from expertfs.store.repack import repack
+    cfg = SynthConfig.tiny(arch)
+    synthesize(cfg.replace(n_layers=max(3, cfg.n_dense_lead + 2)), str(tmp_path / "m.gguf"))
+    repack([str(tmp_path / "m.gguf")], str(tmp_path / "m.efs"))
+    with Store.open(str(tmp_path / "m.efs")) as s:
+        stride = max(s.extent(la, 0).length for la in s.layers)
+        n = sum(s.n_experts(la) for la in s.layers)
+    slots = cfg.n_expert_used + 2 if ram == "small" else n + 4
+    argv = ["run", str(tmp_path / "m.efs"), "-p", "hello there", "-n", "3", "--json",
+            "--ram", str(slots * stride)] + ([flag] if flag else [])
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert ("lookahead" in r["stats"]) == on
