@@ -20,8 +20,7 @@ from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
 from ._prompt import tokenized_prompt
-from ._tiers import lookahead_choice
-from ._tiers import ram_tier as _ram_tier
+from ._tiers import lookahead_choice, ram_tier as _ram_tier
 
 __all__ = ["register", "run"]
 
@@ -78,11 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep up to SIZE of experts dequantized (in RAM; on a GPU in VRAM, "
                    "taken from its default tier) (0 = off)")
     p.add_argument("--lookahead", action="store_const", const="on", default="auto",
-                   help="prefetch layer L+1's predicted experts while layer L runs (default: "
-                   "on, with margin 0, for GLM-5.3-class glm5-next stores whose experts "
-                   "stream; off for the others)")
-    p.add_argument("--no-lookahead", dest="lookahead", action="store_const", const="off",
-                   help="no lookahead, whatever the store")
+                   help="prefetch layer L+1's predicted experts while layer L runs (default: on, "
+                   "margin 0, for glm5-next stores whose experts stream; else off)")
+    p.add_argument("--no-lookahead", dest="lookahead", action="store_const", const="off")
     p.add_argument("--prefill-prefetch", action="store_true",
                    help="a prompt batch prefetches the next layer's gate-predicted experts "
                         "behind its own reads (off: it measured slower under a cap)")
