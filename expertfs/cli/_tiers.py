@@ -12,10 +12,11 @@ __all__ = ["LOOKAHEAD_ARCHS", "lookahead_choice", "ram_tier", "vram_tier"]
 
 log = logging.getLogger("expertfs.cli.run")
 
-#: Architectures whose experts the lookahead predicts well enough to be on by default while they
-#: stream (``--lookahead auto``): glm5-next's mHC streams change little from one layer to the
-#: next, so layer L+1's router on layer L's FFN input finds most of its route (bench/README.md,
-#: "The lookahead on GLM-5.3-Flash"); on the others it stays opt-in
+#: Architectures whose experts the lookahead predicts and reads early enough to gain by default
+#: while they stream: glm5-next's mHC streams change little from one layer to the next, so
+#: layer L+1's router on layer L's FFN input finds most of its route, and its layers wait on
+#: the drive (bench/README.md, "The lookahead on GLM-5.3-Flash"; qwen3moe's guesses are as good
+#: but did not gain under a cap); on the others it stays opt-in
 LOOKAHEAD_ARCHS = ("glm5-next",)
 #: the margin ``auto`` uses: predictions beyond top-k were more wasted reads than hits there
 AUTO_MARGIN = 0
