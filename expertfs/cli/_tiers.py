@@ -64,6 +64,7 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
                              batch=budget_batch(getattr(args, "prompt_tokens", 0),
                                                 getattr(args, "batch", PREFILL_BATCH)))
     ram = args.ram if args.ram is not None else (budget.slab or fallback_slab(g.slot_bytes, g.k))
+    args.trunk_resident = budget.room >= g.k * g.slot_bytes   # (else it is re-read a token)
     warning = budget.warning(ram)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
@@ -93,7 +94,9 @@ def lookahead_choice(args: argparse.Namespace, ram: int) -> tuple[bool, int]:
     """(on, margin) for ``args.lookahead``: ``on`` (``--lookahead``), ``off``
     (``--no-lookahead``) or ``auto`` (the default; ``serve``'s always): on for
     ``LOOKAHEAD_ARCHS`` when the RAM tier cannot hold every expert (nothing to predict when
-    it can), with ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given."""
+    it can) and the limit keeps the trunk resident (``ram_tier``: where the trunk is re-read
+    every token its reads are the drive's work, and the guesses' reads slowed it), with
+    ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given."""
     from ..runtime.plan.model import geometry_of_store
     from ..store.reader import Store
     mode = getattr(args, "lookahead", "auto")
@@ -103,7 +106,7 @@ def lookahead_choice(args: argparse.Namespace, ram: int) -> tuple[bool, int]:
     with Store.open(args.store) as s:
         g = geometry_of_store(s)
     on = g.arch in LOOKAHEAD_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
-        and not getattr(args, "vram", 0)
+        and not getattr(args, "vram", 0) and getattr(args, "trunk_resident", True)
     if on:
         log.info("lookahead on (auto: %s streams its experts)", g.arch)
     return on, AUTO_MARGIN if margin is None else margin

@@ -169,11 +169,16 @@ def test_json_reports_the_prefills_reads_against_the_drive(model, capsys, tmp_pa
 
 @pytest.mark.parametrize("arch,ram,flag,on", [
     ("glm5-next", "small", None, True), ("glm5-next", "small", "--no-lookahead", False),
-    ("glm5-next", "all", None, False), ("qwen3moe", "small", None, False),
-    ("qwen3moe", "small", "--lookahead", True)])
-def test_lookahead_is_on_by_default_where_glm5_next_streams(tmp_path, capsys, arch, ram, flag, on):
+    ("glm5-next", "all", None, False), ("glm5-next", "trunk-evicted", None, False),
+    ("qwen3moe", "small", None, False), ("qwen3moe", "small", "--lookahead", True)])
+def test_lookahead_is_on_by_default_where_glm5_next_streams(tmp_path, capsys, monkeypatch, arch,
+                                                             ram, flag, on):
     """The lookahead's default: on for glm5-next while its experts stream (a tier smaller than
-    them), off when every expert fits and for the other architectures; the flags force it."""
+    them) beside a resident trunk; off when every expert fits, when the memory limit leaves the
+    trunk to be re-read, and for the other architectures; the flags force it."""
+    from expertfs.runtime.memory import LIMIT_ENV
+    if ram == "trunk-evicted":
+        monkeypatch.setenv(LIMIT_ENV, "64M")        # below the runtime's own allowance
     from expertfs.store.reader import Store
     from expertfs.synth import SynthConfig, synthesize
     from expertfs.store.repack import repack
@@ -183,7 +188,7 @@ def test_lookahead_is_on_by_default_where_glm5_next_streams(tmp_path, capsys, ar
     with Store.open(str(tmp_path / "m.efs")) as s:
         stride = max(s.extent(la, 0).length for la in s.layers)
         n = sum(s.n_experts(la) for la in s.layers)
-    slots = cfg.n_expert_used + 2 if ram == "small" else n + 4
+    slots = n + 4 if ram == "all" else cfg.n_expert_used + 2
     argv = ["run", str(tmp_path / "m.efs"), "-p", "hello there", "-n", "3", "--json",
             "--ram", str(slots * stride)] + ([flag] if flag else [])
     assert main(argv) == 0
