@@ -8,18 +8,9 @@ import argparse
 import logging
 import sys
 
-__all__ = ["LOOKAHEAD_ARCHS", "lookahead_choice", "ram_tier", "vram_tier"]
+__all__ = ["lookahead_choice", "ram_tier", "vram_tier"]
 
 log = logging.getLogger("expertfs.cli.run")
-
-#: Architectures whose experts the lookahead predicts and reads early enough to gain by default
-#: while they stream: glm5-next's mHC streams change little from one layer to the next, so
-#: layer L+1's router on layer L's FFN input finds most of its route, and its layers wait on
-#: the drive (bench/README.md, "The lookahead on GLM-5.3-Flash"; qwen3moe's guesses are as good
-#: but did not gain under a cap); on the others it stays opt-in
-LOOKAHEAD_ARCHS = ("glm5-next",)
-#: the margin ``auto`` uses: predictions beyond top-k were more wasted reads than hits there
-AUTO_MARGIN = 0
 
 
 def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
@@ -92,12 +83,13 @@ def vram_tier(args: argparse.Namespace, device: str, g) -> int:
 
 def lookahead_choice(args: argparse.Namespace, ram: int) -> tuple[bool, int]:
     """(on, margin) for ``args.lookahead``: ``on`` (``--lookahead``), ``off``
-    (``--no-lookahead``) or ``auto`` (the default; ``serve``'s always): on for
-    ``LOOKAHEAD_ARCHS`` when the RAM tier cannot hold every expert (nothing to predict when
-    it can) and the limit keeps the trunk resident (``ram_tier``: where the trunk is re-read
-    every token its reads are the drive's work, and the guesses' reads slowed it), with
-    ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given."""
+    (``--no-lookahead``) or ``auto`` (the default; ``serve``'s always): on for the
+    ``runtime.prefetch.lookahead.AUTO_ARCHS`` when the RAM tier cannot hold every expert
+    (nothing to predict when it can) and the limit keeps the trunk resident (``ram_tier``: where
+    the trunk is re-read every token its reads are the drive's work, and the guesses' reads
+    slowed it), with ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given."""
     from ..runtime.plan.model import geometry_of_store
+    from ..runtime.prefetch.lookahead import AUTO_ARCHS, AUTO_MARGIN
     from ..store.reader import Store
     mode = getattr(args, "lookahead", "auto")
     margin = getattr(args, "lookahead_margin", None)
@@ -105,7 +97,7 @@ def lookahead_choice(args: argparse.Namespace, ram: int) -> tuple[bool, int]:
         return mode == "on", 2 if margin is None else margin
     with Store.open(args.store) as s:
         g = geometry_of_store(s)
-    on = g.arch in LOOKAHEAD_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
+    on = g.arch in AUTO_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
         and not getattr(args, "vram", 0) and getattr(args, "trunk_resident", True)
     if on:
         log.info("lookahead on (auto: %s streams its experts)", g.arch)
