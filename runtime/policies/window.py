@@ -43,9 +43,10 @@ class WindowLFU(Policy):
     def observe(self, key: Key, now: float) -> None:
         self.main.bump(key, now)
 
-    def _leaving(self) -> Key | None:
-        """The window's least recent unpinned key, when the window is full."""
-        if not self.window or len(self.win) < self.window:
+    def _leaving(self, full: bool = True) -> Key | None:
+        """The window's least recent unpinned key, when the window is full (``full=False``:
+        whatever its fill)."""
+        if not self.window or (full and len(self.win) < self.window):
             return None
         pinned = self.pinned
         return next((k for k in self.win if k not in pinned), None)
@@ -58,7 +59,7 @@ class WindowLFU(Policy):
         if cand is None and weakest is None:
             # the frequency region is all pinned (seeded hot keys the running layer uses) and
             # the window not yet full: its least recent unpinned key goes
-            cand = next((k for k in self.win if k not in self.pinned), None)
+            cand = self._leaving(full=False)
             if cand is None:
                 raise self._full_error()
         if cand is None:
