@@ -20,7 +20,7 @@ import torch
 from .archs import arch_module
 from .attention import KVCache, attention, causal_mask
 from .config import ModelConfig
-from .loader import TrunkWeights
+from .loader import BlockWeights, TrunkWeights
 from .mla import mla_attention
 from .moe import ExpertRunner
 from .rope import Rope, rms_norm
@@ -87,6 +87,17 @@ class Model:
         k = self.cfg.n_expert_used if batch else self.lookahead_k
         return nxt, self.runner.router.top(xp, blk.moe.router, k)
 
+    def ffn(self, layer: int, blk: BlockWeights, h: torch.Tensor,
+            pred: tuple[int, torch.Tensor] | None) -> torch.Tensor:
+        """Block ``blk``'s FFN on its normed input ``h``: the routed experts, handed the next
+        layer's prediction ``pred`` (``predict_next``), or the dense FFN with ``pred``
+        prefetched first."""
+        if blk.moe is not None:
+            return self.runner.forward(layer, h, blk.moe, pred)
+        if pred is not None:
+            self.runner.prefetch(*pred)
+        return blk.dense(h)
+
     def forward(self, ids: torch.Tensor, logits: str = "last",
                 hidden: bool = False) -> torch.Tensor | None:
         """``ids [T]`` (int64, on the device) → float32 logits ``[T or 1, n_vocab]``."""
@@ -117,14 +128,7 @@ class Model:
             h = rms_norm(x, blk.attn_norm, cfg.rms_eps).to(self.dtype)
             x = x + attend(h, blk.attn, cfg, self.rope, cos, sin, self.cache, L, mask).float()
             h = rms_norm(x, blk.ffn_norm, cfg.rms_eps).to(self.dtype)
-            pred = self.predict_next(L, x)
-            if blk.moe is not None:
-                y = self.runner.forward(L, h, blk.moe, pred)
-            else:
-                if pred is not None:
-                    self.runner.prefetch(*pred)
-                y = blk.dense(h)
-            x = x + y.float()
+            x = x + self.ffn(L, blk, h, self.predict_next(L, x)).float()
         self.cache.pos = p0 + T
         if hidden:
             self.hidden = rms_norm(x, self.trunk.output_norm, cfg.rms_eps)   # row-wise: the

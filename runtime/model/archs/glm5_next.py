@@ -285,12 +285,7 @@ def forward_blocks(m: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
         def ffn(h: torch.Tensor) -> torch.Tensor:
             pred = m.predict_next(L, h)       # the next layer's router on this FFN's input
-            h = rms_norm(h, blk.ffn_norm, cfg.rms_eps).to(m.dtype)
-            if blk.moe is not None:
-                return m.runner.forward(L, h, blk.moe, pred).float()
-            if pred is not None:
-                m.runner.prefetch(*pred)
-            return blk.dense(h).float()
+            return m.ffn(L, blk, rms_norm(h, blk.ffn_norm, cfg.rms_eps).to(m.dtype), pred).float()
 
         s = hc_block(s, w.hc_attn, g.hc, attn)
         s = hc_block(s, w.hc_ffn, g.hc, ffn)
