@@ -35,7 +35,7 @@ from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
 from .model import ExpertRunner, Model, ModelConfig, Router, TrunkReader, dequant_cache, load_trunk
 from .model.loader import set_act_quant
-from .prefetch.lookahead import LookaheadStats, lookahead_slots
+from .prefetch.lookahead import MARGIN, LookaheadStats, lookahead_slots
 
 __all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
 
@@ -68,7 +68,7 @@ class EngineOptions:
                                           # the memory limit, cgroup included)
     dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
     lookahead: bool = False               # next-layer gate prefetch
-    lookahead_margin: int = 2             # experts beyond top-k prefetched per token
+    lookahead_margin: int = MARGIN        # experts beyond top-k prefetched per token
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
                                           # tier (None: k + margin + 1; 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward

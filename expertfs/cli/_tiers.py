@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-__all__ = ["lookahead_choice", "ram_tier", "vram_tier"]
+__all__ = ["lookahead_choice", "ram_and_lookahead", "ram_tier", "vram_tier"]
 
 log = logging.getLogger("expertfs.cli.run")
 
@@ -30,12 +30,26 @@ def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
 
 
 def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
-    """``--ram``, or the default ``expertfs plan`` reports for this box: what the memory limit
-    (a cgroup cap or ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the
-    runtime, the trunk, the KV cache at ``--ctx`` (on the CPU it is host memory) and the
-    workspace, a prompt batch included (``--batch``, or ``args.prompt_tokens``, ``run``'s prompt,
-    where shorter: ``runtime.plan.host.budget_batch``, ``run_host_budget``); a budget that would
-    push the trunk out of memory is warned about."""
+    """The RAM tier ``run`` and ``serve`` take (``_sized``)."""
+    return _sized(args, device, fused)[0]
+
+
+def ram_and_lookahead(args: argparse.Namespace, device: str,
+                      fused: str = "auto") -> tuple[int, bool, int]:
+    """``(ram_tier, lookahead on, its margin)`` from one reading of the store."""
+    ram, g, trunk_resident = _sized(args, device, fused)
+    return (ram, *lookahead_choice(args, ram, g, trunk_resident))
+
+
+def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, object, bool]:
+    """``(ram, geometry, trunk resident)``. The RAM tier: ``--ram``, or the default ``expertfs
+    plan`` reports for this box: what the memory limit (a cgroup cap or
+    ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the runtime, the trunk, the
+    KV cache at ``--ctx`` (on the CPU it is host memory) and the workspace, a prompt batch
+    included (``--batch``, or ``args.prompt_tokens``, ``run``'s prompt, where shorter:
+    ``runtime.plan.host.budget_batch``, ``run_host_budget``); a budget that would push the
+    trunk out of memory is warned about. The trunk counts as resident where the budget leaves
+    a route's room beside it (else it is re-read every token)."""
     from ..runtime.memory import fallback_slab
     from ..runtime.plan.host import PREFILL_BATCH, budget_batch, run_host_budget
     from ..runtime.plan.model import geometry_of_store
@@ -55,11 +69,10 @@ def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
                              batch=budget_batch(getattr(args, "prompt_tokens", 0),
                                                 getattr(args, "batch", PREFILL_BATCH)))
     ram = args.ram if args.ram is not None else (budget.slab or fallback_slab(g.slot_bytes, g.k))
-    args.trunk_resident = budget.room >= g.k * g.slot_bytes   # (else it is re-read a token)
     warning = budget.warning(ram)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
-    return ram
+    return ram, g, budget.room >= g.k * g.slot_bytes
 
 
 def vram_tier(args: argparse.Namespace, device: str, g) -> int:
@@ -81,24 +94,21 @@ def vram_tier(args: argparse.Namespace, device: str, g) -> int:
     return plan.tier
 
 
-def lookahead_choice(args: argparse.Namespace, ram: int) -> tuple[bool, int]:
+def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
+                     ) -> tuple[bool, int]:
     """(on, margin) for ``args.lookahead``: ``on`` (``--lookahead``), ``off``
     (``--no-lookahead``) or ``auto`` (the default; ``serve``'s always): on for the
-    ``runtime.prefetch.lookahead.AUTO_ARCHS`` when the RAM tier cannot hold every expert
-    (nothing to predict when it can) and the limit keeps the trunk resident (``ram_tier``: where
-    the trunk is re-read every token its reads are the drive's work, and the guesses' reads
-    slowed it), with ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given."""
-    from ..runtime.plan.model import geometry_of_store
-    from ..runtime.prefetch.lookahead import AUTO_ARCHS, AUTO_MARGIN
-    from ..store.reader import Store
+    ``runtime.prefetch.lookahead.AUTO_ARCHS`` when the RAM tier cannot hold every expert of
+    ``g`` (nothing to predict when it can) and the trunk is resident (where it is re-read every
+    token its reads are the drive's work, and the guesses' reads slowed it), with
+    ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given (else ``MARGIN``)."""
+    from ..runtime.prefetch.lookahead import AUTO_ARCHS, AUTO_MARGIN, MARGIN
     mode = getattr(args, "lookahead", "auto")
     margin = getattr(args, "lookahead_margin", None)
     if mode in ("on", "off"):
-        return mode == "on", 2 if margin is None else margin
-    with Store.open(args.store) as s:
-        g = geometry_of_store(s)
+        return mode == "on", MARGIN if margin is None else margin
     on = g.arch in AUTO_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
-        and not getattr(args, "vram", 0) and getattr(args, "trunk_resident", True)
+        and not getattr(args, "vram", 0) and trunk_resident
     if on:
         log.info("lookahead on (auto: %s streams its experts)", g.arch)
     return on, AUTO_MARGIN if margin is None else margin

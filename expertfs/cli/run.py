@@ -20,7 +20,7 @@ from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
 from ._prompt import tokenized_prompt
-from ._tiers import lookahead_choice, ram_tier as _ram_tier
+from ._tiers import ram_and_lookahead
 
 __all__ = ["register", "run"]
 
@@ -165,9 +165,8 @@ def _open(args: argparse.Namespace):
     if args.tokens and fused == "auto":
         fused = "off"            # --tokens runs batches only: nothing to compile for
     device = _device(args.device)
-    ram = _ram_tier(args, device, fused)
+    ram, lookahead, margin = ram_and_lookahead(args, device, fused)
     args.ram_tier_bytes = ram
-    lookahead, margin = lookahead_choice(args, ram)
     opts = EngineOptions(device=device, dtype=args.dtype, n_ctx=args.ctx,
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=lookahead,
                          fused=fused, act_quant=args.act_quant,

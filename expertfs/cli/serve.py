@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.server import ServerConfig, build_app
     from ..runtime.server.session import Session
     from ..runtime.tokenizer.gguf import GGUFTokenizer
-    from ._tiers import lookahead_choice
-    from .run import _device, _ram_tier
+    from ._tiers import ram_and_lookahead
+    from .run import _device
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port", fix="use 1..65535")
@@ -100,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
-    ram = _ram_tier(args, device)
-    lookahead, margin = lookahead_choice(args, ram)
+    ram, lookahead, margin = ram_and_lookahead(args, device)
     opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, lookahead=lookahead,
                          lookahead_margin=margin)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)

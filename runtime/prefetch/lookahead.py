@@ -19,7 +19,7 @@ from typing import Any
 
 from .score import PredictionScore
 
-__all__ = ["AUTO_ARCHS", "AUTO_MARGIN", "LookaheadStats", "lookahead_slots"]
+__all__ = ["AUTO_ARCHS", "AUTO_MARGIN", "MARGIN", "LookaheadStats", "lookahead_slots"]
 
 #: Architectures whose experts the lookahead predicts and reads early enough to gain by default
 #: while they stream (``run``/``serve`` turn it on there): glm5-next's mHC streams change little
@@ -27,7 +27,9 @@ __all__ = ["AUTO_ARCHS", "AUTO_MARGIN", "LookaheadStats", "lookahead_slots"]
 #: route, and its layers wait on the drive (bench/README.md, "The lookahead on GLM-5.3-Flash";
 #: qwen3moe's guesses are as good but did not gain under a cap); on the others it stays opt-in
 AUTO_ARCHS = ("glm5-next",)
-#: the margin the default uses: predictions beyond top-k were more wasted reads than hits there
+#: experts beyond top-k a token's lookahead prefetches (``--lookahead``) ...
+MARGIN = 2
+#: ... and where it is on by default: predictions beyond top-k were more wasted reads than hits
 AUTO_MARGIN = 0
 
 

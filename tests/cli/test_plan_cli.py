@@ -254,7 +254,7 @@ def test_plan_tier_is_runs_default_under_the_same_cap(capsys, monkeypatch, tiny_
     size the same RAM tier: plan's "run it:" --ram is run's default."""
     import argparse
 
-    from expertfs.cli.run import _ram_tier
+    from expertfs.cli._tiers import ram_tier as _ram_tier
 
     limit = _cap(capsys, tiny_store, ctx, share)
     d = run_json(capsys, str(tiny_store), "--memory-limit", limit, "--vram", "0", "--ctx",
