@@ -206,15 +206,19 @@ class HostBudget:
         return [("os_headroom", self.headroom), ("runtime", self.runtime), ("trunk", self.trunk),
                 ("kv_cache", self.kv), ("workspace", self.workspace)]
 
-    def warning(self, ram_bytes: int) -> str | None:
-        """A warning when a slab of ``ram_bytes`` and the rest exceed the limit."""
+    def warning(self, ram_bytes: int, need: int = 0) -> str | None:
+        """A warning when a slab of ``ram_bytes`` and the rest exceed the limit; ``need``: the
+        smallest tier a run can take (one layer's experts), below which no ``--ram`` fits."""
         if ram_bytes <= self.room:
             return None
         parts = " + ".join(f"{_LABEL.get(name, name)} {n >> 20} MiB"
                            for name, n in self.items()[1:] if n)
         head = f" (after {self.headroom >> 20} MiB left to the OS)" if self.headroom else ""
-        if self.room <= 0:
-            return (f"{parts} leave no room for a RAM tier in this process's memory limit of "
+        if self.room <= 0 or self.room < need:
+            room = ("leave no room for a RAM tier" if self.room <= 0 else
+                    f"leave {self.room >> 20} MiB, less than one layer's experts "
+                    f"({need >> 20} MiB),")
+            return (f"{parts} {room} in this process's memory limit of "
                     f"{self.limit >> 20} MiB{head}: with a {ram_bytes >> 20} MiB tier the trunk is "
                     f"evicted and re-read from disk as tokens need it (or the process killed); "
                     f"a larger limit, a smaller --ctx or --batch, or a smaller model avoid it")
@@ -251,10 +255,10 @@ def default_ram_tier(trunk_bytes: int, limit: int | None = None, cap: int | None
 
 
 def check_budget(ram_bytes: int, trunk_bytes: int, limit: int | None = None,
-                 kv_bytes: int = 0, **kw) -> str | None:
+                 kv_bytes: int = 0, need: int = 0, **kw) -> str | None:
     """A warning when the RAM tier, the trunk, the KV cache and the runtime exceed the memory
-    limit."""
-    return host_budget(trunk_bytes, kv_bytes, limit=limit, **kw).warning(ram_bytes)
+    limit (``need``: as ``HostBudget.warning``)."""
+    return host_budget(trunk_bytes, kv_bytes, limit=limit, **kw).warning(ram_bytes, need)
 
 
 def resident_trunk_bytes(store) -> int:

@@ -68,8 +68,13 @@ def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, obje
                              vram_tier_experts=vram_experts,
                              batch=budget_batch(getattr(args, "prompt_tokens", 0),
                                                 getattr(args, "batch", PREFILL_BATCH)))
-    ram = args.ram if args.ram is not None else (budget.slab or fallback_slab(g.slot_bytes, g.k))
-    warning = budget.warning(ram)
+    # the tier a run needs: a CPU run (or a GPU one with no VRAM tier) computes a layer's k
+    # experts from it; where the budget leaves less, run takes the fallback tier and the cap
+    # evicts trunk pages instead (plan's "trunk_evicted": the same tier, the same warning)
+    need = g.slot_bytes * (g.k if on == "cpu" or not vram_experts else 1)
+    ram = args.ram if args.ram is not None else (
+        budget.slab if budget.slab >= need else fallback_slab(g.slot_bytes, g.k))
+    warning = budget.warning(ram, need)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
     return ram, g, budget.room >= g.k * g.slot_bytes

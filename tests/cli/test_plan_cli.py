@@ -293,6 +293,33 @@ def test_run_json_reports_the_tier_plan_predicted(capsys, monkeypatch, tiny_stor
     assert 0 < d["budget"]["ram"]["tier_experts"] < d["budget"]["decode_experts"]
 
 
+def test_a_cap_below_a_layers_experts_runs_on_the_fallback_tier(capsys, monkeypatch,
+                                                               tiny_store) -> None:
+    """A cap that leaves room for fewer than a layer's k experts beside the trunk: ``run``'s
+    own default is the fallback tier (the cap then evicts trunk pages), the tier ``plan``
+    predicts there ("trunk_evicted"), not a tier of k - 2 experts that its cache refuses."""
+    from expertfs.runtime import memory
+
+    monkeypatch.setattr(memory, "FALLBACK_SLAB", 0)     # the fallback: one layer's k experts
+    text, k = "hello " * 4, 4
+    with Store.open(str(tiny_store)) as st:
+        n = str(len(GGUFTokenizer(st.gguf_kv(), st.path).encode(text)))
+    argv = ("--vram", "0", "--ctx", "64", "--placement", "cpu", "--trunk", "quant",
+            "--prompt-tokens", n, *FAST)
+    d = run_json(capsys, str(tiny_store), "--memory-limit", "64G", *argv)
+    slot = d["budget"]["slot_bytes"]
+    limit = str(d["budget"]["ram"]["fixed_bytes"] + (k - 2) * slot)
+    d = run_json(capsys, str(tiny_store), "--memory-limit", limit, *argv)
+    assert "trunk_evicted" in json.dumps(d) and d["budget"]["host_slab_bytes"] // slot == k
+    monkeypatch.setenv("EXPERTFS_MEMORY_LIMIT", limit)
+    assert main(["run", str(tiny_store), "-p", text, "-n", "2", "--ctx", "64", "--trunk",
+                 "quant", "--device", "cpu", "--json", "-t", "1"]) == 0
+    out = capsys.readouterr()
+    r = json.loads(out.out)
+    assert r["ram_tier_bytes"] // slot == k and r["generated_tokens"] == 2
+    assert "the trunk is evicted" in out.err
+
+
 def test_plan_says_which_compute_path_each_type_takes(capsys, tiny_store) -> None:
     d = run_json(capsys, str(tiny_store), "--ram", "16G", "--vram", "0", *FAST)
     cp = d["measurements"]["compute_paths"]

@@ -26,6 +26,9 @@ def test_budget_warning_names_a_fitting_size():
     assert w and f"--ram {((1 << 30) - memory.RUNTIME_OVERHEAD) >> 20}M" in w
     none = memory.check_budget(64 << 20, 3 << 30, limit=2 << 30)     # no room left at all
     assert none and "leave no room for a RAM tier" in none and "--ram" not in none
+    # room for a tier, but not for one layer's experts: no --ram fits either
+    short = memory.check_budget(900 << 20, 1 << 30, limit=2 << 30, need=900 << 20)
+    assert short and "less than one layer's experts (900 MiB)" in short and "--ram" not in short
 
 
 def test_fallback_tier_holds_one_layers_experts():
