@@ -48,7 +48,7 @@ __all__ = ["SCHEMA", "GiB", "MiB", "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "R
            "PAGEABLE_FACTOR", "QUEUE_DEPTH", "CPU_DEQUANT_CHUNK", "GPU_DEQUANT_CHUNK",
            "DEQUANT_BYTES_PER_ELEMENT", "GPU_TRAFFIC_PER_ELEMENT", "OPS_PER_LAYER",
            "EXPERT_OVERHEAD_S", "ATTENTION_FAST_FRACTION", "PLACEMENTS", "TRUNK_MODES",
-           "ASSUMPTIONS"]
+           "TRUNK_REREAD", "ASSUMPTIONS"]
 
 SCHEMA = "expertfs.store.plan/1"
 GiB = 1 << 30
@@ -76,6 +76,11 @@ EXPERT_OVERHEAD_S = (600e-6, 200e-6)
 ATTENTION_FAST_FRACTION = 0.25     # fast end reads the KV cache at this share of ctx
 PLACEMENTS = ("gpu", "hybrid", "cpu")
 TRUNK_MODES = ("float", "quant")
+#: a quantized trunk the cap keeps E bytes out of memory is re-read this many times E a token
+#: (fast, slow end), at most whole: read in the same order every token, each page faulted back
+#: evicts one that token reads again; calibrated on capped runs of two GLM-5 cuts (bench/README.md,
+#: "`plan`'s trunk re-reads under a cap")
+TRUNK_REREAD = (2.0, 4.0)
 
 ASSUMPTIONS: dict[str, Any] = {
     "os_headroom": f"max({OS_HEADROOM_FRACTION:g} x RAM, min({OS_HEADROOM_MIN // GiB} GiB, RAM / 4)) "
@@ -95,6 +100,8 @@ ASSUMPTIONS: dict[str, Any] = {
     "ops_per_layer": OPS_PER_LAYER, "attention_fast_fraction_of_ctx": ATTENTION_FAST_FRACTION,
     "expert_overhead_s": {"slow": EXPERT_OVERHEAD_S[0], "fast": EXPERT_OVERHEAD_S[1],
                           "source": "calibrated once: expert run on the demo store, 2-core VM"},
+    "trunk_reread": f"{TRUNK_REREAD[0]:g}-{TRUNK_REREAD[1]:g} x the trunk bytes the cap keeps "
+                    "out of memory, a token (at most the whole trunk)",
     "tiers": "exclusive (an expert is in VRAM or in RAM), slots of the largest extent",
     "kv_cache": "decoder layers only (not NextN); MLA caches the latent (kv_lora_rank + rope dims); "
                 f"sliding-window layers hold a ring of min(ctx, {_memory.SWA_RING_WINDOWS} windows) "

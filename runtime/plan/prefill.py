@@ -8,7 +8,8 @@ arithmetic runs at the box's float32 matrix-multiply rate (``gemm_rate``: measur
 ``STATED_GEMM_GFLOPS`` per core). Past it, as ``run`` does (``WidePath``): the panel product
 at its measured rate, its dequantization included (``kernels.qgemm``), or where the kernels
 have none, the matrix dequantized whole at the native dequantization rate and multiplied at
-the float32 rate. The output head runs for the last token only. The tiers start cold (the
+the float32 rate. The output head runs for the last token only. Where a cap evicts part of the
+trunk each batch reads ``TRUNK_REREAD`` times that again. The tiers start cold (the
 warm start waits for the first logits), so every expert the batch touches is read from the
 drive unless an earlier batch left it in the tier.
 
@@ -130,12 +131,13 @@ def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
 def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
                 wide: Mapping[str, WidePath] | None = None,
-                slow_replay: Any = None) -> FirstToken:
+                slow_replay: Any = None, trunk_reread: tuple[int, int] = (0, 0)) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, what a trunk
     product past its native token limit costs (a type without an entry is priced as native);
     ``replay`` and ``slow_replay``: the fast and slow ends' routing (None at the slow end:
-    uniform)."""
+    uniform); ``trunk_reread``: bytes of a trunk the cap evicts read again by each batch
+    (slow, fast end: ``plan.budget.trunk_reread_bytes``)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
@@ -165,6 +167,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
             compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
                 reads[i] += touched[b] * ext
+            reads[i] += trunk_reread[i]
         if head is not None:
             compute[i] += (compute_cost(cpu, [head], end, quantized=True)
                            + 2.0 * head.elements / (gemm.at(end) * 1e9))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import UsageError
-from .budget import Box, Memory, candidates
+from .budget import Box, Memory, candidates, trunk_reread_bytes
 from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
                       stated_gpu, stated_pcie, stated_storage, storage_from_profile)
@@ -337,7 +337,7 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
                      gemm_rate(probe=req.probe), replay,
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
-                     slow_replay=slow_replay)
+                     slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m))
     return replace(plan, first_token=ft)
 
 

@@ -14,8 +14,9 @@ import pytest
 from expertfs.cli.plan import geometry_from_like, geometry_from_synth
 from expertfs.errors import UsageError
 from expertfs.runtime import memory
-from expertfs.runtime.plan.assumptions import GiB
-from expertfs.runtime.plan.budget import Box, candidates, layout, max_ctx_on_gpu, os_headroom
+from expertfs.runtime.plan.assumptions import TRUNK_REREAD, GiB
+from expertfs.runtime.plan.budget import (Box, candidates, layout, max_ctx_on_gpu, os_headroom,
+                                          trunk_reread_bytes)
 from expertfs.runtime.plan.geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
 from expertfs.runtime.plan.predict import (Option, Range, Rates, Routing, RoutingRange, choose,
                                            make_plan, plan_to_dict, predict, stated_cpu,
@@ -258,6 +259,11 @@ def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None
     assert p.exit_code == 0 and p.memory.trunk_evicted == m.trunk_evicted
     t = p.prediction.term("trunk_reads")
     assert t.slow_s > t.fast_s > 0 and p.prediction.slow_s > t.slow_s
+    # a pass re-reads TRUNK_REREAD times what is evicted (the page cache's refaults), at most all
+    whole, (fast_x, slow_x) = m.ram.item("trunk"), TRUNK_REREAD
+    assert trunk_reread_bytes(m) == (min(whole, int(slow_x * m.trunk_evicted)),
+                                     min(whole, int(fast_x * m.trunk_evicted)))
+    assert 0 < trunk_reread_bytes(m)[1] < trunk_reread_bytes(m)[0] < whole
     assert not layout(g, box, "cpu", "float").runnable
     none = Box(fixed - m.ram.item("trunk") + memory.FALLBACK_SLAB // 2, 0, ctx=512,
                limit_source="limit")

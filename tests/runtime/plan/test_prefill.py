@@ -50,6 +50,16 @@ def test_first_token_combines_compute_and_reads_as_stated(g):
     assert first_token(g, rates, 0, 490, GEMM).compute_s[0] > 2 * ft.compute_s[0]   # 2 batches
 
 
+def test_an_evicted_trunk_is_read_again_by_every_batch(g):
+    """Under a cap that evicts part of the trunk each prompt batch re-reads its share."""
+    rates = rates_for(g)
+    base = first_token(g, rates, 0, 490, GEMM)               # 2 batches of 256 and 234
+    ft = first_token(g, rates, 0, 490, GEMM, trunk_reread=(3 << 20, 1 << 20))
+    assert ft.read_bytes[0] == pytest.approx(base.read_bytes[0] + 2 * (3 << 20))
+    assert ft.read_bytes[1] == pytest.approx(base.read_bytes[1] + 2 * (1 << 20))
+    assert ft.s_slow > base.s_slow and ft.compute_s == base.compute_s
+
+
 def test_a_measured_routing_sets_the_slow_ends_reads_too(g):
     """With this store's routing known (a trace, the learned usage) the slow end reads what it
     touches, not a balanced model's most; compute and reads still add up there."""
