@@ -77,10 +77,11 @@ ATTENTION_FAST_FRACTION = 0.25     # fast end reads the KV cache at this share o
 PLACEMENTS = ("gpu", "hybrid", "cpu")
 TRUNK_MODES = ("float", "quant")
 #: a quantized trunk the cap keeps E bytes out of memory is re-read this many times E a token
-#: (fast, slow end), at most whole: read in the same order every token, each page faulted back
-#: evicts one that token reads again; calibrated on capped runs of two GLM-5 cuts (bench/README.md,
-#: "`plan`'s trunk re-reads under a cap")
-TRUNK_REREAD = (2.0, 4.0)
+#: (fast, slow end), at most whole: about what is out, or a few times that where each page
+#: faulted back in evicts one the same token reads again, not all of it for a small E as an
+#: LRU's worst case would; bounds of capped runs on three cuts (bench/README.md, "`plan`'s
+#: trunk re-reads under a cap")
+TRUNK_REREAD = (1.0, 4.0)
 
 ASSUMPTIONS: dict[str, Any] = {
     "os_headroom": f"max({OS_HEADROOM_FRACTION:g} x RAM, min({OS_HEADROOM_MIN // GiB} GiB, RAM / 4)) "
