@@ -10,10 +10,11 @@ store's size): ``plan STORE --memory-limit CAP`` once, as a user would before a 
 before each run, as ``bench_lowram.py`` does), rows alternated round by round so a drifting disk
 moves every row alike; ``--act-quant q8`` gives both ``plan`` and ``run`` the 8-bit
 activations. ``run`` gets no ``--ram``: the tier it sizes for itself under the cap is
-compared with the one ``plan`` recommends. Printed per row: the tier each chose, the decode band
-``plan`` predicts against the measured median (and the median over the band's geometric
-midpoint), the same for the first token of a prompt of about ``--prompt-tokens`` tokens, the
-peak memory against the cap, and any run that failed. ``--json`` writes every round.
+compared with the one ``plan`` recommends. Printed per row: the tier each chose (in whole
+slots), the decode band ``plan`` predicts against the measured median (and the median over the
+band's geometric midpoint), the same for the first token of a prompt of about
+``--prompt-tokens`` tokens, the peak memory against the cap, and any run that failed.
+``--json`` writes every round.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace, prompt_tokens: i
     return {"status": p.get("status"), "low": pred.get("tok_s_low"), "high": pred.get("tok_s_high"),
             "ttft": (ft.get("s_fast"), ft.get("s_slow")),
             "tier_bytes": ((p.get("budget") or {}).get("ram") or {}).get("tier_bytes"),
-            "run": p.get("run")}
+            "slot_bytes": (p.get("budget") or {}).get("slot_bytes"), "run": p.get("run")}
 
 
 def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt: str) -> dict:
@@ -116,7 +117,8 @@ def report(rows: list[dict], a: argparse.Namespace) -> None:
         p = r["plan"]
         lo, hi = p.get("low") or 0.0, p.get("high") or 0.0
         med = statistics.median(x["decode"] for x in ok) if ok else 0.0
-        tiers = {x["tier_bytes"] for x in ok}
+        slot = p.get("slot_bytes") or 1      # run's budget in whole slots, as plan counts it
+        tiers = {x["tier_bytes"] // slot * slot for x in ok if x.get("tier_bytes")}
         run_tier = _gib(next(iter(tiers))) if len(tiers) == 1 else "/".join(map(_gib, tiers)) or "-"
         peak = max((x["peak"] for x in r["runs"]), default=0)
         cap = f"{peak / r['limit']:.3f}" if r["limit"] else _gib(peak) if peak else "-"
