@@ -159,14 +159,14 @@ def kv_reserve(kv_bytes: int, state_bytes: int = 0) -> int:
 
 _LABEL = {"kv_cache": "KV cache", "os_headroom": "OS headroom"}
 
-#: The RAM tier ``expertfs run`` takes when its budget leaves none (``HostBudget.slab`` 0): it
-#: runs anyway, the cap then evicting the quantized trunk's file pages, re-read from the drive.
-#: ``expertfs plan`` predicts that same run.
+#: The RAM tier ``expertfs run`` takes when its budget leaves less than the tier it needs
+#: (``HostBudget.default_tier``): it runs anyway, the cap then evicting the quantized trunk's
+#: file pages, re-read from the drive. ``expertfs plan`` predicts that same run.
 FALLBACK_SLAB = 64 << 20
 
 
 def fallback_slab(slot_bytes: int, k: int) -> int:
-    """The RAM tier ``run`` takes when its budget leaves none: ``FALLBACK_SLAB``, or one
+    """The RAM tier ``run`` takes when its budget leaves too little: ``FALLBACK_SLAB``, or one
     layer's ``k`` experts of ``slot_bytes`` where that is more (a CPU run computes a layer's
     experts from the tier)."""
     return max(FALLBACK_SLAB, k * slot_bytes)
@@ -196,6 +196,13 @@ class HostBudget:
     def room(self) -> int:
         """What the limit leaves for the slab (may be negative)."""
         return self.limit - self.fixed
+
+    def default_tier(self, slot_bytes: int, k: int, need: int) -> int:
+        """The RAM tier ``expertfs run`` takes by default: the slab, or where it holds fewer
+        than ``need`` experts of ``slot_bytes`` (``k`` where a run computes a layer's experts
+        from it, one where they are staged on their way to a VRAM tier) the fallback tier, the
+        cap evicting trunk pages instead, as ``plan`` predicts ("trunk_evicted")."""
+        return self.slab if self.slab >= need * slot_bytes else fallback_slab(slot_bytes, k)
 
     @property
     def slab(self) -> int:

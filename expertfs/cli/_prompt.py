@@ -1,5 +1,5 @@
 """``expertfs run``'s tokenizer and prompt, read before the engine opens: the prompt's length
-bounds the prompt batch the memory budget holds (``_tiers.ram_tier``)."""
+bounds the prompt batch the memory budget holds (``_tiers.ram_and_lookahead``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-__all__ = ["lookahead_choice", "ram_and_lookahead", "ram_tier", "vram_tier"]
+__all__ = ["lookahead_choice", "ram_and_lookahead", "vram_tier"]
 
 log = logging.getLogger("expertfs.cli.run")
 
@@ -29,11 +29,6 @@ def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
         log.info("%s", line)
 
 
-def ram_tier(args: argparse.Namespace, device: str, fused: str = "auto") -> int:
-    """The RAM tier ``run`` and ``serve`` take (``_sized``)."""
-    return _sized(args, device, fused)[0]
-
-
 def ram_and_lookahead(args: argparse.Namespace, device: str,
                       fused: str = "auto") -> tuple[int, bool, int]:
     """``(ram_tier, lookahead on, its margin)`` from one reading of the store."""
@@ -47,10 +42,10 @@ def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, obje
     ``EXPERTFS_MEMORY_LIMIT`` counts) leaves beside the OS headroom, the runtime, the trunk, the
     KV cache at ``--ctx`` (on the CPU it is host memory) and the workspace, a prompt batch
     included (``--batch``, or ``args.prompt_tokens``, ``run``'s prompt, where shorter:
-    ``runtime.plan.host.budget_batch``, ``run_host_budget``); a budget that would push the
+    ``runtime.plan.host.budget_batch``, ``run_host_budget``), or the fallback tier where that
+    is less than the run needs (``HostBudget.default_tier``); a budget that would push the
     trunk out of memory is warned about. The trunk counts as resident where the budget leaves
     a route's room beside it (else it is re-read every token)."""
-    from ..runtime.memory import fallback_slab
     from ..runtime.plan.host import PREFILL_BATCH, budget_batch, run_host_budget
     from ..runtime.plan.model import geometry_of_store
     from ..runtime.plan.paths import kept_types
@@ -68,13 +63,9 @@ def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, obje
                              vram_tier_experts=vram_experts,
                              batch=budget_batch(getattr(args, "prompt_tokens", 0),
                                                 getattr(args, "batch", PREFILL_BATCH)))
-    # the tier a run needs: a CPU run (or a GPU one with no VRAM tier) computes a layer's k
-    # experts from it; where the budget leaves less, run takes the fallback tier and the cap
-    # evicts trunk pages instead (plan's "trunk_evicted": the same tier, the same warning)
-    need = g.slot_bytes * (g.k if on == "cpu" or not vram_experts else 1)
-    ram = args.ram if args.ram is not None else (
-        budget.slab if budget.slab >= need else fallback_slab(g.slot_bytes, g.k))
-    warning = budget.warning(ram, need)
+    need = g.k if on == "cpu" or not vram_experts else 1       # experts the tier must hold
+    ram = args.ram if args.ram is not None else budget.default_tier(g.slot_bytes, g.k, need)
+    warning = budget.warning(ram, need * g.slot_bytes)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)
     return ram, g, budget.room >= g.k * g.slot_bytes
@@ -113,7 +104,7 @@ def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
     if mode in ("on", "off"):
         return mode == "on", MARGIN if margin is None else margin
     on = g.arch in AUTO_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
-        and not getattr(args, "vram", 0) and trunk_resident
+        and not args.vram and trunk_resident
     if on:
         log.info("lookahead on (auto: %s streams its experts)", g.arch)
     return on, AUTO_MARGIN if margin is None else margin

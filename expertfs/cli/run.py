@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                          fix="drop --provider direct (or --preload)")
     tokens = _parse_tokens(args.tokens) if args.tokens else None
     tok, prompt = (None, tokens) if tokens is not None else tokenized_prompt(args)
-    args.prompt_tokens = len(prompt)        # the memory budget's prompt batch (_tiers.ram_tier)
+    args.prompt_tokens = len(prompt)        # the memory budget's prompt batch (_tiers.ram_and_lookahead)
     eng, spec = _open(args)
     try:
         preload_s = None

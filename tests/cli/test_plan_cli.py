@@ -254,7 +254,7 @@ def test_plan_tier_is_runs_default_under_the_same_cap(capsys, monkeypatch, tiny_
     size the same RAM tier: plan's "run it:" --ram is run's default."""
     import argparse
 
-    from expertfs.cli._tiers import ram_tier as _ram_tier
+    from expertfs.cli._tiers import ram_and_lookahead
 
     limit = _cap(capsys, tiny_store, ctx, share)
     d = run_json(capsys, str(tiny_store), "--memory-limit", limit, "--vram", "0", "--ctx",
@@ -262,7 +262,7 @@ def test_plan_tier_is_runs_default_under_the_same_cap(capsys, monkeypatch, tiny_
     monkeypatch.setenv("EXPERTFS_MEMORY_LIMIT", limit)
     ns = argparse.Namespace(store=str(tiny_store), ctx=ctx, dtype="auto", trunk="quant",
                             ram=None, vram=0, command="run")
-    ram = _ram_tier(ns, "cpu")
+    ram = ram_and_lookahead(ns, "cpu")[0]
     b = d["budget"]
     slot = b["slot_bytes"]
     assert b["ram"]["items"][0] == {"name": "os_headroom", "bytes": 0,

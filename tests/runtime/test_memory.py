@@ -34,6 +34,11 @@ def test_budget_warning_names_a_fitting_size():
 def test_fallback_tier_holds_one_layers_experts():
     assert memory.fallback_slab(1 << 20, 8) == memory.FALLBACK_SLAB
     assert memory.fallback_slab(9 << 20, 8) == 72 << 20               # 64 MiB would hold 7
+    # run's default: the slab where it holds the experts the run needs, else the fallback
+    b = memory.host_budget(1 << 30, limit=2 << 30)
+    assert b.default_tier(9 << 20, 8, 8) == b.slab
+    assert b.default_tier(b.slab // 7, 8, 8) == memory.fallback_slab(b.slab // 7, 8)
+    assert b.default_tier(b.slab // 7, 8, 1) == b.slab                  # staged to a VRAM tier
 
 
 def test_environment_caps_the_limit(monkeypatch):
