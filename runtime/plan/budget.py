@@ -299,7 +299,7 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     short = avail < need_tier * slot
     evicted = _evicted(hb.trunk, avail, slot, k) if short and trunk_mode == "quant" else None
     if evicted is not None:
-        avail = _memory.fallback_slab(slot, k)              # run's fallback tier, trunk re-read
+        avail = hb.default_tier(slot, k, need_tier)         # run's: the fallback, trunk re-read
         notes.append(Note("warning", "trunk_evicted",
                           f"RAM {_gib(box.ram)} leaves no room for one layer's {k} experts beside "
                           f"the trunk: run falls back to a {avail >> 20} MiB tier "
