@@ -28,17 +28,17 @@ def _cut(like: str, quant: str) -> SynthConfig:
                             n_experts=16 if grouped else base.n_expert_used + 2)
 
 
-def _store(tmp_path, like: str, quant: str) -> tuple[str, str, SynthConfig]:
+def _store(tmp_path, like: str, quant: str) -> tuple[str, SynthConfig]:
     cfg = _cut(like, quant)
     gguf, store = str(tmp_path / "m.gguf"), str(tmp_path / "m.efs")
     synthesize(cfg, gguf)
     repack([gguf], store)
-    return gguf, store, cfg
+    return store, cfg
 
 
 @pytest.mark.parametrize("like", PRESETS)
 def test_a_tier_of_k_experts_decodes_as_the_batch(tmp_path, like):
-    _, store, cfg = _store(tmp_path, like, "q4_0")
+    store, cfg = _store(tmp_path, like, "q4_0")
     n_moe = cfg.n_layers - cfg.n_dense_lead
     stride = os.path.getsize(os.path.join(store, "experts.bin")) // (n_moe * cfg.n_experts)
     for policy in ("default", "lru"):
