@@ -13,11 +13,11 @@ in batches of ``prefill_batch`` tokens, each touched expert fetched once per bat
 ``trace(path)`` records every routing decision in the routing-trace format (``runtime.trace``).
 
 The engine knows nothing of speculative decoding: ``runtime.mtp.attach(engine, MTPOptions(...))``
-builds it on top of an open engine through a few narrow hooks: ``add_observer`` (every forward's
-tokens and the trunk's last hidden states, every reset), ``verify`` (a forward of several rows
-as one decode window), ``count_decode`` and ``runner.set_router``; ``runtime.generate`` and the
-server run its steps. ``decode`` and ``verify`` forwards run with ``runner.decoding`` set: the
-windows in which a router with hooks (``runtime.mtp.routing``) may skip experts.
+builds it on an open engine through narrow hooks: ``add_observer`` (every forward's tokens and
+the trunk's last hidden states, every reset), ``verify`` (a forward of several rows as one
+decode window), ``count_decode`` and ``runner.set_router``; ``runtime.generate`` and the server
+run its steps. ``decode`` and ``verify`` run with ``runner.decoding`` set (where a router with
+hooks, ``runtime.mtp.routing``, may skip experts).
 """
 
 from __future__ import annotations
@@ -35,15 +35,17 @@ from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
 from .model import ExpertRunner, Model, ModelConfig, Router, TrunkReader, dequant_cache, load_trunk
 from .model.loader import set_act_quant
+from .model.qmatvec import use_fused
+from .model.trunk_stream import stream_trunk
 from .prefetch.lookahead import MARGIN, LookaheadStats, lookahead_slots
 
 __all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "bfloat16":
+           torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "f16": torch.float16}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -77,6 +79,8 @@ class EngineOptions:
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
     act_quant: str = "off"                # "q8": llama.cpp's 8-bit activations in the native
                                           # expert and trunk products (lossy, opt-in, measured)
+    trunk_stream: bool = False            # the memory budget cannot hold the trunk: stream the
+                                          # share found missing a layer ahead (model.trunk_stream)
 
     def replace(self, **kw: Any) -> EngineOptions:
         return replace(self, **kw)
@@ -101,17 +105,6 @@ def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: 
     elif kind != "direct":
         raise UsageError(f"unknown provider {kind!r}", fix="use auto, tiered or direct")
     return DirectProvider(store, device)
-
-
-def _use_fused(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
-    if mode not in ("auto", "on", "off"):
-        raise UsageError(f"unknown fused mode {mode!r}", fix="use auto, on or off")
-    if mode == "off" or device.type != "cpu" or dtype != torch.float32:
-        return False
-    if mode == "on":
-        return True
-    import shutil
-    return shutil.which("c++") is not None or shutil.which("g++") is not None
 
 
 class ForwardObserver(Protocol):
@@ -146,7 +139,7 @@ class Engine:
         self.kv = kv
         self.config = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
         t0 = time.perf_counter()
-        fused = _use_fused(options.fused, self.device, self.dtype)
+        fused = use_fused(options.fused, self.device, self.dtype)
         budget = options.trunk_budget
         if budget is None and self.device.type == "cpu":
             budget = memory_limit() // 4
@@ -177,6 +170,8 @@ class Engine:
                                dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
                                lookahead_margin=options.lookahead_margin,
                                prefill_prefetch=options.prefill_prefetch)
+        self.model.trunk_stream = stream_trunk(self.reader, self.trunk, options.trunk_stream,
+                                               lambda: self.provider.stats.bytes_read)
         from . import kernels
         if fused and kernels.available():
             kernels.set_threads(torch.get_num_threads())     # the pool keeps today's count;
@@ -374,6 +369,7 @@ class Engine:
             "trunk_float_bytes": self.trunk.float_bytes,
             "trunk_quant_bytes": self.trunk.quant_bytes,
             "kv_cache_bytes": self.model.cache.nbytes, "load_seconds": self.load_seconds,
+            "trunk_stream": ts.as_dict() if (ts := self.model.trunk_stream) else None,
             "compile_seconds": self.compile_seconds, "fused": self.runner.fused,
             "prefill_tokens": self.times.prefill_tokens, "prefill_s": self.times.prefill_s,
             "decode_tokens": self.times.decode_tokens, "decode_s": self.times.decode_s,
@@ -389,6 +385,7 @@ class Engine:
         try:
             self.provider.close()
         finally:
+            self.model.close()
             self.reader.close()
             if self._own_store:
                 self.store.close()

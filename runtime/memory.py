@@ -20,7 +20,8 @@ __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source"
            "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
            "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "fallback_slab", "os_headroom",
            "runtime_overhead", "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
-           "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions"]
+           "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions",
+           "STREAM_IN_FLIGHT", "STREAM_MARGIN", "STREAM_MARGIN_MIN", "trunk_stream_share"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,15 @@ SWA_RING_WINDOWS = 2
 #: window after a prompt's end, so a later request can go back to where that prompt ended.
 SWA_CHECKPOINTS = 2
 _UNLIMITED = 1 << 60
+#: Where the limit cannot hold the quantized trunk (the fallback tier), ``runtime.model.
+#: trunk_stream`` streams a share of every layer's matrices a token: units (a layer's, the
+#: output head's) whose streamed bytes are in memory at once (the one computing and the next,
+#: read ahead) ...
+STREAM_IN_FLIGHT = 2
+#: ... and what it streams beyond the deficit the budget computes: a share of it, at least a
+#: floor (the budget's own estimates are not exact; what it streams it re-reads every token).
+STREAM_MARGIN = 0.125
+STREAM_MARGIN_MIN = 32 << 20
 
 
 def physical_memory() -> int:
@@ -279,3 +289,18 @@ def resident_trunk_bytes(store) -> int:
     if emb is not None and "output.weight" in records:
         total -= int(emb.nbytes)
     return max(0, total)
+
+
+def trunk_stream_share(units: list[int], deficit: int) -> float:
+    """The share of each unit's streamed matrices (``units``: their bytes, in the order a token
+    uses them, the output head last) that ``runtime.model.trunk_stream`` reads every token so
+    that the rest, and the ``STREAM_IN_FLIGHT`` units' streamed share in memory at once, fit in
+    the trunk's bytes less ``deficit`` (with ``STREAM_MARGIN``): 0 without a deficit, 1 where
+    even that is not enough (every matrix streamed, in order)."""
+    if deficit <= 0 or not units:
+        return 0.0
+    total, n = sum(units), len(units)
+    w = min(STREAM_IN_FLIGHT, n)
+    peak = max(sum(units[(i + j) % n] for j in range(w)) for i in range(n))
+    want = deficit + max(STREAM_MARGIN_MIN, int(deficit * STREAM_MARGIN))
+    return 1.0 if total - peak <= want else want / (total - peak)

@@ -29,7 +29,7 @@ from .qmatvec import SUPPORTED
 from .router import RouterWeights
 from .weights import Embedding, Linear, RawTensor, TrunkReader, plan_float
 
-__all__ = ["BlockWeights", "TrunkWeights", "load_trunk", "linears"]
+__all__ = ["BlockWeights", "TrunkWeights", "load_trunk", "linears", "mapped_matrices"]
 
 _NEXTN = ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
 
@@ -245,6 +245,13 @@ def set_act_quant(t: TrunkWeights, mode: str) -> None:
     for b in t.blocks + t.nextn:                          # MLA's per-head k_b / v_b products
         for hm in _attrs_of(b.attn, HeadMatrices):
             hm.act_quant = None if mode == "off" else mode
+
+
+def mapped_matrices(obj: object) -> list[RawTensor]:
+    """The ggml bytes a weights object multiplies straight from the trunk's mapping every call:
+    its ``Linear``s kept quantized and its per-head MLA matrices kept as bytes."""
+    return ([lin.q for lin in _linears_of(obj) if lin.q is not None]
+            + [h.raw for h in _attrs_of(obj, HeadMatrices) if h.raw is not None])
 
 
 def _linears_of(obj: object) -> list[Linear]:

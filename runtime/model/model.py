@@ -54,6 +54,12 @@ class Model:
         self.prefill_prefetch = prefill_prefetch
         self.hidden: torch.Tensor | None = None      # t_h_nextn of the last hidden=True forward
         self.small_steps_one_thread = False          # set by the engine with the native kernels
+        self.trunk_stream = None      # a model.trunk_stream.TrunkStream under a tight limit
+
+    def close(self) -> None:
+        """Stop the trunk's streaming thread, if any (the weights stay until collected)."""
+        if self.trunk_stream is not None:
+            self.trunk_stream.close()
 
     @property
     def pos(self) -> int:
@@ -92,6 +98,8 @@ class Model:
         """Block ``blk``'s FFN on its normed input ``h``: the routed experts, handed the next
         layer's prediction ``pred`` (``predict_next``), or the dense FFN with ``pred``
         prefetched first."""
+        if self.trunk_stream is not None:
+            self.trunk_stream.at(layer)
         if blk.moe is not None:
             return self.runner.forward(layer, h, blk.moe, pred)
         if pred is not None:
@@ -130,6 +138,8 @@ class Model:
             h = rms_norm(x, blk.ffn_norm, cfg.rms_eps).to(self.dtype)
             x = x + self.ffn(L, blk, h, self.predict_next(L, x)).float()
         self.cache.pos = p0 + T
+        if self.trunk_stream is not None:
+            self.trunk_stream.at(cfg.n_layers, measure=logits != "none")   # the head's turn
         if hidden:
             self.hidden = rms_norm(x, self.trunk.output_norm, cfg.rms_eps)   # row-wise: the
             x = self.hidden                                   # same rows as normed below

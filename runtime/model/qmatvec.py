@@ -37,12 +37,13 @@ from typing import Callable
 
 import torch
 
+from ...errors import UsageError
 from ...formats.ggml import GGMLType
 from ...formats.moe_names import Role
 from .. import kernels as native
 from .native_experts import NATIVE_MAX_TOKENS, native_layer
 
-__all__ = ["fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
+__all__ = ["use_fused", "fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
            "precompile", "NATIVE_MAX_TOKENS"]
 
 log = logging.getLogger(__name__)
@@ -301,3 +302,16 @@ def precompile(matrices: set[tuple[GGMLType, tuple[int, int]]],
         for call in calls:
             if call() is None:
                 return
+
+
+def use_fused(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine takes one-token products through the compiled kernels: ``mode``
+    "on", "off", or "auto" (on the CPU in float32 where a C++ compiler builds them)."""
+    if mode not in ("auto", "on", "off"):
+        raise UsageError(f"unknown fused mode {mode!r}", fix="use auto, on or off")
+    if mode == "off" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if mode == "on":
+        return True
+    import shutil
+    return shutil.which("c++") is not None or shutil.which("g++") is not None

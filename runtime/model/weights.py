@@ -161,6 +161,23 @@ class TrunkReader:
         if n:
             self._buf[:n].view(-1, page)[:, 0].sum()
 
+    @property
+    def base_address(self) -> int | None:
+        """Where trunk.bin's first byte is mapped (None: empty or closed)."""
+        return self._buf.data_ptr() if self._buf.numel() else None
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._buf.numel()
+
+    def span_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """The bytes ``[start, end)`` of trunk.bin a tensor views in this mapping (None: it is
+        not a view of it, e.g. a copy on another device)."""
+        base, n = self.base_address, self._buf.numel()
+        a = t.data_ptr() - base if base is not None and t.is_cpu else -1
+        size = t.numel() * t.element_size()
+        return (a, a + size) if 0 <= a and a + size <= n else None
+
     def __contains__(self, name: str) -> bool:
         return name in self.records
 

@@ -25,16 +25,15 @@ from typing import Any
 from ...errors import UsageError
 from .. import memory as _memory
 from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION, PLACEMENTS,
-                          QUEUE_DEPTH, TRUNK_MODES, TRUNK_REREAD, VRAM_RESERVE_FRACTION,
+                          QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION,
                           VRAM_RESERVE_MIN, GiB, MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
 from .host import (LIMIT_SOURCES, budget_batch, os_headroom, run_host_budget, trunk_host_bytes,
                    workspace_bytes)
-from .rates import Range
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
            "layout", "candidates", "max_ctx_on_gpu", "LIMIT_SOURCES", "trunk_host_bytes",
-           "run_host_budget", "trunk_reads", "trunk_reread_bytes"]
+           "run_host_budget"]
 
 # ------------------------------------------------------------------------------------------------
 # the box and the memory budget
@@ -382,19 +381,3 @@ def candidates(g: Geometry, box: Box, where: str = "auto", trunk_mode: str = "au
         if m not in TRUNK_MODES:
             raise UsageError(f"trunk mode {m!r}", fix=f"use auto or one of {', '.join(TRUNK_MODES)}")
     return [layout(g, box, w, m) for w in wheres for m in modes]
-
-
-def trunk_reread_bytes(mem: Memory) -> tuple[int, int]:
-    """Bytes of an evicted trunk re-read by a pass over it, a token or a prompt batch (slow,
-    fast end): ``TRUNK_REREAD`` times the evicted bytes (``plan.assumptions``), at most all."""
-    whole = mem.ram.item("trunk")
-    fast, slow = (min(whole, int(m * mem.trunk_evicted)) for m in TRUNK_REREAD)
-    return slow, fast
-
-
-def trunk_reads(mem: Memory, storage: Range) -> tuple[float, float, str]:
-    """Seconds a token re-reading an evicted trunk (slow, fast end), and what it reads."""
-    slow, fast = trunk_reread_bytes(mem)
-    return (slow / (storage.slow * 1e9), fast / (storage.fast * 1e9),
-            f"{fast / 2**20:.0f}-{slow / 2**20:.0f} MiB of the trunk re-read per token "
-            f"({mem.trunk_evicted / 2**20:.0f} MiB of it out of memory)")

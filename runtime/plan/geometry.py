@@ -111,6 +111,14 @@ class Geometry:
     def trunk_active_bytes(self) -> int:
         return sum(m.nbytes * m.count for m in self.trunk_matrices)
 
+    def trunk_units(self) -> list[int]:
+        """Bytes of the trunk's matrices a decoder layer multiplies (the mean), per layer, then
+        the output head's: the units ``runtime.model.trunk_stream`` streams a share of."""
+        head = sum(m.nbytes * m.count for m in self.trunk_matrices
+                   if m.rows == self.n_vocab and not m.tied)
+        layer = (self.trunk_active_bytes - head) // max(1, self.n_layers)
+        return [layer] * self.n_layers + [head]
+
     def trunk_resident(self, mode: str, dtype_bytes: int) -> int:
         """Bytes the loaded trunk takes: ggml bytes, with every matrix (NextN's included) in
         the compute dtype when ``mode`` is "float"; the embedding always stays quantized."""

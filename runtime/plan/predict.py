@@ -18,7 +18,8 @@ from typing import Any
 from ...errors import UsageError
 from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, COMBINE, EXPERT_OVERHEAD_S, OPS_PER_LAYER,
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
-from .budget import Box, Memory, Note, _gib, trunk_reads
+from .budget import Box, Memory, Note, _gib
+from .rereads import trunk_reads
 from .coldstart import start_terms
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
@@ -123,7 +124,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                       f"{g.token_expert_bytes / MiB:.0f} MiB) at {rates.storage.slow:.2f}-"
                       f"{rates.storage.fast:.2f} GB/s"))
     if mem.trunk_evicted:
-        terms.append(Term("trunk_reads", *trunk_reads(mem, rates.storage)))
+        terms.append(Term("trunk_reads", *trunk_reads(mem, rates.storage, g)))
     if pl.experts == "gpu":
         f = 1.0 if mem.pinned else PAGEABLE_FACTOR
         p = both(lambda e: max(routing.at(e).h2d_bytes_per_token, routing.at(e).d2h_bytes_per_token)

@@ -1,9 +1,8 @@
 """``expertfs plan`` end to end: inputs → geometry → budget → rates → routing → ``plan.Plan``.
 
-``run_plan(PlanRequest(...))`` is what the CLI calls; it prints nothing. Measurements run only
-where the plan needs them (the CPU probe when something computes on the CPU, the GPU probe when
-this machine has CUDA and the plan uses a GPU, the storage probe when a store or GGUF is given
-without ``io_profile``); ``probe=False`` uses the stated defaults everywhere (deterministic).
+``run_plan(PlanRequest(...))`` is what the CLI calls; it prints nothing. Probes run only where
+the plan needs them (CPU: something computes there; GPU: CUDA here and a GPU placement; storage:
+a store or GGUF without ``io_profile``); ``probe=False`` takes the stated rates throughout.
 """
 
 from __future__ import annotations
@@ -15,12 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import UsageError
-from .budget import Box, Memory, candidates, trunk_reread_bytes
+from .budget import Box, Memory, candidates
 from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
                       stated_gpu, stated_pcie, stated_storage, storage_from_profile)
 from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
 from .model import load_geometry
+from .rereads import trunk_reread_bytes
 from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
                       ideal_routing, learned_dynamics, route, synthetic_replay, trace_replay, usage_replay,
                       usage_tokens)

@@ -297,7 +297,8 @@ def test_a_cap_below_a_layers_experts_runs_on_the_fallback_tier(capsys, monkeypa
                                                                tiny_store) -> None:
     """A cap that leaves room for fewer than a layer's k experts beside the trunk: ``run``'s
     own default is the fallback tier (the cap then evicts trunk pages), the tier ``plan``
-    predicts there ("trunk_evicted"), not a tier of k - 2 experts that its cache refuses."""
+    predicts there ("trunk_evicted"), not a tier of k - 2 experts that its cache refuses; the
+    trunk bytes that leaves no room for are streamed (``runtime.model.trunk_stream``)."""
     from expertfs.runtime import memory
 
     monkeypatch.setattr(memory, "FALLBACK_SLAB", 0)     # the fallback: one layer's k experts
@@ -318,6 +319,7 @@ def test_a_cap_below_a_layers_experts_runs_on_the_fallback_tier(capsys, monkeypa
     r = json.loads(out.out)
     assert r["ram_tier_bytes"] // slot == k and r["generated_tokens"] == 2
     assert "the trunk is evicted" in out.err
+    assert r["stats"]["trunk_stream"] is not None         # streamed, not left to the LRU
 
 
 def test_plan_says_which_compute_path_each_type_takes(capsys, tiny_store) -> None:

@@ -15,9 +15,9 @@ from expertfs.cli.plan import geometry_from_like, geometry_from_synth
 from expertfs.errors import UsageError
 from expertfs.runtime import memory
 from expertfs.runtime.plan.assumptions import TRUNK_REREAD, GiB
-from expertfs.runtime.plan.budget import (Box, candidates, layout, max_ctx_on_gpu, os_headroom,
-                                          trunk_reread_bytes)
+from expertfs.runtime.plan.budget import Box, candidates, layout, max_ctx_on_gpu, os_headroom
 from expertfs.runtime.plan.geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
+from expertfs.runtime.plan.rereads import trunk_reread_bytes
 from expertfs.runtime.plan.predict import (Option, Range, Rates, Routing, RoutingRange, choose,
                                            make_plan, plan_to_dict, predict, stated_cpu,
                                            stated_gpu, stated_pcie, stated_storage,
@@ -264,6 +264,13 @@ def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None
     assert trunk_reread_bytes(m) == (min(whole, int(slow_x * m.trunk_evicted)),
                                      min(whole, int(fast_x * m.trunk_evicted)))
     assert 0 < trunk_reread_bytes(m)[1] < trunk_reread_bytes(m)[0] < whole
+    # a decode token's slow end: at most what run streams instead (runtime.model.trunk_stream)
+    units = g.trunk_units()
+    assert len(units) == g.n_layers + 1 and sum(units) == g.trunk_active_bytes
+    streamed = int(sum(units) * memory.trunk_stream_share(units, m.trunk_evicted))
+    slow, fast = trunk_reread_bytes(m, g)
+    assert fast == trunk_reread_bytes(m)[1] and slow == max(fast, min(trunk_reread_bytes(m)[0],
+                                                                     streamed))
     assert not layout(g, box, "cpu", "float").runnable
     none = Box(fixed - m.ram.item("trunk") + memory.FALLBACK_SLAB // 2, 0, ctx=512,
                limit_source="limit")
