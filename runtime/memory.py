@@ -56,8 +56,8 @@ _UNLIMITED = 1 << 60
 #: output head's) whose streamed bytes are in memory at once (the one computing and the next,
 #: read ahead) ...
 STREAM_IN_FLIGHT = 2
-#: ... and what it streams beyond the deficit the budget computes: a share of it, at least a
-#: floor (the budget's own estimates are not exact; what it streams it re-reads every token).
+#: ... and what it streams beyond the deficit it measures: a share of it, at least a floor
+#: (kept bytes found missing later add to the deficit; what it streams it re-reads a token).
 STREAM_MARGIN = 0.125
 STREAM_MARGIN_MIN = 32 << 20
 

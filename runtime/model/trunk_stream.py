@@ -41,12 +41,14 @@ from ..memory import STREAM_MARGIN_MIN, trunk_stream_share
 from .loader import TrunkWeights, mapped_matrices
 from .weights import MADV_POPULATE_READ, TrunkReader
 
-__all__ = ["STREAM_VOTES", "TrunkStream", "jobs", "stream_trunk", "unit_spans"]
+__all__ = ["STREAM_ENV", "STREAM_VOTES", "TrunkStream", "jobs", "stream_trunk", "unit_spans"]
 
 log = logging.getLogger(__name__)
 
 #: Forwards in a row whose trunk re-reads exceed what streaming would read before it starts.
 STREAM_VOTES = 2
+#: ``EXPERTFS_TRUNK_STREAM=0`` leaves a short trunk to the page cache (bench/trunk_stream_ab.py).
+STREAM_ENV = "EXPERTFS_TRUNK_STREAM"
 
 Span = tuple[int, int]              # [start, end) byte offsets in trunk.bin
 
@@ -204,8 +206,8 @@ def stream_trunk(reader: TrunkReader, trunk: TrunkWeights, on: bool,
                  reads: Callable[[], int] = lambda: 0) -> TrunkStream | None:
     """A ``TrunkStream`` (starting from no deficit: the forwards measure it) for a run whose
     memory budget cannot hold the trunk (``on``; ``reads``: the experts' bytes read so far), or
-    None where it is off or nothing is mapped to stream."""
-    if not on or reader.base_address is None:
+    None where it is off (``STREAM_ENV``) or nothing is mapped to stream."""
+    if not on or reader.base_address is None or os.environ.get(STREAM_ENV) == "0":
         return None
     spans = unit_spans(reader, trunk)
     return TrunkStream(reader, spans, reads=reads) if any(spans) else None

@@ -13,7 +13,8 @@ import torch
 
 from expertfs.runtime.engine import Engine, EngineOptions
 from expertfs.runtime.memory import STREAM_MARGIN_MIN, trunk_stream_share
-from expertfs.runtime.model.trunk_stream import STREAM_VOTES, TrunkStream, jobs, unit_spans
+from expertfs.runtime.model.trunk_stream import (STREAM_ENV, STREAM_VOTES, TrunkStream, jobs,
+                                                    unit_spans)
 from expertfs.store.reader import Store
 from support.cache_store import tiny_store
 
@@ -64,6 +65,12 @@ def test_a_streamed_run_has_the_same_logits_bit_for_bit(store):
     streamed, nbytes = _run(store, 1 << 30)               # all of it streamed, every token
     assert none == 0 and nbytes > 0
     assert torch.equal(plain, streamed)
+
+
+def test_the_environment_switch_leaves_the_trunk_to_the_page_cache(store, monkeypatch):
+    monkeypatch.setenv(STREAM_ENV, "0")
+    with Engine.open(store, options=EngineOptions(trunk_stream=True), ram_bytes=64 * MiB) as e:
+        assert e.model.trunk_stream is None and e.stats()["trunk_stream"] is None
 
 
 def test_the_units_are_each_layers_mapped_matrices_then_the_head(store):
