@@ -4,6 +4,7 @@ unit's matrices read a unit ahead and dropped a unit behind; the logits never ch
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import time
@@ -49,6 +50,17 @@ def store(tmp_path_factory):
     return tiny_store(tmp_path_factory.mktemp("stream"))
 
 
+@pytest.fixture
+def cold(tmp_path_factory):
+    """A store no engine maps (an engine's map lives until collected, and pages it maps stay in
+    the page cache), its trunk.bin dropped from the page cache: a ``TrunkReader`` of it."""
+    gc.collect()
+    with Store.open(tiny_store(tmp_path_factory.mktemp("cold"))) as st:
+        r = cold_reader(st)
+        yield r
+        r.close()
+
+
 def _run(store: str, deficit: int) -> tuple[torch.Tensor, int]:
     with Engine.open(store, options=EngineOptions(trunk_stream=deficit > 0),
                      ram_bytes=64 * MiB) as e:
@@ -85,24 +97,22 @@ def test_the_units_are_each_layers_mapped_matrices_then_the_head(store):
                           recs["output.weight"].offset + recs["output.weight"].nbytes)]
 
 
-def test_the_thread_reads_the_next_unit_in_and_drops_the_last_one(store):
-    with Store.open(store) as st:
-        r = cold_reader(st)
-        page = mmap.PAGESIZE
-        spans = [[(a, b)] for a, b in ((0, 4 * page), (8 * page, 12 * page), (16 * page, 20 * page))]
-        s = TrunkStream(r, spans, deficit=1 << 30)           # every page of them streamed
-        s.at(0)                                           # unit 1 comes in
-        s.close()
-        got = pages_in(r)
-        assert all(got[8:12]) and not any(got[16:20])
-        s = TrunkStream(r, spans, deficit=1 << 30)
-        s.at(2)                                           # unit 1 goes, unit 0 comes in
-        s.close()
-        got = pages_in(r)
-        if any(got[8:12]):
-            pytest.skip("the page cache kept dropped pages (DONTNEED not honoured here)")
-        assert all(got[0:4])
-        r.close()
+def test_the_thread_reads_the_next_unit_in_and_drops_the_last_one(cold):
+    r = cold
+    page = mmap.PAGESIZE
+    spans = [[(a, b)] for a, b in ((0, 4 * page), (8 * page, 12 * page), (16 * page, 20 * page))]
+    s = TrunkStream(r, spans, deficit=1 << 30)           # every page of them streamed
+    s.at(0)                                           # unit 1 comes in
+    s.close()
+    got = pages_in(r)
+    assert all(got[8:12]) and not any(got[16:20])
+    s = TrunkStream(r, spans, deficit=1 << 30)
+    s.at(2)                                           # unit 1 goes, unit 0 comes in
+    s.close()
+    got = pages_in(r)
+    if any(got[8:12]):
+        pytest.skip("the page cache kept dropped pages (DONTNEED not honoured here)")
+    assert all(got[0:4])
 
 
 def _evict(r) -> None:
@@ -125,30 +135,28 @@ def _settle(s: TrunkStream, jobs_done) -> None:
 
 
 @pytest.mark.parametrize("thrashed", [(True, True), (False, True), (False, False)])
-def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(store, thrashed):
+def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(cold, thrashed):
     """Measured from the third forward: the kept pages out of memory are streamed from then on
     once ``STREAM_VOTES`` forwards in a row re-read more of the trunk than streaming them
     would; not where one did, or none."""
     assert STREAM_VOTES == 2
-    with Store.open(store) as st:
-        r = cold_reader(st)
-        page = mmap.PAGESIZE
-        spans = [[(a, b)] for a, b in ((0, 4 * page), (8 * page, 12 * page), (16 * page, 20 * page))]
-        s = TrunkStream(r, spans, tolerance=page)
-        assert s.bytes == 0 and s.missing() == 12 * page      # cold: every kept page is out
-        s.at(2, measure=True)                                 # the prompt's forward: not
-        s.at(2, measure=True)                                 # the first token's: the start
-        _settle(s, lambda: s._io is not None)
-        for i, thrash in enumerate(thrashed):
-            if thrash:                                        # a token re-reads all of it
-                r._buf.view(-1)[::page].sum()
-            _evict(r)                                         # the kept pages out again
-            s.at(2, measure=True)                             # measured
-            _settle(s, lambda: s.measures == i + 1)
-        s.close()
-        if thrashed != (True, True):                          # the LRU re-read less: kept
-            assert s.bytes == 0 and s.deficit == 0
-        else:
-            assert s.deficit == 12 * page and s.share == 1.0 and s.bytes == 12 * page
-            assert s.missing() == 0                           # nothing kept now
-        r.close()
+    r = cold
+    page = mmap.PAGESIZE
+    spans = [[(a, b)] for a, b in ((0, 4 * page), (8 * page, 12 * page), (16 * page, 20 * page))]
+    s = TrunkStream(r, spans, tolerance=page)
+    assert s.bytes == 0 and s.missing() == 12 * page      # cold: every kept page is out
+    s.at(2, measure=True)                                 # the prompt's forward: not
+    s.at(2, measure=True)                                 # the first token's: the start
+    _settle(s, lambda: s._io is not None)
+    for i, thrash in enumerate(thrashed):
+        if thrash:                                        # a token re-reads all of it
+            r._buf.view(-1)[::page].sum()
+        _evict(r)                                         # the kept pages out again
+        s.at(2, measure=True)                             # measured
+        _settle(s, lambda: s.measures == i + 1)
+    s.close()
+    if thrashed != (True, True):                          # the LRU re-read less: kept
+        assert s.bytes == 0 and s.deficit == 0
+    else:
+        assert s.deficit == 12 * page and s.share == 1.0 and s.bytes == 12 * page
+        assert s.missing() == 0                           # nothing kept now
