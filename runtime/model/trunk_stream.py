@@ -8,21 +8,22 @@ back in pushes out one the same token reads again later, so a token re-reads sev
 the bytes the cap keeps out, up to the whole trunk, each page faulted in while the compute
 waits (bench/README.md).
 
-``TrunkStream`` chooses which bytes go instead. After each forward (before the output head,
-from the third on) it counts the bytes of the matrices it keeps that are not in memory
-(``mincore``): under the LRU that is the deficit itself, measured rather than estimated. Once
-streaming that deficit would have read less than the trunk's re-reads of each of the last two
-forwards (the process's reads from storage less the experts'; a small deficit costs the LRU
-less), it streams the same share of every unit's mapped matrices (a unit is a decoder
-layer's, or the output head's), the tail of each, the share ``runtime.memory.
-trunk_stream_share`` sizes so the kept rest and two units' streamed share fit; what goes
-missing later (a KV cache that grew) adds to it. A background thread reads unit L+1's share in
-while unit L computes (from a layer's FFN, the head from the last layer's; ``MADV_WILLNEED``,
+``TrunkStream`` chooses which bytes go instead. After each forward (before the output head, from
+the third on) it counts the bytes of the matrices it keeps that are not in memory (``mincore``):
+under the LRU that is the deficit itself, measured rather than estimated. Once streaming that
+deficit would have read clearly less than the trunk's re-reads of each of the last two forwards
+(the process's reads from storage less the experts'; a small deficit costs the LRU less, and
+after a prompt its re-reads can fall away within tokens), it streams the same share of every
+unit's mapped matrices (a unit is a decoder layer's, or the output head's), the tail of each,
+the share ``runtime.memory.trunk_stream_share`` sizes so the kept rest and two units' streamed
+share fit; what goes missing later (a KV cache that grew) adds to it, and every so many tokens
+the LRU is tried again (the deficit may have shrunk). A background thread reads unit L+1's share
+in while unit L computes (from a layer's FFN, the head from the last layer's; ``MADV_WILLNEED``,
 then ``MADV_POPULATE_READ`` to map it) and drops unit L-1's (``MADV_DONTNEED`` unmaps it,
 ``POSIX_FADV_DONTNEED`` frees its page-cache pages, which nothing else maps). A token then
-re-reads about the deficit, ahead of the layer that needs it, and the kept bytes are not
-pushed out. Advice never changes what a page holds: nothing writes the mapped trunk, so a
-dropped page faults back in as it was.
+re-reads about the deficit, ahead of the layer that needs it, and the kept bytes are not pushed
+out. Advice never changes what a page holds: nothing writes the mapped trunk, so a dropped page
+faults back in as it was.
 """
 
 from __future__ import annotations
@@ -41,12 +42,19 @@ from ..memory import STREAM_MARGIN_MIN, trunk_stream_share
 from .loader import TrunkWeights, mapped_matrices
 from .weights import MADV_POPULATE_READ, TrunkReader
 
-__all__ = ["STREAM_ENV", "STREAM_VOTES", "TrunkStream", "jobs", "stream_trunk", "unit_spans"]
+__all__ = ["STREAM_ENV", "STREAM_GAIN", "STREAM_RECHECK", "STREAM_VOTES", "TrunkStream", "jobs",
+           "stream_trunk", "unit_spans"]
 
 log = logging.getLogger(__name__)
 
-#: Forwards in a row whose trunk re-reads exceed what streaming would read before it starts.
+#: Forwards in a row whose trunk re-reads exceed ``STREAM_GAIN`` times what streaming would read
+#: before it starts (after a prompt the page cache's re-reads can fall away within a few tokens,
+#: its activations freed: a margin keeps such a transient with the LRU) ...
 STREAM_VOTES = 2
+STREAM_GAIN = 1.25
+#: ... and forwards measured while streaming before the LRU is tried again (the deficit may
+#: have shrunk: a freed prompt, another process gone); the same rule then decides anew.
+STREAM_RECHECK = 64
 #: ``EXPERTFS_TRUNK_STREAM=0`` leaves a short trunk to the page cache (bench/trunk_stream_ab.py).
 STREAM_ENV = "EXPERTFS_TRUNK_STREAM"
 
@@ -100,6 +108,7 @@ class TrunkStream:
         self._other = 0                         # measure, and ``reads()`` then (the experts')
         self._votes = 0                         # forwards in a row streaming would read less
         self.measures = 0                       # forwards measured
+        self._since = 0                         # ``measures`` when streaming started
         self._sizes = [sum(b - a for a, b in u) for u in spans]
         self._size = reader.mapped_bytes
         self._base = reader.base_address
@@ -172,21 +181,28 @@ class TrunkStream:
 
     def _measure(self) -> None:
         """After a forward: kept bytes missing, ``tolerance`` or more, add to the deficit; the
-        first time, only once streaming them would have read less than each of the last
-        ``STREAM_VOTES`` forwards re-read of the trunk (the process's reads from storage less
-        the experts'; a small deficit costs the LRU less, its pages going out and back in
-        once, and the first tokens' figures still carry the prompt's evictions)."""
+        first time, only once streaming them would have read ``STREAM_GAIN`` times less than
+        each of the last ``STREAM_VOTES`` forwards re-read of the trunk (the process's reads
+        from storage less the experts'; a small deficit costs the LRU less, its pages going out
+        and back in once). After ``STREAM_RECHECK`` forwards streaming, the LRU again."""
         gone, io, other = self.missing(), _read_bytes(), self._reads()
         reread = None if io is None or self._io is None else io - self._io - (other - self._other)
         self._io, self._other = io, other
+        log.debug("trunk: %d kept bytes out of memory, %s re-read by the last forward, "
+                  "streaming %d a token", gone, reread, self.bytes)
+        if self.share and self.measures - self._since >= STREAM_RECHECK:
+            self.set_deficit(0)                 # the LRU again, and the rule below anew
+            self._votes = 0
+            return
         if gone < max(1, self.tolerance):
             self._votes = 0
             return
         if not self.share and reread is not None:
-            cheaper = trunk_stream_share(self._sizes, gone) * sum(self._sizes) < reread
-            self._votes = self._votes + 1 if cheaper else 0
+            cost = trunk_stream_share(self._sizes, gone) * sum(self._sizes)
+            self._votes = self._votes + 1 if cost * STREAM_GAIN < reread else 0
             if self._votes < STREAM_VOTES:
                 return
+            self._since = self.measures
         self.set_deficit(self.deficit + gone)
         log.info("trunk: %d MiB of the kept matrices out of memory: streaming %.0f%% of "
                  "them, %d MiB a token, a unit ahead", gone >> 20, self.share * 100,

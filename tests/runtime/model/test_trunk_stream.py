@@ -14,6 +14,7 @@ import torch
 
 from expertfs.runtime.engine import Engine, EngineOptions
 from expertfs.runtime.memory import STREAM_MARGIN_MIN, trunk_stream_share
+from expertfs.runtime.model import trunk_stream
 from expertfs.runtime.model.trunk_stream import (STREAM_ENV, STREAM_VOTES, TrunkStream, jobs,
                                                     unit_spans)
 from expertfs.store.reader import Store
@@ -135,11 +136,14 @@ def _settle(s: TrunkStream, jobs_done) -> None:
 
 
 @pytest.mark.parametrize("thrashed", [(True, True), (False, True), (False, False)])
-def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(cold, thrashed):
+def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(cold, thrashed,
+                                                                        monkeypatch):
     """Measured from the third forward: the kept pages out of memory are streamed from then on
-    once ``STREAM_VOTES`` forwards in a row re-read more of the trunk than streaming them
-    would; not where one did, or none."""
+    once ``STREAM_VOTES`` forwards in a row re-read more of the trunk than ``STREAM_GAIN``
+    times what streaming them would; not where one did, or none; and after
+    ``STREAM_RECHECK`` forwards streaming, the LRU is tried again."""
     assert STREAM_VOTES == 2
+    monkeypatch.setattr(trunk_stream, "STREAM_RECHECK", 1)
     r = cold
     page = mmap.PAGESIZE
     spans = [[(a, b)] for a, b in ((0, 4 * page), (8 * page, 12 * page), (16 * page, 20 * page))]
@@ -154,9 +158,12 @@ def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(cold, th
         _evict(r)                                         # the kept pages out again
         s.at(2, measure=True)                             # measured
         _settle(s, lambda: s.measures == i + 1)
-    s.close()
     if thrashed != (True, True):                          # the LRU re-read less: kept
         assert s.bytes == 0 and s.deficit == 0
     else:
         assert s.deficit == 12 * page and s.share == 1.0 and s.bytes == 12 * page
         assert s.missing() == 0                           # nothing kept now
+        s.at(2, measure=True)                             # a recheck's worth later
+        _settle(s, lambda: s.measures == len(thrashed) + 1)
+        assert s.share == 0 and s.bytes == 0              # the LRU again
+    s.close()
