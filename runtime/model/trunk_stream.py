@@ -197,7 +197,9 @@ class TrunkStream:
         if gone < max(1, self.tolerance):
             self._votes = 0
             return
-        if not self.share and reread is not None:
+        if not self.share:
+            if reread is None:                  # no figure to weigh it against: the LRU
+                return
             cost = trunk_stream_share(self._sizes, gone) * sum(self._sizes)
             self._votes = self._votes + 1 if cost * STREAM_GAIN < reread else 0
             if self._votes < STREAM_VOTES:

@@ -167,3 +167,16 @@ def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(cold, th
         _settle(s, lambda: s.measures == len(thrashed) + 1)
         assert s.share == 0 and s.bytes == 0              # the LRU again
     s.close()
+
+
+def test_without_the_process_read_counter_the_lru_is_kept(cold, monkeypatch):
+    monkeypatch.setattr(trunk_stream, "_read_bytes", lambda: None)
+    page = mmap.PAGESIZE
+    s = TrunkStream(cold, [[(0, 4 * page)], [(8 * page, 12 * page)]], tolerance=page)
+    for i in range(4):
+        cold._buf.view(-1)[::page].sum()
+        _evict(cold)
+        s.at(1, measure=True)
+        _settle(s, lambda: s.measures == max(0, i - 1))
+    s.close()
+    assert s.measures == 2 and s.missing() > 0 and s.share == 0
