@@ -65,9 +65,9 @@ def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, obje
                                                 getattr(args, "batch", PREFILL_BATCH)))
     need = g.k if on == "cpu" or not vram_experts else 1       # experts the tier must hold
     ram = args.ram if args.ram is not None else budget.default_tier(g.slot_bytes, g.k, need)
-    # trunk bytes that tier leaves no room for: the engine measures what is really out and
-    # streams it a layer ahead where the page cache would re-read more (model.trunk_stream)
-    args.trunk_deficit = min(budget.trunk, max(0, ram - budget.room)) if on == "cpu" else 0
+    # a tier that leaves the trunk short: the engine measures what is really out and streams
+    # it a layer ahead where the page cache would re-read more (model.trunk_stream)
+    args.trunk_short = on == "cpu" and ram > budget.room
     warning = budget.warning(ram, need * g.slot_bytes)
     if warning:
         print(f"expertfs {args.command}: warning: {warning}", file=sys.stderr)

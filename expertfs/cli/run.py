@@ -169,7 +169,7 @@ def _open(args: argparse.Namespace):
     args.ram_tier_bytes = ram
     opts = EngineOptions(device=device, dtype=args.dtype, n_ctx=args.ctx,
                          trunk=args.trunk, dq_cache=args.dq_cache, lookahead=lookahead,
-                         fused=fused, act_quant=args.act_quant, trunk_stream=args.trunk_deficit > 0,
+                         fused=fused, act_quant=args.act_quant, trunk_stream=args.trunk_short,
                          lookahead_margin=margin, prefill_batch=args.batch,
                          prefetch_slots=args.prefetch_slots,
                          prefill_prefetch=args.prefill_prefetch)

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     ram, lookahead, margin = ram_and_lookahead(args, device)
     opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, lookahead=lookahead,
-                         lookahead_margin=margin, trunk_stream=args.trunk_deficit > 0)
+                         lookahead_margin=margin, trunk_stream=args.trunk_short)
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     eng.start_warm()                    # the cache fills while no request is waiting
     try:

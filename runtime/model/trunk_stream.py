@@ -107,7 +107,8 @@ class TrunkStream:
         self._io: int | None = None             # the process's storage reads at the last
         self._other = 0                         # measure, and ``reads()`` then (the experts')
         self._votes = 0                         # forwards in a row streaming would read less
-        self.measures = 0                       # forwards measured
+        self._seen = 0                          # forwards with logits seen
+        self.measures = 0                       # forwards measured (past the first two)
         self._since = 0                         # ``measures`` when streaming started
         self._sizes = [sum(b - a for a, b in u) for u in spans]
         self._size = reader.mapped_bytes
@@ -149,10 +150,10 @@ class TrunkStream:
 
     def at(self, unit: int, measure: bool = False) -> None:
         """Unit ``unit`` is next to compute (a layer's FFN starts, or the head's product when
-        ``unit`` is the number of layers): ``jobs`` for it, done in order by the thread;
-        ``measure`` (the head's turn in a forward that computes logits): count the kept bytes
-        missing, from the third such forward on (past the prompt's evictions)."""
-        if 0 <= unit < len(self._spans) and self._fd >= 0:
+        ``unit`` is the number of layers): ``jobs`` for it, done in order by the thread, while
+        it streams; ``measure`` (the head's turn in a forward that computes logits): count the
+        kept bytes missing, from the third such forward on (past the prompt's evictions)."""
+        if (self.share or measure) and 0 <= unit < len(self._spans) and self._fd >= 0:
             self._q.put((*jobs(unit, len(self._spans) - 1), measure))
 
     def _advise(self, spans: list[Span], advice: int) -> None:
@@ -162,34 +163,40 @@ class TrunkStream:
                           os.strerror(ctypes.get_errno()))
 
     def _run(self) -> None:
-        seen = 0
         while (job := self._q.get()) is not None:
             drop, read, measure = job
-            seen += measure
             for u in drop:
                 self._advise(self.units[u], mmap.MADV_DONTNEED)
                 for a, b in self.units[u]:
                     os.posix_fadvise(self._fd, a, b - a, os.POSIX_FADV_DONTNEED)
-            if measure and seen > 2:    # past the prompt's forward and the first token after
+            if measure:
                 self._measure()
-                self.measures += 1
-            elif measure:               # (whose misses are the prompt's): the counters' start
-                self._io, self._other = _read_bytes(), self._reads()
             for u in read:
                 self._advise(self.units[u], mmap.MADV_WILLNEED)
                 self._advise(self.units[u], MADV_POPULATE_READ)
 
     def _measure(self) -> None:
-        """After a forward: kept bytes missing, ``tolerance`` or more, add to the deficit; the
-        first time, only once streaming them would have read ``STREAM_GAIN`` times less than
-        each of the last ``STREAM_VOTES`` forwards re-read of the trunk (the process's reads
-        from storage less the experts'; a small deficit costs the LRU less, its pages going out
-        and back in once). After ``STREAM_RECHECK`` forwards streaming, the LRU again."""
-        gone, io, other = self.missing(), _read_bytes(), self._reads()
+        """After a forward: the trunk's re-reads since the last one (the process's reads from
+        storage less the experts'), and from the third forward on (the first two's misses are
+        the prompt's) the kept bytes out of memory, handed to ``_decide``."""
+        io, other = _read_bytes(), self._reads()
         reread = None if io is None or self._io is None else io - self._io - (other - self._other)
         self._io, self._other = io, other
+        self._seen += 1
+        if self._seen <= 2:
+            return
+        gone = self.missing()
         log.debug("trunk: %d kept bytes out of memory, %s re-read by the last forward, "
                   "streaming %d a token", gone, reread, self.bytes)
+        self._decide(gone, reread)
+        self.measures += 1
+
+    def _decide(self, gone: int, reread: int | None) -> None:
+        """Kept bytes missing, ``tolerance`` or more, add to the deficit; the first time, only
+        once streaming them would have read ``STREAM_GAIN`` times less than each of the last
+        ``STREAM_VOTES`` forwards re-read of the trunk (a small deficit costs the LRU less, its
+        pages going out and back in once). After ``STREAM_RECHECK`` forwards streaming, the LRU
+        again."""
         if self.share and self.measures - self._since >= STREAM_RECHECK:
             self.set_deficit(0)                 # the LRU again, and the rule below anew
             self._votes = 0

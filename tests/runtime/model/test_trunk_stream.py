@@ -128,9 +128,9 @@ def _evict(r) -> None:
         os.close(fd)
 
 
-def _settle(s: TrunkStream, jobs_done) -> None:
+def _settle(done) -> None:
     for _ in range(500):
-        if jobs_done():
+        if done():
             return
         time.sleep(0.01)
 
@@ -151,20 +151,20 @@ def test_kept_bytes_found_missing_are_streamed_once_the_lru_reread_more(cold, th
     assert s.bytes == 0 and s.missing() == 12 * page      # cold: every kept page is out
     s.at(2, measure=True)                                 # the prompt's forward: not
     s.at(2, measure=True)                                 # the first token's: the start
-    _settle(s, lambda: s._io is not None)
+    _settle(lambda: s._io is not None)
     for i, thrash in enumerate(thrashed):
         if thrash:                                        # a token re-reads all of it
             r._buf.view(-1)[::page].sum()
         _evict(r)                                         # the kept pages out again
         s.at(2, measure=True)                             # measured
-        _settle(s, lambda: s.measures == i + 1)
+        _settle(lambda: s.measures == i + 1)
     if thrashed != (True, True):                          # the LRU re-read less: kept
         assert s.bytes == 0 and s.deficit == 0
     else:
         assert s.deficit == 12 * page and s.share == 1.0 and s.bytes == 12 * page
         assert s.missing() == 0                           # nothing kept now
         s.at(2, measure=True)                             # a recheck's worth later
-        _settle(s, lambda: s.measures == len(thrashed) + 1)
+        _settle(lambda: s.measures == len(thrashed) + 1)
         assert s.share == 0 and s.bytes == 0              # the LRU again
     s.close()
 
@@ -177,6 +177,6 @@ def test_without_the_process_read_counter_the_lru_is_kept(cold, monkeypatch):
         cold._buf.view(-1)[::page].sum()
         _evict(cold)
         s.at(1, measure=True)
-        _settle(s, lambda: s.measures == max(0, i - 1))
+        _settle(lambda: s.measures == max(0, i - 1))
     s.close()
     assert s.measures == 2 and s.missing() > 0 and s.share == 0
