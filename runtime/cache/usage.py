@@ -46,8 +46,10 @@ finally:
 
 
 #: the dynamics counters: decoded routes, those of them the run had routed to before, and of
-#: the routes that follow another decoded token at their layer, those it had too
-DYNAMICS = ("routes", "reused", "follows", "kept")
+#: the routes that follow another decoded token at their layer, those it had too; ``seen`` sums,
+#: over the ``seen_routes`` counted with it, how many experts the run had routed to at that
+#: layer before (a random pick is "reused" that often by chance alone)
+DYNAMICS = ("routes", "reused", "follows", "kept", "seen", "seen_routes")
 
 
 class UsageRecorder:
@@ -56,7 +58,9 @@ class UsageRecorder:
     With ``k`` (the model's top-k) it also counts how the run reuses experts. A call of at most
     ``k`` experts is one decoded token's route at that layer; ``routes`` counts its experts,
     ``kept`` those the previous decoded token routed to at that layer too, ``reused`` those the
-    run routed to at that layer at any time before (the prompt included). ``plan`` draws its
+    run routed to at that layer at any time before (the prompt included), and ``seen`` the
+    experts routed to before, each route's count times its experts (what chance alone reuses:
+    after a long prompt most of a layer's experts are "seen"). ``plan`` draws its
     replay's decode with these dynamics (``plan.routing.learned_dynamics``): how much of a
     run's decode stays within the experts its prompt and its last tokens touched decides the
     misses of a tier smaller than the model, and it differs by model and workload far more
@@ -82,6 +86,8 @@ class UsageRecorder:
                 d = self.dynamics
                 d["routes"] += len(ids)
                 d["reused"] += sum(1 for e in ids if e in seen)
+                d["seen"] += len(ids) * len(seen)
+                d["seen_routes"] += len(ids)
                 if prev is not None:
                     d["follows"] += len(ids)
                     d["kept"] += sum(1 for e in ids if e in prev)

@@ -76,24 +76,75 @@ class Dynamics:
     tokens: float                       # decoded tokens they were learned from, per MoE layer
 
     def describe(self) -> str:
-        return (f"its runs' decode: {self.stickiness:.0%} of experts kept token to token, "
-                f"{self.reuse:.0%} of the rest reused, over {self.tokens:.0f} tokens")
+        return (f"its runs' decode beyond chance: {self.stickiness:.0%} of experts kept token to "
+                f"token, {self.reuse:.0%} of the rest reused, over {self.tokens:.0f} tokens")
 
 
-def learned_dynamics(g: Geometry, counters: dict[str, int]) -> Dynamics | None:
+def learned_dynamics(g: Geometry, counters: dict[str, int],
+                     usage: dict[tuple[int, int], float] | None = None) -> Dynamics | None:
     """How the store's earlier runs decoded (``runtime.cache.usage``'s counters), as the
-    synthetic generator's decode parameters; None below ``MIN_DYNAMICS_TOKENS`` decoded tokens.
-    ``stickiness``: the share of a decoded token's experts its predecessor had at that layer;
-    ``reuse``: the share of the rest that the run had routed to before (the generator keeps
-    first, then reuses: a route reused in all is kept or else reused)."""
+    synthetic generator's decode parameters beyond what chance gives it; None below
+    ``MIN_DYNAMICS_TOKENS`` decoded tokens, or where the runs did not count the chance
+    baseline (``seen``: counters of older runs).
+
+    The generator keeps a previous expert with probability ``stickiness``, else draws the pick
+    from the run's earlier experts with probability ``reuse``, else a fresh one by popularity
+    (``usage``, the learned counts ``usage_replay`` draws from; uniform without it), and a
+    fresh pick lands on one of the previous token's k experts, or on one the run saw before,
+    by chance as well. So each measured share is the chance's part plus the rest: kept against
+    a fresh pick's chance of being one of k others, the rest's reuse against the popularity
+    the experts the runs had seen carry (``_chances``; after a prompt of a hundred tokens, most
+    of it: counted as reuse, a random router would read as one that keeps to a working set,
+    and the replay's tier would hit far more often than the runs' did)."""
     routes, follows = counters.get("routes", 0), counters.get("follows", 0)
     tokens = routes / g.k / len(g.moe_layers) if g.k and g.moe_layers else 0.0
-    if tokens < MIN_DYNAMICS_TOKENS:
+    seen_routes = counters.get("seen_routes", 0)
+    if tokens < MIN_DYNAMICS_TOKENS or not seen_routes or not g.n_experts:
         return None
-    s = counters.get("kept", 0) / follows if follows else 0.0
+    kept = counters.get("kept", 0) / follows if follows else 0.0
     u = counters.get("reused", 0) / routes
-    r = (u - s) / (1.0 - s) if s < 1.0 else 1.0
-    return Dynamics(min(1.0, max(0.0, s)), min(1.0, max(0.0, r)), tokens)
+    rest = (u - kept) / (1.0 - kept) if kept < 1.0 else 1.0     # the share of the rest reused
+    c, m = _chances(g, usage or {}, counters.get("seen", 0) / seen_routes)
+    return Dynamics(_beyond(kept, c, follows), _beyond(rest, (m - c) / (1.0 - c),
+                                                       routes * (1.0 - kept)), tokens)
+
+
+def _chances(g: Geometry, usage: dict[tuple[int, int], float], seen: float
+             ) -> tuple[float, float]:
+    """``(c, m)``: the chance that a pick drawn by popularity is one of the previous token's k
+    (k times the chance two picks coincide), and the popularity of the experts a run has seen
+    when it has seen ``seen`` experts of a layer on average: the picks ``n`` that leave that
+    many seen, ``sum(1 - (1 - p) ** n)``, found by bisection, then ``sum(p (1 - (1 - p) ** n))``.
+    Uniform popularity gives ``k / n_experts`` and ``seen / n_experts``."""
+    import numpy as np
+
+    pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
+    row = {layer: i for i, layer in enumerate(g.moe_layers)}
+    for (layer, e), n in usage.items():
+        if layer in row and 0 <= e < g.n_experts:
+            pop[row[layer], e] += max(0.0, float(n))
+    p = pop / pop.sum(axis=1, keepdims=True)
+    target = min(float(seen), g.n_experts * (1.0 - 1e-9))
+    lo, hi = 0.0, 1.0
+    while (1.0 - (1.0 - p) ** hi).sum(axis=1).mean() < target and hi < 1e12:
+        hi *= 2.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if (1.0 - (1.0 - p) ** mid).sum(axis=1).mean() < target else (lo, mid)
+    m = float((p * (1.0 - (1.0 - p) ** hi)).sum(axis=1).mean())
+    c = min(1.0, g.k * float((p * p).sum(axis=1).mean()))
+    return c, min(1.0, m)
+
+
+def _beyond(share: float, chance: float, n: float) -> float:
+    """The probability ``p`` that makes ``share`` = p + (1 - p) ``chance``, counting only what
+    exceeds chance by more than twice the binomial spread of ``n`` draws (where nearly every
+    expert was seen, a share a little above chance would otherwise read as strong reuse)."""
+    chance = min(1.0, max(0.0, chance))
+    if chance >= 1.0 or n <= 0:
+        return 0.0
+    excess = share - chance - 2.0 * (chance * (1.0 - chance) / n) ** 0.5
+    return min(1.0, max(0.0, excess / (1.0 - chance)))
 
 
 def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,

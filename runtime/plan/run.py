@@ -151,7 +151,7 @@ def learned_usage(target: str | None, g: Geometry
         return {}, None
     if usage_tokens(g, usage) < MIN_USAGE_TOKENS:
         return {}, None
-    return usage, learned_dynamics(g, counters)
+    return usage, learned_dynamics(g, counters, usage)
 
 
 class Replays:

@@ -137,17 +137,20 @@ def test_usage_recorder_counts_and_take():
 def test_usage_recorder_counts_how_a_run_reuses_experts():
     """With top-k given, a call of at most k experts is a decoded token's route: each expert
     is reused when the run (its prompt included) routed to it at that layer before, and kept
-    when the previous decoded token at that layer routed to it."""
+    when the previous decoded token at that layer routed to it; ``seen`` adds, per route and
+    expert, how many experts the run had routed to at that layer before (chance's reuse)."""
     u = UsageRecorder(k=2)
     u.add(1, [0, 1, 2, 3])                # a prompt's union: seen, not counted
     u.add(1, [3, 5])                      # a token: 3 reused, 5 new; nothing before to keep
     u.add(2, [3])                         # another layer: new there
     u.add(1, [5, 0])                      # both reused, 5 kept
     counts, dyn = u.take()
-    assert dyn == {"routes": 5, "reused": 3, "follows": 2, "kept": 1} and counts[(1, 3)] == 2
+    assert dyn == {"routes": 5, "reused": 3, "follows": 2, "kept": 1,
+                   "seen": 2 * 4 + 1 * 0 + 2 * 5, "seen_routes": 5} and counts[(1, 3)] == 2
     u.add(1, [1, 2, 5])                   # a prompt again: the next token follows no token
     u.add(1, [1])                         # the run goes on: what it saw still counts
-    assert u.take()[1] == {"routes": 1, "reused": 1, "follows": 0, "kept": 0}
+    assert u.take()[1] == {"routes": 1, "reused": 1, "follows": 0, "kept": 0, "seen": 5,
+                           "seen_routes": 1}
 
 
 def test_usage_persists_merged_while_the_store_is_open(store):

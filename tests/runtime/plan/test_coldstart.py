@@ -170,19 +170,28 @@ def test_a_replay_drawn_from_learned_usage_routes_to_the_used_experts() -> None:
 
 def test_learned_decode_dynamics_lower_the_replays_misses_at_a_small_tier() -> None:
     """The runs' counters become the generator's decode parameters (kept first, then the rest
-    reused), none below ``MIN_DYNAMICS_TOKENS``; a replay with the sticky dynamics such runs
-    show misses less at a tier smaller than the model than the preset's."""
+    reused), each beyond its chance; none below ``MIN_DYNAMICS_TOKENS`` or without the chance
+    baseline (``seen``); a replay with the sticky dynamics such runs show misses less at a tier
+    smaller than the model than the preset's."""
     from expertfs.runtime.plan.routing import (MIN_DYNAMICS_TOKENS, learned_dynamics, route,
                                                usage_replay)
 
     g = qwen()
     per_token = g.k * len(g.moe_layers)
-    few = {"routes": per_token * (MIN_DYNAMICS_TOKENS - 1), "follows": 1, "kept": 1, "reused": 1}
+    few = {"routes": per_token * (MIN_DYNAMICS_TOKENS - 1), "follows": 1, "kept": 1, "reused": 1,
+           "seen": 0, "seen_routes": 1}
     assert learned_dynamics(g, few) is None
     n = per_token * 100
-    d = learned_dynamics(g, {"routes": n, "follows": n, "kept": n // 2, "reused": n * 9 // 10})
-    assert d.stickiness == pytest.approx(0.5) and d.reuse == pytest.approx(0.8)
-    assert d.tokens == pytest.approx(100) and "50% of experts kept" in d.describe()
+    old = {"routes": n, "follows": n, "kept": n // 2, "reused": n * 9 // 10}
+    assert learned_dynamics(g, old) is None                 # no baseline: chance not separable
+    d = learned_dynamics(g, {**old, "seen": 0, "seen_routes": n})
+    c = g.k / g.n_experts
+    assert d.stickiness == pytest.approx((0.5 - c) / (1 - c), abs=0.01)
+    assert d.reuse == pytest.approx(0.8)                    # nothing seen: no chance to take off
+    assert d.tokens == pytest.approx(100) and "46% of experts kept" in d.describe()
+    half = learned_dynamics(g, {**old, "seen": n * g.n_experts // 2, "seen_routes": n})
+    chance = (0.5 - c) / (1 - c)                            # half seen, the previous k aside
+    assert half.reuse == pytest.approx((0.8 - chance) / (1 - chance), abs=0.02)
     usage = {(layer, e): 10.0 + e for layer in g.moe_layers for e in range(g.n_experts)}
     slots = len(g.moe_layers) * g.n_experts // 4
 
@@ -190,8 +199,53 @@ def test_learned_decode_dynamics_lower_the_replays_misses_at_a_small_tier() -> N
         rp = usage_replay(g, usage, "diffuse", tokens=128, dynamics=dyn)
         return route(g, rp, 0, slots, experts_on_gpu=False, label="t", synthetic=False).miss_rate
 
-    sticky = learned_dynamics(g, {"routes": n, "follows": n, "kept": n * 8 // 10, "reused": n})
+    sticky = learned_dynamics(g, {"routes": n, "follows": n, "kept": n * 8 // 10, "reused": n,
+                                  "seen": 0, "seen_routes": n})
     assert miss(sticky) < 0.5 * miss(None)
+
+
+def test_a_random_router_learns_no_reuse_and_a_working_set_does() -> None:
+    """Counters recorded by ``UsageRecorder`` from a run that routes at random after a long
+    prompt (which saw nearly every expert, so nearly every pick is "reused") learn no
+    stickiness or reuse beyond chance, a skewed one none beyond the chance its popularity
+    gives; a run whose decode keeps to a working set after a short prompt learns a high reuse."""
+    import numpy as np
+
+    from expertfs.runtime.cache.usage import UsageRecorder
+    from expertfs.runtime.plan.routing import learned_dynamics
+
+    g = qwen()
+    rng = np.random.default_rng(0)
+
+    def counters(pick, prompt_tokens: int) -> dict[str, int]:
+        u = UsageRecorder(k=g.k)
+        for layer in g.moe_layers:                       # the prompt's union
+            u.add(layer, sorted({int(e) for e in rng.choice(g.n_experts, prompt_tokens * g.k)}))
+        for _ in range(64):
+            for layer in g.moe_layers:
+                u.add(layer, pick())
+        return u.take()[1]
+
+    def uniform():
+        return rng.choice(g.n_experts, g.k, replace=False)
+
+    def working_set():
+        return rng.choice(4 * g.k, g.k, replace=False)
+    rand = learned_dynamics(g, counters(uniform, 100))
+    assert rand.stickiness < 0.05 and rand.reuse < 0.1
+    ws = learned_dynamics(g, counters(working_set, 2))
+    assert ws.stickiness > 0.1 and ws.reuse > 0.7
+    # a skewed router drawing at random: its popular experts are seen first, so its "reuse"
+    # is chance under its popularity (the learned usage), not under a uniform one
+    pop = 1.0 / np.arange(1, g.n_experts + 1)
+    pop /= pop.sum()
+
+    def skewed():
+        return rng.choice(g.n_experts, g.k, replace=False, p=pop)
+    dyn = counters(skewed, 8)
+    usage = {(layer, e): 1000.0 * pop[e] for layer in g.moe_layers for e in range(g.n_experts)}
+    assert learned_dynamics(g, dyn).reuse > 0.2
+    assert learned_dynamics(g, dyn, usage).reuse < 0.1
 
 
 def test_no_probe_prices_native_types_at_the_native_kernels_stated_rate(tmp_path, monkeypatch) -> None:
