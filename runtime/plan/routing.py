@@ -91,11 +91,13 @@ def learned_dynamics(g: Geometry, counters: dict[str, int],
     from the run's earlier experts with probability ``reuse``, else a fresh one by popularity
     (``usage``, the learned counts ``usage_replay`` draws from; uniform without it), and a
     fresh pick lands on one of the previous token's k experts, or on one the run saw before,
-    by chance as well. So each measured share is the chance's part plus the rest: kept against
-    a fresh pick's chance of being one of k others, the rest's reuse against the popularity
-    the experts the runs had seen carry (``_chances``; after a prompt of a hundred tokens, most
-    of it: counted as reuse, a random router would read as one that keeps to a working set,
-    and the replay's tier would hit far more often than the runs' did)."""
+    by chance as well. So each measured share is the chance's part plus the rest: the rest's
+    reuse against the popularity the experts the runs had seen carry (``_seen_popularity``;
+    after a prompt of a hundred tokens, most of it: counted as reuse, a random router would
+    read as one that keeps to a working set, and the replay's tier would hit far more often
+    than the runs' did); kept against independent picks' chance, ``k / n_experts`` (not the
+    learned popularity's, which the runs' own stickiness concentrates on the experts they
+    kept: that would count the stickiness as chance)."""
     routes, follows = counters.get("routes", 0), counters.get("follows", 0)
     tokens = routes / g.k / len(g.moe_layers) if g.k and g.moe_layers else 0.0
     seen_routes = counters.get("seen_routes", 0)
@@ -104,18 +106,16 @@ def learned_dynamics(g: Geometry, counters: dict[str, int],
     kept = counters.get("kept", 0) / follows if follows else 0.0
     u = counters.get("reused", 0) / routes
     rest = (u - kept) / (1.0 - kept) if kept < 1.0 else 1.0     # the share of the rest reused
-    c, m = _chances(g, usage or {}, counters.get("seen", 0) / seen_routes)
+    c = g.k / g.n_experts
+    m = _seen_popularity(g, usage or {}, counters.get("seen", 0) / seen_routes)
     return Dynamics(_beyond(kept, c, follows), _beyond(rest, (m - c) / (1.0 - c),
                                                        routes * (1.0 - kept)), tokens)
 
 
-def _chances(g: Geometry, usage: dict[tuple[int, int], float], seen: float
-             ) -> tuple[float, float]:
-    """``(c, m)``: the chance that a pick drawn by popularity is one of the previous token's k
-    (k times the chance two picks coincide), and the popularity of the experts a run has seen
-    when it has seen ``seen`` experts of a layer on average: the picks ``n`` that leave that
-    many seen, ``sum(1 - (1 - p) ** n)``, found by bisection, then ``sum(p (1 - (1 - p) ** n))``.
-    Uniform popularity gives ``k / n_experts`` and ``seen / n_experts``."""
+def _seen_popularity(g: Geometry, usage: dict[tuple[int, int], float], seen: float) -> float:
+    """The popularity the experts a run has seen carry, when it has seen ``seen`` experts of a
+    layer on average: the picks ``n`` that leave that many seen, ``sum(1 - (1 - p) ** n)``,
+    found by bisection, then ``sum(p (1 - (1 - p) ** n))`` (``seen / n_experts`` when uniform)."""
     import numpy as np
 
     pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
@@ -131,9 +131,7 @@ def _chances(g: Geometry, usage: dict[tuple[int, int], float], seen: float
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if (1.0 - (1.0 - p) ** mid).sum(axis=1).mean() < target else (lo, mid)
-    m = float((p * (1.0 - (1.0 - p) ** hi)).sum(axis=1).mean())
-    c = min(1.0, g.k * float((p * p).sum(axis=1).mean()))
-    return c, min(1.0, m)
+    return min(1.0, float((p * (1.0 - (1.0 - p) ** hi)).sum(axis=1).mean()))
 
 
 def _beyond(share: float, chance: float, n: float) -> float:
