@@ -14,7 +14,9 @@ compared with the one ``plan`` recommends. Printed per row: the tier each chose 
 slots), the decode band ``plan`` predicts against the measured median (and the median over the
 band's geometric midpoint), the same for the first token of a prompt of about
 ``--prompt-tokens`` tokens, the peak memory against the cap, and any run that failed.
-``--json`` writes every round.
+``--json`` writes every round. ``--learn N`` first runs each store N times under its
+tightest cap, so that ``plan`` prices the routing those runs taught the store (its learned
+usage and decode dynamics) instead of a synthetic preset.
 """
 
 from __future__ import annotations
@@ -96,6 +98,18 @@ def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt:
             "mb_per_token": d["mb_read_per_token"], "peak": r.peak_bytes}
 
 
+def _learn(store: str, size: int, a: argparse.Namespace, prompt: str) -> None:
+    """``--learn`` runs of ``store`` under the tightest of ``--caps`` (a user who ran the model
+    before planning): ``run`` adds each one's routes and dynamics to the store's usage table."""
+    caps = [float(c) for c in a.caps.split(",") if c != "none"]
+    limit = int(min(caps) * size) if caps else None
+    for i in range(a.learn):
+        x = _run(store, limit, block_device_of(store), a, prompt)
+        print(f"  learning run {i + 1} of {os.path.basename(store)}: "
+              + (f"failed {x['failed']}" if "failed" in x else f"{x['decode']:.2f} tok/s, "
+                 f"{x['mb_per_token']:.1f} MB a token"), flush=True)
+
+
 def _gib(n: float | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f}G"
 
@@ -149,6 +163,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", metavar="OUT", help="write every round here")
     ap.add_argument("--clean", action="store_true", help="delete the stores at the end")
+    ap.add_argument("--learn", type=int, default=0, metavar="N",
+                    help="run each store N times under its tightest cap before planning, so "
+                         "plan prices the usage and decode dynamics those runs taught it (0)")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     rows: list[dict] = []
@@ -159,6 +176,7 @@ def main() -> int:
             prompts[name] = long_prompt(store, a.prompt_tokens)
             n_prompt = _tokens(store, prompts[name])
             size = _size(store)
+            _learn(store, size, a, prompts[name])
             for cap in a.caps.split(","):
                 limit = None if cap == "none" else int(float(cap) * size)
                 rows.append({"store": name, "path": store, "size": size, "cap": cap,
