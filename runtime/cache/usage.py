@@ -58,9 +58,10 @@ class UsageRecorder:
     With ``k`` (the model's top-k) it also counts how the run reuses experts. A call of at most
     ``k`` experts is one decoded token's route at that layer; ``routes`` counts its experts,
     ``kept`` those the previous decoded token routed to at that layer too, ``reused`` those the
-    run routed to at that layer at any time before (the prompt included), and ``seen`` the
-    experts routed to before, each route's count times its experts (what chance alone reuses:
-    after a long prompt most of a layer's experts are "seen"). ``plan`` draws its
+    run routed to at that layer at any time before (the prompt included), and ``seen`` how
+    many experts the run had routed to at that layer before, summed over the route's experts
+    (``seen / seen_routes`` is what a random pick could have matched: after a long prompt, most
+    of the layer). ``plan`` draws its
     replay's decode with these dynamics (``plan.routing.learned_dynamics``): how much of a
     run's decode stays within the experts its prompt and its last tokens touched decides the
     misses of a tier smaller than the model, and it differs by model and workload far more
