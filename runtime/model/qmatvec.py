@@ -43,8 +43,8 @@ from ...formats.moe_names import Role
 from .. import kernels as native
 from .native_experts import NATIVE_MAX_TOKENS, native_layer
 
-__all__ = ["use_fused", "fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED", "disable",
-           "precompile", "NATIVE_MAX_TOKENS"]
+__all__ = ["use_fused", "fused_matvec", "decode_matvec", "fused_experts", "available", "SUPPORTED",
+           "disable", "precompile", "NATIVE_MAX_TOKENS"]
 
 log = logging.getLogger(__name__)
 

@@ -137,7 +137,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     product past its native token limit costs (a type without an entry is priced as native);
     ``replay`` and ``slow_replay``: the fast and slow ends' routing (None at the slow end:
     uniform); ``trunk_reread``: bytes of a trunk the cap evicts read again by each batch
-    (slow, fast end: ``plan.budget.trunk_reread_bytes``)."""
+    (slow, fast end: ``plan.rereads.trunk_reread_bytes``)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)

@@ -116,22 +116,32 @@ def _seen_popularity(g: Geometry, usage: dict[tuple[int, int], float], seen: flo
     """The popularity the experts a run has seen carry, when it has seen ``seen`` experts of a
     layer on average: the picks ``n`` that leave that many seen, ``sum(1 - (1 - p) ** n)``,
     found by bisection, then ``sum(p (1 - (1 - p) ** n))`` (``seen / n_experts`` when uniform)."""
+    pop = _popularity(g, usage)
+    p = pop / pop.sum(axis=1, keepdims=True)
+
+    def seen_after(n: float):                  # [layers, experts]: P(seen after n picks)
+        return 1.0 - (1.0 - p) ** n
+    target = min(float(seen), g.n_experts * (1.0 - 1e-9))
+    lo, hi = 0.0, 1.0
+    while seen_after(hi).sum(axis=1).mean() < target and hi < 1e12:
+        hi *= 2.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if seen_after(mid).sum(axis=1).mean() < target else (lo, mid)
+    return min(1.0, float((p * seen_after(hi)).sum(axis=1).mean()))
+
+
+def _popularity(g: Geometry, usage: dict[tuple[int, int], float]):
+    """``[MoE layers, experts]``: the learned counts ((block, expert) → routes) plus
+    ``USAGE_PRIOR``."""
     import numpy as np
 
     pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
     row = {layer: i for i, layer in enumerate(g.moe_layers)}
-    for (layer, e), n in usage.items():
+    for (layer, e), c in usage.items():
         if layer in row and 0 <= e < g.n_experts:
-            pop[row[layer], e] += max(0.0, float(n))
-    p = pop / pop.sum(axis=1, keepdims=True)
-    target = min(float(seen), g.n_experts * (1.0 - 1e-9))
-    lo, hi = 0.0, 1.0
-    while (1.0 - (1.0 - p) ** hi).sum(axis=1).mean() < target and hi < 1e12:
-        hi *= 2.0
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if (1.0 - (1.0 - p) ** mid).sum(axis=1).mean() < target else (lo, mid)
-    return min(1.0, float((p * (1.0 - (1.0 - p) ** hi)).sum(axis=1).mean()))
+            pop[row[layer], e] += max(0.0, float(c))
+    return pop
 
 
 def _beyond(share: float, chance: float, n: float) -> float:
@@ -153,13 +163,7 @@ def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
     ``USAGE_PRIOR``. With ``dynamics`` the tokens after the first quarter (what ``route``
     learns from, as a run's decode follows its prompt) keep and reuse experts as the store's
     runs did."""
-    import numpy as np
-
-    pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
-    row = {layer: i for i, layer in enumerate(g.moe_layers)}
-    for (layer, e), c in usage.items():
-        if layer in row and 0 <= e < g.n_experts:
-            pop[row[layer], e] += max(0.0, float(c))
+    pop = _popularity(g, usage)
     s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_experts, k=g.k,
                    n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
     if dynamics is not None:
