@@ -58,6 +58,7 @@ struct XPrep {
     const float* s16;  // exact: sums of x over each 16 elements (cols / 16)
     const float* s32;  // exact: sums of x over each 32 elements (cols / 32)
     const float* xz;   // exact, AVX-512 table-lookup kernels: each 128-chunk permuted (perm128)
+    const float* xh;   // exact, AVX-512 one-row kernels: xp's 32-halves interleaved (perm_h64)
     const void* q;     // q8 mode: Q8K or QX8 blocks
 };
 
@@ -175,6 +176,7 @@ bool amx_enable();
 // Activation preparation (scalar; the AVX2 unit provides faster versions of the same).
 void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order
 void perm128(const float* x, float* xz, int64_t n);       // the AVX-512 Q4_K lookup order
+void perm_h64(const float* xp, float* xh, int64_t n);     // the AVX-512 one-row order, from xp
 void sums16(const float* x, float* s16, float* s32, int64_t n);
 void quantize_q8k(const float* x, Q8K* y, int64_t n);      // llama.cpp quantize_row_q8_K_ref
 void quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum);  // llama.cpp x86 q8_0/q8_1

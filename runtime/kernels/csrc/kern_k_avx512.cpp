@@ -7,6 +7,7 @@
 //  - exact: two rows per 512-bit vector (see below), passes of up to 8 tokens: each group of
 //    weights is decoded once for both rows and 8 tokens, each activation load serves two rows.
 //    CPUs that run 512-bit operations at full width do twice the AVX2 unit's work per operation.
+//    Q6_K instead puts a row's two AVX2 accumulators side by side in one vector (ex_q6_k_r).
 //  - q8: a block's scales and values are decoded once for up to 8 tokens (the AVX2 unit: 4);
 //    Q4_K, Q5_K and Q6_K two rows per 512-bit vector as above (one token included: each
 //    activation load serves both rows), Q2_K and Q3_K the shared 256-bit kernels
@@ -157,41 +158,95 @@ EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     if (r < r1) ex_q45_k<NT, FIVE>(W, rb, r, r1, cols, xs, out);
 }
 
-// Q6_K as ex_q6_k.
-template <int NT>
-EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+// Q6_K as ex_q6_k, one row per vector (R rows at a time, 1 or 2): lanes 0..7 of a row's
+// accumulator are the AVX2 kernel's a0, lanes 8..15 its a1. A block half's 64 low-nibble bytes
+// are one load, its 32 high-bit bytes one broadcast, and each decodes to the two groups of 32
+// that go to a0 and a1 side by side (per 256-bit half the shift that tells q[0] from q[1], q[2]
+// from q[3]); the activations come in the matching order (xh), so a vector of them is one load,
+// shared by the R rows, and the inserts, broadcasts and half scales of the two-row form go.
+// Each byte q - 32 is converted as u8f<SIGNED> does, (q - 32) * 2^24 (the block's scales carry
+// 2^-24): a byte shuffle and a conversion where the AVX2 kernel's unpack into the mantissa of
+// 2^23 takes one and a half shuffles and a subtraction. Per lane the AVX2 kernel's products
+// and sums scaled by a power of two, so its bits (a product that would be subnormal unscaled is
+// an exact multiple of 2^-149 either way).
+template <int NT, int R>
+EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, Out out) {
     const int64_t nb = cols / 256;
-    const float* xp[NT];
-    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    const __m512 moff = magic2(32.f);
-    PfPair pf(rb);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        __m512 a0[NT], a1[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b0 += 210, b1 += 210) {
-            pf.next(b0, b1, 210);
-            const __m256 d0 = _mm256_set1_ps(f16(b0 + 208)), d1 = _mm256_set1_ps(f16(b1 + 208));
-            const __m512 S[2] = {ps2(_mm256_mul_ps(d0, i8x8_ps(b0 + 192)),
-                                     _mm256_mul_ps(d1, i8x8_ps(b1 + 192))),
-                                 ps2(_mm256_mul_ps(d0, i8x8_ps(b0 + 200)),
-                                     _mm256_mul_ps(d1, i8x8_ps(b1 + 200)))};
-            for (int h = 0; h < 2; ++h) {
-                __m512i q[4];
-                q6_planes2(b0, b1, h, q);
-                const int64_t o = 256 * i + 128 * h;
-                grp2<NT>(q[0], moff, xp, o, pair_scale2(S[h], 0), a0);
-                grp2<NT>(q[1], moff, xp, o + 32, pair_scale2(S[h], 1), a1);
-                grp2<NT>(q[2], moff, xp, o + 64, pair_scale2(S[h], 2), a0);
-                grp2<NT>(q[3], moff, xp, o + 96, pair_scale2(S[h], 3), a1);
-            }
-        }
-        put2<NT, false>(out, r, a0, a1, nullptr);
+    const float* xh[NT];
+    for (int t = 0; t < NT; ++t) xh[t] = xs[t].xh;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i o32 = _mm512_set1_epi8(32);
+    // q[0] | q[1] take the high bits at << 4 | << 2, q[2] | q[3] at >> 0 | >> 2 (q6_planes)
+    const long long s1 = 0x0001000100010001ll;
+    const __m512i shl = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 2 * s1, 2 * s1, 2 * s1,
+                                          2 * s1);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2 * s1, 2 * s1, 2 * s1, 2 * s1);
+    __m512i mk[4];                                   // u8f<SIGNED>'s shuffles, per 128-bit lane
+    for (int k = 0; k < 4; ++k) {
+        alignas(64) int8_t m[64];
+        for (int i = 0; i < 64; ++i)
+            m[i] = (i & 3) == 3 ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
+        mk[k] = _mm512_load_si512((const void*)m);
     }
-    if (r < r1) ex_q6_k<NT>(W, rb, r, r1, cols, xs, out);
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    PfPair pf(rb);
+    const char* pf1 = pf_start(W + r0 * rb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+        const uint8_t* b[R];
+        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        __m512 acc[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) acc[j][t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i) {
+            if (R == 2) pf.next(b[0], b[R - 1], 210);
+            else pf_next(pf1, b[0] + 210);
+            __m512 S[R];                  // the block's 16 scales times d (and 2^-24), exact
+            for (int j = 0; j < R; ++j)
+                S[j] = _mm512_mul_ps(_mm512_set1_ps(f16(b[j] + 208) * unit<SIGNED>()),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(loadu128(b[j] + 192))));
+            for (int h = 0; h < 2; ++h) {
+                __m512i q[R][2];
+                for (int j = 0; j < R; ++j) {
+                    const __m512i AB = _mm512_loadu_si512((const void*)(b[j] + 64 * h));
+                    const __m512i QH = _mm512_broadcast_i64x4(loadu256(b[j] + 128 + 32 * h));
+                    q[j][0] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(AB, m4),
+                        _mm512_and_si512(_mm512_sllv_epi16(QH, shl), m30)), o32);
+                    q[j][1] = _mm512_sub_epi8(_mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(AB, 4), m4),
+                        _mm512_and_si512(_mm512_srlv_epi16(QH, shr), m30)), o32);
+                }
+                for (int p = 0; p < 2; ++p) {
+                    __m512 w[R][4], sc[R];
+                    const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(8 * h + 4 * p));
+                    for (int j = 0; j < R; ++j) {
+                        for (int k = 0; k < 4; ++k)
+                            w[j][k] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(q[j][p], mk[k]));
+                        sc[j] = _mm512_permutexvar_ps(idx, S[j]);
+                    }
+                    const int64_t o = 256 * i + 128 * h + 64 * p;
+                    for (int t = 0; t < NT; ++t) {
+                        const float* x = xh[t] + o;
+                        const __m512 x0 = _mm512_load_ps(x), x1 = _mm512_load_ps(x + 16);
+                        const __m512 x2 = _mm512_load_ps(x + 32), x3 = _mm512_load_ps(x + 48);
+                        for (int j = 0; j < R; ++j) {
+                            __m512 a = _mm512_mul_ps(w[j][0], x0);
+                            a = _mm512_fmadd_ps(w[j][1], x1, a);
+                            a = _mm512_fmadd_ps(w[j][2], x2, a);
+                            a = _mm512_fmadd_ps(w[j][3], x3, a);
+                            acc[j][t] = _mm512_fmadd_ps(a, sc[j], acc[j][t]);
+                        }
+                    }
+                }
+            }
+            for (int j = 0; j < R; ++j) b[j] += 210;
+        }
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t)
+                out.put(t, r + j, hsum(_mm256_add_ps(lo8(acc[j][t]), hi8(acc[j][t]))));
+    }
+    if (R == 2 && r < r1) ex_q6_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
 }
 
 // Q2_K as ex_q2_k.
@@ -357,6 +412,15 @@ EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     }
     if (r < r1) avx2_rows(T_IQ4_NL, 0)(W, rb, r, r1, cols, xs, NT, out.y, out.ys, out.alpha,
                                        out.accumulate);
+}
+
+// Q6_K: one row at a time while the pass's activations are small (up to 4096 floats: 16 KiB,
+// which stay in the L1 cache beside the weights' stream), two beyond (each activation vector
+// loaded once for both rows): the faster of the two at each size (bench/README.md).
+template <int NT> EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+                                       int64_t cols, const XPrep* xs, Out o) {
+    if (NT * cols <= 4096) ex_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
+    else ex_q6_k_r<NT, 2>(W, rb, r0, r1, cols, xs, o);
 }
 
 template <int NT> EFS_Z void ex_q5_k_p(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,

@@ -132,6 +132,17 @@ void perm128(const float* x, float* xz, int64_t n) {
                 xz[c + 16 * k + l] = x[c + (l >= 8 ? 64 : 0) + (k & 1) * 32 + 4 * (l & 7) + k / 2];
 }
 
+void perm_h64(const float* xp, float* xh, int64_t n) {
+    // Lanes 0..7 of 16-float vector k of each 64-chunk: xp's AVX2 vector k of the chunk's first
+    // 32 (the a0 groups of the AVX2 kernels), lanes 8..15 that of its second 32 (a1's).
+    for (int64_t c = 0; c + 64 <= n; c += 64)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < 8; ++l) {
+                xh[c + 16 * k + l] = xp[c + 8 * k + l];
+                xh[c + 16 * k + 8 + l] = xp[c + 32 + 8 * k + l];
+            }
+}
+
 void sums16(const float* x, float* s16, float* s32, int64_t n) {
     for (int64_t g = 0; g < n / 16; ++g) {
         float a = 0.f;

@@ -118,20 +118,20 @@ struct Prep {
     std::vector<XPrep> xs;
 
     void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt) {
-        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
+        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
         if (fmt == X_EXACT) {
-            // Per token [xp | xz | s16 | s32], each token's block and its xz starting on a
-            // 64-byte boundary when cols % 32 == 0: a 512-bit load of a vector that is not
-            // 64-byte aligned spans two cache lines.
+            // Per token [xp | xz | xh | s16 | s32], each token's block, its xz and its xh
+            // starting on a 64-byte boundary when cols % 32 == 0: a 512-bit load of a vector
+            // that is not 64-byte aligned spans two cache lines.
             const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
-            const int64_t per = (cols + (z ? cols : 0) + cols / 16 + cols / 32 + 15) / 16 * 16;
+            const int64_t per = (cols + (z ? 2 * cols : 0) + cols / 16 + cols / 32 + 15) / 16 * 16;
             f.resize((size_t)(per * nt + 16));
             float* f0 = f.data();
             f0 += (16 - ((uintptr_t)f0 / sizeof(float)) % 16) % 16;   // to the next 64 bytes
             for (int t = 0; t < nt; ++t) {
                 const float* xt = x + t * xstride;
                 float* base = f0 + t * per;
-                float* sb = base + cols + (z ? cols : 0);
+                float* sb = base + cols + (z ? 2 * cols : 0);
                 xs[t].x = xt;
                 if (cols % 32 == 0) {
                     perm32(xt, base, cols);
@@ -143,6 +143,8 @@ struct Prep {
                 if (z) {
                     perm128(xt, base + cols, cols);
                     xs[t].xz = base + cols;
+                    perm_h64(base, base + 2 * cols, cols);
+                    xs[t].xh = base + 2 * cols;
                 }
             }
         } else if (fmt == X_Q8K) {
