@@ -54,6 +54,74 @@ EFS_ZI __m512 halves(const float* lo, const float* hi) {   // [*lo x 8 | *hi x 8
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
 // nibbles sub-block 2j, high 2j+1). Dword l of the load, nibble k: lanes 0..7 are chunk j,
 // 8..15 chunk j+1, so for even k the lanes hold sub-blocks (2j, 2j+2), for odd k (2j+1, 2j+3).
+// R rows at a time (1 or 2), each with its own sums in the same order (the same bits), the
+// activation vectors loaded once for all of them.
+template <int NT, int R>
+EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
+                           const float* const* xz, const float* const* s32, float* y,
+                           int64_t ys, float alpha, int accumulate) {
+    const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    alignas(32) float scs[R][8];
+    PfPair pp(rb);
+    const char* pf = pf_start(W + r * rb);
+    for (; r + R <= r1; r += R) {
+        const uint8_t* b[R];
+        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        __m512 acc[R][NT];
+        __m256 am[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) {
+                acc[j][t] = _mm512_setzero_ps();
+                am[j][t] = _mm256_setzero_ps();
+            }
+        for (int64_t i = 0; i < nb; ++i) {
+            if (R == 2) pp.next(b[0], b[R - 1], 144);
+            else pf_next(pf, b[0] + 144);
+            for (int j = 0; j < R; ++j) {
+                const __m256 mn = q45_scales(b[j], scs[j]);
+                for (int t = 0; t < NT; ++t)
+                    am[j][t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[j][t]);
+            }
+            for (int h = 0; h < 2; ++h) {
+                __m512 w[R][8], se[R], so[R];
+                for (int j = 0; j < R; ++j) {
+                    const __m512i v = _mm512_loadu_si512((const void*)(b[j] + 16 + 64 * h));
+                    w[j][0] = _mm512_permutexvar_ps(v, tbl);
+                    for (int k = 1; k < 8; ++k)
+                        w[j][k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), tbl);
+                    se[j] = halves(scs[j] + 4 * h, scs[j] + 4 * h + 2);
+                    so[j] = halves(scs[j] + 4 * h + 1, scs[j] + 4 * h + 3);
+                }
+                for (int t = 0; t < NT; ++t) {
+                    const float* x = xz[t] + 256 * i + 128 * h;
+                    __m512 xv[8];
+                    for (int k = 0; k < 8; ++k) xv[k] = _mm512_loadu_ps(x + 16 * k);
+                    for (int j = 0; j < R; ++j) {
+                        __m512 a0 = _mm512_mul_ps(w[j][0], xv[0]);
+                        __m512 a1 = _mm512_mul_ps(w[j][1], xv[1]);
+                        a0 = _mm512_fmadd_ps(w[j][2], xv[2], a0);
+                        a1 = _mm512_fmadd_ps(w[j][3], xv[3], a1);
+                        a0 = _mm512_fmadd_ps(w[j][4], xv[4], a0);
+                        a1 = _mm512_fmadd_ps(w[j][5], xv[5], a1);
+                        a0 = _mm512_fmadd_ps(w[j][6], xv[6], a0);
+                        a1 = _mm512_fmadd_ps(w[j][7], xv[7], a1);
+                        acc[j][t] = _mm512_fmadd_ps(a0, se[j], acc[j][t]);
+                        acc[j][t] = _mm512_fmadd_ps(a1, so[j], acc[j][t]);
+                    }
+                }
+            }
+            for (int j = 0; j < R; ++j) b[j] += 144;
+        }
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t)
+                put_z(y + (int64_t)t * ys + r + j, hsum512(acc[j][t]) - hsum256(am[j][t]), alpha,
+                      accumulate);
+    }
+    return r;
+}
+
+// Two rows at a time where a pass of one or two tokens has more than 16 KiB of activations
+// (they would be re-read from L2 for every row), one otherwise.
 template <int NT>
 EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
@@ -61,50 +129,10 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* xz[NT];
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xz[t] = xs[t].xz; s32[t] = xs[t].s32; }
-    const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    alignas(32) float scs[8];
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m512 acc[NT];
-        __m256 am[NT];
-        for (int t = 0; t < NT; ++t) { acc[t] = _mm512_setzero_ps(); am[t] = _mm256_setzero_ps(); }
-        for (int64_t i = 0; i < nb; ++i, b += 144) {
-            pf_next(pf, b + 144);
-            const __m256 mn = q45_scales(b, scs);
-            for (int t = 0; t < NT; ++t)
-                am[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[t]);
-            for (int h = 0; h < 2; ++h) {
-                const __m512i v = _mm512_loadu_si512((const void*)(b + 16 + 64 * h));
-                __m512 w[8];
-                w[0] = _mm512_permutexvar_ps(v, tbl);
-                w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
-                w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), tbl);
-                w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), tbl);
-                w[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), tbl);
-                w[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), tbl);
-                w[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), tbl);
-                w[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), tbl);
-                const __m512 se = halves(scs + 4 * h, scs + 4 * h + 2);
-                const __m512 so = halves(scs + 4 * h + 1, scs + 4 * h + 3);
-                for (int t = 0; t < NT; ++t) {
-                    const float* x = xz[t] + 256 * i + 128 * h;
-                    __m512 a0 = _mm512_mul_ps(w[0], _mm512_loadu_ps(x));
-                    __m512 a1 = _mm512_mul_ps(w[1], _mm512_loadu_ps(x + 16));
-                    a0 = _mm512_fmadd_ps(w[2], _mm512_loadu_ps(x + 32), a0);
-                    a1 = _mm512_fmadd_ps(w[3], _mm512_loadu_ps(x + 48), a1);
-                    a0 = _mm512_fmadd_ps(w[4], _mm512_loadu_ps(x + 64), a0);
-                    a1 = _mm512_fmadd_ps(w[5], _mm512_loadu_ps(x + 80), a1);
-                    a0 = _mm512_fmadd_ps(w[6], _mm512_loadu_ps(x + 96), a0);
-                    a1 = _mm512_fmadd_ps(w[7], _mm512_loadu_ps(x + 112), a1);
-                    acc[t] = _mm512_fmadd_ps(a0, se, acc[t]);
-                    acc[t] = _mm512_fmadd_ps(a1, so, acc[t]);
-                }
-            }
-        }
-        for (int t = 0; t < NT; ++t)
-            put_z(y + (int64_t)t * ys + r, hsum512(acc[t]) - hsum256(am[t]), alpha, accumulate);
-    }
+    int64_t r = r0;
+    if (NT <= 2 && NT * cols > 4096)
+        r = q4_k_rows_z<NT, 2>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
+    q4_k_rows_z<NT, 1>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
 }
 
 
@@ -162,11 +190,29 @@ EFS_ZI void block_z(const uint8_t* b, const float* const* xn, int64_t o, __m512*
     }
 }
 
+// Two rows side by side, each as block_z computes it (the same bits as row by row), the
+// activation vectors loaded once for both: for a pass whose activations outgrow the L1 cache
+// beside the weights' stream, which re-reads them from L2 for every row otherwise.
+template <int NT, class Z>
+EFS_ZI void blocks2_z(const uint8_t* b0, const uint8_t* b1, const float* const* xn, int64_t o,
+                      __m512* acc0, __m512* acc1) {
+    __m512 l0, h0, l1, h1;
+    Z::w(b0, l0, h0);
+    Z::w(b1, l1, h1);
+    const __m512 d0 = _mm512_set1_ps(Z::d(b0)), d1 = _mm512_set1_ps(Z::d(b1));
+    for (int t = 0; t < NT; ++t) {
+        const __m512 xl = _mm512_loadu_ps(xn[t] + o), xh = _mm512_loadu_ps(xn[t] + o + 16);
+        acc0[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(h0, xh, _mm512_mul_ps(l0, xl)), d0, acc0[t]);
+        acc1[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(h1, xh, _mm512_mul_ps(l1, xl)), d1, acc1[t]);
+    }
+}
+
 // Several tokens (NT >= 4: prefill batches, verify windows) take rows in pairs: each block's
 // weights decoded once and scaled by d (w = d * q, as the dequantized matrix holds them), then
 // two FMAs per token and row, the activations loaded once for both rows and no per-token scale
 // multiply. Fewer tokens (and a last odd row) go row by row with two blocks in flight, the
-// scale applied to each block's sum: cheaper than scaling the weights, and more FMAs in flight.
+// scale applied to each block's sum: cheaper than scaling the weights, and more FMAs in flight;
+// two such rows side by side (blocks2_z) where the pass's activations pass 16 KiB.
 template <int NT, class Z>
 EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
@@ -201,6 +247,28 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             for (int t = 0; t < NT; ++t) {
                 put_z(y + (int64_t)t * ys + r, hsum512(a0[t]), alpha, accumulate);
                 put_z(y + (int64_t)t * ys + r + 1, hsum512(a1[t]), alpha, accumulate);
+            }
+        }
+    }
+    if (NT < 4 && NT * cols > 4096) {
+        PfPair pp(rb);
+        for (; r + 2 <= r1; r += 2) {
+            const uint8_t* b0 = W + r * rb;
+            const uint8_t* b1 = b0 + rb;
+            __m512 e0[NT], e1[NT], f0[NT], f1[NT];    // rows r, r + 1: even and odd blocks
+            for (int t = 0; t < NT; ++t) e0[t] = e1[t] = f0[t] = f1[t] = _mm512_setzero_ps();
+            int64_t i = 0;
+            for (; i + 2 <= nb; i += 2, b0 += 2 * Z::BYTES, b1 += 2 * Z::BYTES) {
+                pp.next(b0, b1, 2 * Z::BYTES);
+                blocks2_z<NT, Z>(b0, b1, xn, 32 * i, e0, f0);
+                blocks2_z<NT, Z>(b0 + Z::BYTES, b1 + Z::BYTES, xn, 32 * i + 32, e1, f1);
+            }
+            if (i < nb) blocks2_z<NT, Z>(b0, b1, xn, 32 * i, e0, f0);
+            for (int t = 0; t < NT; ++t) {
+                put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(e0[t], e1[t])), alpha,
+                      accumulate);
+                put_z(y + (int64_t)t * ys + r + 1, hsum512(_mm512_add_ps(f0[t], f1[t])), alpha,
+                      accumulate);
             }
         }
     }
