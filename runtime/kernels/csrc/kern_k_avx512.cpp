@@ -597,13 +597,183 @@ EFS_Z void q8_q6_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     if (r < r1) q8_q6_k<NT>(W, rb, r, r1, cols, xs, out);
 }
 
-template <int NT> EFS_Z void q8_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
-    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z2<NT, false>(W, rb, r0, r1, cols, xs, o); }
-template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
-    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z2<NT, true>(W, rb, r0, r1, cols, xs, o); }
 
 // Passes of up to 8 tokens. One token goes to the AVX2 kernel where the kernel has only
 // tokens to share (ONE 0), to the kernel itself where it shares its loads between two rows.
+// Q4_K / Q5_K against Q8_K one row per vector: the 32 quant bytes of a pair of sub-blocks
+// broadcast to both halves, the low nibbles (sub-block 2j) kept in lanes 0..7 of the sums and
+// the high ones (2j + 1) in 8..15, against 64 activation bytes in one load; Q5_K's fifth bits
+// shifted per half. Per block the halves are added (exact integers) into the AVX2 kernel's 8
+// lanes, then its float steps and its mins: its bits.
+template <int NT, bool FIVE>
+EFS_Z void q8_q45_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = FIVE ? 176 : 144;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    const long long s1 = 0x0001000100010001ll;
+    const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4 * s1, 4 * s1, 4 * s1, 4 * s1);
+    const __m512i fifth = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 3 * s1, 3 * s1,
+                                            3 * s1, 3 * s1);
+    const char* pf = pf_start(W + r0 * rb);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* b = W + r * rb;
+        __m256 acc[NT];
+        float accm[NT];
+        for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
+        for (int64_t i = 0; i < nb; ++i, b += BYTES) {
+            pf_next(pf, b + BYTES);
+            uint32_t u[4];
+            k4_scales(b + 4, u);
+            const uint8_t* sc = (const uint8_t*)&u[0];
+            const uint8_t* mn = (const uint8_t*)&u[2];
+            const float dmin = f16(b + 2), d = f16(b);
+            __m512i sumi[NT];
+            for (int t = 0; t < NT; ++t) {
+                const int16_t* bs = y[t][i].bsums;
+                int msum = 0;
+                for (int c = 0; c < 8; ++c) msum += mn[c] * (bs[2 * c] + bs[2 * c + 1]);
+                accm[t] += y[t][i].d * dmin * (float)msum;
+                sumi[t] = _mm512_setzero_si512();
+            }
+            __m512i hb = FIVE ? _mm512_broadcast_i64x4(loadu256(b + 16)) : _mm512_setzero_si512();
+            for (int k = 0; k < 4; ++k) {
+                const __m512i qs = _mm512_broadcast_i64x4(loadu256(b + (FIVE ? 48 : 16) + 32 * k));
+                __m512i v = _mm512_and_si512(_mm512_srlv_epi16(qs, nib), m4);
+                if (FIVE) {
+                    v = _mm512_or_si512(v, _mm512_and_si512(_mm512_sllv_epi16(hb, fifth), m10));
+                    hb = _mm512_srli_epi16(hb, 2);
+                }
+                const __m512i s = _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * k]),
+                                                     _mm256_set1_epi16(sc[2 * k + 1]), 1);
+                for (int t = 0; t < NT; ++t) {
+                    const __m512i yv = _mm512_loadu_si512((const void*)(y[t][i].qs + 64 * k));
+                    sumi[t] = _mm512_add_epi32(sumi[t],
+                                               _mm512_madd_epi16(s, _mm512_maddubs_epi16(v, yv)));
+                }
+            }
+            for (int t = 0; t < NT; ++t) {
+                const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[t]),
+                                                    _mm512_extracti64x4_epi64(sumi[t], 1));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d), _mm256_cvtepi32_ps(s8),
+                                         acc[t]);
+            }
+        }
+        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(acc[t]) - accm[t]);
+    }
+}
+
+// Q4_K / Q5_K in q8 mode: one or two tokens whose activation bytes fit 16 KiB one row per
+// vector, the rest in the two-row form (faster from 4 tokens, and on wider rows: the one-row
+// form re-reads the activations for every row). Measured in bench/README.md.
+template <int NT, bool FIVE>
+EFS_Z void q8_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    if (NT <= 2 && NT * cols <= 16384) q8_q45_k_r<NT, FIVE>(W, rb, r0, r1, cols, xs, out);
+    else q8_q45_k_z2<NT, FIVE>(W, rb, r0, r1, cols, xs, out);
+}
+
+template <int NT> EFS_Z void q8_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z<NT, false>(W, rb, r0, r1, cols, xs, o); }
+template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
+    int64_t cols, const XPrep* xs, Out o) { q8_q45_k_z<NT, true>(W, rb, r0, r1, cols, xs, o); }
+
+// Q6_K against Q8_K one row per vector, as the exact ex_q6_k_r: a block half's two groups
+// q[2p], q[2p + 1] side by side (lanes 0..7 of the integer sums are those of q[2p]'s bytes,
+// 8..15 of q[2p + 1]'s), each token's 64 activation bytes of them one load, the 16 scales
+// widened once per block and each vector's four taken by one permutation. Per block the two
+// halves of the sums are added (exact integers) into the AVX2 kernel's 8 lanes, then the same
+// float steps: its bits. R rows at a time (1 or 2), each activation vector loaded once for
+// all.
+template <int NT, int R>
+EFS_Z void q8_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const Q8K* y[NT];
+    for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i m32 = _mm512_set1_epi8(32);
+    const long long s1 = 0x0001000100010001ll;
+    const __m512i shl = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 2 * s1, 2 * s1, 2 * s1,
+                                          2 * s1);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2 * s1, 2 * s1, 2 * s1, 2 * s1);
+    // scale of 128-bit lane L of group pair (h, p): 8h + 4p + L
+    const __m512i lane = _mm512_setr_epi64(0, 0, s1, s1, 2 * s1, 2 * s1, 3 * s1, 3 * s1);
+    PfPair pf(rb);
+    const char* pf1 = pf_start(W + r0 * rb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+        const uint8_t* b[R];
+        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        __m256 acc[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) acc[j][t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i) {
+            if (R == 2) pf.next(b[0], b[R - 1], 210);
+            else pf_next(pf1, b[0] + 210);
+            __m512i sc[R], sumi[R][NT];
+            for (int j = 0; j < R; ++j) {
+                sc[j] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(loadu128(b[j] + 192)));
+                for (int t = 0; t < NT; ++t) sumi[j][t] = _mm512_setzero_si512();
+            }
+            for (int h = 0; h < 2; ++h) {
+                __m512i q[R][2];
+                for (int j = 0; j < R; ++j) {
+                    const __m512i AB = _mm512_loadu_si512((const void*)(b[j] + 64 * h));
+                    const __m512i QH = _mm512_broadcast_i64x4(loadu256(b[j] + 128 + 32 * h));
+                    q[j][0] = _mm512_or_si512(_mm512_and_si512(AB, m4),
+                        _mm512_and_si512(_mm512_sllv_epi16(QH, shl), m30));
+                    q[j][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(AB, 4), m4),
+                        _mm512_and_si512(_mm512_srlv_epi16(QH, shr), m30));
+                }
+                for (int p = 0; p < 2; ++p) {
+                    const __m512i idx = _mm512_add_epi16(lane, _mm512_set1_epi16(
+                        (short)(8 * h + 4 * p)));
+                    __m512i s[R];
+                    for (int j = 0; j < R; ++j) s[j] = _mm512_permutexvar_epi16(idx, sc[j]);
+                    for (int t = 0; t < NT; ++t) {
+                        const __m512i yv = _mm512_loadu_si512(
+                            (const void*)(y[t][i].qs + 128 * h + 64 * p));
+                        const __m512i my = _mm512_maddubs_epi16(m32, yv);
+                        for (int j = 0; j < R; ++j) {
+                            const __m512i pq = _mm512_sub_epi16(
+                                _mm512_maddubs_epi16(q[j][p], yv), my);
+                            sumi[j][t] = _mm512_add_epi32(sumi[j][t],
+                                                          _mm512_madd_epi16(s[j], pq));
+                        }
+                    }
+                }
+            }
+            for (int j = 0; j < R; ++j) {
+                const float d = f16(b[j] + 208);
+                for (int t = 0; t < NT; ++t) {
+                    const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[j][t]),
+                                                        _mm512_extracti64x4_epi64(sumi[j][t], 1));
+                    acc[j][t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
+                                                _mm256_cvtepi32_ps(s8), acc[j][t]);
+                }
+                b[j] += 210;
+            }
+        }
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) out.put(t, r + j, hsum(acc[j][t]));
+    }
+    if (R == 2 && r < r1) q8_q6_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
+}
+
+// Q6_K in q8 mode: up to 4 tokens one row per vector (one row at a time while the pass's
+// activation bytes fit 16 KiB, two beyond), more in the two-row form, whose decode of both
+// rows serves all 8 tokens' sums at once: each the faster at its size (bench/README.md).
+template <int NT>
+EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, Out out) {
+    if (NT > 4) q8_q6_k_z2<NT>(W, rb, r0, r1, cols, xs, out);
+    else if (NT * cols <= 16384) q8_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, out);
+    else q8_q6_k_r<NT, 2>(W, rb, r0, r1, cols, xs, out);
+}
+
 #define EFS_KZ_Q8_ROWS(name, TYPE, ONE)                                                          \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
@@ -631,7 +801,7 @@ template <int NT> EFS_Z void q8_q5_k_z(const uint8_t* W, int64_t rb, int64_t r0,
     }
 
 EFS_KZ_Q8_ROWS(q8_q4_k_z, T_Q4_K, 1) EFS_KZ_Q8_ROWS(q8_q5_k_z, T_Q5_K, 1)
-EFS_KZ_Q8_ROWS(q8_q6_k_z2, T_Q6_K, 1) EFS_KZ_Q8_ROWS(q8_q2_k, T_Q2_K, 0)
+EFS_KZ_Q8_ROWS(q8_q6_k_z, T_Q6_K, 1) EFS_KZ_Q8_ROWS(q8_q2_k, T_Q2_K, 0)
 EFS_KZ_Q8_ROWS(q8_q3_k, T_Q3_K, 0)
 
 }  // namespace
@@ -643,7 +813,7 @@ RowsFn avx512_k_rows(int type, int mode) {
         switch (type) {
             case T_Q4_K: return rows_q8_q4_k_z;
             case T_Q5_K: return rows_q8_q5_k_z;
-            case T_Q6_K: return rows_q8_q6_k_z2;
+            case T_Q6_K: return rows_q8_q6_k_z;
             case T_Q2_K: return rows_q8_q2_k;
             case T_Q3_K: return rows_q8_q3_k;
             default: return nullptr;
