@@ -315,6 +315,14 @@ EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in 
     return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
 }
 
+// A Q4_K/Q5_K block's mins against a Q8_K block: sum over the 8 sub-blocks of min * (the
+// activations' sum over its 32), in integers (ggml's bsums pairs).
+EFS_TI int k4_msum(const uint8_t* mn, const int16_t* bs) {
+    int msum = 0;
+    for (int s = 0; s < 8; ++s) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+    return msum;
+}
+
 template <int NT, bool FIVE>
 EFS_KT void q8_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                       const XPrep* xs, Out out) {
@@ -338,10 +346,7 @@ EFS_KT void q8_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
             const float dmin = f16(b + 2), d = f16(b);
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                const int16_t* bs = y[t][i].bsums;
-                int msum = 0;
-                for (int s = 0; s < 8; ++s) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-                accm[t] += y[t][i].d * dmin * (float)msum;
+                accm[t] += y[t][i].d * dmin * (float)k4_msum(mn, y[t][i].bsums);
                 sumi[t] = _mm256_setzero_si256();
             }
             const uint8_t* q = b + (FIVE ? 48 : 16);

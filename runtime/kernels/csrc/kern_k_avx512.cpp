@@ -158,12 +158,34 @@ EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
     if (r < r1) ex_q45_k<NT, FIVE>(W, rb, r, r1, cols, xs, out);
 }
 
+// A Q6_K block half's four groups as two vectors of the one-row kernels: [q[0] | q[1]] and
+// [q[2] | q[3]] (q6_planes' values, 0..63), from one load of its 64 nibble bytes and one
+// broadcast of its 32 high-bit bytes (per 256-bit half the shift that tells q[0] from q[1],
+// q[2] from q[3]).
+struct Q6Row {
+    __m512i m4, m30, shl, shr;
+    EFS_ZI Q6Row() {
+        const long long s1 = 0x0001000100010001ll;
+        m4 = _mm512_set1_epi8(0x0F);
+        m30 = _mm512_set1_epi8(0x30);
+        shl = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 2 * s1, 2 * s1, 2 * s1, 2 * s1);
+        shr = _mm512_setr_epi64(0, 0, 0, 0, 2 * s1, 2 * s1, 2 * s1, 2 * s1);
+    }
+    EFS_ZI void planes(const uint8_t* b, int h, __m512i* q) const {
+        const __m512i AB = _mm512_loadu_si512((const void*)(b + 64 * h));
+        const __m512i QH = _mm512_broadcast_i64x4(loadu256(b + 128 + 32 * h));
+        q[0] = _mm512_or_si512(_mm512_and_si512(AB, m4),
+                               _mm512_and_si512(_mm512_sllv_epi16(QH, shl), m30));
+        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(AB, 4), m4),
+                               _mm512_and_si512(_mm512_srlv_epi16(QH, shr), m30));
+    }
+};
+
 // Q6_K as ex_q6_k, one row per vector (R rows at a time, 1 or 2): lanes 0..7 of a row's
-// accumulator are the AVX2 kernel's a0, lanes 8..15 its a1. A block half's 64 low-nibble bytes
-// are one load, its 32 high-bit bytes one broadcast, and each decodes to the two groups of 32
-// that go to a0 and a1 side by side (per 256-bit half the shift that tells q[0] from q[1], q[2]
-// from q[3]); the activations come in the matching order (xh), so a vector of them is one load,
-// shared by the R rows, and the inserts, broadcasts and half scales of the two-row form go.
+// accumulator are the AVX2 kernel's a0, lanes 8..15 its a1, each vector of weights two groups
+// of 32 that go to a0 and a1 side by side (Q6Row); the activations come in the matching order
+// (xh), so a vector of them is one load, shared by the R rows, and the inserts, broadcasts and
+// half scales of the two-row form go.
 // Each byte q - 32 is converted as u8f<SIGNED> does, (q - 32) * 2^24 (the block's scales carry
 // 2^-24): a byte shuffle and a conversion where the AVX2 kernel's unpack into the mantissa of
 // 2^23 takes one and a half shuffles and a subtraction. Per lane the AVX2 kernel's products
@@ -175,13 +197,8 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const int64_t nb = cols / 256;
     const float* xh[NT];
     for (int t = 0; t < NT; ++t) xh[t] = xs[t].xh;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const Q6Row dec;
     const __m512i o32 = _mm512_set1_epi8(32);
-    // q[0] | q[1] take the high bits at << 4 | << 2, q[2] | q[3] at >> 0 | >> 2 (q6_planes)
-    const long long s1 = 0x0001000100010001ll;
-    const __m512i shl = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 2 * s1, 2 * s1, 2 * s1,
-                                          2 * s1);
-    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2 * s1, 2 * s1, 2 * s1, 2 * s1);
     __m512i mk[4];                                   // u8f<SIGNED>'s shuffles, per 128-bit lane
     for (int k = 0; k < 4; ++k) {
         alignas(64) int8_t m[64];
@@ -209,13 +226,9 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
             for (int h = 0; h < 2; ++h) {
                 __m512i q[R][2];
                 for (int j = 0; j < R; ++j) {
-                    const __m512i AB = _mm512_loadu_si512((const void*)(b[j] + 64 * h));
-                    const __m512i QH = _mm512_broadcast_i64x4(loadu256(b[j] + 128 + 32 * h));
-                    q[j][0] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(AB, m4),
-                        _mm512_and_si512(_mm512_sllv_epi16(QH, shl), m30)), o32);
-                    q[j][1] = _mm512_sub_epi8(_mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16(AB, 4), m4),
-                        _mm512_and_si512(_mm512_srlv_epi16(QH, shr), m30)), o32);
+                    dec.planes(b[j], h, q[j]);
+                    q[j][0] = _mm512_sub_epi8(q[j][0], o32);
+                    q[j][1] = _mm512_sub_epi8(q[j][1], o32);
                 }
                 for (int p = 0; p < 2; ++p) {
                     __m512 w[R][4], sc[R];
@@ -514,15 +527,8 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
             const float dmin0 = f16(b0 + 2), d0 = f16(b0), dmin1 = f16(b1 + 2), d1 = f16(b1);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                const int16_t* bs = y[t][i].bsums;
-                int ms0 = 0, ms1 = 0;
-                for (int s = 0; s < 8; ++s) {
-                    const int b = bs[2 * s] + bs[2 * s + 1];     // the two rows' mins share it
-                    ms0 += mn0[s] * b;
-                    ms1 += mn1[s] * b;
-                }
-                accm0[t] += y[t][i].d * dmin0 * (float)ms0;
-                accm1[t] += y[t][i].d * dmin1 * (float)ms1;
+                accm0[t] += y[t][i].d * dmin0 * (float)k4_msum(mn0, y[t][i].bsums);
+                accm1[t] += y[t][i].d * dmin1 * (float)k4_msum(mn1, y[t][i].bsums);
                 sumi[t] = _mm512_setzero_si512();
             }
             const int qo = FIVE ? 48 : 16;
@@ -632,10 +638,7 @@ EFS_Z void q8_q45_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
             const float dmin = f16(b + 2), d = f16(b);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                const int16_t* bs = y[t][i].bsums;
-                int msum = 0;
-                for (int c = 0; c < 8; ++c) msum += mn[c] * (bs[2 * c] + bs[2 * c + 1]);
-                accm[t] += y[t][i].d * dmin * (float)msum;
+                accm[t] += y[t][i].d * dmin * (float)k4_msum(mn, y[t][i].bsums);
                 sumi[t] = _mm512_setzero_si512();
             }
             __m512i hb = FIVE ? _mm512_broadcast_i64x4(loadu256(b + 16)) : _mm512_setzero_si512();
@@ -693,12 +696,9 @@ EFS_Z void q8_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const int64_t nb = cols / 256;
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const Q6Row dec;
     const __m512i m32 = _mm512_set1_epi8(32);
     const long long s1 = 0x0001000100010001ll;
-    const __m512i shl = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 2 * s1, 2 * s1, 2 * s1,
-                                          2 * s1);
-    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2 * s1, 2 * s1, 2 * s1, 2 * s1);
     // scale of 128-bit lane L of group pair (h, p): 8h + 4p + L
     const __m512i lane = _mm512_setr_epi64(0, 0, s1, s1, 2 * s1, 2 * s1, 3 * s1, 3 * s1);
     PfPair pf(rb);
@@ -720,14 +720,7 @@ EFS_Z void q8_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
             }
             for (int h = 0; h < 2; ++h) {
                 __m512i q[R][2];
-                for (int j = 0; j < R; ++j) {
-                    const __m512i AB = _mm512_loadu_si512((const void*)(b[j] + 64 * h));
-                    const __m512i QH = _mm512_broadcast_i64x4(loadu256(b[j] + 128 + 32 * h));
-                    q[j][0] = _mm512_or_si512(_mm512_and_si512(AB, m4),
-                        _mm512_and_si512(_mm512_sllv_epi16(QH, shl), m30));
-                    q[j][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(AB, 4), m4),
-                        _mm512_and_si512(_mm512_srlv_epi16(QH, shr), m30));
-                }
+                for (int j = 0; j < R; ++j) dec.planes(b[j], h, q[j]);
                 for (int p = 0; p < 2; ++p) {
                     const __m512i idx = _mm512_add_epi16(lane, _mm512_set1_epi16(
                         (short)(8 * h + 4 * p)));
