@@ -4,14 +4,15 @@
 // not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q4_K
 // keeps kern_avx512.cpp's table-lookup kernel.
 //
-//  - exact: two rows per 512-bit vector (see below), passes of up to 8 tokens: each group of
-//    weights is decoded once for both rows and 8 tokens, each activation load serves two rows.
-//    CPUs that run 512-bit operations at full width do twice the AVX2 unit's work per operation.
-//    Q6_K instead puts a row's two AVX2 accumulators side by side in one vector (ex_q6_k_r).
+//  - exact: passes of up to 8 tokens. Q2_K, Q3_K and IQ4_NL two rows per 512-bit vector (see
+//    below): each group of weights is decoded once for both rows and 8 tokens, each activation
+//    load serves two rows. Q5_K and Q6_K one row per vector, a row's two AVX2 accumulators
+//    side by side (ex_q6_k_r, ex_q5_k_r): none of the pairs' inserts and broadcasts, which cost
+//    most where 512-bit operations run on 256-bit units (Zen 4).
 //  - q8: a block's scales and values are decoded once for up to 8 tokens (the AVX2 unit: 4);
-//    Q4_K, Q5_K and Q6_K two rows per 512-bit vector as above (one token included: each
-//    activation load serves both rows), Q2_K and Q3_K the shared 256-bit kernels
-//    (AVX-512VL's 32 registers hold the 8 tokens' sums).
+//    Q4_K, Q5_K and Q6_K one row per vector at a few tokens (q8_q6_k_r, q8_q45_k_r), two rows
+//    per vector past them (each activation load serving both rows), Q2_K and Q3_K the shared
+//    256-bit kernels (AVX-512VL's 32 registers hold the 8 tokens' sums).
 #include "kern.h"
 
 #include <string.h>
@@ -109,55 +110,6 @@ EFS_ZI void q6_planes2(const uint8_t* b0, const uint8_t* b1, int h, __m512i* q) 
                            _mm512_and_si512(_mm512_srli_epi16(QH, 2), m30));
 }
 
-// Q4_K / Q5_K as ex_q45_k.
-template <int NT, bool FIVE>
-EFS_Z void ex_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                      const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const int BYTES = FIVE ? 176 : 144;
-    const float* xp[NT];
-    const float* s32[NT];
-    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
-    const __m512 moff = magic2(0.f);
-    alignas(64) float scs[16];
-    PfPair pf(rb);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        __m512 a0[NT], a1[NT], am[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b0 += BYTES, b1 += BYTES) {
-            pf.next(b0, b1, BYTES);
-            __m256 mn[2];
-            for (int k = 0; k < 2; ++k) {
-                const uint8_t* b = k ? b1 : b0;
-                const __m128i sm = k4_scales_v(b + 4);
-                uint32_t dd;
-                memcpy(&dd, b, 4);
-                const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
-                _mm256_store_ps(scs + 8 * k, _mm256_mul_ps(_mm256_broadcastss_ps(dm),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-                mn[k] = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-            }
-            const __m512 mn2 = ps2(mn[0], mn[1]);
-            for (int t = 0; t < NT; ++t) am[t] = _mm512_fmadd_ps(mn2, bc8(s32[t] + 8 * i), am[t]);
-            const int qo = FIVE ? 48 : 16;
-            __m512i hb = FIVE ? ld2(b0 + 16, b1 + 16) : _mm512_setzero_si512();
-            for (int j = 0; j < 4; ++j) {
-                __m512i lo, hi;
-                q45_planes2<FIVE>(ld2(b0 + qo + 32 * j, b1 + qo + 32 * j), hb, lo, hi);
-                const int64_t o = 256 * i + 64 * j;
-                grp2<NT>(lo, moff, xp, o, halves(scs + 2 * j, scs + 8 + 2 * j), a0);
-                grp2<NT>(hi, moff, xp, o + 32, halves(scs + 2 * j + 1, scs + 9 + 2 * j), a1);
-            }
-        }
-        put2<NT, true>(out, r, a0, a1, am);
-    }
-    if (r < r1) ex_q45_k<NT, FIVE>(W, rb, r, r1, cols, xs, out);
-}
-
 // A Q6_K block half's four groups as two vectors of the one-row kernels: [q[0] | q[1]] and
 // [q[2] | q[3]] (q6_planes' values, 0..63), from one load of its 64 nibble bytes and one
 // broadcast of its 32 high-bit bytes (per 256-bit half the shift that tells q[0] from q[1],
@@ -181,6 +133,18 @@ struct Q6Row {
     }
 };
 
+// The one-row kernels' byte shuffles (u8f's, per 128-bit lane): shuffle k puts byte 4k + j of
+// each 16 into byte `place` of dword j, zeroing the others; converted, byte 0 gives q and byte
+// 3 (signed) q * 2^24.
+EFS_ZI void byte_shuffles(int place, __m512i* mk) {
+    for (int k = 0; k < 4; ++k) {
+        alignas(64) int8_t m[64];
+        for (int i = 0; i < 64; ++i)
+            m[i] = (i & 3) == place ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
+        mk[k] = _mm512_load_si512((const void*)m);
+    }
+}
+
 // Q6_K as ex_q6_k, one row per vector (R rows at a time, 1 or 2): lanes 0..7 of a row's
 // accumulator are the AVX2 kernel's a0, lanes 8..15 its a1, each vector of weights two groups
 // of 32 that go to a0 and a1 side by side (Q6Row); the activations come in the matching order
@@ -199,13 +163,8 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     for (int t = 0; t < NT; ++t) xh[t] = xs[t].xh;
     const Q6Row dec;
     const __m512i o32 = _mm512_set1_epi8(32);
-    __m512i mk[4];                                   // u8f<SIGNED>'s shuffles, per 128-bit lane
-    for (int k = 0; k < 4; ++k) {
-        alignas(64) int8_t m[64];
-        for (int i = 0; i < 64; ++i)
-            m[i] = (i & 3) == 3 ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
-        mk[k] = _mm512_load_si512((const void*)m);
-    }
+    __m512i mk[4];
+    byte_shuffles(3, mk);                            // u8f<SIGNED>'s
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     PfPair pf(rb);
     const char* pf1 = pf_start(W + r0 * rb);
@@ -260,6 +219,85 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                 out.put(t, r + j, hsum(_mm256_add_ps(lo8(acc[j][t]), hi8(acc[j][t]))));
     }
     if (R == 2 && r < r1) ex_q6_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
+}
+
+// Q5_K as ex_q45_k<NT, true>, one row per vector as ex_q6_k_r: a byte group's 32 quant bytes
+// broadcast to both halves, its low nibbles (sub-block 2j, into a0) kept in lanes 0..7 and its
+// high ones (2j + 1, a1) in 8..15, the fifth bits shifted per half; converted as the AVX2
+// kernel's grp<NT, 0>, the mins as its am. The same bits. (Q4_K keeps kern_avx512.cpp's table
+// lookup, faster at one and two tokens than this form without the fifth bits.)
+template <int NT, int R>
+EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, Out out) {
+    const int64_t nb = cols / 256;
+    const int BYTES = 176;
+    const float* xh[NT];
+    const float* s32[NT];
+    for (int t = 0; t < NT; ++t) { xh[t] = xs[t].xh; s32[t] = xs[t].s32; }
+    __m512i mk[4];
+    byte_shuffles(0, mk);                            // u8f<0>'s
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    const long long s1 = 0x0001000100010001ll;
+    const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4 * s1, 4 * s1, 4 * s1, 4 * s1);
+    const __m512i fifth = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 3 * s1, 3 * s1,
+                                            3 * s1, 3 * s1);
+    alignas(32) float scs[R][8];
+    PfPair pf(rb);
+    const char* pf1 = pf_start(W + r0 * rb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+        const uint8_t* b[R];
+        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        __m512 acc[R][NT];
+        __m256 am[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) {
+                acc[j][t] = _mm512_setzero_ps();
+                am[j][t] = _mm256_setzero_ps();
+            }
+        for (int64_t i = 0; i < nb; ++i) {
+            if (R == 2) pf.next(b[0], b[R - 1], BYTES);
+            else pf_next(pf1, b[0] + BYTES);
+            __m512i hb[R];
+            for (int j = 0; j < R; ++j) {
+                const __m256 mn = q45_scales(b[j], scs[j]);
+                for (int t = 0; t < NT; ++t)
+                    am[j][t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[j][t]);
+                hb[j] = _mm512_broadcast_i64x4(loadu256(b[j] + 16));
+            }
+            for (int k = 0; k < 4; ++k) {
+                __m512 w[R][4], sc[R];
+                for (int j = 0; j < R; ++j) {
+                    const __m512i qs = _mm512_broadcast_i64x4(loadu256(b[j] + 48 + 32 * k));
+                    const __m512i v = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srlv_epi16(qs, nib), m4),
+                        _mm512_and_si512(_mm512_sllv_epi16(hb[j], fifth), m10));
+                    hb[j] = _mm512_srli_epi16(hb[j], 2);
+                    for (int c = 0; c < 4; ++c)
+                        w[j][c] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, mk[c]));
+                    sc[j] = halves(scs[j] + 2 * k, scs[j] + 2 * k + 1);
+                }
+                for (int t = 0; t < NT; ++t) {
+                    const float* x = xh[t] + 256 * i + 64 * k;
+                    const __m512 x0 = _mm512_load_ps(x), x1 = _mm512_load_ps(x + 16);
+                    const __m512 x2 = _mm512_load_ps(x + 32), x3 = _mm512_load_ps(x + 48);
+                    for (int j = 0; j < R; ++j) {
+                        __m512 a = _mm512_mul_ps(w[j][0], x0);
+                        a = _mm512_fmadd_ps(w[j][1], x1, a);
+                        a = _mm512_fmadd_ps(w[j][2], x2, a);
+                        a = _mm512_fmadd_ps(w[j][3], x3, a);
+                        acc[j][t] = _mm512_fmadd_ps(a, sc[j], acc[j][t]);
+                    }
+                }
+            }
+            for (int j = 0; j < R; ++j) b[j] += BYTES;
+        }
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t)
+                out.put(t, r + j, hsum(_mm256_add_ps(lo8(acc[j][t]), hi8(acc[j][t]))) -
+                                      hsum(am[j][t]));
+    }
+    if (R == 2 && r < r1) ex_q5_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
 }
 
 // Q2_K as ex_q2_k.
@@ -437,7 +475,10 @@ template <int NT> EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0,
 }
 
 template <int NT> EFS_Z void ex_q5_k_p(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
-    int64_t cols, const XPrep* xs, Out o) { ex_q45_k_z<NT, true>(W, rb, r0, r1, cols, xs, o); }
+    int64_t cols, const XPrep* xs, Out o) {
+    if (NT * cols <= 4096) ex_q5_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
+    else ex_q5_k_r<NT, 2>(W, rb, r0, r1, cols, xs, o);
+}
 
 // Passes of up to PER (8) tokens, every pass size by the two-row kernels (from one token on they
 // beat the AVX2 unit's on this tier).
