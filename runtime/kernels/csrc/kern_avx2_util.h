@@ -185,6 +185,28 @@ struct PfPair {
     }
 };
 
+// R consecutive rows' block cursors (R = 1 or 2) with their prefetch: a stream ahead of a single
+// row (pf_next), PfPair's two cursors for a pair. At each block: prefetch(bytes), then the
+// blocks at b[0..R-1], then step(bytes).
+template <int R>
+struct RowCursor {
+    const uint8_t* b[R];
+    PfPair pp;
+    const char* pf;
+    EFS_TI RowCursor(const uint8_t* W, int64_t rb, int64_t r0)
+        : b{}, pp(rb), pf(pf_start(W + r0 * rb)) {}
+    EFS_TI void at(const uint8_t* W, int64_t rb, int64_t r) {
+        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+    }
+    EFS_TI void prefetch(int64_t bytes) {
+        if (R == 2) pp.next(b[0], b[R - 1], bytes);
+        else pf_next(pf, b[0] + bytes);
+    }
+    EFS_TI void step(int64_t bytes) {
+        for (int j = 0; j < R; ++j) b[j] += bytes;
+    }
+};
+
 struct Out {
     float* y;
     int64_t ys;

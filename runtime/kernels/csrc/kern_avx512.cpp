@@ -62,11 +62,10 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                            int64_t ys, float alpha, int accumulate) {
     const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     alignas(32) float scs[R][8];
-    PfPair pp(rb);
-    const char* pf = pf_start(W + r * rb);
+    RowCursor<R> rc(W, rb, r);
+    const uint8_t* const* b = rc.b;
     for (; r + R <= r1; r += R) {
-        const uint8_t* b[R];
-        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        rc.at(W, rb, r);
         __m512 acc[R][NT];
         __m256 am[R][NT];
         for (int j = 0; j < R; ++j)
@@ -75,8 +74,7 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                 am[j][t] = _mm256_setzero_ps();
             }
         for (int64_t i = 0; i < nb; ++i) {
-            if (R == 2) pp.next(b[0], b[R - 1], 144);
-            else pf_next(pf, b[0] + 144);
+            rc.prefetch(144);
             for (int j = 0; j < R; ++j) {
                 const __m256 mn = q45_scales(b[j], scs[j]);
                 for (int t = 0; t < NT; ++t)
@@ -110,7 +108,7 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                     }
                 }
             }
-            for (int j = 0; j < R; ++j) b[j] += 144;
+            rc.step(144);
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)

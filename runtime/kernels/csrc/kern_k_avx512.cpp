@@ -166,18 +166,16 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     __m512i mk[4];
     byte_shuffles(3, mk);                            // u8f<SIGNED>'s
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    PfPair pf(rb);
-    const char* pf1 = pf_start(W + r0 * rb);
+    RowCursor<R> rc(W, rb, r0);
+    const uint8_t* const* b = rc.b;
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-        const uint8_t* b[R];
-        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        rc.at(W, rb, r);
         __m512 acc[R][NT];
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t) acc[j][t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; ++i) {
-            if (R == 2) pf.next(b[0], b[R - 1], 210);
-            else pf_next(pf1, b[0] + 210);
+            rc.prefetch(210);
             __m512 S[R];                  // the block's 16 scales times d (and 2^-24), exact
             for (int j = 0; j < R; ++j)
                 S[j] = _mm512_mul_ps(_mm512_set1_ps(f16(b[j] + 208) * unit<SIGNED>()),
@@ -212,7 +210,7 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                     }
                 }
             }
-            for (int j = 0; j < R; ++j) b[j] += 210;
+            rc.step(210);
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)
@@ -242,12 +240,11 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const __m512i fifth = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 3 * s1, 3 * s1,
                                             3 * s1, 3 * s1);
     alignas(32) float scs[R][8];
-    PfPair pf(rb);
-    const char* pf1 = pf_start(W + r0 * rb);
+    RowCursor<R> rc(W, rb, r0);
+    const uint8_t* const* b = rc.b;
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-        const uint8_t* b[R];
-        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        rc.at(W, rb, r);
         __m512 acc[R][NT];
         __m256 am[R][NT];
         for (int j = 0; j < R; ++j)
@@ -256,8 +253,7 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                 am[j][t] = _mm256_setzero_ps();
             }
         for (int64_t i = 0; i < nb; ++i) {
-            if (R == 2) pf.next(b[0], b[R - 1], BYTES);
-            else pf_next(pf1, b[0] + BYTES);
+            rc.prefetch(BYTES);
             __m512i hb[R];
             for (int j = 0; j < R; ++j) {
                 const __m256 mn = q45_scales(b[j], scs[j]);
@@ -290,7 +286,7 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                     }
                 }
             }
-            for (int j = 0; j < R; ++j) b[j] += BYTES;
+            rc.step(BYTES);
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)
@@ -742,18 +738,16 @@ EFS_Z void q8_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const long long s1 = 0x0001000100010001ll;
     // scale of 128-bit lane L of group pair (h, p): 8h + 4p + L
     const __m512i lane = _mm512_setr_epi64(0, 0, s1, s1, 2 * s1, 2 * s1, 3 * s1, 3 * s1);
-    PfPair pf(rb);
-    const char* pf1 = pf_start(W + r0 * rb);
+    RowCursor<R> rc(W, rb, r0);
+    const uint8_t* const* b = rc.b;
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-        const uint8_t* b[R];
-        for (int j = 0; j < R; ++j) b[j] = W + (r + j) * rb;
+        rc.at(W, rb, r);
         __m256 acc[R][NT];
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t) acc[j][t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i) {
-            if (R == 2) pf.next(b[0], b[R - 1], 210);
-            else pf_next(pf1, b[0] + 210);
+            rc.prefetch(210);
             __m512i sc[R], sumi[R][NT];
             for (int j = 0; j < R; ++j) {
                 sc[j] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(loadu128(b[j] + 192)));
@@ -788,8 +782,8 @@ EFS_Z void q8_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                     acc[j][t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * d),
                                                 _mm256_cvtepi32_ps(s8), acc[j][t]);
                 }
-                b[j] += 210;
             }
+            rc.step(210);
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t) out.put(t, r + j, hsum(acc[j][t]));
