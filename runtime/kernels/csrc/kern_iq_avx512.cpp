@@ -30,14 +30,16 @@ namespace {
 // --- exact mode ------------------------------------------------------------------------------
 
 // The lattice types whose decoders convert an int8 grid entry per 8 weights (IQ1_S, IQ1_M,
-// IQ2_S), by float table instead (kern.h's f_iq1: 8 g + delta; f_iq2s with f_bits' sign masks):
-// a block's 32 entries' offsets computed in one vector, then each 8 weights of a row one load
-// (IQ2_S: two and a xor), where the AVX2 decoder widens, converts and (IQ1) multiply-adds: the
-// bulk of the exact kernels' time at one token and at a prompt's few tokens an expert. The same
-// floats, so the same bits. An offset is 4 x the entry, so 8 x it is the entry's byte offset
-// (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, pair(o0, o1, ib, w)
-// group ib's 4 x 8 weights of both rows; I8: its first 32 offsets are also i_iq1's (q8 mode's
-// int8 weights, 8 bytes an entry: twice the offset).
+// IQ2_S), by float table instead (kern.h's f_iq1: 8 g + delta; f_iq2s, its signs applied by
+// mask): a block's 32 entries' offsets computed in one vector, then each 8 weights of a row one
+// load (IQ2_S: the two rows' sign bytes as a 16-lane mask, the negative lanes 0 - g, where
+// loading f_bits' sign masks for both rows took an insert and a xor), where the AVX2 decoder
+// widens, converts and (IQ1) multiply-adds: the bulk of the exact kernels' time at one token and
+// at a prompt's few tokens an expert. The same floats (no grid value is 0, so 0 - g is -g, as
+// the sign flip gives), so the same bits. An offset is 4 x the entry, so 8 x it is the entry's
+// byte offset (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's,
+// pair(o0, o1, ib, w) group ib's 4 x 8 weights of both rows; I8: its first 32 offsets are also
+// i_iq1's (q8 mode's int8 weights, 8 bytes an entry: twice the offset).
 EFS_ZI __m512i u16_table(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
 
 // lane 4 ib + l of a block's 32 groups of 8: ib = lane / 4, l = lane % 4
@@ -90,7 +92,7 @@ template <> struct Tab1<IQ1M> : Tab1<IQ1S> {     // lane j: qs[j], nibble j % 2 
 };
 template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l of qh[ib];
     static constexpr bool ON = true, I8 = false; // signs: byte 4 ib + l of the sign bytes
-    // 32 grid offsets, then 32 sign offsets
+    // 32 grid offsets, then the 32 sign bytes
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
                                         0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
@@ -102,16 +104,16 @@ template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l
                                             _mm512_set1_epi16(3));        // index bits 8..9
         _mm512_storeu_si512(o, _mm512_slli_epi16(_mm512_or_si512(qs, _mm512_slli_epi16(hi, 8)),
                                                  2));
-        _mm512_storeu_si512(o + 32, _mm512_slli_epi16(_mm512_cvtepu8_epi16(loadu256(b + 34)),
-                                                      2));
+        _mm512_storeu_si512(o + 32, _mm512_cvtepu8_epi16(loadu256(b + 34)));
     }
     EFS_ZI static void pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
         const char* g = (const char*)g_iq.f_iq2s;
-        const char* s = (const char*)g_iq.f_bits;
-        for (int l = 0; l < 4; ++l)
-            w[l] = _mm512_castsi512_ps(_mm512_xor_si512(
-                _mm512_castps_si512(tab_entry2(g, o0, o1, 4 * ib + l)),
-                _mm512_castps_si512(tab_entry2(s, o0 + 32, o1 + 32, 4 * ib + l))));
+        for (int l = 0; l < 4; ++l) {
+            const int j = 32 + 4 * ib + l;            // the two rows' sign bytes as a mask
+            const __mmask16 neg = (__mmask16)(o0[j] | (o1[j] << 8));
+            const __m512 e = tab_entry2(g, o0, o1, 4 * ib + l);
+            w[l] = _mm512_mask_sub_ps(e, neg, _mm512_setzero_ps(), e);
+        }
     }
 };
 

@@ -177,9 +177,11 @@ EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
         for (int64_t i = 0; i < nb; ++i) {
             rc.prefetch(210);
             __m512 S[R];                  // the block's 16 scales times d (and 2^-24), exact
-            for (int j = 0; j < R; ++j)
+            for (int j = 0; j < R; ++j) {
+                const __m512i sc = _mm512_cvtepi8_epi32(loadu128(b[j] + 192));
                 S[j] = _mm512_mul_ps(_mm512_set1_ps(f16(b[j] + 208) * unit<SIGNED>()),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(loadu128(b[j] + 192))));
+                                     _mm512_cvtepi32_ps(sc));
+            }
             for (int h = 0; h < 2; ++h) {
                 __m512i q[R][2];
                 for (int j = 0; j < R; ++j) {
