@@ -133,6 +133,53 @@ struct DIQ4_NL {
     EFS_TI static float m(const uint8_t*) { return 0.f; }
 };
 
+// Rows r.. in groups of R (1 or 2), each row's even blocks into a0 and odd into a1; in a group
+// the rows take each pair of blocks in turn, so the second reads the activations the first has
+// just brought into the L1 cache. Returns the first row not done.
+template <int NT, class D, int R>
+EFS_TI int64_t b32_rows(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
+                        const float* const* xp, const float* const* s32, Out out) {
+    constexpr float U = unit<D::OFF>();
+    RowCursor<R> rc(W, rb, r);
+    for (; r + R <= r1; r += R) {
+        rc.at(W, rb, r);
+        __m256 a0[R][NT], a1[R][NT];
+        float mm[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) {
+                a0[j][t] = a1[j][t] = _mm256_setzero_ps();
+                mm[j][t] = 0.f;
+            }
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2) {
+            rc.prefetch(2 * D::BYTES);
+            for (int j = 0; j < R; ++j) {
+                const uint8_t* b = rc.b[j];
+                grp<NT, D::OFF>(D::q(b), xp, 32 * i, _mm256_set1_ps(D::d(b) * U), a0[j]);
+                grp<NT, D::OFF>(D::q(b + D::BYTES), xp, 32 * i + 32,
+                                _mm256_set1_ps(D::d(b + D::BYTES) * U), a1[j]);
+                if (D::MIN)
+                    for (int t = 0; t < NT; ++t)
+                        mm[j][t] += D::m(b) * s32[t][i] + D::m(b + D::BYTES) * s32[t][i + 1];
+            }
+            rc.step(2 * D::BYTES);
+        }
+        if (i < nb)
+            for (int j = 0; j < R; ++j) {
+                const uint8_t* b = rc.b[j];
+                grp<NT, D::OFF>(D::q(b), xp, 32 * i, _mm256_set1_ps(D::d(b) * U), a0[j]);
+                if (D::MIN)
+                    for (int t = 0; t < NT; ++t) mm[j][t] += D::m(b) * s32[t][i];
+            }
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t)
+                out.put(t, r + j, hsum(_mm256_add_ps(a0[j][t], a1[j][t])) + mm[j][t]);
+    }
+    return r;
+}
+
+// Row by row; two rows in turn where a pass of one or two tokens has more than 16 KiB of
+// activations, which a row at a time would re-read from L2 for every row (the same bits).
 template <int NT, class D>
 EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                   const XPrep* xs, Out out) {
@@ -140,30 +187,9 @@ EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t 
     const float* xp[NT];
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
-    constexpr float U = unit<D::OFF>();
-    const char* pf = pf_start(W + r0 * rb);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m256 a0[NT], a1[NT];
-        float mm[NT];
-        for (int t = 0; t < NT; ++t) { a0[t] = a1[t] = _mm256_setzero_ps(); mm[t] = 0.f; }
-        int64_t i = 0;
-        for (; i + 2 <= nb; i += 2, b += 2 * D::BYTES) {
-            pf_next(pf, b + 2 * D::BYTES);
-            grp<NT, D::OFF>(D::q(b), xp, 32 * i, _mm256_set1_ps(D::d(b) * U), a0);
-            grp<NT, D::OFF>(D::q(b + D::BYTES), xp, 32 * i + 32,
-                            _mm256_set1_ps(D::d(b + D::BYTES) * U), a1);
-            if (D::MIN)
-                for (int t = 0; t < NT; ++t)
-                    mm[t] += D::m(b) * s32[t][i] + D::m(b + D::BYTES) * s32[t][i + 1];
-        }
-        if (i < nb) {
-            grp<NT, D::OFF>(D::q(b), xp, 32 * i, _mm256_set1_ps(D::d(b) * U), a0);
-            if (D::MIN)
-                for (int t = 0; t < NT; ++t) mm[t] += D::m(b) * s32[t][i];
-        }
-        for (int t = 0; t < NT; ++t) out.put(t, r, hsum(_mm256_add_ps(a0[t], a1[t])) + mm[t]);
-    }
+    int64_t r = r0;
+    if (NT <= 2 && NT * cols > 4096) r = b32_rows<NT, D, 2>(W, rb, r, r1, nb, xp, s32, out);
+    b32_rows<NT, D, 1>(W, rb, r, r1, nb, xp, s32, out);
 }
 
 template <int NT> EFS_T void ex_q4_0(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
