@@ -177,6 +177,10 @@ bool amx_enable();
 void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack order
 void perm128(const float* x, float* xz, int64_t n);       // the AVX-512 Q4_K lookup order
 void perm_h64(const float* xp, float* xh, int64_t n);     // the AVX-512 one-row order, from xp
+// Which of the AVX-512 exact layouts a type's kernel reads: X_XZ (Q4_K's table lookup),
+// X_XH (Q5_K's and Q6_K's one-row kernels); the others read only x / xp / s16 / s32.
+enum { X_XZ = 1, X_XH = 2 };
+int exact_layouts(int type);
 void sums16(const float* x, float* s16, float* s32, int64_t n);
 void quantize_q8k(const float* x, Q8K* y, int64_t n);      // llama.cpp quantize_row_q8_K_ref
 void quantize_qx8(const float* x, QX8* y, int64_t n, int with_sum);  // llama.cpp x86 q8_0/q8_1

@@ -188,7 +188,7 @@ EFS_T void ex_b32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t 
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s32[t] = xs[t].s32; }
     int64_t r = r0;
-    if (NT <= 2 && NT * cols > 4096) r = b32_rows<NT, D, 2>(W, rb, r, r1, nb, xp, s32, out);
+    if (NT <= 2 && !x_in_l1(NT, cols, 4)) r = b32_rows<NT, D, 2>(W, rb, r, r1, nb, xp, s32, out);
     b32_rows<NT, D, 1>(W, rb, r, r1, nb, xp, s32, out);
 }
 

@@ -185,6 +185,14 @@ struct PfPair {
     }
 };
 
+// The activations a pass of the one-row kernels keeps in the L1 cache beside the weights'
+// stream: past this many bytes (float32 or q8 activations, all the pass's tokens) each row
+// re-reads them from L2, so the kernels take two rows at a time (RowCursor<2>) there.
+constexpr int64_t X_L1_BYTES = 16 << 10;
+
+// True when NT tokens of `cols` activations of `bytes` each fit X_L1_BYTES.
+EFS_TI bool x_in_l1(int nt, int64_t cols, int64_t bytes) { return nt * cols * bytes <= X_L1_BYTES; }
+
 // R consecutive rows' block cursors (R = 1 or 2) with their prefetch: a stream ahead of a single
 // row (pf_next), PfPair's two cursors for a pair. At each block: prefetch(bytes), then the
 // blocks at b[0..R-1], then step(bytes).

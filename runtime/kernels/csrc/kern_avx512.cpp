@@ -128,7 +128,7 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const float* s32[NT];
     for (int t = 0; t < NT; ++t) { xz[t] = xs[t].xz; s32[t] = xs[t].s32; }
     int64_t r = r0;
-    if (NT <= 2 && NT * cols > 4096)
+    if (NT <= 2 && !x_in_l1(NT, cols, 4))
         r = q4_k_rows_z<NT, 2>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
     q4_k_rows_z<NT, 1>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
 }
@@ -188,21 +188,37 @@ EFS_ZI void block_z(const uint8_t* b, const float* const* xn, int64_t o, __m512*
     }
 }
 
-// Two rows side by side, each as block_z computes it (the same bits as row by row), the
-// activation vectors loaded once for both: for a pass whose activations outgrow the L1 cache
-// beside the weights' stream, which re-reads them from L2 for every row otherwise.
-template <int NT, class Z>
-EFS_ZI void blocks2_z(const uint8_t* b0, const uint8_t* b1, const float* const* xn, int64_t o,
-                      __m512* acc0, __m512* acc1) {
-    __m512 l0, h0, l1, h1;
-    Z::w(b0, l0, h0);
-    Z::w(b1, l1, h1);
-    const __m512 d0 = _mm512_set1_ps(Z::d(b0)), d1 = _mm512_set1_ps(Z::d(b1));
-    for (int t = 0; t < NT; ++t) {
-        const __m512 xl = _mm512_loadu_ps(xn[t] + o), xh = _mm512_loadu_ps(xn[t] + o + 16);
-        acc0[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(h0, xh, _mm512_mul_ps(l0, xl)), d0, acc0[t]);
-        acc1[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(h1, xh, _mm512_mul_ps(l1, xl)), d1, acc1[t]);
+// Rows r.. in groups of R (1 or 2), each row's even blocks into one accumulator and odd into
+// the other (block_z); in a group the rows take each pair of blocks in turn, so the second
+// reads the activations the first has just brought into the L1 cache. Returns the first row
+// not done.
+template <int NT, class Z, int R>
+EFS_ZI int64_t b32_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
+                          const float* const* xn, float* y, int64_t ys, float alpha,
+                          int accumulate) {
+    RowCursor<R> rc(W, rb, r);
+    for (; r + R <= r1; r += R) {
+        rc.at(W, rb, r);
+        __m512 acc0[R][NT], acc1[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) acc0[j][t] = acc1[j][t] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2) {
+            rc.prefetch(2 * Z::BYTES);
+            for (int j = 0; j < R; ++j) {
+                block_z<NT, Z>(rc.b[j], xn, 32 * i, acc0[j]);
+                block_z<NT, Z>(rc.b[j] + Z::BYTES, xn, 32 * i + 32, acc1[j]);
+            }
+            rc.step(2 * Z::BYTES);
+        }
+        if (i < nb)
+            for (int j = 0; j < R; ++j) block_z<NT, Z>(rc.b[j], xn, 32 * i, acc0[j]);
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t)
+                put_z(y + (int64_t)t * ys + r + j,
+                      hsum512(_mm512_add_ps(acc0[j][t], acc1[j][t])), alpha, accumulate);
     }
+    return r;
 }
 
 // Several tokens (NT >= 4: prefill batches, verify windows) take rows in pairs: each block's
@@ -210,7 +226,7 @@ EFS_ZI void blocks2_z(const uint8_t* b0, const uint8_t* b1, const float* const* 
 // two FMAs per token and row, the activations loaded once for both rows and no per-token scale
 // multiply. Fewer tokens (and a last odd row) go row by row with two blocks in flight, the
 // scale applied to each block's sum: cheaper than scaling the weights, and more FMAs in flight;
-// two such rows side by side (blocks2_z) where the pass's activations pass 16 KiB.
+// two such rows in turn where the pass's activations pass 16 KiB (b32_rows_z).
 template <int NT, class Z>
 EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
@@ -248,44 +264,9 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             }
         }
     }
-    if (NT < 4 && NT * cols > 4096) {
-        PfPair pp(rb);
-        for (; r + 2 <= r1; r += 2) {
-            const uint8_t* b0 = W + r * rb;
-            const uint8_t* b1 = b0 + rb;
-            __m512 e0[NT], e1[NT], f0[NT], f1[NT];    // rows r, r + 1: even and odd blocks
-            for (int t = 0; t < NT; ++t) e0[t] = e1[t] = f0[t] = f1[t] = _mm512_setzero_ps();
-            int64_t i = 0;
-            for (; i + 2 <= nb; i += 2, b0 += 2 * Z::BYTES, b1 += 2 * Z::BYTES) {
-                pp.next(b0, b1, 2 * Z::BYTES);
-                blocks2_z<NT, Z>(b0, b1, xn, 32 * i, e0, f0);
-                blocks2_z<NT, Z>(b0 + Z::BYTES, b1 + Z::BYTES, xn, 32 * i + 32, e1, f1);
-            }
-            if (i < nb) blocks2_z<NT, Z>(b0, b1, xn, 32 * i, e0, f0);
-            for (int t = 0; t < NT; ++t) {
-                put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(e0[t], e1[t])), alpha,
-                      accumulate);
-                put_z(y + (int64_t)t * ys + r + 1, hsum512(_mm512_add_ps(f0[t], f1[t])), alpha,
-                      accumulate);
-            }
-        }
-    }
-    const char* pf = pf_start(W + r * rb);
-    for (; r < r1; ++r) {
-        const uint8_t* b = W + r * rb;
-        __m512 acc0[NT], acc1[NT];
-        for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 2 <= nb; i += 2, b += 2 * Z::BYTES) {
-            pf_next(pf, b + 2 * Z::BYTES);
-            block_z<NT, Z>(b, xn, 32 * i, acc0);
-            block_z<NT, Z>(b + Z::BYTES, xn, 32 * i + 32, acc1);
-        }
-        if (i < nb) block_z<NT, Z>(b, xn, 32 * i, acc0);
-        for (int t = 0; t < NT; ++t)
-            put_z(y + (int64_t)t * ys + r, hsum512(_mm512_add_ps(acc0[t], acc1[t])), alpha,
-                  accumulate);
-    }
+    if (NT < 4 && !x_in_l1(NT, cols, 4))
+        r = b32_rows_z<NT, Z, 2>(W, rb, r, r1, nb, xn, y, ys, alpha, accumulate);
+    b32_rows_z<NT, Z, 1>(W, rb, r, r1, nb, xn, y, ys, alpha, accumulate);
 }
 
 template <int NT>

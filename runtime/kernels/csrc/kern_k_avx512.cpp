@@ -463,18 +463,18 @@ EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
                                        out.accumulate);
 }
 
-// Q6_K: one row at a time while the pass's activations are small (up to 4096 floats: 16 KiB,
-// which stay in the L1 cache beside the weights' stream), two beyond (each activation vector
-// loaded once for both rows): the faster of the two at each size (bench/README.md).
+// Q6_K, Q5_K: one row at a time while the pass's activations stay in L1 (x_in_l1), two beyond
+// (each activation vector loaded once for both rows): the faster of the two at each size
+// (bench/README.md).
 template <int NT> EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
                                        int64_t cols, const XPrep* xs, Out o) {
-    if (NT * cols <= 4096) ex_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
+    if (x_in_l1(NT, cols, 4)) ex_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
     else ex_q6_k_r<NT, 2>(W, rb, r0, r1, cols, xs, o);
 }
 
 template <int NT> EFS_Z void ex_q5_k_p(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
     int64_t cols, const XPrep* xs, Out o) {
-    if (NT * cols <= 4096) ex_q5_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
+    if (x_in_l1(NT, cols, 4)) ex_q5_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
     else ex_q5_k_r<NT, 2>(W, rb, r0, r1, cols, xs, o);
 }
 
@@ -713,7 +713,7 @@ EFS_Z void q8_q45_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
 template <int NT, bool FIVE>
 EFS_Z void q8_q45_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                       const XPrep* xs, Out out) {
-    if (NT <= 2 && NT * cols <= 16384) q8_q45_k_r<NT, FIVE>(W, rb, r0, r1, cols, xs, out);
+    if (NT <= 2 && x_in_l1(NT, cols, 1)) q8_q45_k_r<NT, FIVE>(W, rb, r0, r1, cols, xs, out);
     else q8_q45_k_z2<NT, FIVE>(W, rb, r0, r1, cols, xs, out);
 }
 
@@ -800,7 +800,7 @@ template <int NT>
 EFS_Z void q8_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, Out out) {
     if (NT > 4) q8_q6_k_z2<NT>(W, rb, r0, r1, cols, xs, out);
-    else if (NT * cols <= 16384) q8_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, out);
+    else if (x_in_l1(NT, cols, 1)) q8_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, out);
     else q8_q6_k_r<NT, 2>(W, rb, r0, r1, cols, xs, out);
 }
 

@@ -132,6 +132,10 @@ void perm128(const float* x, float* xz, int64_t n) {
                 xz[c + 16 * k + l] = x[c + (l >= 8 ? 64 : 0) + (k & 1) * 32 + 4 * (l & 7) + k / 2];
 }
 
+int exact_layouts(int type) {
+    return type == T_Q4_K ? X_XZ : type == T_Q5_K || type == T_Q6_K ? X_XH : 0;
+}
+
 void perm_h64(const float* xp, float* xh, int64_t n) {
     // Lanes 0..7 of 16-float vector k of each 64-chunk: xp's AVX2 vector k of the chunk's first
     // 32 (the a0 groups of the AVX2 kernels), lanes 8..15 that of its second 32 (a1's).

@@ -117,21 +117,25 @@ struct Prep {
     std::vector<QX8> qx8;
     std::vector<XPrep> xs;
 
-    void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt) {
+    // `layouts`: the exact_layouts bits of the types the activations will meet (exact mode
+    // on AVX-512 builds only those).
+    void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt, int layouts) {
         xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
         if (fmt == X_EXACT) {
-            // Per token [xp | xz | xh | s16 | s32], each token's block, its xz and its xh
-            // starting on a 64-byte boundary when cols % 32 == 0: a 512-bit load of a vector
-            // that is not 64-byte aligned spans two cache lines.
+            // Per token [xp | xz | xh | s16 | s32] (xz and xh where wanted), each token's block,
+            // its xz and its xh starting on a 64-byte boundary when cols % 32 == 0: a 512-bit
+            // load of a vector that is not 64-byte aligned spans two cache lines.
             const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
-            const int64_t per = (cols + (z ? 2 * cols : 0) + cols / 16 + cols / 32 + 15) / 16 * 16;
+            const bool wz = z && (layouts & X_XZ), wh = z && (layouts & X_XH);
+            const int64_t oz = cols, oh = oz + (wz ? cols : 0), os = oh + (wh ? cols : 0);
+            const int64_t per = (os + cols / 16 + cols / 32 + 15) / 16 * 16;
             f.resize((size_t)(per * nt + 16));
             float* f0 = f.data();
             f0 += (16 - ((uintptr_t)f0 / sizeof(float)) % 16) % 16;   // to the next 64 bytes
             for (int t = 0; t < nt; ++t) {
                 const float* xt = x + t * xstride;
                 float* base = f0 + t * per;
-                float* sb = base + cols + (z ? 2 * cols : 0);
+                float* sb = base + os;
                 xs[t].x = xt;
                 if (cols % 32 == 0) {
                     perm32(xt, base, cols);
@@ -140,11 +144,13 @@ struct Prep {
                 sums16(xt, sb, sb + cols / 16, cols);
                 xs[t].s16 = sb;
                 xs[t].s32 = sb + cols / 16;
-                if (z) {
-                    perm128(xt, base + cols, cols);
-                    xs[t].xz = base + cols;
-                    perm_h64(base, base + 2 * cols, cols);
-                    xs[t].xh = base + 2 * cols;
+                if (wz) {
+                    perm128(xt, base + oz, cols);
+                    xs[t].xz = base + oz;
+                }
+                if (wh) {
+                    perm_h64(base, base + oh, cols);
+                    xs[t].xh = base + oh;
                 }
             }
         } else if (fmt == X_Q8K) {
@@ -263,7 +269,7 @@ at::Tensor check_x(const at::Tensor& x, int64_t cols) {
 void matvec_into(const float* x, int nt, const uint8_t* W, int64_t rb, RowsFn fn, int type,
                  int64_t rows, int64_t cols, int64_t mode, float* yp) {
     Prep p;
-    p.make(x, cols, nt, cols, act_format(type, (int)mode));
+    p.make(x, cols, nt, cols, act_format(type, (int)mode), exact_layouts(type));
     const int64_t rc = rows_per_chunk(rows);
     const XPrep* xs = p.xs.data();
     par_chunks((rows + rc - 1) / rc, [&](int64_t c) {
@@ -378,7 +384,7 @@ void qgemm_q8_into(QgemmQ8Fn fn, int64_t type, const float* xp, int64_t nt, cons
                    int64_t rb, int64_t rows, int64_t cols, float* yp) {
     Prep p;
     const int fmt = q8_format((int)type);
-    p.make(xp, cols, (int)nt, cols, fmt);
+    p.make(xp, cols, (int)nt, cols, fmt, 0);
     const void* x = fmt == X_Q8K ? (const void*)p.q8k.data() : (const void*)p.qx8.data();
     std::vector<int32_t> xsum;                  // blocks of 32: each block's sum of its bytes
     if (fmt != X_Q8K) {
@@ -458,11 +464,12 @@ void hidden_phase(const float* xp, int64_t D, int64_t n, int64_t ff,
     pybind11::gil_scoped_release nogil;
     Prep px, pxu;
     const int fmt_g = act_format((int)tg, (int)mode), fmt_u = act_format((int)tu, (int)mode);
-    px.make(xp, D, 1, D, fmt_g);
+    const int lg = exact_layouts((int)tg), lu = exact_layouts((int)tu);
+    px.make(xp, D, 1, D, fmt_g, fmt_u == fmt_g ? lg | lu : lg);
     const XPrep* xg = px.xs.data();
     const XPrep* xu = xg;
     if (fmt_u != fmt_g) {
-        pxu.make(xp, D, 1, D, fmt_u);
+        pxu.make(xp, D, 1, D, fmt_u, lu);
         xu = pxu.xs.data();
     }
     std::vector<float> u((size_t)(n * ff));
@@ -499,7 +506,8 @@ struct DownPrep {
         : fd(rows_fn((int)td, (int)mode)), ph((size_t)n), bd(b) {
         TORCH_CHECK(fd, "expertfs kernels: no kernel for these types");
         const int fmt_d = act_format((int)td, (int)mode);
-        for (int64_t e = 0; e < n; ++e) ph[e].make(h + e * ff, ff, 1, ff, fmt_d);
+        for (int64_t e = 0; e < n; ++e)
+            ph[e].make(h + e * ff, ff, 1, ff, fmt_d, exact_layouts((int)td));
     }
     void rows(int64_t e, const uint8_t* W, int64_t rbd, int64_t r0, int64_t r1, int64_t ff,
               float* v) const {
@@ -798,7 +806,7 @@ at::Tensor act_dequant(const at::Tensor& x_, int64_t type) {
     const int nt = (int)x.size(0);
     const int fmt = q8_format((int)type);
     Prep p;
-    p.make(x.data_ptr<float>(), cols, nt, cols, fmt);
+    p.make(x.data_ptr<float>(), cols, nt, cols, fmt, 0);
     at::Tensor y = at::empty({nt, cols}, x.options());
     float* o = y.data_ptr<float>();
     for (int t = 0; t < nt; ++t, o += cols) {
