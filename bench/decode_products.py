@@ -42,6 +42,33 @@ def install(kernels, spent: dict, calls: collections.Counter) -> None:
         setattr(kernels, name, wrap(name, getattr(kernels, name)))
 
 
+def resident(store: str, act_quant: str, prompt_tokens: int, n: int):
+    """The store opened with every expert in the RAM tier and warmed, and a seeded random
+    prompt of ``prompt_tokens`` tokens and ``n`` decode inputs: ``(engine, prompt, steps)``."""
+    from expertfs.runtime.engine import Engine
+    size = os.path.getsize(os.path.join(store, "experts.bin"))
+    eng = Engine.open(store, provider="tiered", ram_bytes=size + (64 << 20),
+                      act_quant=act_quant)
+    eng.warm()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 1000, (prompt_tokens,), generator=g).tolist()
+    steps = torch.randint(1, 1000, (n,), generator=g).tolist()
+    return eng, prompt, steps
+
+
+def timed_decode(eng, prompt: list[int], steps: list[int], after_prefill=None) -> float:
+    """Seconds to decode ``steps`` after a fresh prefill of ``prompt`` (the prefill untimed;
+    ``after_prefill()``, when given, runs between the two)."""
+    eng.reset()
+    eng.prefill(prompt)
+    if after_prefill is not None:
+        after_prefill()
+    t0 = time.perf_counter()
+    for t in steps:
+        eng.decode(t)
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store")
@@ -53,29 +80,16 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertfs.runtime import kernels
-    from expertfs.runtime.engine import Engine
     spent: dict = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     install(kernels, spent, calls)
-    size = os.path.getsize(os.path.join(a.store, "experts.bin"))
-    eng = Engine.open(a.store, provider="tiered", ram_bytes=size + (64 << 20),
-                      act_quant=a.act_quant)
-    eng.warm()
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(1, 1000, (a.prompt_tokens,), generator=g).tolist()
-    steps = torch.randint(1, 1000, (a.n,), generator=g).tolist()
-    eng.reset()
-    eng.prefill(prompt)
-    for t in steps[:2]:                                       # warm-up
-        eng.decode(t)
-    eng.reset()
-    eng.prefill(prompt)
-    spent.clear()
-    calls.clear()
-    t0 = time.perf_counter()
-    for t in steps:
-        eng.decode(t)
-    total = (time.perf_counter() - t0) / a.n * 1e3
+    eng, prompt, steps = resident(a.store, a.act_quant, a.prompt_tokens, a.n)
+    timed_decode(eng, prompt, steps[:2])                      # warm-up
+
+    def clear() -> None:                                      # only the decode's calls count
+        spent.clear()
+        calls.clear()
+    total = timed_decode(eng, prompt, steps, clear) / a.n * 1e3
     print(f"{a.store}: {total:.1f} ms a decode token after a {a.prompt_tokens}-token prompt, "
           f"{a.n} steps, {a.threads} threads")
     for key, s in sorted(spent.items(), key=lambda kv: -kv[1])[:a.top]:

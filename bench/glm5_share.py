@@ -120,36 +120,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="A/B rounds per version")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from expertfs.runtime.engine import Engine
-    size = os.path.getsize(os.path.join(a.store, "experts.bin"))
-    eng = Engine.open(a.store, provider="tiered", ram_bytes=size + (64 << 20),
-                      act_quant=a.act_quant)
-    eng.warm()
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(1, 1000, (a.prompt_tokens,), generator=g).tolist()
-    steps = torch.randint(1, 1000, (a.n,), generator=g).tolist()
-
-    def run(n: int) -> float:
-        eng.reset()
-        eng.prefill(prompt)
-        t0 = time.perf_counter()
-        for t in steps[:n]:
-            eng.decode(t)
-        return time.perf_counter() - t0
-
-    run(2)                                           # warm-up
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_products import resident, timed_decode
+    eng, prompt, steps = resident(a.store, a.act_quant, a.prompt_tokens, a.n)
+    timed_decode(eng, prompt, steps[:2])             # warm-up
     if a.before:
         return ab(eng, a, prompt, steps)
-    plain = min(run(a.n) for _ in range(2))
+    plain = min(timed_decode(eng, prompt, steps) for _ in range(2))
     timers = Timers()
     install(timers)
-    eng.reset()
-    eng.prefill(prompt)
-    timers.t.clear()
-    t0 = time.perf_counter()
-    for t in steps:
-        eng.decode(t)
-    total = time.perf_counter() - t0
+    total = timed_decode(eng, prompt, steps, timers.t.clear)
     eng.close()
     t = dict(timers.t)
     t["rest"] = total - sum(t.values())
