@@ -48,7 +48,9 @@ finally:
 #: the dynamics counters: decoded routes, those of them the run had routed to before, and of
 #: the routes that follow another decoded token at their layer, those it had too; ``seen`` sums,
 #: over the ``seen_routes`` counted with it, how many experts the run had routed to at that
-#: layer before (a random pick is "reused" that often by chance alone)
+#: layer before (a random pick is "reused" that often by chance alone). ``seen_routes`` equals a
+#: run's ``routes`` but is its own counter: a store's merged counters hold older runs' routes,
+#: which counted no ``seen``.
 DYNAMICS = ("routes", "reused", "follows", "kept", "seen", "seen_routes")
 
 
