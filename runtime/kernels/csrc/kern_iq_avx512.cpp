@@ -37,9 +37,11 @@ namespace {
 // widens, converts and (IQ1) multiply-adds: the bulk of the exact kernels' time at one token and
 // at a prompt's few tokens an expert. The same floats (no grid value is 0, so 0 - g is -g, as
 // the sign flip gives), so the same bits. An offset is 4 x the entry, so 8 x it is the entry's
-// byte offset (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's,
-// pair(o0, o1, ib, w) group ib's 4 x 8 weights of both rows; I8: its first 32 offsets are also
-// i_iq1's (q8 mode's int8 weights, 8 bytes an entry: twice the offset).
+// byte offset (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, SIGNS:
+// signs2(b0, b1, o0) the pair's sign masks after row 0's offsets (one mask load a group, where
+// combining the rows' sign bytes took four more instructions), pair(o0, o1, ib, w) group ib's
+// 4 x 8 weights of both rows; I8: its first 32 offsets are also i_iq1's (q8 mode's int8
+// weights, 8 bytes an entry: twice the offset).
 EFS_ZI __m512i u16_table(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
 
 // lane 4 ib + l of a block's 32 groups of 8: ib = lane / 4, l = lane % 4
@@ -51,9 +53,20 @@ EFS_ZI __m512 tab_entry2(const char* t, const uint16_t* o0, const uint16_t* o1, 
                _mm256_load_ps((const float*)(t + 8 * (size_t)o1[j])));
 }
 
-template <class D> struct Tab1 { static constexpr bool ON = false, I8 = false; };
+// group ib's 4 x 8 weights of both rows from an 8-float table, each 8's two rows' signs a
+// 16-lane mask at o0[32 + 4 ib + l] (the negative lanes 0 - g: no grid value is 0)
+EFS_ZI void signed_pair(const char* g, const uint16_t* o0, const uint16_t* o1, int ib,
+                        __m512* w) {
+    for (int l = 0; l < 4; ++l) {
+        const __mmask16 neg = (__mmask16)o0[32 + 4 * ib + l];
+        const __m512 e = tab_entry2(g, o0, o1, 4 * ib + l);
+        w[l] = _mm512_mask_sub_ps(e, neg, _mm512_setzero_ps(), e);
+    }
+}
+
+template <class D> struct Tab1 { static constexpr bool ON = false, I8 = false, SIGNS = false; };
 template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l], qh[ib]
-    static constexpr bool ON = true, I8 = true;
+    static constexpr bool ON = true, I8 = true, SIGNS = false;
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
                                         0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
@@ -91,8 +104,8 @@ template <> struct Tab1<IQ1M> : Tab1<IQ1S> {     // lane j: qs[j], nibble j % 2 
     }
 };
 template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l of qh[ib];
-    static constexpr bool ON = true, I8 = false; // signs: byte 4 ib + l of the sign bytes
-    // 32 grid offsets, then the 32 sign bytes
+    static constexpr bool ON = true, I8 = false, SIGNS = true;  // signs: byte 4 ib + l
+    // the block's 32 grid offsets
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
                                         0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
@@ -104,18 +117,93 @@ template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l
                                             _mm512_set1_epi16(3));        // index bits 8..9
         _mm512_storeu_si512(o, _mm512_slli_epi16(_mm512_or_si512(qs, _mm512_slli_epi16(hi, 8)),
                                                  2));
-        _mm512_storeu_si512(o + 32, _mm512_cvtepu8_epi16(loadu256(b + 34)));
+    }
+    // the two rows' 32 sign masks (byte j of each row's signs), after row 0's offsets
+    EFS_ZI static void signs2(const uint8_t* b0, const uint8_t* b1, uint16_t* o0) {
+        _mm512_storeu_si512(o0 + 32, _mm512_or_si512(
+            _mm512_cvtepu8_epi16(loadu256(b0 + 34)),
+            _mm512_slli_epi16(_mm512_cvtepu8_epi16(loadu256(b1 + 34)), 8)));
     }
     EFS_ZI static void pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
-        const char* g = (const char*)g_iq.f_iq2s;
-        for (int l = 0; l < 4; ++l) {
-            const int j = 32 + 4 * ib + l;            // the two rows' sign bytes as a mask
-            const __mmask16 neg = (__mmask16)(o0[j] | (o1[j] << 8));
-            const __m512 e = tab_entry2(g, o0, o1, 4 * ib + l);
-            w[l] = _mm512_mask_sub_ps(e, neg, _mm512_setzero_ps(), e);
-        }
+        signed_pair((const char*)g_iq.f_iq2s, o0, o1, ib, w);
     }
 };
+
+// A block's scales df * ls as floats (slot 2 ib, and 2 ib + 1 for PAIR's second half),
+// converted and multiplied in one vector where the AVX2 kernel takes each group's in turn: each
+// group's scale vector is then two broadcasts (halves) for the pair, not two extractions,
+// conversions, products and broadcasts. The same float products, so the same bits. Types
+// without one keep the per-group form.
+template <class D> struct Sc { static constexpr bool ON = false; };
+EFS_ZI __m512i nibbles2(const uint8_t* p) {       // 8 bytes' low, high nibbles in turn
+    const __m128i v = _mm_loadl_epi64((const __m128i*)p);
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v));
+    return _mm512_and_si512(_mm512_srlv_epi32(s, _mm512_set4_epi32(4, 0, 4, 0)),
+                            _mm512_set1_epi32(15));
+}
+template <> struct Sc<IQ2S> {                    // scale byte ib at 74: its low, high nibble
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) { return nibbles2(b + 74); }
+};
+template <> struct Sc<IQ2XS> {                   // the same at 66
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) { return nibbles2(b + 66); }
+};
+template <> struct Sc<IQ3S> {                    // nibble ib % 2 of byte 106 + ib / 2, twice
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) {
+        const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)u32_(b + 106)),
+                                           _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                         3, 3, 3, 3));
+        return _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(v),
+                                                  _mm512_set4_epi32(4, 4, 0, 0)),
+                                _mm512_set1_epi32(15));
+    }
+};
+template <> struct Sc<IQ1S> {                    // bits 12..14 of word ib at 34, twice
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) {
+        const __m512i w = _mm512_castsi256_si512(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(b + 34))));
+        return _mm512_and_si512(_mm512_srli_epi32(_mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), w), 12),
+                                _mm512_set1_epi32(7));
+    }
+};
+template <> struct Sc<IQ1M> {                    // word ib / 2 at 48, bits 6 (ib % 2) + 0, 3
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) {
+        const __m512i w = _mm512_castsi128_si512(
+            _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)(b + 48))));
+        return _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), w),
+                                                  _mm512_set4_epi32(9, 6, 3, 0)),
+                                _mm512_set1_epi32(7));
+    }
+};
+template <> struct Sc<IQ2XXS> {                  // the top 4 bits of group ib's second dword
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) {
+        const __m512i s = _mm512_srli_epi32(_mm512_loadu_si512((const void*)(b + 2)), 28);
+        return _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15), s);
+    }
+};
+template <> struct Sc<IQ3XXS> {                  // the top 4 bits of the dword at 66 + 4 ib
+    static constexpr bool ON = true;
+    EFS_ZI static __m512i ls(const uint8_t* b) {
+        const __m512i s = _mm512_castsi256_si512(
+            _mm256_srli_epi32(loadu256(b + 66), 28));
+        return _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), s);
+    }
+};
+template <class D>
+EFS_ZI void block_scales(const uint8_t* b, float df, float* s) {      // 2 x nibble + 1, x df
+    const __m512i l = _mm512_add_epi32(_mm512_slli_epi32(Sc<D>::ls(b), 1),
+                                       _mm512_set1_epi32(1));
+    _mm512_store_ps(s, _mm512_mul_ps(_mm512_set1_ps(df), _mm512_cvtepi32_ps(l)));
+}
 
 // One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
 // the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
@@ -129,6 +217,7 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
     PfPair pf(rb);
     alignas(64) uint16_t o0[64], o1[64];                   // Tab1's offsets of the two blocks
+    alignas(64) float sc0[16], sc1[16];                    // Sc's scales of the two blocks
     for (int64_t r = r0; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
@@ -140,16 +229,26 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             if constexpr (Tab1<D>::ON) {
                 Tab1<D>::offsets(b0, o0);
                 Tab1<D>::offsets(b1, o1);
+                if constexpr (Tab1<D>::SIGNS) Tab1<D>::signs2(b0, b1, o0);
+            }
+            if constexpr (Sc<D>::ON) {
+                block_scales<D>(b0, df0, sc0);
+                block_scales<D>(b1, df1, sc1);
             }
             for (int ib = 0; ib < 8; ++ib) {
-                int l00, l01, l10, l11;
-                D::ls(b0, ib, &l00, &l01);
-                D::ls(b1, ib, &l10, &l11);
-                const __m512 s0 = ps2(_mm256_set1_ps(df0 * (float)l00),
-                                      _mm256_set1_ps(df1 * (float)l10));
-                const __m512 s1 = D::PAIR ? ps2(_mm256_set1_ps(df0 * (float)l01),
-                                                _mm256_set1_ps(df1 * (float)l11))
-                                          : s0;
+                __m512 s0, s1;
+                if constexpr (Sc<D>::ON) {
+                    s0 = halves(sc0 + 2 * ib, sc1 + 2 * ib);
+                    s1 = D::PAIR ? halves(sc0 + 2 * ib + 1, sc1 + 2 * ib + 1) : s0;
+                } else {
+                    int l00, l01, l10, l11;
+                    D::ls(b0, ib, &l00, &l01);
+                    D::ls(b1, ib, &l10, &l11);
+                    s0 = ps2(_mm256_set1_ps(df0 * (float)l00), _mm256_set1_ps(df1 * (float)l10));
+                    s1 = D::PAIR ? ps2(_mm256_set1_ps(df0 * (float)l01),
+                                       _mm256_set1_ps(df1 * (float)l11))
+                                 : s0;
+                }
                 __m512 w[4];
                 if constexpr (Tab1<D>::ON) {
                     Tab1<D>::pair(o0, o1, ib, w);
@@ -175,12 +274,11 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
 }
 
 // The smallest pass of tokens that takes the two-row kernel; smaller ones keep the AVX2 kernel,
-// as fast or faster there (measured: IQ2_XXS's and TQ2_0's cheap decoders gain nothing from
-// the wider products at one or two tokens, and lose the insert of each row's half). Measured
-// on a CPU with full-width 512-bit units (Zen 5); on ones that split them in two (Zen 4), the
-// one-token passes were not.
+// as fast or faster there (measured: TQ2_0's cheap decoder gains nothing from the wider
+// products at one or two tokens, and loses the insert of each row's half). IQ2_XXS, which was
+// in the same case, takes the two-row kernel from one token since its scales are converted a
+// block at a time (Sc): measured on Zen 4 (split 512-bit units).
 template <class D> constexpr int Z2_FROM = 1;
-template <> constexpr int Z2_FROM<IQ2XXS> = 3;
 template <> constexpr int Z2_FROM<TQ2> = 3;
 
 // Passes of up to 8 tokens; a pass below Z2_FROM goes to the AVX2 kernel.
