@@ -13,6 +13,7 @@
 #include <string.h>
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <simde/x86/gfni.h>
 // SIMDe 0.7.4's alias of this one takes the masked form's four arguments
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
@@ -60,10 +61,12 @@ static inline simde__m512i efs_simde_i64gather_epi64(simde__m512i idx, const voi
 #define EFS_T512_F "avx2,fma,f16c"
 #define EFS_T512_FVL "avx2,fma,f16c"
 #define EFS_T512_FVLBW "avx2,fma,f16c"
+#define EFS_T512_FVLBW_GFNI "avx2,fma,f16c"
 #define EFS_CPU_HAS_512(feature) 1
 #else
 #define EFS_T512_F "avx512f,avx2,fma,f16c"
 #define EFS_T512_FVL "avx512f,avx512vl,avx2,fma,f16c"
 #define EFS_T512_FVLBW "avx512f,avx512vl,avx512bw,avx2,fma,f16c"
+#define EFS_T512_FVLBW_GFNI "avx512f,avx512vl,avx512bw,gfni,avx2,fma,f16c"
 #define EFS_CPU_HAS_512(feature) __builtin_cpu_supports(feature)
 #endif

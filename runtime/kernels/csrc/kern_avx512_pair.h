@@ -10,6 +10,9 @@
 #define EFS_Z __attribute__((target(EFS_T512_FVLBW)))
 #define EFS_ZI __attribute__((target(EFS_T512_FVLBW), \
                               always_inline)) inline
+// the same with GFNI (its caller checks EFS_CPU_HAS_512("gfni"))
+#define EFS_ZG __attribute__((target(EFS_T512_FVLBW_GFNI)))
+#define EFS_ZGI __attribute__((target(EFS_T512_FVLBW_GFNI), always_inline)) inline
 
 namespace efs {
 namespace {

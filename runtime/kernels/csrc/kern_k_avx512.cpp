@@ -115,6 +115,7 @@ EFS_ZI void q6_planes2(const uint8_t* b0, const uint8_t* b1, int h, __m512i* q) 
 // broadcast of its 32 high-bit bytes (per 256-bit half the shift that tells q[0] from q[1],
 // q[2] from q[3]).
 struct Q6Row {
+    static constexpr bool SIGNED = false;
     __m512i m4, m30, shl, shr;
     EFS_ZI Q6Row() {
         const long long s1 = 0x0001000100010001ll;
@@ -130,6 +131,42 @@ struct Q6Row {
                                _mm512_and_si512(_mm512_sllv_epi16(QH, shl), m30));
         q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(AB, 4), m4),
                                _mm512_and_si512(_mm512_srlv_epi16(QH, shr), m30));
+    }
+};
+
+// Q6Row's vectors as signed bytes q - 32, each built by two bit-matrix products (GFNI's
+// affine transform: a byte's bits moved, and constant bits flipped, per 64-bit lane): a nibble
+// to bits 0..3, the high bits' field f to bit 4 and, flipped, to bits 5..7 (the sign of
+// q - 32, whose bit 5 is the field's high bit flipped), then an or: where Q6Row's masks, shifts,
+// or and subtraction take eleven operations a block half, this takes six. The same bytes.
+struct Q6RowGF {
+    static constexpr bool SIGNED = true;
+    __m512i lo, hi, f01, f23;
+    static constexpr long long nib(int from) {   // out bit k < 4 = in bit from + k
+        long long m = 0;
+        for (int k = 0; k < 4; ++k) m |= (long long)(1 << (from + k)) << (8 * (7 - k));
+        return m;
+    }
+    static constexpr long long field(int f) {    // out 4 = in 2f; out 5, 6, 7 = in 2f + 1
+        long long m = (long long)(1 << (2 * f)) << (8 * 3);
+        for (int k = 5; k < 8; ++k) m |= (long long)(1 << (2 * f + 1)) << (8 * (7 - k));
+        return m;
+    }
+    EFS_ZGI Q6RowGF() {
+        lo = _mm512_set1_epi64(nib(0));
+        hi = _mm512_set1_epi64(nib(4));
+        f01 = _mm512_setr_epi64(field(0), field(0), field(0), field(0),
+                                field(1), field(1), field(1), field(1));
+        f23 = _mm512_setr_epi64(field(2), field(2), field(2), field(2),
+                                field(3), field(3), field(3), field(3));
+    }
+    EFS_ZGI void planes(const uint8_t* b, int h, __m512i* q) const {
+        const __m512i AB = _mm512_loadu_si512((const void*)(b + 64 * h));
+        const __m512i QH = _mm512_broadcast_i64x4(loadu256(b + 128 + 32 * h));
+        q[0] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(AB, lo, 0),
+                               _mm512_gf2p8affine_epi64_epi8(QH, f01, 0xE0));
+        q[1] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(AB, hi, 0),
+                               _mm512_gf2p8affine_epi64_epi8(QH, f23, 0xE0));
     }
 };
 
@@ -154,72 +191,22 @@ EFS_ZI void byte_shuffles(int place, __m512i* mk) {
 // 2^-24): a byte shuffle and a conversion where the AVX2 kernel's unpack into the mantissa of
 // 2^23 takes one and a half shuffles and a subtraction. Per lane the AVX2 kernel's products
 // and sums scaled by a power of two, so its bits (a product that would be subnormal unscaled is
-// an exact multiple of 2^-149 either way).
-template <int NT, int R>
-EFS_Z void ex_q6_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const float* xh[NT];
-    for (int t = 0; t < NT; ++t) xh[t] = xs[t].xh;
-    const Q6Row dec;
-    const __m512i o32 = _mm512_set1_epi8(32);
-    __m512i mk[4];
-    byte_shuffles(3, mk);                            // u8f<SIGNED>'s
-    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    RowCursor<R> rc(W, rb, r0);
-    const uint8_t* const* b = rc.b;
-    int64_t r = r0;
-    for (; r + R <= r1; r += R) {
-        rc.at(W, rb, r);
-        __m512 acc[R][NT];
-        for (int j = 0; j < R; ++j)
-            for (int t = 0; t < NT; ++t) acc[j][t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i) {
-            rc.prefetch(210);
-            __m512 S[R];                  // the block's 16 scales times d (and 2^-24), exact
-            for (int j = 0; j < R; ++j) {
-                const __m512i sc = _mm512_cvtepi8_epi32(loadu128(b[j] + 192));
-                S[j] = _mm512_mul_ps(_mm512_set1_ps(f16(b[j] + 208) * unit<SIGNED>()),
-                                     _mm512_cvtepi32_ps(sc));
-            }
-            for (int h = 0; h < 2; ++h) {
-                __m512i q[R][2];
-                for (int j = 0; j < R; ++j) {
-                    dec.planes(b[j], h, q[j]);
-                    q[j][0] = _mm512_sub_epi8(q[j][0], o32);
-                    q[j][1] = _mm512_sub_epi8(q[j][1], o32);
-                }
-                for (int p = 0; p < 2; ++p) {
-                    __m512 w[R][4], sc[R];
-                    const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(8 * h + 4 * p));
-                    for (int j = 0; j < R; ++j) {
-                        for (int k = 0; k < 4; ++k)
-                            w[j][k] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(q[j][p], mk[k]));
-                        sc[j] = _mm512_permutexvar_ps(idx, S[j]);
-                    }
-                    const int64_t o = 256 * i + 128 * h + 64 * p;
-                    for (int t = 0; t < NT; ++t) {
-                        const float* x = xh[t] + o;
-                        const __m512 x0 = _mm512_load_ps(x), x1 = _mm512_load_ps(x + 16);
-                        const __m512 x2 = _mm512_load_ps(x + 32), x3 = _mm512_load_ps(x + 48);
-                        for (int j = 0; j < R; ++j) {
-                            __m512 a = _mm512_mul_ps(w[j][0], x0);
-                            a = _mm512_fmadd_ps(w[j][1], x1, a);
-                            a = _mm512_fmadd_ps(w[j][2], x2, a);
-                            a = _mm512_fmadd_ps(w[j][3], x3, a);
-                            acc[j][t] = _mm512_fmadd_ps(a, sc[j], acc[j][t]);
-                        }
-                    }
-                }
-            }
-            rc.step(210);
-        }
-        for (int j = 0; j < R; ++j)
-            for (int t = 0; t < NT; ++t)
-                out.put(t, r + j, hsum(_mm256_add_ps(lo8(acc[j][t]), hi8(acc[j][t]))));
-    }
-    if (R == 2 && r < r1) ex_q6_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
-}
+// an exact multiple of 2^-149 either way). ex_q6_k_r decodes with Q6Row; ex_q6_k_rg, taken where
+// the CPU has GFNI, with Q6RowGF (the bytes q - 32 in six operations a block half, not eleven).
+#define EFS_Q6R_NAME ex_q6_k_r
+#define EFS_Q6R_ATTR EFS_Z
+#define EFS_Q6R_DEC Q6Row
+#include "kern_q6_k_r.h"
+#undef EFS_Q6R_NAME
+#undef EFS_Q6R_ATTR
+#undef EFS_Q6R_DEC
+#define EFS_Q6R_NAME ex_q6_k_rg
+#define EFS_Q6R_ATTR EFS_ZG
+#define EFS_Q6R_DEC Q6RowGF
+#include "kern_q6_k_r.h"
+#undef EFS_Q6R_NAME
+#undef EFS_Q6R_ATTR
+#undef EFS_Q6R_DEC
 
 // Q5_K as ex_q45_k<NT, true>, one row per vector as ex_q6_k_r: a byte group's 32 quant bytes
 // broadcast to both halves, its low nibbles (sub-block 2j, into a0) kept in lanes 0..7 and its
@@ -468,8 +455,15 @@ EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
 // (bench/README.md).
 template <int NT> EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
                                        int64_t cols, const XPrep* xs, Out o) {
-    if (x_in_l1(NT, cols, 4)) ex_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
-    else ex_q6_k_r<NT, 2>(W, rb, r0, r1, cols, xs, o);
+    static const bool gf = EFS_CPU_HAS_512("gfni");
+    const bool l1 = x_in_l1(NT, cols, 4);
+    if (gf) {
+        if (l1) ex_q6_k_rg<NT, 1>(W, rb, r0, r1, cols, xs, o);
+        else ex_q6_k_rg<NT, 2>(W, rb, r0, r1, cols, xs, o);
+    } else {
+        if (l1) ex_q6_k_r<NT, 1>(W, rb, r0, r1, cols, xs, o);
+        else ex_q6_k_r<NT, 2>(W, rb, r0, r1, cols, xs, o);
+    }
 }
 
 template <int NT> EFS_Z void ex_q5_k_p(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
