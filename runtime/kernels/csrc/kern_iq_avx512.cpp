@@ -38,7 +38,7 @@ namespace {
 // at a prompt's few tokens an expert. The same floats (no grid value is 0, so 0 - g is -g, as
 // the sign flip gives), so the same bits. An offset is 4 x the entry, so 8 x it is the entry's
 // byte offset (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, SIGNS:
-// signs2(b0, b1, o0) the pair's sign masks after row 0's offsets (one mask load a group, where
+// signs2(b0, b1, o0, o1) the pair's sign masks after row 0's offsets (one mask load a group, where
 // combining the rows' sign bytes took four more instructions), pair(o0, o1, ib, w) group ib's
 // 4 x 8 weights of both rows; I8: its first 32 offsets are also i_iq1's (q8 mode's int8
 // weights, 8 bytes an entry: twice the offset).
@@ -119,7 +119,7 @@ template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l
                                                  2));
     }
     // the two rows' 32 sign masks (byte j of each row's signs), after row 0's offsets
-    EFS_ZI static void signs2(const uint8_t* b0, const uint8_t* b1, uint16_t* o0) {
+    EFS_ZI static void signs2(const uint8_t* b0, const uint8_t* b1, uint16_t* o0, uint16_t*) {
         _mm512_storeu_si512(o0 + 32, _mm512_or_si512(
             _mm512_cvtepu8_epi16(loadu256(b0 + 34)),
             _mm512_slli_epi16(_mm512_cvtepu8_epi16(loadu256(b1 + 34)), 8)));
@@ -205,6 +205,20 @@ EFS_ZI void block_scales(const uint8_t* b, float df, float* s) {      // 2 x nib
     _mm512_store_ps(s, _mm512_mul_ps(_mm512_set1_ps(df), _mm512_cvtepi32_ps(l)));
 }
 
+// A pair's block: Tab1's offsets (and sign masks) into o[0], o[1], Sc's scales into s[0], s[1].
+template <class D>
+EFS_ZI void prep2(const uint8_t* b0, const uint8_t* b1, uint16_t (*o)[96], float (*s)[16]) {
+    if constexpr (Tab1<D>::ON) {
+        Tab1<D>::offsets(b0, o[0]);
+        Tab1<D>::offsets(b1, o[1]);
+        if constexpr (Tab1<D>::SIGNS) Tab1<D>::signs2(b0, b1, o[0], o[1]);
+    }
+    if constexpr (Sc<D>::ON) {
+        block_scales<D>(b0, D::d(b0) * D::F, s[0]);
+        block_scales<D>(b1, D::d(b1) * D::F, s[1]);
+    }
+}
+
 // One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
 // the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
 // half the AVX2 kernel's products, scales and sums in its order, so its bits. Rows in pairs
@@ -216,25 +230,23 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
     PfPair pf(rb);
-    alignas(64) uint16_t o0[64], o1[64];                   // Tab1's offsets of the two blocks
-    alignas(64) float sc0[16], sc1[16];                    // Sc's scales of the two blocks
+    // Tab1's offsets and Sc's scales of the pair's blocks, built one block ahead (a buffer
+    // each): read right after their vector stores, their loads would wait for the stores
+    alignas(64) uint16_t ob[2][2][96];
+    alignas(64) float sb[2][2][16];
     for (int64_t r = r0; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
         const uint8_t* b1 = b0 + rb;
         __m512 a0[NT], a1[NT];
         for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+        prep2<D>(b0, b1, ob[0], sb[0]);
         for (int64_t i = 0; i < nb; ++i, b0 += D::BYTES, b1 += D::BYTES) {
             pf.next(b0, b1, D::BYTES);
-            const float df0 = D::d(b0) * D::F, df1 = D::d(b1) * D::F;
-            if constexpr (Tab1<D>::ON) {
-                Tab1<D>::offsets(b0, o0);
-                Tab1<D>::offsets(b1, o1);
-                if constexpr (Tab1<D>::SIGNS) Tab1<D>::signs2(b0, b1, o0);
-            }
-            if constexpr (Sc<D>::ON) {
-                block_scales<D>(b0, df0, sc0);
-                block_scales<D>(b1, df1, sc1);
-            }
+            const int cur = (int)(i & 1);
+            if (i + 1 < nb) prep2<D>(b0 + D::BYTES, b1 + D::BYTES, ob[cur ^ 1], sb[cur ^ 1]);
+            const uint16_t *o0 = ob[cur][0], *o1 = ob[cur][1];
+            const float *sc0 = sb[cur][0], *sc1 = sb[cur][1];
+            [[maybe_unused]] const float df0 = D::d(b0) * D::F, df1 = D::d(b1) * D::F;
             for (int ib = 0; ib < 8; ++ib) {
                 __m512 s0, s1;
                 if constexpr (Sc<D>::ON) {
