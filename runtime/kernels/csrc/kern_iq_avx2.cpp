@@ -27,6 +27,87 @@ namespace {
 
 // --- exact mode ------------------------------------------------------------------------------
 
+// A block's 16 scale slots df * (2 l + 1) (slot 2 ib: the group's first half, 2 ib + 1: its
+// second, the same l where the type has one per group) as two vectors of 8 (Sc2<D>::ls: the
+// l's), converted and multiplied at once where the per-group form extracts, converts,
+// multiplies and broadcasts each: a group's scale is then one broadcast load. The same float
+// products, so the same bits. Types without one keep the per-group form.
+template <class D> struct Sc2 { static constexpr bool ON = false; };
+EFS_TI void nibble_slots(const uint8_t* p, __m256i* l) {      // 8 bytes' low, high nibbles
+    const __m128i u = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)p),
+                                        _mm_loadl_epi64((const __m128i*)p));
+    const __m256i sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), m = _mm256_set1_epi32(15);
+    l[0] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(u), sh), m);
+    l[1] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)), sh),
+                            m);
+}
+template <> struct Sc2<IQ2S> {                   // scale byte ib at 74
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) { nibble_slots(b + 74, l); }
+};
+template <> struct Sc2<IQ2XS> {                  // at 66
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) { nibble_slots(b + 66, l); }
+};
+template <> struct Sc2<IQ3S> {                   // nibble ib % 2 of byte 106 + ib / 2, twice
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) {
+        const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)u32_(b + 106)),
+                                           _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                         3, 3, 3, 3));
+        const __m256i sh = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4), m = _mm256_set1_epi32(15);
+        l[0] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(v), sh), m);
+        l[1] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)),
+                                                  sh), m);
+    }
+};
+template <> struct Sc2<IQ1S> {                   // bits 12..14 of word ib at 34, twice
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) {
+        const __m128i w = _mm_loadu_si128((const __m128i*)(b + 34));
+        const __m256i m = _mm256_set1_epi32(7);
+        l[0] = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(
+                                    _mm_unpacklo_epi16(w, w)), 12), m);
+        l[1] = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(
+                                    _mm_unpackhi_epi16(w, w)), 12), m);
+    }
+};
+template <> struct Sc2<IQ1M> {                   // word ib / 2 at 48, bits 6 (ib % 2) + 0, 3
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) {
+        const __m256i w = _mm256_castsi128_si256(
+            _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)(b + 48))));
+        const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9), m = _mm256_set1_epi32(7);
+        l[0] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(
+                                    w, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), sh), m);
+        l[1] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(
+                                    w, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), sh), m);
+    }
+};
+template <> struct Sc2<IQ2XXS> {                 // the top 4 bits of group ib's second dword
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) {
+        for (int k = 0; k < 2; ++k)
+            l[k] = _mm256_shuffle_epi32(_mm256_srli_epi32(loadu256(b + 2 + 32 * k), 28), 0xF5);
+    }
+};
+template <> struct Sc2<IQ3XXS> {                 // the top 4 bits of the dword at 66 + 4 ib
+    static constexpr bool ON = true;
+    EFS_TI static void ls(const uint8_t* b, __m256i* l) {
+        const __m256i v = _mm256_srli_epi32(loadu256(b + 66), 28);
+        l[0] = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        l[1] = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+    }
+};
+template <class D>
+EFS_TI void block_scales2(const uint8_t* b, float df, float* s) {
+    __m256i l[2];
+    Sc2<D>::ls(b, l);
+    for (int k = 0; k < 2; ++k)
+        _mm256_store_ps(s + 8 * k, _mm256_mul_ps(_mm256_set1_ps(df), _mm256_cvtepi32_ps(
+            _mm256_add_epi32(_mm256_slli_epi32(l[k], 1), _mm256_set1_epi32(1)))));
+}
+
 // Per group of 32: the weights as 4 x 8 floats (D::w), then per token and 16-element half
 // h: scale_h * sum(w * x) accumulated into acc_h, x in natural order.
 template <int NT, class D>
@@ -36,6 +117,7 @@ EFS_T void ex_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
     const char* pf = pf_start(W + r0 * rb);
+    alignas(32) float sc[16];                  // Sc2's scales of the block
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         __m256 a0[NT], a1[NT];
@@ -43,11 +125,18 @@ EFS_T void ex_iq(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t c
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
             pf_next(pf, b + D::BYTES);
             const float df = D::d(b) * D::F;
+            if constexpr (Sc2<D>::ON) block_scales2<D>(b, df, sc);
             for (int ib = 0; ib < 8; ++ib) {
-                int l0, l1;
-                D::ls(b, ib, &l0, &l1);
-                const __m256 s0 = _mm256_set1_ps(df * (float)l0);
-                const __m256 s1 = D::PAIR ? _mm256_set1_ps(df * (float)l1) : s0;
+                __m256 s0, s1;
+                if constexpr (Sc2<D>::ON) {
+                    s0 = _mm256_broadcast_ss(sc + 2 * ib);
+                    s1 = D::PAIR ? _mm256_broadcast_ss(sc + 2 * ib + 1) : s0;
+                } else {
+                    int l0, l1;
+                    D::ls(b, ib, &l0, &l1);
+                    s0 = _mm256_set1_ps(df * (float)l0);
+                    s1 = D::PAIR ? _mm256_set1_ps(df * (float)l1) : s0;
+                }
                 __m256 w[4];
                 D::w(b, ib, w);
                 for (int t = 0; t < NT; ++t) {
