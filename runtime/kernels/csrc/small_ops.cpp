@@ -169,6 +169,19 @@ void logits_rows(const float* W, const float* x, float* out, int64_t E, int64_t 
     for (int64_t e = 0; e < E; ++e) out[e] = dot8(W + e * D, x, D);
 }
 
+// The router's logits in chunks of rows over the pool (a router matrix of 288 x 4096 floats is
+// 4.7 MB, more than one core reads at its best), each row's dot product as logits_rows's.
+struct LogitsJob {
+    const float *W, *x;
+    float* out;
+    int64_t E, D, per;
+};
+void logits_chunk(void* ctx, int64_t c) {
+    const LogitsJob& J = *static_cast<const LogitsJob*>(ctx);
+    const int64_t e0 = c * J.per, e1 = std::min(J.E, e0 + J.per);
+    if (e0 < e1) logits_rows(J.W + e0 * J.D, J.x, J.out + e0, e1 - e0, J.D);
+}
+
 struct KDAJob {
     const float *q, *k, *v, *g, *beta;
     float *S, *o;
@@ -235,7 +248,13 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
                 "each, and keep room for k");
     const float* bp = weight_of(bias, E);
     std::vector<float> probs((size_t)E), sel((size_t)E);
-    logits_rows(W.data_ptr<float>(), x.data_ptr<float>(), probs.data(), E, D);
+    {   // one chunk where the matrix is small (the pool's wake-up would cost more)
+        const int64_t chunks = E * D < (1 << 18) ? 1 : 4;
+        LogitsJob job{W.data_ptr<float>(), x.data_ptr<float>(), probs.data(), E, D,
+                      (E + chunks - 1) / chunks};
+        pybind11::gil_scoped_release nogil;
+        run_parallel(chunks, logits_chunk, &job);
+    }
     if (sigmoid) {
         for (int64_t e = 0; e < E; ++e) probs[e] = 1.0f / (1.0f + std::exp(-probs[e]));
     } else {

@@ -144,7 +144,8 @@ def test_attn_decode_bad_input():
 @pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("norm_w,w_scale", [(True, 0.0), (False, 2.5)])
-def test_route_matches_torch_router(gating, biased, norm_w, w_scale):
+@pytest.mark.parametrize("E,D", [(48, 256), (288, 1024)])       # the second: rows in chunks
+def test_route_matches_torch_router(gating, biased, norm_w, w_scale, E, D):
     from expertfs.runtime.model.config import GATING_SIGMOID, GATING_SOFTMAX
     from expertfs.runtime.model.router import Router, RouterWeights
 
@@ -153,7 +154,6 @@ def test_route_matches_torch_router(gating, biased, norm_w, w_scale):
     Cfg.gating = GATING_SIGMOID if gating == "sigmoid" else GATING_SOFTMAX
     Cfg.norm_w, Cfg.w_scale = norm_w, w_scale
     g = torch.Generator().manual_seed(4)
-    E, D = 48, 256
     rw = RouterWeights(torch.randn(E, D, generator=g) / 8,
                        torch.randn(E, generator=g) / 4 if biased else None)
     r = Router(Cfg())
