@@ -455,9 +455,8 @@ EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
 // (bench/README.md).
 template <int NT> EFS_Z void ex_q6_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
                                        int64_t cols, const XPrep* xs, Out o) {
-    static const bool gf = EFS_CPU_HAS_512("gfni");
     const bool l1 = x_in_l1(NT, cols, 4);
-    if (gf) {
+    if (g_gfni_on) {
         if (l1) ex_q6_k_rg<NT, 1>(W, rb, r0, r1, cols, xs, o);
         else ex_q6_k_rg<NT, 2>(W, rb, r0, r1, cols, xs, o);
     } else {

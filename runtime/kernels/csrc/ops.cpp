@@ -103,6 +103,10 @@ bool g_amx_on = g_amx && [] {
     return !(e && strcmp(e, "0") == 0);
 }();
 
+// Exact Q6_K's AVX-512 kernel decodes by GFNI where the CPU has it (kern_k_avx512.cpp);
+// g_gfni_on: in use (set_gfni: off runs the form for CPUs without it, for tests).
+const bool g_gfni = g_bw && EFS_CPU_HAS_512("gfni");
+
 RowsFn rows_fn(int type, int mode) {
     RowsFn f = g_isa >= ISA_AVX512 ? avx512_rows(type, mode) : nullptr;
     if (!f && g_isa >= ISA_AVX512 && g_bw) f = avx512_iq_rows(type, mode);
@@ -872,6 +876,14 @@ bool set_amx(bool on) {
     return was;
 }
 
+// Exact Q6_K's GFNI decoder on or off; gives the setting it replaces (to restore it).
+bool set_gfni(bool on) {
+    TORCH_CHECK(!on || g_gfni, "expertfs kernels: this CPU (or build) has no GFNI");
+    const bool was = g_gfni_on;
+    g_gfni_on = on;
+    return was;
+}
+
 int64_t set_spin_us(int64_t us) {
     TORCH_CHECK(us >= 0, "expertfs kernels: spin time must be >= 0");
     std::shared_ptr<Pool> old;
@@ -946,6 +958,7 @@ pybind11::dict info() {
     d["avx512_vnni"] = g_vnni;
     d["avx_vnni"] = g_avxvnni;
     d["amx"] = g_amx;                   // exact mode's AMX panel product: the CPU has it
+    d["gfni"] = g_gfni;                 // exact Q6_K's GFNI decoder: the CPU has it
     pybind11::list ap;                  // ... and the types it takes at the ISA in use now
     for (int t : all)
         if (qgemm_amx_fn(t, 256) != nullptr) ap.append(t);
@@ -955,6 +968,8 @@ pybind11::dict info() {
 }
 
 }  // namespace
+
+bool g_gfni_on = g_gfni;                  // kern.h
 
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
     par_chunks(n, [&](int64_t c) { fn(ctx, c); });
@@ -1012,6 +1027,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("amx", &efs::amx_in_use, "whether exact mode's wide products run on AMX now (the CPU "
           "has it, it is on, the kernels run at the AVX-512 tier)");
+    m.def("set_gfni", &efs::set_gfni, "exact Q6_K's GFNI decoder on or off (where the CPU "
+          "has GFNI); returns the setting it replaces");
     m.def("set_amx", &efs::set_amx, "exact mode's AMX panel product on or off (where the CPU "
           "has AMX-BF16); returns the setting it replaces");
     m.def("info", &efs::info, "ISA in use, best ISA, supported type ids, pool spin time");

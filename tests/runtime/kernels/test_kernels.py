@@ -394,3 +394,24 @@ def test_avx512_k_quants_give_the_avx2_bits_for_any_batch(t, aq):
                 assert torch.equal(got[name][nt], alone[name][:nt]), (name, cols, nt)
             if not (t == T.Q4_K and aq == "off"):
                 assert torch.equal(y, got["avx2"][nt]), (cols, nt)
+
+
+@pytest.mark.skipif("avx512" not in isas() or not MOD.info().get("gfni"),
+                    reason="this CPU has no AVX-512 with GFNI")
+def test_q6_k_gives_the_same_bits_with_and_without_gfni():
+    """Exact Q6_K's AVX-512 kernel decodes its bytes by GFNI where the CPU has it; the form
+    for AVX-512 CPUs without GFNI (set_gfni(False)) gives the same bits, one row at a time and
+    two (a pass's activations past 16 KiB), subnormal activations included."""
+    for k, cols in enumerate((768, 4352)):
+        rows = 29 + 8 * k                                     # odd
+        raw = weight(T.Q6_K, rows, cols, 90 + k)
+        x = torch.randn(17, cols, generator=torch.Generator().manual_seed(k + 60))
+        x[3] *= 1e-40
+        for nt in (1, 2, 5, 8, 17):
+            with_gfni = kernels.matvec(x[:nt], raw, T.Q6_K, (rows, cols), "off")
+            was = MOD.set_gfni(False)
+            try:
+                without = kernels.matvec(x[:nt], raw, T.Q6_K, (rows, cols), "off")
+            finally:
+                MOD.set_gfni(was)
+            assert torch.equal(with_gfni, without), (cols, nt)
