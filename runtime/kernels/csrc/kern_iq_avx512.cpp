@@ -40,8 +40,9 @@ namespace {
 // byte offset (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, SIGNS:
 // signs2(b0, b1, o0, o1) the pair's sign masks after row 0's offsets (one mask load a group, where
 // combining the rows' sign bytes took four more instructions), pair(o0, o1, ib, w) group ib's
-// 4 x 8 weights of both rows; I8: its first 32 offsets are also i_iq1's (q8 mode's int8
-// weights, 8 bytes an entry: twice the offset).
+// 4 x 8 weights of both rows; I8: its first 32 offsets are also those of i8()'s entries (q8
+// mode's int8 weights, 8 bytes an entry: twice the offset; IQ1: i_iq1, IQ2_S: its int8 grid of
+// magnitudes, MAGS, whose signs neg8 gives as a 64-lane mask straight from the sign bytes).
 EFS_ZI __m512i u16_table(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
 
 // lane 4 ib + l of a block's 32 groups of 8: ib = lane / 4, l = lane % 4
@@ -64,9 +65,12 @@ EFS_ZI void signed_pair(const char* g, const uint16_t* o0, const uint16_t* o1, i
     }
 }
 
-template <class D> struct Tab1 { static constexpr bool ON = false, I8 = false, SIGNS = false; };
+template <class D> struct Tab1 {
+    static constexpr bool ON = false, I8 = false, SIGNS = false, MAGS = false;
+};
 template <> struct Tab1<IQ1S> {                  // lane 4 ib + l: qs[4 ib + l], qh[ib]
-    static constexpr bool ON = true, I8 = true, SIGNS = false;
+    static constexpr bool ON = true, I8 = true, SIGNS = false, MAGS = false;
+    EFS_ZI static const long long* i8() { return (const long long*)g_iq.i_iq1; }
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
                                         0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9};
@@ -104,7 +108,14 @@ template <> struct Tab1<IQ1M> : Tab1<IQ1S> {     // lane j: qs[j], nibble j % 2 
     }
 };
 template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l of qh[ib];
-    static constexpr bool ON = true, I8 = false, SIGNS = true;  // signs: byte 4 ib + l
+    static constexpr bool ON = true, I8 = true, SIGNS = true;   // signs: byte 4 ib + l
+    static constexpr bool MAGS = true;           // q8: the grid's magnitudes, the sign bits
+    EFS_ZI static const long long* i8() { return (const long long*)g_iq.iq2s; }
+    EFS_ZI static __mmask64 neg8(const uint8_t* b, int ib) {     // groups ib, ib + 1's
+        uint64_t m;
+        memcpy(&m, b + 34 + 4 * ib, 8);
+        return (__mmask64)m;
+    }
     // the block's 32 grid offsets
     EFS_ZI static void offsets(const uint8_t* b, uint16_t* o) {
         static const uint16_t sh[32] = {0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
@@ -342,14 +353,18 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const char* pf = pf_start(W + r0 * rb);
     const __m512i zero = _mm512_setzero_si512();
-    alignas(64) uint16_t o[64];                 // Tab1<D>::I8: the block's offsets
+    // Tab1<D>::I8: the block's offsets, built one block ahead (as ex_iq_z2's prep2)
+    alignas(64) uint16_t ob[2][64];
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
         __m256 acc[NT];
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+        if constexpr (Tab1<D>::I8) Tab1<D>::offsets(b, ob[0]);
         for (int64_t i = 0; i < nb; ++i, b += D::BYTES) {
             pf_next(pf, b + D::BYTES);
-            if constexpr (Tab1<D>::I8) Tab1<D>::offsets(b, o);
+            [[maybe_unused]] const uint16_t* o = ob[i & 1];
+            if constexpr (Tab1<D>::I8)
+                if (i + 1 < nb) Tab1<D>::offsets(b + D::BYTES, ob[(i + 1) & 1]);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm512_setzero_si512();
             for (int ib = 0; ib < 8; ib += 2) {
@@ -362,12 +377,19 @@ EFS_Z void q8_iq_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
                 __m512i q;
                 if constexpr (Tab1<D>::I8)      // groups ib, ib + 1: 8 int8 entries, gathered
                     q = _mm512_i64gather_epi64(_mm512_cvtepu16_epi64(_mm_load_si128(
-                        (const __m128i*)(o + 4 * ib))), (const long long*)g_iq.i_iq1, 2);
+                        (const __m128i*)(o + 4 * ib))), Tab1<D>::i8(), 2);
                 else
                     q = _mm512_inserti64x4(_mm512_castsi256_si512(D::q(b, ib)), D::q(b, ib + 1),
                                            1);
-                const __m512i aq = _mm512_abs_epi8(q);
-                const __mmask64 neg = _mm512_movepi8_mask(q);
+                __m512i aq;                     // |q|, and q's signs for the activations
+                __mmask64 neg;
+                if constexpr (Tab1<D>::MAGS) {
+                    aq = q;
+                    neg = Tab1<D>::neg8(b, ib);
+                } else {
+                    aq = _mm512_abs_epi8(q);
+                    neg = _mm512_movepi8_mask(q);
+                }
                 for (int t = 0; t < NT; ++t) {
                     const __m512i qy = _mm512_loadu_si512((const void*)(y[t][i].qs + 32 * ib));
                     const __m512i p = _mm512_maddubs_epi16(aq, _mm512_mask_sub_epi8(qy, neg, zero,
