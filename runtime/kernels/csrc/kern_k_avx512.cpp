@@ -172,14 +172,20 @@ struct Q6RowGF {
 
 // The one-row kernels' byte shuffles (u8f's, per 128-bit lane): shuffle k puts byte 4k + j of
 // each 16 into byte `place` of dword j, zeroing the others; converted, byte 0 gives q and byte
-// 3 (signed) q * 2^24.
-EFS_ZI void byte_shuffles(int place, __m512i* mk) {
-    for (int k = 0; k < 4; ++k) {
-        alignas(64) int8_t m[64];
-        for (int i = 0; i < 64; ++i)
-            m[i] = (i & 3) == place ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
-        mk[k] = _mm512_load_si512((const void*)m);
+// 3 (signed) q * 2^24. Tables built at compile time: built per call on the stack, their loads
+// waited for the byte stores, a cost at every call of a kernel over few rows (MLA's heads).
+struct ByteShuffles {
+    alignas(64) int8_t m[4][64];
+    constexpr explicit ByteShuffles(int place) : m{} {
+        for (int k = 0; k < 4; ++k)
+            for (int i = 0; i < 64; ++i)
+                m[k][i] = (i & 3) == place ? (int8_t)(4 * k + ((i & 15) >> 2)) : (int8_t)-128;
     }
+};
+constexpr ByteShuffles BYTE_SHUF0(0), BYTE_SHUF3(3);
+EFS_ZI void byte_shuffles(int place, __m512i* mk) {
+    const ByteShuffles& t = place == 3 ? BYTE_SHUF3 : BYTE_SHUF0;
+    for (int k = 0; k < 4; ++k) mk[k] = _mm512_load_si512((const void*)t.m[k]);
 }
 
 // Q6_K as ex_q6_k, one row per vector (R rows at a time, 1 or 2): lanes 0..7 of a row's

@@ -542,6 +542,14 @@ void down_phase(const float* h, int64_t n, int64_t ff, int64_t D,
     std::vector<const float*> rows((size_t)n);
     for (int64_t e = 0; e < n; ++e) rows[e] = v + e * D;
     const int64_t rd = rows_per_chunk(D);
+    if (!wp && n >= 16 && rd < 64) {   // many small matrices (MLA's heads): a chunk of them
+        const int64_t per = (n + 7) / 8;       // whole, not each cut into chunks of a few rows
+        par_chunks((n + per - 1) / per, [&](int64_t c) {
+            for (int64_t e = c * per; e < n && e < (c + 1) * per; ++e)
+                dp.rows(e, Dn[e], rbd, 0, D, ff, v + e * D);
+        });
+        return;
+    }
     par_chunks((D + rd - 1) / rd, [&](int64_t c) {
         const int64_t r0 = c * rd, r1 = r0 + rd < D ? r0 + rd : D;
         for (int64_t e = 0; e < n; ++e) dp.rows(e, Dn[e], rbd, r0, r1, ff, v + e * D);

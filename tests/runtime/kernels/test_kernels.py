@@ -415,3 +415,23 @@ def test_q6_k_gives_the_same_bits_with_and_without_gfni():
             finally:
                 MOD.set_gfni(was)
             assert torch.equal(with_gfni, without), (cols, nt)
+
+
+@pytest.mark.parametrize("t", [T.Q6_K, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_many_small_matrices_in_one_call_equal_each_alone(t):
+    """moe_down_rows over many small matrices (MLA's per-head products: 64 heads, whole
+    matrices a chunk of the pool's work) gives each row of h by its own matrix what
+    kernels.matvec gives it alone, bit for bit, at any thread count."""
+    H, C = 64, 512
+    g = torch.Generator().manual_seed(7)
+    for R in (37, 256):
+        mats = [weight(t, R, C, 100 + h) for h in range(H)]
+        h = torch.randn(H, C, generator=g)
+        alone = torch.cat([kernels.matvec(h[i:i + 1], mats[i], t, (R, C)) for i in range(H)])
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            try:
+                got = kernels.moe_down_rows(h, mats, t, R)
+            finally:
+                kernels.set_threads(0)
+            assert torch.equal(got, alone), (R, threads)
