@@ -218,7 +218,7 @@ EFS_ZI void block_scales(const uint8_t* b, float df, float* s) {      // 2 x nib
 
 // A pair's block: Tab1's offsets (and sign masks) into o[0], o[1], Sc's scales into s[0], s[1].
 template <class D>
-EFS_ZI void prep2(const uint8_t* b0, const uint8_t* b1, uint16_t (*o)[96], float (*s)[16]) {
+EFS_ZI void prep2(const uint8_t* b0, const uint8_t* b1, uint16_t (*o)[64], float (*s)[16]) {
     if constexpr (Tab1<D>::ON) {
         Tab1<D>::offsets(b0, o[0]);
         Tab1<D>::offsets(b1, o[1]);
@@ -243,7 +243,7 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     PfPair pf(rb);
     // Tab1's offsets and Sc's scales of the pair's blocks, built one block ahead (a buffer
     // each): read right after their vector stores, their loads would wait for the stores
-    alignas(64) uint16_t ob[2][2][96];
+    alignas(64) uint16_t ob[2][2][64];
     alignas(64) float sb[2][2][16];
     for (int64_t r = r0; r + 2 <= r1; r += 2) {
         const uint8_t* b0 = W + r * rb;
