@@ -38,7 +38,7 @@ namespace {
 // at a prompt's few tokens an expert. The same floats (no grid value is 0, so 0 - g is -g, as
 // the sign flip gives), so the same bits. An offset is 4 x the entry, so 8 x it is the entry's
 // byte offset (the largest, 16380, fits 16 bits). Tab1<D>: offsets(b, o) a block's, SIGNS:
-// signs2(b0, b1, o0, o1) the pair's sign masks after row 0's offsets (one mask load a group, where
+// signs2(b0, b1, o0) the pair's sign masks after row 0's offsets (one mask load a group, where
 // combining the rows' sign bytes took four more instructions), pair(o0, o1, ib, w) group ib's
 // 4 x 8 weights of both rows; I8: its first 32 offsets are also those of i8()'s entries (q8
 // mode's int8 weights, 8 bytes an entry: twice the offset; IQ1: i_iq1, IQ2_S: its int8 grid of
@@ -52,17 +52,6 @@ alignas(64) const uint16_t GRP4[32] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3,
 EFS_ZI __m512 tab_entry2(const char* t, const uint16_t* o0, const uint16_t* o1, int j) {
     return ps2(_mm256_load_ps((const float*)(t + 8 * (size_t)o0[j])),
                _mm256_load_ps((const float*)(t + 8 * (size_t)o1[j])));
-}
-
-// group ib's 4 x 8 weights of both rows from an 8-float table, each 8's two rows' signs a
-// 16-lane mask at o0[32 + 4 ib + l] (the negative lanes 0 - g: no grid value is 0)
-EFS_ZI void signed_pair(const char* g, const uint16_t* o0, const uint16_t* o1, int ib,
-                        __m512* w) {
-    for (int l = 0; l < 4; ++l) {
-        const __mmask16 neg = (__mmask16)o0[32 + 4 * ib + l];
-        const __m512 e = tab_entry2(g, o0, o1, 4 * ib + l);
-        w[l] = _mm512_mask_sub_ps(e, neg, _mm512_setzero_ps(), e);
-    }
 }
 
 template <class D> struct Tab1 {
@@ -130,13 +119,18 @@ template <> struct Tab1<IQ2S> {                  // grid: qs[4 ib + l] | bits 2l
                                                  2));
     }
     // the two rows' 32 sign masks (byte j of each row's signs), after row 0's offsets
-    EFS_ZI static void signs2(const uint8_t* b0, const uint8_t* b1, uint16_t* o0, uint16_t*) {
+    EFS_ZI static void signs2(const uint8_t* b0, const uint8_t* b1, uint16_t* o0) {
         _mm512_storeu_si512(o0 + 32, _mm512_or_si512(
             _mm512_cvtepu8_epi16(loadu256(b0 + 34)),
             _mm512_slli_epi16(_mm512_cvtepu8_epi16(loadu256(b1 + 34)), 8)));
     }
     EFS_ZI static void pair(const uint16_t* o0, const uint16_t* o1, int ib, __m512* w) {
-        signed_pair((const char*)g_iq.f_iq2s, o0, o1, ib, w);
+        const char* g = (const char*)g_iq.f_iq2s;
+        for (int l = 0; l < 4; ++l) {
+            const __mmask16 neg = (__mmask16)o0[32 + 4 * ib + l];   // signs2's
+            const __m512 e = tab_entry2(g, o0, o1, 4 * ib + l);
+            w[l] = _mm512_mask_sub_ps(e, neg, _mm512_setzero_ps(), e);
+        }
     }
 };
 
@@ -222,7 +216,7 @@ EFS_ZI void prep2(const uint8_t* b0, const uint8_t* b1, uint16_t (*o)[64], float
     if constexpr (Tab1<D>::ON) {
         Tab1<D>::offsets(b0, o[0]);
         Tab1<D>::offsets(b1, o[1]);
-        if constexpr (Tab1<D>::SIGNS) Tab1<D>::signs2(b0, b1, o[0], o[1]);
+        if constexpr (Tab1<D>::SIGNS) Tab1<D>::signs2(b0, b1, o[0]);
     }
     if constexpr (Sc<D>::ON) {
         block_scales<D>(b0, D::d(b0) * D::F, s[0]);
@@ -257,7 +251,9 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             if (i + 1 < nb) prep2<D>(b0 + D::BYTES, b1 + D::BYTES, ob[cur ^ 1], sb[cur ^ 1]);
             const uint16_t *o0 = ob[cur][0], *o1 = ob[cur][1];
             const float *sc0 = sb[cur][0], *sc1 = sb[cur][1];
-            [[maybe_unused]] const float df0 = D::d(b0) * D::F, df1 = D::d(b1) * D::F;
+            // the per-group form's (types without Sc)
+            const float df0 = Sc<D>::ON ? 0.f : D::d(b0) * D::F;
+            const float df1 = Sc<D>::ON ? 0.f : D::d(b1) * D::F;
             for (int ib = 0; ib < 8; ++ib) {
                 __m512 s0, s1;
                 if constexpr (Sc<D>::ON) {
