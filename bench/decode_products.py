@@ -69,13 +69,20 @@ def timed_decode(eng, prompt: list[int], steps: list[int], after_prefill=None) -
     return time.perf_counter() - t0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def resident_args(description: str) -> argparse.ArgumentParser:
+    """The options of a resident decode timing (``resident``'s and the thread count)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("store")
     ap.add_argument("-n", type=int, default=16, help="decode steps timed")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--act-quant", choices=("off", "q8"), default="off")
+    ap.add_argument("--act-quant", choices=("off", "q8"), default="off",
+                    help="run's --act-quant (q8: llama.cpp's activations, expert and trunk)")
+    return ap
+
+
+def main() -> int:
+    ap = resident_args(__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=20, help="rows printed")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

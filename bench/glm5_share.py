@@ -21,7 +21,6 @@ version runs with float ``attn_k_b``/``attn_v_b``, as its loader held them. Medi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -108,20 +107,14 @@ def before_mode(eng, folder: str):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("store")
-    ap.add_argument("-n", type=int, default=16, help="decode steps timed")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_products import resident, resident_args, timed_decode
+    ap = resident_args(__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--act-quant", choices=("off", "q8"), default="off",
-                    help="run's --act-quant (q8: llama.cpp's activations, expert and trunk)")
     ap.add_argument("--before", help="folder of earlier kda/mla/mhc.py: alternate A/B rounds")
     ap.add_argument("--rounds", type=int, default=3, help="A/B rounds per version")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_products import resident, timed_decode
     eng, prompt, steps = resident(a.store, a.act_quant, a.prompt_tokens, a.n)
     timed_decode(eng, prompt, steps[:2])             # warm-up
     if a.before:
