@@ -57,7 +57,7 @@ SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern
            "qgemm.cpp", "qgemm_q8.cpp", "qgemm_amx.cpp")
 HEADERS = ("kern.h", "pool.h", "small_ops.h", "kern_avx2_util.h", "kern_iq_avx2_types.h",
            "kern_k_avx2.h", "kern_avx512_pair.h", "avx512_emulated.h", "qpanel_rows.h",
-           "transpose16.h", "kern_q6_k_r.h")
+           "transpose16.h", "kern_q6_k_r.h", "kern_q45_z.h")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function",
           "-Wno-maybe-uninitialized")     # GCC 12 false positives in its AVX-512 headers
 

@@ -19,7 +19,8 @@
 #define EFS_Z __attribute__((target(EFS_T512_FVL)))
 #define EFS_ZI __attribute__((target(EFS_T512_FVL), always_inline)) inline
 #define EFS_KT EFS_Z
-#include "kern_k_avx2.h"      // q45_scales: a Q4_K block's scales and mins, as the AVX2 kernels
+#include "kern_k_avx2.h"
+#include "kern_q45_z.h"       // q45_scales_z: a Q4_K block's scales and mins, as the AVX2 kernels
 
 namespace efs {
 namespace {
@@ -46,11 +47,6 @@ EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
     *o = accumulate ? *o + alpha * v : alpha * v;
 }
 
-EFS_ZI __m512 halves(const float* lo, const float* hi) {   // [*lo x 8 | *hi x 8]
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(*lo)),
-                                               _mm256_castps_pd(_mm256_broadcast_ss(hi)), 1));
-}
-
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
 // nibbles sub-block 2j, high 2j+1). Dword l of the load, nibble k: lanes 0..7 are chunk j,
 // 8..15 chunk j+1, so for even k the lanes hold sub-blocks (2j, 2j+2), for odd k (2j+1, 2j+3).
@@ -61,7 +57,6 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                            const float* const* xz, const float* const* s32, float* y,
                            int64_t ys, float alpha, int accumulate) {
     const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    alignas(32) float scs[R][8];
     RowCursor<R> rc(W, rb, r);
     const uint8_t* const* b = rc.b;
     for (; r + R <= r1; r += R) {
@@ -75,8 +70,10 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
             }
         for (int64_t i = 0; i < nb; ++i) {
             rc.prefetch(144);
+            __m512 sv[R];
             for (int j = 0; j < R; ++j) {
-                const __m256 mn = q45_scales(b[j], scs[j]);
+                sv[j] = q45_scales_z(b[j]);
+                const __m256 mn = _mm512_castps512_ps256(sv[j]);
                 for (int t = 0; t < NT; ++t)
                     am[j][t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[j][t]);
             }
@@ -87,8 +84,8 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                     w[j][0] = _mm512_permutexvar_ps(v, tbl);
                     for (int k = 1; k < 8; ++k)
                         w[j][k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), tbl);
-                    se[j] = halves(scs[j] + 4 * h, scs[j] + 4 * h + 2);
-                    so[j] = halves(scs[j] + 4 * h + 1, scs[j] + 4 * h + 3);
+                    se[j] = q45_pair(sv[j], 4 * h, 4 * h + 2);
+                    so[j] = q45_pair(sv[j], 4 * h + 1, 4 * h + 3);
                 }
                 for (int t = 0; t < NT; ++t) {
                     const float* x = xz[t] + 256 * i + 128 * h;
@@ -112,8 +109,8 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)
-                put_z(y + (int64_t)t * ys + r + j, hsum512(acc[j][t]) - hsum256(am[j][t]), alpha,
-                      accumulate);
+                put_z(y + (int64_t)t * ys + r + j,
+                      hsum512(acc[j][t]) - hsum256(am[j][t]), alpha, accumulate);
     }
     return r;
 }

@@ -22,6 +22,7 @@
 #include "kern_avx512_pair.h"
 #define EFS_KT EFS_Z
 #include "kern_k_avx2.h"
+#include "kern_q45_z.h"
 
 namespace efs {
 namespace {
@@ -234,7 +235,6 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4 * s1, 4 * s1, 4 * s1, 4 * s1);
     const __m512i fifth = _mm512_setr_epi64(4 * s1, 4 * s1, 4 * s1, 4 * s1, 3 * s1, 3 * s1,
                                             3 * s1, 3 * s1);
-    alignas(32) float scs[R][8];
     RowCursor<R> rc(W, rb, r0);
     const uint8_t* const* b = rc.b;
     int64_t r = r0;
@@ -250,8 +250,10 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
         for (int64_t i = 0; i < nb; ++i) {
             rc.prefetch(BYTES);
             __m512i hb[R];
+            __m512 sv[R];
             for (int j = 0; j < R; ++j) {
-                const __m256 mn = q45_scales(b[j], scs[j]);
+                sv[j] = q45_scales_z(b[j]);
+                const __m256 mn = lo8(sv[j]);
                 for (int t = 0; t < NT; ++t)
                     am[j][t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[j][t]);
                 hb[j] = _mm512_broadcast_i64x4(loadu256(b[j] + 16));
@@ -266,7 +268,7 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
                     hb[j] = _mm512_srli_epi16(hb[j], 2);
                     for (int c = 0; c < 4; ++c)
                         w[j][c] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, mk[c]));
-                    sc[j] = halves(scs[j] + 2 * k, scs[j] + 2 * k + 1);
+                    sc[j] = q45_pair(sv[j], 2 * k, 2 * k + 1);
                 }
                 for (int t = 0; t < NT; ++t) {
                     const float* x = xh[t] + 256 * i + 64 * k;
