@@ -131,6 +131,159 @@ EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 }
 
 
+// Q2_K (scales[16]: low nibble scale, high nibble min of each 16 weights; qs[64]; d, dmin)
+// and Q3_K (hmask[32]; qs[64]; scales[12], 6-bit less 32; d) by table lookup. The 64 bytes of
+// qs are one load of 16 dwords; value k (0..15) of dword l is bits 2k, 2k + 1: byte
+// 4l + k / 4 of qs at shift 2 (k % 4), the weight 128 (l / 8) + 32 (k % 4) + 4 (l % 8) + k / 4
+// of sub-block 8 (l / 8) + 2 (k % 4) + (l % 8 >= 4). vpermps reads bits 0..3 of each dword:
+// Q2_K shifts the dwords right by 2k and looks up {0, 1, 2, 3} x 4 (the next value's bits only
+// repeat the table), 2 operations per 16 weights where the two-row unpack takes 4; Q3_K first
+// puts each of a group's 4 bytes' high bit (hmask bit 4 (l / 8) + k % 4 of byte 4 (l % 8) +
+// k / 4) beside its two low bits (a shift of qs, one of the hmask and a bitwise select), then
+// shifts by bytes and looks up {-4, ..., 3} x 2: 2.5 operations per 16 weights, not 5. The four
+// vectors of one k % 4 share their sub-blocks' scales (lanes 0..3, 4..7, 8..11, 12..15:
+// sub-blocks 2j, 2j + 1, 8 + 2j, 9 + 2j), so each group of four is summed and scaled once;
+// Q2_K's mins come from the sums of 16 activations (s16), as in the AVX2 kernel, taken from the
+// same sums. The activations in the matching order (perm_q2). Sums in another order than the
+// AVX2 kernels', so the last bits differ from them; per token the same on any batch.
+struct ZQ2 {
+    static constexpr int BYTES = 84;
+    static constexpr bool PAIRS = true;       // two rows at a time where ex_q23_z says
+    EFS_ZI static __m512 tbl() {
+        return _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    }
+    // The block's 16 sub-block scales, its qs, and the mins' term taken from each token's sum.
+    template <int NT>
+    EFS_ZI static void begin(const uint8_t* b, const float* const* s16, int64_t i, __m512& S,
+                             __m512i& q, __m512i&, __m512* acc) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+        S = _mm512_mul_ps(_mm512_set1_ps(f16_z(b + 80)),
+                          _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))));
+        const __m512 M = _mm512_mul_ps(_mm512_set1_ps(f16_z(b + 82)),
+                                       _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)));
+        for (int t = 0; t < NT; ++t)
+            acc[t] = _mm512_fnmadd_ps(M, _mm512_loadu_ps(s16[t] + 16 * i), acc[t]);
+        q = _mm512_loadu_si512((const void*)(b + 16));
+    }
+    EFS_ZI static __m512i group(__m512i q, __m512i, int) { return q; }
+    EFS_ZI static __m512i at(__m512i q, int g, int m) {
+        return _mm512_srli_epi32(q, 2 * g + 8 * m);
+    }
+};
+
+struct ZQ3 {
+    static constexpr int BYTES = 110;
+    static constexpr bool PAIRS = false;      // two rows' decode state spills: one at a time
+    EFS_ZI static __m512 tbl() {
+        return _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
+    }
+    // The scales, qs, and the hmask with its second 128 weights' bits (4..7) shifted to 0..3.
+    template <int NT>
+    EFS_ZI static void begin(const uint8_t* b, const float* const*, int64_t, __m512& S,
+                             __m512i& q, __m512i& h, __m512*) {
+        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+        uint32_t a[3];
+        memcpy(a, b + 96, 12);
+        const __m128i sc = _mm_setr_epi32(
+            (int)((a[0] & k2) | ((a[2] & k1) << 4)), (int)((a[1] & k2) | (((a[2] >> 2) & k1) << 4)),
+            (int)(((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4)),
+            (int)(((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4)));
+        S = _mm512_mul_ps(_mm512_set1_ps(f16_z(b + 108)),
+                          _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(sc),
+                                                              _mm512_set1_epi32(32))));
+        q = _mm512_loadu_si512((const void*)(b + 32));
+        const __m256i hm = _mm256_loadu_si256((const __m256i*)b);
+        h = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi32(hm, 4), 1);
+    }
+    // Bits 0, 1 of each byte the value's low bits (qs >> 2g), bit 2 its high bit (hmask bit g).
+    EFS_ZI static __m512i group(__m512i q, __m512i h, int g) {
+        const __m512i hs = g >= 2 ? _mm512_srli_epi32(h, g - 2) : _mm512_slli_epi32(h, 2 - g);
+        return _mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 2 * g), hs,
+                                         _mm512_set1_epi32(0x03030303), 0xE4);   // c ? a : b
+    }
+    EFS_ZI static __m512i at(__m512i v, int, int m) { return _mm512_srli_epi32(v, 8 * m); }
+};
+
+template <int NT, int R, class Z>
+EFS_ZI int64_t q23_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
+                          const float* const* xq, const float* const* s16, float* y,
+                          int64_t ys, float alpha, int accumulate) {
+    const __m512 tbl = Z::tbl();
+    RowCursor<R> rc(W, rb, r);
+    const uint8_t* const* b = rc.b;
+    for (; r + R <= r1; r += R) {
+        rc.at(W, rb, r);
+        __m512 acc[R][NT];
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t) acc[j][t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; ++i) {
+            rc.prefetch(Z::BYTES);
+            __m512 S[R];
+            __m512i q[R], h[R];
+            for (int j = 0; j < R; ++j)
+                Z::template begin<NT>(b[j], s16, i, S[j], q[j], h[j], acc[j]);
+            for (int g = 0; g < 4; ++g) {                 // g = k % 4
+                __m512 w[R][4], sg[R];
+                for (int j = 0; j < R; ++j) {
+                    const __m512i v = Z::group(q[j], h[j], g);
+                    for (int m = 0; m < 4; ++m)               // k = g + 4m
+                        w[j][m] = _mm512_permutexvar_ps(Z::at(v, g, m), tbl);
+                    sg[j] = _mm512_permutexvar_ps(
+                        _mm512_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1,
+                                          2 * g + 1, 2 * g + 1, 8 + 2 * g, 8 + 2 * g, 8 + 2 * g,
+                                          8 + 2 * g, 9 + 2 * g, 9 + 2 * g, 9 + 2 * g, 9 + 2 * g),
+                        S[j]);
+                }
+                for (int t = 0; t < NT; ++t) {
+                    const float* x = xq[t] + 256 * i + 64 * g;
+                    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+                    const __m512 x2 = _mm512_loadu_ps(x + 32), x3 = _mm512_loadu_ps(x + 48);
+                    for (int j = 0; j < R; ++j) {
+                        const __m512 a0 = _mm512_fmadd_ps(w[j][2], x2, _mm512_mul_ps(w[j][0], x0));
+                        const __m512 a1 = _mm512_fmadd_ps(w[j][3], x3, _mm512_mul_ps(w[j][1], x1));
+                        acc[j][t] = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), sg[j], acc[j][t]);
+                    }
+                }
+            }
+            rc.step(Z::BYTES);
+        }
+        for (int j = 0; j < R; ++j)
+            for (int t = 0; t < NT; ++t)
+                put_z(y + (int64_t)t * ys + r + j, hsum512(acc[j][t]), alpha, accumulate);
+    }
+    return r;
+}
+
+// Q2_K two rows at a time from three tokens, or where one or two have more than 16 KiB of
+// activations: each activation vector loaded once for both rows (passes of up to 4 tokens:
+// 8 tokens' sums for two rows would spill). Q3_K's larger decode state does not fit two rows:
+// one row at a time, passes of up to 8 tokens.
+template <int NT, class Z>
+EFS_ZI void ex_q23_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    const int64_t nb = cols / 256;
+    const float* xq[NT];
+    const float* s16[NT];
+    for (int t = 0; t < NT; ++t) { xq[t] = xs[t].xq; s16[t] = xs[t].s16; }
+    int64_t r = r0;
+    if (Z::PAIRS && (NT >= 3 || !x_in_l1(NT, cols, 4)))
+        r = q23_rows_z<NT, 2, Z>(W, rb, r, r1, nb, xq, s16, y, ys, alpha, accumulate);
+    q23_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xq, s16, y, ys, alpha, accumulate);
+}
+
+template <int NT>
+EFS_Z void ex_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_q23_z<NT, ZQ2>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+}
+
+template <int NT>
+EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_q23_z<NT, ZQ3>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+}
+
+
 // Exact blocks of 32 weights w = d * q against natural-order activations, two blocks in flight
 // per row (even blocks into one accumulator, odd into the other). A block type gives its byte
 // size, its scale and its 32 weights as two vectors of 16 floats (low: 0..15, high: 16..31).
@@ -285,8 +438,9 @@ EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
 }
 
 // Up to `per` tokens per pass over the weights: 8 for the blocks of 32 (two rows' accumulators
-// for 8 tokens fit the 32 registers), 4 for Q4_K, whose last pass takes 5 rather than leave a
-// pass of one token (a whole decode of the weights for it: 1.25x at 5 tokens; 6 spill).
+// for 8 tokens fit the 32 registers) and Q3_K (one row), 4 for Q4_K and Q2_K, whose last pass
+// takes 5 rather than leave a pass of one token (a whole decode of the weights for it: 1.25x at
+// 5 tokens on Q4_K; 6 spill).
 #define EFS_Z_ROWS(name, per)                                                                  \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
@@ -308,7 +462,8 @@ EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
         }                                                                                       \
     }
 
-EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
+EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_q2_k_z, 4) EFS_Z_ROWS(ex_q3_k_z, 8)
+EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
 EFS_Z_ROWS(ex_mxfp4_z, 8)
 
 }  // namespace
@@ -316,6 +471,8 @@ EFS_Z_ROWS(ex_mxfp4_z, 8)
 RowsFn avx512_rows(int type, int mode) {
     if (RowsFn f = avx512_k_rows(type, mode)) return f;   // the K-quants (kern_k_avx512.cpp)
     if (mode == 0 && type == T_Q4_K) return rows_ex_q4_k_z;
+    if (mode == 0 && type == T_Q2_K) return rows_ex_q2_k_z;
+    if (mode == 0 && type == T_Q3_K) return rows_ex_q3_k_z;
     if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;
     if (mode == 0 && type == T_Q8_0) return rows_ex_q8_0_z;
     if (mode == 0 && type == T_MXFP4) return rows_ex_mxfp4_z;

@@ -1,10 +1,10 @@
-// The K-quants Q2_K, Q3_K, Q5_K, Q6_K and IQ4_NL (exact) and Q2_K ... Q6_K (q8) on CPUs with
-// AVX-512 (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
+// The K-quants Q5_K, Q6_K and IQ4_NL (exact) and Q2_K ... Q6_K (q8) on CPUs with AVX-512
+// (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
 // (kern_k_avx2.h) in wider forms that give their results bit for bit, so a model's logits do
-// not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q4_K
-// keeps kern_avx512.cpp's table-lookup kernel.
+// not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q2_K,
+// Q3_K and Q4_K take kern_avx512.cpp's table-lookup kernels instead (their last bits their own).
 //
-//  - exact: passes of up to 8 tokens. Q2_K, Q3_K and IQ4_NL two rows per 512-bit vector (see
+//  - exact: passes of up to 8 tokens. IQ4_NL two rows per 512-bit vector (see
 //    below): each group of weights is decoded once for both rows and 8 tokens, each activation
 //    load serves two rows. Q5_K and Q6_K one row per vector, a row's two AVX2 accumulators
 //    side by side (ex_q6_k_r, ex_q5_k_r): none of the pairs' inserts and broadcasts, which cost
@@ -37,25 +37,6 @@ namespace {
 // the same order as the AVX2 kernel, and at the end the AVX2 unit's hsum(a0 + a1) (- hsum(am))
 // of each half. A last odd row goes to the AVX2 kernel's code.
 
-// pair_scale of each half: scales 2p (lanes 0..3) and 2p + 1 (lanes 4..7) of each row's 8.
-EFS_ZI __m512 pair_scale2(__m512 s, int p) {
-    const __m512i idx = _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
-                                          2 * p + 1, 2 * p + 1, 8 + 2 * p, 8 + 2 * p, 8 + 2 * p,
-                                          8 + 2 * p, 9 + 2 * p, 9 + 2 * p, 9 + 2 * p, 9 + 2 * p);
-    return _mm512_permutexvar_ps(idx, s);
-}
-
-// u8f (kern_avx2_util.h) of each half, in its mantissa form (the same floats as every form).
-EFS_ZI void u8f2(__m512i v, __m512 moff, __m512* w) {
-    const __m512i z = _mm512_setzero_si512();
-    const __m512i mg = _mm512_set1_epi16(0x4B00);
-    const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
-    w[0] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo, mg)), moff);
-    w[1] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo, mg)), moff);
-    w[2] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi, mg)), moff);
-    w[3] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi, mg)), moff);
-}
-
 // grp's products (kern_avx2_util.h) of each half from its unpacked floats w, the activations
 // shared.
 template <int NT>
@@ -70,17 +51,6 @@ EFS_ZI void grp2w(const __m512* w, const float* const* xp, int64_t o, __m512 sca
         acc[t] = _mm512_fmadd_ps(a, scale, acc[t]);
     }
 }
-
-// grp (kern_avx2_util.h) of each half.
-template <int NT>
-EFS_ZI void grp2(__m512i v, __m512 moff, const float* const* xp, int64_t o, __m512 scale,
-                 __m512* acc) {
-    __m512 w[4];
-    u8f2(v, moff, w);
-    grp2w<NT>(w, xp, o, scale, acc);
-}
-
-EFS_ZI __m512 magic2(float off) { return _mm512_set1_ps(8388608.f + off); }
 
 // q45_planes (kern_k_avx2.h) of each half: v = quant bytes j of the two rows' blocks.
 template <bool FIVE>
@@ -293,110 +263,6 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     if (R == 2 && r < r1) ex_q5_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
 }
 
-// Q2_K as ex_q2_k.
-template <int NT>
-EFS_Z void ex_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const float* xp[NT];
-    const float* s16[NT];
-    for (int t = 0; t < NT; ++t) { xp[t] = xs[t].xp; s16[t] = xs[t].s16; }
-    const __m512i m3 = _mm512_set1_epi8(3);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m512 moff = magic2(0.f);
-    PfPair pf(rb);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        __m512 a0[NT], a1[NT], am[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = am[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b0 += 84, b1 += 84) {
-            pf.next(b0, b1, 84);
-            __m256 S[2][2], M[2][2];                    // [row][half]
-            for (int k = 0; k < 2; ++k) {
-                const uint8_t* b = k ? b1 : b0;
-                const __m128i sc = loadu128(b);
-                alignas(16) uint8_t sl[16], sh[16];
-                _mm_store_si128((__m128i*)sl, _mm_and_si128(sc, m4));
-                _mm_store_si128((__m128i*)sh, _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
-                const __m256 d = _mm256_set1_ps(f16(b + 80)), dm = _mm256_set1_ps(f16(b + 82));
-                S[k][0] = _mm256_mul_ps(d, u8x8_ps(sl));
-                S[k][1] = _mm256_mul_ps(d, u8x8_ps(sl + 8));
-                M[k][0] = _mm256_mul_ps(dm, u8x8_ps(sh));
-                M[k][1] = _mm256_mul_ps(dm, u8x8_ps(sh + 8));
-            }
-            const __m512 M0 = ps2(M[0][0], M[1][0]), M1 = ps2(M[0][1], M[1][1]);
-            for (int t = 0; t < NT; ++t) {
-                am[t] = _mm512_fmadd_ps(M0, bc8(s16[t] + 16 * i), am[t]);
-                am[t] = _mm512_fmadd_ps(M1, bc8(s16[t] + 16 * i + 8), am[t]);
-            }
-            for (int n = 0; n < 2; ++n) {
-                const __m512 Sn = ps2(S[0][n], S[1][n]);
-                const __m512i Q = ld2(b0 + 16 + 32 * n, b1 + 16 + 32 * n);
-                const int64_t o = 256 * i + 128 * n;
-                grp2<NT>(_mm512_and_si512(Q, m3), moff, xp, o, pair_scale2(Sn, 0), a0);
-                grp2<NT>(_mm512_and_si512(_mm512_srli_epi16(Q, 2), m3), moff, xp, o + 32,
-                         pair_scale2(Sn, 1), a1);
-                grp2<NT>(_mm512_and_si512(_mm512_srli_epi16(Q, 4), m3), moff, xp, o + 64,
-                         pair_scale2(Sn, 2), a0);
-                grp2<NT>(_mm512_and_si512(_mm512_srli_epi16(Q, 6), m3), moff, xp, o + 96,
-                         pair_scale2(Sn, 3), a1);
-            }
-        }
-        put2<NT, true>(out, r, a0, a1, am);
-    }
-    if (r < r1) ex_q2_k<NT>(W, rb, r, r1, cols, xs, out);
-}
-
-// Q3_K as ex_q3_k.
-template <int NT>
-EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, Out out) {
-    const int64_t nb = cols / 256;
-    const float* xp[NT];
-    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    const __m512i m3 = _mm512_set1_epi8(3), m04 = _mm512_set1_epi8(4);
-    const __m512 moff = magic2(4.f);
-    PfPair pf(rb);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        __m512 a0[NT], a1[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nb; ++i, b0 += 110, b1 += 110) {
-            pf.next(b0, b1, 110);
-            __m256 S[2][2];
-            for (int k = 0; k < 2; ++k) {
-                const uint8_t* b = k ? b1 : b0;
-                alignas(16) int8_t sc[16];
-                q3k_scales(b + 96, sc);
-                _mm_store_si128((__m128i*)sc, _mm_sub_epi8(_mm_load_si128((const __m128i*)sc),
-                                                            _mm_set1_epi8(32)));
-                const __m256 d = _mm256_set1_ps(f16(b + 108));
-                S[k][0] = _mm256_mul_ps(d, i8x8_ps(sc));
-                S[k][1] = _mm256_mul_ps(d, i8x8_ps(sc + 8));
-            }
-            __m512i hb = ld2(b0, b1);
-            for (int n = 0; n < 2; ++n) {
-                const __m512 Sn = ps2(S[0][n], S[1][n]);
-                const __m512i Q = ld2(b0 + 32 + 32 * n, b1 + 32 + 32 * n);
-                const int64_t o = 256 * i + 128 * n;
-                for (int j = 0; j < 4; ++j) {
-                    const __m512i q = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
-                        _mm512_and_si512(_mm512_slli_epi16(hb, 2), m04));
-                    hb = _mm512_srli_epi16(hb, 1);
-                    grp2<NT>(q, moff, xp, o + 32 * j, pair_scale2(Sn, j), (j & 1) ? a1 : a0);
-                }
-            }
-        }
-        put2<NT, false>(out, r, a0, a1, nullptr);
-    }
-    if (r < r1) ex_q3_k<NT>(W, rb, r, r1, cols, xs, out);
-}
-
 // IQ4_NL (blocks of 32: d, qs[16]) as kern_avx2.cpp's ex_b32<DIQ4_NL>: each half unpacks its
 // row's block as the AVX2 unit does (the nibbles looked up in kvalues_iq4nl within each 128-bit
 // lane; each int8 placed in the top byte of a dword and converted, q * 2^24, the block's scale
@@ -508,8 +374,7 @@ EFS_Z void rows_kz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
             name<NT>(W, rb, r0, r1, cols, xs, o);                                              \
         }                                                                                       \
     };
-EFS_KZ_KERN(ex_q5_k_p) EFS_KZ_KERN(ex_q6_k_z) EFS_KZ_KERN(ex_q2_k_z)
-EFS_KZ_KERN(ex_q3_k_z) EFS_KZ_KERN(ex_iq4nl_z)
+EFS_KZ_KERN(ex_q5_k_p) EFS_KZ_KERN(ex_q6_k_z) EFS_KZ_KERN(ex_iq4nl_z)
 
 // --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
 //
@@ -850,11 +715,9 @@ RowsFn avx512_k_rows(int type, int mode) {
             default: return nullptr;
         }
     }
-    switch (type) {            // exact Q4_K: kern_avx512.cpp's table-lookup kernel
+    switch (type) {       // exact Q2_K, Q3_K, Q4_K: kern_avx512.cpp's table-lookup kernels
         case T_Q5_K: return rows_kz<8, K_ex_q5_k_p>;
         case T_Q6_K: return rows_kz<8, K_ex_q6_k_z>;
-        case T_Q2_K: return rows_kz<8, K_ex_q2_k_z>;
-        case T_Q3_K: return rows_kz<8, K_ex_q3_k_z>;
         case T_IQ4_NL: return rows_kz<8, K_ex_iq4nl_z>;
         default: return nullptr;
     }

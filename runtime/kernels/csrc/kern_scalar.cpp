@@ -132,8 +132,21 @@ void perm128(const float* x, float* xz, int64_t n) {
                 xz[c + 16 * k + l] = x[c + (l >= 8 ? 64 : 0) + (k & 1) * 32 + 4 * (l & 7) + k / 2];
 }
 
+void perm_q2(const float* x, float* xq, int64_t n) {
+    // Vector 4g + m (value k = g + 4m of each dword of 64 packed Q2_K / Q3_K bytes), lane l
+    // (kern_avx512.cpp).
+    for (int64_t c = 0; c + 256 <= n; c += 256)
+        for (int g = 0; g < 4; ++g)
+            for (int m = 0; m < 4; ++m)
+                for (int l = 0; l < 16; ++l)
+                    xq[c + 16 * (4 * g + m) + l] = x[c + 128 * (l / 8) + 32 * g + 4 * (l % 8) + m];
+}
+
 int exact_layouts(int type) {
-    return type == T_Q4_K ? X_XZ : type == T_Q5_K || type == T_Q6_K ? X_XH : 0;
+    return type == T_Q4_K   ? X_XZ
+           : type == T_Q2_K || type == T_Q3_K ? X_XQ
+           : type == T_Q5_K || type == T_Q6_K ? X_XH
+                                              : 0;
 }
 
 void perm_h64(const float* xp, float* xh, int64_t n) {

@@ -124,14 +124,17 @@ struct Prep {
     // `layouts`: the exact_layouts bits of the types the activations will meet (exact mode
     // on AVX-512 builds only those).
     void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt, int layouts) {
-        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr});
+        xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                            nullptr});
         if (fmt == X_EXACT) {
-            // Per token [xp | xz | xh | s16 | s32] (xz and xh where wanted), each token's block,
-            // its xz and its xh starting on a 64-byte boundary when cols % 32 == 0: a 512-bit
-            // load of a vector that is not 64-byte aligned spans two cache lines.
+            // Per token [xp | xz | xh | xq | s16 | s32] (xz, xh and xq where wanted), each token's
+            // block, its xz, xh and xq starting on a 64-byte boundary when cols % 32 == 0: a
+            // 512-bit load of a vector that is not 64-byte aligned spans two cache lines.
             const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
             const bool wz = z && (layouts & X_XZ), wh = z && (layouts & X_XH);
-            const int64_t oz = cols, oh = oz + (wz ? cols : 0), os = oh + (wh ? cols : 0);
+            const bool wq = z && cols % 256 == 0 && (layouts & X_XQ);
+            const int64_t oz = cols, oh = oz + (wz ? cols : 0), oq = oh + (wh ? cols : 0);
+            const int64_t os = oq + (wq ? cols : 0);
             const int64_t per = (os + cols / 16 + cols / 32 + 15) / 16 * 16;
             f.resize((size_t)(per * nt + 16));
             float* f0 = f.data();
@@ -155,6 +158,10 @@ struct Prep {
                 if (wh) {
                     perm_h64(base, base + oh, cols);
                     xs[t].xh = base + oh;
+                }
+                if (wq) {
+                    perm_q2(xt, base + oq, cols);
+                    xs[t].xq = base + oq;
                 }
             }
         } else if (fmt == X_Q8K) {
