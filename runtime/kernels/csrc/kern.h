@@ -60,6 +60,7 @@ struct XPrep {
     const float* xz;   // exact, AVX-512 table-lookup kernels: each 128-chunk permuted (perm128)
     const float* xh;   // exact, AVX-512 one-row kernels: xp's 32-halves interleaved (perm_h64)
     const float* xq;   // exact, AVX-512 Q2_K/Q3_K lookup: each 256-chunk permuted (perm_q2)
+    const float* xi;   // exact, AVX-512 IQ4_XS lookup: each 128-chunk permuted (perm_iq4)
     const void* q;     // q8 mode: Q8K or QX8 blocks
 };
 
@@ -180,10 +181,11 @@ void perm32(const float* x, float* xp, int64_t n);        // the AVX2 unpack ord
 void perm128(const float* x, float* xz, int64_t n);       // the AVX-512 Q4_K lookup order
 void perm_h64(const float* xp, float* xh, int64_t n);     // the AVX-512 one-row order, from xp
 void perm_q2(const float* x, float* xq, int64_t n);       // the AVX-512 Q2_K/Q3_K lookup order
+void perm_iq4(const float* x, float* xi, int64_t n);      // the AVX-512 IQ4_XS lookup order
 // Which of the AVX-512 exact layouts a type's kernel reads: X_XZ (Q4_K's table lookup),
-// X_XH (Q5_K's and Q6_K's one-row kernels), X_XQ (Q2_K's and Q3_K's table lookup); the
-// others read only x / xp / s16 / s32.
-enum { X_XZ = 1, X_XH = 2, X_XQ = 4 };
+// X_XH (Q5_K's and Q6_K's one-row kernels), X_XQ (Q2_K's and Q3_K's table lookup), X_XI
+// (IQ4_XS's); the others read only x / xp / s16 / s32.
+enum { X_XZ = 1, X_XH = 2, X_XQ = 4, X_XI = 8 };
 int exact_layouts(int type);
 void sums16(const float* x, float* s16, float* s32, int64_t n);
 void quantize_q8k(const float* x, Q8K* y, int64_t n);      // llama.cpp quantize_row_q8_K_ref

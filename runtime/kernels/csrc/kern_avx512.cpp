@@ -47,16 +47,73 @@ EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
     *o = accumulate ? *o + alpha * v : alpha * v;
 }
 
+// The 4-bit super-block types by table lookup: 64 bytes of packed nibbles are one load of 16
+// dwords, and nibble k of every dword (k = 0..7: the dwords shifted right by 4k) looked up in a
+// table of 16 floats gives 16 exact weights a vector.
+//
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
 // nibbles sub-block 2j, high 2j+1). Dword l of the load, nibble k: lanes 0..7 are chunk j,
-// 8..15 chunk j+1, so for even k the lanes hold sub-blocks (2j, 2j+2), for odd k (2j+1, 2j+3).
+// 8..15 chunk j+1, so for even k the lanes hold sub-blocks (2j, 2j+2), for odd k (2j+1, 2j+3);
+// the table {0, ..., 15}, the mins from the sums of 32 activations (s32).
+struct ZQ4K {
+    static constexpr int BYTES = 144, QS = 16;
+    static constexpr bool MIN = true;
+    EFS_ZI static __m512 tbl() {
+        return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+    EFS_ZI static const float* x(const XPrep& p) { return p.xz; }
+    EFS_ZI static __m512 scales(const uint8_t* b) { return q45_scales_z(b); }
+    EFS_ZI static __m512 even(__m512 sv, int h) { return q45_pair(sv, 4 * h, 4 * h + 2); }
+    EFS_ZI static __m512 odd(__m512 sv, int h) { return q45_pair(sv, 4 * h + 1, 4 * h + 3); }
+};
+
+// IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group g of 32 (16 bytes: low nibbles its
+// elements 0..15, high 16..31) scaled by d (ls - 32), ls 6 bits (iq4xs_ls). Dword l of a load
+// lies in group l / 4 for every k, so all 8 vectors take one scale vector; the table is
+// kvalues_iq4nl as floats.
+struct ZIQ4XS {
+    static constexpr int BYTES = 136, QS = 8;
+    static constexpr bool MIN = false;
+    EFS_ZI static __m512 tbl() {
+        return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                              89, 113);
+    }
+    EFS_ZI static const float* x(const XPrep& p) { return p.xi; }
+    // The block's 8 group scales d (ls - 32) in lanes 0..7.
+    EFS_ZI static __m512 scales(const uint8_t* b) {
+        uint16_t sh;
+        uint32_t sl;
+        memcpy(&sh, b + 2, 2);
+        memcpy(&sl, b + 4, 4);
+        const __m256i lo = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)sl),
+                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+            _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)sh << 4),
+                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+            _mm256_set1_epi32(0x30));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
+        return _mm512_castps256_ps512(
+            _mm256_mul_ps(_mm256_set1_ps(f16_z(b)), _mm256_cvtepi32_ps(ls)));
+    }
+    EFS_ZI static __m512 even(__m512 sv, int h) {
+        const int g = 4 * h;
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1,
+                                                       g + 2, g + 2, g + 2, g + 2, g + 3, g + 3,
+                                                       g + 3, g + 3),
+                                     sv);
+    }
+    EFS_ZI static __m512 odd(__m512 sv, int h) { return even(sv, h); }
+};
+
 // R rows at a time (1 or 2), each with its own sums in the same order (the same bits), the
 // activation vectors loaded once for all of them.
-template <int NT, int R>
-EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
-                           const float* const* xz, const float* const* s32, float* y,
-                           int64_t ys, float alpha, int accumulate) {
-    const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+template <int NT, int R, class Z>
+EFS_ZI int64_t nib_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
+                          const float* const* xz, const float* const* s32, float* y,
+                          int64_t ys, float alpha, int accumulate) {
+    const __m512 tbl = Z::tbl();
     RowCursor<R> rc(W, rb, r);
     const uint8_t* const* b = rc.b;
     for (; r + R <= r1; r += R) {
@@ -69,23 +126,25 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                 am[j][t] = _mm256_setzero_ps();
             }
         for (int64_t i = 0; i < nb; ++i) {
-            rc.prefetch(144);
+            rc.prefetch(Z::BYTES);
             __m512 sv[R];
             for (int j = 0; j < R; ++j) {
-                sv[j] = q45_scales_z(b[j]);
-                const __m256 mn = _mm512_castps512_ps256(sv[j]);
-                for (int t = 0; t < NT; ++t)
-                    am[j][t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[j][t]);
+                sv[j] = Z::scales(b[j]);
+                if constexpr (Z::MIN) {
+                    const __m256 mn = _mm512_castps512_ps256(sv[j]);
+                    for (int t = 0; t < NT; ++t)
+                        am[j][t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(s32[t] + 8 * i), am[j][t]);
+                }
             }
             for (int h = 0; h < 2; ++h) {
                 __m512 w[R][8], se[R], so[R];
                 for (int j = 0; j < R; ++j) {
-                    const __m512i v = _mm512_loadu_si512((const void*)(b[j] + 16 + 64 * h));
+                    const __m512i v = _mm512_loadu_si512((const void*)(b[j] + Z::QS + 64 * h));
                     w[j][0] = _mm512_permutexvar_ps(v, tbl);
                     for (int k = 1; k < 8; ++k)
                         w[j][k] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), tbl);
-                    se[j] = q45_pair(sv[j], 4 * h, 4 * h + 2);
-                    so[j] = q45_pair(sv[j], 4 * h + 1, 4 * h + 3);
+                    se[j] = Z::even(sv[j], h);
+                    so[j] = Z::odd(sv[j], h);
                 }
                 for (int t = 0; t < NT; ++t) {
                     const float* x = xz[t] + 256 * i + 128 * h;
@@ -105,29 +164,42 @@ EFS_ZI int64_t q4_k_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, 
                     }
                 }
             }
-            rc.step(144);
+            rc.step(Z::BYTES);
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)
                 put_z(y + (int64_t)t * ys + r + j,
-                      hsum512(acc[j][t]) - hsum256(am[j][t]), alpha, accumulate);
+                      Z::MIN ? hsum512(acc[j][t]) - hsum256(am[j][t]) : hsum512(acc[j][t]),
+                      alpha, accumulate);
     }
     return r;
 }
 
 // Two rows at a time where a pass of one or two tokens has more than 16 KiB of activations
 // (they would be re-read from L2 for every row), one otherwise.
-template <int NT>
-EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+template <int NT, class Z>
+EFS_ZI void ex_nib_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
     const int64_t nb = cols / 256;
     const float* xz[NT];
     const float* s32[NT];
-    for (int t = 0; t < NT; ++t) { xz[t] = xs[t].xz; s32[t] = xs[t].s32; }
+    for (int t = 0; t < NT; ++t) { xz[t] = Z::x(xs[t]); s32[t] = xs[t].s32; }
     int64_t r = r0;
     if (NT <= 2 && !x_in_l1(NT, cols, 4))
-        r = q4_k_rows_z<NT, 2>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
-    q4_k_rows_z<NT, 1>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
+        r = nib_rows_z<NT, 2, Z>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
+    nib_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
+}
+
+template <int NT>
+EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_nib_z<NT, ZQ4K>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+}
+
+template <int NT>
+EFS_Z void ex_iq4_xs_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                       const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_nib_z<NT, ZIQ4XS>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
 
@@ -438,9 +510,9 @@ EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
 }
 
 // Up to `per` tokens per pass over the weights: 8 for the blocks of 32 (two rows' accumulators
-// for 8 tokens fit the 32 registers) and Q3_K (one row), 4 for Q4_K and Q2_K, whose last pass
-// takes 5 rather than leave a pass of one token (a whole decode of the weights for it: 1.25x at
-// 5 tokens on Q4_K; 6 spill).
+// for 8 tokens fit the 32 registers) and Q3_K (one row), 4 for Q4_K, IQ4_XS and Q2_K, whose
+// last pass takes 5 rather than leave a pass of one token (a whole decode of the weights for
+// it: 1.25x at 5 tokens on Q4_K; 6 spill).
 #define EFS_Z_ROWS(name, per)                                                                  \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
@@ -462,7 +534,8 @@ EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
         }                                                                                       \
     }
 
-EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_q2_k_z, 4) EFS_Z_ROWS(ex_q3_k_z, 8)
+EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_iq4_xs_z, 4) EFS_Z_ROWS(ex_q2_k_z, 4)
+EFS_Z_ROWS(ex_q3_k_z, 8)
 EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
 EFS_Z_ROWS(ex_mxfp4_z, 8)
 
@@ -471,6 +544,7 @@ EFS_Z_ROWS(ex_mxfp4_z, 8)
 RowsFn avx512_rows(int type, int mode) {
     if (RowsFn f = avx512_k_rows(type, mode)) return f;   // the K-quants (kern_k_avx512.cpp)
     if (mode == 0 && type == T_Q4_K) return rows_ex_q4_k_z;
+    if (mode == 0 && type == T_IQ4_XS) return rows_ex_iq4_xs_z;
     if (mode == 0 && type == T_Q2_K) return rows_ex_q2_k_z;
     if (mode == 0 && type == T_Q3_K) return rows_ex_q3_k_z;
     if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;

@@ -142,9 +142,19 @@ void perm_q2(const float* x, float* xq, int64_t n) {
                     xq[c + 16 * (4 * g + m) + l] = x[c + 128 * (l / 8) + 32 * g + 4 * (l % 8) + m];
 }
 
+void perm_iq4(const float* x, float* xi, int64_t n) {
+    // Vector k (nibble k of each dword of 64 packed IQ4_XS bytes: 4 groups of 16), lane l
+    // (kern_avx512.cpp).
+    for (int64_t c = 0; c + 128 <= n; c += 128)
+        for (int k = 0; k < 8; ++k)
+            for (int l = 0; l < 16; ++l)
+                xi[c + 16 * k + l] = x[c + 32 * (l / 4) + 16 * (k & 1) + 4 * (l % 4) + k / 2];
+}
+
 int exact_layouts(int type) {
     return type == T_Q4_K   ? X_XZ
            : type == T_Q2_K || type == T_Q3_K ? X_XQ
+           : type == T_IQ4_XS ? X_XI
            : type == T_Q5_K || type == T_Q6_K ? X_XH
                                               : 0;
 }

@@ -125,16 +125,18 @@ struct Prep {
     // on AVX-512 builds only those).
     void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt, int layouts) {
         xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                            nullptr});
+                            nullptr, nullptr});
         if (fmt == X_EXACT) {
-            // Per token [xp | xz | xh | xq | s16 | s32] (xz, xh and xq where wanted), each token's
-            // block, its xz, xh and xq starting on a 64-byte boundary when cols % 32 == 0: a
-            // 512-bit load of a vector that is not 64-byte aligned spans two cache lines.
+            // Per token [xp | xz | xh | xq | xi | s16 | s32] (xz, xh, xq and xi where wanted),
+            // each token's block and its AVX-512 orders starting on a 64-byte boundary when
+            // cols % 32 == 0: a 512-bit load of a vector that is not 64-byte aligned spans two
+            // cache lines.
             const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
             const bool wz = z && (layouts & X_XZ), wh = z && (layouts & X_XH);
             const bool wq = z && cols % 256 == 0 && (layouts & X_XQ);
+            const bool wi = z && (layouts & X_XI);
             const int64_t oz = cols, oh = oz + (wz ? cols : 0), oq = oh + (wh ? cols : 0);
-            const int64_t os = oq + (wq ? cols : 0);
+            const int64_t oi = oq + (wq ? cols : 0), os = oi + (wi ? cols : 0);
             const int64_t per = (os + cols / 16 + cols / 32 + 15) / 16 * 16;
             f.resize((size_t)(per * nt + 16));
             float* f0 = f.data();
@@ -162,6 +164,10 @@ struct Prep {
                 if (wq) {
                     perm_q2(xt, base + oq, cols);
                     xs[t].xq = base + oq;
+                }
+                if (wi) {
+                    perm_iq4(xt, base + oi, cols);
+                    xs[t].xi = base + oi;
                 }
             }
         } else if (fmt == X_Q8K) {

@@ -130,7 +130,7 @@ def test_exact_equals_dequant_linear(t, isa):
 
 
 @pytest.mark.parametrize("isa", isas(), indirect=True)
-@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_table_lookup_kernels_on_wide_rows(t, isa):
     """Rows whose one or two tokens pass 16 KiB of activations go two at a time through the
     AVX-512 table-lookup kernels (an odd last row alone): the dequantized product within the
@@ -375,18 +375,19 @@ def test_max_tokens_follows_the_isa(monkeypatch):
 
 
 _KZ_EXACT = (T.Q5_K, T.Q6_K)
+_LOOKUP = (T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_XS)     # exact AVX-512 table-lookup kernels
 _KZ_Q8 = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @pytest.mark.skipif("avx512" not in isas(), reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("aq", ["off", "q8"])
-@pytest.mark.parametrize("t", _K[:5], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", _K, ids=lambda t: t.name)
 def test_avx512_k_quants_give_the_avx2_bits_for_any_batch(t, aq):
     """The K-quants' AVX-512 kernels (exact: two rows per vector, the last odd row through the
     AVX2 code; q8: 8 tokens per pass, Q4_K/Q5_K/Q6_K two rows per vector too) give the AVX2 kernels' results bit for bit, per shape and
     token count (passes of each size, several passes); and on every ISA a token's result does
-    not depend on the batch it comes in (exact Q2_K, Q3_K and Q4_K take their own AVX-512
-    table-lookup kernels, whose results differ from the AVX2 ones in the last bits)."""
+    not depend on the batch it comes in (exact Q2_K, Q3_K, Q4_K and IQ4_XS take their own
+    AVX-512 table-lookup kernels, whose results differ from the AVX2 ones in the last bits)."""
     info = MOD.info()
     assert (int(t) in info["avx512_k_exact_types"]) == (t in _KZ_EXACT)
     assert (int(t) in info["avx512_k_q8_types"]) == (t in _KZ_Q8)
@@ -409,7 +410,7 @@ def test_avx512_k_quants_give_the_avx2_bits_for_any_batch(t, aq):
         for nt, y in got["avx512"].items():
             for name in ("avx2", "avx512"):
                 assert torch.equal(got[name][nt], alone[name][:nt]), (name, cols, nt)
-            if not (t in (T.Q2_K, T.Q3_K, T.Q4_K) and aq == "off"):
+            if not (t in _LOOKUP and aq == "off"):
                 assert torch.equal(y, got["avx2"][nt]), (cols, nt)
 
 
