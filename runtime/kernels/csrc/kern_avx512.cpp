@@ -253,13 +253,7 @@ struct ZQ3 {
     template <int NT>
     EFS_ZI static void begin(const uint8_t* b, const float* const*, int64_t, __m512& S,
                              __m512i& q, __m512i& h, __m512*) {
-        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
-        uint32_t a[3];
-        memcpy(a, b + 96, 12);
-        const __m128i sc = _mm_setr_epi32(
-            (int)((a[0] & k2) | ((a[2] & k1) << 4)), (int)((a[1] & k2) | (((a[2] >> 2) & k1) << 4)),
-            (int)(((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4)),
-            (int)(((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4)));
+        const __m128i sc = q3k_scales_v(b + 96);
         S = _mm512_mul_ps(_mm512_set1_ps(f16_z(b + 108)),
                           _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(sc),
                                                               _mm512_set1_epi32(32))));

@@ -240,16 +240,19 @@ EFS_KT void ex_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
-EFS_TI void q3k_scales(const uint8_t* s12, int8_t* out) {
+EFS_TI __m128i q3k_scales_v(const uint8_t* s12) {
     const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
-    uint32_t aux[4];
+    uint32_t aux[3];
     memcpy(aux, s12, 12);
     const uint32_t tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
-    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
-    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
-    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
-    memcpy(out, aux, 16);
+    return _mm_setr_epi32((int)((aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4)),
+                          (int)((aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4)),
+                          (int)(((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4)),
+                          (int)(((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)));
+}
+
+EFS_TI void q3k_scales(const uint8_t* s12, int8_t* out) {
+    _mm_storeu_si128((__m128i*)out, q3k_scales_v(s12));
 }
 
 // Q3_K: hmask[32], qs[64], scales[12] (6-bit, minus 32), d. Half n, vector j (elements
@@ -420,7 +423,15 @@ EFS_KT void q8_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
 }
 
 // Q2_K against Q8_K: per 16 weights the 2-bit values times the scale's low nibble, the mins
-// (high nibbles) as dy * dmin * sum(min * bsums) in float.
+// (high nibbles) as dy * dmin * sum(min * bsums) in float. The scales a block at a time in
+// vector registers: the mins' sum one madd of the 16 mins against bsums, each pair of 16-bit
+// scale vectors one byte shuffle of the block's 16 scales (pick16), where per-scale scalar
+// work took most of the block's time. The same integers, so the same bits.
+EFS_TI __m256i pick16(int a) {          // pair16(s[a], s[a + 1]) of 16 bytes s in each lane
+    return _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (a + 1))),
+                            _mm_set1_epi16((short)(0x8000 | a)));
+}
+
 template <int NT>
 EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, Out out) {
@@ -428,6 +439,7 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const Q8K* y[NT];
     for (int t = 0; t < NT; ++t) y[t] = (const Q8K*)xs[t].q;
     const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
     const char* pf = pf_start(W + r0 * rb);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* b = W + r * rb;
@@ -436,12 +448,14 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.f; }
         for (int64_t i = 0; i < nb; ++i, b += 84) {
             pf_next(pf, b + 84);
-            const uint8_t* sc = b;
+            const __m128i sc = loadu128(b);
+            const __m256i S8 = _mm256_broadcastsi128_si256(_mm_and_si128(sc, m4));
+            const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4));
             const float dmin = f16(b + 82), d = f16(b + 80);
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                int summs = 0;
-                for (int j = 0; j < 16; ++j) summs += y[t][i].bsums[j] * (sc[j] >> 4);
+                const int summs = hsum_i32(
+                    _mm256_madd_epi16(mins, loadu256((const uint8_t*)y[t][i].bsums)));
                 accm[t] += y[t][i].d * dmin * (float)summs;
                 sumi[t] = _mm256_setzero_si256();
             }
@@ -450,8 +464,7 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                 for (int j = 0; j < 4; ++j) {
                     const __m256i v = _mm256_and_si256(
                         _mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
-                    const __m256i s = pair16(sc[8 * n + 2 * j] & 0xF,
-                                               sc[8 * n + 2 * j + 1] & 0xF);
+                    const __m256i s = _mm256_shuffle_epi8(S8, pick16(8 * n + 2 * j));
                     for (int t = 0; t < NT; ++t) {
                         const __m256i p = _mm256_maddubs_epi16(
                             v, loadu256((const uint8_t*)(y[t][i].qs + 128 * n + 32 * j)));
@@ -467,8 +480,15 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
+// pair16(h[a], h[a + 1]) of 8 16-bit values h in each lane.
+EFS_TI __m256i pick16w(int a) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)(((2 * a + 3) << 8) | (2 * a + 2))),
+                            _mm_set1_epi16((short)(((2 * a + 1) << 8) | (2 * a))));
+}
+
 // Q3_K against Q8_K: the 3-bit values (2 low bits and the hmask bit, 0..7) less 4 times
-// the activations, per 16 weights times the signed 6-bit scale.
+// the activations, per 16 weights times the signed 6-bit scale (each pair of scale vectors a
+// byte shuffle of the block's 16 scales widened, as q8_q2_k's).
 template <int NT>
 EFS_KT void q8_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, Out out) {
@@ -483,8 +503,10 @@ EFS_KT void q8_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 110) {
             pf_next(pf, b + 110);
-            int8_t sc[16];
-            q3k_scales(b + 96, sc);
+            const __m256i s16 = _mm256_cvtepi8_epi16(
+                _mm_sub_epi8(q3k_scales_v(b + 96), _mm_set1_epi8(32)));
+            const __m256i S16[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
+                                    _mm256_permute2x128_si256(s16, s16, 0x11)};
             __m256i hb = loadu256(b);
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
@@ -495,7 +517,7 @@ EFS_KT void q8_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                         _mm256_and_si256(_mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3),
                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), m04));
                     hb = _mm256_srli_epi16(hb, 1);
-                    const __m256i s = pair16(sc[8 * n + 2 * j] - 32, sc[8 * n + 2 * j + 1] - 32);
+                    const __m256i s = _mm256_shuffle_epi8(S16[n], pick16w(2 * j));
                     for (int t = 0; t < NT; ++t) {
                         const __m256i yv8 = loadu256((const uint8_t*)(y[t][i].qs + 128 * n +
                                                                       32 * j));
