@@ -318,12 +318,13 @@ EFS_TI __m256i pair16(int a, int b) {   // 16-bit lanes: a in the low 128, b in 
     return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
 }
 
-// A Q4_K/Q5_K block's mins against a Q8_K block: sum over the 8 sub-blocks of min * (the
-// activations' sum over its 32), in integers (ggml's bsums pairs).
-EFS_TI int k4_msum(const uint8_t* mn, const int16_t* bs) {
-    int msum = 0;
-    for (int s = 0; s < 8; ++s) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-    return msum;
+// A Q4_K/Q5_K block's mins (k4_scales' u[2], u[3]) against a Q8_K block: sum over the 8
+// sub-blocks of min * (the activations' sum over its 32), in integers (ggml's bsums pairs):
+// each min twice against its two bsums in one madd, not a scalar loop.
+EFS_TI int k4_msum(uint32_t m0, uint32_t m1, const int16_t* bs) {
+    const __m128i mn = _mm_setr_epi32((int)m0, (int)m1, 0, 0);
+    const __m256i mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn, mn));   // m0 m0 m1 m1 ..
+    return hsum_i32(_mm256_madd_epi16(mm, loadu256((const uint8_t*)bs)));
 }
 
 template <int NT, bool FIVE>
@@ -345,11 +346,10 @@ EFS_KT void q8_q45_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
             uint32_t u[4];
             k4_scales(b + 4, u);
             const uint8_t* sc = (const uint8_t*)&u[0];
-            const uint8_t* mn = (const uint8_t*)&u[2];
             const float dmin = f16(b + 2), d = f16(b);
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                accm[t] += y[t][i].d * dmin * (float)k4_msum(mn, y[t][i].bsums);
+                accm[t] += y[t][i].d * dmin * (float)k4_msum(u[2], u[3], y[t][i].bsums);
                 sumi[t] = _mm256_setzero_si256();
             }
             const uint8_t* q = b + (FIVE ? 48 : 16);

@@ -426,14 +426,12 @@ EFS_Z void q8_q45_k_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
             k4_scales(b0 + 4, u0);
             k4_scales(b1 + 4, u1);
             const uint8_t* sc0 = (const uint8_t*)&u0[0];
-            const uint8_t* mn0 = (const uint8_t*)&u0[2];
             const uint8_t* sc1 = (const uint8_t*)&u1[0];
-            const uint8_t* mn1 = (const uint8_t*)&u1[2];
             const float dmin0 = f16(b0 + 2), d0 = f16(b0), dmin1 = f16(b1 + 2), d1 = f16(b1);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                accm0[t] += y[t][i].d * dmin0 * (float)k4_msum(mn0, y[t][i].bsums);
-                accm1[t] += y[t][i].d * dmin1 * (float)k4_msum(mn1, y[t][i].bsums);
+                accm0[t] += y[t][i].d * dmin0 * (float)k4_msum(u0[2], u0[3], y[t][i].bsums);
+                accm1[t] += y[t][i].d * dmin1 * (float)k4_msum(u1[2], u1[3], y[t][i].bsums);
                 sumi[t] = _mm512_setzero_si512();
             }
             const int qo = FIVE ? 48 : 16;
@@ -539,11 +537,10 @@ EFS_Z void q8_q45_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
             uint32_t u[4];
             k4_scales(b + 4, u);
             const uint8_t* sc = (const uint8_t*)&u[0];
-            const uint8_t* mn = (const uint8_t*)&u[2];
             const float dmin = f16(b + 2), d = f16(b);
             __m512i sumi[NT];
             for (int t = 0; t < NT; ++t) {
-                accm[t] += y[t][i].d * dmin * (float)k4_msum(mn, y[t][i].bsums);
+                accm[t] += y[t][i].d * dmin * (float)k4_msum(u[2], u[3], y[t][i].bsums);
                 sumi[t] = _mm512_setzero_si512();
             }
             __m512i hb = FIVE ? _mm512_broadcast_i64x4(loadu256(b + 16)) : _mm512_setzero_si512();
