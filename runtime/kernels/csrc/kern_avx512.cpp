@@ -3,11 +3,14 @@
 // target attributes on every function, only <immintrin.h>, C headers and the AVX2 unit's
 // shared headers (whose inline helpers it calls, under this unit's wider target).
 //
-// Exact Q4_K by table lookup: vpermps takes its 16-entry index from the low 4 bits of each
-// dword and ignores the rest, so shifting the 64 bytes of packed nibbles right by 4k (k = 0..7)
-// and looking each dword up in the table {0.0, 1.0, ..., 15.0} yields 8 vectors of 16 exact
-// float weights, with no mask and no int->float conversion (about 30% fewer operations per
-// weight than the unpack of kern_avx2.cpp). The activations are permuted to match (perm128).
+// Exact Q4_K, IQ4_XS, Q2_K and Q3_K by table lookup: vpermps takes its 16-entry index from the
+// low 4 bits of each dword and ignores the rest, so shifting the 64 bytes of packed nibbles
+// right by 4k (k = 0..7) and looking each dword up in the table {0.0, 1.0, ..., 15.0} (IQ4_XS:
+// its kvalues) yields 8 vectors of 16 exact float weights, with no mask and no int->float
+// conversion (about 30% fewer operations per weight than the unpack of kern_avx2.cpp); the
+// 2- and 3-bit types the same way, 2 bits at a time. The activations are permuted to match
+// (perm128, perm_iq4, perm_q2). Their sums run in another order than the AVX2 kernels', so
+// their last bits differ from the AVX2 unit's; per token they do not depend on the batch.
 #include "kern.h"
 
 #include <string.h>
