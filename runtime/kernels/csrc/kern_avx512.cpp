@@ -3,14 +3,15 @@
 // target attributes on every function, only <immintrin.h>, C headers and the AVX2 unit's
 // shared headers (whose inline helpers it calls, under this unit's wider target).
 //
-// Exact Q4_K, IQ4_XS, Q2_K and Q3_K by table lookup: vpermps takes its 16-entry index from the
-// low 4 bits of each dword and ignores the rest, so shifting the 64 bytes of packed nibbles
-// right by 4k (k = 0..7) and looking each dword up in the table {0.0, 1.0, ..., 15.0} (IQ4_XS:
-// its kvalues) yields 8 vectors of 16 exact float weights, with no mask and no int->float
-// conversion (about 30% fewer operations per weight than the unpack of kern_avx2.cpp); the
-// 2- and 3-bit types the same way, 2 bits at a time. The activations are permuted to match
-// (perm128, perm_iq4, perm_q2). Their sums run in another order than the AVX2 kernels', so
-// their last bits differ from the AVX2 unit's; per token they do not depend on the batch.
+// Exact Q4_K, IQ4_XS, Q2_K and Q3_K (and the blocks of 32: Q4_0, IQ4_NL, MXFP4, below) by
+// table lookup: vpermps takes its 16-entry index from the low 4 bits of each dword and ignores
+// the rest, so shifting the 64 bytes of packed nibbles right by 4k (k = 0..7) and looking each
+// dword up in the table {0.0, 1.0, ..., 15.0} (IQ4_XS: its kvalues) yields 8 vectors of 16
+// exact float weights, with no mask and no int->float conversion (about 30% fewer operations
+// per weight than the unpack of kern_avx2.cpp); the 2- and 3-bit types the same way, 2 bits
+// at a time. The activations are permuted to match (perm128, perm_iq4, perm_q2). Their sums
+// run in another order than the AVX2 kernels', so their last bits differ from the AVX2 unit's;
+// per token they do not depend on the batch.
 #include "kern.h"
 
 #include <string.h>
@@ -359,10 +360,10 @@ EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 //
 // The 4-bit types by the same table lookup as Q4_K: the 16 bytes of nibbles widened to 16
 // dwords, looked up directly (low nibbles) and shifted by 4 (high nibbles) in the type's table
-// of 16 floats: Q4_0 {-8.0, ..., 7.0}, MXFP4 kvalues_mxfp4 (twice the E2M1 values, with
-// e8m0h's halved block scale, as ggml dequantizes it). Like Q8_0's, their sums run in 16
-// lanes, not the AVX2 kernels' 8, so their last bits differ from the AVX2 unit's (IQ4_NL, whose
-// results must not depend on the ISA, takes the two-row form instead, kern_k_avx512.cpp).
+// of 16 floats: Q4_0 {-8.0, ..., 7.0}, IQ4_NL kvalues_iq4nl, MXFP4 kvalues_mxfp4 (twice the
+// E2M1 values, with e8m0h's halved block scale, as ggml dequantizes it). Like Q8_0's, their
+// sums run in 16 lanes, not the AVX2 kernels' 8, so their last bits differ from the AVX2
+// unit's.
 EFS_ZI void nibbles_z(const uint8_t* qs, __m512 tbl, __m512& lo, __m512& hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
     lo = _mm512_permutexvar_ps(v, tbl);
@@ -370,14 +371,26 @@ EFS_ZI void nibbles_z(const uint8_t* qs, __m512 tbl, __m512& lo, __m512& hi) {
 }
 struct ZQ4_0 {
     static constexpr int BYTES = 18;
+    static constexpr bool SCALED_PAIRS = true;
     EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
         nibbles_z(b + 2, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
                   lo, hi);
     }
 };
+struct ZIQ4_NL {      // a token's result the same in any batch: no SCALED_PAIRS
+    static constexpr int BYTES = 18;
+    static constexpr bool SCALED_PAIRS = false;
+    EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
+    EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
+        nibbles_z(b + 2, _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+                                        53, 69, 89, 113),
+                  lo, hi);
+    }
+};
 struct ZMXFP4 {
     static constexpr int BYTES = 17;
+    static constexpr bool SCALED_PAIRS = true;
     EFS_ZI static float d(const uint8_t* b) { return e8m0h(b[0]); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
         nibbles_z(b + 1, _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),
@@ -387,6 +400,7 @@ struct ZMXFP4 {
 // Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted.
 struct ZQ8_0 {
     static constexpr int BYTES = 34;
+    static constexpr bool SCALED_PAIRS = true;
     EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
         lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
@@ -445,7 +459,10 @@ EFS_ZI int64_t b32_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, i
 // two FMAs per token and row, the activations loaded once for both rows and no per-token scale
 // multiply. Fewer tokens (and a last odd row) go row by row with two blocks in flight, the
 // scale applied to each block's sum: cheaper than scaling the weights, and more FMAs in flight;
-// two such rows in turn where the pass's activations pass 16 KiB (b32_rows_z).
+// two such rows in turn where the pass's activations pass 16 KiB (b32_rows_z). The two forms
+// round differently, so with SCALED_PAIRS a token's last bits depend on its pass; IQ4_NL, whose
+// results must not (as the K-quants'), keeps the row form at every token count, in passes of
+// up to 4 tokens (two rows in turn past 16 KiB of them).
 template <int NT, class Z>
 EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
@@ -453,7 +470,7 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     const float* xn[NT];
     for (int t = 0; t < NT; ++t) xn[t] = xs[t].x;
     int64_t r = r0;
-    if constexpr (NT >= 4) {
+    if constexpr (NT >= 4 && Z::SCALED_PAIRS) {
         PfPair pp(rb);
         for (; r + 2 <= r1; r += 2) {
             const uint8_t* b0 = W + r * rb;
@@ -483,7 +500,7 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             }
         }
     }
-    if (NT < 4 && !x_in_l1(NT, cols, 4))
+    if ((NT < 4 || !Z::SCALED_PAIRS) && !x_in_l1(NT, cols, 4))
         r = b32_rows_z<NT, Z, 2>(W, rb, r, r1, nb, xn, y, ys, alpha, accumulate);
     b32_rows_z<NT, Z, 1>(W, rb, r, r1, nb, xn, y, ys, alpha, accumulate);
 }
@@ -501,15 +518,21 @@ EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 }
 
 template <int NT>
+EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    ex_b32_z<NT, ZIQ4_NL>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+}
+
+template <int NT>
 EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                       const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
     ex_b32_z<NT, ZMXFP4>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
-// Up to `per` tokens per pass over the weights: 8 for the blocks of 32 (two rows' accumulators
-// for 8 tokens fit the 32 registers) and Q3_K (one row), 4 for Q4_K, IQ4_XS and Q2_K, whose
-// last pass takes 5 rather than leave a pass of one token (a whole decode of the weights for
-// it: 1.25x at 5 tokens on Q4_K; 6 spill).
+// Up to `per` tokens per pass over the weights: 8 for the blocks of 32 but IQ4_NL (two rows'
+// accumulators for 8 tokens fit the 32 registers) and Q3_K (one row), 4 for Q4_K, IQ4_XS,
+// Q2_K and IQ4_NL, whose last pass takes 5 rather than leave a pass of one token (a whole
+// decode of the weights for it: 1.25x at 5 tokens on Q4_K; 6 spill).
 #define EFS_Z_ROWS(name, per)                                                                  \
     EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
                            const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
@@ -534,7 +557,7 @@ EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int6
 EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_iq4_xs_z, 4) EFS_Z_ROWS(ex_q2_k_z, 4)
 EFS_Z_ROWS(ex_q3_k_z, 8)
 EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
-EFS_Z_ROWS(ex_mxfp4_z, 8)
+EFS_Z_ROWS(ex_mxfp4_z, 8) EFS_Z_ROWS(ex_iq4nl_z, 4)
 
 }  // namespace
 
@@ -547,6 +570,7 @@ RowsFn avx512_rows(int type, int mode) {
     if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;
     if (mode == 0 && type == T_Q8_0) return rows_ex_q8_0_z;
     if (mode == 0 && type == T_MXFP4) return rows_ex_mxfp4_z;
+    if (mode == 0 && type == T_IQ4_NL) return rows_ex_iq4nl_z;
     return nullptr;
 }
 

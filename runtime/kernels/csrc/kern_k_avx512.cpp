@@ -1,14 +1,12 @@
-// The K-quants Q5_K, Q6_K and IQ4_NL (exact) and Q2_K ... Q6_K (q8) on CPUs with AVX-512
-// (F, VL, BW; ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels
-// (kern_k_avx2.h) in wider forms that give their results bit for bit, so a model's logits do
-// not depend on the ISA, on the batch or on how the tokens are cut into passes. Exact Q2_K,
-// Q3_K and Q4_K take kern_avx512.cpp's table-lookup kernels instead (their last bits their own).
+// The K-quants Q5_K and Q6_K (exact) and Q2_K ... Q6_K (q8) on CPUs with AVX-512 (F, VL, BW;
+// ops.cpp checks the tier, avx512_k_rows BW): the AVX2 unit's kernels (kern_k_avx2.h) in wider
+// forms that give their results bit for bit, so a model's logits do not depend on the ISA, on
+// the batch or on how the tokens are cut into passes. Exact Q2_K, Q3_K, Q4_K, IQ4_XS and
+// IQ4_NL take kern_avx512.cpp's table-lookup kernels instead (their last bits their own).
 //
-//  - exact: passes of up to 8 tokens. IQ4_NL two rows per 512-bit vector (see
-//    below): each group of weights is decoded once for both rows and 8 tokens, each activation
-//    load serves two rows. Q5_K and Q6_K one row per vector, a row's two AVX2 accumulators
-//    side by side (ex_q6_k_r, ex_q5_k_r): none of the pairs' inserts and broadcasts, which cost
-//    most where 512-bit operations run on 256-bit units (Zen 4).
+//  - exact: passes of up to 8 tokens, Q5_K and Q6_K one row per vector, a row's two AVX2
+//    accumulators side by side (ex_q6_k_r, ex_q5_k_r): none of the two-row form's inserts and
+//    broadcasts, which cost most where 512-bit operations run on 256-bit units (Zen 4).
 //  - q8: a block's scales and values are decoded once for up to 8 tokens (the AVX2 unit: 4);
 //    Q4_K, Q5_K and Q6_K one row per vector at a few tokens (q8_q6_k_r, q8_q45_k_r), two rows
 //    per vector past them (each activation load serving both rows), Q2_K and Q3_K the shared
@@ -27,7 +25,7 @@
 namespace efs {
 namespace {
 
-// --- exact mode: two rows per 512-bit vector ---------------------------------------------
+// --- two rows per 512-bit vector (q8 mode's kernels below) --------------------------------
 //
 // Lanes 0..7 of every vector are row r's AVX2 lanes, lanes 8..15 row r + 1's: the weights of
 // the two rows' groups are loaded into the two halves and decoded by the 512-bit forms of the
@@ -36,21 +34,6 @@ namespace {
 // both halves, and the scales are the rows' own. Per lane the same products, sums and scales in
 // the same order as the AVX2 kernel, and at the end the AVX2 unit's hsum(a0 + a1) (- hsum(am))
 // of each half. A last odd row goes to the AVX2 kernel's code.
-
-// grp's products (kern_avx2_util.h) of each half from its unpacked floats w, the activations
-// shared.
-template <int NT>
-EFS_ZI void grp2w(const __m512* w, const float* const* xp, int64_t o, __m512 scale,
-                  __m512* acc) {
-    for (int t = 0; t < NT; ++t) {
-        const float* x = xp[t] + o;
-        __m512 a = _mm512_mul_ps(w[0], bc8(x));
-        a = _mm512_fmadd_ps(w[1], bc8(x + 8), a);
-        a = _mm512_fmadd_ps(w[2], bc8(x + 16), a);
-        a = _mm512_fmadd_ps(w[3], bc8(x + 24), a);
-        acc[t] = _mm512_fmadd_ps(a, scale, acc[t]);
-    }
-}
 
 // q45_planes (kern_k_avx2.h) of each half: v = quant bytes j of the two rows' blocks.
 template <bool FIVE>
@@ -263,67 +246,6 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     if (R == 2 && r < r1) ex_q5_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);
 }
 
-// IQ4_NL (blocks of 32: d, qs[16]) as kern_avx2.cpp's ex_b32<DIQ4_NL>: each half unpacks its
-// row's block as the AVX2 unit does (the nibbles looked up in kvalues_iq4nl within each 128-bit
-// lane; each int8 placed in the top byte of a dword and converted, q * 2^24, the block's scale
-// carrying 2^-24), even blocks into a0 and odd ones into a1, so each half's sums are the AVX2
-// kernel's bit for bit. The last odd row goes to the AVX2 kernel itself.
-EFS_ZI __m256i iq4nl_q(const uint8_t* b) {                       // DIQ4_NL::q
-    const __m256i tbl = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
-                                         38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35,
-                                         -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    return _mm256_shuffle_epi8(tbl, nibbles(loadu128(b + 2)));
-}
-
-// grp<NT, SIGNED> of each half, the activations shared.
-template <int NT>
-EFS_ZI void grp2s(__m512i v, const float* const* xp, int64_t o, __m512 scale, __m512* acc) {
-    __m512 w[4];
-    for (int k = 0; k < 4; ++k) {                 // u8f<SIGNED>'s shuffle, in every 128-bit lane
-        alignas(64) int8_t m[64];
-        for (int i = 0; i < 64; ++i)
-            m[i] = (i & 3) == 3 ? (int8_t)(4 * k + ((i & 15) >> 2)) : -128;
-        w[k] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, _mm512_load_si512((const void*)m)));
-    }
-    grp2w<NT>(w, xp, o, scale, acc);
-}
-
-// One block of each row: row r's into the low half, row r + 1's into the high half.
-template <int NT>
-EFS_ZI void iq4nl_blk2(const uint8_t* b0, const uint8_t* b1, const float* const* xp, int64_t o,
-                       __m512* acc) {
-    constexpr float U = unit<SIGNED>();
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(iq4nl_q(b0)), iq4nl_q(b1), 1);
-    grp2s<NT>(v, xp, o, ps2(_mm256_set1_ps(f16(b0) * U), _mm256_set1_ps(f16(b1) * U)), acc);
-}
-
-template <int NT>
-EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                      const XPrep* xs, Out out) {
-    constexpr int BYTES = 18;
-    const int64_t nb = cols / 32;
-    const float* xp[NT];
-    for (int t = 0; t < NT; ++t) xp[t] = xs[t].xp;
-    PfPair pf(rb);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        __m512 a0[NT], a1[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 2 <= nb; i += 2, b0 += 2 * BYTES, b1 += 2 * BYTES) {
-            pf.next(b0, b1, 2 * BYTES);
-            iq4nl_blk2<NT>(b0, b1, xp, 32 * i, a0);
-            iq4nl_blk2<NT>(b0 + BYTES, b1 + BYTES, xp, 32 * i + 32, a1);
-        }
-        if (i < nb) iq4nl_blk2<NT>(b0, b1, xp, 32 * i, a0);
-        put2<NT, false>(out, r, a0, a1, a0);
-    }
-    if (r < r1) avx2_rows(T_IQ4_NL, 0)(W, rb, r, r1, cols, xs, NT, out.y, out.ys, out.alpha,
-                                       out.accumulate);
-}
-
 // Q6_K, Q5_K: one row at a time while the pass's activations stay in L1 (x_in_l1), two beyond
 // (each activation vector loaded once for both rows): the faster of the two at each size
 // (bench/README.md).
@@ -374,7 +296,7 @@ EFS_Z void rows_kz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t
             name<NT>(W, rb, r0, r1, cols, xs, o);                                              \
         }                                                                                       \
     };
-EFS_KZ_KERN(ex_q5_k_p) EFS_KZ_KERN(ex_q6_k_z) EFS_KZ_KERN(ex_iq4nl_z)
+EFS_KZ_KERN(ex_q5_k_p) EFS_KZ_KERN(ex_q6_k_z)
 
 // --- q8 mode: Q2_K ... Q6_K against Q8_K activations ----------------------------------------
 //
@@ -715,7 +637,6 @@ RowsFn avx512_k_rows(int type, int mode) {
     switch (type) {       // exact Q2_K, Q3_K, Q4_K: kern_avx512.cpp's table-lookup kernels
         case T_Q5_K: return rows_kz<8, K_ex_q5_k_p>;
         case T_Q6_K: return rows_kz<8, K_ex_q6_k_z>;
-        case T_IQ4_NL: return rows_kz<8, K_ex_iq4nl_z>;
         default: return nullptr;
     }
 }

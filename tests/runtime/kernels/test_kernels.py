@@ -383,11 +383,12 @@ _KZ_Q8 = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 @pytest.mark.parametrize("aq", ["off", "q8"])
 @pytest.mark.parametrize("t", _K, ids=lambda t: t.name)
 def test_avx512_k_quants_give_the_avx2_bits_for_any_batch(t, aq):
-    """The K-quants' AVX-512 kernels (exact: two rows per vector, the last odd row through the
-    AVX2 code; q8: 8 tokens per pass, Q4_K/Q5_K/Q6_K two rows per vector too) give the AVX2 kernels' results bit for bit, per shape and
-    token count (passes of each size, several passes); and on every ISA a token's result does
-    not depend on the batch it comes in (exact Q2_K, Q3_K, Q4_K and IQ4_XS take their own
-    AVX-512 table-lookup kernels, whose results differ from the AVX2 ones in the last bits)."""
+    """The K-quants' AVX-512 kernels (exact Q5_K and Q6_K: one row per vector; q8: 8 tokens
+    per pass, Q4_K/Q5_K/Q6_K two rows per vector) give the AVX2 kernels' results bit for bit,
+    per shape and token count (passes of each size, several passes); and on every ISA a
+    token's result does not depend on the batch it comes in (exact Q2_K ... Q4_K and IQ4_XS
+    take their own AVX-512 table-lookup kernels, whose results differ from the AVX2 ones in the
+    last bits)."""
     info = MOD.info()
     assert (int(t) in info["avx512_k_exact_types"]) == (t in _KZ_EXACT)
     assert (int(t) in info["avx512_k_q8_types"]) == (t in _KZ_Q8)
