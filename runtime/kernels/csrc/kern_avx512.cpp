@@ -29,6 +29,8 @@
 namespace efs {
 namespace {
 
+enum { F_NIB, F_Q23, F_B32 };   // a table-lookup type's family of kernels (Z::FAMILY)
+
 EFS_ZI float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -61,6 +63,7 @@ EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
 // the table {0, ..., 15}, the mins from the sums of 32 activations (s32).
 struct ZQ4K {
     static constexpr int BYTES = 144, QS = 16;
+    static constexpr int FAMILY = F_NIB, PER = 4;
     static constexpr bool MIN = true;
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -77,6 +80,7 @@ struct ZQ4K {
 // kvalues_iq4nl as floats.
 struct ZIQ4XS {
     static constexpr int BYTES = 136, QS = 8;
+    static constexpr int FAMILY = F_NIB, PER = 4;
     static constexpr bool MIN = false;
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
@@ -194,18 +198,6 @@ EFS_ZI void ex_nib_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     nib_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
 }
 
-template <int NT>
-EFS_Z void ex_q4_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_nib_z<NT, ZQ4K>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
-template <int NT>
-EFS_Z void ex_iq4_xs_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                       const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_nib_z<NT, ZIQ4XS>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
 
 // Q2_K (scales[16]: low nibble scale, high nibble min of each 16 weights; qs[64]; d, dmin)
 // and Q3_K (hmask[32]; qs[64]; scales[12], 6-bit less 32; d) by table lookup. The 64 bytes of
@@ -224,6 +216,7 @@ EFS_Z void ex_iq4_xs_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int
 // AVX2 kernels', so the last bits differ from them; per token the same on any batch.
 struct ZQ2 {
     static constexpr int BYTES = 84;
+    static constexpr int FAMILY = F_Q23, PER = 4;
     static constexpr bool PAIRS = true;       // two rows at a time where ex_q23_z says
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
@@ -249,6 +242,7 @@ struct ZQ2 {
 
 struct ZQ3 {
     static constexpr int BYTES = 110;
+    static constexpr int FAMILY = F_Q23, PER = 8;
     static constexpr bool PAIRS = false;      // two rows' decode state spills: one at a time
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
@@ -341,18 +335,6 @@ EFS_ZI void ex_q23_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
     q23_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xq, s16, y, ys, alpha, accumulate);
 }
 
-template <int NT>
-EFS_Z void ex_q2_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_q23_z<NT, ZQ2>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
-template <int NT>
-EFS_Z void ex_q3_k_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_q23_z<NT, ZQ3>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
 
 // Exact blocks of 32 weights w = d * q against natural-order activations, two blocks in flight
 // per row (even blocks into one accumulator, odd into the other). A block type gives its byte
@@ -371,6 +353,7 @@ EFS_ZI void nibbles_z(const uint8_t* qs, __m512 tbl, __m512& lo, __m512& hi) {
 }
 struct ZQ4_0 {
     static constexpr int BYTES = 18;
+    static constexpr int FAMILY = F_B32, PER = 8;
     static constexpr bool SCALED_PAIRS = true;
     EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
@@ -380,6 +363,7 @@ struct ZQ4_0 {
 };
 struct ZIQ4_NL {      // a token's result the same in any batch: no SCALED_PAIRS
     static constexpr int BYTES = 18;
+    static constexpr int FAMILY = F_B32, PER = 4;
     static constexpr bool SCALED_PAIRS = false;
     EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
@@ -390,6 +374,7 @@ struct ZIQ4_NL {      // a token's result the same in any batch: no SCALED_PAIRS
 };
 struct ZMXFP4 {
     static constexpr int BYTES = 17;
+    static constexpr int FAMILY = F_B32, PER = 8;
     static constexpr bool SCALED_PAIRS = true;
     EFS_ZI static float d(const uint8_t* b) { return e8m0h(b[0]); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
@@ -400,6 +385,7 @@ struct ZMXFP4 {
 // Q8_0: 32 signed bytes widened to two vectors of 16 dwords and converted.
 struct ZQ8_0 {
     static constexpr int BYTES = 34;
+    static constexpr int FAMILY = F_B32, PER = 8;
     static constexpr bool SCALED_PAIRS = true;
     EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
@@ -505,72 +491,59 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     b32_rows_z<NT, Z, 1>(W, rb, r, r1, nb, xn, y, ys, alpha, accumulate);
 }
 
-template <int NT>
-EFS_Z void ex_q4_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_b32_z<NT, ZQ4_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+// One pass of NT tokens through type Z's kernel family.
+template <int NT, class Z>
+EFS_Z void pass_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                  const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
+    if constexpr (Z::FAMILY == F_NIB)
+        ex_nib_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+    else if constexpr (Z::FAMILY == F_Q23)
+        ex_q23_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+    else
+        ex_b32_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
-template <int NT>
-EFS_Z void ex_q8_0_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_b32_z<NT, ZQ8_0>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
-template <int NT>
-EFS_Z void ex_iq4nl_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_b32_z<NT, ZIQ4_NL>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
-template <int NT>
-EFS_Z void ex_mxfp4_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    ex_b32_z<NT, ZMXFP4>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-}
-
-// Up to `per` tokens per pass over the weights: 8 for the blocks of 32 but IQ4_NL (two rows'
+// Up to Z::PER tokens per pass over the weights: 8 for the blocks of 32 but IQ4_NL (two rows'
 // accumulators for 8 tokens fit the 32 registers) and Q3_K (one row), 4 for Q4_K, IQ4_XS,
 // Q2_K and IQ4_NL, whose last pass takes 5 rather than leave a pass of one token (a whole
 // decode of the weights for it: 1.25x at 5 tokens on Q4_K; 6 spill).
-#define EFS_Z_ROWS(name, per)                                                                  \
-    EFS_Z void rows_##name(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols, \
-                           const XPrep* xs, int nt, float* y, int64_t ys, float alpha,          \
-                           int accumulate) {                                                    \
-        for (int t0 = 0, n; t0 < nt; t0 += n) {                                                 \
-            n = nt - t0 < per ? nt - t0 : (per == 4 && nt - t0 == 5 ? 5 : per);                 \
-            float* yt = y + (int64_t)t0 * ys;                                                   \
-            const XPrep* xt = xs + t0;                                                          \
-            switch (n) {                                                                        \
-                case 1: name<1>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                case 2: name<2>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                case 3: name<3>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                case 4: name<4>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                case 5: name<5>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                case 6: name<6>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                case 7: name<7>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;     \
-                default: name<8>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;    \
-            }                                                                                   \
-        }                                                                                       \
+template <class Z>
+EFS_Z void rows_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                  const XPrep* xs, int nt, float* y, int64_t ys, float alpha, int accumulate) {
+    constexpr int per = Z::PER;
+    for (int t0 = 0, n; t0 < nt; t0 += n) {
+        n = nt - t0 < per ? nt - t0 : (per == 4 && nt - t0 == 5 ? 5 : per);
+        float* yt = y + (int64_t)t0 * ys;
+        const XPrep* xt = xs + t0;
+        switch (n) {
+            case 1: pass_z<1, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            case 2: pass_z<2, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            case 3: pass_z<3, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            case 4: pass_z<4, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            case 5: pass_z<5, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            case 6: pass_z<6, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            case 7: pass_z<7, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+            default: pass_z<8, Z>(W, rb, r0, r1, cols, xt, yt, ys, alpha, accumulate); break;
+        }
     }
-
-EFS_Z_ROWS(ex_q4_k_z, 4) EFS_Z_ROWS(ex_iq4_xs_z, 4) EFS_Z_ROWS(ex_q2_k_z, 4)
-EFS_Z_ROWS(ex_q3_k_z, 8)
-EFS_Z_ROWS(ex_q4_0_z, 8) EFS_Z_ROWS(ex_q8_0_z, 8)
-EFS_Z_ROWS(ex_mxfp4_z, 8) EFS_Z_ROWS(ex_iq4nl_z, 4)
+}
 
 }  // namespace
 
 RowsFn avx512_rows(int type, int mode) {
     if (RowsFn f = avx512_k_rows(type, mode)) return f;   // the K-quants (kern_k_avx512.cpp)
-    if (mode == 0 && type == T_Q4_K) return rows_ex_q4_k_z;
-    if (mode == 0 && type == T_IQ4_XS) return rows_ex_iq4_xs_z;
-    if (mode == 0 && type == T_Q2_K) return rows_ex_q2_k_z;
-    if (mode == 0 && type == T_Q3_K) return rows_ex_q3_k_z;
-    if (mode == 0 && type == T_Q4_0) return rows_ex_q4_0_z;
-    if (mode == 0 && type == T_Q8_0) return rows_ex_q8_0_z;
-    if (mode == 0 && type == T_MXFP4) return rows_ex_mxfp4_z;
-    if (mode == 0 && type == T_IQ4_NL) return rows_ex_iq4nl_z;
+    if (mode != 0) return nullptr;
+    switch (type) {
+        case T_Q4_K: return rows_z<ZQ4K>;
+        case T_IQ4_XS: return rows_z<ZIQ4XS>;
+        case T_Q2_K: return rows_z<ZQ2>;
+        case T_Q3_K: return rows_z<ZQ3>;
+        case T_Q4_0: return rows_z<ZQ4_0>;
+        case T_Q8_0: return rows_z<ZQ8_0>;
+        case T_MXFP4: return rows_z<ZMXFP4>;
+        case T_IQ4_NL: return rows_z<ZIQ4_NL>;
+        default: return nullptr;
+    }
     return nullptr;
 }
 
