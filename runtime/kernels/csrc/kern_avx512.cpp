@@ -55,7 +55,9 @@ EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
 
 // The 4-bit super-block types by table lookup: 64 bytes of packed nibbles are one load of 16
 // dwords, and nibble k of every dword (k = 0..7: the dwords shifted right by 4k) looked up in a
-// table of 16 floats gives 16 exact weights a vector.
+// table of 16 floats gives 16 exact weights a vector. Rows two at a time where a pass of one or
+// two tokens has more than 16 KiB of activations (they would be re-read from L2 for every
+// row), one otherwise (pairs).
 //
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
 // nibbles sub-block 2j, high 2j+1). Dword l of the load, nibble k: lanes 0..7 are chunk j,
@@ -69,6 +71,8 @@ struct ZQ4K {
         return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     }
     EFS_ZI static const float* x(const XPrep& p) { return p.xz; }
+    EFS_ZI static const float* sums(const XPrep& p) { return p.s32; }
+    EFS_ZI static bool pairs(int nt, int64_t cols) { return nt <= 2 && !x_in_l1(nt, cols, 4); }
     EFS_ZI static __m512 scales(const uint8_t* b) { return q45_scales_z(b); }
     EFS_ZI static __m512 even(__m512 sv, int h) { return q45_pair(sv, 4 * h, 4 * h + 2); }
     EFS_ZI static __m512 odd(__m512 sv, int h) { return q45_pair(sv, 4 * h + 1, 4 * h + 3); }
@@ -77,10 +81,9 @@ struct ZQ4K {
 // IQ4_XS: d, scales_h:u16, scales_l[4], qs[128]; group g of 32 (16 bytes: low nibbles its
 // elements 0..15, high 16..31) scaled by d (ls - 32), ls 6 bits (iq4xs_ls). Dword l of a load
 // lies in group l / 4 for every k, so all 8 vectors take one scale vector; the table is
-// kvalues_iq4nl as floats.
-struct ZIQ4XS {
+// kvalues_iq4nl as floats. Passes and pairs as Q4_K's.
+struct ZIQ4XS : ZQ4K {
     static constexpr int BYTES = 136, QS = 8;
-    static constexpr int FAMILY = F_NIB, PER = 4;
     static constexpr bool MIN = false;
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
@@ -183,20 +186,6 @@ EFS_ZI int64_t nib_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, i
     return r;
 }
 
-// Two rows at a time where a pass of one or two tokens has more than 16 KiB of activations
-// (they would be re-read from L2 for every row), one otherwise.
-template <int NT, class Z>
-EFS_ZI void ex_nib_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                     const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    const int64_t nb = cols / 256;
-    const float* xz[NT];
-    const float* s32[NT];
-    for (int t = 0; t < NT; ++t) { xz[t] = Z::x(xs[t]); s32[t] = xs[t].s32; }
-    int64_t r = r0;
-    if (NT <= 2 && !x_in_l1(NT, cols, 4))
-        r = nib_rows_z<NT, 2, Z>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
-    nib_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xz, s32, y, ys, alpha, accumulate);
-}
 
 
 // Q2_K (scales[16]: low nibble scale, high nibble min of each 16 weights; qs[64]; d, dmin)
@@ -217,7 +206,12 @@ EFS_ZI void ex_nib_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
 struct ZQ2 {
     static constexpr int BYTES = 84;
     static constexpr int FAMILY = F_Q23, PER = 4;
-    static constexpr bool PAIRS = true;       // two rows at a time where ex_q23_z says
+    EFS_ZI static const float* x(const XPrep& p) { return p.xq; }
+    EFS_ZI static const float* sums(const XPrep& p) { return p.s16; }
+    // two rows at a time from three tokens, or where one or two have more than 16 KiB of
+    // activations: each activation vector loaded once for both rows (passes of up to 4
+    // tokens: 8 tokens' sums for two rows would spill)
+    EFS_ZI static bool pairs(int nt, int64_t cols) { return nt >= 3 || !x_in_l1(nt, cols, 4); }
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
     }
@@ -240,10 +234,10 @@ struct ZQ2 {
     }
 };
 
-struct ZQ3 {
-    static constexpr int BYTES = 110;
-    static constexpr int FAMILY = F_Q23, PER = 8;
-    static constexpr bool PAIRS = false;      // two rows' decode state spills: one at a time
+struct ZQ3 : ZQ2 {                  // its activations in ZQ2's order
+    static constexpr int BYTES = 110, PER = 8;
+    // one row at a time (two rows' decode state spills), passes of up to 8 tokens
+    EFS_ZI static bool pairs(int, int64_t) { return false; }
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
     }
@@ -318,21 +312,28 @@ EFS_ZI int64_t q23_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, i
     return r;
 }
 
-// Q2_K two rows at a time from three tokens, or where one or two have more than 16 KiB of
-// activations: each activation vector loaded once for both rows (passes of up to 4 tokens:
-// 8 tokens' sums for two rows would spill). Q3_K's larger decode state does not fit two rows:
-// one row at a time, passes of up to 8 tokens.
+// The super-block lookup types' rows (Z::pairs: R = 2 where the type says, then one at a time).
+template <int NT, int R, class Z>
+EFS_ZI int64_t lut_rows_z(const uint8_t* W, int64_t rb, int64_t r, int64_t r1, int64_t nb,
+                          const float* const* xo, const float* const* sums, float* y,
+                          int64_t ys, float alpha, int accumulate) {
+    if constexpr (Z::FAMILY == F_NIB)
+        return nib_rows_z<NT, R, Z>(W, rb, r, r1, nb, xo, sums, y, ys, alpha, accumulate);
+    else
+        return q23_rows_z<NT, R, Z>(W, rb, r, r1, nb, xo, sums, y, ys, alpha, accumulate);
+}
+
 template <int NT, class Z>
-EFS_ZI void ex_q23_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+EFS_ZI void ex_lut_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
     const int64_t nb = cols / 256;
-    const float* xq[NT];
-    const float* s16[NT];
-    for (int t = 0; t < NT; ++t) { xq[t] = xs[t].xq; s16[t] = xs[t].s16; }
+    const float* xo[NT];
+    const float* sums[NT];
+    for (int t = 0; t < NT; ++t) { xo[t] = Z::x(xs[t]); sums[t] = Z::sums(xs[t]); }
     int64_t r = r0;
-    if (Z::PAIRS && (NT >= 3 || !x_in_l1(NT, cols, 4)))
-        r = q23_rows_z<NT, 2, Z>(W, rb, r, r1, nb, xq, s16, y, ys, alpha, accumulate);
-    q23_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xq, s16, y, ys, alpha, accumulate);
+    if (Z::pairs(NT, cols))
+        r = lut_rows_z<NT, 2, Z>(W, rb, r, r1, nb, xo, sums, y, ys, alpha, accumulate);
+    lut_rows_z<NT, 1, Z>(W, rb, r, r1, nb, xo, sums, y, ys, alpha, accumulate);
 }
 
 
@@ -495,12 +496,10 @@ EFS_Z void ex_b32_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
 template <int NT, class Z>
 EFS_Z void pass_z(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                   const XPrep* xs, float* y, int64_t ys, float alpha, int accumulate) {
-    if constexpr (Z::FAMILY == F_NIB)
-        ex_nib_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-    else if constexpr (Z::FAMILY == F_Q23)
-        ex_q23_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
-    else
+    if constexpr (Z::FAMILY == F_B32)
         ex_b32_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
+    else
+        ex_lut_z<NT, Z>(W, rb, r0, r1, cols, xs, y, ys, alpha, accumulate);
 }
 
 // Up to Z::PER tokens per pass over the weights: 8 for the blocks of 32 but IQ4_NL (two rows'
