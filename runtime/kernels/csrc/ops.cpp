@@ -114,6 +114,21 @@ RowsFn rows_fn(int type, int mode) {
     return f ? f : scalar_rows(type, mode);
 }
 
+// The AVX-512 exact kernels' activation orders (kern.h exact_layouts): its bit, the columns it
+// needs a multiple of, its permutation (from x, or from xp) and its XPrep field.
+struct Order {
+    int bit;
+    int64_t chunk;
+    void (*perm)(const float*, float*, int64_t);
+    bool from_xp;
+    const float* XPrep::*field;
+};
+constexpr Order ORDERS[] = {{X_XZ, 128, perm128, false, &XPrep::xz},
+                            {X_XH, 128, perm_h64, true, &XPrep::xh},
+                            {X_XQ, 256, perm_q2, false, &XPrep::xq},
+                            {X_XI, 128, perm_iq4, false, &XPrep::xi}};
+constexpr int N_ORDERS = (int)(sizeof(ORDERS) / sizeof(ORDERS[0]));
+
 // Prepared activations for `nt` vectors of `cols` floats in one format; owns its memory.
 struct Prep {
     std::vector<float> f;
@@ -127,16 +142,16 @@ struct Prep {
         xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                             nullptr, nullptr});
         if (fmt == X_EXACT) {
-            // Per token [xp | xz | xh | xq | xi | s16 | s32] (xz, xh, xq and xi where wanted),
-            // each token's block and its AVX-512 orders starting on a 64-byte boundary when
-            // cols % 32 == 0: a 512-bit load of a vector that is not 64-byte aligned spans two
-            // cache lines.
-            const bool z = g_isa >= ISA_AVX512 && cols % 128 == 0;
-            const bool wz = z && (layouts & X_XZ), wh = z && (layouts & X_XH);
-            const bool wq = z && cols % 256 == 0 && (layouts & X_XQ);
-            const bool wi = z && (layouts & X_XI);
-            const int64_t oz = cols, oh = oz + (wz ? cols : 0), oq = oh + (wh ? cols : 0);
-            const int64_t oi = oq + (wq ? cols : 0), os = oi + (wi ? cols : 0);
+            // Per token [xp | the AVX-512 orders wanted (ORDERS) | s16 | s32], each token's
+            // block and each order starting on a 64-byte boundary when cols % 32 == 0: a
+            // 512-bit load of a vector that is not 64-byte aligned spans two cache lines.
+            int64_t off[N_ORDERS], os = cols;
+            for (int k = 0; k < N_ORDERS; ++k) {
+                const Order& o = ORDERS[k];
+                const bool on = g_isa >= ISA_AVX512 && cols % o.chunk == 0 && (layouts & o.bit);
+                off[k] = on ? os : -1;
+                os += on ? cols : 0;
+            }
             const int64_t per = (os + cols / 16 + cols / 32 + 15) / 16 * 16;
             f.resize((size_t)(per * nt + 16));
             float* f0 = f.data();
@@ -153,21 +168,10 @@ struct Prep {
                 sums16(xt, sb, sb + cols / 16, cols);
                 xs[t].s16 = sb;
                 xs[t].s32 = sb + cols / 16;
-                if (wz) {
-                    perm128(xt, base + oz, cols);
-                    xs[t].xz = base + oz;
-                }
-                if (wh) {
-                    perm_h64(base, base + oh, cols);
-                    xs[t].xh = base + oh;
-                }
-                if (wq) {
-                    perm_q2(xt, base + oq, cols);
-                    xs[t].xq = base + oq;
-                }
-                if (wi) {
-                    perm_iq4(xt, base + oi, cols);
-                    xs[t].xi = base + oi;
+                for (int k = 0; k < N_ORDERS; ++k) {
+                    if (off[k] < 0) continue;
+                    ORDERS[k].perm(ORDERS[k].from_xp ? base : xt, base + off[k], cols);
+                    xs[t].*ORDERS[k].field = base + off[k];
                 }
             }
         } else if (fmt == X_Q8K) {
