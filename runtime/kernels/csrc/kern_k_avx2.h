@@ -422,15 +422,23 @@ EFS_KT void q8_q6_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
-// Q2_K against Q8_K: per 16 weights the 2-bit values times the scale's low nibble, the mins
-// (high nibbles) as dy * dmin * sum(min * bsums) in float. The scales a block at a time in
-// vector registers: the mins' sum one madd of the 16 mins against bsums, each pair of 16-bit
-// scale vectors one byte shuffle of the block's 16 scales (pick16), where per-scale scalar
-// work took most of the block's time. The same integers, so the same bits.
-EFS_TI __m256i pick16(int a) {          // pair16(s[a], s[a + 1]) of 16 bytes s in each lane
-    return _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | (a + 1))),
-                            _mm_set1_epi16((short)(0x8000 | a)));
+// A block's 16 scales as 16-bit values, each 128-bit half in both lanes: [0] scales 0..7,
+// [1] 8..15. pick16w(2j) of half n is then pair16(s[8n + 2j], s[8n + 2j + 1]), one byte
+// shuffle where building it from extracted scalars took most of a q8 block's time.
+EFS_TI void halves16(__m256i s16, __m256i* h) {
+    h[0] = _mm256_permute2x128_si256(s16, s16, 0x00);
+    h[1] = _mm256_permute2x128_si256(s16, s16, 0x11);
 }
+
+// pair16(h[a], h[a + 1]) of 8 16-bit values h in each lane.
+EFS_TI __m256i pick16w(int a) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)(((2 * a + 3) << 8) | (2 * a + 2))),
+                            _mm_set1_epi16((short)(((2 * a + 1) << 8) | (2 * a))));
+}
+
+// Q2_K against Q8_K: per 16 weights the 2-bit values times the scale's low nibble, the mins
+// (high nibbles) as dy * dmin * sum(min * bsums) in float: one madd of the 16 mins against
+// bsums, the scale pairs by halves16 and pick16w. The same integers, so the same bits.
 
 template <int NT>
 EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
@@ -449,7 +457,8 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         for (int64_t i = 0; i < nb; ++i, b += 84) {
             pf_next(pf, b + 84);
             const __m128i sc = loadu128(b);
-            const __m256i S8 = _mm256_broadcastsi128_si256(_mm_and_si128(sc, m4));
+            __m256i S16[2];
+            halves16(_mm256_cvtepu8_epi16(_mm_and_si128(sc, m4)), S16);
             const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), m4));
             const float dmin = f16(b + 82), d = f16(b + 80);
             __m256i sumi[NT];
@@ -464,7 +473,7 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                 for (int j = 0; j < 4; ++j) {
                     const __m256i v = _mm256_and_si256(
                         _mm256_srl_epi16(Q, _mm_cvtsi32_si128(2 * j)), m3);
-                    const __m256i s = _mm256_shuffle_epi8(S8, pick16(8 * n + 2 * j));
+                    const __m256i s = _mm256_shuffle_epi8(S16[n], pick16w(2 * j));
                     for (int t = 0; t < NT; ++t) {
                         const __m256i p = _mm256_maddubs_epi16(
                             v, loadu256((const uint8_t*)(y[t][i].qs + 128 * n + 32 * j)));
@@ -480,15 +489,8 @@ EFS_KT void q8_q2_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
-// pair16(h[a], h[a + 1]) of 8 16-bit values h in each lane.
-EFS_TI __m256i pick16w(int a) {
-    return _mm256_set_m128i(_mm_set1_epi16((short)(((2 * a + 3) << 8) | (2 * a + 2))),
-                            _mm_set1_epi16((short)(((2 * a + 1) << 8) | (2 * a))));
-}
-
 // Q3_K against Q8_K: the 3-bit values (2 low bits and the hmask bit, 0..7) less 4 times
-// the activations, per 16 weights times the signed 6-bit scale (each pair of scale vectors a
-// byte shuffle of the block's 16 scales widened, as q8_q2_k's).
+// the activations, per 16 weights times the signed 6-bit scale (its pairs as q8_q2_k's).
 template <int NT>
 EFS_KT void q8_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                      const XPrep* xs, Out out) {
@@ -503,10 +505,9 @@ EFS_KT void q8_q3_k(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; ++i, b += 110) {
             pf_next(pf, b + 110);
-            const __m256i s16 = _mm256_cvtepi8_epi16(
-                _mm_sub_epi8(q3k_scales_v(b + 96), _mm_set1_epi8(32)));
-            const __m256i S16[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
-                                    _mm256_permute2x128_si256(s16, s16, 0x11)};
+            __m256i S16[2];
+            halves16(_mm256_cvtepi8_epi16(_mm_sub_epi8(q3k_scales_v(b + 96), _mm_set1_epi8(32))),
+                     S16);
             __m256i hb = loadu256(b);
             __m256i sumi[NT];
             for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
