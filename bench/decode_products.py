@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where a resident decode token's time goes, product by product: the native kernels' calls
-(``kernels.matvec`` by type, shape and tokens; ``kernels.moe`` per MoE layer; ``kernels.qgemm``)
-timed in one process, the store resident (every expert in the RAM tier), after an untimed
-warm-up, in ms a token; the rest of the step (attention, norms, routing, Python) is the total
-less their sum. Any architecture; CPU only (the CUDA path does not call these).
+(``kernels.matvec`` by type, shape and tokens; ``kernels.moe`` per MoE layer; ``kernels.qgemm``;
+the router, attention, norm and state steps) timed in one process, the store resident (every
+expert in the RAM tier), after an untimed warm-up, in ms a token; the rest of the step (Python
+and torch's own ops) is the total less their sum. Any architecture; CPU only (the CUDA path
+does not call these).
 
     .venv/bin/python bench/decode_products.py STORE.efs -n 16 --prompt-tokens 128 -t 2
 """
@@ -38,7 +39,8 @@ def install(kernels, spent: dict, calls: collections.Counter) -> None:
                 spent[key] += time.perf_counter() - t0
                 calls[key] += 1
         return timed
-    for name in ("matvec", "moe", "qgemm"):
+    for name in ("matvec", "moe", "qgemm", "route", "attn_decode", "rms_norm", "norm_rope_",
+                 "kda_step_", "sinkhorn_", "moe_hidden", "moe_down_rows", "moe_combine"):
         setattr(kernels, name, wrap(name, getattr(kernels, name)))
 
 
