@@ -105,7 +105,7 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType, shape: Seque
     mod = load()
     if mod is None:
         return None
-    return mod.matvec(x, raw.reshape(-1), t, rows, cols, mode)
+    return mod.matvec(x, raw if raw.dim() == 1 else raw.reshape(-1), t, rows, cols, mode)
 
 
 def qgemm(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLType,

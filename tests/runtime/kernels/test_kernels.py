@@ -336,6 +336,14 @@ def _child(q, x, w, gate, up, down, types, ff, ref):
     q.put(bool(torch.equal(kernels.moe(x, w, gate, up, down, types, ff), ref)))
 
 
+def test_every_token_limit_takes_one_token():
+    """A decode step's products go native without looking their limit up
+    (``qmatvec.decode_matvec``): no table may send one token elsewhere."""
+    w = kernels.widths
+    tables = [v for k, v in vars(w).items() if k.startswith("WIDE_TYPES") and isinstance(v, dict)]
+    assert len(tables) >= 9 and all(n >= 1 for t in tables for n in t.values())
+
+
 def test_max_tokens_follows_the_isa(monkeypatch):
     """The types whose kernels beat native dequantization + float32 products at prefill widths
     take that many tokens natively, per kernel ISA, width of the float32 products
