@@ -170,8 +170,8 @@ def decode_matvec(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[
     """``x [T, cols]`` float32 on CPU → ``[T, rows]`` through the native kernels (any of their
     types, up to ``kernels.max_tokens`` of the type, ``NATIVE_MAX_TOKENS`` where its table has
     none; ``act_quant`` honoured), else ``fused_matvec``;
-    None when neither applies. One token skips the limit's lookup: every table's is at least 4
-    (a test keeps it so)."""
+    None when neither applies. One token skips the limit's lookup: no table's limit is below
+    one token (a test keeps it so)."""
     if x.dim() == 2 and (x.shape[0] == 1
                          or x.shape[0] <= native.max_tokens(t, NATIVE_MAX_TOKENS, act_quant)):
         y = native.matvec(x, raw, t, shape, act_quant)
