@@ -23,12 +23,7 @@ simulator's semantics, policy by name from ``expertfs.runtime.policies.registry`
   filled at start with the most used experts (all of them when they all fit), in the background
   at prefetch priority, one read at a time and none while a demand read is in flight;
   ``warm_held=True`` queues it but issues nothing until ``resume_warm()`` (the engine resumes
-  it at the first logits). A held warm start for a tier that holds every expert is not even
-  queued until then: queuing gives each expert its slot, in learned-rank order, so the prompt's
-  reads would land all over a fresh slab instead of in address order behind the background
-  fault-in; seeded at the first logits it reads only what the prompt left (bench/README, the
-  Zen 4 ``plan`` section: first token and decode of uncapped full-depth runs). A smaller tier
-  is queued at open, so its policy knows the learned hot experts before the prompt.
+  it at the first logits).
 
 ``prefetch_slots`` (RAM tier only) stages prefetches outside the tier, so wrong predictions
 evict nothing (see ``TierCache``); without it they are read into the tier itself.
@@ -123,25 +118,14 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
         self._closed = False
         if warm_held:
             self.cache.loader.hold()
-        self._warm_later: dict | None = None        # rates held back until resume_warm
         if warm_start:
-            rates = _warm_rates(store, geo, self.cache.R)
-            R = self.cache.R
-            if warm_held and R is not None and R.capacity >= sum(geo.experts):
-                self._warm_later = rates
-            else:
-                self.cache.warm(rates)
+            self.cache.warm(_warm_rates(store, geo, self.cache.R))
 
     def hold_warm(self) -> None:
         """Issue no more warm-start reads until ``resume_warm`` (those in flight finish)."""
         self.cache.loader.hold()
 
     def resume_warm(self) -> None:
-        """Let the warm start read (queuing it first where it was held back, see the module's
-        notes)."""
-        if self._warm_later is not None:
-            rates, self._warm_later = self._warm_later, None
-            self.cache.warm(rates)
         self.cache.loader.go()
 
     # -- the protocol ---------------------------------------------------------------------------
