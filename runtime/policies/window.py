@@ -88,8 +88,10 @@ class WindowLFU(Policy):
             self.main.on_evict(key)
 
     def seed(self, rates: Mapping[Key, float], now: float) -> list[Key]:
-        """Learned hot keys go straight to the frequency region, with their prior scores."""
-        self.main.capacity = self.capacity - len(self)
+        """Learned hot keys go straight to the frequency region, with their prior scores, into
+        the room the policy has left: the frequency region may hold what the window does not
+        (a seed after reads, not only into an empty policy, must evict nothing)."""
+        self.main.capacity = self.capacity - len(self.win)
         try:
             return self.main.seed(rates, now)
         finally:

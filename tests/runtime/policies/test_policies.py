@@ -143,6 +143,18 @@ def test_window_lfu_new_key_survives_its_window() -> None:
     assert p.access("y", 20) is True
 
 
+def test_window_lfu_seed_after_reads_fills_only_its_room() -> None:
+    """A warm start seeded once keys are resident (a prompt read them first) takes the room
+    left and evicts none of them: the cache's slots and the policy stay in step."""
+    p = WindowLFU(10, window=2, half_life=None)
+    replay(p, "aabbccdef")             # window and frequency region both hold keys
+    held = resident(p, "abcdef")
+    assert held == set("abcdef")
+    got = p.seed({k: 1.0 + i for i, k in enumerate("ghijklmn")}, 30)
+    assert len(got) == 4 and len(p) == 10
+    assert resident(p, "abcdef") == held
+
+
 def test_window_lfu_key_that_became_frequent_wins_its_duel() -> None:
     p = WindowLFU(2, window=1, half_life=None)
     replay(p, "ab")                    # b in the window, a in the frequency region
