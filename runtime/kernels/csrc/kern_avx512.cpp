@@ -362,11 +362,11 @@ struct ZQ4_0 {
                   lo, hi);
     }
 };
-struct ZIQ4_NL {      // a token's result the same in any batch: no SCALED_PAIRS
-    static constexpr int BYTES = 18;
-    static constexpr int FAMILY = F_B32, PER = 4;
+// IQ4_NL: Q4_0's block (d, 16 bytes of nibbles) with kvalues_iq4nl for table; a token's
+// result the same in any batch (no SCALED_PAIRS), passes of up to 4 tokens.
+struct ZIQ4_NL : ZQ4_0 {
+    static constexpr int PER = 4;
     static constexpr bool SCALED_PAIRS = false;
-    EFS_ZI static float d(const uint8_t* b) { return f16_z(b); }
     EFS_ZI static void w(const uint8_t* b, __m512& lo, __m512& hi) {
         nibbles_z(b + 2, _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
                                         53, 69, 89, 113),
@@ -543,7 +543,6 @@ RowsFn avx512_rows(int type, int mode) {
         case T_IQ4_NL: return rows_z<ZIQ4_NL>;
         default: return nullptr;
     }
-    return nullptr;
 }
 
 bool avx512_compiled() { return true; }

@@ -634,7 +634,7 @@ RowsFn avx512_k_rows(int type, int mode) {
             default: return nullptr;
         }
     }
-    switch (type) {       // exact Q2_K, Q3_K, Q4_K: kern_avx512.cpp's table-lookup kernels
+    switch (type) {       // exact Q2_K ... Q4_K, IQ4_XS, IQ4_NL: kern_avx512.cpp's lookups
         case T_Q5_K: return rows_kz<8, K_ex_q5_k_p>;
         case T_Q6_K: return rows_kz<8, K_ex_q6_k_z>;
         default: return nullptr;
