@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "pad_rows", "backend", "isa", "BACKENDS"]
+__all__ = ["linear", "pad_rows", "backend", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,6 @@ def _onednn_speedup() -> float:
             if r >= 2:
                 best[i] = min(best[i], time.perf_counter() - t0)
     return best[0] / best[1]
-
-
-def isa() -> str:
-    """The vector width the float32 products run at: ``"avx512"`` where oneDNN was chosen on a
-    CPU with AVX-512 or MKL runs on an Intel one, else ``"avx2"`` (MKL on AMD). The native
-    kernels' token limits (``ops.max_tokens``) depend on it: the faster the products, the fewer
-    tokens a native product is worth."""
-    vendor, flags = _cpu_flags()
-    if "avx512f" in flags and (backend() == "onednn" or vendor == "GenuineIntel"):
-        return "avx512"
-    return "avx2"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,15 +11,14 @@ import torch
 
 from ...formats.ggml import GGMLType
 from .build import load
-from .widths import (WIDE_TYPES, WIDE_TYPES_AVX2, WIDE_TYPES_GEMM512,  # noqa: F401
-                     WIDE_TYPES_Q8, WIDE_TYPES_Q8_AVX2, WIDE_TYPES_Q8_GEMM512,
-                     WIDE_TYPES_Q8_VNNI, _WIDE, max_tokens)
+from .widths import (WIDE_TYPES, WIDE_TYPES_AVX2, WIDE_TYPES_Q8_AVX2,  # noqa: F401
+                     _WIDE, max_tokens)
 
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine", "expert_tokens",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES",
-           "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2", "without_amx"]
+           "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2", "without_amx"]
 
 #: Activation-quantization modes: name → kernel mode.
 ACT_QUANT = {"off": 0, "q8": 1}

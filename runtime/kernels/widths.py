@@ -4,45 +4,34 @@ ISA and numerics, as measured (bench/README.md): ``max_tokens``."""
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 from ...formats.ggml import GGMLType
-from . import gemm
 from .build import load
 
-__all__ = ["max_tokens", "q8_panel", "WIDE_TYPES", "WIDE_TYPES_Q8", "WIDE_TYPES_AVX2",
-           "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_GEMM512", "WIDE_TYPES_Q8_GEMM512",
-           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_AVXVNNI", "WIDE_TYPES_AMX"]
+__all__ = ["max_tokens", "q8_panel", "splits_512", "WIDE_TYPES", "WIDE_TYPES_AVX2",
+           "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_FULL512", "WIDE_TYPES_Q8_FULL512",
+           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_VNNI_SPLIT512", "WIDE_TYPES_Q8_AVXVNNI",
+           "WIDE_TYPES_AMX"]
 
-#: Most tokens per native product, per type, under the AVX-512 kernels where the float32
-#: products run at AVX2 width (MKL on an AMD CPU that splits 512-bit operations; exact
-#: numerics): the widest batch, of 32, 64, 128 and 256 tokens, at which the native product beat
-#: ``runtime.model.wide.wide_linear`` (then native dequantization + F.linear) over the expert
-#: and trunk shapes on 2 threads (``bench/bench_kernels.py --prefill``). Measured before
-#: ``qgemm`` took the wide products, on a box not at hand since: a batch past these limits now
-#: goes through ``qgemm``, faster than before, so they err towards the native product. The
-#: lattice IQ and TQ types' limits are the AVX-512 panel's against the AVX-512 rows kernels
-#: (``WIDE_TYPES_GEMM512``'s, not measured on such a box: the float32 products' width plays no
-#: part in either). Types not listed keep the caller's default.
+#: Most tokens per native product, per type, under the AVX-512 kernels on a CPU that executes
+#: 512-bit operations as two 256-bit halves (AMD Zen 4, ``splits_512``; exact numerics): the
+#: widest batch up to which the rows kernels took at least 1.05 times less time than the panel
+#: product (``kernels.qgemm``, which every batch past the limit takes), in the geometric mean
+#: over the expert and trunk shapes on 2 threads (``bench_kernels.py --prefill -t 2 --tokens
+#: 4,6,8,10,12,16,24,32,48,64,96,128,192``; two runs, the lower limit where they differ;
+#: bench/README.md). The panel's 16-token float products run at half their full-width rate
+#: there, so the rows kernels, the table-lookup types' above all, stay ahead further than on a
+#: full-width CPU.
 WIDE_TYPES = {
-    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
-    GGMLType.Q3_K: 128, GGMLType.Q4_0: 256, GGMLType.Q8_0: 256, GGMLType.Q4_1: 64,
-    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.MXFP4: 64, GGMLType.IQ4_XS: 128,
-    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,
+    GGMLType.Q4_K: 12, GGMLType.Q5_K: 12, GGMLType.Q6_K: 12, GGMLType.Q2_K: 48,
+    GGMLType.Q3_K: 32, GGMLType.Q4_0: 48, GGMLType.Q8_0: 48, GGMLType.Q4_1: 12,
+    GGMLType.Q5_0: 48, GGMLType.Q5_1: 32, GGMLType.MXFP4: 96, GGMLType.IQ4_XS: 48,
+    GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 12,
     GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12, GGMLType.IQ1_M: 12,
     GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8,
 }
-
-#: The same for ``act_quant="q8"`` (the native q8 product against ``wide_linear``).
-WIDE_TYPES_Q8 = {
-    GGMLType.Q4_K: 128, GGMLType.Q5_K: 128, GGMLType.Q6_K: 256, GGMLType.Q2_K: 128,
-    GGMLType.Q3_K: 256, GGMLType.Q4_0: 128, GGMLType.Q8_0: 128, GGMLType.Q4_1: 64,
-    GGMLType.Q5_0: 64, GGMLType.Q5_1: 64, GGMLType.IQ4_XS: 128, GGMLType.IQ4_NL: 256,
-    GGMLType.IQ2_XXS: 256,
-    GGMLType.IQ2_XS: 256, GGMLType.IQ2_S: 256, GGMLType.IQ3_XXS: 256, GGMLType.IQ3_S: 256,
-    GGMLType.IQ1_S: 256, GGMLType.IQ1_M: 256, GGMLType.TQ1_0: 256, GGMLType.TQ2_0: 256,
-}
-
 
 #: The same under the AVX2 kernels (exact, then q8), past which ``wide_linear`` takes the
 #: product through ``qgemm`` in AVX2. Exact: measured with 8 to 128 tokens on 2 threads with the
@@ -69,13 +58,14 @@ WIDE_TYPES_Q8_AVX2 = {
     GGMLType.Q5_1: 32,
 }
 
-#: The same under the AVX-512 kernels where the products run at AVX-512 width too
-#: (``gemm.isa()``: a Zen 5, or an Intel CPU): past the limit ``wide_linear`` takes the product
-#: through ``qgemm``, the panel product, so a native product is worth fewer tokens; measured
-#: with 8 to 128 tokens on 2 threads (exact, then q8; ``bench_kernels.py --prefill``); the
-#: lattice IQ and TQ types' exact limits again (8-48 tokens) after their panel took the AVX2
-#: dequantization, where it had been the portable one.
-WIDE_TYPES_GEMM512 = {
+#: The same under the AVX-512 kernels on a CPU with full-width 512-bit units (a Zen 5, an Intel
+#: CPU), exact then q8 (the q8 rows kernels against the exact panel: q8 for a type without an
+#: integer panel); measured on a Zen 5 with 8 to 128 tokens on 2 threads (``bench_kernels.py
+#: --prefill``); the lattice IQ and TQ types' exact limits again (8-48 tokens) after their panel
+#: took the AVX2 dequantization, where it had been the portable one. Measured before Q2_K, Q3_K,
+#: IQ4_XS and IQ4_NL took the table-lookup rows kernels, which made their rows kernels faster:
+#: their limits err towards the panel.
+WIDE_TYPES_FULL512 = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 24, GGMLType.Q4_0: 24,
     GGMLType.Q2_K: 24, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 24,
     GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,
@@ -83,7 +73,7 @@ WIDE_TYPES_GEMM512 = {
     GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
     GGMLType.Q5_1: 24,
 }
-WIDE_TYPES_Q8_GEMM512 = {
+WIDE_TYPES_Q8_FULL512 = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 8, GGMLType.Q4_0: 8,
     GGMLType.Q2_K: 16, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 12, GGMLType.MXFP4: 16,
     GGMLType.IQ4_NL: 48, GGMLType.IQ2_XXS: 128, GGMLType.IQ2_XS: 128, GGMLType.IQ2_S: 128,
@@ -92,32 +82,60 @@ WIDE_TYPES_Q8_GEMM512 = {
     GGMLType.Q5_1: 16,
 }
 
-#: (kernel ISA, float32 product ISA, numerics) → table
-_WIDE = {("avx512", "avx2", 0): WIDE_TYPES, ("avx512", "avx2", 1): WIDE_TYPES_Q8,
-         ("avx512", "avx512", 0): WIDE_TYPES_GEMM512,
-         ("avx512", "avx512", 1): WIDE_TYPES_Q8_GEMM512,
-         ("avx2", "avx2", 0): WIDE_TYPES_AVX2, ("avx2", "avx2", 1): WIDE_TYPES_Q8_AVX2,
-         ("avx2", "avx512", 0): WIDE_TYPES_AVX2, ("avx2", "avx512", 1): WIDE_TYPES_Q8_AVX2}
+#: (kernel ISA, 512-bit operations split in two, numerics) → table. q8 on a CPU that splits them
+#: (a Zen 4, which has AVX512-VNNI) takes the integer panel's table for every type; a type
+#: without one would take the full-width CPU's q8 table, the only one measured against the
+#: exact panel under AVX-512.
+_WIDE = {("avx512", True, 0): WIDE_TYPES, ("avx512", True, 1): WIDE_TYPES_Q8_FULL512,
+         ("avx512", False, 0): WIDE_TYPES_FULL512, ("avx512", False, 1): WIDE_TYPES_Q8_FULL512,
+         ("avx2", False, 0): WIDE_TYPES_AVX2, ("avx2", False, 1): WIDE_TYPES_Q8_AVX2}
+
+
+@functools.lru_cache(maxsize=None)
+def _amd_family(cpuinfo: str = "/proc/cpuinfo") -> int:
+    """The first CPU's family number where it is an AMD one, else 0."""
+    vendor, family = "", 0
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key == "cpu family":
+                    family = int(value)
+                    break
+    except (OSError, ValueError):
+        return 0
+    return family if vendor == "AuthenticAMD" else 0
+
+
+def splits_512() -> bool:
+    """Whether the CPU executes a 512-bit vector operation as two 256-bit halves: an AMD CPU
+    before Zen 5 (family 0x19, whose only AVX-512 parts are Zen 4). A stable property of the
+    box, so a process's token limits do not depend on a timing."""
+    return 0 < _amd_family() < 0x1A
 
 
 def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
     """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
-    (more: dequantize once and multiply as a matrix): the figure measured for the ISA the
-    kernels run and the width of the float32 products (``gemm.isa()``): ``WIDE_TYPES``/
-    ``WIDE_TYPES_Q8`` under AVX-512 beside AVX2 products, the ``_GEMM512`` tables beside AVX-512
-    ones, the ``_AVX2`` tables under AVX2; ``WIDE_TYPES_Q8_VNNI``/``_AVXVNNI`` where q8's
-    integer panel takes the type, ``WIDE_TYPES_AMX`` where exact mode's AMX panel does; else
-    ``default``."""
+    (more: the panel product, ``qgemm``): the figure measured for the ISA the kernels run and the
+    CPU's 512-bit units (``splits_512``): ``WIDE_TYPES`` under AVX-512 on a CPU that splits
+    512-bit operations, the ``_FULL512`` tables on one that does not, the ``_AVX2`` tables under
+    AVX2; where q8's integer panel takes the type ``WIDE_TYPES_Q8_VNNI_SPLIT512``/
+    ``WIDE_TYPES_Q8_VNNI``/``WIDE_TYPES_Q8_AVXVNNI``, and ``WIDE_TYPES_AMX`` where exact mode's
+    AMX panel does; else ``default``."""
     mod = load()
     if mod is None:
         return default
     isa, q8 = mod.isa(), act_quant is not None and act_quant != "off"
     if q8 and int(ggml_type) in _panel_types(mod, isa):
-        vnni = WIDE_TYPES_Q8_VNNI if isa == "avx512" else WIDE_TYPES_Q8_AVXVNNI
+        vnni = (WIDE_TYPES_Q8_AVXVNNI if isa != "avx512" else
+                WIDE_TYPES_Q8_VNNI_SPLIT512 if splits_512() else WIDE_TYPES_Q8_VNNI)
         return vnni.get(ggml_type, default)
     if not q8 and ggml_type in WIDE_TYPES_AMX and mod.amx():
         return WIDE_TYPES_AMX[ggml_type]
-    return _WIDE.get((isa, gemm.isa(), int(q8)), {}).get(ggml_type, default)
+    return _WIDE.get((isa, isa == "avx512" and splits_512(), int(q8)), {}).get(ggml_type, default)
 
 
 #: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these
@@ -138,6 +156,19 @@ WIDE_TYPES_Q8_VNNI = {
     GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 10, GGMLType.TQ1_0: 4, GGMLType.TQ2_0: 8,
     GGMLType.Q8_0: 4, GGMLType.Q4_0: 4, GGMLType.IQ4_NL: 4, GGMLType.MXFP4: 4,
     GGMLType.IQ4_XS: 6, GGMLType.Q5_0: 4, GGMLType.Q4_1: 4, GGMLType.Q5_1: 4,
+}
+
+#: The same on a CPU that splits 512-bit operations (a Zen 4, ``splits_512``), measured as
+#: ``WIDE_TYPES`` (the q8 ratio, 4-192 tokens, two runs, the lower limit where they differ):
+#: the integer panel's 512-bit products at half their full-width rate leave the q8 rows kernels
+#: ahead up to 8-24 tokens.
+WIDE_TYPES_Q8_VNNI_SPLIT512 = {
+    GGMLType.Q4_K: 12, GGMLType.Q5_K: 12, GGMLType.Q6_K: 16, GGMLType.Q2_K: 16,
+    GGMLType.Q3_K: 12, GGMLType.Q4_0: 8, GGMLType.Q8_0: 8, GGMLType.Q4_1: 8, GGMLType.Q5_0: 8,
+    GGMLType.Q5_1: 8, GGMLType.MXFP4: 8, GGMLType.IQ4_XS: 12, GGMLType.IQ4_NL: 8,
+    GGMLType.IQ2_XXS: 16, GGMLType.IQ2_XS: 16, GGMLType.IQ2_S: 16, GGMLType.IQ3_XXS: 12,
+    GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 12,
+    GGMLType.TQ2_0: 24,
 }
 
 #: The same at the AVX2 tier with AVX-VNNI (the panel product in 256-bit vectors): measured on

@@ -31,13 +31,9 @@ def test_onednn_where_mkl_would_run_avx2_on_an_avx512_cpu_and_onednn_is_faster(c
     if gemm._onednn_op() is None:
         pytest.skip("this torch has no oneDNN")
     assert choose("AuthenticAMD", "fma avx2 avx512f avx512bw") == "onednn"
-    assert gemm.isa() == "avx512"
     assert choose("AuthenticAMD", "avx512f", speedup=1.1) == "mkl"   # 512-bit split in two
-    assert gemm.isa() == "avx2"
     assert choose("AuthenticAMD", "fma avx2") == "mkl"
-    assert gemm.isa() == "avx2"
     assert choose("GenuineIntel", "fma avx2 avx512f") == "mkl"
-    assert gemm.isa() == "avx512"                    # MKL's own AVX-512 path on Intel
     assert choose("GenuineIntel", "fma avx2", env="onednn") == "onednn"
     assert choose("AuthenticAMD", "avx512f", env="mkl") == "mkl"
 

@@ -344,37 +344,51 @@ def test_every_token_limit_takes_one_token():
     assert len(tables) >= 9 and all(n >= 1 for t in tables for n in t.values())
 
 
+@pytest.mark.parametrize("vendor,family,split", [
+    ("AuthenticAMD", 25, True), ("AuthenticAMD", 26, False), ("GenuineIntel", 6, False)])
+def test_splits_512_is_read_from_the_cpu_family(tmp_path, vendor, family, split):
+    """Zen 4 (AMD family 0x19) runs 512-bit operations as two halves; Zen 5 and Intel do not."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
+                    "model\t\t: 17\nflags\t\t: fpu avx2 avx512f\n")
+    assert (0 < kernels.widths._amd_family(str(info)) < 0x1A) is split
+
+
 def test_max_tokens_follows_the_isa(monkeypatch):
-    """The types whose kernels beat native dequantization + float32 products at prefill widths
-    take that many tokens natively, per kernel ISA, width of the float32 products
-    (``gemm.isa()``) and numerics (``WIDE_TYPES*``); other types and the scalar kernels keep the
-    caller's default."""
-    ops = kernels.ops
+    """The types whose rows kernels beat the panel product at prefill widths take that many
+    tokens natively, per kernel ISA, the CPU's 512-bit units (``widths.splits_512``) and
+    numerics (``WIDE_TYPES*``), whichever float32 library the box chose; other types and the
+    scalar kernels keep the caller's default."""
+    w = kernels.widths
     assert kernels.max_tokens(T.F16, 32) == kernels.max_tokens(T.F16, 32, "q8") == 32
-    assert set(ops.WIDE_TYPES_Q8) <= set(kernels.WIDE_TYPES) <= kernels.TYPES
-    assert set(ops.WIDE_TYPES_AVX2) | set(ops.WIDE_TYPES_Q8_AVX2) <= kernels.TYPES
-    assert set(ops.WIDE_TYPES_GEMM512) | set(ops.WIDE_TYPES_Q8_GEMM512) <= kernels.TYPES
-    for name, gemm_isa, ex, q8 in (
-            ("avx512", "avx2", kernels.WIDE_TYPES, ops.WIDE_TYPES_Q8),
-            ("avx512", "avx512", ops.WIDE_TYPES_GEMM512, ops.WIDE_TYPES_Q8_GEMM512),
-            ("avx2", "avx2", ops.WIDE_TYPES_AVX2, ops.WIDE_TYPES_Q8_AVX2),
-            ("avx2", "avx512", ops.WIDE_TYPES_AVX2, ops.WIDE_TYPES_Q8_AVX2)):
+    for table in (w.WIDE_TYPES, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2, w.WIDE_TYPES_FULL512,
+                  w.WIDE_TYPES_Q8_FULL512, w.WIDE_TYPES_Q8_VNNI, w.WIDE_TYPES_Q8_VNNI_SPLIT512):
+        assert set(table) <= kernels.TYPES
+    for name, split, ex, q8, vnni in (
+            ("avx512", True, w.WIDE_TYPES, w.WIDE_TYPES_Q8_FULL512,
+             w.WIDE_TYPES_Q8_VNNI_SPLIT512),
+            ("avx512", False, w.WIDE_TYPES_FULL512, w.WIDE_TYPES_Q8_FULL512,
+             w.WIDE_TYPES_Q8_VNNI),
+            ("avx2", True, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2, w.WIDE_TYPES_Q8_AVXVNNI),
+            ("avx2", False, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2, w.WIDE_TYPES_Q8_AVXVNNI)):
         if name not in isas():
             continue
-        monkeypatch.setattr(kernels.widths.gemm, "isa", lambda g=gemm_isa: g)
+        monkeypatch.setattr(w, "splits_512", lambda s=split: s)
         MOD.set_isa(name)
         try:
-            for t in kernels.TYPES:
-                amx = kernels.widths.WIDE_TYPES_AMX
-                want = amx[t] if t in amx and MOD.amx() else ex.get(t, 32)   # AMX's panel
-                assert kernels.max_tokens(t, 32) == want, (name, gemm_isa, t.name)
-                vnni = (kernels.widths.WIDE_TYPES_Q8_VNNI if name == "avx512"
-                        else kernels.widths.WIDE_TYPES_Q8_AVXVNNI)
-                want = (vnni[t] if kernels.widths.q8_panel(MOD, t)
-                        else q8.get(t, 32))        # the integer panel product takes over
-                assert kernels.max_tokens(t, 32, "q8") == want, (name, gemm_isa, t.name)
+            for gemm_backend in ("mkl", "onednn"):       # the float32 library plays no part
+                monkeypatch.setenv("EXPERTFS_GEMM", gemm_backend)
+                kernels.gemm.backend.cache_clear()
+                for t in kernels.TYPES:
+                    amx = w.WIDE_TYPES_AMX
+                    want = amx[t] if t in amx and MOD.amx() else ex.get(t, 32)   # AMX's panel
+                    assert kernels.max_tokens(t, 32) == want, (name, split, t.name)
+                    want = (vnni[t] if w.q8_panel(MOD, t)
+                            else q8.get(t, 32))        # the integer panel product takes over
+                    assert kernels.max_tokens(t, 32, "q8") == want, (name, split, t.name)
         finally:
             MOD.set_isa("best")
+            kernels.gemm.backend.cache_clear()
     MOD.set_isa("scalar")
     try:
         assert kernels.max_tokens(T.Q4_0, 32) == kernels.max_tokens(T.Q6_K, 32, "q8") == 32

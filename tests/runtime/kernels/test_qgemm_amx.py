@@ -81,11 +81,11 @@ def test_off_at_the_avx2_tier():
 
 
 def test_max_tokens_takes_the_amx_limits_while_it_is_on():
-    from expertfs.runtime.kernels import gemm, widths
+    from expertfs.runtime.kernels import widths
     t = T.IQ2_XXS
     assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]
     with kernels.without_amx():
-        assert kernels.max_tokens(t, 32) == widths._WIDE[("avx512", gemm.isa(), 0)][t]
+        assert kernels.max_tokens(t, 32) == widths._WIDE[("avx512", widths.splits_512(), 0)][t]
     assert kernels.max_tokens(t, 32) == widths.WIDE_TYPES_AMX[t]      # on again after
 
 
