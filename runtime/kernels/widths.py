@@ -21,9 +21,8 @@ __all__ = ["max_tokens", "q8_panel", "splits_512", "WIDE_TYPES", "WIDE_TYPES_AVX
 #: product (``kernels.qgemm``, which every batch past the limit takes), in the geometric mean
 #: over the expert and trunk shapes on 2 threads (``bench_kernels.py --prefill -t 2 --tokens
 #: 4,6,8,10,12,16,24,32,48,64,96,128,192``; two runs, the lower limit where they differ;
-#: bench/README.md). The panel's 16-token float products run at half their full-width rate
-#: there, so the rows kernels, the table-lookup types' above all, stay ahead further than on a
-#: full-width CPU.
+#: bench/README.md). The rows kernels stay ahead of the panel up to more tokens than on the
+#: full-width Zen 5 of ``WIDE_TYPES_FULL512``, the table-lookup types' by far the most.
 WIDE_TYPES = {
     GGMLType.Q4_K: 12, GGMLType.Q5_K: 12, GGMLType.Q6_K: 12, GGMLType.Q2_K: 48,
     GGMLType.Q3_K: 32, GGMLType.Q4_0: 48, GGMLType.Q8_0: 48, GGMLType.Q4_1: 12,
@@ -160,8 +159,7 @@ WIDE_TYPES_Q8_VNNI = {
 
 #: The same on a CPU that splits 512-bit operations (a Zen 4, ``splits_512``), measured as
 #: ``WIDE_TYPES`` (the q8 ratio, 4-192 tokens, two runs, the lower limit where they differ):
-#: the integer panel's 512-bit products at half their full-width rate leave the q8 rows kernels
-#: ahead up to 8-24 tokens.
+#: the q8 rows kernels stay ahead of the integer panel up to 8-24 tokens there, not 4-10.
 WIDE_TYPES_Q8_VNNI_SPLIT512 = {
     GGMLType.Q4_K: 12, GGMLType.Q5_K: 12, GGMLType.Q6_K: 16, GGMLType.Q2_K: 16,
     GGMLType.Q3_K: 12, GGMLType.Q4_0: 8, GGMLType.Q8_0: 8, GGMLType.Q4_1: 8, GGMLType.Q5_0: 8,
