@@ -15,7 +15,8 @@
 //  - the micro-kernel keeps MR rows x NV token vectors in registers (24 sums of the 32
 //    AVX-512 registers, 12 of AVX2's 16) and, for each k, broadcasts each row's weight and
 //    multiplies it into its NV token vectors: NV * MR fused multiply-adds for MR + NV loads,
-//    the arithmetic bound of the core.
+//    the arithmetic bound of the core. Under AVX-512 the last 1-8 tokens take 8-token (AVX2)
+//    vectors rather than a half-empty 16-token one; each token's sums are the same either way.
 #include "kern.h"
 
 #include <string.h>
@@ -210,11 +211,16 @@ void avx512_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64
     const auto mul = [nt, tp](const float* P, int64_t ps, int64_t kn, const float* xb, float* cb,
                               bool first) {
         int64_t t0 = 0;
-        for (; t0 + 16 < nt; t0 += 32)                // 32 tokens: 12 rows x 2 vectors
+        for (; t0 + 24 < nt; t0 += 32)                // over 24 left: 12 rows x 2 vectors
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
                 micro<12, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
-        if (t0 < nt)                                   // up to 16 left: 24 rows x 1 vector
+        if (nt - t0 > 8) {                             // 9-24 left: 24 rows x 1 vector
             micro<24, 1>(P, ps, kn, xb + t0, tp, cb + t0, first);
+            t0 += 16;
+        }
+        if (t0 < nt)                     // up to 8 left: 8-token vectors, not half-empty ones
+            for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
+                micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
     };
     rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
 }

@@ -41,7 +41,7 @@ def test_qgemm_equals_dequant_linear(t, isa):
     for rows in (24, 61):                          # one whole panel; a panel of 13 rows at the end
         raw = weight(t, rows, cols, int(t) + rows)
         W = dequantize(raw, t, (rows, cols))
-        for nt in (1, 8, 9, 16, 17, 33, 48):       # groups of 8, 16 and 32 tokens, and tails
+        for nt in (1, 8, 9, 16, 17, 24, 25, 33, 40, 41, 48):  # groups of 8, 16, 32, tails
             x = torch.randn(nt, cols, generator=torch.Generator().manual_seed(nt))
             got = kernels.qgemm(x, raw, t, (rows, cols))
             ref = F.linear(x, W)
@@ -66,6 +66,22 @@ def test_qgemm_does_not_depend_on_threads(isa, t):
     finally:
         torch.set_num_threads(n)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS, indirect=True)
+@pytest.mark.parametrize("t", [k_quants.T.Q4_K, k_quants.T.Q6_K, iq.T.IQ2_XXS],
+                         ids=lambda t: t.name)
+def test_a_tokens_product_does_not_depend_on_the_batch(isa, t):
+    """Each token's sums run over the columns in one order whichever token group (32, 16 or 8
+    a step) and column block its batch puts it in: its row of the product is the same bits in
+    every batch width (the float panel; AMX, where present, is held off)."""
+    rows, cols = 30, cols_of(t)
+    raw = weight(t, rows, cols, 7)
+    x = torch.randn(48, cols, generator=torch.Generator().manual_seed(8))
+    with kernels.without_amx():
+        full = kernels.qgemm(x, raw, t, (rows, cols))
+        for nt in (1, 7, 8, 9, 16, 17, 20, 24, 25, 33, 40, 41):
+            assert torch.equal(kernels.qgemm(x[:nt], raw, t, (rows, cols)), full[:nt]), nt
 
 
 @pytest.mark.parametrize("isa", ["scalar"], indirect=True)
