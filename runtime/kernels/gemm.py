@@ -11,8 +11,8 @@ Both compute the exact float32 product; only the summation order differs (within
 rounding, as between any two BLAS builds), so which one runs is a property of the box, chosen
 once per process: on a non-Intel CPU with AVX-512, oneDNN where a short timing (two
 [64, 1024] × [1024, 1024]ᵀ products, best of five each, 20-30 ms) finds it at least
-``FASTER`` times MKL's speed; MKL otherwise. ``EXPERTFS_GEMM=mkl|onednn`` overrides it (A/B benchmarks, or a box
-where the choice is wrong).
+``FASTER`` times MKL's speed; MKL otherwise. ``EXPERTFS_GEMM=mkl|onednn`` overrides it (A/B
+benchmarks, or a box where the choice is wrong).
 """
 
 from __future__ import annotations
