@@ -41,14 +41,14 @@ kernels are unavailable (no compiler, ``EXPERTFS_NATIVE=0``, a failed build: log
 not apply (type, device, dtype), so callers fall back to their torch paths.
 """
 
-from . import widths
+from . import cpu, widths
 from .build import load, status
 from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, act_quant_mode,
                   attn_decode, available, dequant, expert_tokens, kda_step_, matvec,
                   max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm,
                   rms_norm, route, set_spin_us, set_threads, sinkhorn_, without_amx)
 
-__all__ = ["ACT_QUANT", "TYPES", "WIDE_TYPES", "act_quant_mode",
+__all__ = ["ACT_QUANT", "TYPES", "WIDE_TYPES", "act_quant_mode", "cpu",
            "attn_decode", "available", "dequant", "expert_tokens", "kda_step_", "load",
            "matvec", "max_tokens", "moe", "moe_combine", "moe_down_rows", "moe_hidden",
            "norm_rope_", "qgemm", "rms_norm", "route", "set_spin_us", "set_threads", "sinkhorn_",

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import cpu
+
 __all__ = ["linear", "pad_rows", "backend", "BACKENDS"]
 
 log = logging.getLogger(__name__)
@@ -47,23 +49,10 @@ ROWS_STEP = 8
 SMALL_ONE_TOKEN = 1 << 22
 
 
-@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> tuple[str, frozenset[str]]:
-    """``(vendor_id, flags)`` of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    vendor, flags = "", frozenset()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "flags":
-                    flags = frozenset(value.split())
-                    break
-    except OSError:
-        pass
-    return vendor, flags
+    """``(vendor_id, flags)`` of the first CPU (``cpu.info``)."""
+    c = cpu.info()
+    return c.vendor, c.flags
 
 
 @functools.lru_cache(maxsize=None)

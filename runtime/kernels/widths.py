@@ -4,11 +4,11 @@ ISA and numerics, as measured (bench/README.md): ``max_tokens``."""
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 from ...formats.ggml import GGMLType
 from .build import load
+from .cpu import splits_512
 
 __all__ = ["max_tokens", "q8_panel", "splits_512", "WIDE_TYPES", "WIDE_TYPES_AVX2",
            "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_FULL512", "WIDE_TYPES_Q8_FULL512",
@@ -90,32 +90,6 @@ _WIDE = {("avx512", True, 0): WIDE_TYPES, ("avx512", True, 1): WIDE_TYPES_Q8_FUL
          ("avx2", False, 0): WIDE_TYPES_AVX2, ("avx2", False, 1): WIDE_TYPES_Q8_AVX2}
 
 
-@functools.lru_cache(maxsize=None)
-def _amd_family(cpuinfo: str = "/proc/cpuinfo") -> int:
-    """The first CPU's family number where it is an AMD one, else 0."""
-    vendor, family = "", 0
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id":
-                    vendor = value.strip()
-                elif key == "cpu family":
-                    family = int(value)
-                    break
-    except (OSError, ValueError):
-        return 0
-    return family if vendor == "AuthenticAMD" else 0
-
-
-def splits_512() -> bool:
-    """Whether the CPU executes a 512-bit vector operation as two 256-bit halves: an AMD CPU
-    before Zen 5 (family 0x19, whose only AVX-512 parts are Zen 4). A stable property of the
-    box, so a process's token limits do not depend on a timing."""
-    return 0 < _amd_family() < 0x1A
-
-
 def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) -> int:
     """Most tokens one native product should take for ``ggml_type`` in ``act_quant``'s numerics
     (more: the panel product, ``qgemm``): the figure measured for the ISA the kernels run and the
@@ -128,13 +102,14 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     if mod is None:
         return default
     isa, q8 = mod.isa(), act_quant is not None and act_quant != "off"
+    split = isa == "avx512" and splits_512()
     if q8 and int(ggml_type) in _panel_types(mod, isa):
         vnni = (WIDE_TYPES_Q8_AVXVNNI if isa != "avx512" else
-                WIDE_TYPES_Q8_VNNI_SPLIT512 if splits_512() else WIDE_TYPES_Q8_VNNI)
+                WIDE_TYPES_Q8_VNNI_SPLIT512 if split else WIDE_TYPES_Q8_VNNI)
         return vnni.get(ggml_type, default)
     if not q8 and ggml_type in WIDE_TYPES_AMX and mod.amx():
         return WIDE_TYPES_AMX[ggml_type]
-    return _WIDE.get((isa, isa == "avx512" and splits_512(), int(q8)), {}).get(ggml_type, default)
+    return _WIDE.get((isa, split, int(q8)), {}).get(ggml_type, default)
 
 
 #: q8 mode where the CPU has the integer panel product (AVX512-VNNI, ``q8_panel``): past these

@@ -42,14 +42,8 @@ def cache_path() -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from ..kernels import cpu
+    return cpu.info().model_name or platform.processor() or platform.machine()
 
 
 #: how the CPU probes measure; raised when that changes, so no entry of the old way is used

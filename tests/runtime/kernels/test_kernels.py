@@ -351,7 +351,7 @@ def test_splits_512_is_read_from_the_cpu_family(tmp_path, vendor, family, split)
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
                     "model\t\t: 17\nflags\t\t: fpu avx2 avx512f\n")
-    assert (0 < kernels.widths._amd_family(str(info)) < 0x1A) is split
+    assert kernels.cpu.splits_512(kernels.cpu.info(str(info))) is split
 
 
 def test_max_tokens_follows_the_isa(monkeypatch):
