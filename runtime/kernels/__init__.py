@@ -44,12 +44,14 @@ not apply (type, device, dtype), so callers fall back to their torch paths.
 from . import cpu, widths
 from .build import load, status
 from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, act_quant_mode,
-                  attn_decode, available, dequant, expert_tokens, kda_step_, matvec,
+                  attn_decode, available, conv_step_, dequant, expert_tokens, hc_post, hc_pre,
+                  kda_step_, matvec,
                   max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm,
                   rms_norm, route, set_spin_us, set_threads, sinkhorn_, without_amx)
 
 __all__ = ["ACT_QUANT", "TYPES", "WIDE_TYPES", "act_quant_mode", "cpu",
-           "attn_decode", "available", "dequant", "expert_tokens", "kda_step_", "load",
+           "attn_decode", "available", "conv_step_", "dequant", "expert_tokens", "hc_post",
+           "hc_pre", "kda_step_", "load",
            "matvec", "max_tokens", "moe", "moe_combine", "moe_down_rows", "moe_hidden",
            "norm_rope_", "qgemm", "rms_norm", "route", "set_spin_us", "set_threads", "sinkhorn_",
            "status", "widths", "without_amx"]

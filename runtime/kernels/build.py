@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 progress = logging.getLogger(__name__ + ".progress")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "small_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp", "kern_avx512.cpp",
-           "kern_iq.cpp", "kern_iq_avx2.cpp", "kern_iq_avx512.cpp", "kern_k_avx512.cpp",
-           "qgemm.cpp", "qgemm_q8.cpp", "qgemm_amx.cpp")
+SOURCES = ("ops.cpp", "small_ops.cpp", "mix_ops.cpp", "kern_scalar.cpp", "kern_avx2.cpp",
+           "kern_avx512.cpp", "kern_iq.cpp", "kern_iq_avx2.cpp", "kern_iq_avx512.cpp",
+           "kern_k_avx512.cpp", "qgemm.cpp", "qgemm_q8.cpp", "qgemm_amx.cpp")
 HEADERS = ("kern.h", "pool.h", "small_ops.h", "kern_avx2_util.h", "kern_iq_avx2_types.h",
            "kern_k_avx2.h", "kern_avx512_pair.h", "avx512_emulated.h", "qpanel_rows.h",
            "transpose16.h", "kern_q6_k_r.h", "kern_q45_z.h")

@@ -17,7 +17,8 @@ from .widths import (WIDE_TYPES, WIDE_TYPES_AVX2, WIDE_TYPES_Q8_AVX2,  # noqa: F
 __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_hidden",
            "moe_down_rows", "moe_combine", "expert_tokens",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
-           "attn_decode", "route", "kda_step_", "sinkhorn_", "max_tokens", "WIDE_TYPES",
+           "attn_decode", "route", "kda_step_", "sinkhorn_", "hc_pre", "hc_post",
+           "conv_step_", "max_tokens", "WIDE_TYPES",
            "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2", "without_amx"]
 
 #: Activation-quantization modes: name → kernel mode.
@@ -274,6 +275,40 @@ def sinkhorn_(c: torch.Tensor, iters: int, eps: float) -> bool:
         return False
     mod.sinkhorn_(c, int(iters), float(eps))
     return True
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scales: torch.Tensor,
+           iters: int, eps: float, rms_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """mHC's pre mix of one token in one call (``runtime.model.mhc.hc_pre``): ``streams [1, n,
+    D]`` → ``(x [1, D], post [1, n], comb [1, n, n])``; None when not applicable (float32 CPU,
+    contiguous, one token) or the kernels are unavailable."""
+    if (not all(_f32_cpu(t) for t in (streams, fn, base, scales)) or streams.dim() != 3
+            or streams.shape[0] != 1):
+        return None
+    mod = load()
+    return None if mod is None else mod.hc_pre(streams, fn, base, scales, int(iters),
+                                               float(eps), float(rms_eps))
+
+
+def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor | None:
+    """mHC's post mix of one token in one call (``runtime.model.mhc.hc_post``): the new
+    streams ``[1, n, D]``; None when not applicable or the kernels are unavailable."""
+    if not all(_f32_cpu(t) for t in (y, streams, post, comb)) or streams.dim() != 3:
+        return None
+    mod = load()
+    return None if mod is None else mod.hc_post(y, streams, post, comb)
+
+
+def conv_step_(x: torch.Tensor, w: torch.Tensor, window: torch.Tensor) -> torch.Tensor | None:
+    """One token of KDA's short conv + SiLU (``runtime.model.kda.short_conv``): ``x`` of C
+    values, ``w [C, K]``, ``window [C, K - 1]`` shifted in place → ``[1, C]``; None when not
+    applicable or the kernels are unavailable."""
+    if not all(_f32_cpu(t) for t in (x, w, window)) or w.dim() != 2:
+        return None
+    mod = load()
+    return None if mod is None else mod.conv_step_(x, w, window)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:

@@ -186,13 +186,13 @@ class KDAState:
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv + SiLU: ``x [T, C]``, ``weight [C, d_conv]``, ``window [C, d_conv-1]``
-    (updated in place to the last ``d_conv - 1`` inputs) → ``[T, C]`` float32."""
+    (updated in place to the last ``d_conv - 1`` inputs) → ``[T, C]`` float32 (one token native)."""
     T, K = x.shape[0], weight.shape[1]
+    if T == 1 and (y := native.conv_step_(x.float().contiguous(), weight, window)) is not None:
+        return y
     xx = torch.cat((window, x.float().t()), dim=1)                    # [C, K - 1 + T]
-    if T == 1:
-        y = (xx * weight).sum(-1, keepdim=True)                        # [C, 1]
-    else:
-        y = F.conv1d(xx[None], weight[:, None, :], groups=weight.shape[0])[0]   # [C, T]
+    y = (xx * weight).sum(-1, keepdim=True) if T == 1 else F.conv1d(    # [C, T]
+        xx[None], weight[:, None, :], groups=weight.shape[0])[0]
     if K > 1:
         window.copy_(xx[:, -(K - 1):])
     return F.silu(y).t()

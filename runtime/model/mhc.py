@@ -124,14 +124,22 @@ def hc_mixes(streams: torch.Tensor, w: HCWeights,
 
 def hc_pre(streams: torch.Tensor, w: HCWeights, cfg: HCConfig) -> tuple[torch.Tensor, HCMix]:
     """Block input ``x [T, D]`` (streams' dtype, before the block's norm) and the mix for
-    ``hc_post``."""
+    ``hc_post``; one token in one native call where the kernels apply."""
+    got = native.hc_pre(streams, w.fn, w.base, w.scales, cfg.sinkhorn_iters, cfg.eps,
+                        cfg.rms_eps) if streams.shape[0] == 1 else None
+    if got is not None:
+        return got[0], HCMix(got[1], got[2])
     pre, post, comb = hc_mixes(streams, w, cfg)
     x = torch.bmm(pre[:, None, :], streams.float())[:, 0]
     return x.to(streams.dtype), HCMix(post, comb)
 
 
 def hc_post(y: torch.Tensor, residual: torch.Tensor, mix: HCMix) -> torch.Tensor:
-    """Block output ``y [T, D]`` and the block's input streams ``[T, n, D]`` → new streams."""
+    """Block output ``y [T, D]`` and the block's input streams ``[T, n, D]`` → new streams
+    (one token in one native call where the kernels apply)."""
+    out = native.hc_post(y, residual, mix.post, mix.comb) if y.shape[0] == 1 else None
+    if out is not None:
+        return out
     out = torch.baddbmm(mix.post[:, :, None] * y.float()[:, None, :], mix.comb.transpose(1, 2),
                         residual.float())
     return out.to(residual.dtype)

@@ -1073,6 +1073,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           pybind11::arg("beta"), pybind11::arg("S"));
     m.def("sinkhorn_", &efs::sinkhorn_, "mHC's Sinkhorn normalisation, in place",
           pybind11::arg("c"), pybind11::arg("iters"), pybind11::arg("eps"));
+    m.def("hc_pre", &efs::hc_pre, "mHC's pre mix of one token: (x, post, comb)",
+          pybind11::arg("streams"), pybind11::arg("fn"), pybind11::arg("base"),
+          pybind11::arg("scales"), pybind11::arg("iters"), pybind11::arg("eps"),
+          pybind11::arg("rms_eps"));
+    m.def("hc_post", &efs::hc_post, "mHC's post mix of one token: the new streams",
+          pybind11::arg("y"), pybind11::arg("streams"), pybind11::arg("post"),
+          pybind11::arg("comb"));
+    m.def("conv_step_", &efs::conv_step_, "one token of KDA's short conv + SiLU, window in place",
+          pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("window"));
     m.def("route", &efs::route, "one token's expert ids and weights",
           pybind11::arg("x"), pybind11::arg("W"), pybind11::arg("bias"), pybind11::arg("k"),
           pybind11::arg("sigmoid"), pybind11::arg("norm_w"), pybind11::arg("w_min"),

@@ -20,17 +20,18 @@
 #include <vector>
 
 namespace efs {
-namespace {
 
-inline float row_scale(const float* x, int64_t d, double eps) {
+float rms_scale(const float* x, int64_t d, double eps) {
     double s = 0.0;
     for (int64_t i = 0; i < d; ++i) s += (double)x[i] * (double)x[i];
     const float mean = (float)(s / (double)d);
     return 1.0f / std::sqrt(mean + (float)eps);
 }
 
+namespace {
+
 inline void norm_row(const float* x, float* y, const float* w, int64_t d, double eps) {
-    const float r = row_scale(x, d, eps);
+    const float r = rms_scale(x, d, eps);
     if (w) {
         for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * r) * w[i];
     } else {
@@ -169,7 +170,7 @@ void logits_rows(const float* W, const float* x, float* out, int64_t E, int64_t 
     for (int64_t e = 0; e < E; ++e) out[e] = dot8(W + e * D, x, D);
 }
 
-// The router's logits in chunks of rows over the pool (a router matrix of 288 x 4096 floats is
+// rows_dot (the router's logits, mHC's mixes) in chunks of rows over the pool (a router matrix of 288 x 4096 floats is
 // 4.7 MB, more than one core reads at its best), each row's dot product as logits_rows's.
 struct LogitsJob {
     const float *W, *x;
@@ -232,6 +233,13 @@ void kda_head(void* ctx, int64_t h) {
 
 }  // namespace
 
+void rows_dot(const float* W, const float* x, float* out, int64_t E, int64_t D) {
+    // one chunk where the matrix is small (the pool's wake-up would cost more)
+    const int64_t chunks = E * D < (1 << 18) ? 1 : 4;
+    LogitsJob job{W, x, out, E, D, (E + chunks - 1) / chunks};
+    run_parallel(chunks, logits_chunk, &job);
+}
+
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& W,
                                          const c10::optional<at::Tensor>& bias, int64_t k,
                                          bool sigmoid, bool norm_w, double w_min,
@@ -248,12 +256,9 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
                 "each, and keep room for k");
     const float* bp = weight_of(bias, E);
     std::vector<float> probs((size_t)E), sel((size_t)E);
-    {   // one chunk where the matrix is small (the pool's wake-up would cost more)
-        const int64_t chunks = E * D < (1 << 18) ? 1 : 4;
-        LogitsJob job{W.data_ptr<float>(), x.data_ptr<float>(), probs.data(), E, D,
-                      (E + chunks - 1) / chunks};
+    {
         pybind11::gil_scoped_release nogil;
-        run_parallel(chunks, logits_chunk, &job);
+        rows_dot(W.data_ptr<float>(), x.data_ptr<float>(), probs.data(), E, D);
     }
     if (sigmoid) {
         for (int64_t e = 0; e < E; ++e) probs[e] = 1.0f / (1.0f + std::exp(-probs[e]));

@@ -52,6 +52,31 @@ at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // sum + eps. One call where the torch ops are ~6 per round, each costing more than its work.
 void sinkhorn_(at::Tensor& c, int64_t iters, double eps);
 
+// mHC (runtime/model/mhc.py) around a block, one token, float32 (mix_ops.cpp). hc_pre:
+// streams [1, n, D] → (x [1, D], post [1, n], comb [1, n, n]): m = base + (fn · RMSNorm(flat
+// streams)) * scales (fn [(2 + n) n, n D]); pre = sigmoid(m) + eps and post = 2 sigmoid(m) over
+// the first two n mixes; comb = Sinkhorn of the last n n; x = sum_i pre_i stream_i. hc_post:
+// out_j = post_j y + sum_i comb[i, j] stream_i, [1, n, D]. Sums in float32 in their own order
+// (the mixing product rows_dot's), within float rounding of the torch ops they replace.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams,
+                                                      const at::Tensor& fn, const at::Tensor& base,
+                                                      const at::Tensor& scales, int64_t iters,
+                                                      double eps, double rms_eps);
+at::Tensor hc_post(const at::Tensor& y, const at::Tensor& streams, const at::Tensor& post,
+                   const at::Tensor& comb);
+
+// One token of KDA's causal depthwise conv + SiLU (runtime/model/kda.py, short_conv): x [C]
+// (numel), w [C, K], the window [C, K - 1] of the last K - 1 inputs, shifted in place to take
+// x. Returns [1, C] = silu(sum_j window[c, j] w[c, j] + x[c] w[c, K - 1]).
+at::Tensor conv_step_(const at::Tensor& x, const at::Tensor& w, at::Tensor& window);
+
+// out[e] = W[e] . x for the E rows of W [E, D] (float32, 8 partial sums a row), in chunks of
+// rows over the pool where W is large (small_ops.cpp; the caller releases the GIL).
+void rows_dot(const float* W, const float* x, float* out, int64_t E, int64_t D);
+
+// 1 / sqrt(mean(x^2) + eps) over d floats, the square sum in double (rms_norm's scale).
+float rms_scale(const float* x, int64_t d, double eps);
+
 // Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
 

@@ -57,7 +57,7 @@ def test_mixing_weights(T, iters):
     pre_o, post_o, comb_o = hc_mixes(s, w, _hc_cfg(cfg_hf))
     x, mix = hc_pre(s, w, _hc_cfg(cfg_hf))
     assert _maxd(post_o, post[0]) <= TOL and _maxd(comb_o, comb[0]) <= TOL
-    assert _maxd(x, collapsed[0]) <= TOL and torch.equal(mix.comb, comb_o)
+    assert _maxd(x, collapsed[0]) <= TOL and _maxd(mix.comb, comb_o) <= TOL   # (one token: native)
     assert pre_o.dtype == post_o.dtype == comb_o.dtype == torch.float32
     assert (post_o >= 0).all() and (post_o <= 2).all() and (pre_o > 0).all()
     # the block output and residual mix, as the decoder layer writes it
