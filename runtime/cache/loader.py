@@ -5,9 +5,11 @@ on first read). Completion is noticed without a thread of our own: each future's
 appends it to a deque (the only thing that runs on an I/O worker), and the mechanism drains the
 deque on its own thread at every call. So all residency state is touched by one thread.
 
-Reads nobody waits for yet, the predictions' (``queue_prefetch``) and the warm start's
-(``queue_warm``), are *dripped*: at most ``depth`` in flight, the next one issued from the
-done-callback of the previous, predictions first; none while a demand read is in flight (a
+Reads nobody waits for yet, the predictions' (``queue_prefetch``, at PREFETCH priority) and the
+warm start's (``queue_warm``, at BACKGROUND: the I/O engine's nice-19 worker, so their CPU, fresh
+tier pages first touched included, comes from idle time, not the forward pass's), are
+*dripped*: at most ``depth`` in flight, the next one issued from the done-callback of the
+previous, predictions first; none while a demand read is in flight (a
 background read at the drive shares its bandwidth with the read the forward pass waits for, and
 a read cannot be stopped once issued), resuming from the done-callback of the last demand read;
 and no warm read while the owner holds the drip (``hold``/``go``: the engine holds it until the
@@ -80,15 +82,17 @@ class Loader:
                 self._queued[e.key] = e
         self._pump()
 
-    def _next(self) -> Entry | None:
-        for q in (self._spec, self._warm):
+    def _next(self) -> tuple[Entry, Priority] | None:
+        """The next dripped read and its priority: predictions first (PREFETCH), then the warm
+        start's (BACKGROUND: the I/O engine's low-priority worker, its CPU taken from idle)."""
+        for q, prio in ((self._spec, Priority.PREFETCH), (self._warm, Priority.BACKGROUND)):
             if q is self._warm and self.held:
                 break
             while q:
                 e = q.popleft()
                 if self._queued.get(e.key) is e:    # else taken out by resolve/unqueue
                     del self._queued[e.key]
-                    return e
+                    return e, prio
         return None
 
     def _pump(self) -> None:
@@ -96,11 +100,11 @@ class Loader:
             self._pumping = True
             try:
                 while self._drip_inflight < self._depth and not self._demand and not self.closed:
-                    e = self._next()
-                    if e is None:
+                    nxt = self._next()
+                    if nxt is None:
                         break
                     self._drip_inflight += 1
-                    fut = self.issue(e, Priority.PREFETCH)
+                    fut = self.issue(*nxt)
                     fut.add_done_callback(self._drip_done)
             finally:
                 self._pumping = False

@@ -123,7 +123,7 @@ class FileHandle:
         self.retry = retry or RetryPolicy()
         try:
             self.scheduler = ReadScheduler(queue_depth, max_pending=max_pending,
-                                           name=f"io-{backend.name}")
+                                           name=f"io-{backend.name}", background_workers=1)
         except BaseException:
             raw.close()
             raise

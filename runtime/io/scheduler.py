@@ -15,6 +15,14 @@ started together all land near the end of the eighth's time, where one after ano
 lands after an eighth of it and its consumer can start on it then. A single large read is
 already many requests to the device (the block layer splits it), so a few megabytes in flight
 keep a drive busy while the reads land in the order they were asked for.
+
+``background_workers`` threads (none by default) serve the ``BACKGROUND`` reads, and only
+them, at the lowest CPU priority (nice 19); the other workers then never take one. Such a read
+costs CPU besides the drive's time (the system call, the checksum run after it, and the
+kernel's first touch of each fresh page it lands in: on a virtual machine whose host has not
+backed that memory yet, seconds a GB, bench/README.md), and on a box whose cores all compute
+the forward pass that CPU is taken from it; at nice 19 it is taken from idle time instead.
+A promoted background read is served by the other workers like any read of its new priority.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +50,7 @@ class Priority(IntEnum):
 
     DEMAND = 0
     PREFETCH = 1
+    BACKGROUND = 2      # nobody waits for it (the warm start): the background workers' only
 
 
 class ReadFuture(Future):
@@ -74,9 +84,11 @@ class ReadFuture(Future):
 
 class ReadScheduler:
     def __init__(self, workers: int, *, max_pending: int | None = None, name: str = "io",
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, background_workers: int = 0) -> None:
         if workers < 1:
             raise IOUsageError(f"queue depth {workers} is below 1", fix="use a queue depth of 1 or more")
+        if background_workers < 0:
+            raise IOUsageError(f"{background_workers} background workers", fix="use 0 or more")
         if max_pending is not None and max_pending < 1:
             raise IOUsageError(f"max_pending {max_pending} is below 1", fix="use None or 1 or more")
         self.workers = workers
@@ -88,6 +100,8 @@ class ReadScheduler:
         self._seq = itertools.count()
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)        # workers wait here for reads
+        self._bg_cv = threading.Condition(self._lock)     # background workers wait here
+        self.background_workers = background_workers
         self._space = threading.Condition(self._lock)     # submitters wait here for room
         self._closed = False
         self.running = 0
@@ -96,6 +110,8 @@ class ReadScheduler:
                       "promoted": 0}
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(workers)]
+        self._threads += [threading.Thread(target=self._work, args=(True,), daemon=True,
+                                           name=f"{name}-bg{i}") for i in range(background_workers)]
         for t in self._threads:
             t.start()
 
@@ -121,8 +137,23 @@ class ReadScheduler:
             heapq.heappush(self._heap, entry)
             self._live += 1
             self.stats["submitted"] += 1
-            self._cv.notify()
+            self._wake(entry[0])
         return fut
+
+    def _wake_next(self) -> None:
+        """Wake the lane of the most urgent waiting read (its workers may all be asleep: the
+        reads before it were the other lane's)."""
+        while self._heap and self._heap[0][3] is None:
+            heapq.heappop(self._heap)
+        if self._heap and self.background_workers:
+            self._wake(self._heap[0][0])
+
+    def _wake(self, priority: int) -> None:
+        """Wake a worker of the lane that serves a read of ``priority``."""
+        if priority == Priority.BACKGROUND and self.background_workers:
+            self._bg_cv.notify()
+        else:
+            self._cv.notify()
 
     def _displace_for(self, priority: int) -> bool:
         """Cancel the oldest of the least urgent waiting reads if less urgent than ``priority``."""
@@ -143,6 +174,7 @@ class ReadScheduler:
             entry[3] = None
             self._live -= 1
             self._space.notify()
+            self._wake_next()
 
     def _cancelled(self, fut: ReadFuture) -> None:
         with self._lock:
@@ -164,7 +196,7 @@ class ReadScheduler:
             fut.priority = Priority(priority)
             heapq.heappush(self._heap, new)
             self.stats["promoted"] += 1
-            self._cv.notify()
+            self._wake(int(priority))
             return True
 
     def cancel_pending(self, predicate: Callable[[ReadFuture], bool] | None = None, *,
@@ -188,18 +220,33 @@ class ReadScheduler:
         ahead = sum(self._running_bytes[:entry[0] + 1])
         return ahead == 0 or ahead + entry[4] <= self.max_bytes
 
-    def _work(self) -> None:
+    def _mine(self, entry: list[Any], background: bool) -> bool:
+        """Whether a worker of this lane serves ``entry``: background workers only the
+        background reads, the others every read but those when there are background workers."""
+        bg = entry[0] == Priority.BACKGROUND
+        return bg if background else not (bg and self.background_workers)
+
+    def _work(self, background: bool = False) -> None:
+        if background:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)   # this thread
+            except (OSError, AttributeError):
+                pass
+        cv = self._bg_cv if background else self._cv
         while True:
             with self._cv:
                 while True:
                     while self._heap and self._heap[0][3] is None:
                         heapq.heappop(self._heap)
-                    if self._heap and self._fits(self._heap[0]) or self._closed and not self._heap:
+                    if self._closed and not any(e[3] is not None and self._mine(e, background)
+                                                for e in self._heap):
+                        return
+                    if (self._heap and self._mine(self._heap[0], background)
+                            and self._fits(self._heap[0])):
                         break
-                    self._cv.wait()
-                if not self._heap:
-                    return
+                    cv.wait()
                 entry = heapq.heappop(self._heap)
+                self._wake_next()                  # the next read may be the other lane's
                 fut, fn, prio, nbytes = entry[2], entry[3], entry[0], entry[4]
                 entry[3] = None
                 entry[2] = fut._entry = None          # no reference cycle left to the collector
@@ -230,6 +277,7 @@ class ReadScheduler:
             self._running_bytes[prio] -= nbytes
             if self.max_bytes is not None and nbytes:
                 self._cv.notify_all()                   # a waiting read may fit now
+                self._bg_cv.notify_all()
 
     def close(self, *, cancel_pending: bool = True, wait: bool = True) -> None:
         """Stop accepting reads; cancel (or drain) the queued ones; join the workers."""
@@ -239,6 +287,7 @@ class ReadScheduler:
             self._closed = True
             victims = [e[2] for e in self._heap if e[3] is not None] if cancel_pending else []
             self._cv.notify_all()
+            self._bg_cv.notify_all()
             self._space.notify_all()
         for f in victims:
             f.cancel()

@@ -185,8 +185,8 @@ class KDAState:
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv + SiLU: ``x [T, C]``, ``weight [C, d_conv]``, ``window [C, d_conv-1]``
-    (updated in place to the last ``d_conv - 1`` inputs) → ``[T, C]`` float32 (one token native)."""
+    """Causal depthwise conv + SiLU (one token: native): ``x [T, C]``, ``weight [C, d_conv]``,
+    ``window [C, d_conv-1]`` (updated in place to the last ``d_conv - 1`` inputs) → ``[T, C]``."""
     T, K = x.shape[0], weight.shape[1]
     if T == 1 and (y := native.conv_step_(x.float().contiguous(), weight, window)) is not None:
         return y

@@ -172,3 +172,58 @@ def test_errors_reach_the_future_and_close_cancels():
         s.submit(lambda: 1)
     with pytest.raises(IOUsageError):
         ReadScheduler(0)
+
+
+def _where() -> tuple[str, int]:
+    """The running worker's thread name and nice value."""
+    import os
+    return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS,
+                                                           threading.get_native_id())
+
+
+def test_background_reads_take_their_own_low_priority_worker():
+    """With a background worker, BACKGROUND reads run there at nice 19 and only there; the
+    other reads never wait behind them (the background worker busy) and never run at nice 19;
+    a queued background read promoted to DEMAND is served by the other workers."""
+    s = ReadScheduler(2, name="t", background_workers=1)
+    gate = threading.Event()
+    bg = [s.submit(lambda: (gate.wait(10), _where())[1], priority=Priority.BACKGROUND)]
+    bg += [s.submit(_where, priority=Priority.BACKGROUND) for _ in range(2)]
+    urgent = [s.submit(_where, priority=p) for p in (Priority.DEMAND, Priority.PREFETCH)]
+    for f in urgent:
+        name, nice = f.result(10)                 # done while the background worker waits
+        assert name.startswith("t-") and "bg" not in name and nice < 19
+    late = bg[2]
+    assert s.promote(late, Priority.DEMAND)       # still queued behind bg[0] and bg[1]
+    name, nice = late.result(10)
+    assert "bg" not in name and nice < 19
+    gate.set()
+    for f in bg[:2]:
+        name, nice = f.result(10)
+        assert name == "t-bg0" and nice == 19
+    s.close()
+
+
+def test_background_lane_wakes_when_urgent_reads_drain_and_closes_cleanly():
+    """A background read never overtakes a queued urgent one, and starts as soon as those
+    are taken (its worker woken then, not by a later submission); closing drains or cancels
+    both lanes without hanging; with no background worker the others serve every priority."""
+    s = ReadScheduler(1, name="w", background_workers=1)
+    gate, held = _blocked(s, 1)
+    d = s.submit(lambda: "d", priority=Priority.DEMAND)
+    b = s.submit(lambda: "b", priority=Priority.BACKGROUND)
+    with pytest.raises(TimeoutError):
+        b.result(0.3)                             # behind the demand read still queued
+    gate.set()
+    assert b.result(10) == "b" and d.result(10) == "d" and held[0].result(10) == "held"
+    gate2, _ = _blocked(s, 1)
+    queued = [s.submit(lambda i=i: i, priority=p) for i, p in
+              enumerate((Priority.DEMAND, Priority.BACKGROUND, Priority.PREFETCH))]
+    gate2.set()
+    s.close(cancel_pending=False)                 # drains both lanes, joins every worker
+    assert [f.result(0) for f in queued] == [0, 1, 2]
+    plain = ReadScheduler(1)
+    assert plain.submit(_where, priority=Priority.BACKGROUND).result(10)[1] < 19
+    plain.close()
+    with pytest.raises(IOUsageError):
+        ReadScheduler(1, background_workers=-1)
