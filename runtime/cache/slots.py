@@ -38,7 +38,7 @@ __all__ = ["SlotPool"]
 class SlotPool:
     def __init__(self, name: str, n_slots: int, slot_bytes: int, *, device: torch.device,
                  host: bool, pin: bool | str = "auto", pin_budget: PinBudget | None = None,
-                 alignment: int = PAGE) -> None:
+                 alignment: int = PAGE, prefault: bool = True) -> None:
         if n_slots < 1 or slot_bytes < 1:
             raise UsageError(f"{name} tier: {n_slots} slots of {slot_bytes} bytes",
                              fix="give the tier a budget of at least one slot")
@@ -50,7 +50,7 @@ class SlotPool:
         self._slab: HostSlab | None = None
         if host:
             self._slab = HostSlab(n_slots, slot_bytes, pin=pin, budget=pin_budget,
-                                  alignment=alignment)
+                                  alignment=alignment, prefault=prefault)
             self.tensor = self._slab.tensor
             self.pinned, self.pin_note = self._slab.pinned, self._slab.pin_note
             self.pinned_slots = self._slab.pinned_slots

@@ -76,8 +76,14 @@ class TierCache:
             factory = make_factory(spec, n_layers=len(geo.layers), route_width=geo.k,
                                    layer_of=geo.layer_of)
         cpu = torch.device("cpu")
+        # the slab faulted in ahead of the reads (HostSlab's prefault) only where the reads will
+        # cycle through it (a cap): a tier with a slot for every expert is filled by the
+        # prompt's reads, a part of it, then the warm start's, and faulting in the rest ahead
+        # takes the prompt's CPU (the uncapped first token, bench/README.md "fault-in")
+        every = self.slots.host >= sum(geo.experts)
         self.host = SlotPool("ram", self.slots.host, geo.slot_bytes, device=cpu, host=True,
-                             pin=pin if self.copier.cuda else False, pin_budget=pin_budget)
+                             pin=pin if self.copier.cuda else False, pin_budget=pin_budget,
+                             prefault=not every)
         self.dev = (SlotPool("vram", self.slots.vram, geo.slot_bytes, device=self.device, host=False)
                     if self.slots.vram else None)
         self.R: Policy | None = factory(self.slots.ram) if self.slots.ram else None

@@ -288,7 +288,8 @@ class HostSlab:
     """
 
     def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | str = "auto",
-                 budget: PinBudget | None = None, alignment: int = PAGE) -> None:
+                 budget: PinBudget | None = None, alignment: int = PAGE,
+                 prefault: bool = True) -> None:
         if n_slots <= 0 or slot_bytes <= 0:
             raise IOUsageError(f"HostSlab({n_slots}, {slot_bytes}): both must be positive",
                                fix="size the slab from the extents it will hold")
@@ -303,9 +304,9 @@ class HostSlab:
         self._budget = budget if budget is not None else default_pin_budget()
         if pin is True or pin == "auto":
             self._pin(required=pin is True)
-        # pinning faulted the pinned part in; the rest in the background
+        # pinning faulted the pinned part in; the rest in the background (``prefault``)
         self._prefault = Prefault(self.tensor[self.pinned_bytes:]) \
-            if self.pinned_bytes < self.nbytes else None
+            if prefault and self.pinned_bytes < self.nbytes else None
 
     @property
     def pinned_slots(self) -> int:

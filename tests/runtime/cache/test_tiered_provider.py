@@ -461,3 +461,20 @@ def test_prefetch_hints_never_raise_for_layers_without_experts(store):
         p.release(1)
         p.close()
         p.prefetch(1, [3])                       # after close: ignored
+
+
+def test_the_ram_tier_is_faulted_in_ahead_only_where_the_reads_cycle_through_it(store):
+    """The host slab's background fault-in (HostSlab's Prefault) runs for a RAM tier smaller
+    than the store's experts (under a cap the prompt's reads fill and reuse all of it) and not
+    for one with a slot for every expert (no cap: faulting in what no read has reached yet
+    would take the prompt's CPU); either way the experts asked for are served."""
+    total = sum(store.n_experts(la) for la in store.layers)
+    for ram, ahead in ((4, True), (total, False)):
+        p = provider(store, ram=ram)
+        try:
+            assert (p.cache.host._slab._prefault is not None) is ahead, ram
+            la = store.layers[0]
+            got = p.get(la, [0, 1])
+            assert sorted(got) == [0, 1]
+        finally:
+            p.close()
