@@ -36,7 +36,10 @@ on torch's intra-op threads; ``moe_hidden``, ``moe_down_rows`` and ``moe_combine
 steps (gate/up per expert, each expert's down rows, then their weighted sum in the given order),
 so a layer can compute its resident experts while the others load and still get ``moe``'s
 bits; ``expert_tokens`` is one expert over its tokens of a prompt (the products, the activation
-and the weighting of ``runtime.model.ffn.expert_ffn`` in one call). All return None when the
+and the weighting of ``runtime.model.ffn.expert_ffn`` in one call). A decode step's small
+operations each have one call too (``rms_norm``, ``norm_rope_``, ``attn_decode``, ``route``,
+``kda_step_``, ``sinkhorn_``, and glm5-next's ``hc_pre``, ``hc_post`` and ``conv_step_``),
+within float rounding of the torch code they replace. All return None when the
 kernels are unavailable (no compiler, ``EXPERTFS_NATIVE=0``, a failed build: logged once) or do
 not apply (type, device, dtype), so callers fall back to their torch paths.
 """
