@@ -324,7 +324,7 @@ def _generate(eng, spec, args: argparse.Namespace, tok, prompt: list[int],
     for step in generate(eng, prompt, sampler, args.n_predict, stops, speculator):
         if step.index == 0:
             ttft, t_first = step.seconds, time.perf_counter()
-            bytes_prefill = eng.provider.stats.bytes_read - bytes0
+            bytes_prefill, stall_prefill = ps.bytes_read - bytes0, ps.stall_seconds - stall0
         if step.stop:
             break
         out_ids.append(step.token)
@@ -347,6 +347,7 @@ def _generate(eng, spec, args: argparse.Namespace, tok, prompt: list[int],
         "mb_read_per_token": dec_bytes / max(1, n_dec) / 1e6,
         "hit_rate": {k: (v - hits0.get(k, 0)) / requests for k, v in ps.hits.items()},
         "stall_s": ps.stall_seconds - stall0,
+        "decode_stall_s": ps.stall_seconds - stall0 - (stall_prefill if t_first is not None else 0),
         "ram_tier_bytes": getattr(args, "ram_tier_bytes", None),
         "vram_tier_bytes": args.vram, "vram_plan": getattr(args, "vram_plan", None),
         "pinned_bytes": st.get("tiers", {}).get("pinned_bytes", 0),

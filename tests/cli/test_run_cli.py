@@ -54,6 +54,7 @@ def test_preload_reads_every_expert_before_the_prompt(model, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["preload_s"] > 0 and r["generated_tokens"] == 4
     assert r["mb_read_per_token"] == 0 and r["hit_rate"]["ram"] == 1.0 and r["stall_s"] == 0
+    assert r["decode_stall_s"] == 0
     assert r["stats"]["provider_stats"]["bytes_read"] > 0      # the preload's reads
 
 
@@ -161,6 +162,7 @@ def test_json_reports_the_prefills_reads_against_the_drive(model, capsys, tmp_pa
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prefill_read_mb"] > 0 and r["prefill_read_mb_s"] > 0 and r["drive_mb_s"] is None
+    assert 0 <= r["decode_stall_s"] <= r["stall_s"]     # the decode's share of the waits
     g, data = load_geometry(store)
     boxcache.save({boxcache.storage_key(data, g.slot_bytes): {"slow": 0.5, "fast": 1.5}})
     assert main(argv) == 0
