@@ -38,7 +38,8 @@ so a layer can compute its resident experts while the others load and still get 
 bits; ``expert_tokens`` is one expert over its tokens of a prompt (the products, the activation
 and the weighting of ``runtime.model.ffn.expert_ffn`` in one call). A decode step's small
 operations each have one call too (``rms_norm``, ``norm_rope_``, ``attn_decode``, ``route``,
-``kda_step_``, ``sinkhorn_``, and glm5-next's ``hc_pre``, ``hc_post`` and ``conv_step_``),
+``kda_step_``, ``sinkhorn_``, and glm5-next's ``hc_pre``, ``hc_post``, ``conv_step_`` and
+``kda_token_``),
 within float rounding of the torch code they replace. All return None when the
 kernels are unavailable (no compiler, ``EXPERTFS_NATIVE=0``, a failed build: logged once) or do
 not apply (type, device, dtype), so callers fall back to their torch paths.
@@ -48,13 +49,13 @@ from . import cpu, widths
 from .build import load, status
 from .ops import (ACT_QUANT, TYPES, WIDE_TYPES, act_quant_mode,
                   attn_decode, available, conv_step_, dequant, expert_tokens, hc_post, hc_pre,
-                  kda_step_, matvec,
+                  kda_step_, kda_token_, matvec,
                   max_tokens, moe, moe_combine, moe_down_rows, moe_hidden, norm_rope_, qgemm,
                   rms_norm, route, set_spin_us, set_threads, sinkhorn_, without_amx)
 
 __all__ = ["ACT_QUANT", "TYPES", "WIDE_TYPES", "act_quant_mode", "cpu",
            "attn_decode", "available", "conv_step_", "dequant", "expert_tokens", "hc_post",
-           "hc_pre", "kda_step_", "load",
+           "hc_pre", "kda_step_", "kda_token_", "load",
            "matvec", "max_tokens", "moe", "moe_combine", "moe_down_rows", "moe_hidden",
            "norm_rope_", "qgemm", "rms_norm", "route", "set_spin_us", "set_threads", "sinkhorn_",
            "status", "widths", "without_amx"]

@@ -18,7 +18,7 @@ __all__ = ["ACT_QUANT", "TYPES", "available", "matvec", "dequant", "moe", "moe_h
            "moe_down_rows", "moe_combine", "expert_tokens",
            "act_quant_mode", "set_threads", "set_spin_us", "rms_norm", "norm_rope_",
            "attn_decode", "route", "kda_step_", "sinkhorn_", "hc_pre", "hc_post",
-           "conv_step_", "max_tokens", "WIDE_TYPES",
+           "conv_step_", "kda_token_", "max_tokens", "WIDE_TYPES",
            "WIDE_TYPES_AVX2", "WIDE_TYPES_Q8_AVX2", "without_amx"]
 
 #: Activation-quantization modes: name → kernel mode.
@@ -299,6 +299,21 @@ def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
         return None
     mod = load()
     return None if mod is None else mod.hc_post(y, streams, post, comb)
+
+
+def kda_token_(qkv: torch.Tensor, f: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor,
+               dt_bias: torch.Tensor, a: torch.Tensor, lower_bound: float | None,
+               o_norm: torch.Tensor, rms_eps: float, l2_eps: float,
+               S: torch.Tensor) -> torch.Tensor | None:
+    """One token of a KDA layer after its short conv (``runtime.model.kda.kda_attention``), the
+    state ``S [H, Dk, Dk]`` advanced in place → the gated, normed output ``[1, H·Dk]``; None
+    when not applicable (float32 CPU, contiguous) or the kernels are unavailable."""
+    if not all(_f32_cpu(t) for t in (qkv, f, gate, beta, dt_bias, a, o_norm, S)) or S.dim() != 3:
+        return None
+    mod = load()
+    return None if mod is None else mod.kda_token_(
+        qkv, f, gate, beta, dt_bias, a, lower_bound is not None, float(lower_bound or 0.0),
+        o_norm, float(rms_eps), float(l2_eps), S)
 
 
 def conv_step_(x: torch.Tensor, w: torch.Tensor, window: torch.Tensor) -> torch.Tensor | None:

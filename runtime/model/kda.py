@@ -14,12 +14,10 @@ As llama.cpp (``src/models/glm5-next.cpp`` ``build_kda_layer``) and transformers
 4. the gated delta rule per head over the state ``S [Dk, Dv]``:
    ``S ← diag(exp g_t) S;  S ← S + k_t βt (v_t - Sᵀk_t)ᵀ;  o_t = Sᵀ q_t``
    (``delta_rule_step`` one token at a time, ``delta_rule_chunked`` the same in chunks);
-5. ``o = RMSNorm(o) · ssm_norm`` per head, times ``sigmoid(Wg_b Wg_a x)``; ``Wo``.
-
-The conv windows and ``S`` are kept in float32 in ``KDAState`` (``KDAState.layer_bytes`` for the
-memory model: llama.cpp's ``n_embd_r + n_embd_s`` floats per layer).
-
-T=tokens, D=embedding, H=heads, Dk=Dv=head dim, C=chunk length.
+5. ``o = RMSNorm(o) · ssm_norm`` per head, times ``sigmoid(Wg_b Wg_a x)``; ``Wo``. One token:
+   native calls (``conv_step_``, ``kda_token_``) where the kernels apply.
+Conv windows and ``S``: float32 in ``KDAState`` (``layer_bytes``: llama.cpp's ``n_embd_r +
+n_embd_s`` floats per layer). T=tokens, D=embedding, H=heads, Dk=Dv=head dim, C=chunk length.
 """
 
 from __future__ import annotations
@@ -178,10 +176,9 @@ class KDAState:
                 {il: t.clone() for il, t in self.ssm.items()})
 
     def restore(self, snap: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]) -> None:
-        conv, ssm = snap
         for il in self.layers:
-            self.conv[il].copy_(conv[il])
-            self.ssm[il].copy_(ssm[il])
+            self.conv[il].copy_(snap[0][il])
+            self.ssm[il].copy_(snap[1][il])
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
@@ -384,8 +381,11 @@ def kda_attention(x: torch.Tensor, w: KDAWeights, cfg: KDAConfig, state: KDAStat
     ``recurrent``: token-by-token recurrence (default for T = 1) or chunked (default T > 1)."""
     T, H, Dk = x.shape[0], cfg.n_head, cfg.head_dim
     qkv, f, gate, beta = _projections(x, w)
-    qkv = short_conv(qkv, w.conv, state.conv[layer]).view(T, 3, H, Dk)
-    q, k, v = qkv.unbind(1)
+    qkv = short_conv(qkv, w.conv, state.conv[layer])
+    if T == 1 and recurrent is not False and (o := native.kda_token_(qkv, f, gate, beta, w.dt_bias,
+            w.a, cfg.lower_bound, w.o_norm, cfg.rms_eps, _L2_EPS, state.ssm[layer])) is not None:
+        return w.wo(o.to(x.dtype))                                    # steps 2-5 in one call
+    q, k, v = qkv.view(T, 3, H, Dk).unbind(1)
     q = l2_norm(q).mul_(Dk ** -0.5)
     k = l2_norm(k)
     g = _log_decay(f, w, cfg)

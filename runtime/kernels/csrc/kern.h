@@ -211,8 +211,10 @@ void avx2_attn_heads(const AttnArgs& a, int64_t h0, int64_t h1, float* p);
 // clamped g, u: g / (1 + exp(-alpha g)) * (u + 1).
 void silu_mul(float* g, const float* u, int64_t n, float limit = 0.f, float alpha = 0.f);
 void avx2_silu_mul(float* g, const float* u, int64_t n, float limit = 0.f, float alpha = 0.f);
-// g[i] = silu(g[i]) = g / (1 + exp(-g)) (exp to about 1 ulp under AVX2).
+// g[i] = silu(g[i]) = g / (1 + exp(-g)); avx2_sigmoid: 1 / (1 + exp(-g)) (exp to about 1
+// ulp under AVX2).
 void avx2_silu(float* g, int64_t n);
+void avx2_sigmoid(float* g, int64_t n);
 
 // The lattice IQ types' codebooks (ggml-common.h's iq2xxs_grid ... iq1s_grid, ksigns_iq2xs),
 // handed over from gguf-py at load (set_iq_tables, kern_iq.cpp), never copied by hand. Grid

@@ -524,12 +524,24 @@ EFS_TI __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+EFS_T void avx2_sigmoid(float* g, int64_t n) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(zero, x));
+        _mm256_storeu_ps(g + i, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+    }
+    for (; i < n; ++i) g[i] = 1.f / (1.f + expf(-g[i]));
+}
+
 EFS_T void avx2_silu(float* g, int64_t n) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
-        _mm256_storeu_ps(g + i, _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x)))));
+        const __m256 e = exp8(_mm256_sub_ps(zero, x));
+        _mm256_storeu_ps(g + i, _mm256_div_ps(x, _mm256_add_ps(one, e)));
     }
     for (; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i]));
 }
@@ -748,6 +760,9 @@ void avx2_silu_mul(float* g, const float* u, int64_t n, float limit, float alpha
 }
 void avx2_silu(float* g, int64_t n) {
     for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i]));
+}
+void avx2_sigmoid(float* g, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] = 1.f / (1.f + expf(-g[i]));
 }
 void avx2_attn_heads(const AttnArgs&, int64_t, int64_t, float*) {}   // never called off x86
 }  // namespace efs

@@ -1,15 +1,19 @@
 // glm5-next's per-token mixing steps in one native call each (see small_ops.h): mHC's pre and
-// post mixes around every block, and KDA's short conv. Each replaces 6-12 torch operations on a
-// few KB whose dispatch costs more than their work (bench/README.md, GLM-5.3-Flash decode).
+// post mixes around every block, KDA's short conv and the rest of a KDA layer's token around
+// its delta-rule step. Each replaces 6-20 torch operations on a few KB whose dispatch costs
+// more than their work (bench/README.md, GLM-5.3-Flash decode).
 #include "small_ops.h"
 
 #include "kern.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace efs {
@@ -127,6 +131,85 @@ at::Tensor hc_post(const at::Tensor& y, const at::Tensor& streams, const at::Ten
     const float *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
     float* o = out.data_ptr<float>();
     for (int64_t j = 0; j < n; ++j) mix_row(o + j * D, pp[j], yp, cp + j, n, s, n, D);
+    return out;
+}
+
+namespace {
+
+// 1 / (1 + exp(-x)) over n floats in place: the AVX2 exp where the kernels run at that tier.
+void sigmoid_(float* x, int64_t n) {
+    if (isa_avx2()) {
+        avx2_sigmoid(x, n);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] = 1.0f / (1.0f + std::exp(-x[i]));
+}
+
+// Each of the n rows of d floats of x divided by sqrt(its sum of squares + eps), into y.
+void l2_rows(const float* x, float* y, int64_t n, int64_t d, float eps) {
+    for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * d;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+        const float den = std::sqrt(ss + eps);
+        for (int64_t i = 0; i < d; ++i) y[r * d + i] = xr[i] / den;
+    }
+}
+
+}  // namespace
+
+at::Tensor kda_token_(const at::Tensor& qkv, const at::Tensor& f, const at::Tensor& gate,
+                      const at::Tensor& beta, const at::Tensor& dt_bias, const at::Tensor& a,
+                      bool has_lb, double lb, const at::Tensor& o_norm, double rms_eps,
+                      double l2_eps, at::Tensor& S) {
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
+             &qkv, &f, &gate, &beta, &dt_bias, &a, &o_norm, &S})
+        check_mix(*t, "a KDA tensor");
+    TORCH_CHECK(S.dim() == 3 && S.size(1) == S.size(2), "expertfs mix ops: kda_token_ needs a "
+                "state [H, Dk, Dk]");
+    const int64_t H = S.size(0), Dk = S.size(1), HD = H * Dk;
+    TORCH_CHECK(qkv.numel() == 3 * HD && f.numel() == HD && gate.numel() == HD &&
+                dt_bias.numel() == HD && beta.numel() == H && a.numel() == H &&
+                o_norm.numel() == Dk, "expertfs mix ops: kda_token_ takes one token: qkv [3 H ",
+                "Dk], f, gate, dt_bias [H Dk], beta, a [H], o_norm [Dk] for a state [", H, ", ",
+                Dk, ", ", Dk, "]");
+    const float* x = qkv.data_ptr<float>();
+    std::vector<float> buf((size_t)(3 * HD + H));
+    float *qn = buf.data(), *kn = qn + HD, *g = kn + HD, *bt = g + HD;
+    l2_rows(x, qn, H, Dk, (float)l2_eps);
+    const float qs = (float)std::pow((double)Dk, -0.5);
+    for (int64_t i = 0; i < HD; ++i) qn[i] *= qs;                 // l2_norm(q).mul_(Dk^-1/2)
+    l2_rows(x + HD, kn, H, Dk, (float)l2_eps);
+    const float *fp = f.data_ptr<float>(), *db = dt_bias.data_ptr<float>();
+    const float* ap = a.data_ptr<float>();
+    for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = h * Dk; i < (h + 1) * Dk; ++i) {
+            const float t = fp[i] + db[i];
+            g[i] = has_lb ? -ap[h] * t : t;
+        }
+    if (has_lb) {
+        sigmoid_(g, HD);
+        for (int64_t i = 0; i < HD; ++i) g[i] *= (float)lb;
+    } else {                                   // a softplus(t), torch's threshold of 20
+        for (int64_t i = 0; i < HD; ++i)
+            g[i] = ap[i / Dk] * (g[i] > 20.0f ? g[i] : std::log1p(std::exp(g[i])));
+    }
+    std::memcpy(bt, beta.data_ptr<float>(), sizeof(float) * H);
+    sigmoid_(bt, H);
+    const at::TensorOptions f32 = S.options();
+    at::Tensor o = kda_step_(at::from_blob(qn, {H, Dk}, f32), at::from_blob(kn, {H, Dk}, f32),
+                             at::from_blob(const_cast<float*>(x + 2 * HD), {H, Dk}, f32),
+                             at::from_blob(g, {H, Dk}, f32), at::from_blob(bt, {H}, f32), S);
+    std::vector<float> sg(gate.data_ptr<float>(), gate.data_ptr<float>() + HD);
+    sigmoid_(sg.data(), HD);
+    at::Tensor out = at::empty({1, HD}, f32);
+    const float *op = o.data_ptr<float>(), *wn = o_norm.data_ptr<float>();
+    float* yp = out.data_ptr<float>();
+    for (int64_t h = 0; h < H; ++h) {                      // rms_norm(o, o_norm) * sigmoid(gate)
+        const float r = rms_scale(op + h * Dk, Dk, rms_eps);
+        for (int64_t i = h * Dk; i < (h + 1) * Dk; ++i)
+            yp[i] = ((op[i] * r) * wn[i - h * Dk]) * sg[i];
+    }
     return out;
 }
 

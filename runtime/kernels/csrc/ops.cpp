@@ -1080,6 +1080,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("hc_post", &efs::hc_post, "mHC's post mix of one token: the new streams",
           pybind11::arg("y"), pybind11::arg("streams"), pybind11::arg("post"),
           pybind11::arg("comb"));
+    m.def("kda_token_", &efs::kda_token_, "one token of a KDA layer after its conv, state in "
+          "place", pybind11::arg("qkv"), pybind11::arg("f"), pybind11::arg("gate"),
+          pybind11::arg("beta"), pybind11::arg("dt_bias"), pybind11::arg("a"),
+          pybind11::arg("has_lb"), pybind11::arg("lb"), pybind11::arg("o_norm"),
+          pybind11::arg("rms_eps"), pybind11::arg("l2_eps"), pybind11::arg("S"));
     m.def("conv_step_", &efs::conv_step_, "one token of KDA's short conv + SiLU, window in place",
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("window"));
     m.def("route", &efs::route, "one token's expert ids and weights",

@@ -70,6 +70,17 @@ at::Tensor hc_post(const at::Tensor& y, const at::Tensor& streams, const at::Ten
 // x. Returns [1, C] = silu(sum_j window[c, j] w[c, j] + x[c] w[c, K - 1]).
 at::Tensor conv_step_(const at::Tensor& x, const at::Tensor& w, at::Tensor& window);
 
+// One token of a KDA layer after its short conv (runtime/model/kda.py, kda_attention), the
+// state S [H, Dk, Dk] advanced in place: q, k, v of qkv [3 H Dk] L2-normed per head (q also by
+// Dk^-1/2, l2_eps inside the square root); the decay g = lb sigmoid(-a[h] (f + dt_bias)), or
+// a[h] softplus(f + dt_bias) when has_lb is false; beta = sigmoid(beta); the delta-rule step
+// (kda_step_); then each head's output RMSNormed (o_norm [Dk], rms_eps) and times
+// sigmoid(gate). f, gate [H Dk], beta, a [H], dt_bias [H Dk]. Returns [1, H Dk].
+at::Tensor kda_token_(const at::Tensor& qkv, const at::Tensor& f, const at::Tensor& gate,
+                      const at::Tensor& beta, const at::Tensor& dt_bias, const at::Tensor& a,
+                      bool has_lb, double lb, const at::Tensor& o_norm, double rms_eps,
+                      double l2_eps, at::Tensor& S);
+
 // out[e] = W[e] . x for the E rows of W [E, D] (float32, 8 partial sums a row), in chunks of
 // rows over the pool where W is large (small_ops.cpp; the caller releases the GIL).
 void rows_dot(const float* W, const float* x, float* out, int64_t E, int64_t D);

@@ -16,6 +16,7 @@ from glm5next_ref import D, DCONV, DK, H, kda_gguf, kda_module, tiny_config
 from transformers.cache_utils import DynamicCache
 
 from expertfs.runtime.model import kda
+from support.native import isa, isas  # noqa: F401  (isa: fixture)
 from expertfs.runtime.model.kda import (KDA_TENSORS, KDAConfig, KDAState, KDAWeights,
                                         delta_rule_chunked, delta_rule_step, kda_attention)
 
@@ -131,6 +132,34 @@ def test_native_one_token_step_equals_the_torch_loop(H, Dk, Dv, monkeypatch):
     o2, S2 = delta_rule_step(q, k, v, g, beta, S)
     assert calls and o1.shape == o2.shape == (1, H, Dv)
     assert _maxd(o1, o2) <= TOL and _maxd(S1, S2) <= TOL
+
+
+@pytest.mark.parametrize("isa", isas(), indirect=True)
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_native_token_of_a_layer_equals_the_torch_ops(isa, lower_bound, monkeypatch):
+    """A decode token of a KDA layer after its conv in one native call (kernels.kda_token_:
+    the q/k norms, the decay gate with or without its lower bound, beta, the delta rule, the
+    gated output norm) gives the torch ops' output and state within float rounding, token
+    after token; with ``recurrent=False`` the chunked torch form still runs."""
+    from expertfs.runtime import kernels
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.status()['reason']}")
+    _, _, w, cfg = _setup(lower_bound=lower_bound)
+    x = _x(6, seed=5)
+    native, torch_ops = KDAState(cfg, [0]), KDAState(cfg, [0])
+    calls = []
+    real = kda.native.kda_token_
+    monkeypatch.setattr(kda.native, "kda_token_", lambda *a: calls.append(1) or real(*a))
+    got = [kda_attention(x[i:i + 1], w, cfg, native, 0) for i in range(6)]
+    assert len(calls) == 6
+    kda_attention(x[:1], w, cfg, KDAState(cfg, [0]), 0, recurrent=False)
+    assert len(calls) == 6
+    monkeypatch.setattr(kda.native, "kda_token_", lambda *a: None)
+    want = [kda_attention(x[i:i + 1], w, cfg, torch_ops, 0) for i in range(6)]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and _maxd(a, b) <= TOL
+    assert _maxd(native.ssm[0], torch_ops.ssm[0]) <= TOL
+    assert torch.equal(native.conv[0], torch_ops.conv[0])
 
 
 @pytest.mark.parametrize("factored", [True, False])
