@@ -524,27 +524,21 @@ EFS_TI __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-EFS_T void avx2_sigmoid(float* g, int64_t n) {
+// g[i] = (g[i], or 1 for a sigmoid) / (1 + exp(-g[i])) over n floats.
+template <bool SILU>
+EFS_T void sig_rows(float* g, int64_t n) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
         const __m256 e = exp8(_mm256_sub_ps(zero, x));
-        _mm256_storeu_ps(g + i, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(g + i, _mm256_div_ps(SILU ? x : one, _mm256_add_ps(one, e)));
     }
-    for (; i < n; ++i) g[i] = 1.f / (1.f + expf(-g[i]));
+    for (; i < n; ++i) g[i] = (SILU ? g[i] : 1.f) / (1.f + expf(-g[i]));
 }
 
-EFS_T void avx2_silu(float* g, int64_t n) {
-    int64_t i = 0;
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = exp8(_mm256_sub_ps(zero, x));
-        _mm256_storeu_ps(g + i, _mm256_div_ps(x, _mm256_add_ps(one, e)));
-    }
-    for (; i < n; ++i) g[i] = g[i] / (1.f + expf(-g[i]));
-}
+EFS_T void avx2_sigmoid(float* g, int64_t n) { sig_rows<false>(g, n); }
+EFS_T void avx2_silu(float* g, int64_t n) { sig_rows<true>(g, n); }
 
 EFS_T void avx2_silu_mul(float* g, const float* u, int64_t n, float limit, float alpha) {
     int64_t i = 0;
