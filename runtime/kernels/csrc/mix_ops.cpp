@@ -19,14 +19,19 @@
 namespace efs {
 namespace {
 
-void check_mix(const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                "expertfs mix ops: ", what, " must be a contiguous float32 CPU tensor");
-}
-
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
-// o[i] = a * y[i] (a != 0 or y given), then o[i] += c_k * s_k[i] for each of the m rows s_k.
+// x[i] = (x[i] if silu, else 1) / (1 + exp(-x[i])) over n floats in place: the AVX2 exp where
+// the kernels run at that tier.
+void act_(float* x, int64_t n, bool silu) {
+    if (isa_avx2()) {
+        (silu ? avx2_silu : avx2_sigmoid)(x, n);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] = (silu ? x[i] : 1.0f) / (1.0f + std::exp(-x[i]));
+}
+
+// o[i] = a * y[i] (0 where y is null), then o[i] += c_k * s_k[i] for each of the m rows s_k.
 #if defined(__x86_64__) || defined(__i386__)
 __attribute__((target_clones("avx2", "default")))
 #endif
@@ -41,6 +46,17 @@ void mix_row(float* o, float a, const float* y, const float* c, int64_t cstride,
         const float ck = c[k * cstride];
         const float* sk = s + k * D;
         for (int64_t d = 0; d < D; ++d) o[d] += ck * sk[d];
+    }
+}
+
+// Each of the n rows of d floats of x divided by sqrt(its sum of squares + eps), into y.
+void l2_rows(const float* x, float* y, int64_t n, int64_t d, float eps) {
+    for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * d;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+        const float den = std::sqrt(ss + eps);
+        for (int64_t i = 0; i < d; ++i) y[r * d + i] = xr[i] / den;
     }
 }
 
@@ -78,10 +94,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams,
                                                       const at::Tensor& fn, const at::Tensor& base,
                                                       const at::Tensor& scales, int64_t iters,
                                                       double eps, double rms_eps) {
-    check_mix(streams, "streams");
-    check_mix(fn, "fn");
-    check_mix(base, "base");
-    check_mix(scales, "scales");
+    check_f32(streams, "hc_pre", "streams");
+    check_f32(fn, "hc_pre", "fn");
+    check_f32(base, "hc_pre", "base");
+    check_f32(scales, "hc_pre", "scales");
     TORCH_CHECK(streams.dim() == 3 && streams.size(0) == 1 && streams.size(1) > 0,
                 "expertfs mix ops: hc_pre takes one token's streams [1, n, D]");
     const int64_t n = streams.size(1), D = streams.size(2), M = (2 + n) * n, nd = n * D;
@@ -90,8 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams,
                 "base, scales of (2 + n) n for ", n, " streams of ", D);
     const float* s = streams.data_ptr<float>();
     std::vector<float> xn((size_t)nd), lin((size_t)M);
-    const float r = rms_scale(s, nd, rms_eps);
-    for (int64_t i = 0; i < nd; ++i) xn[i] = s[i] * r;                // rms_norm's y = x * r
+    norm_row(s, xn.data(), nullptr, nd, rms_eps);                    // rms_norm(flat, None)
     {
         pybind11::gil_scoped_release nogil;
         rows_dot(fn.data_ptr<float>(), xn.data(), lin.data(), M, nd);
@@ -117,10 +132,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams,
 
 at::Tensor hc_post(const at::Tensor& y, const at::Tensor& streams, const at::Tensor& post,
                    const at::Tensor& comb) {
-    check_mix(y, "y");
-    check_mix(streams, "streams");
-    check_mix(post, "post");
-    check_mix(comb, "comb");
+    check_f32(y, "hc_post", "y");
+    check_f32(streams, "hc_post", "streams");
+    check_f32(post, "hc_post", "post");
+    check_f32(comb, "hc_post", "comb");
     TORCH_CHECK(streams.dim() == 3 && streams.size(0) == 1, "expertfs mix ops: hc_post takes "
                 "one token's streams [1, n, D]");
     const int64_t n = streams.size(1), D = streams.size(2);
@@ -134,37 +149,13 @@ at::Tensor hc_post(const at::Tensor& y, const at::Tensor& streams, const at::Ten
     return out;
 }
 
-namespace {
-
-// 1 / (1 + exp(-x)) over n floats in place: the AVX2 exp where the kernels run at that tier.
-void sigmoid_(float* x, int64_t n) {
-    if (isa_avx2()) {
-        avx2_sigmoid(x, n);
-        return;
-    }
-    for (int64_t i = 0; i < n; ++i) x[i] = 1.0f / (1.0f + std::exp(-x[i]));
-}
-
-// Each of the n rows of d floats of x divided by sqrt(its sum of squares + eps), into y.
-void l2_rows(const float* x, float* y, int64_t n, int64_t d, float eps) {
-    for (int64_t r = 0; r < n; ++r) {
-        const float* xr = x + r * d;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
-        const float den = std::sqrt(ss + eps);
-        for (int64_t i = 0; i < d; ++i) y[r * d + i] = xr[i] / den;
-    }
-}
-
-}  // namespace
-
 at::Tensor kda_token_(const at::Tensor& qkv, const at::Tensor& f, const at::Tensor& gate,
                       const at::Tensor& beta, const at::Tensor& dt_bias, const at::Tensor& a,
                       bool has_lb, double lb, const at::Tensor& o_norm, double rms_eps,
                       double l2_eps, at::Tensor& S) {
     for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
              &qkv, &f, &gate, &beta, &dt_bias, &a, &o_norm, &S})
-        check_mix(*t, "a KDA tensor");
+        check_f32(*t, "kda_token_", "each tensor");
     TORCH_CHECK(S.dim() == 3 && S.size(1) == S.size(2), "expertfs mix ops: kda_token_ needs a "
                 "state [H, Dk, Dk]");
     const int64_t H = S.size(0), Dk = S.size(1), HD = H * Dk;
@@ -188,35 +179,33 @@ at::Tensor kda_token_(const at::Tensor& qkv, const at::Tensor& f, const at::Tens
             g[i] = has_lb ? -ap[h] * t : t;
         }
     if (has_lb) {
-        sigmoid_(g, HD);
+        act_(g, HD, false);
         for (int64_t i = 0; i < HD; ++i) g[i] *= (float)lb;
     } else {                                   // a softplus(t), torch's threshold of 20
         for (int64_t i = 0; i < HD; ++i)
             g[i] = ap[i / Dk] * (g[i] > 20.0f ? g[i] : std::log1p(std::exp(g[i])));
     }
     std::memcpy(bt, beta.data_ptr<float>(), sizeof(float) * H);
-    sigmoid_(bt, H);
+    act_(bt, H, false);
     const at::TensorOptions f32 = S.options();
     at::Tensor o = kda_step_(at::from_blob(qn, {H, Dk}, f32), at::from_blob(kn, {H, Dk}, f32),
                              at::from_blob(const_cast<float*>(x + 2 * HD), {H, Dk}, f32),
                              at::from_blob(g, {H, Dk}, f32), at::from_blob(bt, {H}, f32), S);
     std::vector<float> sg(gate.data_ptr<float>(), gate.data_ptr<float>() + HD);
-    sigmoid_(sg.data(), HD);
+    act_(sg.data(), HD, false);
     at::Tensor out = at::empty({1, HD}, f32);
     const float *op = o.data_ptr<float>(), *wn = o_norm.data_ptr<float>();
     float* yp = out.data_ptr<float>();
-    for (int64_t h = 0; h < H; ++h) {                      // rms_norm(o, o_norm) * sigmoid(gate)
-        const float r = rms_scale(op + h * Dk, Dk, rms_eps);
-        for (int64_t i = h * Dk; i < (h + 1) * Dk; ++i)
-            yp[i] = ((op[i] * r) * wn[i - h * Dk]) * sg[i];
-    }
+    for (int64_t h = 0; h < H; ++h)                        // rms_norm(o, o_norm) * sigmoid(gate)
+        norm_row(op + h * Dk, yp + h * Dk, wn, Dk, rms_eps);
+    for (int64_t i = 0; i < HD; ++i) yp[i] *= sg[i];
     return out;
 }
 
 at::Tensor conv_step_(const at::Tensor& x, const at::Tensor& w, at::Tensor& window) {
-    check_mix(x, "x");
-    check_mix(w, "conv weight");
-    check_mix(window, "conv window");
+    check_f32(x, "conv_step_", "x");
+    check_f32(w, "conv_step_", "the conv weight");
+    check_f32(window, "conv_step_", "the conv window");
     TORCH_CHECK(w.dim() == 2 && w.size(1) >= 1, "expertfs mix ops: conv_step_ needs w [C, K]");
     const int64_t C = w.size(0), K = w.size(1);
     TORCH_CHECK(x.numel() == C && window.dim() == 2 && window.size(0) == C &&
@@ -225,11 +214,7 @@ at::Tensor conv_step_(const at::Tensor& x, const at::Tensor& w, at::Tensor& wind
     at::Tensor y = at::empty({1, C}, x.options());
     float* yp = y.data_ptr<float>();
     conv_rows(x.data_ptr<float>(), w.data_ptr<float>(), window.data_ptr<float>(), yp, C, K);
-    if (isa_avx2()) {
-        avx2_silu(yp, C);
-    } else {
-        for (int64_t c = 0; c < C; ++c) yp[c] = yp[c] / (1.0f + std::exp(-yp[c]));
-    }
+    act_(yp, C, true);
     return y;
 }
 

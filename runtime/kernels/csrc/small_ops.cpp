@@ -21,23 +21,24 @@
 
 namespace efs {
 
-float rms_scale(const float* x, int64_t d, double eps) {
+void norm_row(const float* x, float* y, const float* w, int64_t d, double eps) {
     double s = 0.0;
     for (int64_t i = 0; i < d; ++i) s += (double)x[i] * (double)x[i];
     const float mean = (float)(s / (double)d);
-    return 1.0f / std::sqrt(mean + (float)eps);
-}
-
-namespace {
-
-inline void norm_row(const float* x, float* y, const float* w, int64_t d, double eps) {
-    const float r = rms_scale(x, d, eps);
+    const float r = 1.0f / std::sqrt(mean + (float)eps);
     if (w) {
         for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * r) * w[i];
     } else {
         for (int64_t i = 0; i < d; ++i) y[i] = x[i] * r;
     }
 }
+
+void check_f32(const at::Tensor& t, const char* op, const char* what) {
+    TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "expertfs kernels: ", op, " needs ", what, " as a contiguous float32 CPU tensor");
+}
+
+namespace {
 
 const float* weight_of(const c10::optional<at::Tensor>& w, int64_t d) {
     if (!w.has_value() || !w->defined()) return nullptr;
@@ -158,11 +159,6 @@ void attn_heads(void* ctx, int64_t chunk) {
     }
 }
 
-void check_f32(const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                "expertfs small ops: attn_decode needs contiguous float32 CPU ", what);
-}
-
 #if defined(__x86_64__) || defined(__i386__)
 __attribute__((target_clones("avx2", "default")))   // 8-wide on AVX2 CPUs, chosen at load
 #endif
@@ -244,8 +240,8 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
                                          const c10::optional<at::Tensor>& bias, int64_t k,
                                          bool sigmoid, bool norm_w, double w_min,
                                          double w_scale, int64_t n_group, int64_t n_group_used) {
-    check_f32(x, "x");
-    check_f32(W, "router weight");
+    check_f32(x, "route", "x");
+    check_f32(W, "route", "the router weight");
     const int64_t E = W.size(0), D = W.size(1);
     TORCH_CHECK(W.dim() == 2 && x.numel() == D && k >= 1 && k <= E,
                 "expertfs small ops: route takes x [1, D], W [E, D] and 1 <= k <= E");
@@ -319,11 +315,11 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
 
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& kc, at::Tensor& vc, int64_t p0, double scale) {
-    check_f32(q, "q");
-    check_f32(k, "k");
-    check_f32(v, "v");
-    check_f32(kc, "key cache");
-    check_f32(vc, "value cache");
+    check_f32(q, "attn_decode", "q");
+    check_f32(k, "attn_decode", "k");
+    check_f32(v, "attn_decode", "v");
+    check_f32(kc, "attn_decode", "the key cache");
+    check_f32(vc, "attn_decode", "the value cache");
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.size(0) == 1 &&
                 k.size(0) == 1 && v.size(0) == 1, "expertfs small ops: attn_decode takes one "
                 "token: q [1, H, D], k [1, K, D], v [1, K, Dv]");
@@ -356,16 +352,12 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 at::Tensor kda_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& g, const at::Tensor& beta, at::Tensor& S) {
-    const auto check = [](const at::Tensor& t, const char* what) {
-        TORCH_CHECK(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                    "expertfs small ops: kda_step_ needs contiguous float32 CPU ", what);
-    };
-    check(q, "q");
-    check(k, "k");
-    check(v, "v");
-    check(g, "g");
-    check(beta, "beta");
-    check(S, "state");
+    check_f32(q, "kda_step_", "q");
+    check_f32(k, "kda_step_", "k");
+    check_f32(v, "kda_step_", "v");
+    check_f32(g, "kda_step_", "g");
+    check_f32(beta, "kda_step_", "beta");
+    check_f32(S, "kda_step_", "the state");
     TORCH_CHECK(S.dim() == 3, "expertfs small ops: kda_step_ state must be [H, Dk, Dv]");
     const int64_t H = S.size(0), Dk = S.size(1), Dv = S.size(2);
     TORCH_CHECK(q.numel() == H * Dk && k.numel() == H * Dk && g.numel() == H * Dk &&

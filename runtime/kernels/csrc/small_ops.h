@@ -85,8 +85,13 @@ at::Tensor kda_token_(const at::Tensor& qkv, const at::Tensor& f, const at::Tens
 // rows over the pool where W is large (small_ops.cpp; the caller releases the GIL).
 void rows_dot(const float* W, const float* x, float* out, int64_t E, int64_t D);
 
-// 1 / sqrt(mean(x^2) + eps) over d floats, the square sum in double (rms_norm's scale).
-float rms_scale(const float* x, int64_t d, double eps);
+// y = x * rsqrt(mean(x^2) + eps) [* w] over d floats (rms_norm's row; the square sum in
+// double); y may be x.
+void norm_row(const float* x, float* y, const float* w, int64_t d, double eps);
+
+// The shared argument check: t a contiguous float32 CPU tensor, else an error naming the
+// operation and the argument.
+void check_f32(const at::Tensor& t, const char* op, const char* what);
 
 // Runs fn(ctx, c) for c in [0, n) on the kernels' pool (ops.cpp).
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx);
