@@ -140,13 +140,14 @@ class ReadScheduler:
             self._wake(entry[0])
         return fut
 
-    def _wake_next(self) -> None:
-        """Wake the lane of the most urgent waiting read (its workers may all be asleep: the
-        reads before it were the other lane's)."""
+    def _wake_background(self) -> None:
+        """Wake a background worker when a background read has become the most urgent waiting
+        one: its workers sleep while urgent reads are ahead of it, and nothing else wakes them
+        when the last of those is taken or removed."""
         while self._heap and self._heap[0][3] is None:
             heapq.heappop(self._heap)
-        if self._heap and self.background_workers:
-            self._wake(self._heap[0][0])
+        if self.background_workers and self._heap and self._heap[0][0] == Priority.BACKGROUND:
+            self._bg_cv.notify()
 
     def _wake(self, priority: int) -> None:
         """Wake a worker of the lane that serves a read of ``priority``."""
@@ -174,7 +175,7 @@ class ReadScheduler:
             entry[3] = None
             self._live -= 1
             self._space.notify()
-            self._wake_next()
+            self._wake_background()
 
     def _cancelled(self, fut: ReadFuture) -> None:
         with self._lock:
@@ -246,7 +247,8 @@ class ReadScheduler:
                         break
                     cv.wait()
                 entry = heapq.heappop(self._heap)
-                self._wake_next()                  # the next read may be the other lane's
+                if not background:
+                    self._wake_background()        # this may have been the last urgent read
                 fut, fn, prio, nbytes = entry[2], entry[3], entry[0], entry[4]
                 entry[3] = None
                 entry[2] = fut._entry = None          # no reference cycle left to the collector
