@@ -113,9 +113,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams,
     }
     const float *bp = base.data_ptr<float>(), *sp = scales.data_ptr<float>();
     const at::TensorOptions f32 = streams.options();
-    at::Tensor pre = at::empty({1, n}, f32), post = at::empty({1, n}, f32);
+    std::vector<float> pre((size_t)n);                              // used here only
+    at::Tensor post = at::empty({1, n}, f32);
     at::Tensor comb = at::empty({1, n, n}, f32), x = at::empty({1, D}, f32);
-    float *pp = pre.data_ptr<float>(), *qp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
+    float *pp = pre.data(), *qp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
     for (int64_t i = 0; i < M; ++i) {
         const float m = bp[i] + lin[i] * sp[i];                     // addcmul(base, lin, scales)
         if (i < n)
