@@ -88,7 +88,8 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
                  pin: bool | str = "auto", pin_budget: PinBudget | None = None,
                  record_usage: bool = True, verify: str = "first",
                  reader: ExpertReader | None = None, prefetch_slots: int = 0,
-                 warm_held: bool = False, drop_behind: bool | None = None) -> None:
+                 warm_held: bool = False, drop_behind: bool | None = None,
+                 ram_tier: str = "auto") -> None:
         self.store = store
         self.ram_bytes, self.vram_bytes = int(ram_bytes), int(vram_bytes)
         self.stats = TieredStats()
@@ -100,7 +101,8 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
             self.cache = TierCache(store, self.reader, device=device, ram_bytes=ram_bytes,
                                    vram_bytes=vram_bytes, policy=policy, queue_depth=queue_depth,
                                    staging_slots=staging_slots, pin=pin, pin_budget=pin_budget,
-                                   stats=self.stats, prefetch_slots=prefetch_slots)
+                                   stats=self.stats, prefetch_slots=prefetch_slots,
+                                   ram_tier=ram_tier)
         except BaseException:
             if reader is None:
                 self.reader.close()
@@ -255,6 +257,6 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
             "compute_slots": s.compute, "prefetch_slots": s.prefetch,
             "ram_bytes": c.host.nbytes, "vram_bytes": c.dev.nbytes if c.dev is not None else 0,
             "pinned": c.host.pinned, "pinned_bytes": c.host.pinned_bytes,
-            "pin_note": c.host.pin_note,
+            "pin_note": c.host.pin_note, "ram_tier": c.host.kind,
             "backend": self.reader.backend_name, "history": self.history is not None,
         }

@@ -151,7 +151,7 @@ class Residency:
     # -- entries ----------------------------------------------------------------------------
     def new(self, key: int) -> Entry:
         """An entry for ``key`` in a free host slot (its read is the caller's to issue)."""
-        host_slot = self.host.alloc(host_write=True)
+        host_slot = self.host.alloc(host_write=True, key=key)
         if host_slot is None:
             raise CapacityError("no free host slot for a read", fix="raise the RAM budget")
         li, ex = divmod(key, self._E)

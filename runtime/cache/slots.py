@@ -9,6 +9,10 @@ pinned slots are handed out first); the
 device slab is one ``torch.empty`` on the CUDA device, or a page-aligned CPU slab when the
 "device" is the CPU.
 
+A RAM tier with a slot for every expert may instead be the experts file itself
+(:class:`MappedPool`, ``host_tier``): nothing is ever evicted from such a tier, so each expert
+keeps its place in the file, read into the page cache by faulting its range in.
+
 ``fence[i]`` is what the next *writer* of slot ``i`` must wait for. Host slots: the last
 asynchronous copy that read or wrote them (storage reads sync on it; copies on the copy stream
 are ordered anyway). Device slots: the compute stream's mark at the release of the last layer
@@ -17,6 +21,7 @@ that read them (copies wait on it on the GPU).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -32,10 +37,15 @@ from ..io import PAGE, HostSlab, PinBudget, aligned_empty
 from .copier import Fence, host_wait
 from .vram import device_memory
 
-__all__ = ["SlotPool"]
+__all__ = ["RAM_TIERS", "SlotPool", "MappedPool", "host_tier"]
+
+#: What ``host_tier`` may build the RAM tier as (``ram_tier``).
+RAM_TIERS = ("auto", "mapped", "slab")
 
 
 class SlotPool:
+    kind = "slab"                 # what ``describe`` calls the RAM tier (``MappedPool``: mapped)
+
     def __init__(self, name: str, n_slots: int, slot_bytes: int, *, device: torch.device,
                  host: bool, pin: bool | str = "auto", pin_budget: PinBudget | None = None,
                  alignment: int = PAGE, prefault: bool = True) -> None:
@@ -107,9 +117,10 @@ class SlotPool:
         """The slab as ``[n_slots, stride]`` uint8, for kernels that gather by slot id."""
         return self.tensor[:self.n_slots * self.stride].view(self.n_slots, self.stride)
 
-    def alloc(self, *, host_write: bool) -> int | None:
+    def alloc(self, *, host_write: bool, key: int | None = None) -> int | None:
         """A free slot, or None. ``host_write``: the caller writes it from the host (a storage
-        read), so any asynchronous copy still touching it is waited for first."""
+        read), so any asynchronous copy still touching it is waited for first. ``key`` (the
+        expert's) matters only to a ``MappedPool``."""
         if self._free:
             i = self._free.popleft()
         elif self._free_pageable:
@@ -132,3 +143,98 @@ class SlotPool:
         self._free, self._free_pageable = deque(), deque()
         self._views = []
         self._parts = {}
+
+
+class MappedPool(SlotPool):
+    """The host tier as the experts file itself (``io.FileMapping``): one slot per expert key,
+    each the view of that expert's extent where the file holds it, filled by faulting the range
+    in through the page cache (the reader sees the view is the file's own bytes) rather than
+    by a read into anonymous memory. Only for a tier with a slot for every expert (nothing is
+    ever evicted, so no slot is ever reused) on a CPU compute device (pages of the page cache
+    are not page-locked for uploads). ``extents[key]`` is the key's extent, None for a key
+    with no expert (a layer with fewer experts than the widest)."""
+
+    kind = "mapped"
+
+    def __init__(self, name: str, mapping: Any, extents: list[Extent | None],
+                 slot_bytes: int) -> None:
+        self.name = name
+        self.n_slots = len(extents)
+        self.slot_bytes = slot_bytes
+        self.stride = -(-slot_bytes // PAGE) * PAGE
+        self.device = torch.device("cpu")
+        self._slab = None
+        self._mapping = mapping
+        self.tensor = mapping.tensor
+        self.pinned, self.pin_note, self.pinned_slots = False, "mapped (the page cache)", 0
+        empty = self.tensor[:0]
+        self._views = [empty if x is None else mapping.view(x.offset, x.length) for x in extents]
+        self._offsets = [-1 if x is None else x.offset for x in extents]
+        self._free = deque()
+        self._free_pageable = deque(k for k, x in enumerate(extents) if x is not None)
+        self._unused = set(self._free_pageable)
+        self.fence = [None] * self.n_slots
+        self.base = self.tensor.data_ptr()
+        self._parts = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(v.numel()) for v in self._views)
+
+    @property
+    def n_free(self) -> int:
+        return len(self._unused)
+
+    def address(self, i: int) -> int:
+        return self.base + self._offsets[i]
+
+    def rows(self) -> torch.Tensor:
+        raise UsageError("a mapped RAM tier has no uniform slot rows: each expert sits at its "
+                         "offset in the experts file", fix="gather by slot with view(i)")
+
+    def alloc(self, *, host_write: bool, key: int | None = None) -> int | None:
+        """``key``'s own slot (its extent in the file), or None when it is taken or absent."""
+        if key is None or key not in self._unused:
+            return None
+        self._unused.discard(key)
+        return key
+
+    def free(self, i: int, fence: Fence = None) -> None:
+        self._unused.add(i)
+
+    def close(self) -> None:
+        self._unused = set()
+        self._views = []
+        self._parts = {}
+        self.tensor = None
+        self._mapping = None
+
+
+def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
+              pin: bool | str, pin_budget: PinBudget | None, ram_tier: str = "auto") -> SlotPool:
+    """The RAM tier's pool: a ``MappedPool`` over the experts file, or a slab.
+
+    ``ram_tier="mapped"`` maps where it can: the tier has a slot for every expert, the compute
+    device is the CPU, the tier is ``alone`` (no device tier, no prefetch staged outside it) and
+    the kernel can fault a file range in. ``"auto"`` (the default) does so too when the reader's
+    backend was picked by ``auto`` (a backend asked for by name reads into a slab, as asked)
+    and ``EXPERTFS_MAPPED_TIER`` is not ``0``; ``"slab"`` never does.
+
+    A slab is faulted in ahead of the reads (``HostSlab``'s prefault) only where the reads will
+    cycle through it (a cap): a tier with a slot for every expert is filled by the prompt's
+    reads, a part of it, then the warm start's, and faulting in the rest ahead takes the
+    prompt's CPU (the uncapped first token, bench/README.md "fault-in")."""
+    if ram_tier not in RAM_TIERS:
+        raise UsageError(f"ram_tier={ram_tier!r} is not one of {', '.join(RAM_TIERS)}",
+                         fix="use auto (the default), mapped or slab")
+    every = n_slots >= sum(geo.experts)
+    want = ram_tier == "mapped" or (ram_tier == "auto" and reader.handle.choice is not None
+                                    and os.environ.get("EXPERTFS_MAPPED_TIER", "1") != "0")
+    mapping = reader.map_file() if want and every and not cuda and alone else None
+    if mapping is not None:
+        E = geo.n_experts
+        extents = [reader.extent(layer, ex) if ex < geo.experts[li] else None
+                   for li, layer in enumerate(geo.layers) for ex in range(E)]
+        return MappedPool("ram", mapping, extents, geo.slot_bytes)
+    return SlotPool("ram", n_slots, geo.slot_bytes, device=torch.device("cpu"), host=True,
+                    pin=pin if cuda else False, pin_budget=pin_budget, prefault=not every)

@@ -48,7 +48,7 @@ from .entry import Entry, State, TieredStats, landed
 from .loader import Loader
 from .residency import Residency
 from .sizing import SlotGeometry, plan_slots
-from .slots import SlotPool
+from .slots import SlotPool, host_tier
 from .staged import StagedPrefetch
 from .table import SlotTable
 
@@ -60,7 +60,7 @@ class TierCache:
                  ram_bytes: int, vram_bytes: int = 0, policy: str | Callable[[int], Policy] = "default",
                  queue_depth: int = 16, staging_slots: int | None = None, pin: bool | str = "auto",
                  pin_budget: PinBudget | None = None, stats: TieredStats | None = None,
-                 prefetch_slots: int = 0) -> None:
+                 prefetch_slots: int = 0, ram_tier: str = "auto") -> None:
         self.geo = geo = SlotGeometry.from_store(store)
         self.store = store
         self.device = torch.device(device)
@@ -75,15 +75,9 @@ class TierCache:
             spec = DEFAULT_POLICY if policy in ("default", "", None) else policy
             factory = make_factory(spec, n_layers=len(geo.layers), route_width=geo.k,
                                    layer_of=geo.layer_of)
-        cpu = torch.device("cpu")
-        # the slab faulted in ahead of the reads (HostSlab's prefault) only where the reads will
-        # cycle through it (a cap): a tier with a slot for every expert is filled by the
-        # prompt's reads, a part of it, then the warm start's, and faulting in the rest ahead
-        # takes the prompt's CPU (the uncapped first token, bench/README.md "fault-in")
-        every = self.slots.host >= sum(geo.experts)
-        self.host = SlotPool("ram", self.slots.host, geo.slot_bytes, device=cpu, host=True,
-                             pin=pin if self.copier.cuda else False, pin_budget=pin_budget,
-                             prefault=not every)
+        self.host = host_tier(geo, reader, self.slots.host, cuda=self.copier.cuda,
+                              alone=not (self.slots.prefetch or self.slots.vram), pin=pin,
+                              pin_budget=pin_budget, ram_tier=ram_tier)
         self.dev = (SlotPool("vram", self.slots.vram, geo.slot_bytes, device=self.device, host=False)
                     if self.slots.vram else None)
         self.R: Policy | None = factory(self.slots.ram) if self.slots.ram else None

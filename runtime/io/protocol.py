@@ -162,13 +162,31 @@ class FileHandle:
         if self._closed:
             raise IOUsageError("read on a closed file", path=self.path, fix="open the file again")
         size = self.check_range(buf, offset, size)
-        dest = self.raw.prepare(buf)
-        raw, path, policy = self.raw, self.path, self.retry
+        dest, raw = self.raw.prepare(buf), self.raw
+        return self._submit(lambda s, e, o: raw.pread_into(dest, s, e, o), offset, size,
+                            priority=priority, tag=tag, then=then, block=block, fail=fail)
+
+    def populate(self, mapping: Any, offset: int, size: int, *,
+                 priority: Priority = Priority.DEMAND, tag: Any = None,
+                 then: Callable[[int], Any] | None = None,
+                 fail: Callable[[IOEngineError], BaseException] | None = None) -> ReadFuture:
+        """``pread``'s queue, priorities, retries and errors for a read into ``mapping`` (a
+        ``mapped.FileMapping`` of this file) at the file's own place: the range faulted in
+        through the page cache instead of copied into a buffer."""
+        if self._closed:
+            raise IOUsageError("read on a closed file", path=self.path, fix="open the file again")
+        return self._submit(lambda s, e, o: mapping.populate(o, e - s), offset, size,
+                            priority=priority, tag=tag, then=then, block=True, fail=fail)
+
+    def _submit(self, read: Callable[[int, int, int], int], offset: int, size: int, *,
+                priority: Priority, tag: Any, then: Callable[[int], Any] | None, block: bool,
+                fail: Callable[[IOEngineError], BaseException] | None) -> ReadFuture:
+        """Queue ``read_fully(read, ...)`` of ``size`` bytes at ``offset``, then ``then``."""
+        path, policy = self.path, self.retry
 
         def job() -> Any:
             try:
-                n = read_fully(lambda s, e, o: raw.pread_into(dest, s, e, o), path=path,
-                               offset=offset, size=size, policy=policy)
+                n = read_fully(read, path=path, offset=offset, size=size, policy=policy)
             except IOEngineError as e:
                 if fail is None:
                     raise

@@ -34,6 +34,7 @@ from .auto import open_file
 from .buffers import aligned_empty, host_view, is_device_buffer, nbytes_of
 from .errors import (ExpertIntegrityError, IOEngineError, IOFaultError, IOUsageError,
                      StoreChangedError)
+from .mapped import FileMapping, populate_supported
 from .protocol import DEFAULT_QUEUE_DEPTH, FileHandle, IOBackend
 from .retry import RetryPolicy
 from .scheduler import Priority, ReadFuture
@@ -123,6 +124,7 @@ class ExpertReader:
         self._lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()
         self._inflight: dict[tuple[int, int], ReadFuture] = {}
+        self._mapping: FileMapping | None = None
         self.stats = {"reads": 0, "bytes": 0, "verified": 0, "integrity_errors": 0, "joined": 0,
                       "rereads": 0, "recovered": 0}
 
@@ -243,13 +245,27 @@ class ExpertReader:
                     self._verified.add(key)
             return ExpertBuffer(extent, buf, check)
 
-        fut = self.handle.pread(buf, extent.offset, extent.length, priority=priority, tag=key,
-                                then=done, fail=lambda err: self._failed(layer, expert, err))
+        fail = lambda err: self._failed(layer, expert, err)        # noqa: E731
+        m = self._mapping
+        if m is not None and m.at(buf) == extent.offset:      # the file's own pages: fault in
+            fut = self.handle.populate(m, extent.offset, extent.length, priority=priority,
+                                       tag=key, then=done, fail=fail)
+        else:
+            fut = self.handle.pread(buf, extent.offset, extent.length, priority=priority,
+                                    tag=key, then=done, fail=fail)
         if into is None:
             with self._lock:
                 self._inflight[key] = fut
             fut.add_done_callback(lambda f, k=key: self._forget(k, f))
         return fut
+
+    def map_file(self) -> FileMapping | None:
+        """The experts file mapped whole (``mapped.FileMapping``, made once), or None where
+        the kernel cannot fault a file range in (``populate_supported``). A read into a view
+        of it at the expert's own offset faults the range in instead of copying it."""
+        if self._mapping is None and populate_supported():
+            self._mapping = FileMapping(self.path)
+        return self._mapping
 
     def _forget(self, key: tuple[int, int], fut: ReadFuture) -> None:
         with self._lock:
@@ -270,6 +286,8 @@ class ExpertReader:
 
     def close(self) -> None:
         self.handle.close()
+        if self._mapping is not None:
+            self._mapping.close()
 
     def __enter__(self) -> ExpertReader:
         return self
