@@ -43,6 +43,17 @@ def _madvise() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
+def _mincore() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
 def populate_supported() -> bool:
     """True where ``madvise(MADV_POPULATE_READ)`` works (Linux 5.14+)."""
     madvise = _madvise()
@@ -118,6 +129,24 @@ class FileMapping:
             raise OSError(err, f"madvise(MADV_POPULATE_READ) of {n} bytes at {offset} in "
                                f"{self.path}: {os.strerror(err)}")
         return n
+
+    def cached_fraction(self, samples: int = 4096) -> float:
+        """The fraction of the file the page cache holds now, from ``samples`` pages spread
+        evenly over it (``mincore``: one system call a page, milliseconds whatever the size);
+        0.0 where the kernel cannot say."""
+        mincore = _mincore()
+        if mincore is None or self.tensor is None:
+            return 0.0
+        page = mmap.PAGESIZE
+        pages = -(-self.size // page)
+        picks = sorted({i * pages // min(samples, pages) for i in range(min(samples, pages))})
+        vec = ctypes.c_ubyte()
+        held = 0
+        for p in picks:
+            if mincore(self.base + p * page, page, ctypes.byref(vec)) != 0:
+                return 0.0
+            held += vec.value & 1
+        return held / len(picks)
 
     def close(self) -> None:
         self.tensor = None

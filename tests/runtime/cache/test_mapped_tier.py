@@ -6,6 +6,7 @@ expert; the file is never written; a model's logits equal the slab's bit for bit
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import shutil
@@ -15,8 +16,10 @@ import torch
 
 from expertfs.errors import UsageError
 from expertfs.runtime.cache.provider import TieredProvider
+from expertfs.runtime.cache.slots import MAPPED_WHEN_CACHED
 from expertfs.runtime.io import ExpertIntegrityError, IOUsageError
 from expertfs.runtime.io.mapped import FileMapping, populate_supported
+from expertfs.runtime.io.pagecache import drop_file_cache
 from expertfs.store.reader import Store
 
 from support.cache_store import assert_weights, check_invariants, make_store, store_bytes
@@ -48,6 +51,13 @@ def provider(store, ram, **kw):
     kw.setdefault("warm_start", False)
     kw.setdefault("record_usage", False)
     return TieredProvider(store, ram_bytes=ram, **kw)
+
+
+def evict(path) -> None:
+    """The file's pages out of the page cache (a cold start); mapped pages stay, so the
+    mappings of earlier tests are collected first."""
+    gc.collect()
+    drop_file_cache(path)
 
 
 def digest(path) -> str:
@@ -112,13 +122,32 @@ def test_the_slab_where_the_mapped_tier_does_not_apply(store):
         provider(store, every(store), ram_tier="page-cache")
 
 
-def test_auto_maps_with_an_auto_backend_unless_turned_off(store, monkeypatch, tmp_path):
+def test_auto_maps_a_file_the_page_cache_holds_with_an_auto_backend(store, monkeypatch,
+                                                                    tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    provider(store, every(store), backend="auto").close()       # auto's probe, then cached
+    evict(store.experts_path)                # a cold start (where the file system lets go)
+    probe = FileMapping(store.experts_path)
+    cold = "mapped" if probe.cached_fraction() >= MAPPED_WHEN_CACHED else "slab"
+    probe.close()
+    with provider(store, every(store), backend="auto") as p:
+        assert p.describe()["ram_tier"] == cold
+    store_bytes(store)                                           # a rerun: the file cached
     with provider(store, every(store), backend="auto") as p:
         assert p.describe()["ram_tier"] == "mapped"
     monkeypatch.setenv("EXPERTFS_MAPPED_TIER", "0")
     with provider(store, every(store), backend="auto") as p:
         assert p.describe()["ram_tier"] == "slab"
+
+
+def test_cached_fraction_follows_the_page_cache(store):
+    m = FileMapping(store.experts_path)
+    evict(store.experts_path)
+    assert 0.0 <= m.cached_fraction() <= 1.0    # (tmpfs keeps its pages: no claim on cold)
+    m.populate(0, m.size)
+    assert m.cached_fraction() == 1.0
+    m.close()
+    assert m.cached_fraction() == 0.0
 
 
 def test_corrupt_bytes_in_the_file_raise_the_integrity_error(store_path, tmp_path):
