@@ -71,9 +71,8 @@ def _warm_rates(store: Any, geo: Any, ram_policy: Policy | None) -> dict[tuple[i
     them in; reading them all would take the drive and fresh memory for experts a run without
     drafts never uses (a fifth of the experts of a five-layer cut)."""
     rates = load_rates(store, geo.k)
-    info = getattr(store, "layer_info", None)
-    every = [(la, e) for la, n in zip(geo.layers, geo.experts)
-             if not (info is not None and info(la).get("nextn")) for e in range(n)]
+    every = [(la, e) for la, n in zip(geo.layers, geo.experts) if la not in geo.drafts
+             for e in range(n)]
     if ram_policy is not None and ram_policy.capacity >= len(every):
         rates = {**dict.fromkeys(every, 0.0), **rates}
     return rates

@@ -38,6 +38,12 @@ class SlotGeometry:
     k: int                               # experts used per token (1 when the store does not say)
     slot_bytes: int                      # the largest extent
     stride: int                          # slot_bytes rounded up to the page
+    drafts: tuple[int, ...] = ()         # NextN (MTP) blocks' layers: only drafts route there
+
+    @property
+    def routed(self) -> int:
+        """Experts a decode step can route to: all but the NextN blocks'."""
+        return sum(n for la, n in zip(self.layers, self.experts) if la not in self.drafts)
 
     @classmethod
     def from_store(cls, store: Any) -> SlotGeometry:
@@ -48,14 +54,18 @@ class SlotGeometry:
         experts = tuple(store.n_experts(la) for la in layers)
         summary = getattr(store, "summary", {}) or {}
         largest = 0
+        drafts = []
         for la in layers:
             info = store.layer_info(la) if hasattr(store, "layer_info") else {}
             largest = max(largest, int(info.get("extent_bytes") or 0))
+            if info.get("nextn"):
+                drafts.append(la)
         if not largest:
             largest = max(store.extent(la, e).length for la, n in zip(layers, experts)
                           for e in range(n))
         k = int(summary.get("expert_used_count") or 1)
-        return cls(layers, experts, max(experts), max(1, k), largest, -(-largest // PAGE) * PAGE)
+        return cls(layers, experts, max(experts), max(1, k), largest, -(-largest // PAGE) * PAGE,
+                   tuple(drafts))
 
     def index_of(self) -> dict[int, int]:
         return {la: i for i, la in enumerate(self.layers)}

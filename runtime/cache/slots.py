@@ -215,10 +215,13 @@ MAPPED_WHEN_CACHED = 0.5
 
 
 def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
-              pin: bool | str, pin_budget: PinBudget | None, ram_tier: str = "auto") -> SlotPool:
+              pin: bool | str, pin_budget: PinBudget | None, ram_tier: str = "auto"
+              ) -> SlotPool:
     """The RAM tier's pool: a ``MappedPool`` over the experts file, or a slab.
 
-    ``ram_tier="mapped"`` maps where it can: the tier has a slot for every expert, the compute
+    ``ram_tier="mapped"`` maps where it can: the tier has a slot for every expert a decode step
+    can route to (``geo.routed``: a NextN block's experts, which only drafts route to, are
+    mapped too, but ``run`` leaves them out of the tier it sizes), the compute
     device is the CPU, the tier is ``alone`` (no device tier, no prefetch staged outside it) and
     the kernel can fault a file range in. ``"auto"`` (the default) maps there too when the page
     cache already holds at least ``MAPPED_WHEN_CACHED`` of the file (a rerun: its experts are
@@ -236,9 +239,10 @@ def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
         raise UsageError(f"ram_tier={ram_tier!r} is not one of {', '.join(RAM_TIERS)}",
                          fix="use auto (the default), mapped or slab")
     every = n_slots >= sum(geo.experts)
+    fits = n_slots >= geo.routed
     want = ram_tier == "mapped" or (ram_tier == "auto" and reader.handle.choice is not None
                                     and os.environ.get("EXPERTFS_MAPPED_TIER", "1") != "0")
-    mapping = reader.map_file() if want and every and not cuda and alone else None
+    mapping = reader.map_file() if want and fits and not cuda and alone else None
     if mapping is not None and ram_tier == "auto" \
             and mapping.cached_fraction() < MAPPED_WHEN_CACHED:
         reader.unmap_file()

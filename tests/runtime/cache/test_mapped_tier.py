@@ -185,3 +185,23 @@ def test_logits_equal_the_slab_bit_for_bit(store_path):
             out[tier] = [logits, *steps]
     for a, b in zip(out["mapped"], out["slab"]):
         assert torch.equal(a, b)
+
+
+def test_a_tier_of_every_routed_expert_maps_with_a_nextn_block(tmp_path):
+    """``run`` leaves a NextN block's experts (drafts only) out of the tier it sizes: a tier of
+    every other expert still maps, and a draft's expert is still served from the file."""
+    s = Store.open(str(make_store(tmp_path, n_nextn=1)))
+    try:
+        data = store_bytes(s)
+        draft = [la for la in s.layers if s.layer_info(la).get("nextn")]
+        assert draft
+        slot = max(s.extent(la, 0).length for la in s.layers)
+        routed = sum(s.n_experts(la) for la in s.layers if la not in draft)
+        with provider(s, routed * slot, ram_tier="mapped") as p:
+            assert p.cache.geo.routed == routed and p.describe()["ram_tier"] == "mapped"
+            assert_weights(s, data, draft[0], p.get(draft[0], [0, 3]))
+            p.release(draft[0])
+        with provider(s, (routed - 1) * slot, ram_tier="mapped") as p:
+            assert p.describe()["ram_tier"] == "slab"
+    finally:
+        s.close()
