@@ -7,6 +7,7 @@ the first touch of their layer (one LMDB range scan per layer).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -25,6 +26,12 @@ __all__ = ["Store", "is_store"]
 
 def is_store(path: str) -> bool:
     return os.path.isdir(os.path.join(path, INDEX_DIR))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_kv(raw: bytes, path: str) -> dict[str, KVEntry]:
+    """``raw`` (the index's compressed metadata blob) parsed (``Store.gguf_kv``)."""
+    return parse_kv_entries(zstandard.ZstdDecompressor().decompress(raw), path)
 
 
 class Store:
@@ -109,15 +116,21 @@ class Store:
         return {t.name: t for t in self.tensors() if t.kind == KIND_TRUNK}
 
     def gguf_kv(self) -> dict[str, KVEntry]:
-        return parse_kv_entries(self.kv_blob(), self.path)
+        """The source's metadata, parsed once a process per blob (a ``run`` asks for it from
+        the model config, the tokenizer and the memory model; a vocabulary's strings take a
+        quarter of a second to parse); a fresh dict each call, the entries shared (frozen)."""
+        return dict(_parsed_kv(self._kv_raw(), self.path))
 
     def kv_blob(self) -> bytes:
         """The source's metadata as GGUF encodes it: ``uint64 count`` then the entries."""
+        return zstandard.ZstdDecompressor().decompress(self._kv_raw())
+
+    def _kv_raw(self) -> bytes:
         raw = self.index.meta("gguf_kv")
         if raw is None:
             raise StoreError("the index has no GGUF metadata", path=self.path,
                              fix="the store is damaged; run expertfs repack again")
-        return zstandard.ZstdDecompressor().decompress(raw)
+        return bytes(raw)
 
     @property
     def gguf_version(self) -> int:
