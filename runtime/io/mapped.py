@@ -4,12 +4,14 @@ the RAM tier where that tier holds every expert.
 A tier with a slot for every expert never evicts, so it needs no slots of its own: each expert
 can stay where the file puts it. ``FileMapping`` maps the whole file once (``MAP_PRIVATE``: a
 write, which the engine never makes, would copy the page, never reach the file) and "reads" an
-extent with ``madvise(MADV_POPULATE_READ)``: the kernel reads the range into the page cache and
-maps those pages, with nothing copied and no page of anonymous memory cleared first. An O_DIRECT
-read into a fresh slab pays for both (the kernel clears every new page before the drive fills
-it: most of a cold uncapped run's CPU on a virtual machine, bench/README.md "The mapped RAM
-tier"), and a second run of the same model starts from whatever the page cache still holds, as
-llama.cpp's mmap does. Linux 5.14 or later; ``populate_supported()`` probes it once.
+extent with ``madvise(MADV_POPULATE_READ)``: the kernel reads the range into the page cache
+(where it is not there already) and maps those pages, with nothing copied and no page of
+anonymous memory cleared first. Where the page cache holds the file (an earlier mapped run, a
+copy, another reader), that is no read at all, where a slab would read the whole model again
+into fresh memory taken from that same page cache; cold, the page cache's read-ahead is slower
+than O_DIRECT, so the cache layer maps only a file mostly cached (``cache.slots.host_tier``;
+bench/README.md "The mapped RAM tier"). Linux 5.14 or later; ``populate_supported()`` probes
+it once.
 """
 
 from __future__ import annotations
