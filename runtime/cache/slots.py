@@ -149,10 +149,12 @@ class MappedPool(SlotPool):
     """The host tier as the experts file itself (``io.FileMapping``): one slot per expert key,
     each the view of that expert's extent where the file holds it, filled by faulting the range
     in through the page cache (the reader sees the view is the file's own bytes) rather than
-    by a read into anonymous memory. Only for a tier with a slot for every expert (nothing is
-    ever evicted, so no slot is ever reused) on a CPU compute device (pages of the page cache
-    are not page-locked for uploads). ``extents[key]`` is the key's extent, None for a key
-    with no expert (a layer with fewer experts than the widest)."""
+    by a read into anonymous memory. For a tier that holds every expert a decode step routes
+    to (``host_tier``) on a CPU compute device (pages of the page cache are not page-locked for
+    uploads): every key keeps its own slot, so an expert the policy drops (a NextN block's,
+    which only drafts ask for) is simply faulted in again when asked for. ``extents[key]`` is
+    the key's extent, None for a key with no expert (a layer with fewer experts than the
+    widest)."""
 
     kind = "mapped"
 
@@ -210,7 +212,7 @@ class MappedPool(SlotPool):
         self._mapping = None
 
 
-#: The share of the experts file the page cache must hold for ``auto`` to map it (a rerun).
+#: The share of the experts file the page cache must hold for ``auto`` to map it.
 MAPPED_WHEN_CACHED = 0.5
 
 
@@ -224,8 +226,9 @@ def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
     mapped too, but ``run`` leaves them out of the tier it sizes), the compute
     device is the CPU, the tier is ``alone`` (no device tier, no prefetch staged outside it) and
     the kernel can fault a file range in. ``"auto"`` (the default) maps there too when the page
-    cache already holds at least ``MAPPED_WHEN_CACHED`` of the file (a rerun: its experts are
-    then mapped with no read at all, and the slab would read them all again), the reader's
+    cache already holds at least ``MAPPED_WHEN_CACHED`` of the file (as an earlier mapped run, a
+    copy or another reader leaves it: its experts are then mapped with no read at all, where the
+    slab would read them all again into memory taken from that page cache), the reader's
     backend was picked by ``auto`` (a backend asked for by name reads into a slab, as asked) and
     ``EXPERTFS_MAPPED_TIER`` is not ``0``; a cold start reads into the slab, O_DIRECT, which
     reached the first token sooner (bench/README.md "The mapped RAM tier"). ``"slab"`` never

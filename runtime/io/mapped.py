@@ -33,26 +33,25 @@ __all__ = ["FileMapping", "populate_supported", "MADV_POPULATE_READ"]
 MADV_POPULATE_READ = 22
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
+def _libc(name: str) -> Any:
+    """libc's ``name(void *, size_t, void *-or-int) -> int`` (``madvise``, ``mincore``), or None."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    third = ctypes.c_int if name == "madvise" else ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _madvise() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc("madvise")
 
 
-@functools.lru_cache(maxsize=1)
 def _mincore() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc("mincore")
 
 
 @functools.lru_cache(maxsize=1)

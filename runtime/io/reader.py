@@ -245,7 +245,9 @@ class ExpertReader:
                     self._verified.add(key)
             return ExpertBuffer(extent, buf, check)
 
-        fail = lambda err: self._failed(layer, expert, err)        # noqa: E731
+        def fail(err: IOEngineError) -> BaseException:
+            return self._failed(layer, expert, err)
+
         m = self._mapping
         if m is not None and m.at(buf) == extent.offset:      # the file's own pages: fault in
             fut = self.handle.populate(m, extent.offset, extent.length, priority=priority,
