@@ -37,7 +37,7 @@ from ..io import PAGE, HostSlab, PinBudget, aligned_empty
 from .copier import Fence, host_wait
 from .vram import device_memory
 
-__all__ = ["RAM_TIERS", "SlotPool", "MappedPool", "host_tier"]
+__all__ = ["MAPPED_WHEN_CACHED", "RAM_TIERS", "SlotPool", "MappedPool", "host_tier"]
 
 #: What ``host_tier`` may build the RAM tier as (``ram_tier``).
 RAM_TIERS = ("auto", "mapped", "slab")
@@ -212,6 +212,10 @@ class MappedPool(SlotPool):
         self._mapping = None
 
 
+#: The share of the experts file the page cache must hold for ``auto`` to map it.
+MAPPED_WHEN_CACHED = 0.5
+
+
 def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
               pin: bool | str, pin_budget: PinBudget | None, ram_tier: str = "auto"
               ) -> SlotPool:
@@ -219,14 +223,17 @@ def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
 
     ``ram_tier="mapped"`` maps where it can: the tier has a slot for every expert a decode step
     can route to (``geo.routed``: a NextN block's experts, which only drafts route to, are
-    mapped too, but ``run`` leaves them out of the tier it sizes), the compute device is the
-    CPU, the tier is ``alone`` (no device tier, no prefetch staged outside it) and the kernel
-    can fault a file range in. ``"auto"`` (the default) does so too when the reader's backend
-    was picked by ``auto`` (a backend asked for by name reads into a slab, as asked) and
-    ``EXPERTFS_MAPPED_TIER`` is not ``0``: cold, the prompt's first token came sooner than from
-    the slab, and a later run finds the experts the page cache kept with no read at all, where
-    the slab would read them all again into memory taken from that page cache (bench/README.md
-    "The mapped RAM tier"). ``"slab"`` never maps.
+    mapped too, but ``run`` leaves them out of the tier it sizes), the compute
+    device is the CPU, the tier is ``alone`` (no device tier, no prefetch staged outside it) and
+    the kernel can fault a file range in. ``"auto"`` (the default) maps there too when the page
+    cache already holds at least ``MAPPED_WHEN_CACHED`` of the file (as an earlier mapped run, a
+    copy or another reader leaves it: its experts are then mapped with no read at all, where the
+    slab would read them all again into memory taken from that page cache), the reader's
+    backend was picked by ``auto`` (a backend asked for by name reads into a slab, as asked) and
+    ``EXPERTFS_MAPPED_TIER`` is not ``0``; a cold start reads into the slab, O_DIRECT: mapped,
+    the GLM-5.3 cut's cold and warm runs were slower to the first token and in decode, the
+    warm start's page-cache reads taking the decode's cores (bench/README.md "The mapped RAM
+    tier"). ``"slab"`` never maps.
 
     A slab is faulted in ahead of the reads (``HostSlab``'s prefault) only where the reads will
     cycle through it (a cap): a tier with a slot for every expert is filled by the prompt's
@@ -240,6 +247,10 @@ def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
     want = ram_tier == "mapped" or (ram_tier == "auto" and reader.handle.choice is not None
                                     and os.environ.get("EXPERTFS_MAPPED_TIER", "1") != "0")
     mapping = reader.map_file() if want and fits and not cuda and alone else None
+    if mapping is not None and ram_tier == "auto" \
+            and mapping.cached_fraction() < MAPPED_WHEN_CACHED:
+        reader.unmap_file()
+        mapping = None
     if mapping is not None:
         E = geo.n_experts
         extents = [reader.extent(layer, ex) if ex < geo.experts[li] else None

@@ -6,12 +6,12 @@ can stay where the file puts it. ``FileMapping`` maps the whole file once (``MAP
 write, which the engine never makes, would copy the page, never reach the file) and "reads" an
 extent with ``madvise(MADV_POPULATE_READ)``: the kernel reads the range into the page cache
 (where it is not there already) and maps those pages, with nothing copied and no page of
-anonymous memory cleared first. Cold, each range's read-ahead is queued whole first
-(``MADV_WILLNEED``), so the prompt's reads run at the drive's speed; where the page cache still
-holds the file (an earlier run, a copy, another reader), a "read" reads nothing, where a slab
-would read the whole model again into fresh memory taken from that same page cache
-(bench/README.md "The mapped RAM tier"). Linux 5.14 or later; ``populate_supported()`` probes
-it once.
+anonymous memory cleared first. Where the page cache holds the file (an earlier mapped run, a
+copy, another reader), that is no read at all, where a slab would read the whole model again
+into fresh memory taken from that same page cache; cold, a mapped tier's reads go through the
+page cache, whose work the nice-19 warm start cannot keep off the cores the decode runs on, so
+the cache layer maps only a file mostly cached (``cache.slots.host_tier``; bench/README.md
+"The mapped RAM tier"). Linux 5.14 or later; ``populate_supported()`` probes it once.
 """
 
 from __future__ import annotations
@@ -33,16 +33,25 @@ __all__ = ["FileMapping", "populate_supported", "MADV_POPULATE_READ"]
 MADV_POPULATE_READ = 22
 
 
-@functools.lru_cache(maxsize=1)
-def _madvise() -> Any:
-    """libc's ``madvise(void *, size_t, int) -> int``, or None."""
+@functools.lru_cache(maxsize=None)
+def _libc(name: str) -> Any:
+    """libc's ``name(void *, size_t, void *-or-int) -> int`` (``madvise``, ``mincore``), or None."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    third = ctypes.c_int if name == "madvise" else ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _madvise() -> Any:
+    return _libc("madvise")
+
+
+def _mincore() -> Any:
+    return _libc("mincore")
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,8 +126,7 @@ class FileMapping:
         The range is first advised ``MADV_WILLNEED``: the kernel queues the read-ahead of all
         of it at once, in large requests, so the faults then wait for reads already in flight
         instead of each issuing the next read-ahead window (a cold 64-token prompt 2.6 s
-        against 4.6 s without it and 2.9 s into a slab, bench/README.md "The mapped RAM
-        tier")."""
+        against 4.6 s without it, bench/README.md "The mapped RAM tier")."""
         madvise = _madvise()
         if madvise is None or self.tensor is None:
             raise OSError("madvise is not available")
@@ -128,6 +136,24 @@ class FileMapping:
             raise OSError(err, f"madvise(MADV_POPULATE_READ) of {n} bytes at {offset} in "
                                f"{self.path}: {os.strerror(err)}")
         return n
+
+    def cached_fraction(self, samples: int = 4096) -> float:
+        """The fraction of the file the page cache holds now, from ``samples`` pages spread
+        evenly over it (``mincore``: one system call a page, milliseconds whatever the size);
+        0.0 where the kernel cannot say."""
+        mincore = _mincore()
+        if mincore is None or self.tensor is None:
+            return 0.0
+        page = mmap.PAGESIZE
+        pages = -(-self.size // page)
+        picks = sorted({i * pages // min(samples, pages) for i in range(min(samples, pages))})
+        vec = ctypes.c_ubyte()
+        held = 0
+        for p in picks:
+            if mincore(self.base + p * page, page, ctypes.byref(vec)) != 0:
+                return 0.0
+            held += vec.value & 1
+        return held / len(picks)
 
     def close(self) -> None:
         self.tensor = None

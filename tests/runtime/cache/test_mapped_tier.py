@@ -16,6 +16,7 @@ import torch
 
 from expertfs.errors import UsageError
 from expertfs.runtime.cache.provider import TieredProvider
+from expertfs.runtime.cache.slots import MAPPED_WHEN_CACHED
 from expertfs.runtime.io import ExpertIntegrityError, IOUsageError
 from expertfs.runtime.io.mapped import FileMapping, populate_supported
 from expertfs.runtime.io.pagecache import drop_file_cache
@@ -121,16 +122,32 @@ def test_the_slab_where_the_mapped_tier_does_not_apply(store):
         provider(store, every(store), ram_tier="page-cache")
 
 
-def test_auto_maps_with_an_auto_backend_unless_turned_off(store, monkeypatch, tmp_path):
+def test_auto_maps_a_file_the_page_cache_holds_with_an_auto_backend(store, monkeypatch,
+                                                                    tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    evict(store.experts_path)                                    # cold or cached: mapped
+    provider(store, every(store), backend="auto").close()       # auto's probe, then cached
+    evict(store.experts_path)                # a cold start (where the file system lets go)
+    probe = FileMapping(store.experts_path)
+    cold = "mapped" if probe.cached_fraction() >= MAPPED_WHEN_CACHED else "slab"
+    probe.close()
+    with provider(store, every(store), backend="auto") as p:
+        assert p.describe()["ram_tier"] == cold
+    store_bytes(store)                                           # a rerun: the file cached
     with provider(store, every(store), backend="auto") as p:
         assert p.describe()["ram_tier"] == "mapped"
-        assert_weights(store, store_bytes(store), store.layers[0], p.get(store.layers[0], [2]))
-        p.release(store.layers[0])
     monkeypatch.setenv("EXPERTFS_MAPPED_TIER", "0")
     with provider(store, every(store), backend="auto") as p:
         assert p.describe()["ram_tier"] == "slab"
+
+
+def test_cached_fraction_follows_the_page_cache(store):
+    m = FileMapping(store.experts_path)
+    evict(store.experts_path)
+    assert 0.0 <= m.cached_fraction() <= 1.0    # (tmpfs keeps its pages: no claim on cold)
+    m.populate(0, m.size)
+    assert m.cached_fraction() == 1.0
+    m.close()
+    assert m.cached_fraction() == 0.0
 
 
 def test_corrupt_bytes_in_the_file_raise_the_integrity_error(store_path, tmp_path):
