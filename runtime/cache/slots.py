@@ -231,9 +231,9 @@ def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
     slab would read them all again into memory taken from that page cache), the reader's
     backend was picked by ``auto`` (a backend asked for by name reads into a slab, as asked) and
     ``EXPERTFS_MAPPED_TIER`` is not ``0``; a cold start reads into the slab, O_DIRECT: mapped,
-    the GLM-5.3 cut's cold and warm runs were slower to the first token and in decode, the
-    warm start's page-cache reads taking the decode's cores (bench/README.md "The mapped RAM
-    tier"). ``"slab"`` never maps.
+    the GLM-5.3 cut's cold and warm runs were slower to the first token and in decode, most
+    likely the warm start's page-cache reads taking the decode's cores (bench/README.md "The
+    mapped RAM tier"). ``"slab"`` never maps.
 
     A slab is faulted in ahead of the reads (``HostSlab``'s prefault) only where the reads will
     cycle through it (a cap): a tier with a slot for every expert is filled by the prompt's

@@ -9,9 +9,10 @@ extent with ``madvise(MADV_POPULATE_READ)``: the kernel reads the range into the
 anonymous memory cleared first. Where the page cache holds the file (an earlier mapped run, a
 copy, another reader), that is no read at all, where a slab would read the whole model again
 into fresh memory taken from that same page cache; cold, a mapped tier's reads go through the
-page cache, whose work the nice-19 warm start cannot keep off the cores the decode runs on, so
-the cache layer maps only a file mostly cached (``cache.slots.host_tier``; bench/README.md
-"The mapped RAM tier"). Linux 5.14 or later; ``populate_supported()`` probes it once.
+page cache, whose work the nice-19 warm start most likely cannot keep off the cores the decode
+runs on (a slower GLM-5.3 decode), so the cache layer maps only a file mostly cached
+(``cache.slots.host_tier``; bench/README.md "The mapped RAM tier"). Linux 5.14 or later;
+``populate_supported()`` probes it once.
 """
 
 from __future__ import annotations
