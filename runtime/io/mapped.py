@@ -26,45 +26,22 @@ from typing import Any
 
 import torch
 
+from .buffers import MADV_POPULATE_READ, libc
 from .errors import IOUsageError
 
-__all__ = ["FileMapping", "populate_supported", "MADV_POPULATE_READ"]
-
-#: madvise(2) advice that faults a range in readable, reading file pages as needed (Linux 5.14+).
-MADV_POPULATE_READ = 22
-
-
-@functools.lru_cache(maxsize=None)
-def _libc(name: str) -> Any:
-    """libc's ``name(void *, size_t, void *-or-int) -> int`` (``madvise``, ``mincore``), or None."""
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    third = ctypes.c_int if name == "madvise" else ctypes.c_void_p
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _madvise() -> Any:
-    return _libc("madvise")
-
-
-def _mincore() -> Any:
-    return _libc("mincore")
+__all__ = ["FileMapping", "populate_supported"]
 
 
 @functools.lru_cache(maxsize=1)
 def populate_supported() -> bool:
     """True where ``madvise(MADV_POPULATE_READ)`` works (Linux 5.14+)."""
-    madvise = _madvise()
-    if madvise is None or not hasattr(mmap, "MAP_PRIVATE"):
+    lib = libc()
+    if lib is None or not hasattr(mmap, "MAP_PRIVATE"):
         return False
     m = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         buf = (ctypes.c_char * mmap.PAGESIZE).from_buffer(m)
-        ok = madvise(ctypes.addressof(buf), mmap.PAGESIZE, MADV_POPULATE_READ) == 0
+        ok = lib.madvise(ctypes.addressof(buf), mmap.PAGESIZE, MADV_POPULATE_READ) == 0
         del buf
     finally:
         m.close()
@@ -99,9 +76,9 @@ class FileMapping:
         # transparent huge pages are: with 4 KiB mappings every page costs the products a TLB
         # miss (a two-dimensional page walk under a hypervisor). Only pages the page cache
         # reads from now on are made that size; pages already cached keep theirs.
-        madvise = _madvise()
-        if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-            madvise(self.base, self.size, mmap.MADV_HUGEPAGE)
+        lib = libc()
+        if lib is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+            lib.madvise(self.base, self.size, mmap.MADV_HUGEPAGE)
 
     def view(self, offset: int, n: int) -> torch.Tensor:
         if self.tensor is None:
@@ -128,11 +105,11 @@ class FileMapping:
         of it at once, in large requests, so the faults then wait for reads already in flight
         instead of each issuing the next read-ahead window (a cold 64-token prompt 2.6 s
         against 4.6 s without it, bench/README.md "The mapped RAM tier")."""
-        madvise = _madvise()
-        if madvise is None or self.tensor is None:
+        lib = libc()
+        if lib is None or self.tensor is None:
             raise OSError("madvise is not available")
-        madvise(self.base + offset, n, mmap.MADV_WILLNEED)      # advice: a refusal is harmless
-        if madvise(self.base + offset, n, MADV_POPULATE_READ) != 0:
+        lib.madvise(self.base + offset, n, mmap.MADV_WILLNEED)  # advice: a refusal is harmless
+        if lib.madvise(self.base + offset, n, MADV_POPULATE_READ) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise(MADV_POPULATE_READ) of {n} bytes at {offset} in "
                                f"{self.path}: {os.strerror(err)}")
@@ -142,8 +119,8 @@ class FileMapping:
         """The fraction of the file the page cache holds now, from ``samples`` pages spread
         evenly over it (``mincore``: one system call a page, milliseconds whatever the size);
         0.0 where the kernel cannot say."""
-        mincore = _mincore()
-        if mincore is None or self.tensor is None:
+        lib = libc()
+        if lib is None or self.tensor is None:
             return 0.0
         page = mmap.PAGESIZE
         pages = -(-self.size // page)
@@ -151,7 +128,7 @@ class FileMapping:
         vec = ctypes.c_ubyte()
         held = 0
         for p in picks:
-            if mincore(self.base + p * page, page, ctypes.byref(vec)) != 0:
+            if lib.mincore(self.base + p * page, page, ctypes.byref(vec)) != 0:
                 return 0.0
             held += vec.value & 1
         return held / len(picks)

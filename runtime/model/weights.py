@@ -31,6 +31,7 @@ from ...errors import StoreError
 from ...formats.dequant import dequantize, linear as qlinear
 from ...formats.ggml import GGMLType, row_bytes
 from .. import kernels as native
+from ..io.buffers import MADV_POPULATE_READ
 from ..kernels import gemm
 from .qmatvec import decode_matvec
 from .wide import wide_linear
@@ -39,9 +40,6 @@ __all__ = ["RawTensor", "TrunkReader", "Linear", "Embedding", "plan_float"]
 
 log = logging.getLogger(__name__)
 
-#: madvise(2) advice that faults a range in by reading it (Linux 5.14 and later; Python's mmap
-#: names it only from 3.13 on).
-MADV_POPULATE_READ = 22
 _ADVICE_STEP = 64 << 20          # bytes per madvise call: file order, and a close stops it soon
 
 
