@@ -171,10 +171,7 @@ class MappedPool(SlotPool):
         self.pinned, self.pin_note, self.pinned_slots = False, "mapped (the page cache)", 0
         empty = self.tensor[:0]
         self._views = [empty if x is None else mapping.view(x.offset, x.length) for x in extents]
-        self._offsets = [-1 if x is None else x.offset for x in extents]
-        self._free = deque()
-        self._free_pageable = deque(k for k, x in enumerate(extents) if x is not None)
-        self._unused = set(self._free_pageable)
+        self._unused = {k for k, x in enumerate(extents) if x is not None}   # keys not taken
         self.fence = [None] * self.n_slots
         self.base = self.tensor.data_ptr()
         self._parts = {}
@@ -188,7 +185,7 @@ class MappedPool(SlotPool):
         return len(self._unused)
 
     def address(self, i: int) -> int:
-        return self.base + self._offsets[i]
+        return self._views[i].data_ptr()
 
     def rows(self) -> torch.Tensor:
         raise UsageError("a mapped RAM tier has no uniform slot rows: each expert sits at its "
