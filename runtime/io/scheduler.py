@@ -144,10 +144,15 @@ class ReadScheduler:
         """Wake a background worker when a background read has become the most urgent waiting
         one: its workers sleep while urgent reads are ahead of it, and nothing else wakes them
         when the last of those is taken or removed."""
+        head = self._head()
+        if self.background_workers and head is not None and head[0] == Priority.BACKGROUND:
+            self._bg_cv.notify()
+
+    def _head(self) -> list[Any] | None:
+        """The most urgent waiting read (the cancelled ones ahead of it dropped), or None."""
         while self._heap and self._heap[0][3] is None:
             heapq.heappop(self._heap)
-        if self.background_workers and self._heap and self._heap[0][0] == Priority.BACKGROUND:
-            self._bg_cv.notify()
+        return self._heap[0] if self._heap else None
 
     def _wake(self, priority: int) -> None:
         """Wake a worker of the lane that serves a read of ``priority``."""
@@ -237,13 +242,11 @@ class ReadScheduler:
         while True:
             with self._cv:
                 while True:
-                    while self._heap and self._heap[0][3] is None:
-                        heapq.heappop(self._heap)
+                    head = self._head()
                     if self._closed and not any(e[3] is not None and self._mine(e, background)
                                                 for e in self._heap):
                         return
-                    if (self._heap and self._mine(self._heap[0], background)
-                            and self._fits(self._heap[0])):
+                    if head is not None and self._mine(head, background) and self._fits(head):
                         break
                     cv.wait()
                 entry = heapq.heappop(self._heap)
