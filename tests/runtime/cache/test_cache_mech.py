@@ -18,18 +18,6 @@ from support.cache_store import K, N_EXPERTS, make_store
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return make_store(tmp_path_factory.mktemp("cache_mech"))
-
-
-@pytest.fixture
-def store(store_path):
-    s = Store.open(str(store_path))
-    yield s
-    s.close()
-
-
 def test_geometry_from_store(store):
     g = SlotGeometry.from_store(store)
     assert g.layers == (1, 2, 3) and g.experts == (N_EXPERTS,) * 3 and g.k == K

@@ -14,22 +14,8 @@ import pytest
 from expertfs.runtime.cache import State
 from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.io import IOFaultError, RetryPolicy, get_backend
-from expertfs.store.reader import Store
-from support.cache_store import (PerReadGate, assert_weights, check_invariants, make_store,
-                                store_bytes)
+from support.cache_store import (PerReadGate, assert_weights, check_invariants, store_bytes)
 from support.faults import Fault, FaultInjectingBackend
-
-
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return make_store(tmp_path_factory.mktemp("devmiss"))
-
-
-@pytest.fixture
-def store(store_path):
-    s = Store.open(str(store_path))
-    yield s
-    s.close()
 
 
 def _provider(store, backend, ram=10, vram=6, staging=3):

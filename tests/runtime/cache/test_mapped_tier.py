@@ -28,18 +28,6 @@ pytestmark = pytest.mark.skipif(not populate_supported(),
                                 reason="needs madvise(MADV_POPULATE_READ): Linux 5.14 or later")
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return make_store(tmp_path_factory.mktemp("mapped"))
-
-
-@pytest.fixture
-def store(store_path):
-    s = Store.open(str(store_path))
-    yield s
-    s.close()
-
-
 def every(store) -> int:
     """RAM for a slot of every expert (and a little over)."""
     n = sum(store.n_experts(la) for la in store.layers)

@@ -28,18 +28,6 @@ from support.cache_store import (K, N_EXPERTS, GatedBackend, PerReadGate, assert
                                 check_invariants, make_store, store_bytes)
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return make_store(tmp_path_factory.mktemp("tiered"))
-
-
-@pytest.fixture
-def store(store_path):
-    s = Store.open(str(store_path))
-    yield s
-    s.close()
-
-
 @pytest.fixture
 def data(store):
     return store_bytes(store)
