@@ -227,25 +227,21 @@ def _cuda_error_name(err: int) -> str:
         return str(err)
 
 
-#: madvise(2) advice that faults a range in writable without touching it (Linux 5.14 and later).
-MADV_POPULATE_WRITE = 23
-#: madvise(2) advice that faults a range in readable, reading file pages as needed (5.14+;
-#: Python's mmap names it only from 3.13 on).
-MADV_POPULATE_READ = 22
+#: madvise(2) advice faulting a range in: readable, reading file pages as needed; writable,
+#: without touching it (Linux 5.14 and later; Python's mmap names them only from 3.13 on).
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
 
 
 @functools.lru_cache(maxsize=1)
 def libc() -> Any:
-    """The C library with ``madvise(addr, n, advice)`` and ``mincore(addr, n, vec)`` typed, or
-    None. Through ctypes, not ``mmap.madvise``: a ctypes call releases the GIL, and a populate
-    waits for the drive or the kernel's zeroing (``mmap.madvise`` held the GIL through a
-    0.2 s ``MADV_POPULATE_READ`` of 414 MB here, the forward pass's thread stopped with it)."""
+    """The C library with ``madvise(addr, n, advice)`` and ``mincore(addr, n, vec)`` typed (both
+    return int, ctypes' default), or None. Through ctypes, not ``mmap.madvise``: a ctypes call
+    releases the GIL, ``mmap.madvise`` holds it while a populate waits for the drive or the
+    kernel's zeroing, and the forward pass's thread with it."""
     try:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.madvise.restype = ctypes.c_int
         lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.mincore.restype = ctypes.c_int
     except (OSError, AttributeError):
         return None
     return lib
