@@ -40,7 +40,8 @@ import numpy as np
 
 from ..memory import STREAM_MARGIN_MIN, trunk_stream_share
 from .loader import TrunkWeights, mapped_matrices
-from .weights import MADV_POPULATE_READ, TrunkReader
+from ..io.buffers import MADV_POPULATE_READ, libc
+from .weights import TrunkReader
 
 __all__ = ["STREAM_ENV", "STREAM_GAIN", "STREAM_RECHECK", "STREAM_VOTES", "TrunkStream", "jobs",
            "stream_trunk", "unit_spans"]
@@ -114,9 +115,7 @@ class TrunkStream:
         self._size = reader.mapped_bytes
         self._base = reader.base_address
         self._fd = os.open(reader.path, os.O_RDONLY)
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self._libc = libc()
         self.set_deficit(deficit)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="expertfs-trunk-stream",
@@ -144,7 +143,8 @@ class TrunkStream:
     def missing(self) -> int:
         """Bytes of the kept pages not in memory now (``mincore``; 0 where it fails)."""
         vec = np.zeros(self._kept.size, dtype=np.uint8)
-        if self._libc.mincore(self._base, self._size, vec.ctypes.data) != 0:
+        if self._libc is None or self._libc.mincore(self._base, self._size,
+                                                    vec.ctypes.data) != 0:
             return 0
         return int(np.count_nonzero(self._kept & (vec & 1 == 0))) * mmap.PAGESIZE
 
@@ -157,7 +157,7 @@ class TrunkStream:
             self._q.put((*jobs(unit, len(self._spans) - 1), measure))
 
     def _advise(self, spans: list[Span], advice: int) -> None:
-        for a, b in spans:
+        for a, b in spans if self._libc is not None else ():
             if self._libc.madvise(self._base + a, b - a, advice) != 0:
                 log.debug("madvise(%d) on trunk.bin [%d, %d): %s", advice, a, b,
                           os.strerror(ctypes.get_errno()))
