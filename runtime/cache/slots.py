@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -34,10 +34,11 @@ from expertfs.store.layout import Extent
 
 from ..experts.protocol import QWeight, weights_from_buffer
 from ..io import PAGE, HostSlab, PinBudget, aligned_empty
+from ..io.mapped import page_cache_share, populate_supported
 from .copier import Fence, host_wait
 from .vram import device_memory
 
-__all__ = ["MAPPED_WHEN_CACHED", "RAM_TIERS", "SlotPool", "MappedPool", "host_tier"]
+__all__ = ["MAPPED_WHEN_CACHED", "RAM_TIERS", "SlotPool", "MappedPool", "host_tier", "maps_tier"]
 
 #: What ``host_tier`` may build the RAM tier as (``ram_tier``).
 RAM_TIERS = ("auto", "mapped", "slab")
@@ -213,6 +214,22 @@ class MappedPool(SlotPool):
 MAPPED_WHEN_CACHED = 0.5
 
 
+def maps_tier(ram_tier: str, *, fits: bool, cuda: bool, alone: bool, auto_backend: bool,
+              cached: Callable[[], float]) -> bool:
+    """Whether ``host_tier`` makes the RAM tier the mapped experts file (the rule below);
+    ``cached()``: the share of the file the page cache holds now, asked only where it decides.
+    ``expertfs plan`` asks the same for the run it recommends (``plan.coldstart``)."""
+    if ram_tier not in RAM_TIERS:
+        raise UsageError(f"ram_tier={ram_tier!r} is not one of {', '.join(RAM_TIERS)}",
+                         fix="use auto (the default), mapped or slab")
+    if ram_tier == "slab" or not fits or cuda or not alone or not populate_supported():
+        return False
+    if ram_tier == "mapped":
+        return True
+    return auto_backend and os.environ.get("EXPERTFS_MAPPED_TIER", "1") != "0" \
+        and cached() >= MAPPED_WHEN_CACHED
+
+
 def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
               pin: bool | str, pin_budget: PinBudget | None, ram_tier: str = "auto"
               ) -> SlotPool:
@@ -236,18 +253,12 @@ def host_tier(geo: Any, reader: Any, n_slots: int, *, cuda: bool, alone: bool,
     cycle through it (a cap): a tier with a slot for every expert is filled by the prompt's
     reads, a part of it, then the warm start's, and faulting in the rest ahead takes the
     prompt's CPU (the uncapped first token, bench/README.md "fault-in")."""
-    if ram_tier not in RAM_TIERS:
-        raise UsageError(f"ram_tier={ram_tier!r} is not one of {', '.join(RAM_TIERS)}",
-                         fix="use auto (the default), mapped or slab")
     every = n_slots >= sum(geo.experts)
-    fits = n_slots >= geo.routed
-    want = ram_tier == "mapped" or (ram_tier == "auto" and reader.handle.choice is not None
-                                    and os.environ.get("EXPERTFS_MAPPED_TIER", "1") != "0")
-    mapping = reader.map_file() if want and fits and not cuda and alone else None
-    if mapping is not None and ram_tier == "auto" \
-            and mapping.cached_fraction() < MAPPED_WHEN_CACHED:
-        reader.unmap_file()
-        mapping = None
+    mapping = None
+    if maps_tier(ram_tier, fits=n_slots >= geo.routed, cuda=cuda, alone=alone,
+                 auto_backend=reader.handle.choice is not None,
+                 cached=lambda: page_cache_share(reader.path)):
+        mapping = reader.map_file()
     if mapping is not None:
         E = geo.n_experts
         extents = [reader.extent(layer, ex) if ex < geo.experts[li] else None

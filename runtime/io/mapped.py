@@ -29,7 +29,7 @@ import torch
 from .buffers import MADV_POPULATE_READ, libc
 from .errors import IOUsageError
 
-__all__ = ["FileMapping", "populate_supported"]
+__all__ = ["FileMapping", "page_cache_share", "populate_supported"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,6 +46,20 @@ def populate_supported() -> bool:
     finally:
         m.close()
     return ok
+
+
+def page_cache_share(path: str | os.PathLike[str]) -> float:
+    """The fraction of the file at ``path`` the page cache holds now
+    (``FileMapping.cached_fraction``: the file mapped for the question only); 0.0 where it
+    cannot be mapped or the kernel cannot say."""
+    try:
+        m = FileMapping(path)
+    except (OSError, ValueError, IOUsageError):
+        return 0.0
+    try:
+        return m.cached_fraction()
+    finally:
+        m.close()
 
 
 class FileMapping:

@@ -52,6 +52,8 @@ class Box:
     n_predict: int = 64            # tokens a run generates (run's -n): its first reads spread over them
     prompt_tokens: int = 0         # the prompt before them (its experts loaded before the decode)
     act_quant: str = "off"         # run's --act-quant: the native kernels' numerics
+    page_cache: float = 0.0        # share of the experts file in the page cache now: where
+                                   # run maps its RAM tier, the start reads only the rest
 
     def __post_init__(self) -> None:
         if self.ram <= 0:

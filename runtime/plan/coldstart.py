@@ -17,19 +17,55 @@ on top of the steady state that ``predict``'s other terms describe:
   what the prompt loaded, as much as the more skewed routing replay's first ``P`` tokens touch
   (``Routing.prompt_cover``); per token it reads at most its share of the drive over the
   token's compute time. The fast end overlaps it with the decode as it does every read.
+
+Where ``run``'s RAM tier is the experts file mapped (``cache.slots.maps_tier``: a tier that
+holds every expert, on the CPU, the file mostly in the page cache), the experts the page cache
+holds are mapped, not read: the prompt's reads, the first reads and the warm start's count only
+the share the page cache lacks (``drive_share``), and those land in the page cache, not in
+fresh memory of the tier's own.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from .geometry import Geometry
 from .rates import Range
 
-__all__ = ["WARM_SHARE", "distinct_experts", "first_read_bytes", "first_read_seconds",
-           "warm_read_bytes", "start_terms"]
+__all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "first_read_bytes",
+           "first_read_seconds", "store_page_cache", "warm_read_bytes", "start_terms"]
 
 #: share of the drive the first reads get at the slow end: the warm start reads the rest of the
 #: tier at the same time, and at worst takes the other half
 WARM_SHARE = 0.5
+
+
+def store_page_cache(data_path: str | None) -> float:
+    """The share of a store's experts file the page cache holds now (``io.mapped``), which
+    decides whether ``run`` maps its RAM tier (``drive_share``); 0 for a GGUF (``run`` reads
+    the store made from it) or a model described by flags."""
+    from ...store.layout import EXPERTS_FILE
+    if not data_path or os.path.basename(data_path) != EXPERTS_FILE \
+            or not os.path.isfile(data_path):
+        return 0.0
+    from ..io.mapped import page_cache_share
+    return page_cache_share(data_path)
+
+
+def drive_share(g: Geometry, mem: Any, page_cache: float) -> float:
+    """The share of the experts a run's start reads from the drive with the tiers of ``mem``
+    (``budget.Memory``): all of them where ``run`` reads them into a slab (O_DIRECT: what the
+    page cache holds does not count), only what the page cache lacks (``page_cache``: the share
+    of the experts file it holds now) where ``run``'s RAM tier is the mapped experts file: the
+    same rule as ``run``'s (``cache.slots.maps_tier``), for its defaults (``--ram-tier auto``,
+    the backend ``auto`` picks) and the tiers this plan recommends."""
+    from ..cache.slots import maps_tier
+    pl = mem.placement
+    mapped = maps_tier("auto", fits=mem.ram.tier_slots >= g.n_decode_experts, cuda=pl.gpu,
+                       alone=not (mem.vram and mem.vram.tier_slots), auto_backend=True,
+                       cached=lambda: page_cache)
+    return max(0.0, 1.0 - page_cache) if mapped else 1.0
 
 
 def distinct_experts(n_experts: int, k: int, tokens: int) -> float:
@@ -75,19 +111,20 @@ def warm_read_bytes(g: Geometry, ram_tier_bytes: int, prompt_cover: float) -> fl
 
 def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_tier_bytes: int,
                 prompt_tokens: int, n_predict: int, prompt_cover: float, storage: Range,
-                read_cpu: Range, compute_s: tuple[float, float]
+                read_cpu: Range, compute_s: tuple[float, float], drive: float = 1.0
                 ) -> list[tuple[str, float, float, str]]:
     """The two terms (name, slow s, fast s, detail) for a token of an ``n_predict``-token run
     after a ``prompt_tokens`` prompt: ``hits`` the steady hit rates at each end,
     ``prompt_cover`` the share of the experts the slow end's prompt loads, ``compute_s`` a
-    token's compute at each end (the slow end's: the warm start's time to read in)."""
+    token's compute at each end (the slow end's: the warm start's time to read in); ``drive``
+    the share of those experts read from the drive (``drive_share``)."""
     MiB, n, P = 1 << 20, max(1, n_predict), max(0, prompt_tokens)
-    cold = [first_read_bytes(g, h, n, tier_bytes, P) for h in hits]
-    as_misses = hits[0] * g.token_expert_bytes / (storage.slow * 1e9)
+    cold = [drive * first_read_bytes(g, h, n, tier_bytes, P) for h in hits]
+    as_misses = drive * hits[0] * g.token_expert_bytes / (storage.slow * 1e9)
     reads = (min(as_misses, first_read_seconds(cold[0], n, storage.slow * WARM_SHARE)),
              first_read_seconds(cold[1], n, storage.fast))
     uniform = distinct_experts(g.n_experts, g.k, P) / max(1, g.n_experts)
-    left = warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))
+    left = drive * warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))
     warm = min(left / n, WARM_SHARE * storage.slow * 1e9 * compute_s[0])
     after = f"after a {P}-token prompt" if P else "from empty tiers"
     return [("first_reads", *reads, f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "

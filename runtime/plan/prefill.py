@@ -77,6 +77,8 @@ class FirstToken:
     read_bytes: tuple[float, float]
     gemm_gflops: Range
     fresh_s: tuple[float, float] = (0.0, 0.0)   # CPU of reads into the tiers' fresh pages
+    drive: float = 1.0           # share of the experts read from the drive (the rest mapped
+                                 # from the page cache: ``coldstart.drive_share``)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -131,13 +133,16 @@ def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
 def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
                 wide: Mapping[str, WidePath] | None = None,
-                slow_replay: Any = None, trunk_reread: tuple[int, int] = (0, 0)) -> FirstToken:
+                slow_replay: Any = None, trunk_reread: tuple[int, int] = (0, 0),
+                drive: float = 1.0) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, what a trunk
     product past its native token limit costs (a type without an entry is priced as native);
     ``replay`` and ``slow_replay``: the fast and slow ends' routing (None at the slow end:
     uniform); ``trunk_reread``: bytes of a trunk the cap evicts read again by each batch
-    (slow, fast end: ``plan.rereads.trunk_reread_bytes``)."""
+    (slow, fast end: ``plan.rereads.trunk_reread_bytes``); ``drive``: the share of the
+    experts the drive serves (``coldstart.drive_share``: the rest is mapped from the page
+    cache, neither read nor faulted into fresh memory)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
@@ -166,7 +171,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
             flops = 2.0 * b * n_moe * g.k * exp_el                  # the routed experts'
             compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
-                reads[i] += touched[b] * ext
+                reads[i] += touched[b] * ext * drive
             reads[i] += trunk_reread[i]
         if head is not None:
             compute[i] += (compute_cost(cpu, [head], end, quantized=True)
@@ -177,4 +182,4 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                min(reads[1], tier_slots * ext) / 1e9 * rates.read_cpu.fast)
     return FirstToken(prompt_tokens, compute[0] + fresh_s[0] + r_slow,
                       max(compute[1] + fresh_s[1], r_fast),
-                      (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s)
+                      (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s, drive)

@@ -119,7 +119,10 @@ def format_plan(p: Plan) -> str:
                          f"{ft.s_fast:.1f} - {ft.s_slow:.1f} s (compute {ft.compute_s[1]:.1f}-"
                          f"{ft.compute_s[0]:.1f} s at {ft.gemm_gflops.slow:.0f}-"
                          f"{ft.gemm_gflops.fast:.0f} GFLOP/s; {ft.read_bytes[1] / 2**30:.2f}-"
-                         f"{ft.read_bytes[0] / 2**30:.2f} GiB of experts read into the cold tiers"
+                         f"{ft.read_bytes[0] / 2**30:.2f} GiB of experts read "
+                         + ("into the cold tiers" if ft.drive >= 1.0 else
+                            f"from the drive: the RAM tier is the experts file mapped, "
+                            f"{p.box.page_cache:.0%} of it in the page cache now")
                          + (f"; {ft.fresh_s[1]:.1f}-{ft.fresh_s[0]:.1f} s of CPU faulting in "
                             "the tiers' fresh pages" if ft.fresh_s[0] >= 0.05 else "") + ")")
     else:

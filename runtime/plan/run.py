@@ -15,15 +15,15 @@ from typing import Any
 
 from ...errors import UsageError
 from .budget import Box, Memory, candidates
+from .coldstart import drive_share, store_page_cache
 from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
                       stated_gpu, stated_pcie, stated_storage, storage_from_profile)
 from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
 from .model import load_geometry
 from .rereads import trunk_reread_bytes
-from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
-                      ideal_routing, learned_dynamics, route, synthetic_replay, trace_replay, usage_replay,
-                      usage_tokens)
+from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics, ideal_routing,
+                      learned_dynamics, route, synthetic_replay, trace_replay, usage_replay, usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
 __all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
@@ -81,7 +81,7 @@ def read_io_profile(path: str, k: int) -> tuple[Range, dict[str, Any]]:
 DEFAULT_CTX = 4096                         # expertfs run's --ctx default
 
 
-def _box(req: PlanRequest, n_ctx_train: int) -> Box:
+def _box(req: PlanRequest, n_ctx_train: int, page_cache: float = 0.0) -> Box:
     from ..memory import limit_and_source
     from .probe import cuda_memory
 
@@ -104,7 +104,7 @@ def _box(req: PlanRequest, n_ctx_train: int) -> Box:
         label += ", capped by --memory-limit"
     ctx = req.ctx if req.ctx is not None else min(DEFAULT_CTX, n_ctx_train or DEFAULT_CTX)
     return Box(ram, vram, ctx, req.kv_type, req.headroom, req.pin_budget, label, source,
-               req.n_predict, req.prompt_tokens, req.act_quant)
+               req.n_predict, req.prompt_tokens, req.act_quant, page_cache)
 
 
 RoutingFor = Callable[[Memory], RoutingRange]
@@ -244,12 +244,11 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     if not req.synthetic or len(req.synthetic) > 2:
         raise UsageError("--synthetic takes one or two presets", fix="e.g. --synthetic diffuse,mixed")
     if req.io_profile and req.disk_gbps:
-        raise UsageError("--io-profile and --disk-gbps both describe the drive",
-                         fix="give one of them")
+        raise UsageError("--io-profile and --disk-gbps both describe the drive", fix="give one")
     drive = stated_drive(req.disk_gbps) if req.disk_gbps else None
     say("reading the model")
     g, data_path = load_geometry(req.target, req.model, req.source)
-    box = _box(req, g.n_ctx_train)
+    box = _box(req, g.n_ctx_train, store_page_cache(data_path))
     mems = candidates(g, box, req.placement, req.trunk)
     forced = req.placement != "auto" and req.trunk != "auto"
     if not any(m.runnable for m in mems):
@@ -337,7 +336,8 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
                      gemm_rate(probe=req.probe), replay,
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
-                     slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m))
+                     slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
+                     drive=drive_share(g, m, plan.box.page_cache))
     return replace(plan, first_token=ft)
 
 
