@@ -7,7 +7,9 @@
 For each store (synthesised and repacked when missing) and cap (``none``, or a fraction of the
 store's size): ``plan STORE --memory-limit CAP`` once, as a user would before a first run, then
 ``run`` ``--rounds`` times in a memory cgroup of that size (page cache included, caches dropped
-before each run, as ``bench_lowram.py`` does), rows alternated round by round so a drifting disk
+before each run, as ``bench_lowram.py`` does); ``cached``: no cap, the store's files read back
+into the page cache after the drop (as a copy or an earlier run leaves them: ``run`` maps its
+RAM tier), before the plan as before each run. Rows alternated round by round so a drifting disk
 moves every row alike; ``--act-quant q8`` gives both ``plan`` and ``run`` the 8-bit
 activations. ``run`` gets no ``--ram``: the tier it sizes for itself under the cap is
 compared with the one ``plan`` recommends. Printed per row: the tier each chose (in whole
@@ -32,7 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lowram import long_prompt  # noqa: E402
-from lowram import block_device_of, run_capped  # noqa: E402
+from lowram import block_device_of, drop_caches, page_in, run_capped  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 EXPERTFS = os.path.join(BIN, "expertfs")
@@ -85,11 +87,18 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace, prompt_tokens: i
             "slot_bytes": (p.get("budget") or {}).get("slot_bytes"), "run": p.get("run")}
 
 
-def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt: str) -> dict:
+def _files(store: str, cap: str) -> tuple[str, ...]:
+    """The store's files a row reads back into the page cache after the drop (``cached``)."""
+    return tuple(os.path.join(store, f) for f in ("experts.bin", "trunk.bin")) \
+        if cap == "cached" else ()
+
+
+def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt: str,
+         warm: tuple[str, ...] = ()) -> dict:
     argv = [EXPERTFS, "run", store, "-p", prompt, "-n", str(a.n), "--ignore-eos", "--temp", "1.0",
             "--ctx", str(a.ctx), "-t", str(a.threads), "--json"]
     argv += ["--act-quant", a.act_quant] if a.act_quant != "off" else []
-    r = run_capped(argv, limit, dev, timeout=a.timeout)
+    r = run_capped(argv, limit, dev, timeout=a.timeout, warm=warm)
     if r.returncode:
         return {"failed": r.returncode, "stderr": r.stderr[-400:], "peak": r.peak_bytes}
     d = json.loads(r.stdout[r.stdout.index("{"):])
@@ -101,7 +110,7 @@ def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt:
 def _learn(store: str, size: int, a: argparse.Namespace, prompt: str) -> None:
     """``--learn`` runs of ``store`` under the tightest of ``--caps`` (a user who ran the model
     before planning): ``run`` adds each one's routes and dynamics to the store's usage table."""
-    caps = [float(c) for c in a.caps.split(",") if c != "none"]
+    caps = [float(c) for c in a.caps.split(",") if c not in ("none", "cached")]
     limit = int(min(caps) * size) if caps else None
     for i in range(a.learn):
         x = _run(store, limit, block_device_of(store), a, prompt)
@@ -151,7 +160,8 @@ def main() -> int:
     ap.add_argument("--dir", required=True, help="where the stores are synthesised and kept")
     ap.add_argument("--store", action="append", required=True, metavar="NAME:SYNTH ARGS")
     ap.add_argument("--caps", default="none,0.333,0.25",
-                    help="none (no cgroup), or fractions of the store's size")
+                    help="none (no cgroup), cached (none, the store's files in the page "
+                         "cache), or fractions of the store's size")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("-n", type=int, default=16, help="tokens generated per run (16)")
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -178,13 +188,16 @@ def main() -> int:
             size = _size(store)
             _learn(store, size, a, prompts[name])
             for cap in a.caps.split(","):
-                limit = None if cap == "none" else int(float(cap) * size)
+                limit = None if cap in ("none", "cached") else int(float(cap) * size)
+                drop_caches()                    # the page cache as the row's runs find it
+                page_in(_files(store, cap))
                 rows.append({"store": name, "path": store, "size": size, "cap": cap,
                              "limit": limit, "plan": _plan(store, limit, a, n_prompt), "runs": []})
         dev = block_device_of(a.dir)
         for rnd in range(a.rounds):
             for r in (rows if rnd % 2 == 0 else rows[::-1]):
-                r["runs"].append(_run(r["path"], r["limit"], dev, a, prompts[r["store"]]))
+                r["runs"].append(_run(r["path"], r["limit"], dev, a, prompts[r["store"]],
+                                      _files(r["path"], r["cap"])))
                 x = r["runs"][-1]
                 print(f"  round {rnd + 1} {r['store']} cap {r['cap']}: "
                       + (f"failed {x['failed']}" if "failed" in x else
