@@ -20,7 +20,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -30,7 +30,7 @@ from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
            "gemm_rate", "dequant_rates", "panel_rates", "spread_of", "with_spread", "recent_checks",
-           "storage_spread"]
+           "storage_spread", "verify_rate"]
 
 
 def cache_path() -> str:
@@ -324,22 +324,32 @@ def with_spread(r: DeviceRates, slow: float, fast: float) -> DeviceRates:
                    layer_s=secs(r.layer_s), token_s=secs(r.token_s))
 
 
-def gemm_rate(probe: bool = True) -> Range:
-    """This machine's float32 matrix-multiply rate for the first token (``plan.prefill``): the
-    cached figure, else measured now (``probe``) and cached, else the stated default."""
-    from .prefill import gemm_rate as measure
-
+def _cached_rate(name: str, measure: Callable[..., Range], probe: bool) -> Range:
+    """This machine's figure ``name``: cached, else ``measure(probe=probe)`` and cached where
+    it measured, else the stated default ``measure`` gives."""
     data = load()
     key = cpu_key()
-    hit = (data.get(key) or {}).get("gemm_gflops")
+    hit = (data.get(key) or {}).get(name)
     if isinstance(hit, dict) and "slow" in hit:
         with _read_back():
             return _range(hit)
     r = measure(probe=probe)
     if probe and r.source.startswith("measured"):
-        data.setdefault(key, {})["gemm_gflops"] = r.as_dict()
+        data.setdefault(key, {})[name] = r.as_dict()
         save(data)
     return r
+
+
+def gemm_rate(probe: bool = True) -> Range:
+    """This machine's float32 matrix-multiply rate for the first token (``plan.prefill``)."""
+    from .prefill import gemm_rate as measure
+    return _cached_rate("gemm_gflops", measure, probe)
+
+
+def verify_rate(probe: bool = True) -> Range:
+    """This machine's CPU seconds per GB of the reader's checksums (``coldstart.verify_cost``)."""
+    from .coldstart import verify_cost
+    return _cached_rate("verify_s_per_gb", verify_cost, probe)
 
 
 def _type_rates(field: str, types: list[str], probe: bool, measure) -> dict[str, Range]:

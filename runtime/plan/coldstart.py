@@ -28,13 +28,19 @@ fresh memory of the tier's own.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from .geometry import Geometry
 from .rates import Range
 
 __all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "first_read_bytes",
-           "first_read_seconds", "store_page_cache", "warm_read_bytes", "start_terms"]
+           "first_read_seconds", "store_page_cache", "verify_cost", "warm_read_bytes",
+           "start_terms", "STATED_VERIFY_S_PER_GB"]
+
+#: CPU seconds a GB of checksums takes without a probe (slow, fast end): xxh3_64 from memory
+#: at 10-20 GB/s a core
+STATED_VERIFY_S_PER_GB = (0.1, 0.05)
 
 #: share of the drive the first reads get at the slow end: the warm start reads the rest of the
 #: tier at the same time, and at worst takes the other half
@@ -109,26 +115,53 @@ def warm_read_bytes(g: Geometry, ram_tier_bytes: int, prompt_cover: float) -> fl
     return max(0.0, fill - min(fill, max(0.0, min(1.0, prompt_cover)) * every))
 
 
+def verify_cost(probe: bool = True) -> Range:
+    """CPU seconds a GB of the reader's checksums takes (``io.ExpertReader``, ``verify="first"``:
+    xxh3_64 of each part of an expert on its first read in a process, mapped or read, on the
+    I/O engine's threads, so on the cores the forward pass computes on): measured over 128 MiB
+    in 3 MiB parts, more than the caches hold (best of three, the slow end 1.5x), or stated."""
+    if not probe:
+        return Range(*STATED_VERIFY_S_PER_GB, "stated default: CPU seconds per GB of checksums")
+    import numpy as np
+    import xxhash
+    buf = np.full(128 << 20, 7, dtype=np.uint8)
+    part, best = 3 << 20, float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for off in range(0, buf.size, part):
+            xxhash.xxh3_64_intdigest(buf[off:off + part])
+        best = min(best, time.perf_counter() - t0)
+    s = best / (buf.size / 1e9)
+    return Range(1.5 * s, s, "measured now: xxh3_64 over 128 MiB in 3 MiB parts (slow end 1.5x)")
+
+
 def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_tier_bytes: int,
                 prompt_tokens: int, n_predict: int, prompt_cover: float, storage: Range,
-                read_cpu: Range, compute_s: tuple[float, float], drive: float = 1.0
-                ) -> list[tuple[str, float, float, str]]:
+                read_cpu: Range, compute_s: tuple[float, float], drive: float = 1.0,
+                verify: Range | None = None) -> list[tuple[str, float, float, str]]:
     """The two terms (name, slow s, fast s, detail) for a token of an ``n_predict``-token run
     after a ``prompt_tokens`` prompt: ``hits`` the steady hit rates at each end,
     ``prompt_cover`` the share of the experts the slow end's prompt loads, ``compute_s`` a
     token's compute at each end (the slow end's: the warm start's time to read in); ``drive``
-    the share of those experts read from the drive (``drive_share``)."""
+    the share of those experts read from the drive (``drive_share``), the rest mapped from the
+    page cache, which costs the warm start their checksums only (``verify``: CPU s/GB, at most
+    what one thread checksums over the token's compute)."""
     MiB, n, P = 1 << 20, max(1, n_predict), max(0, prompt_tokens)
     cold = [drive * first_read_bytes(g, h, n, tier_bytes, P) for h in hits]
     as_misses = drive * hits[0] * g.token_expert_bytes / (storage.slow * 1e9)
     reads = (min(as_misses, first_read_seconds(cold[0], n, storage.slow * WARM_SHARE)),
              first_read_seconds(cold[1], n, storage.fast))
     uniform = distinct_experts(g.n_experts, g.k, P) / max(1, g.n_experts)
-    left = drive * warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))
+    left_all = warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))
+    left = drive * left_all                                       # what the drive serves
     warm = min(left / n, WARM_SHARE * storage.slow * 1e9 * compute_s[0])
+    check = verify.slow if verify is not None else 0.0
+    mapped = min((left_all - left) / n, compute_s[0] * 1e9 / check) if check else 0.0
     after = f"after a {P}-token prompt" if P else "from empty tiers"
     return [("first_reads", *reads, f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "
              f"{after} ({cold[0] / n / MiB:.1f} MiB/token)"),
-            ("warm_start", warm / 1e9 * read_cpu.slow, 0.0,
-             f"{warm / MiB:.0f} MiB/token read into the RAM tier in the background ({left / MiB:.0f} "
-             f"MiB left after the prompt) at {read_cpu.slow:.2f} CPU s/GB (slow end)")]
+            ("warm_start", (warm * (read_cpu.slow + check) + mapped * check) / 1e9, 0.0,
+             f"{warm / MiB:.0f} MiB/token read into the RAM tier in the background"
+             + (f", {mapped / MiB:.0f} MiB/token mapped from the page cache" if mapped else "")
+             + f" ({left_all / MiB:.0f} MiB left after the prompt) at {read_cpu.slow:.2f} CPU s/GB"
+             + (f" + {check:.2f} of checksums" if check else "") + " (slow end)")]

@@ -7,9 +7,10 @@ report it."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["NATIVE", "COMPILED", "DEQUANT", "FLOAT", "path_table", "paths_for", "slow_types",
-           "kept_types", "describe_paths", "q8_prompt_paths", "amx_prompt_types",
+__all__ = ["NATIVE", "COMPILED", "DEQUANT", "FLOAT", "compute_paths", "path_table", "paths_for",
+           "slow_types", "kept_types", "describe_paths", "q8_prompt_paths", "amx_prompt_types",
            "prompt_paths"]
 
 NATIVE = "native kernel"
@@ -122,3 +123,16 @@ def prompt_paths(g, act_quant: str = "off") -> str | None:
     amx = amx_prompt_types(g)
     return f"prompts: {', '.join(amx)} products on the AMX tile unit (exact bf16 parts)" \
         if amx else None
+
+
+def compute_paths(g: Any, act_quant: str) -> dict[str, Any]:
+    """Which CPU path each expert and trunk type of ``g`` (a ``plan.Geometry``) takes in
+    ``expertfs run`` on this machine, and what its prompt products take in ``act_quant``'s
+    numerics (``prompt_paths``): ``plan``'s ``compute_paths``."""
+    try:
+        table = path_table("cpu")
+    except ImportError:                       # no torch: nothing to say
+        return {}
+    return {"experts": paths_for({m.ggml_type for layer in g.expert_parts for m in layer}, table),
+            "trunk": paths_for({m.ggml_type for m in g.trunk_matrices}, table, trunk=True),
+            "prompts": prompt_paths(g, act_quant)}

@@ -100,8 +100,7 @@ class Prediction:
                 "s_per_token_slow": self.slow_s, "s_per_token_fast": self.fast_s,
                 "dominant_slow": self.dominant_slow, "dominant_fast": self.dominant_fast,
                 "terms": {t.name: {**t.as_dict(), "share_slow": t.slow_s / total_slow}
-                          for t in self.terms},
-                "combine": COMBINE}
+                          for t in self.terms}, "combine": COMBINE}
 
 
 _IO_TERMS = {"storage": "storage", "first_reads": "storage", "trunk_reads": "storage", "pcie": "pcie"}
@@ -183,7 +182,8 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
         tier_bytes=mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0),
         prompt_tokens=box.prompt_tokens, n_predict=box.n_predict, storage=rates.storage,
         prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover),
-        read_cpu=rates.read_cpu, compute_s=compute, drive=drive_share(g, mem, box.page_cache))]
+        read_cpu=rates.read_cpu, verify=rates.verify, compute_s=compute,
+        drive=drive_share(g, mem, box.page_cache))]
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}

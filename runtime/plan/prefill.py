@@ -79,6 +79,7 @@ class FirstToken:
     fresh_s: tuple[float, float] = (0.0, 0.0)   # CPU of reads into the tiers' fresh pages
     drive: float = 1.0           # share of the experts read from the drive (the rest mapped
                                  # from the page cache: ``coldstart.drive_share``)
+    verify_s: tuple[float, float] = (0.0, 0.0)  # CPU of the experts' checksums on first read
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,7 +135,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
                 wide: Mapping[str, WidePath] | None = None,
                 slow_replay: Any = None, trunk_reread: tuple[int, int] = (0, 0),
-                drive: float = 1.0) -> FirstToken:
+                drive: float = 1.0, verify: Range | None = None) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, what a trunk
     product past its native token limit costs (a type without an entry is priced as native);
@@ -142,7 +143,8 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     uniform); ``trunk_reread``: bytes of a trunk the cap evicts read again by each batch
     (slow, fast end: ``plan.rereads.trunk_reread_bytes``); ``drive``: the share of the
     experts the drive serves (``coldstart.drive_share``: the rest is mapped from the page
-    cache, neither read nor faulted into fresh memory)."""
+    cache, neither read nor faulted into fresh memory); ``verify``: CPU s/GB of the checksums
+    of each expert's first load, read or mapped (``coldstart.verify_cost``)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
@@ -151,7 +153,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     exp_el = sum(m.elements for layer in g.expert_parts for m in layer) / n_moe
     ext = sum(g.extent_bytes) / n_moe
     sizes = [batch] * (prompt_tokens // batch) + [prompt_tokens % batch] * bool(prompt_tokens % batch)
-    compute, reads = [0.0, 0.0], [0.0, 0.0]
+    compute, reads, loaded = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
     for i, end in enumerate(("slow", "fast")):
         per_expert = sum(compute_cost(cpu, layer, end, quantized=True)
                          for layer in g.expert_parts) / n_moe
@@ -171,6 +173,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
             flops = 2.0 * b * n_moe * g.k * exp_el                  # the routed experts'
             compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
+                loaded[i] += touched[b] * ext
                 reads[i] += touched[b] * ext * drive
             reads[i] += trunk_reread[i]
         if head is not None:
@@ -180,6 +183,10 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     r_fast = reads[1] / (rates.storage.fast * 1e9)
     fresh_s = (min(reads[0], tier_slots * ext) / 1e9 * rates.read_cpu.slow,
                min(reads[1], tier_slots * ext) / 1e9 * rates.read_cpu.fast)
-    return FirstToken(prompt_tokens, compute[0] + fresh_s[0] + r_slow,
-                      max(compute[1] + fresh_s[1], r_fast),
-                      (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s, drive)
+    every = sum(g.extent_bytes) * g.n_experts                 # each expert checked once
+    verify_s = ((min(loaded[0], every) / 1e9 * verify.slow, min(loaded[1], every) / 1e9
+                 * verify.fast) if verify is not None else (0.0, 0.0))
+    cpu = (compute[0] + fresh_s[0] + verify_s[0], compute[1] + fresh_s[1] + verify_s[1])
+    return FirstToken(prompt_tokens, cpu[0] + r_slow, max(cpu[1], r_fast),
+                      (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s, drive,
+                      verify_s)

@@ -103,11 +103,14 @@ class Rates:
     gpu: DeviceRates
     #: CPU seconds per GB the process spends reading from the drive (slow, fast end)
     read_cpu: Range = field(default_factory=stated_read_cpu)
+    #: CPU seconds per GB of the reader's checksums of an expert's first read (None: not priced)
+    verify: Range | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"storage_gbps": self.storage.as_dict(), "pcie_gbps": self.pcie.as_dict(),
                 "cpu": self.cpu.as_dict(), "gpu": self.gpu.as_dict(),
-                "read_cpu_s_per_gb": self.read_cpu.as_dict()}
+                "read_cpu_s_per_gb": self.read_cpu.as_dict(),
+                "verify_s_per_gb": self.verify.as_dict() if self.verify else None}
 
 
 #: pinned host->device GB/s by PCIe generation (x16): what cudaMemcpy reaches, not the line rate

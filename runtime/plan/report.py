@@ -124,7 +124,9 @@ def format_plan(p: Plan) -> str:
                             f"from the drive: the RAM tier is the experts file mapped, "
                             f"{p.box.page_cache:.0%} of it in the page cache now")
                          + (f"; {ft.fresh_s[1]:.1f}-{ft.fresh_s[0]:.1f} s of CPU faulting in "
-                            "the tiers' fresh pages" if ft.fresh_s[0] >= 0.05 else "") + ")")
+                            "the tiers' fresh pages" if ft.fresh_s[0] >= 0.05 else "")
+                         + (f"; {ft.verify_s[1]:.1f}-{ft.verify_s[0]:.1f} s checksumming them"
+                            if ft.verify_s[0] >= 0.05 else "") + ")")
     else:
         lines.append("")
         lines.append("predicted decode: none (the model cannot run on this box)")

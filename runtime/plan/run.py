@@ -301,8 +301,11 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
             detail["gpu"] = {"error": f"{type(e).__name__}: {e}", "used": "stated defaults"}
         if got is not None:
             gpu, pcie, detail["gpu"] = got
-    rates = Rates(storage, pcie, cpu, gpu, read_cpu_from(detail.get("storage"), storage.source))
-    detail["compute_paths"] = _compute_paths(g, req.act_quant)
+    from .boxcache import verify_rate
+    rates = Rates(storage, pcie, cpu, gpu, read_cpu_from(detail.get("storage"), storage.source),
+                  verify_rate(probe=req.probe))
+    from .paths import compute_paths
+    detail["compute_paths"] = compute_paths(g, req.act_quant)
 
     # --- routing and the choice ------------------------------------------------------------
     replays = Replays(g, req, ({}, None) if req.trace else learned_usage(req.target, g), say)
@@ -337,7 +340,7 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
-                     drive=drive_share(g, m, plan.box.page_cache))
+                     drive=drive_share(g, m, plan.box.page_cache), verify=plan.rates.verify)
     return replace(plan, first_token=ft)
 
 
@@ -377,19 +380,6 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     data[checks] = boxcache.recent_checks(data.get(checks), rng.slow)
     boxcache.save(data)
     return rng, detail
-
-
-def _compute_paths(g: Geometry, act_quant: str) -> dict[str, Any]:
-    """Which CPU path each expert and trunk type takes in ``expertfs run`` on this machine,
-    and what its prompt products take in ``act_quant``'s numerics (``paths.prompt_paths``)."""
-    from .paths import path_table, paths_for, prompt_paths
-    try:
-        table = path_table("cpu")
-    except ImportError:                       # no torch: nothing to say
-        return {}
-    return {"experts": paths_for({m.ggml_type for layer in g.expert_parts for m in layer}, table),
-            "trunk": paths_for({m.ggml_type for m in g.trunk_matrices}, table, trunk=True),
-            "prompts": prompt_paths(g, act_quant)}
 
 
 def _cuda() -> bool:

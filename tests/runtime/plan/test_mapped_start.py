@@ -13,9 +13,11 @@ from expertfs.runtime.cache.slots import MAPPED_WHEN_CACHED, maps_tier
 from expertfs.runtime.io.mapped import populate_supported
 from expertfs.runtime.plan.assumptions import GiB
 from expertfs.runtime.plan.budget import Box, layout
-from expertfs.runtime.plan.coldstart import drive_share, store_page_cache
+from expertfs.runtime.plan.coldstart import (STATED_VERIFY_S_PER_GB, drive_share, start_terms,
+                                             store_page_cache, verify_cost)
 from expertfs.runtime.plan.predict import predict
 from expertfs.runtime.plan.prefill import first_token
+from expertfs.runtime.plan.rates import Range
 
 from test_coldstart import _routing  # noqa: I001 - the sibling test modules' helpers
 from test_plan import rates_for
@@ -97,3 +99,37 @@ def test_the_page_cache_share_of_a_store_file(tmp_path):
     other.write_bytes(b"GGUF" + bytes(8188))
     assert store_page_cache(str(other)) == 0.0
     assert store_page_cache(None) == 0.0 and store_page_cache(str(d / "none.bin")) == 0.0
+
+
+def test_the_checksums_of_each_experts_first_load_cost_cpu(g):
+    """Every expert's first load is checksummed (read or mapped): the first token adds that CPU
+    for the experts the prompt loads, at most every expert once, and the warm start for what it
+    loads, the mapped ones included."""
+    rates = rates_for(g)
+    check = Range(0.06, 0.04, "t")
+    slots = g.n_decode_experts
+    plain = first_token(g, rates, slots, 64, GEMM)
+    ft = first_token(g, rates, slots, 64, GEMM, verify=check)
+    assert plain.verify_s == (0.0, 0.0) and ft.compute_s == plain.compute_s
+    assert ft.verify_s[0] == pytest.approx(plain.read_bytes[0] / 1e9 * 0.06)
+    assert ft.s_slow == pytest.approx(plain.s_slow + ft.verify_s[0])
+    mapped = first_token(g, rates, slots, 64, GEMM, verify=check, drive=0.0)
+    assert mapped.read_bytes == (0, 0) and mapped.verify_s == ft.verify_s   # checked all the same
+    every = sum(g.extent_bytes) * g.n_experts
+    long = first_token(g, rates, slots, 100_000, GEMM, verify=check)
+    assert long.verify_s[0] == pytest.approx(every / 1e9 * 0.06)           # once an expert
+    args = dict(hits=(1.0, 1.0), tier_bytes=every, ram_tier_bytes=every, prompt_tokens=8,
+                n_predict=16, prompt_cover=0.0, storage=Range(1.0, 2.0, "t"),
+                read_cpu=Range(0.5, 0.25, "t"), compute_s=(10.0, 5.0))
+
+    def warm(**kw) -> float:
+        return next(s for name, s, _, _ in start_terms(g, **args, **kw) if name == "warm_start")
+    assert warm(verify=check) > warm()
+    assert warm(drive=0.0) == 0.0 and warm(drive=0.0, verify=check) > 0    # mapped: checksums
+
+
+def test_the_checksum_rate_is_measured_or_stated():
+    stated = verify_cost(probe=False)
+    assert (stated.slow, stated.fast) == STATED_VERIFY_S_PER_GB and "stated" in stated.source
+    got = verify_cost()
+    assert got.slow == pytest.approx(1.5 * got.fast) and 0 < got.fast < 10
