@@ -30,7 +30,7 @@ from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
            "gemm_rate", "dequant_rates", "panel_rates", "spread_of", "with_spread", "recent_checks",
-           "storage_spread", "verify_rate"]
+           "storage_spread", "spread_range", "verify_rate"]
 
 
 def cache_path() -> str:
@@ -301,18 +301,27 @@ def storage_spread(rng: Range, checks: Any) -> Range:
                  f"{len(speeds)} storage checks of the last day)")
 
 
+def spread_range(x: Range, slow: float, fast: float, seconds: bool = False) -> Range:
+    """``x`` with its slow end ``slow`` times as fast and its fast end ``fast`` times (a rate
+    times it; ``seconds``: a time over it); the source says so."""
+    if slow == fast == 1.0:
+        return x
+    note = f" (ends widened x{slow:.2f}-x{fast:.2f}: the box's speed checks of the last day)"
+    if seconds:
+        return Range(x.slow / slow, x.fast / fast, x.source + note)
+    return Range(x.slow * slow, x.fast * fast, x.source + note)
+
+
 def with_spread(r: DeviceRates, slow: float, fast: float) -> DeviceRates:
-    """``r`` with its slow end ``slow`` times as fast (rates times it, seconds over it) and its
-    fast end ``fast`` times; the sources say so."""
+    """``r`` with its ends ``slow`` and ``fast`` times as fast (``spread_range``)."""
     if slow == fast == 1.0:
         return r
-    note = f" (ends widened x{slow:.2f}-x{fast:.2f}: the box's speed checks of the last day)"
 
     def rate(x: Range) -> Range:
-        return Range(x.slow * slow, x.fast * fast, x.source + note)
+        return spread_range(x, slow, fast)
 
     def secs(x: Range | None) -> Range | None:
-        return None if x is None else Range(x.slow / slow, x.fast / fast, x.source + note)
+        return None if x is None else spread_range(x, slow, fast, seconds=True)
 
     def cost(c: LinearCost) -> LinearCost:
         return LinearCost(secs(c.overhead_s), rate(c.gbps))

@@ -133,3 +133,13 @@ def test_the_checksum_rate_is_measured_or_stated():
     assert (stated.slow, stated.fast) == STATED_VERIFY_S_PER_GB and "stated" in stated.source
     got = verify_cost()
     assert got.slow == pytest.approx(1.5 * got.fast) and 0 < got.fast < 10
+
+
+def test_the_speed_checks_spread_widens_a_rate_and_a_time():
+    from expertfs.runtime.plan.boxcache import spread_range
+    r = Range(2.0, 4.0, "x")
+    assert spread_range(r, 1.0, 1.0) is r
+    wide = spread_range(r, 0.5, 1.25)
+    assert (wide.slow, wide.fast) == (1.0, 5.0) and "speed checks" in wide.source
+    t = spread_range(Range(0.06, 0.04, "x"), 0.5, 1.25, seconds=True)
+    assert (t.slow, t.fast) == (pytest.approx(0.12), pytest.approx(0.032))
