@@ -13,7 +13,8 @@ on top of the steady state that ``predict``'s other terms describe:
 - ``warm_start`` (CPU, the slow end): the warm start fills the rest of the RAM tier in the
   background, one read at a time, while the decode computes, and the CPU those reads cost
   (``Rates.read_cpu``, seconds per GB, measured with the drive: system calls, page pinning,
-  completions) is taken from the decode's cores. What it has left to read is the RAM tier less
+  completions), with the checksums of each expert's first load (``Rates.verify``:
+  ``verify_cost``), is taken from the decode's cores. What it has left to read is the RAM tier less
   what the prompt loaded, as much as the more skewed routing replay's first ``P`` tokens touch
   (``Routing.prompt_cover``); per token it reads at most its share of the drive over the
   token's compute time. The fast end overlaps it with the decode as it does every read.

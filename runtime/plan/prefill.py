@@ -23,7 +23,10 @@ computes the experts already in while the rest are read. Both ends add to the co
 the reads take (``Rates.read_cpu``, at that end) for the bytes read into the tiers' fresh
 pages, up to the tiers' size: whether the runtime's background fault-in or the read touches a
 fresh page first, that touch is CPU time on the cores the prompt computes on (on a virtual
-machine, most of an uncapped full-depth prompt's time, bench/README.md).
+machine, most of an uncapped full-depth prompt's time, bench/README.md), and the checksums of
+every expert the prompt loads, read or mapped, once each (``Rates.verify``). Where ``run`` maps
+its RAM tier, the drive reads only the share of them the page cache lacks
+(``coldstart.drive_share``).
 """
 
 from __future__ import annotations
