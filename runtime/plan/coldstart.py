@@ -39,8 +39,8 @@ __all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "first_read_bytes",
            "first_read_seconds", "store_page_cache", "verify_cost", "warm_read_bytes",
            "start_terms", "STATED_VERIFY_S_PER_GB"]
 
-#: CPU seconds a GB of checksums takes without a probe (slow, fast end): xxh3_64 from memory
-#: at 10-20 GB/s a core
+#: CPU seconds a GB of checksums takes without a probe (slow, fast end): xxh3_64 over experts
+#: read from memory on one core, slower than the probe (``verify_cost``) finds on recent x86
 STATED_VERIFY_S_PER_GB = (0.1, 0.05)
 
 #: share of the drive the first reads get at the slow end: the warm start reads the rest of the
