@@ -37,6 +37,7 @@ from .model import ExpertRunner, Model, ModelConfig, Router, TrunkReader, dequan
 from .model.loader import set_act_quant
 from .model.qmatvec import use_fused
 from .model.trunk_stream import stream_trunk
+from .pool_spin import PoolSpin
 from .prefetch.lookahead import MARGIN, LookaheadStats, lookahead_slots
 
 __all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
@@ -177,6 +178,7 @@ class Engine:
             kernels.set_threads(torch.get_num_threads())     # the pool keeps today's count;
             self.model.small_steps_one_thread = True         # small steps' torch ops use one
         self.times = StepTimes()
+        self._spin = PoolSpin()
         self.compile_seconds = getattr(self, "compile_seconds", 0.0)
         self._trace = None
         self._token_no = 0              # tokens run through the model (trace token index)
@@ -289,6 +291,7 @@ class Engine:
         out = self._run(token.reshape(1) if isinstance(token, torch.Tensor) else [token], "last",
                         decoding=True)
         self.count_decode(time.perf_counter() - t0, 1)
+        self._spin.step(self.provider)
         return out[0]
 
     def verify(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -366,8 +369,7 @@ class Engine:
             "provider": type(self.provider).__name__,
             "provider_stats": self.provider.stats.as_dict(),
             "moe": self.runner.stats.as_dict(), "dq_cache": self.runner.dq.stats(),
-            "trunk_float_bytes": self.trunk.float_bytes,
-            "trunk_quant_bytes": self.trunk.quant_bytes,
+            "trunk_float_bytes": self.trunk.float_bytes, "trunk_quant_bytes": self.trunk.quant_bytes,
             "kv_cache_bytes": self.model.cache.nbytes, "load_seconds": self.load_seconds,
             "trunk_stream": ts.as_dict() if (ts := self.model.trunk_stream) else None,
             "compile_seconds": self.compile_seconds, "fused": self.runner.fused,
@@ -379,6 +381,7 @@ class Engine:
         return out
 
     def close(self) -> None:
+        self._spin.close()
         if self._trace is not None:
             self._trace.close()
             self._trace = None

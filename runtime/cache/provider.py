@@ -247,6 +247,11 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
     def prefetch_report(self) -> dict[str, dict[str, Any]]:
         return self.prefetcher.report()
 
+    def settled(self) -> bool:
+        """Every expert a decode step routes to is in the RAM tier and nothing is being read
+        (``TierCache.settled``)."""
+        return self.cache.settled()
+
     def describe(self) -> dict[str, Any]:
         c = self.cache
         s = c.slots

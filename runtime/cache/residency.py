@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent import futures
 from concurrent.futures import CancelledError
 from typing import Any
@@ -246,6 +246,10 @@ class Residency:
             li, ex = divmod(e.key, self._E)
             self.host_table.set_now(li, ex, e.host_slot)
         return None
+
+    def held(self, skip: Collection[int] = ()) -> int:
+        """Experts whose bytes are in the RAM tier, less those of the layers ``skip``."""
+        return sum(e.state is State.HOST for e in self.entries.values() if e.layer not in skip)
 
     def drain(self) -> None:
         """Take note of reads completed since the last call (prefetches, warm start)."""

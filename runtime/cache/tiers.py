@@ -144,6 +144,13 @@ class TierCache:
         """Take note of reads completed since the last call (prefetches, warm start)."""
         self.residency.drain()
 
+    def settled(self) -> bool:
+        """No device tier, nothing queued or read, every expert a decode step routes to in the
+        RAM tier: a decode from here reads nothing (an uncapped tier after its warm start)."""
+        self.residency.drain()
+        return self.dev is None and not self.loader.drip_pending \
+            and self.residency.held(self.geo.drafts) >= self.geo.routed
+
     # -- the get path -------------------------------------------------------------------------
     @property
     def defers(self) -> bool:
