@@ -24,14 +24,16 @@ log = logging.getLogger(__name__)
 #: the pool workers' spin (microseconds) once the tier is settled
 RESIDENT_SPIN_US = 500
 
-#: decode steps between two looks at the provider (each look walks its residency once)
+#: decode steps between two looks at the provider once past the first ones (each look walks its
+#: residency once; the first look is at step 1, then 2, 4 and 8, so a short run on a tier
+#: preloaded whole spins from its start)
 CHECK_EVERY = 16
 
 
 class PoolSpin:
-    """Raises the pool's spin once ``provider.settled()`` (checked every ``CHECK_EVERY`` decode
-    steps, where the provider has the method and the kernels are loaded); ``close`` puts the
-    spin back as it was."""
+    """Raises the pool's spin once ``provider.settled()`` (checked at decode steps 1, 2, 4, 8,
+    then every ``CHECK_EVERY``, where the provider has the method and the kernels are loaded);
+    ``close`` puts the spin back as it was."""
 
     def __init__(self) -> None:
         self._steps = 0
@@ -40,7 +42,8 @@ class PoolSpin:
     def step(self, provider: Any) -> None:
         """A decode step ran on ``provider``'s experts."""
         self._steps += 1
-        if self._before is not None or self._steps % CHECK_EVERY:
+        n = self._steps
+        if self._before is not None or (n % CHECK_EVERY and n & (n - 1)):
             return
         settled = getattr(provider, "settled", None)
         if settled is None or not kernels.available() or not settled():

@@ -69,9 +69,17 @@ def test_the_pool_spins_longer_once_settled_and_back_at_close():
         spin.step(prov)
     assert kernels.status()["spin_us"] == before                 # reads may still come
     prov.now = True
-    for _ in range(CHECK_EVERY):
+    for _ in range(CHECK_EVERY - 1):
         spin.step(prov)
+    assert kernels.status()["spin_us"] == before                 # looked at every 16th step
+    spin.step(prov)
     assert kernels.status()["spin_us"] == RESIDENT_SPIN_US
+    spin.close()
+    early, prov = PoolSpin(), _Provider()
+    prov.now = True
+    early.step(prov)                                             # a preloaded tier: step 1
+    assert kernels.status()["spin_us"] == RESIDENT_SPIN_US
+    early.close()
     spin.close()
     assert kernels.status()["spin_us"] == before
     spin.step(object())                                          # a provider without settled()
