@@ -46,9 +46,12 @@ class PoolSpin:
         if self._before is not None or (n % CHECK_EVERY and n & (n - 1)):
             return
         settled = getattr(provider, "settled", None)
-        if settled is None or not kernels.available() or not settled():
+        if settled is None or not settled():
             return
-        self._before = int(kernels.status().get("spin_us", RESIDENT_SPIN_US))
+        st = kernels.status()                     # (never builds them, as available() would)
+        if not st.get("available"):
+            return
+        self._before = int(st.get("spin_us", RESIDENT_SPIN_US))
         if self._before < RESIDENT_SPIN_US:
             kernels.set_spin_us(RESIDENT_SPIN_US)
             log.debug("every expert resident, nothing read: pool spin %d us", RESIDENT_SPIN_US)
