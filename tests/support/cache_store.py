@@ -39,6 +39,22 @@ def tiny_store(root: Path, quant: str = "q4_k_m") -> str:
     return str(out)
 
 
+def every_slot(store: Store) -> int:
+    """RAM for a slot of every expert of ``store`` (and a little over): a tier that holds it."""
+    n = sum(store.n_experts(la) for la in store.layers)
+    return (n + 2) * max(store.extent(la, 0).length for la in store.layers)
+
+
+def tiered(store: Store, ram: int, **kw: Any) -> Any:
+    """A ``TieredProvider`` of ``ram`` bytes on the buffered backend, no warm start and no
+    usage recorded unless ``kw`` says otherwise."""
+    from expertfs.runtime.cache.provider import TieredProvider
+    kw.setdefault("backend", "buffered")
+    kw.setdefault("warm_start", False)
+    kw.setdefault("record_usage", False)
+    return TieredProvider(store, ram_bytes=ram, **kw)
+
+
 def store_bytes(store: Store) -> bytes:
     with open(store.experts_path, "rb") as f:
         return f.read()

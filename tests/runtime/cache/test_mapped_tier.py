@@ -15,30 +15,17 @@ import pytest
 import torch
 
 from expertfs.errors import UsageError
-from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.cache.slots import MAPPED_WHEN_CACHED
 from expertfs.runtime.io import ExpertIntegrityError, IOUsageError
 from expertfs.runtime.io.mapped import FileMapping, populate_supported
 from expertfs.runtime.io.pagecache import drop_file_cache
 from expertfs.store.reader import Store
 
-from support.cache_store import assert_weights, check_invariants, make_store, store_bytes
+from support.cache_store import (assert_weights, check_invariants, every_slot as every,
+                                 make_store, store_bytes, tiered as provider)
 
 pytestmark = pytest.mark.skipif(not populate_supported(),
                                 reason="needs madvise(MADV_POPULATE_READ): Linux 5.14 or later")
-
-
-def every(store) -> int:
-    """RAM for a slot of every expert (and a little over)."""
-    n = sum(store.n_experts(la) for la in store.layers)
-    return (n + 2) * max(store.extent(la, 0).length for la in store.layers)
-
-
-def provider(store, ram, **kw):
-    kw.setdefault("backend", "buffered")
-    kw.setdefault("warm_start", False)
-    kw.setdefault("record_usage", False)
-    return TieredProvider(store, ram_bytes=ram, **kw)
 
 
 def evict(path) -> None:

@@ -7,19 +7,9 @@ from __future__ import annotations
 import pytest
 
 from expertfs.runtime import kernels
-from expertfs.runtime.cache.provider import TieredProvider
 from expertfs.runtime.pool_spin import CHECK_EVERY, RESIDENT_SPIN_US, PoolSpin
 
-
-def every(store) -> int:
-    n = sum(store.n_experts(la) for la in store.layers)
-    return (n + 2) * max(store.extent(la, 0).length for la in store.layers)
-
-
-def provider(store, ram, **kw):
-    kw.setdefault("backend", "buffered")
-    kw.setdefault("record_usage", False)
-    return TieredProvider(store, ram_bytes=ram, **kw)
+from support.cache_store import every_slot as every, tiered as provider
 
 
 def test_a_tier_is_settled_once_every_expert_is_read(store):
