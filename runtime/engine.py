@@ -291,7 +291,6 @@ class Engine:
         out = self._run(token.reshape(1) if isinstance(token, torch.Tensor) else [token], "last",
                         decoding=True)
         self.count_decode(time.perf_counter() - t0, 1)
-        self._spin.step(self.provider)
         return out[0]
 
     def verify(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -301,9 +300,10 @@ class Engine:
         return self._run(tokens, "all", decoding=True)
 
     def count_decode(self, seconds: float, tokens: int) -> None:
-        """Add a decode step's wall time and the tokens it produced to ``times``."""
+        """Count a decode step (``decode``'s or a speculative one's) in ``times`` and the spin."""
         self.times.decode_s += seconds
         self.times.decode_tokens += tokens
+        self._spin.step(self.provider)
 
     def logits(self, tokens: Sequence[int], *, reset: bool = True) -> torch.Tensor:
         """Logits of every position of ``tokens``: float32 ``[len(tokens), n_vocab]`` (CPU)."""
