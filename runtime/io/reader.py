@@ -269,12 +269,6 @@ class ExpertReader:
             self._mapping = FileMapping(self.path)
         return self._mapping
 
-    def unmap_file(self) -> None:
-        """Drop ``map_file``'s mapping (reads go into their buffers again)."""
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
-
     def _forget(self, key: tuple[int, int], fut: ReadFuture) -> None:
         with self._lock:
             if self._inflight.get(key) is fut:
@@ -294,7 +288,9 @@ class ExpertReader:
 
     def close(self) -> None:
         self.handle.close()
-        self.unmap_file()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
 
     def __enter__(self) -> ExpertReader:
         return self
