@@ -8,10 +8,11 @@ A CPU entry carries the speed check it was measured beside (``native.speed_check
 probing plan uses it, the check runs again (a quarter of a second); when the box's speed has
 moved by more than ``DRIFT`` since, or the entry has no check, the entry is dropped and
 measured anew, so a plan says what the box does now, not what it did when it was busier or
-idler. Every check is also kept (``SPREAD_WINDOW_S``, at most ``SPREAD_CHECKS``): the slowest
-and fastest of them, against the entry's, widen the CPU rates' slow and fast ends
-(``with_spread``), so on a box whose speed moves (a shared machine, a virtual one, thermal
-limits) the band holds what the box has been doing, not one moment of it."""
+idler. Every check is also kept (``plan.spread``: those of the last day): the slowest and
+fastest of them, against the entry's, widen the slow and fast ends of every CPU figure the
+cache gives (``with_spread``, ``spread_range``), so on a box whose speed moves (a shared
+machine, a virtual one, thermal limits) the band holds what the box has been doing, not one
+moment of it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import json
 import math
 import os
 import platform
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -27,6 +27,7 @@ from typing import Any
 
 from .geometry import Geometry
 from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
+from .spread import recent_checks, spread_of, spread_range, storage_spread, with_spread
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
            "gemm_rate", "dequant_rates", "panel_rates", "spread_of", "with_spread", "recent_checks",
@@ -119,12 +120,6 @@ def save(data: dict[str, Any]) -> None:
 #: how far (a ratio either way) the speed check may move before the cached CPU rates are
 #: measured anew; within it, the box's drift between runs (bench/README.md)
 DRIFT = 1.25
-
-#: the speed checks that count towards the box's spread: this recent, this many at most
-SPREAD_WINDOW_S = 24 * 3600
-SPREAD_CHECKS = 64
-#: and the most they may widen an end by
-SPREAD_LIMIT = 2.0
 
 _EARLIER = {"on": False}             # set while an entry read from the cache is rebuilt
 
@@ -245,10 +240,9 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
         and "torch" not in detail
     with _read_back(detail["from_cache"]):
         rates = _from_entry(entry, sfx, kind) if entry else stated_cpu()
-    checks = data.get("speed|" + key)
-    if entry and isinstance(entry.get("check_gbps"), (int, float)) and checks:
-        detail["spread"] = spread_of(checks, float(entry["check_gbps"]))
-        rates = with_spread(rates, *detail["spread"])
+    if entry and (spread := _spread(data, key)) is not None:
+        detail["spread"] = spread
+        rates = with_spread(rates, *spread)
     # nothing measured for a type the native kernels compute: their stated rate, not torch's
     from .native import stated_native
     quant = {m.ggml_type for m in cpu_mats if m.ggml_type not in FLOAT_TYPES}
@@ -259,94 +253,34 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
     return rates, detail
 
 
-def _in_window(checks: Any) -> list[list[float]]:
-    """The kept speed checks ([unix time, GB/s]) of the last ``SPREAD_WINDOW_S``."""
-    t = time.time()
-    return [[float(c[0]), float(c[1])] for c in (checks if isinstance(checks, list) else [])
-            if isinstance(c, list) and len(c) == 2 and t - float(c[0]) <= SPREAD_WINDOW_S]
+def _spread(data: dict[str, Any], key: str) -> tuple[float, float] | None:
+    """(slow, fast): how far the box's speed checks of the last day moved from the check made
+    beside this machine's cached CPU figures (``spread_of``); None without either. Every CPU
+    figure the cache gives is widened by it (``cpu_rates``, ``_cached_rate``, ``_type_rates``)."""
+    entry, checks = data.get(key) or {}, data.get("speed|" + key)
+    if not checks or not isinstance(entry.get("check_gbps"), (int, float)):
+        return None
+    return spread_of(checks, float(entry["check_gbps"]))
 
 
-def _speeds(checks: Any) -> list[float]:
-    """The positive figures of the kept checks of the window."""
-    return [c[1] for c in _in_window(checks) if c[1] > 0]
-
-
-def recent_checks(old: Any, now: float) -> list[list[float]]:
-    """The kept speed checks still in the window, with ``now`` added."""
-    return (_in_window(old) + [[time.time(), float(now)]])[-SPREAD_CHECKS:]
-
-
-def spread_of(checks: Any, ref: float) -> tuple[float, float]:
-    """(slowest, fastest) of the recent checks against ``ref`` (the check the rates were
-    measured beside): at most 1 and at least 1, within ``SPREAD_LIMIT``."""
-    speeds = _speeds(checks)
-    if not speeds or ref <= 0:
-        return 1.0, 1.0
-    return (max(1 / SPREAD_LIMIT, min(1.0, min(speeds) / ref)),
-            min(SPREAD_LIMIT, max(1.0, max(speeds) / ref)))
-
-
-def storage_spread(rng: Range, checks: Any) -> Range:
-    """The drive's cached ``rng`` (GB/s) widened to the slowest and fastest storage check of
-    the last day (each a short point at the slow end's depth,
-    ``storage_probe.storage_check``): a virtual or shared disk, or one whose cache held what
-    was just written, moves by more than one probe shows (bench/README.md)."""
-    speeds = _speeds(checks)
-    if not speeds:
-        return rng
-    lo, hi = min(rng.slow, min(speeds)), max(rng.fast, max(speeds))
-    if (lo, hi) == (rng.slow, rng.fast):
-        return rng
-    return Range(lo, hi, rng.source + f" (ends widened to {lo:.2f}-{hi:.2f} GB/s: "
-                 f"{len(speeds)} storage checks of the last day)")
-
-
-def spread_range(x: Range, slow: float, fast: float, seconds: bool = False) -> Range:
-    """``x`` with its slow end ``slow`` times as fast and its fast end ``fast`` times (a rate
-    times it; ``seconds``: a time over it); the source says so."""
-    if slow == fast == 1.0:
-        return x
-    note = f" (ends widened x{slow:.2f}-x{fast:.2f}: the box's speed checks of the last day)"
-    if seconds:
-        return Range(x.slow / slow, x.fast / fast, x.source + note)
-    return Range(x.slow * slow, x.fast * fast, x.source + note)
-
-
-def with_spread(r: DeviceRates, slow: float, fast: float) -> DeviceRates:
-    """``r`` with its ends ``slow`` and ``fast`` times as fast (``spread_range``)."""
-    if slow == fast == 1.0:
-        return r
-
-    def rate(x: Range) -> Range:
-        return spread_range(x, slow, fast)
-
-    def secs(x: Range | None) -> Range | None:
-        return None if x is None else spread_range(x, slow, fast, seconds=True)
-
-    def cost(c: LinearCost) -> LinearCost:
-        return LinearCost(secs(c.overhead_s), rate(c.gbps))
-
-    return replace(r, linear={t: cost(c) for t, c in r.linear.items()},
-                   fused={t: cost(c) for t, c in r.fused.items()},
-                   layers={t: cost(c) for t, c in r.layers.items()},
-                   mem_gbps=rate(r.mem_gbps), op_s=secs(r.op_s),
-                   layer_s=secs(r.layer_s), token_s=secs(r.token_s))
-
-
-def _cached_rate(name: str, measure: Callable[..., Range], probe: bool) -> Range:
-    """This machine's figure ``name``: cached, else ``measure(probe=probe)`` and cached where
-    it measured, else the stated default ``measure`` gives."""
+def _cached_rate(name: str, measure: Callable[..., Range], probe: bool,
+                 seconds: bool = False) -> Range:
+    """This machine's figure ``name`` (a rate, or with ``seconds`` a time): cached, else
+    ``measure(probe=probe)`` and cached where it measured, else the stated default ``measure``
+    gives; a figure of this machine widened by its speed checks (``_spread``)."""
     data = load()
     key = cpu_key()
     hit = (data.get(key) or {}).get(name)
     if isinstance(hit, dict) and "slow" in hit:
         with _read_back():
-            return _range(hit)
-    r = measure(probe=probe)
-    if probe and r.source.startswith("measured"):
+            r = _range(hit)
+    else:
+        r = measure(probe=probe)
+        if not (probe and r.source.startswith("measured")):
+            return r
         data.setdefault(key, {})[name] = r.as_dict()
         save(data)
-    return r
+    return spread_range(r, *(_spread(data, key) or (1.0, 1.0)), seconds=seconds)
 
 
 def gemm_rate(probe: bool = True) -> Range:
@@ -358,7 +292,7 @@ def gemm_rate(probe: bool = True) -> Range:
 def verify_rate(probe: bool = True) -> Range:
     """This machine's CPU seconds per GB of the reader's checksums (``coldstart.verify_cost``)."""
     from .coldstart import verify_cost
-    return _cached_rate("verify_s_per_gb", verify_cost, probe)
+    return _cached_rate("verify_s_per_gb", verify_cost, probe, seconds=True)
 
 
 def _type_rates(field: str, types: list[str], probe: bool, measure) -> dict[str, Range]:
@@ -379,7 +313,8 @@ def _type_rates(field: str, types: list[str], probe: bool, measure) -> dict[str,
         out = {}
     with _read_back():
         out.update({t: _range(cached[t]) for t in types if t in cached and t not in out})
-    return out
+    lo, hi = _spread(data, key) or (1.0, 1.0)
+    return {t: spread_range(r, lo, hi) for t, r in out.items()}
 
 
 def dequant_rates(types: list[str], probe: bool = True) -> dict[str, Range]:

@@ -22,8 +22,9 @@ from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_opti
 from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
 from .model import load_geometry
 from .rereads import trunk_reread_bytes
-from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics, ideal_routing,
-                      learned_dynamics, route, synthetic_replay, trace_replay, usage_replay, usage_tokens)
+from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
+                      ideal_routing, learned_dynamics, route, synthetic_replay, trace_replay,
+                      usage_replay, usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
 __all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
@@ -301,10 +302,9 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
             detail["gpu"] = {"error": f"{type(e).__name__}: {e}", "used": "stated defaults"}
         if got is not None:
             gpu, pcie, detail["gpu"] = got
-    from .boxcache import spread_range, verify_rate
-    lo, hi = (detail.get("cpu") or {}).get("spread") or (1.0, 1.0)   # the CPU's speed checks
+    from .boxcache import verify_rate
     rates = Rates(storage, pcie, cpu, gpu, read_cpu_from(detail.get("storage"), storage.source),
-                  spread_range(verify_rate(probe=req.probe), lo, hi, seconds=True))
+                  verify_rate(probe=req.probe))
     from .paths import compute_paths
     detail["compute_paths"] = compute_paths(g, req.act_quant)
 
@@ -324,7 +324,7 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     m = plan.memory
     if not m.runnable or plan.rates is None or m.placement.where != "cpu" or req.prompt_tokens < 1:
         return plan
-    from .boxcache import dequant_rates, gemm_rate, panel_rates, spread_range
+    from .boxcache import dequant_rates, gemm_rate, panel_rates
     from .native import wide_limits
     from .prefill import WidePath, first_token
     say("predicting the first token")
@@ -334,14 +334,10 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     slow_replay = replays.get(slow) if measured else None
     types = sorted({t.ggml_type for t in g.trunk_matrices})
     limits = wide_limits(types, req.act_quant)
-    # the box's speed checks widen the prompt's rates as they widen the decode's
-    lo, hi = (plan.probes.get("cpu") or {}).get("spread") or (1.0, 1.0)
-    panel = {t: spread_range(r, lo, hi) for t, r in
-             panel_rates(types, probe=req.probe, act_quant=req.act_quant).items()}
-    deq = {t: spread_range(r, lo, hi) for t, r in
-           dequant_rates([t for t in types if t not in panel], probe=req.probe).items()}
+    panel = panel_rates(types, probe=req.probe, act_quant=req.act_quant)
+    deq = dequant_rates([t for t in types if t not in panel], probe=req.probe)
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
-                     spread_range(gemm_rate(probe=req.probe), lo, hi), replay,
+                     gemm_rate(probe=req.probe), replay,
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
