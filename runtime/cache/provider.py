@@ -232,8 +232,11 @@ class TieredProvider(ExpertProvider, SplitGet, BoundedGet, WarmStart, TierState,
     @property
     def max_experts_per_get(self) -> int:
         """How many experts one ``get`` may ask for now (the compute tier's slots less those
-        held by layers not yet released): split wider requests (prefill batches)."""
-        return self.cache.slots.compute - self.cache.n_held
+        held by layers not yet released; while the prompt window is open, its free slots):
+        split wider requests (prefill batches)."""
+        n = self.cache.slots.compute - self.cache.n_held
+        window = self.cache.window
+        return min(n, max(1, window.room())) if window.open else n
 
     def layer_index(self, layer: int) -> int:
         return self._index[layer]

@@ -24,7 +24,7 @@ from expertfs.errors import UsageError
 
 from ..io import PAGE
 
-__all__ = ["SlotGeometry", "Slots", "plan_slots"]
+__all__ = ["SlotGeometry", "Slots", "plan_slots", "WINDOW_BYTES", "window_slots"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,24 @@ class SlotGeometry:
         return key // self.n_experts
 
 
+#: The spare slots' bytes a RAM tier of every expert keeps for the prompt window (``window``):
+#: at least two layers' worth of routed experts (``2 k`` slots), at most one layer's every expert.
+WINDOW_BYTES = 256 << 20
+
+
+def window_slots(slot_bytes: int, k: int, per_layer: int) -> int:
+    """Spare slots for the prompt window of a tier with one slot per expert."""
+    if slot_bytes <= 0 or per_layer <= 0:
+        return 0
+    return min(per_layer, max(2 * k, WINDOW_BYTES // slot_bytes))
+
+
 @dataclass(frozen=True)
 class Slots:
     host: int            # host slots in the slab (the RAM budget)
     staging: int         # of which staging for demand reads (device tier only)
     ram: int             # host tier capacity given to its policy: host - staging
+                         # (less the prompt window's spare slots: ``window``)
     vram: int            # device tier slots (0: no device tier)
     prefetch: int = 0    # host-only: slots predicted experts are read into (not the tier's)
 
@@ -117,8 +130,9 @@ def plan_slots(geo: SlotGeometry, ram_bytes: int, vram_bytes: int, *, queue_dept
                          fix=f"give at least {geo.k * geo.stride} bytes"
                              + (", or 0" if vram else ""))
     if not vram:
-        if host >= total:                 # every expert fits: nothing to predict
-            return Slots(total, 0, total, 0)
+        if host >= total:                 # every expert fits: nothing to predict; the spare
+            spare = min(host - total, window_slots(geo.stride, geo.k, max(geo.experts)))
+            return Slots(total + spare, 0, total, 0)      # slots are the prompt window's
         p = max(0, min(int(prefetch), host // 2, host - geo.k))
         return Slots(host, 0, host - p, 0, p)
     s = staging if staging is not None else min(queue_depth, geo.k) + 1

@@ -17,14 +17,11 @@ pinned, soft pins are dropped first. A prefetch whose layer has passed unused is
 its read has not started (never waited for).
 
 With ``prefetch_slots`` (one tier only) prefetches are *staged* outside the tier instead
-(:mod:`.staged`). Reads, uploads and demotions are asynchronous
-(futures, copy-stream events); see ``entry``, ``copier``, ``loader``.
-
-``TierCache`` composes its parts, each with its own state: the slot pools, the policies, the
-slot table, the loader and the copier; a :class:`.residency.Residency` (entries, pins, reads
-and drops), a :class:`.staged.StagedPrefetch` (the staged predictions) and, with a VRAM
-budget, a :class:`.device.DeviceTier` (uploads and demotions). It keeps the acquire clock, the
-layers held until release and the one-tier get path.
+(:mod:`.staged`); a prompt's reads of a tier of every expert go through its spare slots
+(:mod:`.window`). Reads, uploads and demotions are asynchronous (futures, copy-stream events).
+``TierCache`` composes those parts: slot pools, policies, slot table, loader, copier,
+``Residency`` (entries, pins, reads, drops), ``StagedPrefetch``, ``PromptWindow`` and, with a
+VRAM budget, ``DeviceTier``; it keeps the acquire clock and the layers held until release.
 
 Single-threaded: one caller (the forward pass) drives it; I/O workers only append to a deque.
 """
@@ -51,6 +48,7 @@ from .sizing import SlotGeometry, plan_slots
 from .slots import SlotPool, host_tier
 from .staged import StagedPrefetch
 from .table import SlotTable
+from .window import prompt_window
 
 __all__ = ["TierCache"]
 
@@ -102,6 +100,7 @@ class TierCache:
                                           table=self.table, copier=self.copier,
                                           residency=self.residency, stats=self.stats,
                                           n_experts=self._E)
+        self.window = prompt_window(self)
         self.held: dict[int, list[Entry]] = {}
         self.now = 0
         self.cursor = -1                    # layer index of the last acquire
@@ -116,13 +115,11 @@ class TierCache:
         return self.residency.entries
 
     @property
-    def staged(self) -> dict[int, Entry]:
-        """The staged prefetches, oldest first (empty without prefetch slots)."""
+    def staged(self) -> dict[int, Entry]:   # the staged prefetches, oldest first
         return self.stager.entries
 
     @property
-    def listener(self) -> Any:
-        """Told about prefetches used, late and wasted (the ``Prefetcher``)."""
+    def listener(self) -> Any:       # told about prefetches used, late and wasted (Prefetcher)
         return self.residency.listener
 
     @listener.setter
@@ -155,8 +152,7 @@ class TierCache:
     @property
     def defers(self) -> bool:
         """``acquire(wait=False)`` can return before the misses are read: the forward pass
-        computes from the RAM tier in place, or from the device tier, whose misses are uploaded
-        as their reads land (not with per-get device copies)."""
+        computes from the RAM tier in place, or from a device tier (no per-get copies)."""
         return self.table is not None and (self.V is None or self.device_tier is not None)
 
     def acquire(self, layer: int, experts: Sequence[int], *, wait: bool = True) -> list[Entry]:
@@ -236,11 +232,15 @@ class TierCache:
             if R.access(key, now):
                 e = entries[key]
                 hits += 1
-                if e.state is State.LOADING:
+                w = self.window.take(e) if e.state is State.LOADING else None
+                if w is not None:                   # read into the prompt window instead
+                    loading.append(w)
+                elif e.state is State.LOADING:
                     res.join(e)
                     loading.append(e)
                 if key in soft or e.source is not None:
                     res.touch(e)
+                e = w or e
             else:
                 self.stats.misses += 1
                 res.admit_host(key, now)
@@ -290,6 +290,7 @@ class TierCache:
                 res.discard(e)
             elif e is not None and e.state is State.LOADING:
                 res.settle(e)
+        self.window.abandon(self.held)          # the prompt window's entries of this acquire
 
     # -- release, weights -------------------------------------------------------------------------
     def release(self, layer: int) -> None:
@@ -307,7 +308,9 @@ class TierCache:
             if e.transient is not None:
                 e.transient = e.weights = None
             res.unpin(e.key)
-            if e.state is State.LOADING:        # a get that raised before its reads landed
+            if self.window.owns(e):
+                self.window.give_back(e)
+            elif e.state is State.LOADING:      # a get that raised before its reads landed
                 res.settle(e)                   # (a finished one has none in flight)
 
     def weights(self, e: Entry) -> ExpertWeights:

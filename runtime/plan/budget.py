@@ -27,6 +27,7 @@ from .. import memory as _memory
 from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION, PLACEMENTS,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION,
                           VRAM_RESERVE_MIN, GiB, MiB)
+from ..cache.sizing import window_slots
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
 from .host import (LIMIT_SOURCES, budget_batch, os_headroom, run_host_budget, trunk_host_bytes,
                    workspace_bytes)
@@ -318,9 +319,12 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     rslots = _tier_slots(avail, slot, k) if runnable else 0
     left = g.n_decode_experts - vslots                  # exclusive tiers: no expert twice
     rnote = ""
+    spare = 0                       # a CPU tier of every expert: the prompt window's slots
     if rslots > left:
+        if left > 0 and not pl.gpu and not vslots:
+            spare = min(rslots - max(left, k), window_slots(slot, k, g.n_experts))
         rslots = max(left, k) if left > 0 else 0
-        rnote = "every expert fits in the tiers"
+        rnote = "every expert fits in the tiers" + (f", {spare} spare slots" if spare else "")
     if runnable and pl.gpu and 0 < avail // slot < k:
         notes.append(Note("warning", "ram_tier_below_layer",
                           f"the RAM left for experts ({_gib(avail)}) is below one layer's {k} "
@@ -328,7 +332,7 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     pinned = pl.gpu and rslots * slot + staging * slot <= box.pin_limit
     if runnable and pl.gpu and not pinned:
         rnote = (rnote + "; " if rnote else "") + "pageable: above the pin budget"
-    ram_pool = Pool("ram", box.ram, tuple(ram_items), rslots * slot, rslots, rnote)
+    ram_pool = Pool("ram", box.ram, tuple(ram_items), (rslots + spare) * slot, rslots, rnote)
     if runnable:
         tiers = rslots * slot + vslots * slot
         if tiers < g.token_expert_bytes:

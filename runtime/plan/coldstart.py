@@ -23,7 +23,8 @@ Where ``run``'s RAM tier is the experts file mapped (``cache.slots.maps_tier``: 
 holds every expert, on the CPU, the file mostly in the page cache), the experts the page cache
 holds are mapped, not read: the prompt's reads, the first reads and the warm start's count only
 the share the page cache lacks (``drive_share``), and those land in the page cache, not in
-fresh memory of the tier's own.
+fresh memory of the tier's own. Where the prompt's reads go through the spare slots of a slab of
+every expert (``cache.window``), the tiers keep none of them: both terms count from empty tiers.
 """
 
 from __future__ import annotations
@@ -139,15 +140,19 @@ def verify_cost(probe: bool = True) -> Range:
 def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_tier_bytes: int,
                 prompt_tokens: int, n_predict: int, prompt_cover: float, storage: Range,
                 read_cpu: Range, compute_s: tuple[float, float], drive: float = 1.0,
-                verify: Range | None = None) -> list[tuple[str, float, float, str]]:
+                verify: Range | None = None, window: bool = False
+                ) -> list[tuple[str, float, float, str]]:
     """The two terms (name, slow s, fast s, detail) for a token of an ``n_predict``-token run
     after a ``prompt_tokens`` prompt: ``hits`` the steady hit rates at each end,
     ``prompt_cover`` the share of the experts the slow end's prompt loads, ``compute_s`` a
     token's compute at each end (the slow end's: the warm start's time to read in); ``drive``
     the share of those experts read from the drive (``drive_share``), the rest mapped from the
     page cache, which costs the warm start their checksums only (``verify``: CPU s/GB, at most
-    what one thread checksums over the token's compute)."""
+    what one thread checksums over the token's compute). ``window``: the prompt's reads went
+    through the tier's spare slots (``cache.window``), so the tiers start the decode empty."""
     MiB, n, P = 1 << 20, max(1, n_predict), max(0, prompt_tokens)
+    if window:
+        P = prompt_cover = 0
     cold = [drive * first_read_bytes(g, h, n, tier_bytes, P) for h in hits]
     as_misses = drive * hits[0] * g.token_expert_bytes / (storage.slow * 1e9)
     reads = (min(as_misses, first_read_seconds(cold[0], n, storage.slow * WARM_SHARE)),
@@ -158,7 +163,8 @@ def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_
     warm = min(left / n, WARM_SHARE * storage.slow * 1e9 * compute_s[0])
     check = verify.slow if verify is not None else 0.0
     mapped = min((left_all - left) / n, compute_s[0] * 1e9 / check) if check else 0.0
-    after = f"after a {P}-token prompt" if P else "from empty tiers"
+    after = (f"after a {P}-token prompt" if P else "from empty tiers"
+             + (" (the prompt's reads in the spare slots)" if window else ""))
     return [("first_reads", *reads, f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "
              f"{after} ({cold[0] / n / MiB:.1f} MiB/token)"),
             ("warm_start", (warm * (read_cpu.slow + check) + mapped * check) / 1e9, 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace as _replace
 
 from .. import memory as _memory
+from ..cache.sizing import window_slots
 from ..memory import HostBudget
 from .assumptions import CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUANT_CHUNK, QUEUE_DEPTH
 from .geometry import DTYPE_BYTES, Geometry, kv_cache_bytes
@@ -123,6 +124,8 @@ def run_host_budget(g: Geometry, ctx: int, device: str = "cpu", trunk_mode: str 
     fb = limit // 4 if trunk_mode == "auto" else None      # the engine's float trunk budget
     staging = (min(QUEUE_DEPTH, g.k) + 1) * g.slot_bytes if gpu_experts else 0
     left = max(0, g.n_decode_experts - vram_tier_experts)
+    if not gpu_experts and not vram_tier_experts:     # a CPU tier of every expert: its window
+        left += window_slots(g.slot_bytes, g.k, g.n_experts)
     b = _memory.host_budget(trunk_host_bytes(g, trunk_mode, "gpu" if gpu else "cpu", kept_types, fb),
                             kv, state_bytes=0 if gpu else g.state_bytes,
                             workspace=0 if gpu and gpu_experts else workspace_bytes(g, ctx, "cpu", batch),

@@ -177,13 +177,14 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                  if t.name not in _IO_TERMS))
     ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if measured else 0.0
     terms += [Term("overlap", -ov, 0.0, OVERLAP_DETAIL)] if ov > 0 else []
+    drive = drive_share(g, mem, box.page_cache)
     terms += [Term(*t) for t in start_terms(
         g, hits=both(lambda e: 1 - routing.at(e).miss_rate), ram_tier_bytes=mem.ram.tier_bytes,
         tier_bytes=mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0),
         prompt_tokens=box.prompt_tokens, n_predict=box.n_predict, storage=rates.storage,
         prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover),
-        read_cpu=rates.read_cpu, verify=rates.verify, compute_s=compute,
-        drive=drive_share(g, mem, box.page_cache))]
+        read_cpu=rates.read_cpu, verify=rates.verify, compute_s=compute, drive=drive,
+        window=drive == 1.0 and mem.ram.tier_bytes > mem.ram.tier_slots * g.slot_bytes)]
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}

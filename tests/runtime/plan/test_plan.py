@@ -559,6 +559,7 @@ def test_plan_ram_pool_is_runs_host_budget(name, ram, ctx, source) -> None:
     """The plan's CPU budget is ``run_host_budget``, the function ``expertfs run`` sizes its
     default ``--ram`` with: the same headroom, runtime, trunk, KV reserve (with the fixed
     recurrent state of glm5-next's KDA layers) and workspace, and the same tier."""
+    from expertfs.runtime.cache.sizing import window_slots
     from expertfs.runtime.plan.host import run_host_budget
 
     g = like(name)
@@ -566,6 +567,9 @@ def test_plan_ram_pool_is_runs_host_budget(name, ram, ctx, source) -> None:
     hb = run_host_budget(g, ctx, "cpu", "quant", limit=ram, source=source)
     assert dict(hb.items()) == {i.name: i.nbytes for i in m.ram.items}
     assert m.ram.tier_slots == min(hb.slab // g.slot_bytes, g.n_decode_experts)
+    window = window_slots(g.slot_bytes, g.k, g.n_experts)     # a tier of every expert's spare
+    assert m.ram.tier_bytes // g.slot_bytes == min(hb.slab // g.slot_bytes,
+                                                   g.n_decode_experts + window)
     assert (hb.headroom == 0) == (source == "limit")
     assert hb.kv == memory.kv_reserve(kv_cache_bytes(g, ctx, "f32"), g.state_bytes)
     if name == "GLM-5.3-Flash":
