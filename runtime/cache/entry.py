@@ -45,6 +45,7 @@ class Entry:
     future: Any = None                 # the read while LOADING (None: a dripped read not issued)
     fence: Any = None                  # the upload while UPLOADING
     staging: bool = False              # a demand read in a staging slot (not in the host tier)
+    lent: bool = False                 # read into the prompt window's spare slot (``window``)
     dripped: bool = False              # read through the loader's drip (warm start, prefetch)
     source: str | None = None          # the prefetch source that fetched it, until first use
     target: tuple[int, int] | None = None   # prefetch: (target layer index, cursor at issue)

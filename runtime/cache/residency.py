@@ -242,7 +242,7 @@ class Residency:
             return exc
         self.stats.bytes_read += e.nbytes
         e.state = State.HOST
-        if self.host_table is not None and not e.staging:    # (a prompt window's: lent)
+        if self.host_table is not None and not e.lent:       # (the prompt window's: not kept)
             li, ex = divmod(e.key, self._E)
             self.host_table.set_now(li, ex, e.host_slot)
         return None

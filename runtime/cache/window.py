@@ -58,7 +58,7 @@ class PromptWindow:
         slot = self.host.alloc(host_write=True)
         if slot is None:
             return None
-        w = Entry(e.key, e.layer, e.expert, e.extent, host_slot=slot, staging=True)
+        w = Entry(e.key, e.layer, e.expert, e.extent, host_slot=slot, staging=True, lent=True)
         self.taken.add(w)
         self.loader.issue(w, Priority.DEMAND)
         return w
