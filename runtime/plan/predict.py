@@ -109,8 +109,7 @@ _IO_TERMS = {"storage": "storage", "first_reads": "storage", "trunk_reads": "sto
 def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
     """Seconds per token, term by term, at the slow and the fast end (see the module docstring)."""
     pl = mem.placement
-    trunk_rates = rates.gpu if pl.trunk == "gpu" else rates.cpu
-    exp_rates = rates.gpu if pl.experts == "gpu" else rates.cpu
+    trunk_rates, exp_rates = (rates.gpu if w == "gpu" else rates.cpu for w in (pl.trunk, pl.experts))
     terms: list[Term] = []
 
     def both(fn) -> tuple[float, float]:
@@ -177,14 +176,14 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                  if t.name not in _IO_TERMS))
     ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if measured else 0.0
     terms += [Term("overlap", -ov, 0.0, OVERLAP_DETAIL)] if ov > 0 else []
-    drive = drive_share(g, mem, box.page_cache)
-    terms += [Term(*t) for t in start_terms(
+    terms += map(lambda t: Term(*t), start_terms(
         g, hits=both(lambda e: 1 - routing.at(e).miss_rate), ram_tier_bytes=mem.ram.tier_bytes,
         tier_bytes=mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0),
         prompt_tokens=box.prompt_tokens, n_predict=box.n_predict, storage=rates.storage,
-        prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover),
-        read_cpu=rates.read_cpu, verify=rates.verify, compute_s=compute, drive=drive,
-        window=drive == 1.0 and mem.ram.tier_bytes > mem.ram.tier_slots * g.slot_bytes)]
+        prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover), compute_s=compute,
+        read_cpu=rates.read_cpu, verify=rates.verify,
+        drive=(drive := drive_share(g, mem, box.page_cache)),     # a slab's spare slots: the window
+        window=drive == 1.0 and mem.ram.tier_bytes > mem.ram.tier_slots * g.slot_bytes))
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}
