@@ -63,10 +63,13 @@ def test_a_full_window_promotes_the_rest(store):
         assert p.cache.host.n_free == 8
 
 
-def test_no_spare_slots_no_window(store):
+def test_no_spare_slots_no_window(store, monkeypatch):
     with tiered(store, _ram(store, 0), warm_start=True, warm_held=True) as p:
         assert not p.cache.window.open
         assert p.max_experts_per_get == sum(store.n_experts(la) for la in store.layers)
+    monkeypatch.setenv("EXPERTFS_PROMPT_WINDOW", "0")                 # or asked for none
+    with _window(store) as p:
+        assert not p.cache.window.open
 
 
 def test_window_slots_are_at_least_two_layers_of_routes_at_most_a_layer():
