@@ -17,6 +17,7 @@ prediction that comes true moves into the tier as the demand miss it saved would
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from expertfs.errors import UsageError
 
 from ..io import PAGE
 
-__all__ = ["SlotGeometry", "Slots", "plan_slots", "WINDOW_BYTES", "window_slots"]
+__all__ = ["SlotGeometry", "Slots", "plan_slots", "WINDOW_BYTES", "WINDOW_ENV", "window_slots"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,14 @@ class SlotGeometry:
 WINDOW_BYTES = 256 << 20
 
 
+#: ``0`` asks for no prompt window: the prompt's experts kept in the tier as it reads them.
+WINDOW_ENV = "EXPERTFS_PROMPT_WINDOW"
+
+
 def window_slots(slot_bytes: int, k: int, per_layer: int) -> int:
-    """Spare slots for the prompt window of a tier with one slot per expert."""
-    if slot_bytes <= 0 or per_layer <= 0:
+    """Spare slots for the prompt window of a tier with one slot per expert (``run``'s tier,
+    ``plan``'s and the cache's alike; none where ``WINDOW_ENV`` is ``0``)."""
+    if slot_bytes <= 0 or per_layer <= 0 or os.environ.get(WINDOW_ENV, "1") == "0":
         return 0
     return min(per_layer, max(2 * k, WINDOW_BYTES // slot_bytes))
 

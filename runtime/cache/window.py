@@ -21,12 +21,12 @@ max_experts_per_get``). The weights are the same bytes; the warm start reads the
 the background after the first logits, and the decode promotes what it needs first, as before.
 The fresh memory is still touched, later: the decode reads again, into their own slots, the
 experts the prompt used, so the first token comes sooner and a short run takes somewhat longer
-(bench/README.md); ``EXPERTFS_PROMPT_WINDOW=0`` keeps the prompt's experts as it reads them.
+(bench/README.md); ``EXPERTFS_PROMPT_WINDOW=0`` keeps the prompt's experts as it reads them
+(``sizing.WINDOW_ENV``: no spare slots).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ..io.scheduler import Priority
@@ -34,10 +34,7 @@ from .entry import Entry, State
 from .sizing import window_slots
 from .slots import SlotPool
 
-__all__ = ["WINDOW_ENV", "PromptWindow", "prompt_window"]
-
-#: ``0`` keeps the prompt's experts in the tier as it reads them (no window).
-WINDOW_ENV = "EXPERTFS_PROMPT_WINDOW"
+__all__ = ["PromptWindow", "prompt_window"]
 
 
 class PromptWindow:
@@ -97,7 +94,7 @@ def prompt_window(cache: Any) -> PromptWindow:
     geo, slots = cache.geo, cache.slots
     spare = slots.host - sum(geo.experts)
     if (spare <= 0 or not isinstance(cache.host, SlotPool) or cache.dev is not None
-            or cache.copier.cuda or slots.prefetch or os.environ.get(WINDOW_ENV, "1") == "0"):
+            or cache.copier.cuda or slots.prefetch):
         spare = 0
     return PromptWindow(cache.host, cache.residency, cache.loader,
                         min(spare, window_slots(geo.slot_bytes, geo.k, max(geo.experts))))

@@ -155,7 +155,8 @@ def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_
         P = prompt_cover = 0
     cold = [drive * first_read_bytes(g, h, n, tier_bytes, P) for h in hits]
     as_misses = drive * hits[0] * g.token_expert_bytes / (storage.slow * 1e9)
-    reads = (min(as_misses, first_read_seconds(cold[0], n, storage.slow * WARM_SHARE)),
+    reads = (min(as_misses, first_read_seconds(cold[0], n, storage.slow * WARM_SHARE))
+             + (cold[0] / n / 1e9 * read_cpu.slow if window else 0.0),   # into fresh slots
              first_read_seconds(cold[1], n, storage.fast))
     uniform = distinct_experts(g.n_experts, g.k, P) / max(1, g.n_experts)
     left_all = warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))

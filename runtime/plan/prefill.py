@@ -138,7 +138,8 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 gemm: Range, replay: Any = None, batch: int = PREFILL_BATCH,
                 wide: Mapping[str, WidePath] | None = None,
                 slow_replay: Any = None, trunk_reread: tuple[int, int] = (0, 0),
-                drive: float = 1.0, verify: Range | None = None) -> FirstToken:
+                drive: float = 1.0, verify: Range | None = None,
+                fresh_slots: int | None = None) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, what a trunk
     product past its native token limit costs (a type without an entry is priced as native);
@@ -147,7 +148,9 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     (slow, fast end: ``plan.rereads.trunk_reread_bytes``); ``drive``: the share of the
     experts the drive serves (``coldstart.drive_share``: the rest is mapped from the page
     cache, neither read nor faulted into fresh memory); ``verify``: CPU s/GB of the checksums
-    of each expert's first load, read or mapped (``coldstart.verify_cost``)."""
+    of each expert's first load, read or mapped (``coldstart.verify_cost``); ``fresh_slots``:
+    the slots whose fresh pages the prompt's reads fault in where not ``tier_slots`` (a prompt
+    window's spare slots, ``cache.window``)."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
@@ -184,8 +187,9 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                            + 2.0 * head.elements / (gemm.at(end) * 1e9))
     r_slow = reads[0] / (rates.storage.slow * 1e9)
     r_fast = reads[1] / (rates.storage.fast * 1e9)
-    fresh_s = (min(reads[0], tier_slots * ext) / 1e9 * rates.read_cpu.slow,
-               min(reads[1], tier_slots * ext) / 1e9 * rates.read_cpu.fast)
+    fresh = (tier_slots if fresh_slots is None else fresh_slots) * ext
+    fresh_s = (min(reads[0], fresh) / 1e9 * rates.read_cpu.slow,
+               min(reads[1], fresh) / 1e9 * rates.read_cpu.fast)
     every = sum(g.extent_bytes) * g.n_experts                 # each expert checked once
     verify_s = ((min(loaded[0], every) / 1e9 * verify.slow, min(loaded[1], every) / 1e9
                  * verify.fast) if verify is not None else (0.0, 0.0))

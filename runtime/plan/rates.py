@@ -246,10 +246,13 @@ def storage_from_profile(profile: Mapping[str, Any], k: int, *, label: str = "")
 
 def read_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
     """The CPU seconds per GB of reads measured with the drive (``storage_from_profile``'s
-    ``cpu_s_per_gb``), else the stated default."""
+    ``cpu_s_per_gb``; the slow end ``cpu_s_per_gb_slow`` where measured), else the stated
+    default."""
     d = detail or {}
     x = d.get("cpu_s_per_gb")
     if isinstance(x, (int, float)) and x > 0:
         into = " into fresh memory" if d.get("cpu_fresh") else ""
-        return Range(float(x), float(x), f"{where}: CPU time of its reads{into}")
+        y = d.get("cpu_s_per_gb_slow")
+        slow = float(y) if isinstance(y, (int, float)) and y > x else float(x)
+        return Range(slow, float(x), f"{where}: CPU time of its reads{into}")
     return stated_read_cpu()

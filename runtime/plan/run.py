@@ -336,13 +336,15 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     limits = wide_limits(types, req.act_quant)
     panel = panel_rates(types, probe=req.probe, act_quant=req.act_quant)
     deq = dequant_rates([t for t in types if t not in panel], probe=req.probe)
+    drive = drive_share(g, m, plan.box.page_cache)
+    spare = m.ram.tier_bytes // g.slot_bytes - m.ram.tier_slots     # a prompt window's
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay,
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
-                     drive=drive_share(g, m, plan.box.page_cache),
-                     verify=plan.rates.verify)
+                     drive=drive, verify=plan.rates.verify,
+                     fresh_slots=spare if spare > 0 and drive == 1.0 else None)
     return replace(plan, first_token=ft)
 
 
@@ -359,6 +361,7 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
         rng = Range(float(hit["slow"]), float(hit["fast"]),
                     "measured earlier on this device: " + str(hit.get("source", "")))
         detail = {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb"),
+                  "cpu_s_per_gb_slow": hit.get("cpu_s_per_gb_slow"),
                   "cpu_fresh": hit.get("cpu_fresh")}
         if req.probe and hit.get("slow_qd"):             # (a probing plan's hit has a backend)
             from .storage_probe import storage_check
@@ -377,6 +380,7 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     say("measuring storage")
     rng, detail = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
     data[key] = {**rng.as_dict(), "cpu_s_per_gb": detail.get("cpu_s_per_gb"),
+                 "cpu_s_per_gb_slow": detail.get("cpu_s_per_gb_slow"),
                  "cpu_fresh": detail.get("cpu_fresh"), "backend": detail.get("backend"),
                  "slow_qd": detail.get("slow_qd")}
     data[checks] = boxcache.recent_checks(data.get(checks), rng.slow)
