@@ -24,10 +24,10 @@ from typing import Any
 
 from ...errors import UsageError
 from .. import memory as _memory
+from ..cache.sizing import window_slots
 from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION, PLACEMENTS,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION,
                           VRAM_RESERVE_MIN, GiB, MiB)
-from ..cache.sizing import window_slots
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
 from .host import (LIMIT_SOURCES, budget_batch, os_headroom, run_host_budget, trunk_host_bytes,
                    workspace_bytes)
