@@ -81,8 +81,7 @@ class SlotGeometry:
 WINDOW_BYTES = 256 << 20
 
 
-#: The prompt window (``window``): ``0`` none (no spare slots: the prompt's experts kept in the
-#: tier as it reads them), ``1`` always, unset or ``auto`` where fresh memory is slow to touch.
+#: ``0`` asks for no prompt window: the prompt's experts kept in the tier as it reads them.
 WINDOW_ENV = "EXPERTFS_PROMPT_WINDOW"
 
 

@@ -138,15 +138,6 @@ class SlotPool:
             self.fence[i] = fence
         (self._free if i < self.pinned_slots else self._free_pageable).append(i)
 
-    def alloc_among(self, lo: int, hi: int) -> int | None:
-        """A free slot in ``lo .. hi - 1`` (the prompt window's, ``window``), or None."""
-        for q in (self._free, self._free_pageable):
-            for i in q:
-                if lo <= i < hi and self.fence[i] is None:
-                    q.remove(i)
-                    return i
-        return None
-
     def close(self) -> None:
         if self._slab is not None:
             self._slab.close()

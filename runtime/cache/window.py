@@ -21,47 +21,29 @@ max_experts_per_get``). The weights are the same bytes; the warm start reads the
 the background after the first logits, and the decode promotes what it needs first, as before.
 The fresh memory is still touched, later: the decode reads again, into their own slots, the
 experts the prompt used, so the first token comes sooner and a short run takes somewhat longer
-(bench/README.md). So the window opens only where fresh memory is slow to touch: the spare
-slots (the slab's last) are faulted in when the window is made, and timed; below
-``FRESH_FAST_GBPS`` the window opens (a virtual machine's lazily backed memory), above it the
-tier keeps the prompt's experts as before (a box whose kernel clears pages at memory speed).
-``EXPERTFS_PROMPT_WINDOW`` (``sizing.WINDOW_ENV``): ``0`` no spare slots and no window, ``1``
-the window without the timing.
+(bench/README.md); ``EXPERTFS_PROMPT_WINDOW=0`` keeps the prompt's experts as it reads them
+(``sizing.WINDOW_ENV``: no spare slots).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-import time
 from typing import Any
 
-from ..io.buffers import MADV_POPULATE_WRITE, libc
 from ..io.scheduler import Priority
 from .entry import Entry, State
-from .sizing import WINDOW_ENV, window_slots
+from .sizing import window_slots
 from .slots import SlotPool
 
-__all__ = ["FRESH_FAST_GBPS", "PromptWindow", "prompt_window", "fresh_gbps"]
-
-log = logging.getLogger(__name__)
-
-#: First touch of fresh memory (GB/s) at or above which the tier keeps the prompt's experts:
-#: a kernel clearing pages at memory speed is well above it, a virtual machine whose host backs
-#: freed memory lazily well below (bench/README.md "The prompt window").
-FRESH_FAST_GBPS = 3.0
+__all__ = ["PromptWindow", "prompt_window"]
 
 
 class PromptWindow:
     """The spare slots of a SlotPool holding every expert, lent to the prompt's reads while the
     loader holds the warm start (``open``). ``take`` and ``give_back`` are TierCache's."""
 
-    def __init__(self, host: Any, residency: Any, loader: Any, n_spare: int,
-                 slow: bool = True) -> None:
+    def __init__(self, host: Any, residency: Any, loader: Any, n_spare: int) -> None:
         self.host, self.res, self.loader = host, residency, loader
-        self.n_spare = n_spare if slow else 0
-        self.lo = host.n_slots - n_spare if n_spare else 0      # its slots: the slab's last
+        self.n_spare = n_spare
         self.taken: set[Entry] = set()           # window entries not yet given back
 
     @property
@@ -78,7 +60,7 @@ class PromptWindow:
         ``e``'s read was issued already, or no spare slot is free."""
         if not self.open or len(self.taken) >= self.n_spare or self.loader.started(e):
             return None
-        slot = self.host.alloc_among(self.lo, self.host.n_slots)
+        slot = self.host.alloc(host_write=True)
         if slot is None:
             return None
         w = Entry(e.key, e.layer, e.expert, e.extent, host_slot=slot, staging=True, lent=True)
@@ -110,30 +92,9 @@ def prompt_window(cache: Any) -> PromptWindow:
     the mapped file) with slots beyond one per expert, on the CPU, with no device tier and no
     staged prefetch slots; elsewhere a window of none, never open."""
     geo, slots = cache.geo, cache.slots
-    spare = min(slots.host - sum(geo.experts),
-                window_slots(geo.slot_bytes, geo.k, max(geo.experts)))
-    if (spare < geo.k or not isinstance(cache.host, SlotPool) or cache.dev is not None
+    spare = slots.host - sum(geo.experts)
+    if (spare <= 0 or not isinstance(cache.host, SlotPool) or cache.dev is not None
             or cache.copier.cuda or slots.prefetch):
         spare = 0
-    slow = True
-    if spare and os.environ.get(WINDOW_ENV, "auto") != "1":
-        host = cache.host
-        gbps = fresh_gbps(host.address(host.n_slots - spare), spare * host.stride)
-        slow = gbps is not None and gbps < FRESH_FAST_GBPS
-        log.info("prompt window of %d slots %s: fresh memory touched at %s GB/s", spare,
-                 "open" if slow else "not used", "?" if gbps is None else f"{gbps:.2f}")
-    return PromptWindow(cache.host, cache.residency, cache.loader, spare, slow)
-
-
-def fresh_gbps(address: int, nbytes: int) -> float | None:
-    """Fault in ``nbytes`` of fresh memory at ``address`` (``MADV_POPULATE_WRITE``: nothing
-    written over what is there) and return the rate, GB/s; None where the kernel cannot."""
-    lib = libc()
-    if lib is None or nbytes <= 0:
-        return None
-    start = address // 4096 * 4096
-    t0 = time.perf_counter()
-    if lib.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) != 0:
-        log.debug("no MADV_POPULATE_WRITE: %s", os.strerror(ctypes.get_errno()))
-        return None
-    return nbytes / max(1e-9, time.perf_counter() - t0) / 1e9
+    return PromptWindow(cache.host, cache.residency, cache.loader,
+                        min(spare, window_slots(geo.slot_bytes, geo.k, max(geo.experts))))

@@ -36,7 +36,7 @@ from typing import Any
 from .geometry import Geometry
 from .rates import Range
 
-__all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "first_read_bytes", "windowed",
+__all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "first_read_bytes",
            "first_read_seconds", "store_page_cache", "verify_cost", "warm_read_bytes",
            "start_terms", "STATED_VERIFY_S_PER_GB"]
 
@@ -135,18 +135,6 @@ def verify_cost(probe: bool = True) -> Range:
         best = min(best, time.perf_counter() - t0)
     s = best / (buf.size / 1e9)
     return Range(1.5 * s, s, "measured now: xxh3_64 over 128 MiB in 3 MiB parts (slow end 1.5x)")
-
-
-def windowed(g: Geometry, mem: Any, drive: float, read_cpu: Range) -> bool:
-    """Whether ``run``'s prompt reads through the spare slots of its tier (``cache.window``):
-    a CPU slab of every expert with spare slots (not the mapped file: ``drive`` 1), on a box
-    whose fresh memory is slow to touch (the slow end's CPU of reads into it above
-    ``1 / FRESH_FAST_GBPS`` s/GB), or the window asked for (``WINDOW_ENV`` 1)."""
-    from ..cache.sizing import WINDOW_ENV
-    from ..cache.window import FRESH_FAST_GBPS
-    if drive < 1.0 or mem.ram.tier_bytes < (mem.ram.tier_slots + g.k) * g.slot_bytes:
-        return False
-    return os.environ.get(WINDOW_ENV) == "1" or read_cpu.slow > 1.0 / FRESH_FAST_GBPS
 
 
 def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_tier_bytes: int,

@@ -20,7 +20,7 @@ from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, COMBINE, EXPERT_
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
 from .budget import Box, Memory, Note, _gib
 from .rereads import trunk_reads
-from .coldstart import drive_share, start_terms, windowed
+from .coldstart import drive_share, start_terms
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .overhead import source_label
@@ -182,8 +182,8 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
         prompt_tokens=box.prompt_tokens, n_predict=box.n_predict, storage=rates.storage,
         prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover), compute_s=compute,
         read_cpu=rates.read_cpu, verify=rates.verify,
-        drive=(drive := drive_share(g, mem, box.page_cache)),
-        window=windowed(g, mem, drive, rates.read_cpu)))
+        drive=(drive := drive_share(g, mem, box.page_cache)),     # a slab's spare slots: the window
+        window=drive == 1.0 and mem.ram.tier_bytes > mem.ram.tier_slots * g.slot_bytes))
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import UsageError
 from .budget import Box, Memory, candidates
-from .coldstart import drive_share, store_page_cache, windowed
+from .coldstart import drive_share, store_page_cache
 from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
                       stated_gpu, stated_pcie, stated_storage, storage_from_profile)
@@ -338,14 +338,13 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     deq = dequant_rates([t for t in types if t not in panel], probe=req.probe)
     drive = drive_share(g, m, plan.box.page_cache)
     spare = m.ram.tier_bytes // g.slot_bytes - m.ram.tier_slots     # a prompt window's
-    spare = spare if windowed(g, m, drive, plan.rates.read_cpu) else 0
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay,
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
                      drive=drive, verify=plan.rates.verify,
-                     fresh_slots=spare or None)
+                     fresh_slots=spare if spare > 0 and drive == 1.0 else None)
     return replace(plan, first_token=ft)
 
 

@@ -4,11 +4,8 @@ expert's own read queued for the warm start."""
 
 from __future__ import annotations
 
-import pytest
-
 from expertfs.runtime.cache import State
-from expertfs.runtime.cache.sizing import WINDOW_ENV, window_slots
-from expertfs.runtime.cache.window import FRESH_FAST_GBPS, fresh_gbps
+from expertfs.runtime.cache.sizing import window_slots
 
 from support.cache_store import assert_weights, every_slot, store_bytes, tiered
 
@@ -21,12 +18,6 @@ def _ram(store, spare: int) -> int:
 
 def _window(store):
     return tiered(store, _ram(store, 8), warm_start=True, warm_held=True)
-
-
-@pytest.fixture(autouse=True)
-def _always(monkeypatch):
-    """The window without the timing of its fresh memory (``WINDOW_ENV=1``)."""
-    monkeypatch.setenv(WINDOW_ENV, "1")
 
 
 def test_spare_slots_lend_the_prompt_its_reads_and_leave_the_warm_start_its_own(store):
@@ -85,25 +76,3 @@ def test_window_slots_are_at_least_two_layers_of_routes_at_most_a_layer():
     assert window_slots(4 << 20, 8, 288) == 64               # 256 MiB of 4 MiB experts
     assert window_slots(64 << 20, 8, 288) == 16              # 2 k
     assert window_slots(1 << 10, 8, 128) == 128              # one layer's every expert
-
-
-def test_the_window_opens_where_fresh_memory_is_slow(store, monkeypatch):
-    """Unforced, the window times the fault-in of its own slots: open below
-    ``FRESH_FAST_GBPS``, not used at or above it (the tier keeps the prompt's experts)."""
-    import expertfs.runtime.cache.window as window
-    monkeypatch.delenv(WINDOW_ENV)
-    for gbps, is_open in ((FRESH_FAST_GBPS / 4, True), (FRESH_FAST_GBPS * 4, False)):
-        monkeypatch.setattr(window, "fresh_gbps", lambda a, n, g=gbps: g)
-        with _window(store) as p:
-            assert p.cache.window.open is is_open
-            assert p.cache.window.n_spare == (8 if is_open else 0)
-
-
-def test_fresh_gbps_times_a_real_fault_in():
-    import mmap
-    m = mmap.mmap(-1, 8 << 20)
-    buf = (__import__("ctypes").c_char * (8 << 20)).from_buffer(m)
-    g = fresh_gbps(__import__("ctypes").addressof(buf), 8 << 20)
-    assert g is None or g > 0
-    del buf
-    m.close()

@@ -11,8 +11,7 @@ from expertfs.runtime.plan import boxcache
 from expertfs.runtime.plan.assumptions import GiB
 from expertfs.runtime.plan.budget import Box, layout
 from expertfs.runtime.plan.coldstart import (WARM_SHARE, distinct_experts, first_read_bytes,
-                                             first_read_seconds, start_terms, warm_read_bytes,
-                                             windowed)
+                                             first_read_seconds, start_terms, warm_read_bytes)
 from expertfs.runtime.plan.rates import read_cpu_from, stated_read_cpu, storage_from_profile
 from expertfs.runtime.plan.predict import (Range, Rates, Routing, RoutingRange, predict,
                                            stated_cpu, stated_gpu, stated_pcie)
@@ -116,8 +115,7 @@ def test_predict_first_reads_term() -> None:
     pr = predict(g, mem, _routing(0.0), rates, box)
     t = pr.term("first_reads")
     cold = first_read_bytes(g, 1.0, 48, mem.ram.tier_bytes)
-    fresh = (cold / 48 / 1e9 * rates.read_cpu.slow      # a windowed tier's: into fresh slots
-             if windowed(g, mem, 1.0, rates.read_cpu) else 0.0)
+    fresh = cold / 48 / 1e9 * rates.read_cpu.slow      # a windowed tier's: into fresh slots
     assert t.slow_s == pytest.approx(min(cold / 48 / (1.0 * WARM_SHARE * 1e9),
                                          g.token_expert_bytes / 1e9) + fresh)  # <= the misses
     assert t.fast_s == pytest.approx(cold / 48 / 3e9)
@@ -132,11 +130,9 @@ def test_predict_first_reads_term() -> None:
     assert long.tok_s_low > pr.tok_s_low and long.tok_s_high >= pr.tok_s_high
 
 
-def test_predict_counts_the_prompts_experts_as_loaded(monkeypatch) -> None:
+def test_predict_counts_the_prompts_experts_as_loaded() -> None:
     """A tier that cannot hold every expert keeps what the prompt read; one that holds every
-    expert reads the prompt through its spare slots (``cache.window``, here asked for) and
-    keeps none."""
-    monkeypatch.setenv("EXPERTFS_PROMPT_WINDOW", "1")
+    expert reads the prompt through its spare slots (``cache.window``) and keeps none."""
     g = qwen()
     rates = Rates(Range(1.0, 3.0, "t"), stated_pcie(4), stated_cpu(), stated_gpu(["Q4_K"]))
     for ram, kept in ((12 * GiB, True), (64 * GiB, False)):
