@@ -81,14 +81,15 @@ class SlotGeometry:
 WINDOW_BYTES = 256 << 20
 
 
-#: ``0`` asks for no prompt window: the prompt's experts kept in the tier as it reads them.
+#: ``1`` asks for the prompt window (opt-in: it trades the decode's start for the first token,
+#: bench/README.md "The prompt window"); else the prompt's experts are kept as it reads them.
 WINDOW_ENV = "EXPERTFS_PROMPT_WINDOW"
 
 
 def window_slots(slot_bytes: int, k: int, per_layer: int) -> int:
     """Spare slots for the prompt window of a tier with one slot per expert (``run``'s tier,
-    ``plan``'s and the cache's alike; none where ``WINDOW_ENV`` is ``0``)."""
-    if slot_bytes <= 0 or per_layer <= 0 or os.environ.get(WINDOW_ENV, "1") == "0":
+    ``plan``'s and the cache's alike; none unless ``WINDOW_ENV`` is ``1``)."""
+    if slot_bytes <= 0 or per_layer <= 0 or os.environ.get(WINDOW_ENV, "0") != "1":
         return 0
     return min(per_layer, max(2 * k, WINDOW_BYTES // slot_bytes))
 

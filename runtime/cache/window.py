@@ -20,9 +20,10 @@ most as many experts at a time as there are spare slots (``TieredProvider.
 max_experts_per_get``). The weights are the same bytes; the warm start reads the tier full in
 the background after the first logits, and the decode promotes what it needs first, as before.
 The fresh memory is still touched, later: the decode reads again, into their own slots, the
-experts the prompt used, so the first token comes sooner and a short run takes somewhat longer
-(bench/README.md); ``EXPERTFS_PROMPT_WINDOW=0`` keeps the prompt's experts as it reads them
-(``sizing.WINDOW_ENV``: no spare slots).
+experts the prompt used, so the first token comes sooner and the decode's start is slower: on
+large experts and a slow first touch a net gain in the first token, on small ones mostly a
+slower start (bench/README.md). So it is opt-in: ``EXPERTFS_PROMPT_WINDOW=1``
+(``sizing.WINDOW_ENV``; without it there are no spare slots and no window).
 """
 
 from __future__ import annotations

@@ -82,10 +82,13 @@ def test_limit_is_never_above_physical():
     assert 0 < memory.memory_limit() <= memory.physical_memory()
 
 
-def test_slots_never_exceed_the_experts_there_are():
+def test_slots_never_exceed_the_experts_there_are(monkeypatch):
     """The policy's tier never has more slots than experts; the slab keeps spare slots beside a
-    tier of every expert for the prompt window only (at least 2 k, at most a layer's)."""
+    tier of every expert for the prompt window only (opt-in; at least 2 k, at most a layer's)."""
     geo = SlotGeometry(layers=(0, 1), experts=(4, 4), n_experts=4, k=2, slot_bytes=4096, stride=4096)
+    s = plan_slots(geo, 1 << 30, 0, queue_depth=8)
+    assert s.host == s.ram == 8
+    monkeypatch.setenv("EXPERTFS_PROMPT_WINDOW", "1")
     s = plan_slots(geo, 1 << 30, 0, queue_depth=8)
     assert s.ram == 8 and s.host == 8 + 4
     assert plan_slots(geo, 9 * 4096, 0, queue_depth=8).host == 9      # what the budget leaves

@@ -4,8 +4,10 @@ expert's own read queued for the warm start."""
 
 from __future__ import annotations
 
+import pytest
+
 from expertfs.runtime.cache import State
-from expertfs.runtime.cache.sizing import window_slots
+from expertfs.runtime.cache.sizing import WINDOW_ENV, window_slots
 
 from support.cache_store import assert_weights, every_slot, store_bytes, tiered
 
@@ -18,6 +20,12 @@ def _ram(store, spare: int) -> int:
 
 def _window(store):
     return tiered(store, _ram(store, 8), warm_start=True, warm_held=True)
+
+
+@pytest.fixture(autouse=True)
+def _asked_for(monkeypatch):
+    """The window is opt-in (``WINDOW_ENV``)."""
+    monkeypatch.setenv(WINDOW_ENV, "1")
 
 
 def test_spare_slots_lend_the_prompt_its_reads_and_leave_the_warm_start_its_own(store):
@@ -67,7 +75,7 @@ def test_no_spare_slots_no_window(store, monkeypatch):
     with tiered(store, _ram(store, 0), warm_start=True, warm_held=True) as p:
         assert not p.cache.window.open
         assert p.max_experts_per_get == sum(store.n_experts(la) for la in store.layers)
-    monkeypatch.setenv("EXPERTFS_PROMPT_WINDOW", "0")                 # or asked for none
+    monkeypatch.delenv(WINDOW_ENV)                                     # or not asked for
     with _window(store) as p:
         assert not p.cache.window.open
 
