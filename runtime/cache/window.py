@@ -14,10 +14,9 @@ While the warm start is held, such an expert is read instead into one of the tie
 (the slots beyond one per expert: ``sizing.plan_slots`` keeps up to ``sizing.window_slots`` of
 them, and ``runtime.plan.host.run_host_budget`` sizes ``run``'s tier with them where the limit
 leaves the room), used for its get and given back at the layer's release, its own read left
-queued for the warm start. The spare slots are
-faulted in once and then reused, as a capped tier's are, and the prompt's batches ask for at
-most as many experts at a time as there are spare slots (``TieredProvider.
-max_experts_per_get``). The weights are the same bytes; the warm start reads the tier full in
+queued for the warm start. The spare slots are faulted in once and then reused, as a capped
+tier's are, and the prompt's batches ask for at most as many experts at a time as there are
+spare slots (``TieredProvider.max_experts_per_get``). The weights are the same bytes; the warm start reads the tier full in
 the background after the first logits, and the decode promotes what it needs first, as before.
 The fresh memory is still touched, later: the decode reads again, into their own slots, the
 experts the prompt used, so the first token comes sooner and the decode's start is slower: on
