@@ -308,7 +308,7 @@ class TierCache:
             if e.transient is not None:
                 e.transient = e.weights = None
             res.unpin(e.key)
-            if self.window.owns(e):
+            if e.lent:                          # the prompt window's (``window``)
                 self.window.give_back(e)
             elif e.state is State.LOADING:      # a get that raised before its reads landed
                 res.settle(e)                   # (a finished one has none in flight)

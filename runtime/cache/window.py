@@ -16,8 +16,9 @@ them, and ``runtime.plan.host.run_host_budget`` sizes ``run``'s tier with them w
 leaves the room), used for its get and given back at the layer's release, its own read left
 queued for the warm start. The spare slots are faulted in once and then reused, as a capped
 tier's are, and the prompt's batches ask for at most as many experts at a time as there are
-spare slots (``TieredProvider.max_experts_per_get``). The weights are the same bytes; the warm start reads the tier full in
-the background after the first logits, and the decode promotes what it needs first, as before.
+spare slots (``TieredProvider.max_experts_per_get``). The weights are the same bytes; the warm
+start reads the tier full in the background after the first logits, and the decode promotes
+what it needs first, as before.
 The fresh memory is still touched, later: the decode reads again, into their own slots, the
 experts the prompt used, so the first token comes sooner and the decode's start is slower: on
 large experts and a slow first touch a net gain in the first token, on small ones mostly a
@@ -31,7 +32,6 @@ from typing import Any
 
 from ..io.scheduler import Priority
 from .entry import Entry, State
-from .sizing import window_slots
 from .slots import SlotPool
 
 __all__ = ["PromptWindow", "prompt_window"]
@@ -68,9 +68,6 @@ class PromptWindow:
         self.loader.issue(w, Priority.DEMAND)
         return w
 
-    def owns(self, e: Entry) -> bool:
-        return e in self.taken
-
     def give_back(self, e: Entry) -> None:
         """The window entry's get is over: its read's outcome taken, its slot free again."""
         if e.state is State.LOADING:
@@ -91,10 +88,9 @@ def prompt_window(cache: Any) -> PromptWindow:
     """The prompt window of a ``TierCache``: its spare slots where its RAM tier is a slab (not
     the mapped file) with slots beyond one per expert, on the CPU, with no device tier and no
     staged prefetch slots; elsewhere a window of none, never open."""
-    geo, slots = cache.geo, cache.slots
-    spare = slots.host - sum(geo.experts)
+    slots = cache.slots
+    spare = slots.host - sum(cache.geo.experts)         # ``plan_slots``: at most window_slots
     if (spare <= 0 or not isinstance(cache.host, SlotPool) or cache.dev is not None
             or cache.copier.cuda or slots.prefetch):
         spare = 0
-    return PromptWindow(cache.host, cache.residency, cache.loader,
-                        min(spare, window_slots(geo.slot_bytes, geo.k, max(geo.experts))))
+    return PromptWindow(cache.host, cache.residency, cache.loader, spare)

@@ -36,7 +36,7 @@ from typing import Any
 from .geometry import Geometry
 from .rates import Range
 
-__all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "first_read_bytes",
+__all__ = ["WARM_SHARE", "distinct_experts", "drive_share", "window_spare", "first_read_bytes",
            "first_read_seconds", "store_page_cache", "verify_cost", "warm_read_bytes",
            "start_terms", "STATED_VERIFY_S_PER_GB"]
 
@@ -74,6 +74,15 @@ def drive_share(g: Geometry, mem: Any, page_cache: float) -> float:
                        alone=not (mem.vram and mem.vram.tier_slots), auto_backend=True,
                        cached=lambda: page_cache)
     return max(0.0, 1.0 - page_cache) if mapped else 1.0
+
+
+def window_spare(g: Geometry, mem: Any, drive: float) -> int:
+    """The spare slots ``run``'s prompt reads through (``cache.window``) with the tiers of
+    ``mem``: the RAM tier's bytes beyond its slot per expert (``budget.layout`` sizes them only
+    for a CPU tier of every expert, where the window is asked for), in a slab (``drive`` 1: not
+    the mapped experts file); 0 elsewhere."""
+    spare = mem.ram.tier_bytes // g.slot_bytes - mem.ram.tier_slots
+    return spare if spare > 0 and drive == 1.0 else 0
 
 
 def distinct_experts(n_experts: int, k: int, tokens: int) -> float:

@@ -20,7 +20,7 @@ from .assumptions import (ASSUMPTIONS, ATTENTION_FAST_FRACTION, COMBINE, EXPERT_
                           PAGEABLE_FACTOR, SCHEMA, GiB, MiB)
 from .budget import Box, Memory, Note, _gib
 from .rereads import trunk_reads
-from .coldstart import drive_share, start_terms
+from .coldstart import drive_share, start_terms, window_spare
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .overhead import source_label
@@ -109,7 +109,8 @@ _IO_TERMS = {"storage": "storage", "first_reads": "storage", "trunk_reads": "sto
 def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: Box) -> Prediction:
     """Seconds per token, term by term, at the slow and the fast end (see the module docstring)."""
     pl = mem.placement
-    trunk_rates, exp_rates = (rates.gpu if w == "gpu" else rates.cpu for w in (pl.trunk, pl.experts))
+    trunk_rates = rates.gpu if pl.trunk == "gpu" else rates.cpu
+    exp_rates = rates.gpu if pl.experts == "gpu" else rates.cpu
     terms: list[Term] = []
 
     def both(fn) -> tuple[float, float]:
@@ -176,14 +177,14 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                  if t.name not in _IO_TERMS))
     ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if measured else 0.0
     terms += [Term("overlap", -ov, 0.0, OVERLAP_DETAIL)] if ov > 0 else []
-    terms += map(lambda t: Term(*t), start_terms(
+    drive = drive_share(g, mem, box.page_cache)
+    terms += [Term(*t) for t in start_terms(
         g, hits=both(lambda e: 1 - routing.at(e).miss_rate), ram_tier_bytes=mem.ram.tier_bytes,
         tier_bytes=mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0),
         prompt_tokens=box.prompt_tokens, n_predict=box.n_predict, storage=rates.storage,
         prompt_cover=min(routing.slow.prompt_cover, routing.fast.prompt_cover), compute_s=compute,
-        read_cpu=rates.read_cpu, verify=rates.verify,
-        drive=(drive := drive_share(g, mem, box.page_cache)),     # a slab's spare slots: the window
-        window=drive == 1.0 and mem.ram.tier_bytes > mem.ram.tier_slots * g.slot_bytes))
+        read_cpu=rates.read_cpu, verify=rates.verify, drive=drive,
+        window=window_spare(g, mem, drive) > 0)]
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}
@@ -200,8 +201,7 @@ def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRa
     out: list[Note] = []
     if pred is None:
         return out
-    dom = pred.dominant_slow
-    t = pred.term(dom)
+    t = pred.term(dom := pred.dominant_slow)
     share = t.slow_s / pred.slow_s if t and pred.slow_s else 0.0
     tiers = mem.ram.tier_bytes + (mem.vram.tier_bytes if mem.vram else 0)
     where = {"experts": mem.placement.experts, "trunk": mem.placement.trunk,

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import UsageError
 from .budget import Box, Memory, candidates
-from .coldstart import drive_share, store_page_cache
+from .coldstart import drive_share, store_page_cache, window_spare
 from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
                       stated_gpu, stated_pcie, stated_storage, storage_from_profile)
@@ -337,14 +337,13 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     panel = panel_rates(types, probe=req.probe, act_quant=req.act_quant)
     deq = dequant_rates([t for t in types if t not in panel], probe=req.probe)
     drive = drive_share(g, m, plan.box.page_cache)
-    spare = m.ram.tier_bytes // g.slot_bytes - m.ram.tier_slots     # a prompt window's
     ft = first_token(g, plan.rates, sum(m.tier_slots), req.prompt_tokens,
                      gemm_rate(probe=req.probe), replay,
                      wide={t: WidePath(limits[t], panel.get(t), deq.get(t))
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
                      drive=drive, verify=plan.rates.verify,
-                     fresh_slots=spare if spare > 0 and drive == 1.0 else None)
+                     fresh_slots=window_spare(g, m, drive) or None)
     return replace(plan, first_token=ft)
 
 

@@ -15,6 +15,7 @@ from expertfs.cli.plan import geometry_from_like, geometry_from_synth
 from expertfs.errors import UsageError
 from expertfs.runtime import memory
 from expertfs.runtime.plan.assumptions import TRUNK_REREAD, GiB
+from expertfs.runtime.plan.coldstart import window_spare
 from expertfs.runtime.plan.budget import Box, candidates, layout, max_ctx_on_gpu, os_headroom
 from expertfs.runtime.plan.geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
 from expertfs.runtime.plan.rereads import trunk_reread_bytes
@@ -395,8 +396,7 @@ def _grid_check(g, boxes, replays, where="auto", trunk="auto") -> int:
             assert p.exit_code == 1 and seen == 0      # only the smallest boxes cannot run
             continue
         seen += 1
-        ram = p.memory.ram
-        if ram.tier_bytes > ram.tier_slots * g.slot_bytes and not windowed:
+        if window_spare(g, p.memory, 1.0) and not windowed:
             prev, windowed = (0.0, 0.0), True
         lo, hi = p.prediction.tok_s_low, p.prediction.tok_s_high
         if where == "auto":
