@@ -46,6 +46,19 @@ from expertfs.units import fmt_bytes  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 DEFAULT_QUANT = "experts=Q4_0,down=Q4_0"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun"
+#: a prompt as users write them: few words repeat, so its tokens route to as many experts as
+#: a real request's do (``PROMPT`` repeated touches a fraction of them)
+PROSE = ("Summarise the main arguments of the attached report on regional water policy. The "
+         "authors compare three river basins over two decades, measuring rainfall, irrigation "
+         "demand, groundwater depletion and the cost of desalination plants built since 2009. "
+         "They argue that pricing reforms reduced agricultural waste faster than new dams did, "
+         "although farmers in the southern valleys objected loudly to quotas. Please list each "
+         "recommendation, note which evidence supports it, flag any statistical weaknesses you "
+         "notice, and suggest two follow-up questions a journalist might ask the ministry. Keep "
+         "the tone neutral, cite page numbers where possible, and write for readers without "
+         "technical training in hydrology, economics or engineering. Finally, translate the "
+         "executive summary into plain Spanish and German, estimate how long implementation "
+         "would take, and explain what could go wrong during a severe drought next summer.")
 
 
 def last_json(text: str) -> dict:
@@ -58,18 +71,19 @@ def prompt_args(a: argparse.Namespace, peer: str) -> list[str]:
     return ["--prompt", text] if peer == "llama" else ["-p", text]
 
 
-def long_prompt(store: str, n: int) -> str:
-    """``PROMPT``'s words repeated until the model's tokenizer makes at least ``n`` tokens of
-    them (the peers' prompt_n are reported: their tokenizers may differ by a token)."""
+def long_prompt(store: str, n: int, text: str = PROMPT) -> str:
+    """``text``'s words (repeated where needed) until the model's tokenizer makes at least
+    ``n`` tokens of them (the peers' prompt_n are reported: their tokenizers may differ by a
+    token)."""
     from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
     with Store.open(store) as st:
         tok = GGUFTokenizer(st.gguf_kv(), store)
-    words, text = PROMPT.split(), ""
+    words, out = text.split(), ""
     i = 0
-    while len(tok.encode(text)) < n:
-        text += (" " if text else "") + words[i % len(words)]
+    while len(tok.encode(out)) < n:
+        out += (" " if out else "") + words[i % len(words)]
         i += 1
-    return text
+    return out
 
 
 def prefill_tok_s(r: dict) -> float:

@@ -15,7 +15,10 @@ activations. ``run`` gets no ``--ram``: the tier it sizes for itself under the c
 compared with the one ``plan`` recommends. Printed per row: the tier each chose (in whole
 slots), the decode band ``plan`` predicts against the measured median (and the median over the
 band's geometric midpoint), the same for the first token of a prompt of about
-``--prompt-tokens`` tokens, the peak memory against the cap, and any run that failed.
+``--prompt-tokens`` tokens (prose whose words rarely repeat, as users' requests: a repeated
+sentence's tokens touch fewer experts), the peak memory against the cap, and any run that
+failed: killed (exit -9: the cap's OOM kill) or past ``--timeout`` ("timed out": a run that
+thrashes without end), where ``plan`` should say CANNOT RUN.
 ``--json`` writes every round. ``--learn N`` first runs each store N times under its
 tightest cap, so that ``plan`` prices the routing those runs taught the store (its learned
 usage and decode dynamics) instead of a synthetic preset.
@@ -33,8 +36,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_lowram import long_prompt  # noqa: E402
-from lowram import block_device_of, drop_caches, page_in, run_capped  # noqa: E402
+from bench_lowram import PROMPT, PROSE, long_prompt  # noqa: E402
+from lowram import TIMED_OUT, block_device_of, drop_caches, page_in, run_capped  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 EXPERTFS = os.path.join(BIN, "expertfs")
@@ -152,7 +155,9 @@ def report(rows: list[dict], a: argparse.Namespace) -> None:
               f"{_gib(p.get('tier_bytes')) + '/' + run_tier:>15} {lo:6.2f}-{hi:<6.2f} {med:6.2f} "
               f"{_against(lo, hi, med, bool(ok))} {t_lo:8.2f}-{t_hi:<9.2f} {ttft:6.2f} "
               f"{_against(t_lo, t_hi, ttft, bool(ok))} {cap:>9}"
-              + (f"  ({failed} run(s) failed)" if failed else ""))
+              + (f"  ({failed} run(s) failed: " + ", ".join(sorted(
+                  {"timed out" if x["failed"] == TIMED_OUT else f"exit {x['failed']}"
+                   for x in r["runs"] if "failed" in x})) + ")" if failed else ""))
 
 
 def main() -> int:
@@ -167,6 +172,9 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64,
                     help="a prompt of about this many tokens for both (64)")
+    ap.add_argument("--prompt-text", choices=("prose", "repeat"), default="prose",
+                    help="prose: a request as users write one (default); repeat: one "
+                         "sentence repeated, as bench_lowram.py's, whose tokens touch fewer experts")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--act-quant", choices=("off", "q8"), default="off",
                     help="both plan and run in these numerics (run's --act-quant)")
@@ -183,7 +191,8 @@ def main() -> int:
     try:
         for spec in a.store:
             name, store = _store(a.dir, spec)
-            prompts[name] = long_prompt(store, a.prompt_tokens)
+            prompts[name] = long_prompt(store, a.prompt_tokens,
+                                        PROSE if a.prompt_text == "prose" else PROMPT)
             n_prompt = _tokens(store, prompts[name])
             size = _size(store)
             _learn(store, size, a, prompts[name])

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["MemCgroup", "drop_caches", "readahead", "disk_read_bytes", "block_device_of", "Run",
+__all__ = ["MemCgroup", "drop_caches", "readahead", "disk_read_bytes", "block_device_of", "Run", "TIMED_OUT",
            "run_capped", "disk_bandwidth"]
 
 
@@ -128,10 +128,15 @@ def page_in(paths: tuple[str, ...]) -> None:
                 pass
 
 
+#: ``Run.returncode`` of a run killed at its timeout (``timeout(1)``'s)
+TIMED_OUT = 124
+
+
 def run_capped(argv: list[str], limit: int | None, dev: str, timeout: float = 1800,
                env: dict[str, str] | None = None, warm: tuple[str, ...] = ()) -> Run:
     """Run ``argv`` cold (caches dropped) under a memory cap (None: no cap); ``warm``: with
-    these files read back into the page cache after the drop (a resident mmap peer)."""
+    these files read back into the page cache after the drop (a resident mmap peer). A run
+    past ``timeout`` seconds is killed and returned with ``TIMED_OUT``."""
     drop_caches()
     page_in(warm)
     cg = MemCgroup(limit) if limit else None
@@ -139,7 +144,11 @@ def run_capped(argv: list[str], limit: int | None, dev: str, timeout: float = 18
         cmd = cg.wrap(argv) if cg else argv
         before = disk_read_bytes(dev)
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired as e:      # a run that never finishes is a result too
+            text = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            p = subprocess.CompletedProcess(cmd, TIMED_OUT, "", f"{text}\ntimed out after {timeout:g} s")
         dt = time.perf_counter() - t0
         read = disk_read_bytes(dev) - before
         peak = int(cg.read("memory.max_usage_in_bytes")) if cg else 0

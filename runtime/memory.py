@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from ..errors import UsageError
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
-           "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
+           "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_RESIDENT", "TOKENIZER_BYTES_PER_TOKEN",
+           "runtime_resident", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
            "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "fallback_slab", "os_headroom",
            "runtime_overhead", "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
            "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions",
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 #: the trunk and the KV cache: the CPU runtime's peak resident memory beyond those three, with
 #: a margin.
 RUNTIME_OVERHEAD = 384 << 20
+#: ... of which a cap cannot take back the interpreter's and torch's heaps and the engine's
+#: tables, with the tokenizer's per vocabulary entry (its pieces, merges and lookups); the rest
+#: is the libraries' mapped pages, which a cap below the whole evicts and the run faults back in
+#: as it needs them: slower, not killed (``runtime_resident``, ``plan``'s "working_set_evicted").
+RUNTIME_RESIDENT = 160 << 20
+TOKENIZER_BYTES_PER_TOKEN = 384
 #: ... plus the CUDA libraries' host side on a GPU run.
 RUNTIME_OVERHEAD_CUDA = 1 << 30
 #: Left to the OS and other processes when the limit is the machine's RAM (no cap): an eighth
@@ -146,6 +153,13 @@ def os_headroom(limit: int, source: str = "physical") -> int:
 def runtime_overhead(cuda: bool = False) -> int:
     """The runtime's own resident memory beside the tiers, the trunk and the KV cache."""
     return RUNTIME_OVERHEAD + (RUNTIME_OVERHEAD_CUDA if cuda else 0)
+
+
+def runtime_resident(n_vocab: int) -> int:
+    """The part of a CPU run's ``runtime_overhead`` a cap cannot evict, for a vocabulary of
+    ``n_vocab``: below it, with the KV cache, the workspace and the smallest tier, the run is
+    killed or never finishes."""
+    return min(RUNTIME_OVERHEAD, RUNTIME_RESIDENT + TOKENIZER_BYTES_PER_TOKEN * n_vocab)
 
 
 def swa_ring(window: int, n_ctx: int) -> int:

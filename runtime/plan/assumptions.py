@@ -48,7 +48,7 @@ __all__ = ["SCHEMA", "GiB", "MiB", "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "R
            "PAGEABLE_FACTOR", "QUEUE_DEPTH", "CPU_DEQUANT_CHUNK", "GPU_DEQUANT_CHUNK",
            "DEQUANT_BYTES_PER_ELEMENT", "GPU_TRAFFIC_PER_ELEMENT", "OPS_PER_LAYER",
            "EXPERT_OVERHEAD_S", "ATTENTION_FAST_FRACTION", "PLACEMENTS", "TRUNK_MODES",
-           "TRUNK_REREAD", "ASSUMPTIONS"]
+           "TRUNK_REREAD", "PAGE_REREAD", "ASSUMPTIONS"]
 
 SCHEMA = "expertfs.store.plan/1"
 GiB = 1 << 30
@@ -82,6 +82,11 @@ TRUNK_MODES = ("float", "quant")
 #: LRU's worst case would; bounds of capped runs on three cuts (bench/README.md, "`plan`'s
 #: trunk re-reads under a cap")
 TRUNK_REREAD = (1.0, 4.0)
+#: ... and the runtime's library pages a cap below the working set keeps out, this many times
+#: a token (fast, slow end): a page of code or of a kernel's table is faulted back in by every
+#: call that needs it, several a layer, evicting another the next call needs
+#: (``runtime.memory.runtime_resident``; bench/README.md, "`plan` below the working set")
+PAGE_REREAD = (1.0, 16.0)
 
 ASSUMPTIONS: dict[str, Any] = {
     "os_headroom": f"max({OS_HEADROOM_FRACTION:g} x RAM, min({OS_HEADROOM_MIN // GiB} GiB, RAM / 4)) "
@@ -103,6 +108,8 @@ ASSUMPTIONS: dict[str, Any] = {
                           "source": "calibrated once: expert run on the demo store, 2-core VM"},
     "trunk_reread": f"{TRUNK_REREAD[0]:g}-{TRUNK_REREAD[1]:g} x the trunk bytes the cap keeps "
                     "out of memory, a token (at most the whole trunk)",
+    "page_reread": f"{PAGE_REREAD[0]:g}-{PAGE_REREAD[1]:g} x the runtime's library pages a cap "
+                   "below the working set keeps out of memory, a token",
     "tiers": "exclusive (an expert is in VRAM or in RAM), slots of the largest extent",
     "kv_cache": "decoder layers only (not NextN); MLA caches the latent (kv_lora_rank + rope dims); "
                 f"sliding-window layers hold a ring of min(ctx, {_memory.SWA_RING_WINDOWS} windows) "

@@ -29,7 +29,7 @@ from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION,
                           VRAM_RESERVE_MIN, GiB, MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
-from .host import (LIMIT_SOURCES, budget_batch, os_headroom, run_host_budget, trunk_host_bytes,
+from .host import (LIMIT_SOURCES, budget_batch, cap_evicts, os_headroom, run_host_budget, trunk_host_bytes,
                    workspace_bytes)
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
@@ -180,6 +180,7 @@ class Memory:
     staging_slots: int = 0
     notes: tuple[Note, ...] = ()
     trunk_evicted: int = 0             # quantized trunk bytes the cap keeps out of memory
+    pages_evicted: int = 0             # ... and of the runtime's library pages (a thrash)
 
     @property
     def tier_slots(self) -> tuple[int, int]:
@@ -197,6 +198,7 @@ class Memory:
                 "kv_cache_bytes": self.kv_bytes, "kv_type": self.kv_type,
                 "kv_bytes_per_token": kv_bytes_per_token(g, self.kv_type),
                 "trunk_resident_bytes": self.trunk_bytes, "trunk_evicted_bytes": self.trunk_evicted,
+                "runtime_pages_evicted_bytes": self.pages_evicted,
                 "slot_bytes": g.slot_bytes, "staging_slots": self.staging_slots,
                 "pinned": self.pinned, "host_slab_bytes": self.host_slab,
                 "tier_experts": sum(self.tier_slots), "decode_experts": g.n_decode_experts}
@@ -299,15 +301,26 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     avail = box.ram - fixed_host
     need_tier = 0 if pl.gpu else k            # a CPU run computes from its RAM tier
     short = avail < need_tier * slot
-    evicted = _evicted(hb.trunk, avail, slot, k) if short and trunk_mode == "quant" else None
-    if evicted is not None:
+    pages = 0 if pl.gpu else max(0, hb.runtime - _memory.runtime_resident(g.n_vocab))
+    out = cap_evicts(hb.trunk, pages, avail, slot, k) if short and trunk_mode == "quant" else None
+    evicted, pages_out = out or (0, 0)
+    if out is not None:
         avail = hb.default_tier(slot, k, need_tier)         # run's: the fallback, trunk re-read
-        notes.append(Note("warning", "trunk_evicted",
-                          f"RAM {_gib(box.ram)} leaves no room for one layer's {k} experts beside "
-                          f"the trunk: run falls back to a {avail >> 20} MiB tier "
-                          f"and the cap keeps {_gib(evicted)} of the quantized trunk out of "
-                          "memory, re-read from the drive as tokens need it: expect disk-bound "
-                          "decode (more memory, a smaller --ctx or a smaller model avoid it)"))
+        fix = "more memory, a smaller --ctx or a smaller model avoid it"
+        if pages_out:
+            notes.append(Note("warning", "working_set_evicted",
+                              f"RAM {_gib(box.ram)} is below the run's working set: beside a "
+                              f"{avail >> 20} MiB tier the cap keeps the whole trunk and "
+                              f"{pages_out >> 20} MiB of the runtime's own library pages out of "
+                              "memory, faulted back in as each call needs them: run is far "
+                              f"slower, thrashing the drive, or does not finish ({fix})"))
+        else:
+            notes.append(Note("warning", "trunk_evicted",
+                              f"RAM {_gib(box.ram)} leaves no room for one layer's {k} experts "
+                              f"beside the trunk: run falls back to a {avail >> 20} MiB tier "
+                              f"and the cap keeps {evicted >> 20} MiB of the quantized trunk out of "
+                              f"memory, re-read from the drive as tokens need it: expect "
+                              f"disk-bound decode ({fix})"))
     elif short:
         runnable = False
         need = fixed_host + need_tier * slot
@@ -355,17 +368,7 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
         notes.append(Note("warning", "ctx_beyond_training",
                           f"--ctx {box.ctx} is beyond the model's training context {g.n_ctx_train}"))
     return Memory(pl, ram_pool, vram_pool, kv, kv_type, trunk, runnable, pinned, staging,
-                  tuple(notes), evicted or 0)
-
-
-def _evicted(trunk: int, avail: int, slot: int, k: int) -> int | None:
-    """How much of a quantized trunk (file pages, which a cap can evict) the run's fallback
-    tier pushes out of memory when the budget leaves ``avail`` (< k slots) beside it; None
-    when the rest cannot fit even with the trunk evicted whole (the process would be killed)."""
-    fall = _memory.fallback_slab(slot, k)
-    if avail + trunk < fall:
-        return None
-    return min(trunk, fall - avail)
+                  tuple(notes), evicted, pages_out)
 
 
 def _tier_slots(avail: int, slot: int, k: int) -> int:

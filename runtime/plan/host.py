@@ -14,7 +14,7 @@ from .assumptions import CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUA
 from .geometry import DTYPE_BYTES, Geometry, kv_cache_bytes
 
 __all__ = ["LIMIT_SOURCES", "os_headroom", "workspace_bytes", "prefill_activation_bytes",
-           "budget_batch", "trunk_host_bytes", "run_host_budget", "PREFILL_BATCH"]
+           "budget_batch", "trunk_host_bytes", "run_host_budget", "cap_evicts", "PREFILL_BATCH"]
 
 LIMIT_SOURCES = ("physical", "cgroup", "env", "limit")
 #: ``expertfs run --batch``'s default: the prompt tokens one forward pass takes
@@ -100,6 +100,18 @@ def trunk_host_bytes(g: Geometry, mode: str, device: str = "cpu",
                 total -= m.count * m.elements * el
     extra = sum(m.count * (m.elements * el - (0 if m.tied else m.nbytes)) for m in mats)
     return max(0, base + extra)
+
+
+def cap_evicts(trunk: int, pages: int, avail: int, slot: int, k: int) -> tuple[int, int] | None:
+    """What a cap that leaves ``avail`` (less than ``k`` slots of ``slot``) beside a CPU run's
+    needs keeps out of memory so that ``run``'s fallback tier fits: (bytes of the quantized
+    trunk, of the runtime's library ``pages``), the trunk's file pages first; None where even
+    both out leave no room (the process would be killed)."""
+    fall = _memory.fallback_slab(slot, k)
+    if avail + trunk + pages < fall:
+        return None
+    out = fall - avail
+    return min(trunk, out), max(0, min(pages, out - trunk))
 
 
 def run_host_budget(g: Geometry, ctx: int, device: str = "cpu", trunk_mode: str = "quant", *,

@@ -14,7 +14,7 @@ import pytest
 from expertfs.cli.plan import geometry_from_like, geometry_from_synth
 from expertfs.errors import UsageError
 from expertfs.runtime import memory
-from expertfs.runtime.plan.assumptions import TRUNK_REREAD, GiB
+from expertfs.runtime.plan.assumptions import PAGE_REREAD, TRUNK_REREAD, GiB
 from expertfs.runtime.plan.coldstart import window_spare
 from expertfs.runtime.plan.budget import Box, candidates, layout, max_ctx_on_gpu, os_headroom
 from expertfs.runtime.plan.geometry import Geometry, kv_bytes_per_token, kv_cache_bytes
@@ -241,8 +241,10 @@ def test_cannot_run_exit_1_with_what_it_needs() -> None:
 def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None:
     """Where the cap leaves no room for one layer's experts beside a quantized trunk, ``run``
     still runs (on ``memory.FALLBACK_SLAB``, the cap evicting the trunk's file pages): plan
-    says so and predicts the re-reads, never CANNOT RUN; it does say CANNOT RUN where even the
-    whole trunk out of memory leaves no room, and for a float trunk (anonymous memory)."""
+    says so and predicts the re-reads, never CANNOT RUN; below that the cap evicts the
+    runtime's library pages too (a thrash: "working_set_evicted", re-read ``PAGE_REREAD``
+    times); it says CANNOT RUN only where even those out leave no room (the resident floor,
+    ``memory.runtime_resident``), and for a float trunk (anonymous memory)."""
     from expertfs.runtime.plan.host import run_host_budget
 
     g = like("Qwen3-30B-A3B")
@@ -273,10 +275,25 @@ def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None
     assert fast == trunk_reread_bytes(m)[1] and slow == max(fast, min(trunk_reread_bytes(m)[0],
                                                                      streamed))
     assert not layout(g, box, "cpu", "float").runnable
-    none = Box(fixed - m.ram.item("trunk") + memory.FALLBACK_SLAB // 2, 0, ctx=512,
+    # below the trunk out of memory, the runtime's library pages go next: a thrash, not a kill
+    pages = memory.RUNTIME_OVERHEAD - memory.runtime_resident(g.n_vocab)
+    assert 0 < pages < memory.RUNTIME_OVERHEAD
+    squeezed = Box(fixed - m.ram.item("trunk") + memory.FALLBACK_SLAB // 2, 0, ctx=512,
+                   limit_source="limit", n_predict=16)
+    th = layout(g, squeezed, "cpu", "quant")
+    assert th.runnable and th.trunk_evicted == m.ram.item("trunk")
+    assert th.pages_evicted == memory.FALLBACK_SLAB // 2 and th.ram.tier_slots == m.ram.tier_slots
+    assert [n.code for n in th.notes if n.level == "warning"][0] == "working_set_evicted"
+    fast_p, slow_p = (int(x * th.pages_evicted) for x in PAGE_REREAD)
+    assert trunk_reread_bytes(th) == (min(whole, int(slow_x * th.trunk_evicted)) + slow_p,
+                                      min(whole, int(fast_x * th.trunk_evicted)) + fast_p)
+    slower = plan_for(g, squeezed, tokens=16, trunk="quant").prediction
+    assert slower.slow_s > p.prediction.slow_s and slower.fast_s >= p.prediction.fast_s
+    # CANNOT RUN only where even those pages out leave no room: the resident floor
+    none = Box(fixed - m.ram.item("trunk") - pages + memory.FALLBACK_SLAB // 2, 0, ctx=512,
                limit_source="limit")
     gone = layout(g, none, "cpu", "quant")
-    assert not gone.runnable and gone.trunk_evicted == 0
+    assert not gone.runnable and gone.trunk_evicted == 0 and gone.pages_evicted == 0
     assert any(n.code == "ram_too_small" for n in gone.notes)
 
 
