@@ -31,6 +31,7 @@ import torch
 
 from ..errors import UsageError
 from .experts.protocol import ExpertProvider, WarmStart
+from .cache.usage import prompt_coverage
 from .cache.vram import KV_FIX, TRUNK_FIX, device_memory
 from .memory import memory_limit
 from .model import ExpertRunner, Model, ModelConfig, Router, TrunkReader, dequant_cache, load_trunk
@@ -275,11 +276,10 @@ class Engine:
         if not tokens:
             raise UsageError("nothing to prefill", fix="pass at least one token")
         t0 = time.perf_counter()
-        step = max(1, self.options.prefill_batch)
-        out = None
-        for a in range(0, len(tokens), step):
-            last = a + step >= len(tokens)
-            out = self._run(tokens[a:a + step], "last" if last else "none")
+        step, out = max(1, self.options.prefill_batch), None
+        with prompt_coverage(self.provider, len(tokens)):     # what the store's usage learns
+            for a in range(0, len(tokens), step):
+                out = self._run(tokens[a:a + step], "last" if a + step >= len(tokens) else "none")
         self.times.prefill_s += time.perf_counter() - t0
         self.times.prefill_tokens += len(tokens)
         return out[0]

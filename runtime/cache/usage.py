@@ -18,14 +18,15 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from expertfs.errors import StoreError
 
 from ..policies.base import usage_rates
 
-__all__ = ["UsageRecorder", "DYNAMICS", "persist_usage", "load_rates"]
+__all__ = ["UsageRecorder", "DYNAMICS", "prompt_coverage", "persist_usage", "load_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,12 @@ finally:
 #: over the ``seen_routes`` counted with it, how many experts the run had routed to at that
 #: layer before (a random pick is "reused" that often by chance alone). ``seen_routes`` equals a
 #: run's ``routes`` but is its own counter: a store's merged counters hold older runs' routes,
-#: which counted no ``seen``.
-DYNAMICS = ("routes", "reused", "follows", "kept", "seen", "seen_routes")
+#: which counted no ``seen``. Of prompts (``prompt_begin``/``prompt_end``): per layer a prompt
+#: routed at, its tokens and the distinct experts they touched (``plan.routing.
+#: learned_coverage``: how much of a layer a prompt reads, which a router's skew and a prompt's
+#: repeated words both shrink).
+DYNAMICS = ("routes", "reused", "follows", "kept", "seen", "seen_routes",
+            "prompt_layers", "prompt_tokens", "prompt_experts")
 
 
 class UsageRecorder:
@@ -75,6 +80,20 @@ class UsageRecorder:
         self.dynamics = dict.fromkeys(DYNAMICS, 0)
         self._seen: dict[int, set[int]] = {}
         self._prev: dict[int, set[int]] = {}
+        self._prompt: dict[int, set[int]] | None = None
+
+    def prompt_begin(self) -> None:
+        """A prompt's batches follow: count the distinct experts they touch per layer."""
+        self._prompt = {}
+
+    def prompt_end(self, tokens: int) -> None:
+        """The prompt of ``tokens`` tokens begun with ``prompt_begin`` is in."""
+        touched, self._prompt = self._prompt or {}, None
+        d = self.dynamics
+        for experts in touched.values():
+            d["prompt_layers"] += 1
+            d["prompt_tokens"] += tokens
+            d["prompt_experts"] += len(experts)
 
     def add(self, layer: int, experts: Iterable[int]) -> None:
         c = self.counts
@@ -82,6 +101,8 @@ class UsageRecorder:
         for e in ids:
             k = (layer, e)
             c[k] = c.get(k, 0) + 1
+        if self._prompt is not None:
+            self._prompt.setdefault(layer, set()).update(ids)
         if self.k:
             seen = self._seen.setdefault(layer, set())
             prev = self._prev.pop(layer, None)
@@ -106,6 +127,18 @@ class UsageRecorder:
 
     def __len__(self) -> int:
         return len(self.counts)
+
+
+@contextmanager
+def prompt_coverage(provider: Any, tokens: int) -> Iterator[None]:
+    """Count the prompt of ``tokens`` tokens the block feeds in ``provider``'s usage recorder,
+    where it keeps one (a prompt that raises is not counted)."""
+    rec = getattr(provider, "usage", None)
+    if isinstance(rec, UsageRecorder):
+        rec.prompt_begin()
+    yield
+    if isinstance(rec, UsageRecorder):
+        rec.prompt_end(tokens)
 
 
 def _index_path(store: Any) -> str:

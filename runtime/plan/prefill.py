@@ -13,8 +13,10 @@ trunk each batch reads ``TRUNK_REREAD`` times that again. The tiers start cold (
 warm start waits for the first logits), so every expert the batch touches is read from the
 drive unless an earlier batch left it in the tier.
 
-Experts touched per layer by b tokens: at the fast end what the routing replay (the trace,
-else the fast synthetic preset) touches in its first b tokens; at the slow end the same from
+Experts touched per layer by b tokens: where the store's runs counted how much of a layer
+their prompts touched (``plan.routing.learned_coverage``), that at both ends; else at the fast
+end what the routing replay (the trace, else the fast synthetic preset) touches in its first b
+tokens; at the slow end the same from
 ``slow_replay`` where the routing was measured (this store's trace or its learned usage: what
 its prompts touch is known), else as if routing were uniform and independent,
 ``E · (1 − (1 − k/E)^b)`` (a balanced model's most).
@@ -83,6 +85,7 @@ class FirstToken:
     drive: float = 1.0           # share of the experts read from the drive (the rest mapped
                                  # from the page cache: ``coldstart.drive_share``)
     verify_s: tuple[float, float] = (0.0, 0.0)  # CPU of the experts' checksums on first read
+    cover: str = ""              # where the experts a batch touches come from, when learned
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,11 +119,15 @@ def gemm_rate(probe: bool = True) -> Range:
     return Range(lo * cores, hi * cores, f"stated default: {lo:g}-{hi:g} GFLOP/s per core")
 
 
-def touched_per_layer(g: Geometry, tokens: int, replay: Any = None) -> float:
-    """Distinct experts ``tokens`` tokens touch in one MoE layer: uniform and independent
-    routing without ``replay``, else the replay's first ``tokens`` tokens (scaled by the uniform
-    growth where the replay is shorter)."""
+def touched_per_layer(g: Geometry, tokens: int, replay: Any = None, coverage: Any = None
+                      ) -> float:
+    """Distinct experts ``tokens`` tokens touch in one MoE layer: what the store's earlier
+    prompts touched at that length (``coverage``: ``plan.routing.Coverage``) where they were
+    counted, else the replay's first ``tokens`` tokens (scaled by the uniform growth where the
+    replay is shorter), else uniform and independent routing."""
     E, k = g.n_experts, g.k
+    if coverage is not None:
+        return coverage.touched(tokens)
 
     def uniform(b: int) -> float:
         return E * (1.0 - (1.0 - k / E) ** b) if E else 0.0
@@ -139,7 +146,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                 wide: Mapping[str, WidePath] | None = None,
                 slow_replay: Any = None, trunk_reread: tuple[int, int] = (0, 0),
                 drive: float = 1.0, verify: Range | None = None,
-                fresh_slots: int | None = None) -> FirstToken:
+                fresh_slots: int | None = None, coverage: Any = None) -> FirstToken:
     """The first token's time for a ``prompt_tokens`` prompt on the CPU (see the module
     docstring); ``tier_slots``: the experts the tiers hold; ``wide``: per type, what a trunk
     product past its native token limit costs (a type without an entry is priced as native);
@@ -150,7 +157,8 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     cache, neither read nor faulted into fresh memory); ``verify``: CPU s/GB of the checksums
     of each expert's first load, read or mapped (``coldstart.verify_cost``); ``fresh_slots``:
     the slots whose fresh pages the prompt's reads fault in where not ``tier_slots`` (a prompt
-    window's spare slots, ``cache.window``)."""
+    window's spare slots, ``cache.window``); ``coverage``: the store's prompts' learned
+    coverage, which both ends take over the replays where the runs counted it."""
     wide = wide or {}
     cpu = rates.cpu
     head = next((m for m in g.trunk_matrices if m.rows == g.n_vocab), None)
@@ -173,8 +181,8 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                     + 2.0 * b * m.count * m.elements / (gemm.at(end) * 1e9))
 
         trunk_s = {b: sum(product(m, b) for m in body) for b in set(sizes)}
-        touched = {b: touched_per_layer(g, b, slow_replay if end == "slow" else replay) * n_moe
-                   for b in set(sizes)}                       # experts a batch touches, all layers
+        touched = {b: touched_per_layer(g, b, slow_replay if end == "slow" else replay, coverage)
+                   * n_moe for b in set(sizes)}               # experts a batch touches, all layers
         for j, b in enumerate(sizes):
             flops = 2.0 * b * n_moe * g.k * exp_el                  # the routed experts'
             compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
@@ -196,4 +204,4 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     cpu = (compute[0] + fresh_s[0] + verify_s[0], compute[1] + fresh_s[1] + verify_s[1])
     return FirstToken(prompt_tokens, cpu[0] + r_slow, max(cpu[1], r_fast),
                       (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s, drive,
-                      verify_s)
+                      verify_s, coverage.describe(g.n_experts) if coverage is not None else "")

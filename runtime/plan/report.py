@@ -126,7 +126,8 @@ def format_plan(p: Plan) -> str:
                          + (f"; {ft.fresh_s[1]:.1f}-{ft.fresh_s[0]:.1f} s of CPU faulting in "
                             "the tiers' fresh pages" if ft.fresh_s[0] >= 0.05 else "")
                          + (f"; {ft.verify_s[1]:.1f}-{ft.verify_s[0]:.1f} s checksumming them"
-                            if ft.verify_s[0] >= 0.05 else "") + ")")
+                            if ft.verify_s[0] >= 0.05 else "")
+                         + (f"; {ft.cover}" if ft.cover else "") + ")")
     else:
         lines.append("")
         lines.append("predicted decode: none (the model cannot run on this box)")

@@ -29,7 +29,8 @@ from ..trace.file import TraceHeader
 from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_header
 
 __all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKENS",
-           "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "synthetic_replay",
+           "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "Coverage", "learned_coverage",
+           "synthetic_replay",
            "usage_replay", "usage_tokens", "trace_replay", "route", "ideal_routing"]
 
 #: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
@@ -110,6 +111,54 @@ def learned_dynamics(g: Geometry, counters: dict[str, int],
     m = _seen_popularity(g, usage or {}, counters.get("seen", 0) / seen_routes)
     return Dynamics(_beyond(kept, c, follows), _beyond(rest, (m - c) / (1.0 - c),
                                                        routes * (1.0 - kept)), tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """How much of a layer a store's earlier prompts touched (``learned_coverage``): as many
+    distinct experts as prompts of their length would touch routing top-``k`` uniformly among
+    ``effective`` equally likely experts."""
+
+    effective: float
+    k: int
+    tokens: float                       # the prompts' mean length
+    layers: int                         # (prompt, layer) pairs counted
+
+    def touched(self, tokens: int) -> float:
+        """Distinct experts of a layer a prompt of ``tokens`` tokens touches."""
+        return _uniform(self.effective, self.k, tokens)
+
+    def describe(self, n_experts: int) -> str:
+        return (f"its runs' prompts touched {self.touched(round(self.tokens)):.0f} of {n_experts} "
+                f"experts a layer in {self.tokens:.0f} tokens, as {self.effective:.0f} equally "
+                "likely would")
+
+
+def _uniform(n: float, k: int, tokens: int) -> float:
+    return n * (1.0 - (1.0 - k / n) ** tokens) if n > 0 and tokens > 0 else 0.0
+
+
+def learned_coverage(g: Geometry, counters: dict[str, int]) -> Coverage | None:
+    """The store's prompts' coverage (``runtime.cache.usage``'s prompt counters) as the
+    effective expert count ``n`` whose uniform routing, ``n (1 - (1 - k/n)^P)``, touches the
+    distinct experts they did at their mean length ``P`` (found by bisection in [k,
+    n_experts]: fewer where the router is skewed or the prompts repeat words); None before a
+    whole prompt of at least two tokens was counted at every MoE layer."""
+    layers = counters.get("prompt_layers", 0)
+    k, E = g.k, g.n_experts
+    if layers < max(1, len(g.moe_layers)) or not k or E <= k:
+        return None
+    P = counters.get("prompt_tokens", 0) / layers
+    D = counters.get("prompt_experts", 0) / layers
+    if P < 2:
+        return None
+    lo, hi = float(k), float(E)
+    if _uniform(hi, k, round(P)) <= D:
+        return Coverage(hi, k, P, layers)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _uniform(mid, k, round(P)) < D else (lo, mid)
+    return Coverage(hi, k, P, layers)
 
 
 def _seen_popularity(g: Geometry, usage: dict[tuple[int, int], float], seen: float) -> float:

@@ -22,9 +22,9 @@ from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_opti
 from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
 from .model import load_geometry
 from .rereads import trunk_reread_bytes
-from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Dynamics,
-                      ideal_routing, learned_dynamics, route, synthetic_replay, trace_replay,
-                      usage_replay, usage_tokens)
+from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Coverage, Dynamics,
+                      ideal_routing, learned_coverage, learned_dynamics, route, synthetic_replay,
+                      trace_replay, usage_replay, usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
 __all__ = ["PlanRequest", "run_plan", "read_io_profile", "plan_options", "simulator_routing"]
@@ -137,22 +137,23 @@ def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *
 
 
 def learned_usage(target: str | None, g: Geometry
-                  ) -> tuple[dict[tuple[int, int], float], Dynamics | None]:
+                  ) -> tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None]:
     """The store's learned usage ((block, expert) → routes) when ``target`` is a store whose
     earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens, else {}; and with it the
-    decode dynamics those runs counted (``learned_dynamics``), or None."""
+    decode dynamics and the prompts' coverage those runs counted (``learned_dynamics``,
+    ``learned_coverage``), or None."""
     if not target or not os.path.isdir(target):
-        return {}, None
+        return {}, None, None
     from ...store.reader import Store
     try:
         with Store.open(target) as st:
             usage = {(int(la), int(e)): float(c) for (la, e), c in st.index.usage().items()}
             counters = st.index.usage_dynamics()
     except Exception:                  # an index without a usage table (older stores): the presets
-        return {}, None
+        return {}, None, None
     if usage_tokens(g, usage) < MIN_USAGE_TOKENS:
-        return {}, None
-    return usage, learned_dynamics(g, counters, usage)
+        return {}, None, None
+    return usage, learned_dynamics(g, counters, usage), learned_coverage(g, counters)
 
 
 class Replays:
@@ -161,10 +162,10 @@ class Replays:
     usage with the preset's dynamics) or a synthetic preset."""
 
     def __init__(self, g: Geometry, req: PlanRequest,
-                 learned: tuple[dict[tuple[int, int], float], Dynamics | None],
+                 learned: tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None],
                  say: Callable[[str], None]) -> None:
         self.g, self.req, self.say = g, req, say
-        self.usage, self.dynamics = learned
+        self.usage, self.dynamics, self.coverage = learned
         self._built: dict[str, Any] = {}
 
     def get(self, spec: str) -> Any:
@@ -309,7 +310,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail["compute_paths"] = compute_paths(g, req.act_quant)
 
     # --- routing and the choice ------------------------------------------------------------
-    replays = Replays(g, req, ({}, None) if req.trace else learned_usage(req.target, g), say)
+    replays = Replays(g, req, ({}, None, None) if req.trace else learned_usage(req.target, g), say)
     routing_for = simulator_routing(g, req, say, replays)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     plan = make_plan(g, box, options, rates, probes=detail, forced=forced)
@@ -343,7 +344,7 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
                            for t in types if t in limits and (t in panel or t in deq)},
                      slow_replay=slow_replay, trunk_reread=trunk_reread_bytes(m),
                      drive=drive, verify=plan.rates.verify,
-                     fresh_slots=window_spare(g, m, drive) or None)
+                     fresh_slots=window_spare(g, m, drive) or None, coverage=replays.coverage)
     return replace(plan, first_token=ft)
 
 

@@ -133,11 +133,12 @@ def test_usage_recorder_counts_how_a_run_reuses_experts():
     u.add(2, [3])                         # another layer: new there
     u.add(1, [5, 0])                      # both reused, 5 kept
     counts, dyn = u.take()
+    none = dict.fromkeys(("prompt_layers", "prompt_tokens", "prompt_experts"), 0)
     assert dyn == {"routes": 5, "reused": 3, "follows": 2, "kept": 1,
-                   "seen": 2 * 4 + 1 * 0 + 2 * 5, "seen_routes": 5} and counts[(1, 3)] == 2
+                   "seen": 2 * 4 + 1 * 0 + 2 * 5, "seen_routes": 5, **none} and counts[(1, 3)] == 2
     u.add(1, [1, 2, 5])                   # a prompt again: the next token follows no token
     u.add(1, [1])                         # the run goes on: what it saw still counts
-    assert u.take()[1] == {"routes": 1, "reused": 1, "follows": 0, "kept": 0, "seen": 5,
+    assert u.take()[1] == {**none, "routes": 1, "reused": 1, "follows": 0, "kept": 0, "seen": 5,
                            "seen_routes": 1}
 
 

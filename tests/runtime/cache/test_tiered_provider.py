@@ -466,3 +466,26 @@ def test_the_ram_tier_is_faulted_in_ahead_only_where_the_reads_cycle_through_it(
             assert sorted(got) == [0, 1]
         finally:
             p.close()
+
+
+def test_a_prompt_teaches_the_store_how_much_of_a_layer_it_touches(tmp_path):
+    """``Engine.prefill`` counts its prompt in the usage recorder (``prompt_coverage``): per MoE
+    layer, the prompt's tokens and the distinct experts its batches touched, persisted with
+    the run's usage for ``plan``'s first token (``plan.routing.learned_coverage``)."""
+    from expertfs.runtime.engine import Engine
+    from support.cache_store import tiny_store
+
+    path = tiny_store(tmp_path)
+    with Store.open(path) as st:
+        slot = max(st.extent(la, 0).length for la in st.layers)
+    prompt = [3, 17, 40, 2, 9, 11, 5]
+    with Engine.open(path, provider="tiered", ram_bytes=64 * slot, prefill_batch=3,
+                     provider_options={"warm_start": False, "backend": "buffered",
+                                       "record_usage": True}) as e:
+        e.prefill(prompt)
+    with Store.open(path) as st:
+        d, usage = st.index.usage_dynamics(), st.index.usage()
+    layers = {la for la, _ in usage}
+    assert layers and d["prompt_layers"] == len(layers)
+    assert d["prompt_tokens"] == len(prompt) * len(layers)
+    assert d["prompt_experts"] == len(usage)              # each (layer, expert) the prompt's

@@ -73,6 +73,42 @@ def test_a_measured_routing_sets_the_slow_ends_reads_too(g):
     assert ft.s_slow == pytest.approx(ft.compute_s[0] + ft.read_bytes[0] / (rates.storage.slow * 1e9))
 
 
+def test_the_stores_prompts_learned_coverage_sets_both_ends(g):
+    """Counters of earlier prompts (``UsageRecorder.prompt_begin``/``prompt_end``) become an
+    effective expert count whose uniform routing touches what they touched; the first token
+    reads that many experts a batch at both ends, over the replays. Uniform prompts learn the
+    whole layer; none before a whole prompt was counted at every MoE layer."""
+    from expertfs.runtime.cache.usage import UsageRecorder
+    from expertfs.runtime.plan.routing import learned_coverage
+
+    E, k, n_moe = g.n_experts, g.k, len(g.moe_layers)
+    rec = UsageRecorder(k=k)
+    rec.prompt_begin()
+    for layer in g.moe_layers:                      # two batches: the distinct union counts
+        rec.add(layer, range(0, 20))
+        rec.add(layer, range(10, 30))
+    rec.prompt_end(67)
+    d = rec.take()[1]
+    assert (d["prompt_layers"], d["prompt_tokens"], d["prompt_experts"]) == (n_moe, 67 * n_moe,
+                                                                              30 * n_moe)
+    cov = learned_coverage(g, d)
+    assert cov.k == k and cov.tokens == pytest.approx(67) and k < cov.effective < 31
+    assert cov.touched(67) == pytest.approx(30, abs=0.01) and cov.touched(10_000) < 31
+    assert "touched 30 of 128 experts" in cov.describe(E)
+    assert learned_coverage(g, {**d, "prompt_layers": n_moe - 1}) is None
+    wide = {"prompt_layers": n_moe, "prompt_tokens": 67 * n_moe,
+            "prompt_experts": round(touched_per_layer(g, 67) + 1) * n_moe}
+    assert learned_coverage(g, wide).effective == E       # at least uniform's: the whole layer
+    rates, rp = rates_for(g), synthetic_replay(g, "mixed", tokens=64)
+    ft = first_token(g, rates, 0, 67, GEMM, rp, slow_replay=rp, coverage=cov)
+    ext = sum(g.extent_bytes) / n_moe
+    assert ft.read_bytes[0] == ft.read_bytes[1] == pytest.approx(n_moe * cov.touched(67) * ext)
+    assert ft.read_bytes[1] < first_token(g, rates, 0, 67, GEMM, rp).read_bytes[1]
+    assert ft.cover == cov.describe(E)
+    rec.add(g.moe_layers[0], [1])                    # decode after the prompt: not counted
+    assert rec.take()[1]["prompt_layers"] == 0
+
+
 def test_a_tier_that_keeps_the_prompts_experts_reads_them_once(g):
     rates = rates_for(g)
     one = first_token(g, rates, 0, 256, GEMM).read_bytes[0]
