@@ -29,8 +29,8 @@ from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION,
                           VRAM_RESERVE_MIN, GiB, MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
-from .host import (LIMIT_SOURCES, budget_batch, cap_evicts, os_headroom, run_host_budget, trunk_host_bytes,
-                   workspace_bytes)
+from .host import (LIMIT_SOURCES, budget_batch, cap_evicts, os_headroom, run_host_budget,
+                   trunk_host_bytes, workspace_bytes)
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
            "layout", "candidates", "max_ctx_on_gpu", "LIMIT_SOURCES", "trunk_host_bytes",

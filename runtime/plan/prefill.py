@@ -16,9 +16,8 @@ drive unless an earlier batch left it in the tier.
 Experts touched per layer by b tokens: where the store's runs counted how much of a layer
 their prompts touched (``plan.routing.learned_coverage``), that at both ends; else at the fast
 end what the routing replay (the trace, else the fast synthetic preset) touches in its first b
-tokens; at the slow end the same from
-``slow_replay`` where the routing was measured (this store's trace or its learned usage: what
-its prompts touch is known), else as if routing were uniform and independent,
+tokens; at the slow end the same from ``slow_replay`` where the routing was measured (this
+store's trace or its learned usage), else as if routing were uniform and independent,
 ``E · (1 − (1 − k/E)^b)`` (a balanced model's most).
 Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), as the engine
 computes the experts already in while the rest are read. Both ends add to the compute the CPU

@@ -139,9 +139,9 @@ def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *
 def learned_usage(target: str | None, g: Geometry
                   ) -> tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None]:
     """The store's learned usage ((block, expert) → routes) when ``target`` is a store whose
-    earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens, else {}; and with it the
-    decode dynamics and the prompts' coverage those runs counted (``learned_dynamics``,
-    ``learned_coverage``), or None."""
+    earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens, else {}, and with it the
+    decode dynamics those runs counted (``learned_dynamics``), or None; and the coverage of
+    the prompts they counted, one whole prompt enough (``learned_coverage``), or None."""
     if not target or not os.path.isdir(target):
         return {}, None, None
     from ...store.reader import Store
@@ -152,7 +152,7 @@ def learned_usage(target: str | None, g: Geometry
     except Exception:                  # an index without a usage table (older stores): the presets
         return {}, None, None
     if usage_tokens(g, usage) < MIN_USAGE_TOKENS:
-        return {}, None, None
+        return {}, None, learned_coverage(g, counters)
     return usage, learned_dynamics(g, counters, usage), learned_coverage(g, counters)
 
 
@@ -213,11 +213,12 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
         return f"synthetic '{spec}'"
 
     def prompt_cover(spec: str) -> float:
-        """The share of the experts the replay's first ``--prompt-tokens`` tokens touch."""
+        """The share of the experts the replay's first ``--prompt-tokens`` tokens touch (the
+        store's prompts' learned coverage where counted)."""
         if spec not in covers:
             from .prefill import touched_per_layer
             n = max(0, req.prompt_tokens)
-            covers[spec] = (touched_per_layer(g, n, replay(spec)) / g.n_experts
+            covers[spec] = (touched_per_layer(g, n, replay(spec), replays.coverage) / g.n_experts
                             if n and g.n_experts else 0.0)
         return covers[spec]
 
