@@ -34,7 +34,7 @@ RUNTIME_OVERHEAD = 384 << 20
 #: tables, with the tokenizer's per vocabulary entry (its pieces, merges and lookups); the rest
 #: is the libraries' mapped pages, which a cap below the whole evicts and the run faults back in
 #: as it needs them: slower, not killed (``runtime_resident``, ``plan``'s "working_set_evicted").
-RUNTIME_RESIDENT = 160 << 20
+RUNTIME_RESIDENT = 176 << 20
 TOKENIZER_BYTES_PER_TOKEN = 384
 #: ... plus the CUDA libraries' host side on a GPU run.
 RUNTIME_OVERHEAD_CUDA = 1 << 30
