@@ -30,14 +30,16 @@ log = logging.getLogger(__name__)
 #: the trunk and the KV cache: the CPU runtime's peak resident memory beyond those three, with
 #: a margin.
 RUNTIME_OVERHEAD = 384 << 20
-#: ... of which a cap cannot take back the interpreter's and torch's heaps and the engine's
-#: tables, with the tokenizer's per vocabulary entry (its pieces, merges and lookups); the rest
-#: is the libraries' mapped pages, which a cap below the whole evicts and the run faults back in
-#: as it needs them: slower, not killed (``runtime_resident``, ``plan``'s "working_set_evicted").
-RUNTIME_RESIDENT = 176 << 20
-TOKENIZER_BYTES_PER_TOKEN = 384
 #: ... plus the CUDA libraries' host side on a GPU run.
 RUNTIME_OVERHEAD_CUDA = 1 << 30
+#: Of the CPU runtime's overhead, a cap cannot take back the interpreter's and torch's heaps
+#: and the engine's tables, with the tokenizer's per vocabulary entry (its pieces, merges and
+#: lookups); the rest is the libraries' mapped pages, which a cap below the whole evicts and the
+#: run faults back in as it needs them: slower, not killed (``runtime_resident``, ``plan``'s
+#: "working_set_evicted"; the floor against runs under caps down to where they die:
+#: ``bench/working_set.py``).
+RUNTIME_RESIDENT = 176 << 20
+TOKENIZER_BYTES_PER_TOKEN = 384
 #: Left to the OS and other processes when the limit is the machine's RAM (no cap): an eighth
 #: of it, at least 3 GiB (a quarter of a smaller box).
 OS_HEADROOM_MIN = 3 << 30
