@@ -251,10 +251,14 @@ class HostBudget:
             room = ("leave no room for a RAM tier" if self.room <= 0 else
                     f"leave {self.room >> 20} MiB, less than one layer's experts "
                     f"({need >> 20} MiB),")
+            out = ("the trunk is evicted and re-read from disk as tokens need it"
+                   if ram_bytes <= self.room + self.trunk else
+                   "the trunk and the runtime's own library pages are evicted and read again as "
+                   "each call needs them: the drive thrashes and decode is far slower")
             return (f"{parts} {room} in this process's memory limit of "
-                    f"{self.limit >> 20} MiB{head}: with a {ram_bytes >> 20} MiB tier the trunk is "
-                    f"evicted and re-read from disk as tokens need it (or the process killed); "
-                    f"a larger limit, a smaller --ctx or --batch, or a smaller model avoid it")
+                    f"{self.limit >> 20} MiB{head}: with a {ram_bytes >> 20} MiB tier {out} (or "
+                    f"the process killed); a larger limit, a smaller --ctx or --batch, or a "
+                    f"smaller model avoid it")
         return (f"RAM tier {ram_bytes >> 20} MiB + {parts} exceed this process's memory limit "
                 f"of {self.limit >> 20} MiB{head}: the trunk would be evicted and re-read from "
                 f"disk every token (or the process killed); use --ram {max(0, self.room) >> 20}M "

@@ -26,6 +26,11 @@ def test_budget_warning_names_a_fitting_size():
     assert w and f"--ram {((1 << 30) - memory.RUNTIME_OVERHEAD) >> 20}M" in w
     none = memory.check_budget(64 << 20, 3 << 30, limit=2 << 30)     # no room left at all
     assert none and "leave no room for a RAM tier" in none and "--ram" not in none
+    assert "trunk is evicted and re-read" in none                    # the 3 GiB trunk makes room
+    # ... and where even the trunk out leaves no room, the runtime's own pages go too (a thrash)
+    squeezed = memory.check_budget(64 << 20, 16 << 20, limit=memory.RUNTIME_OVERHEAD + (24 << 20),
+                                   need=64 << 20)
+    assert squeezed and "runtime's own library pages are evicted" in squeezed
     # room for a tier, but not for one layer's experts: no --ram fits either
     short = memory.check_budget(900 << 20, 1 << 30, limit=2 << 30, need=900 << 20)
     assert short and "less than one layer's experts (900 MiB)" in short and "--ram" not in short
