@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["MemCgroup", "drop_caches", "readahead", "disk_read_bytes", "block_device_of", "Run", "TIMED_OUT",
-           "run_capped", "disk_bandwidth"]
+__all__ = ["MemCgroup", "drop_caches", "readahead", "disk_read_bytes", "block_device_of", "Run",
+           "TIMED_OUT", "run_capped", "disk_bandwidth"]
 
 
 def _memory_root() -> str:
@@ -147,8 +147,10 @@ def run_capped(argv: list[str], limit: int | None, dev: str, timeout: float = 18
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired as e:      # a run that never finishes is a result too
-            text = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-            p = subprocess.CompletedProcess(cmd, TIMED_OUT, "", f"{text}\ntimed out after {timeout:g} s")
+            err = e.stderr or b""
+            text = err.decode(errors="replace") if isinstance(err, bytes) else err
+            p = subprocess.CompletedProcess(cmd, TIMED_OUT, "",
+                                            f"{text}\ntimed out after {timeout:g} s")
         dt = time.perf_counter() - t0
         read = disk_read_bytes(dev) - before
         peak = int(cg.read("memory.max_usage_in_bytes")) if cg else 0

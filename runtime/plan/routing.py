@@ -30,8 +30,8 @@ from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_heade
 
 __all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKENS",
            "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "Coverage", "learned_coverage",
-           "synthetic_replay",
-           "usage_replay", "usage_tokens", "trace_replay", "route", "ideal_routing"]
+           "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay", "route",
+           "ideal_routing"]
 
 #: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
 #: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
