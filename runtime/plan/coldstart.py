@@ -85,7 +85,7 @@ def window_spare(g: Geometry, mem: Any, drive: float) -> int:
     return spare if spare > 0 and drive == 1.0 else 0
 
 
-def distinct_experts(n_experts: int, k: int, tokens: int) -> float:
+def distinct_experts(n_experts: float, k: int, tokens: int) -> float:
     """Expected distinct experts of one layer touched by ``tokens`` tokens of top-``k`` routing
     spread uniformly over ``n_experts``."""
     if n_experts <= 0 or k <= 0 or tokens <= 0:

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from .coldstart import distinct_experts
 from .geometry import Geometry, Matrix
 from .host import PREFILL_BATCH
 from .native import compute_cost
@@ -124,12 +125,11 @@ def touched_per_layer(g: Geometry, tokens: int, replay: Any = None, coverage: An
     prompts touched at that length (``coverage``: ``plan.routing.Coverage``) where they were
     counted, else the replay's first ``tokens`` tokens (scaled by the uniform growth where the
     replay is shorter), else uniform and independent routing."""
-    E, k = g.n_experts, g.k
     if coverage is not None:
         return coverage.touched(tokens)
 
     def uniform(b: int) -> float:
-        return E * (1.0 - (1.0 - k / E) ** b) if E else 0.0
+        return distinct_experts(g.n_experts, g.k, b)
 
     if replay is None or not replay.rows or not g.moe_layers:
         return uniform(tokens)

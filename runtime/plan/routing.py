@@ -20,6 +20,7 @@ import dataclasses
 import os
 
 from ...errors import UsageError
+from .coldstart import distinct_experts
 from .geometry import Geometry
 from .predict import Routing, RoutingRange
 from ..policies.base import CapacityError, usage_rates
@@ -122,11 +123,10 @@ class Coverage:
     effective: float
     k: int
     tokens: float                       # the prompts' mean length
-    layers: int                         # (prompt, layer) pairs counted
 
     def touched(self, tokens: int) -> float:
         """Distinct experts of a layer a prompt of ``tokens`` tokens touches."""
-        return _uniform(self.effective, self.k, tokens)
+        return distinct_experts(self.effective, self.k, tokens)
 
     def describe(self, n_experts: int) -> str:
         return (f"its runs' prompts touched {self.touched(round(self.tokens)):.0f} of {n_experts} "
@@ -134,14 +134,10 @@ class Coverage:
                 "likely would")
 
 
-def _uniform(n: float, k: int, tokens: int) -> float:
-    return n * (1.0 - (1.0 - k / n) ** tokens) if n > 0 and tokens > 0 else 0.0
-
-
 def learned_coverage(g: Geometry, counters: dict[str, int]) -> Coverage | None:
     """The store's prompts' coverage (``runtime.cache.usage``'s prompt counters) as the
-    effective expert count ``n`` whose uniform routing, ``n (1 - (1 - k/n)^P)``, touches the
-    distinct experts they did at their mean length ``P`` (found by bisection in [k,
+    effective expert count ``n`` whose uniform routing (``coldstart.distinct_experts``) touches
+    the distinct experts they did at their mean length ``P`` (found by bisection in [k,
     n_experts]: fewer where the router is skewed or the prompts repeat words); None before a
     whole prompt of at least two tokens was counted at every MoE layer."""
     layers = counters.get("prompt_layers", 0)
@@ -153,12 +149,11 @@ def learned_coverage(g: Geometry, counters: dict[str, int]) -> Coverage | None:
     if P < 2:
         return None
     lo, hi = float(k), float(E)
-    if _uniform(hi, k, round(P)) <= D:
-        return Coverage(hi, k, P, layers)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _uniform(mid, k, round(P)) < D else (lo, mid)
-    return Coverage(hi, k, P, layers)
+    if distinct_experts(hi, k, round(P)) > D:
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if distinct_experts(mid, k, round(P)) < D else (lo, mid)
+    return Coverage(hi, k, P)
 
 
 def _seen_popularity(g: Geometry, usage: dict[tuple[int, int], float], seen: float) -> float:

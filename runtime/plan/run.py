@@ -151,9 +151,10 @@ def learned_usage(target: str | None, g: Geometry
             counters = st.index.usage_dynamics()
     except Exception:                  # an index without a usage table (older stores): the presets
         return {}, None, None
+    coverage = learned_coverage(g, counters)
     if usage_tokens(g, usage) < MIN_USAGE_TOKENS:
-        return {}, None, learned_coverage(g, counters)
-    return usage, learned_dynamics(g, counters, usage), learned_coverage(g, counters)
+        return {}, None, coverage
+    return usage, learned_dynamics(g, counters, usage), coverage
 
 
 class Replays:
