@@ -86,6 +86,13 @@ def long_prompt(store: str, n: int, text: str = PROMPT) -> str:
     return out
 
 
+def prompt_tokens(store: str, text: str) -> int:
+    """``text``'s length as ``run`` will count it (the model's tokenizer, its BOS)."""
+    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
+    with Store.open(store) as st:
+        return len(GGUFTokenizer(st.gguf_kv(), store).encode(text))
+
+
 def prefill_tok_s(r: dict) -> float:
     """Prompt tokens per second of either peer's figures."""
     if "prefill_tokens_per_s" in r:

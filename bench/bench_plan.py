@@ -36,7 +36,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_lowram import PROMPT, PROSE, long_prompt  # noqa: E402
+from bench_lowram import PROMPT, PROSE, long_prompt, prompt_tokens  # noqa: E402
 from lowram import TIMED_OUT, block_device_of, drop_caches, page_in, run_capped  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -64,17 +64,9 @@ def _size(store: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(store) for f in fs)
 
 
-def _tokens(store: str, text: str) -> int:
-    """The prompt's length as ``run`` will count it (the model's tokenizer, its BOS)."""
-    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
-    from expertfs.store.reader import Store
-    with Store.open(store) as st:
-        return len(GGUFTokenizer(st.gguf_kv(), store).encode(text))
-
-
-def _plan(store: str, limit: int | None, a: argparse.Namespace, prompt_tokens: int) -> dict:
+def _plan(store: str, limit: int | None, a: argparse.Namespace, n_prompt: int) -> dict:
     argv = ["plan", store, "--ctx", str(a.ctx), "-n", str(a.n), "--json",
-            "--prompt-tokens", str(prompt_tokens)]
+            "--prompt-tokens", str(n_prompt)]
     argv += ["--memory-limit", str(limit)] if limit else []
     argv += ["--act-quant", a.act_quant] if a.act_quant != "off" else []
     r = _ef(*argv, timeout=600)
@@ -193,7 +185,7 @@ def main() -> int:
             name, store = _store(a.dir, spec)
             prompts[name] = long_prompt(store, a.prompt_tokens,
                                         PROSE if a.prompt_text == "prose" else PROMPT)
-            n_prompt = _tokens(store, prompts[name])
+            n_prompt = prompt_tokens(store, prompts[name])
             size = _size(store)
             _learn(store, size, a, prompts[name])
             for cap in a.caps.split(","):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lowram import prompt_tokens  # noqa: E402
 from lowram import TIMED_OUT, block_device_of, run_capped  # noqa: E402
 
 from expertfs.units import parse_size  # noqa: E402
@@ -28,19 +29,13 @@ PROMPT = ("Summarise the main arguments of the attached report on regional water
           "each recommendation with the evidence behind it, and flag statistical weaknesses.")
 
 
-def _tokens(store: str, text: str) -> int:
-    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
-    from expertfs.store.reader import Store
-    with Store.open(store) as st:
-        return len(GGUFTokenizer(st.gguf_kv(), store).encode(text))
-
-
 def _plan(store: str, cap: int, a: argparse.Namespace) -> tuple[str, str, str]:
     """(status, the first warning or error code, the decode band) of ``plan`` at ``cap``, for
     the prompt ``run`` gets."""
     out = subprocess.run([EXPERTFS, "plan", store, "--memory-limit", str(cap), "--ctx",
                           str(a.ctx), "-n", str(a.n), "--prompt-tokens",
-                          str(_tokens(store, PROMPT)), "--json"], capture_output=True, text=True)
+                          str(prompt_tokens(store, PROMPT)), "--json"],
+                         capture_output=True, text=True)
     d = json.loads(out.stdout)
     notes = [n["code"] for n in d.get("notes", []) if n["level"] in ("error", "warning")]
     pred = d.get("prediction") or {}

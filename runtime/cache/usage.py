@@ -134,11 +134,12 @@ def prompt_coverage(provider: Any, tokens: int) -> Iterator[None]:
     """Count the prompt of ``tokens`` tokens the block feeds in ``provider``'s usage recorder,
     where it keeps one (a prompt that raises is not counted)."""
     rec = getattr(provider, "usage", None)
-    if isinstance(rec, UsageRecorder):
-        rec.prompt_begin()
+    if not isinstance(rec, UsageRecorder):
+        yield
+        return
+    rec.prompt_begin()
     yield
-    if isinstance(rec, UsageRecorder):
-        rec.prompt_end(tokens)
+    rec.prompt_end(tokens)
 
 
 def _index_path(store: Any) -> str:

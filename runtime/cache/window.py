@@ -58,7 +58,7 @@ class PromptWindow:
         """For the tier's entry ``e`` (LOADING): a window entry for the same expert, its demand
         read issued into a spare slot; None (promote ``e`` as before) when the window is closed,
         ``e``'s read was issued already, or no spare slot is free."""
-        if not self.open or len(self.taken) >= self.n_spare or self.loader.started(e):
+        if not self.room() or self.loader.started(e):
             return None
         slot = self.host.alloc(host_write=True)
         if slot is None:
