@@ -11,6 +11,7 @@ server's ``Session`` take its ``speculator``, and its ``report()`` is what the C
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +21,8 @@ from .routing import RouterHook, resident_fn
 from .speculative import Speculator
 
 __all__ = ["MTPOptions", "Speculation", "attach"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,15 @@ def attach(engine: Any, options: MTPOptions) -> Speculation | None:
         return Speculation(engine, hook)
     blk = nextn_block(engine.model) if engine.options.load_nextn else None
     if blk is None:
+        if o.mtp == "auto" and not o.draft_prefetch:
+            # auto picks the depth, 0 included: a store without a draft block decodes plainly,
+            # so one command line serves every model
+            log.warning("--mtp auto: %s has no NextN/MTP block; decoding without drafts",
+                        engine.store.path)
+            return Speculation(engine, hook)
         raise UsageError("--mtp: this store has no NextN/MTP block",
-                         fix="run without --mtp (GLM-4.5 and GLM-5 stores carry one)")
+                         fix="run without --mtp, or with --mtp auto (GLM-4.5 and GLM-5 stores "
+                             "carry one)")
     if o.mtp == "auto":
         from .gate import UtilityGate
         depth: Any = UtilityGate(max_depth=max(1, o.mtp_max))

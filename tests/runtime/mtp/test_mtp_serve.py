@@ -69,3 +69,24 @@ def test_cli_run_with_mtp_prints_its_figures(store):
     bad = subprocess.run([sys.executable, "-m", "expertfs", "run", str(store), "-p", "x",
                           "--mtp", "many"], capture_output=True, text=True)
     assert bad.returncode != 0 and "--mtp" in bad.stderr
+
+
+def test_mtp_auto_on_a_store_without_a_draft_block_decodes_plainly(tmp_path):
+    """``--mtp auto`` picks the draft depth, none where the store has no NextN block (one
+    command line for every model, with a warning); an explicit depth there is refused."""
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    gguf, store = tmp_path / "plain.gguf", tmp_path / "plain.efs"
+    synthesize(SynthConfig.tiny("qwen3moe"), str(gguf))
+    repack([str(gguf)], str(store))
+    base = [sys.executable, "-m", "expertfs", "run", str(store), "-p", "hello", "-n", "4",
+            "--ignore-eos", "--json", "-t", "1"]
+    auto = subprocess.run(base + ["--mtp", "auto"], capture_output=True, text=True)
+    assert auto.returncode == 0, auto.stderr
+    assert "no NextN/MTP block" in auto.stderr
+    d = json.loads(auto.stdout)
+    assert "mtp" not in d["stats"]
+    assert d["tokens"] == json.loads(subprocess.run(base, capture_output=True,
+                                                    text=True).stdout)["tokens"]
+    fixed = subprocess.run(base + ["--mtp", "2"], capture_output=True, text=True)
+    assert fixed.returncode != 0 and "no NextN/MTP block" in fixed.stderr
