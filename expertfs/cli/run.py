@@ -91,9 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "into the cache itself, as --draft-prefetch always does)")
     p.add_argument("--mtp", default="0", metavar="K|auto",
                    help="speculative decoding with the store's NextN/MTP block: K drafts per "
-                   "step, or auto (a utility gate picks the depth; plain decoding where the store has "
-                   "no such block); 0 = off (default). Greedy "
-                   "output is unchanged; sampled output keeps its distribution")
+                   "step, or auto (a utility gate picks the depth; none without a block); 0 = "
+                   "off (default). Greedy output is unchanged; sampled keeps its distribution")
     p.add_argument("--mtp-max", type=int, default=4, metavar="K",
                    help="deepest draft --mtp auto may choose (4)")
     p.add_argument("--draft-prefetch", action="store_true",
