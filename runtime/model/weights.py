@@ -62,7 +62,14 @@ class RawTensor:
         return n
 
     def to_float(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Dequantized ``[out, in]`` (or 1-D) tensor, contiguous, on ``device``."""
+        """Dequantized ``[out, in]`` (or 1-D) tensor, contiguous, on ``device``. An F32 tensor
+        wanted in float32 on the CPU is a view of its bytes, not a copy: in the mapped trunk
+        it stays file pages (a cap evicts them and they fault back in, as the quantized
+        matrices' do) instead of an anonymous copy beside them, which a cap cannot take back
+        (a MoE model's F32 routers: 1 MiB a layer on Qwen3-30B-A3B, 4.5 MiB on GLM-5.3-Flash)."""
+        if device.type == "cpu" and dtype == torch.float32 and self.ggml_type == GGMLType.F32 \
+                and self.raw.is_contiguous() and self.raw.data_ptr() % 4 == 0:
+            return self.raw.view(torch.float32).view(self.shape)
         src = self.raw.to(device) if device.type != "cpu" else self.raw
         return dequantize(src, self.ggml_type, self.shape, dtype=dtype).contiguous()
 

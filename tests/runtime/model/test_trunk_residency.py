@@ -110,3 +110,27 @@ def test_populate_reads_the_row_tables_with_the_rest(store):
     r.populate()
     assert rows and calls[:len(rows)] == [(mmap.MADV_NORMAL, a, b - a) for a, b in rows]
     assert all(c[0] != mmap.MADV_RANDOM for c in calls)
+
+
+def test_f32_tensors_are_views_of_the_map_not_copies(store):
+    """An F32 tensor loaded in float32 on the CPU (norms, routers) reads the mapped trunk in
+    place: file pages a cap can evict, not an anonymous copy beside them. Other types, and
+    other dtypes, are copies."""
+    import torch
+    from expertfs.formats.dequant import dequantize
+    from expertfs.formats.ggml import GGMLType
+    r = TrunkReader(store)
+    lo, hi = r.base_address, r.base_address + r.mapped_bytes
+    cpu = torch.device("cpu")
+    kinds = set()
+    for name in r.records:
+        t = r.get(name)
+        f = t.to_float(torch.float32, cpu)
+        assert f.shape == t.shape and f.is_contiguous()
+        assert torch.equal(f, dequantize(t.raw, t.ggml_type, t.shape))
+        inside = lo <= f.data_ptr() < hi
+        assert inside == (t.ggml_type == GGMLType.F32), name
+        kinds.add(t.ggml_type == GGMLType.F32)
+        if t.ggml_type == GGMLType.F32:
+            assert not lo <= t.to_float(torch.bfloat16, cpu).data_ptr() < hi
+    assert kinds == {True, False}
