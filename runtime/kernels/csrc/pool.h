@@ -95,7 +95,10 @@ private:
     }
 
     void loop() {
-        uint64_t seen = wake_.load(std::memory_order_acquire);
+        // Not wake_'s value when the thread first runs: a pool destroyed before then has
+        // already counted its stop in wake_, and a worker that took that count as "seen"
+        // slept through it while ~Pool joined it (a pool rebuilt at once by set_spin_us).
+        uint64_t seen = 0;
         for (;;) {
             const auto t0 = std::chrono::steady_clock::now();
             while (wake_.load(std::memory_order_acquire) == seen) {

@@ -331,6 +331,33 @@ def test_pool_concurrent_callers_thread_changes_and_fork():
         torch.set_num_threads(old)
 
 
+_REBUILD = """
+import torch
+from expertfs.runtime import kernels
+from expertfs.formats.ggml import GGMLType
+kernels.set_threads(2)
+raw = torch.zeros(64 * 8 * 18, dtype=torch.uint8)          # Q4_0, 64 rows of 256
+x = torch.randn(1, 256)
+for i in range(3000):
+    kernels.matvec(x, raw, GGMLType.Q4_0, (64, 256))        # a pool, its worker just started
+    kernels.set_spin_us(50 + i % 2)                         # ~Pool joins that worker
+kernels.set_spin_us(50)
+print("done")
+"""
+
+
+def test_a_pool_destroyed_as_soon_as_built_joins_its_workers():
+    """``set_spin_us`` rebuilds the pool: one destroyed before its worker thread first ran
+    must still stop it (the worker once took the stop's wake-up count as already seen and
+    slept through it while ~Pool joined it: ``Engine.close`` hung). In a child, so a hang
+    fails the test instead of the suite."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _REBUILD], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
+
+
 def _child(q, x, w, gate, up, down, types, ff, ref):
     torch.set_num_threads(2)
     q.put(bool(torch.equal(kernels.moe(x, w, gate, up, down, types, ff), ref)))
