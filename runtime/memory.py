@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from ..errors import UsageError
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
-           "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_RESIDENT", "TOKENIZER_BYTES_PER_TOKEN",
+           "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_RESIDENT", "RUNTIME_RESIDENT_PER_LAYER",
+           "TOKENIZER_BYTES_PER_TOKEN",
            "runtime_resident", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
            "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "fallback_slab", "os_headroom",
            "runtime_overhead", "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
@@ -33,12 +34,13 @@ RUNTIME_OVERHEAD = 384 << 20
 #: ... plus the CUDA libraries' host side on a GPU run.
 RUNTIME_OVERHEAD_CUDA = 1 << 30
 #: Of the CPU runtime's overhead, a cap cannot take back the interpreter's and torch's heaps
-#: and the engine's tables, with the tokenizer's per vocabulary entry (its pieces, merges and
-#: lookups); the rest is the libraries' mapped pages, which a cap below the whole evicts and the
-#: run faults back in as it needs them: slower, not killed (``runtime_resident``, ``plan``'s
-#: "working_set_evicted"; the floor against runs under caps down to where they die:
-#: ``bench/working_set.py``).
-RUNTIME_RESIDENT = 176 << 20
+#: and the engine's tables (with a share per decoder block: its tables, its tensors' objects),
+#: with the tokenizer's per vocabulary entry (its pieces, merges and lookups); the rest is the
+#: libraries' mapped pages, which a cap below the whole evicts and the run faults back in as it
+#: needs them: slower, not killed (``runtime_resident``, ``plan``'s "working_set_evicted"; the
+#: floor against runs under caps down to where they die: ``bench/working_set.py``).
+RUNTIME_RESIDENT = 180 << 20
+RUNTIME_RESIDENT_PER_LAYER = 256 << 10
 TOKENIZER_BYTES_PER_TOKEN = 384
 #: Left to the OS and other processes when the limit is the machine's RAM (no cap): an eighth
 #: of it, at least 3 GiB (a quarter of a smaller box).
@@ -157,11 +159,13 @@ def runtime_overhead(cuda: bool = False) -> int:
     return RUNTIME_OVERHEAD + (RUNTIME_OVERHEAD_CUDA if cuda else 0)
 
 
-def runtime_resident(n_vocab: int) -> int:
+def runtime_resident(n_vocab: int, n_layers: int = 0) -> int:
     """The part of a CPU run's ``runtime_overhead`` a cap cannot evict, for a vocabulary of
-    ``n_vocab``: below it, with the KV cache, the workspace and the smallest tier, the run is
-    killed or never finishes."""
-    return min(RUNTIME_OVERHEAD, RUNTIME_RESIDENT + TOKENIZER_BYTES_PER_TOKEN * n_vocab)
+    ``n_vocab`` and ``n_layers`` decoder blocks (NextN's included): below it, with the KV
+    cache the run writes, the workspace and the smallest tier, the run is killed or never
+    finishes."""
+    return min(RUNTIME_OVERHEAD, RUNTIME_RESIDENT + RUNTIME_RESIDENT_PER_LAYER * n_layers
+               + TOKENIZER_BYTES_PER_TOKEN * n_vocab)
 
 
 def swa_ring(window: int, n_ctx: int) -> int:

@@ -29,7 +29,7 @@ from .assumptions import (OS_HEADROOM_MIN, PAGEABLE_FACTOR, PIN_BUDGET_FRACTION,
                           QUEUE_DEPTH, TRUNK_MODES, VRAM_RESERVE_FRACTION,
                           VRAM_RESERVE_MIN, GiB, MiB)
 from .geometry import DTYPE_BYTES, KV_TYPES, Geometry, kv_bytes_per_token, kv_cache_bytes
-from .host import (LIMIT_SOURCES, budget_batch, cap_evicts, os_headroom, run_host_budget,
+from .host import (LIMIT_SOURCES, budget_batch, cap_fit, os_headroom, run_host_budget,
                    trunk_host_bytes, workspace_bytes)
 
 __all__ = ["Box", "Item", "Pool", "Placement", "Memory", "Note", "os_headroom", "workspace_bytes",
@@ -301,8 +301,16 @@ def layout(g: Geometry, box: Box, where: str, trunk_mode: str) -> Memory:
     avail = box.ram - fixed_host
     need_tier = 0 if pl.gpu else k            # a CPU run computes from its RAM tier
     short = avail < need_tier * slot
-    pages = 0 if pl.gpu else max(0, hb.runtime - _memory.runtime_resident(g.n_vocab))
-    out = cap_evicts(hb.trunk, pages, avail, slot, k) if short and trunk_mode == "quant" else None
+    pages = 0 if pl.gpu else max(0, hb.runtime - _memory.runtime_resident(
+        g.n_vocab, g.n_layers + g.n_nextn))
+    out, most = (cap_fit(g, kv_type, box.ctx, box.prompt_tokens + box.n_predict, hb, pages,
+                         avail, slot, k) if short and trunk_mode == "quant" else (None, None))
+    if most is not None:
+        notes.append(Note("warning", "ctx_beyond_working_set",
+                          f"RAM {_gib(box.ram)} cannot hold the KV cache at --ctx {box.ctx} "
+                          f"({_gib(hb.kv)}) beside the run's working set: a run of --prompt-tokens"
+                          f" + -n fits, one past about {most} positions is killed or stalls "
+                          f"(--ctx {most} keeps it inside)"))
     evicted, pages_out = out or (0, 0)
     if out is not None:
         avail = hb.default_tier(slot, k, need_tier)         # run's: the fallback, trunk re-read

@@ -14,7 +14,8 @@ from .assumptions import CPU_DEQUANT_CHUNK, DEQUANT_BYTES_PER_ELEMENT, GPU_DEQUA
 from .geometry import DTYPE_BYTES, Geometry, kv_cache_bytes
 
 __all__ = ["LIMIT_SOURCES", "os_headroom", "workspace_bytes", "prefill_activation_bytes",
-           "budget_batch", "trunk_host_bytes", "run_host_budget", "cap_evicts", "PREFILL_BATCH"]
+           "budget_batch", "trunk_host_bytes", "run_host_budget", "cap_evicts", "cap_fit",
+           "PREFILL_BATCH"]
 
 LIMIT_SOURCES = ("physical", "cgroup", "env", "limit")
 #: ``expertfs run --batch``'s default: the prompt tokens one forward pass takes
@@ -112,6 +113,30 @@ def cap_evicts(trunk: int, pages: int, avail: int, slot: int, k: int) -> tuple[i
         return None
     out = fall - avail
     return min(trunk, out), max(0, min(pages, out - trunk))
+
+
+def cap_fit(g: Geometry, kv_type: str, ctx: int, used: int, hb: HostBudget, pages: int,
+            avail: int, slot: int, k: int) -> tuple[tuple[int, int] | None, int | None]:
+    """``cap_evicts`` for a CPU run with the budget ``hb`` (the KV cache reserved at ``ctx``),
+    and the most positions that fit where the whole context does not: the KV cache grows with
+    the positions a run writes (``runtime.model.attention.cache_zeros``: pages exist where
+    written), so a run of ``used`` positions (the prompt and its tokens) may fit where its
+    ``--ctx`` would not. ((trunk, pages) evicted or None, those positions or None)."""
+    out = cap_evicts(hb.trunk, pages, avail, slot, k)
+    if out is not None or not hb.kv:
+        return out, None
+
+    def evicts(n: int) -> tuple[int, int] | None:
+        kv = _memory.kv_reserve(kv_cache_bytes(g, n, kv_type), g.state_bytes)
+        return cap_evicts(hb.trunk, pages, avail + hb.kv - kv, slot, k)
+    used = max(1, min(ctx, used))
+    if (out := evicts(used)) is None:
+        return None, None
+    lo, hi = used, ctx                                  # lo fits, ctx does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if evicts(mid) is None else (mid, hi)
+    return out, lo
 
 
 def run_host_budget(g: Geometry, ctx: int, device: str = "cpu", trunk_mode: str = "quant", *,

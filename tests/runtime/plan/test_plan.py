@@ -229,7 +229,7 @@ def test_kv_too_big_names_the_context_that_fits() -> None:
 
 def test_cannot_run_exit_1_with_what_it_needs() -> None:
     g = like("Qwen3-235B-A22B")     # 4 GiB: the KV cache and the runtime alone do not fit
-    p = plan_for(g, Box(4 * GiB, 0))
+    p = plan_for(g, Box(4 * GiB, 0, prompt_tokens=8000))       # a prompt that fills --ctx
     assert p.exit_code == 1 and p.prediction is None and not p.memory.runnable
     err = [n for n in p.notes if n.level == "error"]
     assert len(err) == 1 and "cannot hold" in err[0].text and "needed" in err[0].text
@@ -245,7 +245,7 @@ def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None
     runtime's library pages too (a thrash: "working_set_evicted", re-read ``PAGE_REREAD``
     times); it says CANNOT RUN only where even those out leave no room (the resident floor,
     ``memory.runtime_resident``), and for a float trunk (anonymous memory)."""
-    from expertfs.runtime.plan.host import run_host_budget
+    from expertfs.runtime.plan.host import budget_batch, run_host_budget
 
     g = like("Qwen3-30B-A3B")
     slot, k = g.slot_bytes, g.k
@@ -276,7 +276,7 @@ def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None
                                                                      streamed))
     assert not layout(g, box, "cpu", "float").runnable
     # below the trunk out of memory, the runtime's library pages go next: a thrash, not a kill
-    pages = memory.RUNTIME_OVERHEAD - memory.runtime_resident(g.n_vocab)
+    pages = memory.RUNTIME_OVERHEAD - memory.runtime_resident(g.n_vocab, g.n_layers + g.n_nextn)
     assert 0 < pages < memory.RUNTIME_OVERHEAD
     squeezed = Box(fixed - m.ram.item("trunk") + memory.FALLBACK_SLAB // 2, 0, ctx=512,
                    limit_source="limit", n_predict=16)
@@ -289,12 +289,28 @@ def test_a_cap_below_the_trunk_runs_as_run_does_with_the_trunk_re_read() -> None
                                       min(whole, int(fast_x * th.trunk_evicted)) + fast_p)
     slower = plan_for(g, squeezed, tokens=16, trunk="quant").prediction
     assert slower.slow_s > p.prediction.slow_s and slower.fast_s >= p.prediction.fast_s
-    # CANNOT RUN only where even those pages out leave no room: the resident floor
-    none = Box(fixed - m.ram.item("trunk") - pages + memory.FALLBACK_SLAB // 2, 0, ctx=512,
-               limit_source="limit")
+    # CANNOT RUN only where even those pages out leave no room: the resident floor, with the
+    # KV cache the run writes (a prompt that fills --ctx: all of it)
+    floor = fixed - m.ram.item("trunk") - pages + memory.FALLBACK_SLAB // 2
+    none = Box(floor, 0, ctx=512, limit_source="limit", prompt_tokens=500, n_predict=12)
     gone = layout(g, none, "cpu", "quant")
     assert not gone.runnable and gone.trunk_evicted == 0 and gone.pages_evicted == 0
     assert any(n.code == "ram_too_small" for n in gone.notes)
+    # a short run there writes a few positions of the cache: it fits, up to a context it names
+    batch = budget_batch(20)
+    fixed20 = probe - run_host_budget(g, 512, "cpu", "quant", limit=probe, source="limit",
+                                      batch=batch).room
+    floor20 = fixed20 - m.ram.item("trunk") - pages + memory.FALLBACK_SLAB // 2
+    short_run = layout(g, Box(floor20, 0, ctx=512, limit_source="limit", prompt_tokens=20,
+                              n_predict=12), "cpu", "quant")
+    assert short_run.runnable and short_run.trunk_evicted == m.ram.item("trunk")
+    ctx_note = [n for n in short_run.notes if n.code == "ctx_beyond_working_set"]
+    assert len(ctx_note) == 1 and ctx_note[0].level == "warning"
+    most = int(ctx_note[0].text.split("--ctx ")[-1].split()[0])
+    assert 32 <= most < 512
+    for n, runs in ((most, True), (most + 1, False)):
+        at = Box(floor20, 0, ctx=512, limit_source="limit", prompt_tokens=20, n_predict=n - 20)
+        assert layout(g, at, "cpu", "quant").runnable == runs
 
 
 def test_small_ram_tier_warns_disk_bound() -> None:
