@@ -1,7 +1,7 @@
 """``expertfs plan``'s verdict against ``expertfs run`` under caps down to where runs die (issue 19:
 never CANNOT RUN where ``run`` completes, never "fits" where it is killed).
 
-    sudo .venv/bin/python bench/working_set.py STORE --caps 800M,600M,500M,450M,400M
+    sudo .venv/bin/python bench/working_set.py STORE --caps 800M,600M,500M,450M,400M [--floor]
 
 For each cap, largest first: ``plan STORE --memory-limit CAP`` (its status, the warning that
 says why, the decode band) and one ``run`` in a memory cgroup of that size (page cache
@@ -43,6 +43,15 @@ def _plan(store: str, cap: int, a: argparse.Namespace) -> tuple[str, str, str]:
     return d["status"], notes[0] if notes else "", band
 
 
+def _floor(store: str, a: argparse.Namespace) -> int:
+    """The smallest cap, in MiB, at which ``plan`` says the run fits (a bisection)."""
+    lo, hi = 64, 1 << 14
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _plan(store, mid << 20, a)[0] == "cannot_run" else (lo, mid)
+    return hi
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("store")
@@ -51,7 +60,11 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("-n", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--floor", action="store_true",
+                    help="first print the smallest cap plan says the run fits in")
     a = ap.parse_args()
+    if a.floor:
+        print(f"plan's floor: {_floor(a.store, a)} MiB", flush=True)
     dev = block_device_of(a.store)
     argv = [EXPERTFS, "run", a.store, "-p", PROMPT, "-n", str(a.n), "--ignore-eos", "--temp", "1",
             "--seed", "1", "-t", "2", "--ctx", str(a.ctx), "--json"] + (["--ram", a.ram] if a.ram else [])

@@ -74,10 +74,19 @@ def test_like_text_report(capsys) -> None:
 
 
 def test_cannot_run_exits_1(capsys) -> None:
-    d = run_json(capsys, "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0", *FAST, code=1)
+    full = ("--ctx", "4096", "--prompt-tokens", "4000")     # a run that fills its context
+    d = run_json(capsys, "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0", *full, *FAST,
+                 code=1)
     assert d["status"] == "cannot_run" and d["prediction"] is None
-    assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0", *FAST]) == 1
+    assert main(["plan", "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0", *full,
+                 *FAST]) == 1
     assert "CANNOT RUN" in capsys.readouterr().out
+    # a short run there writes a few positions of its KV cache: it runs (thrashing), and plan
+    # names the context past which it would not
+    short = run_json(capsys, "--like", "Qwen3-235B-A22B", "--ram", "2G", "--vram", "0",
+                     "--ctx", "4096", "--prompt-tokens", "64", *FAST)
+    assert short["status"] != "cannot_run"
+    assert "ctx_beyond_working_set" in {n["code"] for n in short["notes"]}
 
 
 @pytest.mark.parametrize("argv, msg", [
