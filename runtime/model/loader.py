@@ -52,8 +52,9 @@ class TrunkWeights:
     nextn: list[BlockWeights]           # NextN/MTP blocks (loaded, not run)
     output_norm: torch.Tensor
     output: Linear
-    float_bytes: int = 0                # trunk bytes held dequantized
-    quant_bytes: int = 0                # trunk bytes kept as ggml blocks (incl. the embedding)
+    float_bytes: int = 0                # trunk bytes held dequantized (copies, not the map)
+    quant_bytes: int = 0                # trunk bytes read in place from the map (ggml blocks,
+                                        # F32 tensors, the embedding)
 
 
 class _Builder:
@@ -66,7 +67,11 @@ class _Builder:
 
     def vec(self, name: str, *, f32: bool = True) -> torch.Tensor:
         t = self.r.get(name).to_float(torch.float32 if f32 else self.dtype, self.device)
-        self.float_bytes += t.numel() * t.element_size()
+        n = t.numel() * t.element_size()
+        if self.r.span_of(t) is not None:       # F32 read in place: the mapped trunk's bytes
+            self.quant_bytes += n
+        else:
+            self.float_bytes += n
         return t
 
     def opt_vec(self, name: str) -> torch.Tensor | None:
@@ -78,7 +83,7 @@ class _Builder:
         lin = Linear.load(w, b, dtype=self.dtype, device=self.device,
                           quantized=w.name not in self.float_names)
         lin.fused = self.fused
-        if lin.weight is None:
+        if lin.weight is None or self.r.span_of(lin.weight) is not None:
             self.quant_bytes += lin.nbytes
         else:
             self.float_bytes += lin.nbytes
