@@ -71,6 +71,7 @@ class Geometry:
     indexer_keys: tuple[int, ...] = ()     # DSA indexer key elements cached per token, per layer
     state_bytes: int = 0                   # fixed per-sequence state, any context (KDA layers'
                                            # conv windows + recurrent states, float32)
+    hc_streams: int = 1                    # residual streams a token carries (mHC: hc_mult)
     swa: tuple[bool, ...] = ()             # sliding-window layers (empty: none)
     sliding_window: int = 0
     expert_types: Mapping[str, int] = field(default_factory=dict)

@@ -58,7 +58,7 @@ def prefill_activation_bytes(g: Geometry, ctx: int, batch: int) -> int:
     query, the output latent and the value rows, two latents' width together, and the
     absorbed queries a chunk of ``MLA_QUERIES`` at a time), the scores and probabilities of a
     first prompt (MLA's in chunks of ``MQA_SCORES``), the widest trunk product's outputs
-    (gate, up, their product) and the hidden states."""
+    (gate, up, their product) and the hidden states (mHC: each of its ``hc_streams``)."""
     t = max(0, min(batch, ctx))
     if t <= 1:
         return 0
@@ -71,7 +71,7 @@ def prefill_activation_bytes(g: Geometry, ctx: int, batch: int) -> int:
         scores = 2 * t * h * t
     widest = max([m.rows for m in g.trunk_matrices if m.rows != g.n_vocab]
                  + [m.rows for layer in g.expert_parts for m in layer], default=0)
-    return 4 * (t * h * per_head + scores + 3 * t * widest + 6 * t * g.n_embd)
+    return 4 * (t * h * per_head + scores + 3 * t * widest + 6 * t * g.n_embd * g.hc_streams)
 
 
 def trunk_host_bytes(g: Geometry, mode: str, device: str = "cpu",

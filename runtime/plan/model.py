@@ -179,6 +179,7 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
         total_expert_bytes=int(summary.get("expert_bytes") or 0),
         kv_heads=kv_heads, key_length=key_len, value_length=val_len, mla_latent=mla,
         indexer_keys=indexer_keys, state_bytes=state_bytes, swa=swa,
+        hc_streams=max(1, _int(a("hyper_connection.count"), 1)),
         sliding_window=window, expert_types=dict(summary.get("expert_types") or {}),
         notes=tuple(notes))
 

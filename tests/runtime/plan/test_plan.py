@@ -645,3 +645,10 @@ def test_the_budget_holds_a_prompt_batch() -> None:
     ram = [layout(ds, Box(64 * GiB, 0, ctx=512, prompt_tokens=p, limit_source="limit"), "cpu",
                   "quant").ram for p in (16, 512)]
     assert ram[0].item("workspace") < ram[1].item("workspace")
+    # mHC (GLM-5.3-Flash): a token carries hc_mult residual streams, each a hidden state
+    from dataclasses import replace
+    g5 = like("GLM-5.3-Flash")
+    assert g5.hc_streams == 4 and qw.hc_streams == ds.hc_streams == 1
+    one_stream = replace(g5, hc_streams=1)
+    assert prefill_activation_bytes(g5, 4096, 256) - prefill_activation_bytes(
+        one_stream, 4096, 256) == 4 * 6 * 256 * g5.n_embd * 3
