@@ -159,7 +159,7 @@ def runtime_overhead(cuda: bool = False) -> int:
     return RUNTIME_OVERHEAD + (RUNTIME_OVERHEAD_CUDA if cuda else 0)
 
 
-def runtime_resident(n_vocab: int, n_layers: int = 0) -> int:
+def runtime_resident(n_vocab: int, n_layers: int) -> int:
     """The part of a CPU run's ``runtime_overhead`` a cap cannot evict, for a vocabulary of
     ``n_vocab`` and ``n_layers`` decoder blocks (NextN's included): below it, with the KV
     cache the run writes, the workspace and the smallest tier, the run is killed or never

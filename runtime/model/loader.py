@@ -65,13 +65,17 @@ class _Builder:
         self.keep_heads = False         # per-head 3-D tensors as ggml bytes (``heads``)
         self.float_bytes = self.quant_bytes = 0
 
+    def _count(self, nbytes: int, float_copy: torch.Tensor | None) -> None:
+        """``nbytes`` of the trunk loaded: held as ``float_copy``, or read in place from the
+        map (ggml bytes: ``float_copy`` None; an F32 tensor ``to_float`` returned as a view)."""
+        if float_copy is None or self.r.span_of(float_copy) is not None:
+            self.quant_bytes += nbytes
+        else:
+            self.float_bytes += nbytes
+
     def vec(self, name: str, *, f32: bool = True) -> torch.Tensor:
         t = self.r.get(name).to_float(torch.float32 if f32 else self.dtype, self.device)
-        n = t.numel() * t.element_size()
-        if self.r.span_of(t) is not None:       # F32 read in place: the mapped trunk's bytes
-            self.quant_bytes += n
-        else:
-            self.float_bytes += n
+        self._count(t.numel() * t.element_size(), t)
         return t
 
     def opt_vec(self, name: str) -> torch.Tensor | None:
@@ -83,10 +87,7 @@ class _Builder:
         lin = Linear.load(w, b, dtype=self.dtype, device=self.device,
                           quantized=w.name not in self.float_names)
         lin.fused = self.fused
-        if lin.weight is None or self.r.span_of(lin.weight) is not None:
-            self.quant_bytes += lin.nbytes
-        else:
-            self.float_bytes += lin.nbytes
+        self._count(lin.nbytes, lin.weight)
         return lin
 
     def heads(self, name: str) -> HeadMatrices:
