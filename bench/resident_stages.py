@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""A CPU run's anonymous memory by stage: what a memory cap cannot evict (no swap), beside the
-RAM tier (a shared mapping, counted apart) and the trunk's file pages (evictable).
+"""A CPU run's anonymous memory by stage: what a memory cap cannot evict (no swap), unlike the
+trunk's file pages. The RAM tier is anonymous too: it is in the "open" stage.
 
 In one process, ``RssAnon`` from ``/proc/self/status`` after ``import torch``, after the
-tokenizer, after ``Engine.open`` (``run``'s fallback tier, no warm start, nothing recorded), at the
+tokenizer, after ``Engine.open`` (``run``'s fallback tier, no warm start, nothing recorded;
+once the tier's background fault-in is done), at the
 peak of a prompt's prefill (sampled every half millisecond on a thread) and after it and a
 few decode tokens. ``expertfs plan``'s resident floor (``runtime.memory.runtime_resident``)
 and workspace (``plan.host.workspace_bytes``) are the model of these figures; where a run
@@ -15,19 +16,32 @@ under a cap dies is ``bench/working_set.py``'s to find.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
 
-PROSE = ("Summarise the main arguments of the attached report on regional water policy, list "
-         "each recommendation with the evidence behind it, and flag statistical weaknesses. ")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lowram import PROSE  # noqa: E402  (bench_plan's prompt: words that rarely repeat)
+
 
 
 def anon_mib() -> int:
     with open("/proc/self/status") as f:
         return int(re.search(r"RssAnon:\s+(\d+)", f.read()).group(1)) >> 10
+
+
+def settled_anon_mib(timeout: float = 30.0) -> int:
+    """``anon_mib`` once it held still for 0.3 s (the RAM tier's pages are faulted in by a
+    background thread after open: a prefill measured before it ends counts them as its own)."""
+    end, last, same = time.monotonic() + timeout, anon_mib(), 0
+    while same < 3 and time.monotonic() < end:
+        time.sleep(0.1)
+        now = anon_mib()
+        same, last = (same + 1, now) if now == last else (0, now)
+    return last
 
 
 def stages(path: str, n: int) -> dict[str, int]:
@@ -44,8 +58,8 @@ def stages(path: str, n: int) -> dict[str, int]:
     out["tokenizer"] = anon_mib()
     eng = Engine.open(path, provider="tiered", ram_bytes=fallback_slab(slot, k),
                       provider_options={"warm_start": False, "record_usage": False})
-    out["open"] = anon_mib()
-    ids = (tok.encode(PROSE * (1 + n // 16)) * 2)[:n]
+    out["open"] = settled_anon_mib()          # the tier's background fault-in finished
+    ids = tok.encode(" ".join([PROSE] * (1 + n // 150)))[:n]
     peak, stop = [out["open"]], threading.Event()
 
     def sample() -> None:

@@ -31,10 +31,10 @@ PROMPT = ("Summarise the main arguments of the attached report on regional water
 
 def _plan(store: str, cap: int, a: argparse.Namespace) -> tuple[str, str, str]:
     """(status, the first warning or error code, the decode band) of ``plan`` at ``cap``, for
-    the prompt ``run`` gets."""
+    the prompt ``run`` gets (``a.prompt_tokens`` of it)."""
     out = subprocess.run([EXPERTFS, "plan", store, "--memory-limit", str(cap), "--ctx",
                           str(a.ctx), "-n", str(a.n), "--prompt-tokens",
-                          str(prompt_tokens(store, PROMPT)), "--json"],
+                          str(a.prompt_tokens), "--json"],
                          capture_output=True, text=True)
     d = json.loads(out.stdout)
     notes = [n["code"] for n in d.get("notes", []) if n["level"] in ("error", "warning")]
@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="first print the smallest cap plan says the run fits in")
     a = ap.parse_args()
+    a.prompt_tokens = prompt_tokens(a.store, PROMPT)        # once: every plan call asks for it
     if a.floor:
         print(f"plan's floor: {_floor(a.store, a)} MiB", flush=True)
     dev = block_device_of(a.store)
