@@ -17,6 +17,7 @@ moment of it."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -28,6 +29,8 @@ from typing import Any
 from .geometry import Geometry
 from .rates import FLOAT_TYPES, DeviceRates, LinearCost, Range, stated_cpu
 from .spread import recent_checks, spread_of, spread_range, storage_spread, with_spread
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["cache_path", "cpu_key", "storage_key", "load", "save", "cpu_rates", "drive_rate",
            "gemm_rate", "dequant_rates", "panel_rates", "spread_of", "with_spread", "recent_checks",
@@ -50,10 +53,11 @@ def _cpu_model() -> str:
 #: how the CPU probes measure; raised when that changes, so no entry of the old way is used
 #: (2: the kernels timed on weights past the last-level cache, ``coldweights.CAP``; 3: the float
 #: products through ``kernels.gemm``, whose library is part of the key; 4: past a last-level
-#: cache of any size, ``coldweights.cold_bytes``). The per-layer overhead is kept per
+#: cache of any size, ``coldweights.cold_bytes``; 5: the check run again after the figures, the
+#: entry keeping the slower, ``_bracket``). The per-layer overhead is kept per
 #: architecture under ``overhead``, beside which an entry's old single figure is never read:
 #: that change needed no new version, so the kernels' figures and speed checks stay valid.
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 
 
 def cpu_key() -> str:
@@ -121,6 +125,9 @@ def save(data: dict[str, Any]) -> None:
 #: how far (a ratio either way) the speed check may move before the cached CPU rates are
 #: measured anew; within it, the box's drift between runs (bench/README.md)
 DRIFT = 1.25
+
+#: the budget of each speed check run after a probe (``_bracket``): a tenth of a second
+CHECK_AFTER_S = 0.1
 
 _EARLIER = {"on": False}             # set while an entry read from the cache is rebuilt
 
@@ -201,6 +208,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
             entry = {}
     kind, period, tiny = _overhead_kind(g, entry, tiny, probe)
     if probe:
+        checks: list[float] = []          # the speed check again after each probe that ran
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
         data["speed|" + key] = recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
@@ -208,12 +216,14 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
         missing = [m for m in quant if m.ggml_type not in fused]
         if missing:
             got, d = probe_trunk_types(missing, budget_s=1.5, act_quant=act_quant)
+            checks.append(speed_check(CHECK_AFTER_S))
             fused.update({t: c.as_dict() for t, c in got.items()})
             detail["measured"] += d
         layers = dict(entry.get("layers" + sfx, {}))
         want = {layer_key(p, g.k) for p in g.expert_parts}
         if want - set(layers):
             got, d = probe_expert_layers(g, budget_s=2.0, known=list(layers), act_quant=act_quant)
+            checks.append(speed_check(CHECK_AFTER_S))
             layers.update({t: c.as_dict() for t, c in got.items()})
             detail["measured"] += d
         if "mem_gbps" not in entry or any(m.ggml_type not in entry.get("linear", {})
@@ -221,6 +231,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
             from .probe import probe_cpu
             rest = [m for m in cpu_mats if m.ggml_type not in fused]
             r, d = probe_cpu(rest, budget_s=1.0)
+            checks.append(speed_check(CHECK_AFTER_S))
             entry["linear"] = {**entry.get("linear", {}),
                                **{t: c.as_dict() for t, c in r.linear.items() if t != "*"}}
             entry["mem_gbps"], entry["op_s"] = r.mem_gbps.as_dict(), r.op_s.as_dict()
@@ -231,10 +242,12 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
         if kind not in over:
             from .overhead import probe_overhead
             lay, tok, d = probe_overhead(k=4, arch=g.arch, period=period, writer=tiny)
+            checks.append(speed_check(CHECK_AFTER_S))
             over[kind] = {"layer_s": lay.as_dict(), "token_s": tok.as_dict()}
             entry["overhead"] = over
             detail["overhead"] = d
         entry["fused" + sfx], entry["layers" + sfx] = fused, layers
+        _bracket(entry, detail, now, checks)
         data[key] = entry
         save(data)
     detail["from_cache"] = bool(entry) and not detail["measured"] and "overhead" not in detail \
@@ -252,6 +265,26 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
         rates = replace(rates, fused={**stated, **rates.fused})
         detail["stated_native"] = sorted(stated)
     return rates, detail
+
+
+def _bracket(entry: dict[str, Any], detail: dict[str, Any], before: float,
+             after: list[float]) -> None:
+    """The entry's speed check once figures were measured (``after``: the check run again after
+    each probe): a box that slowed down while they were (another process took a core) left
+    figures that the check before them does not describe, so the entry keeps the slowest
+    check. A later plan on the box at its usual speed then sees the drift and measures them
+    anew, instead of taking half-speed figures for the box's own for as long as its checks
+    stay within ``DRIFT`` of the one made before them."""
+    if not after:
+        return
+    detail["checks_after"] = after
+    low = min(after)
+    if low < entry["check_gbps"]:
+        entry["check_gbps"] = detail["check_gbps"] = low
+    if not 1 / DRIFT <= low / before <= DRIFT:
+        logger.warning("the box slowed from %.1f to %.1f GB/s while plan measured it: its CPU "
+                       "figures may be off until a plan on a quiet box measures them again",
+                       before, low)
 
 
 def _spread(data: dict[str, Any], key: str) -> tuple[float, float] | None:

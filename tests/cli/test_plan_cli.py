@@ -352,7 +352,7 @@ def test_plan_for_act_quant_q8_measures_the_q8_kernels(capsys, monkeypatch, tiny
     cached entry, both numerics' figures with it, by design.)"""
     from expertfs.runtime.plan import boxcache, native
 
-    monkeypatch.setattr(native, "speed_check", lambda budget_s=0.25: 10.0)
+    monkeypatch.setattr(native, "speed_check", lambda *_: 10.0)
 
     argv = [str(tiny_store), "--ram", "16G", "--vram", "0", "--tokens", "16"]
     q8 = run_json(capsys, *argv, "--act-quant", "q8")

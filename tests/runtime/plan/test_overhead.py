@@ -30,7 +30,7 @@ def test_cpu_rates_cache_the_overhead_per_architecture(tmp_path, monkeypatch) ->
     from expertfs.runtime.plan import native, overhead
 
     monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
-    monkeypatch.setattr(native, "speed_check", lambda: 10.0)
+    monkeypatch.setattr(native, "speed_check", lambda *_: 10.0)
     asked: list[tuple[str, int, bool]] = []
 
     def fake(k, arch="qwen3moe", period=1, writer=None, tokens=24):
