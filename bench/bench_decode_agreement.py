@@ -11,7 +11,16 @@ Glm4Moe (+NextN) and Mixtral converted with experts in F32, Q8_0, Q4_0 and MXFP4
 Q8_0 when the experts are quantized), synthetic qwen3moe/glm4moe/llama in Q4_K_M, and any
 ``--gguf`` given (a store is made beside it when missing).
 
+``--presets``: instead, every ``synth --like`` geometry (or those named) in every ``--quants``
+mix, cut to a few layers (one MoE layer at least; GLM-5's four: three dense, the fourth holding
+its first MLA layer), 16 experts and an 8192-token vocabulary, each file deleted after its row.
+Each row compares llama.cpp with expertfs twice: exact (the default) and ``--act-quant q8``
+(llama.cpp's own 8-bit activations), so a gap that only the exact row shows is the activation
+quantization's, and one both show is a difference in the model's arithmetic.
+
     .venv/bin/python bench/bench_decode_agreement.py [--gguf MODEL.gguf ...] [--json]
+    .venv/bin/python bench/bench_decode_agreement.py --presets [Kimi-K2,...] \
+        [--quants q4_k_m,iq2_m,maya-s,q3_k_m,mixed]
 """
 
 from __future__ import annotations
@@ -35,9 +44,9 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from llama_peer import llama_logits  # noqa: E402
 
 
-def ours(store: str, tokens: list[int]) -> np.ndarray:
+def ours(store: str, tokens: list[int], **opts) -> np.ndarray:
     from expertfs.runtime.engine import Engine
-    with Engine.open(store, provider="direct", fused="off") as e:
+    with Engine.open(store, provider="direct", **({"fused": "off"} | opts)) as e:
         return e.logits(tokens).numpy()
 
 
@@ -82,18 +91,50 @@ def synthetic(d: str, tokens: list[int]) -> list[dict]:
 
 def given(paths: list[str], text: str) -> list[dict]:
     from expertfs.store.repack import repack
-    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
-    from expertfs.store.reader import Store
     rows = []
     for g in paths:
         s = g[:-5] + ".efs" if g.endswith(".gguf") else g + ".efs"
         if not os.path.isdir(s):
             repack([g], s)
-        with Store.open(s) as st:
-            toks = GGUFTokenizer(st.gguf_kv()).encode(text)
+        toks = tokenize(s, text)
         rows.append({"model": os.path.basename(g), "tokens": len(toks),
                      "vs_llama": compare(ours(s, toks), llama_logits(g, toks))})
     return rows
+
+
+def presets(d: str, likes: list[str], quants: list[str], text: str) -> list[dict]:
+    """Each ``--like`` geometry in each quant mix, cut small (``--presets``): exact and q8
+    logits against llama.cpp's on a text prompt."""
+    import shutil
+
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    rows = []
+    for like in likes:
+        for quant in quants:
+            cfg = SynthConfig.like(like, layers=4 if like.startswith("GLM-5") else 2,
+                                   n_experts=16, n_vocab=8192, quant=quant)
+            g, s = os.path.join(d, "p.gguf"), os.path.join(d, "p.efs")
+            synthesize(cfg, g)
+            repack([g], s, force=True)
+            try:
+                toks = tokenize(s, text)
+                ref = llama_logits(g, toks)
+                rows.append({"model": f"{like} {quant}", "tokens": len(toks),
+                             "vs_llama": compare(ours(s, toks, fused="auto"), ref),
+                             "q8_vs_llama": compare(ours(s, toks, fused="auto",
+                                                         act_quant="q8"), ref)})
+            finally:
+                os.unlink(g)
+                shutil.rmtree(s)
+    return rows
+
+
+def tokenize(store: str, text: str) -> list[int]:
+    from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
+    from expertfs.store.reader import Store
+    with Store.open(store) as st:
+        return GGUFTokenizer(st.gguf_kv()).encode(text)
 
 
 def main() -> int:
@@ -101,8 +142,25 @@ def main() -> int:
     ap.add_argument("--gguf", nargs="*", default=[], help="more GGUFs to compare (text prompt)")
     ap.add_argument("--text", default="def fibonacci(n):\n    \"\"\"Return the n-th number.\"\"\"\n")
     ap.add_argument("--skip-builtin", action="store_true", help="only the --gguf models")
+    ap.add_argument("--presets", nargs="?", const="all", metavar="LIKE,...",
+                    help="instead: every synth --like geometry (or these) in every --quants mix")
+    ap.add_argument("--quants", default="q4_k_m,iq2_m,maya-s,q3_k_m,mixed")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.presets:
+        from expertfs.synth.presets import PRESETS
+        likes = list(PRESETS) if a.presets == "all" else a.presets.split(",")
+        with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
+            rows = presets(d, likes, a.quants.split(","), a.text)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"{'model':32s} {'exact: top1':>11s} {'max|Δ|':>8s} {'q8: top1':>9s} {'max|Δ|':>8s}")
+        for r in rows:
+            v, q = r["vs_llama"], r["q8_vs_llama"]
+            print(f"{r['model']:32s} {v['top1']:11.2f} {v['max']:8.3f} {q['top1']:9.2f} "
+                  f"{q['max']:8.3f}")
+        return 0
     tokens = [5, 100, 200, 37, 400, 12, 7, 300, 255, 1, 2, 3, 77, 500, 9, 64, 128, 256, 33, 44]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
