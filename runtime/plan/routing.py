@@ -188,6 +188,20 @@ def _popularity(g: Geometry, usage: dict[tuple[int, int], float]):
     return pop
 
 
+def _draw_weights(pop, k: int):
+    """Gumbel-top-``k`` weights (``trace.synth``'s fresh picks: ``k`` experts a token without
+    replacement) under which each expert's share of routes is its share of ``pop``
+    (``[layers, experts]``): drawn in proportion to its counts, an expert in nearly every
+    route would be left out of some and the rare ones drawn more often than they were. Its
+    inclusion probability ``pi = k · share``; successive sampling includes an expert of
+    weight ``w`` with probability about ``1 - exp(-w t)``, so ``w = -log(1 - pi)`` (``t`` = 1,
+    where the ``pi`` sum to ``k``)."""
+    import numpy as np
+
+    pi = np.minimum(k * pop / pop.sum(axis=1, keepdims=True), 1.0 - 1e-6)
+    return -np.log1p(-pi)
+
+
 def _beyond(share: float, chance: float, n: float) -> float:
     """The probability ``p`` that makes ``share`` = p + (1 - p) ``chance``, counting only what
     exceeds chance by more than twice the binomial spread of ``n`` draws (where nearly every
@@ -203,15 +217,18 @@ def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
                  tokens: int = DEFAULT_TOKENS, seed: int = 0,
                  dynamics: Dynamics | None = None) -> Replay:
     """A trace drawn from a store's learned usage ((block, expert) → routes) with the
-    dynamics of the preset ``spec``: the layers' popularity is the learned counts plus
-    ``USAGE_PRIOR``. With ``dynamics`` the tokens after the first quarter (what ``route``
+    dynamics of the preset ``spec``: each layer's fresh picks are drawn so that an expert is
+    in a token's route as often as the learned counts plus ``USAGE_PRIOR`` say
+    (``_draw_weights``). With ``dynamics`` the tokens after the first quarter (what ``route``
     learns from, as a run's decode follows its prompt) keep and reuse experts as the store's
-    runs did."""
-    pop = _popularity(g, usage)
+    runs did, and no pick follows the preset's cross-layer links: those are random
+    permutations, not this model's, and they drew a capped Qwen3-30B-A3B cut's decode away
+    from the experts its runs use (bench/README.md, plan's learned routing)."""
+    pop = _draw_weights(_popularity(g, usage), g.k)
     s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_experts, k=g.k,
                    n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
     if dynamics is not None:
-        s = dataclasses.replace(s, decode_after=max(1, tokens // 4),
+        s = dataclasses.replace(s, decode_after=max(1, tokens // 4), cross_layer=0.0,
                                 decode_stickiness=dynamics.stickiness, reuse=dynamics.reuse)
     header = dataclasses.replace(synthetic_header(s), expert_bytes=g.extent_bytes)
     return Replay.from_chunks(header, synthetic_chunks(s, popularity=pop))

@@ -365,3 +365,39 @@ def test_a_box_that_slows_while_plan_measures_it_is_measured_again(tmp_path, mon
     assert not again["from_cache"] and again["check_gbps"] == 20.0
     _, cached = boxcache.cpu_rates(g, mats, probe=True)   # nothing measured: no check after
     assert cached["from_cache"] and "checks_after" not in cached
+
+
+def test_a_usage_replay_routes_each_expert_as_often_as_the_runs_did() -> None:
+    """Fresh picks drawn with ``_draw_weights`` include each expert in a token's route at its
+    learned share (k x its share of the counts), to a few points; drawn in proportion to the
+    counts instead, the expert in 97% of the routes is left out of a quarter of them."""
+    import numpy as np
+
+    from expertfs.runtime.plan.routing import _draw_weights
+    from expertfs.runtime.trace.synth import SyntheticSpec, synthetic_chunks
+
+    E, k, n = 32, 4, 4000
+    pi = np.array([0.97, 0.8, 0.6, 0.4] + [(k - 2.77) / (E - 4)] * (E - 4))   # sums to k
+    counts = np.tile(pi * 1000.0, (2, 1))
+    spec = SyntheticSpec(n_layers=2, n_experts=E, k=k, n_tokens=n, zipf=0.0, stickiness=0.0)
+
+    def included(weights) -> np.ndarray:
+        routes = np.concatenate([c.experts.reshape(-1, 2, k)
+                                 for c in synthetic_chunks(spec, popularity=weights)])
+        return np.stack([np.bincount(routes[:, i].ravel(), minlength=E) / n for i in range(2)])
+    assert np.abs(included(_draw_weights(counts, k)) - pi).max() < 0.05   # an approximation
+    assert included(counts)[:, 0].max() < 0.8
+
+
+def test_a_replay_with_learned_dynamics_follows_no_preset_cross_layer_links() -> None:
+    """The presets' cross-layer links are random permutations, not the model's: with the store's
+    own decode dynamics the replay drops them; a preset alone keeps its own."""
+    from expertfs.runtime.plan.routing import Dynamics, usage_replay
+    from expertfs.runtime.trace.synth import PRESETS
+
+    g = qwen()
+    usage = {(layer, e): 1.0 + e for layer in g.moe_layers for e in range(g.n_experts)}
+    plain = usage_replay(g, usage, "mixed", tokens=8)
+    learned = usage_replay(g, usage, "mixed", tokens=8, dynamics=Dynamics(0.4, 0.2, 64.0))
+    assert plain.header.meta["spec"]["cross_layer"] == PRESETS["mixed"]["cross_layer"] > 0
+    assert learned.header.meta["spec"]["cross_layer"] == 0.0
