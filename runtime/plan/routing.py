@@ -62,11 +62,18 @@ def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, se
     return Replay.from_chunks(header, synthetic_chunks(s))
 
 
-def usage_tokens(g: Geometry, usage: dict[tuple[int, int], float]) -> float:
-    """Tokens the usage table has seen, per MoE layer on average (a layer's counts / k)."""
+def usage_tokens(g: Geometry, usage: dict[tuple[int, int], float],
+                 counters: dict[str, int] | None = None) -> float:
+    """Tokens the usage table has seen, per MoE layer on average: a layer's counts / k, or
+    where the runs' counters (``runtime.cache.usage``) say more, their prompts' tokens and
+    their decoded ones. A prompt's batch adds its union to the table, each expert once, so
+    its counts alone make a 67-token prompt about six tokens."""
     if not g.moe_layers or not g.k:
         return 0.0
-    return sum(usage.values()) / g.k / len(g.moe_layers)
+    L = len(g.moe_layers)
+    counted = sum(usage.values()) / g.k / L
+    c = counters or {}
+    return max(counted, (c.get("prompt_tokens", 0) + c.get("routes", 0) / g.k) / L)
 
 
 @dataclasses.dataclass(frozen=True)

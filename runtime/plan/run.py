@@ -136,37 +136,38 @@ def plan_options(g: Geometry, box: Box, rates: Rates, routing_for: RoutingFor, *
     return [done.get(id(m), Option(m)) for m in mems]
 
 
-def learned_usage(target: str | None, g: Geometry
-                  ) -> tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None]:
+Learned = tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None, float]
+
+
+def learned_usage(target: str | None, g: Geometry) -> Learned:
     """The store's learned usage ((block, expert) → routes) when ``target`` is a store whose
     earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens, else {}, and with it the
-    decode dynamics those runs counted (``learned_dynamics``), or None; and the coverage of
-    the prompts they counted, one whole prompt enough (``learned_coverage``), or None."""
+    decode dynamics those runs counted (``learned_dynamics``), or None; the coverage of the
+    prompts they counted (``learned_coverage``), or None; and the tokens it was learned from."""
     if not target or not os.path.isdir(target):
-        return {}, None, None
+        return {}, None, None, 0.0
     from ...store.reader import Store
     try:
         with Store.open(target) as st:
             usage = {(int(la), int(e)): float(c) for (la, e), c in st.index.usage().items()}
             counters = st.index.usage_dynamics()
     except Exception:                  # an index without a usage table (older stores): the presets
-        return {}, None, None
+        return {}, None, None, 0.0
     coverage = learned_coverage(g, counters)
-    if usage_tokens(g, usage) < MIN_USAGE_TOKENS:
-        return {}, None, coverage
-    return usage, learned_dynamics(g, counters, usage), coverage
+    tokens = usage_tokens(g, usage, counters)
+    if tokens < MIN_USAGE_TOKENS:
+        return {}, None, coverage, 0.0
+    return usage, learned_dynamics(g, counters, usage), coverage, tokens
 
 
 class Replays:
-    """The routing replays of one plan, each built once and shared by the hit-rate simulation
-    and the first token: ``trace`` (the recorded trace), ``usage:PRESET`` (the store's learned
-    usage with the preset's dynamics) or a synthetic preset."""
+    """The routing replays of one plan, each built once for the hit rates and the first token:
+    ``trace``, ``usage:PRESET`` (the learned usage, the preset's dynamics) or a preset."""
 
-    def __init__(self, g: Geometry, req: PlanRequest,
-                 learned: tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None],
+    def __init__(self, g: Geometry, req: PlanRequest, learned: Learned,
                  say: Callable[[str], None]) -> None:
         self.g, self.req, self.say = g, req, say
-        self.usage, self.dynamics, self.coverage = learned
+        self.usage, self.dynamics, self.coverage, self.tokens = learned
         self._built: dict[str, Any] = {}
 
     def get(self, spec: str) -> Any:
@@ -208,7 +209,7 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
             return f"trace {req.trace}"
         if spec.startswith("usage:"):
             dyn = replays.dynamics
-            return (f"this store's learned usage ({usage_tokens(g, usage):.0f} tokens of earlier "
+            return (f"this store's learned usage ({replays.tokens:.0f} tokens of earlier "
                     f"runs), '{spec[6:]}' dynamics"
                     + (f" in the prompt, {dyn.describe()}" if dyn is not None else ""))
         return f"synthetic '{spec}'"
@@ -312,7 +313,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail["compute_paths"] = compute_paths(g, req.act_quant)
 
     # --- routing and the choice ------------------------------------------------------------
-    replays = Replays(g, req, ({}, None, None) if req.trace else learned_usage(req.target, g), say)
+    learned = ({}, None, None, 0.0) if req.trace else learned_usage(req.target, g)
+    replays = Replays(g, req, learned, say)
     routing_for = simulator_routing(g, req, say, replays)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     plan = make_plan(g, box, options, rates, probes=detail, forced=forced)

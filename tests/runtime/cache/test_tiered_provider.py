@@ -493,7 +493,7 @@ def test_a_prompt_teaches_the_store_how_much_of_a_layer_it_touches(tmp_path):
     from expertfs.runtime.plan.model import load_geometry
     from expertfs.runtime.plan.run import learned_usage
     g, _ = load_geometry(str(path))
-    learned, dynamics, coverage = learned_usage(str(path), g)
+    learned, dynamics, coverage, _ = learned_usage(str(path), g)
     assert learned == {} and dynamics is None
     assert coverage.tokens == len(prompt) and coverage.touched(len(prompt)) == pytest.approx(
         len(usage) / len(layers), abs=0.01)

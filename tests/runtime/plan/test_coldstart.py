@@ -401,3 +401,19 @@ def test_a_replay_with_learned_dynamics_follows_no_preset_cross_layer_links() ->
     learned = usage_replay(g, usage, "mixed", tokens=8, dynamics=Dynamics(0.4, 0.2, 64.0))
     assert plain.header.meta["spec"]["cross_layer"] == PRESETS["mixed"]["cross_layer"] > 0
     assert learned.header.meta["spec"]["cross_layer"] == 0.0
+
+
+def test_the_learned_tokens_count_a_prompts_tokens_not_its_union() -> None:
+    """Three runs of a 67-token prompt and 16 decoded tokens: their usage holds each prompt's
+    union (40 experts a layer) and the decoded routes, 21 tokens a run by the counts, but
+    the counters say 83 a run, enough for ``MIN_USAGE_TOKENS``."""
+    from expertfs.runtime.plan.routing import MIN_USAGE_TOKENS, usage_tokens
+
+    g = qwen()
+    L, k = len(g.moe_layers), g.k
+    usage = {(layer, e): 3.0 + (16.0 * 3 if e < k else 0.0)
+             for layer in g.moe_layers for e in range(40)}
+    counters = {"prompt_tokens": 3 * 67 * L, "prompt_layers": 3 * L, "routes": 3 * 16 * k * L}
+    assert usage_tokens(g, usage) < MIN_USAGE_TOKENS <= usage_tokens(g, usage, counters)
+    assert usage_tokens(g, usage, counters) == pytest.approx(3 * (67 + 16))
+    assert usage_tokens(g, usage, {}) == usage_tokens(g, usage)     # older runs: the counts
