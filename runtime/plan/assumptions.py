@@ -105,7 +105,8 @@ ASSUMPTIONS: dict[str, Any] = {
     "gpu_traffic_bytes_per_element": GPU_TRAFFIC_PER_ELEMENT,
     "ops_per_layer": OPS_PER_LAYER, "attention_fast_fraction_of_ctx": ATTENTION_FAST_FRACTION,
     "expert_overhead_s": {"slow": EXPERT_OVERHEAD_S[0], "fast": EXPERT_OVERHEAD_S[1],
-                          "source": "calibrated once: expert run on the demo store, 2-core VM"},
+                          "source": "calibrated once: expert run on the demo store, 2-core VM; "
+                                    "the torch path's, where the native kernels are unavailable"},
     "trunk_reread": f"{TRUNK_REREAD[0]:g}-{TRUNK_REREAD[1]:g} x the trunk bytes the cap keeps "
                     "out of memory, a token (at most the whole trunk)",
     "page_reread": f"{PAGE_REREAD[0]:g}-{PAGE_REREAD[1]:g} x the runtime's library pages a cap "

@@ -264,6 +264,12 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
     if stated:
         rates = replace(rates, fused={**stated, **rates.fused})
         detail["stated_native"] = sorted(stated)
+    if rates.layer_s is None and stated:             # the native path's own work, not torch's
+        from .native import STATED_NATIVE_LAYER_S, STATED_NATIVE_TOKEN_S
+        src = ("stated default: the native path's work beside its products, per layer and "
+               "token, over the architectures measured (measure: drop --no-probe)")
+        rates = replace(rates, layer_s=Range(*STATED_NATIVE_LAYER_S, src),
+                        token_s=Range(*STATED_NATIVE_TOKEN_S, src))
     return rates, detail
 
 

@@ -29,8 +29,18 @@ __all__ = ["kernel_info", "layer_key", "compute_cost", "layer_cost", "probe_trun
 #: the fast end what the probe measures on the AVX2 box (bench/README.md), the slow end about
 #: half of it, for a busier or older core
 STATED_NATIVE_GWPS = (5.0, 11.0)
+#: the same where the kernels run AVX-512: the fast end what the probe measures on the Zen 4 box
+#: (Q4_K exact, one thread), the slow end about half of it
+STATED_NATIVE_GWPS_AVX512 = (10.0, 22.0)
 #: and the time of one call beyond its bytes (thread wake-up, activation preparation)
 STATED_NATIVE_CALL_S = (20e-6, 10e-6)
+#: the runtime's work beside the native products when nothing was measured, seconds a decoder
+#: layer and a token at the (slow, fast) end: ``overhead.probe_overhead``'s figures span a
+#: qwen3moe layer to a glm5-next one on the boxes of bench/README.md (the per-layer overhead
+#: of the model's own architecture); where the native kernels compute the experts this
+#: replaces the torch path's stated cost per expert (``assumptions.EXPERT_OVERHEAD_S``)
+STATED_NATIVE_LAYER_S = (700e-6, 100e-6)
+STATED_NATIVE_TOKEN_S = (100e-6, 20e-6)
 
 
 def _times(fn: Callable[[], Any], reps: int, budget_s: float) -> list[float]:
@@ -100,14 +110,15 @@ def speed_check(budget_s: float = 0.25) -> float:
 def stated_native(types: Sequence[str], mem: Range, cores: int | None = None
                   ) -> dict[str, LinearCost]:
     """``{type: LinearCost}`` of the native kernels for the ``types`` this machine computes
-    natively, from ``STATED_NATIVE_GWPS`` per core over ``cores`` (this machine's), never past
-    the memory bandwidth ``mem`` (GB/s)."""
+    natively, from ``STATED_NATIVE_GWPS`` (``_AVX512`` where the kernels run it) per core over
+    ``cores`` (this machine's), never past the memory bandwidth ``mem`` (GB/s)."""
     import os
 
     from .rates import bytes_per_element
 
     n = cores or os.cpu_count() or 1
-    lo, hi = STATED_NATIVE_GWPS
+    lo, hi = STATED_NATIVE_GWPS_AVX512 if kernel_info().get("isa") == "avx512" \
+        else STATED_NATIVE_GWPS
     src = (f"stated default: the native kernels at {lo:g}-{hi:g} G weights/s per core x {n} "
            f"cores, at most the memory bandwidth (measure: drop --no-probe)")
     over = Range(*STATED_NATIVE_CALL_S, src)

@@ -259,8 +259,12 @@ def test_a_random_router_learns_no_reuse_and_a_working_set_does() -> None:
 
 def test_no_probe_prices_native_types_at_the_native_kernels_stated_rate(tmp_path, monkeypatch) -> None:
     """With nothing measured or cached, a type the native kernels compute gets their stated
-    per-core rate (bounded by the memory bandwidth), not torch dequantization's."""
-    from expertfs.runtime.plan.native import STATED_NATIVE_GWPS, _native_types, stated_native
+    per-core rate for the kernels' ISA (bounded by the memory bandwidth), not torch
+    dequantization's, and the native path's stated work a layer instead of the torch path's
+    per expert."""
+    from expertfs.runtime.plan.native import (STATED_NATIVE_GWPS, STATED_NATIVE_GWPS_AVX512,
+                                              STATED_NATIVE_LAYER_S, _native_types, kernel_info,
+                                              stated_native)
     from expertfs.runtime.plan.rates import bytes_per_element
 
     monkeypatch.setenv("EXPERTFS_PLAN_CACHE", str(tmp_path / "rates.json"))
@@ -276,10 +280,12 @@ def test_no_probe_prices_native_types_at_the_native_kernels_stated_rate(tmp_path
     mem = Range(10.0, 20.0, "t")
     got = stated_native([t], mem, cores=2)[t].gbps
     bpe = bytes_per_element(t)
-    assert (got.slow, got.fast) == (min(10.0, STATED_NATIVE_GWPS[0] * 2 * bpe),
-                                    min(20.0, STATED_NATIVE_GWPS[1] * 2 * bpe))
+    lo, hi = STATED_NATIVE_GWPS_AVX512 if kernel_info().get("isa") == "avx512" \
+        else STATED_NATIVE_GWPS
+    assert (got.slow, got.fast) == (min(10.0, lo * 2 * bpe), min(20.0, hi * 2 * bpe))
     assert stated_native(["F32"], mem) == {}                     # floats: torch's products
     assert detail["stated_native"] == sorted(native)
+    assert (rates.layer_s.slow, rates.layer_s.fast) == STATED_NATIVE_LAYER_S
 
 
 def test_cached_cpu_rates_are_measured_anew_when_the_box_speed_moved(tmp_path, monkeypatch) -> None:
