@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lowram import PROSE  # noqa: E402  (bench_plan's prompt: words that rarely repeat)
 
 
-
 def anon_mib() -> int:
     with open("/proc/self/status") as f:
         return int(re.search(r"RssAnon:\s+(\d+)", f.read()).group(1)) >> 10
@@ -46,17 +45,16 @@ def settled_anon_mib(timeout: float = 30.0) -> int:
 
 def stages(path: str, n: int) -> dict[str, int]:
     from expertfs.runtime.engine import Engine
+    from expertfs.runtime.memory import fallback_slab
+    from expertfs.runtime.plan.model import geometry_of_store
     from expertfs.runtime.tokenizer.gguf import GGUFTokenizer
     from expertfs.store.reader import Store
     out = {"torch": anon_mib()}
-    from expertfs.runtime.memory import fallback_slab
     with Store.open(path) as st:
-        kv = st.gguf_kv()
-        tok = GGUFTokenizer(kv, path)
-        slot = max(e.length for e in st.index.extents())
-        k = next(int(v.value) for key, v in kv.items() if key.endswith(".expert_used_count"))
-    out["tokenizer"] = anon_mib()
-    eng = Engine.open(path, provider="tiered", ram_bytes=fallback_slab(slot, k),
+        tok = GGUFTokenizer(st.gguf_kv(), path)
+        out["tokenizer"] = anon_mib()
+        g = geometry_of_store(st)                 # run's slot and k (cli._tiers)
+    eng = Engine.open(path, provider="tiered", ram_bytes=fallback_slab(g.slot_bytes, g.k),
                       provider_options={"warm_start": False, "record_usage": False})
     out["open"] = settled_anon_mib()          # the tier's background fault-in finished
     ids = tok.encode(" ".join([PROSE] * (1 + n // 150)))[:n]

@@ -18,8 +18,7 @@ from ..errors import UsageError
 
 __all__ = ["physical_memory", "cgroup_limit", "memory_limit", "limit_and_source", "LIMIT_ENV",
            "default_ram_tier", "RUNTIME_OVERHEAD", "RUNTIME_RESIDENT", "RUNTIME_RESIDENT_PER_LAYER",
-           "TOKENIZER_BYTES_PER_TOKEN",
-           "runtime_resident", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
+           "TOKENIZER_BYTES_PER_TOKEN", "runtime_resident", "RUNTIME_OVERHEAD_CUDA", "KV_GROWTH_PEAK",
            "OS_HEADROOM_MIN", "OS_HEADROOM_FRACTION", "FALLBACK_SLAB", "fallback_slab", "os_headroom",
            "runtime_overhead", "kv_reserve", "HostBudget", "host_budget", "check_budget", "resident_trunk_bytes",
            "SWA_RING_WINDOWS", "SWA_CHECKPOINTS", "swa_ring", "swa_positions",

@@ -208,30 +208,32 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
             entry = {}
     kind, period, tiny = _overhead_kind(g, entry, tiny, probe)
     if probe:
-        checks: list[float] = []          # the speed check again after each probe that ran
+        checks: list[float] = []
+
+        def checked(probed):                # the speed check again after each probe that ran
+            checks.append(speed_check(CHECK_AFTER_S))
+            return probed
         detail["check_gbps"] = entry.setdefault("check_gbps", now)
         data["speed|" + key] = recent_checks(data.get("speed|" + key), now)
         quant = [m for m in cpu_mats if m.ggml_type not in FLOAT_TYPES]
         fused = dict(entry.get("fused" + sfx, {}))
         missing = [m for m in quant if m.ggml_type not in fused]
         if missing:
-            got, d = probe_trunk_types(missing, budget_s=1.5, act_quant=act_quant)
-            checks.append(speed_check(CHECK_AFTER_S))
+            got, d = checked(probe_trunk_types(missing, budget_s=1.5, act_quant=act_quant))
             fused.update({t: c.as_dict() for t, c in got.items()})
             detail["measured"] += d
         layers = dict(entry.get("layers" + sfx, {}))
         want = {layer_key(p, g.k) for p in g.expert_parts}
         if want - set(layers):
-            got, d = probe_expert_layers(g, budget_s=2.0, known=list(layers), act_quant=act_quant)
-            checks.append(speed_check(CHECK_AFTER_S))
+            got, d = checked(probe_expert_layers(g, budget_s=2.0, known=list(layers),
+                                                 act_quant=act_quant))
             layers.update({t: c.as_dict() for t, c in got.items()})
             detail["measured"] += d
         if "mem_gbps" not in entry or any(m.ggml_type not in entry.get("linear", {})
                                           for m in cpu_mats if m.ggml_type not in fused):
             from .probe import probe_cpu
             rest = [m for m in cpu_mats if m.ggml_type not in fused]
-            r, d = probe_cpu(rest, budget_s=1.0)
-            checks.append(speed_check(CHECK_AFTER_S))
+            r, d = checked(probe_cpu(rest, budget_s=1.0))
             entry["linear"] = {**entry.get("linear", {}),
                                **{t: c.as_dict() for t, c in r.linear.items() if t != "*"}}
             entry["mem_gbps"], entry["op_s"] = r.mem_gbps.as_dict(), r.op_s.as_dict()
@@ -241,8 +243,7 @@ def cpu_rates(g: Geometry, cpu_mats: list, *, probe: bool = True, act_quant: str
         over = dict(entry.get("overhead") or {})
         if kind not in over:
             from .overhead import probe_overhead
-            lay, tok, d = probe_overhead(k=4, arch=g.arch, period=period, writer=tiny)
-            checks.append(speed_check(CHECK_AFTER_S))
+            lay, tok, d = checked(probe_overhead(k=4, arch=g.arch, period=period, writer=tiny))
             over[kind] = {"layer_s": lay.as_dict(), "token_s": tok.as_dict()}
             entry["overhead"] = over
             detail["overhead"] = d
