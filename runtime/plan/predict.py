@@ -140,8 +140,8 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
     terms.append(Term("experts", *ex,
                       f"{g.k} x {len(g.moe_layers)} experts ({g.token_expert_bytes / MiB:.0f} MiB "
                       f"incl. padding), {how} on the {pl.experts.upper()}"))
-    measured = exp_rates.layer_s is not None and pl.trunk == pl.experts == "cpu"
-    if not measured:
+    per_layer = exp_rates.layer_s is not None and pl.trunk == pl.experts == "cpu"
+    if not per_layer:
         n_exp = g.k * len(g.moe_layers)
         terms.append(Term("expert_overhead", n_exp * EXPERT_OVERHEAD_S[0],
                           n_exp * EXPERT_OVERHEAD_S[1],
@@ -161,7 +161,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                         f"{trunk_rates.mem_gbps.slow:.0f}-"
                                         f"{trunk_rates.mem_gbps.fast:.0f} GB/s"))
     syncs = (1 if pl.experts == "gpu" else 0) + (2 if pl.experts != pl.trunk else 0)
-    if measured:
+    if per_layer:
         lr, tk = exp_rates.layer_s, exp_rates.token_s or Range(0.0, 0.0)
         dp = both(lambda e: g.n_layers * lr.at(e) + tk.at(e))
         terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x {lr.fast * 1e6:.0f}-"
@@ -175,7 +175,7 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                            + (f" + {syncs} device syncs" if syncs else "") + ")"))
     compute = both(lambda e: sum(t.slow_s if e == "slow" else t.fast_s for t in terms
                                  if t.name not in _IO_TERMS))
-    ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if measured else 0.0
+    ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if per_layer else 0.0
     terms += [Term("overlap", -ov, 0.0, OVERLAP_DETAIL)] if ov > 0 else []
     drive = drive_share(g, mem, box.page_cache)
     terms += [Term(*t) for t in start_terms(
