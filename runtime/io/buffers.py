@@ -12,7 +12,6 @@ a failure is cleared from the CUDA runtime and falls back to pageable memory wit
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import mmap
 import os
@@ -26,6 +25,7 @@ import torch
 from expertfs.units import parse_size
 
 from .errors import IOUsageError
+from .pages import HUGE_PAGE, MADV_POPULATE_READ, MADV_POPULATE_WRITE, huge_pages_pay, libc
 
 __all__ = ["PAGE", "aligned_empty", "host_view", "is_device_buffer", "address_of", "nbytes_of",
            "PinBudget", "PinWarning", "default_pin_budget", "HostSlab", "Prefault", "libc",
@@ -34,30 +34,32 @@ __all__ = ["PAGE", "aligned_empty", "host_view", "is_device_buffer", "address_of
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-HUGE_PAGE = 2 << 20
 
 
 def aligned_empty(nbytes: int, *, alignment: int = PAGE, huge: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose data starts on ``alignment`` (a power of two).
 
     Backed by an anonymous mapping (zero-filled, page-aligned); the tensor keeps it alive.
-    ``huge``: a private mapping on a 2 MiB boundary, advised for transparent huge pages where
-    the kernel offers them (``madvise`` mode): a slab the kernels stream every token then costs
-    a TLB entry per 2 MiB instead of per 4 KiB (resident decode measured faster in an
-    interleaved A/B; see bench/README.md); a plain shared mapping elsewhere.
+    ``huge`` (a slab): a private mapping, on a 2 MiB boundary and advised for transparent huge
+    pages where the kernel offers them (``madvise`` mode) and their first touch does not cost
+    far more than small pages' (``pages.huge_pages_pay``), else advised against them: a slab
+    the kernels stream every token then costs a TLB entry per 2 MiB instead of per 4 KiB
+    (resident decode measured faster in an interleaved A/B; see bench/README.md); a plain
+    shared mapping elsewhere.
     """
     if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
         raise IOUsageError(f"aligned_empty({nbytes}, alignment={alignment}): size must be >= 0 and "
                            "alignment a power of two", fix="pass a valid size and alignment")
-    huge = huge and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
+    slab = huge and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
+    huge = slab and huge_pages_pay()
     if huge:
         alignment = max(alignment, HUGE_PAGE)
     extra = alignment if alignment > PAGE else 0
     try:
-        if huge:
+        if slab:
             mm = mmap.mmap(-1, nbytes + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
-                mm.madvise(mmap.MADV_HUGEPAGE)
+                mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
             except OSError as e:                 # a kernel without THP: small pages
                 log.debug("no transparent huge pages for a %d-byte slab: %s", nbytes, e)
         else:
@@ -225,26 +227,6 @@ def _cuda_error_name(err: int) -> str:
         return f"{err} ({torch.cuda.cudart().cudaGetErrorString(err)})"
     except Exception:                       # noqa: BLE001 - the name is only for the message
         return str(err)
-
-
-#: madvise(2) advice faulting a range in: readable, reading file pages as needed; writable,
-#: without touching it (Linux 5.14 and later; Python's mmap names them only from 3.13 on).
-MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
-
-
-@functools.lru_cache(maxsize=1)
-def libc() -> Any:
-    """The C library with ``madvise(addr, n, advice)`` and ``mincore(addr, n, vec)`` typed (both
-    return int, ctypes' default), or None. Through ctypes, not ``mmap.madvise``: a ctypes call
-    releases the GIL, ``mmap.madvise`` holds it while a populate waits for the drive or the
-    kernel's zeroing, and the forward pass's thread with it."""
-    try:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    except (OSError, AttributeError):
-        return None
-    return lib
 
 
 class Prefault:

@@ -73,8 +73,9 @@ def cpu_key() -> str:
 
 #: bumped when the storage probe changes what it measures: older entries are measured again
 #: (2: the fresh-memory CPU from the cheaper of two points; 3: the dearer one too, the slow
-#: end's: ``plan.storage_probe``)
-STORAGE_PROBE_VERSION = 3
+#: end's: ``plan.storage_probe``; 4: the fresh slab on the pages the RAM tier takes,
+#: ``io.pages``)
+STORAGE_PROBE_VERSION = 4
 
 
 def storage_key(path: str, read_bytes: int = 0) -> str:

@@ -224,7 +224,7 @@ def advise(g: Geometry, mem: Memory, pred: Prediction | None, routing: RoutingRa
         gpu = ("a GPU that holds the trunk (see above)" if box.vram > 0 and dom == "trunk"
                else "a GPU (--vram)")
         out.append(Note("info", "cpu_bound",
-                        f"decode is bound by {dom} dequant+matmul on the CPU ({share:.0%} of the "
+                        f"decode is bound by the {dom.rstrip('s')} products on the CPU ({share:.0%} of the "
                         f"slow-end time): {gpu} computes it far faster; more cores help"))
     elif dom in ("experts", "trunk", "dispatch"):
         out.append(Note("info", "compute_bound",

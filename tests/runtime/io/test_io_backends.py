@@ -187,29 +187,91 @@ def _vma_flags(addr: int) -> dict[str, str]:
     return out
 
 
-def test_large_host_slabs_ask_for_huge_pages():
-    """A slab of 2 MiB or more is a private mapping on a 2 MiB boundary, advised for
-    transparent huge pages (``THPeligible`` where the kernel offers them in ``madvise`` or
-    ``always`` mode). Small buffers stay page-aligned shared mappings."""
-    small = aligned_empty(1 << 20, huge=True)
-    assert small.data_ptr() % 4096 == 0
-    assert _vma_flags(small.data_ptr()).get("perms", "rw-s")[3] == "s"
-    with eio.HostSlab(3, 3 << 20, pin=False) as slab:
-        t = slab.tensor
-        assert t.data_ptr() % (2 << 20) == 0 and t.numel() == 3 * (3 << 20)
-        t.fill_(7)
-        assert int(t[-1]) == 7
-        vma = _vma_flags(t.data_ptr())
-        if not vma:
-            return
-        assert vma["perms"][3] == "p"
-        try:
-            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-                mode = f.read()
-        except OSError:
-            return
-        if "THPeligible" in vma and ("[madvise]" in mode or "[always]" in mode):
-            assert vma["THPeligible"] == "1"
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_large_host_slabs_ask_for_huge_pages_where_they_pay(huge, monkeypatch):
+    """A slab of 2 MiB or more is a private mapping, on a 2 MiB boundary and advised for
+    transparent huge pages where they pay (``THPeligible`` 1 where the kernel offers them in
+    ``madvise`` mode), advised against them where not (``EXPERTFS_HUGE_PAGES`` decides here
+    for the box). Small buffers stay page-aligned shared mappings."""
+    from expertfs.runtime.io import pages
+    monkeypatch.setenv("EXPERTFS_HUGE_PAGES", huge)
+    pages.huge_pages_pay.cache_clear()
+    try:
+        small = aligned_empty(1 << 20, huge=True)
+        assert small.data_ptr() % 4096 == 0
+        assert _vma_flags(small.data_ptr()).get("perms", "rw-s")[3] == "s"
+        with eio.HostSlab(3, 3 << 20, pin=False) as slab:
+            t = slab.tensor
+            assert t.data_ptr() % (2 << 20 if huge == "1" else 4096) == 0
+            assert t.numel() == 3 * (3 << 20)
+            t.fill_(7)
+            assert int(t[-1]) == 7
+            vma = _vma_flags(t.data_ptr())
+            if not vma:
+                return
+            assert vma["perms"][3] == "p"
+            if "THPeligible" in vma and "[madvise]" in _thp_mode():
+                assert vma["THPeligible"] == huge
+    finally:
+        pages.huge_pages_pay.cache_clear()
+
+
+def _sysfs(root, balloon_features: str | None = None, reported_kib: str | None = None,
+           other: str = "0x0002") -> str:
+    """A fake ``/sys`` with a virtio block device, a balloon of these features, and the
+    page-reporting module's counter."""
+    devs = root / "bus" / "virtio" / "devices"
+    for name, dev, feats in (("virtio0", other, "1" * 40),
+                             ("virtio1", "0x0005", balloon_features)):
+        if feats is None:
+            continue
+        (devs / name).mkdir(parents=True)
+        (devs / name / "device").write_text(dev + "\n")
+        (devs / name / "features").write_text(feats + "\n")
+    if reported_kib is not None:
+        par = root / "module" / "page_reporting" / "parameters"
+        par.mkdir(parents=True)
+        (par / "reported_kib").write_text(reported_kib + "\n")
+    return str(root)
+
+
+def test_free_page_reporting_is_read_from_the_balloon_and_the_kernel(tmp_path, monkeypatch):
+    """A balloon that negotiated free page reporting (feature bit 5), or a kernel that has
+    reported memory, turns huge pages off for slabs; a balloon without the feature, another
+    virtio device with bit 5, bare metal (no virtio at all) leave them on; the environment
+    variable overrides."""
+    from expertfs.runtime.io import pages
+    on = "0110010100000000000000000000000100000000"
+    off = "0110000100000000000000000000000100000000"
+    assert pages.page_reporting(_sysfs(tmp_path / "a", on))
+    assert not pages.page_reporting(_sysfs(tmp_path / "b", off))
+    assert not pages.page_reporting(_sysfs(tmp_path / "c"))                  # a block device only
+    assert not pages.page_reporting(str(tmp_path / "bare"))
+    assert pages.page_reporting(_sysfs(tmp_path / "d", off, reported_kib="4096"))
+    assert not pages.page_reporting(_sysfs(tmp_path / "e", off, reported_kib="0"))
+    monkeypatch.setattr(pages, "page_reporting", lambda sysfs="/sys": True)
+    for env, want in (("auto", False), ("1", True), ("0", False), ("on", True)):
+        monkeypatch.setenv("EXPERTFS_HUGE_PAGES", env)
+        pages.huge_pages_pay.cache_clear()
+        assert pages.huge_pages_pay() is want
+    pages.huge_pages_pay.cache_clear()
+
+
+def test_first_touch_is_measured_for_both_page_sizes():
+    """``first_touch_s_per_gb`` faults fresh memory in and returns seconds a GB (positive,
+    finite) for both sizes, or None where the kernel lacks the advice."""
+    from expertfs.runtime.io import pages
+    for huge in (True, False):
+        s = pages.first_touch_s_per_gb(huge, 4 << 20)
+        assert s is None or 0 < s < 1e3
 
 
 def test_a_host_slab_is_faulted_in_behind_its_owner():
