@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from ..runtime.engine import Engine, EngineOptions
+    from ..runtime.io.pages import expect_long_life
     from ..runtime.server import ServerConfig, build_app
     from ..runtime.server.session import Session
     from ..runtime.tokenizer.gguf import GGUFTokenizer
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     ram, lookahead, margin = ram_and_lookahead(args, device)
     opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, lookahead=lookahead,
                          lookahead_margin=margin, trunk_stream=args.trunk_short)
+    expect_long_life()                  # huge pages: cleared by the warm start, read into often
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     eng.start_warm()                    # the cache fills while no request is waiting
     try:

@@ -10,8 +10,12 @@ a fresh huge page is such a block and its first touch is a host fault for every 
 clearing it costs several times what the same bytes of 4 KiB pages cost, which mostly come
 from memory the host still backs (bench/README.md, "Huge pages and a virtual machine's fresh
 memory"). A capped prompt's first token and a preload wait on that clearing, where the TLB
-saves a decode only a few percent. So a slab asks for huge pages unless the kernel reports free
-pages (:func:`page_reporting`); ``EXPERTFS_HUGE_PAGES=1`` / ``0`` decides instead.
+saves a decode only a few percent. Reads into them cost more, though: O_DIRECT pins and the
+block device takes 4 KiB pages one segment each, where a huge page is one. So a one-shot run
+takes small pages where the kernel reports free pages (:func:`page_reporting`), and a process
+that lives long (``expertfs serve``, :func:`expect_long_life`: its warm start clears the pages
+before the first request, and every request's reads go faster) keeps huge pages;
+``EXPERTFS_HUGE_PAGES=1`` / ``0`` decides instead of both.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from typing import Any
 
 __all__ = ["HUGE_PAGE", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "libc", "huge_pages_pay",
-           "page_reporting", "first_touch_s_per_gb"]
+           "page_reporting", "expect_long_life", "first_touch_s_per_gb"]
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +112,30 @@ def page_reporting(sysfs: str = "/sys") -> bool:
         return False
 
 
+_long_life = False
+
+
+def expect_long_life() -> None:
+    """This process will serve many requests: its slabs keep huge pages wherever the kernel
+    offers them (call before the first slab)."""
+    global _long_life
+    _long_life = True
+    huge_pages_pay.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def huge_pages_pay() -> bool:
     """Whether a fresh slab should be advised for transparent huge pages on this box (once a
-    process): not where the kernel reports free pages to a hypervisor; ``EXPERTFS_HUGE_PAGES``
-    1 or 0 overrides."""
+    process): not in a one-shot process where the kernel reports free pages to a hypervisor;
+    ``EXPERTFS_HUGE_PAGES`` 1 or 0 overrides."""
     env = os.environ.get("EXPERTFS_HUGE_PAGES", "auto").strip().lower()
     if env in ("1", "0", "on", "off", "true", "false"):
         return env in ("1", "on", "true")
+    if _long_life:
+        return True
     reporting = page_reporting()
     if reporting:
         log.info("the kernel reports free pages to the hypervisor: slabs on 4 KiB pages, whose "
-                 "first touch costs less than fresh huge pages' (EXPERTFS_HUGE_PAGES=1 to keep "
-                 "huge pages)")
+                 "first touch costs less than fresh huge pages' (EXPERTFS_HUGE_PAGES=1 keeps "
+                 "huge pages: slower to fill, faster to read into)")
     return not reporting

@@ -245,9 +245,9 @@ def _sysfs(root, balloon_features: str | None = None, reported_kib: str | None =
 
 def test_free_page_reporting_is_read_from_the_balloon_and_the_kernel(tmp_path, monkeypatch):
     """A balloon that negotiated free page reporting (feature bit 5), or a kernel that has
-    reported memory, turns huge pages off for slabs; a balloon without the feature, another
-    virtio device with bit 5, bare metal (no virtio at all) leave them on; the environment
-    variable overrides."""
+    reported memory, turns huge pages off for a one-shot process's slabs; a balloon without the
+    feature, another virtio device with bit 5, bare metal (no virtio at all) leave them on; a
+    long-lived process keeps them; the environment variable overrides both."""
     from expertfs.runtime.io import pages
     on = "0110010100000000000000000000000100000000"
     off = "0110000100000000000000000000000100000000"
@@ -258,10 +258,17 @@ def test_free_page_reporting_is_read_from_the_balloon_and_the_kernel(tmp_path, m
     assert pages.page_reporting(_sysfs(tmp_path / "d", off, reported_kib="4096"))
     assert not pages.page_reporting(_sysfs(tmp_path / "e", off, reported_kib="0"))
     monkeypatch.setattr(pages, "page_reporting", lambda sysfs="/sys": True)
+    monkeypatch.setattr(pages, "_long_life", False)
     for env, want in (("auto", False), ("1", True), ("0", False), ("on", True)):
         monkeypatch.setenv("EXPERTFS_HUGE_PAGES", env)
         pages.huge_pages_pay.cache_clear()
         assert pages.huge_pages_pay() is want
+    monkeypatch.setenv("EXPERTFS_HUGE_PAGES", "auto")     # a server keeps huge pages
+    pages.expect_long_life()
+    assert pages.huge_pages_pay() is True
+    monkeypatch.setenv("EXPERTFS_HUGE_PAGES", "0")        # unless told otherwise
+    pages.huge_pages_pay.cache_clear()
+    assert pages.huge_pages_pay() is False
     pages.huge_pages_pay.cache_clear()
 
 
