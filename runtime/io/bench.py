@@ -174,17 +174,21 @@ def _check_bytes(target: BenchTarget, buf: Any, read: int) -> None:
 
 def run_point(target: BenchTarget, backend: str, qd: int, order: Sequence[int], *,
               verify: bool = True, fresh: bool = False) -> PointResult:
-    """Read ``order`` (indices into target.reads) with ``qd`` reads in flight. ``fresh``: every
-    read lands in memory never touched before (one slab, huge pages advised, as the RAM tier's),
-    so the CPU figures include the kernel's first touch of it (no verification then)."""
+    """Read ``order`` (indices into target.reads) with ``qd`` reads in flight, into buffers on
+    the pages the RAM tier's slab takes (``io.pages``: a read into 4 KiB pages is slower than
+    into huge ones). ``fresh``: every read lands in memory never touched before (one slab, as
+    the RAM tier's), so the CPU figures include the kernel's first touch of it (no
+    verification then)."""
     be = get_backend(backend)
     biggest = max(target.reads[i][1] for i in order)
     done: queue.SimpleQueue = queue.SimpleQueue()
     lat: list[int] = []
     with be.open(target.path, queue_depth=qd) as fh:
-        bufs = [aligned_empty(biggest) for _ in range(min(qd, len(order)))]
-        last = [-1] * len(bufs)
         stride = -(-biggest // PAGE) * PAGE
+        nbuf = min(qd, len(order))
+        ring = aligned_empty(stride * nbuf, huge=True)
+        bufs = [ring[i * stride:i * stride + biggest] for i in range(nbuf)]
+        last = [-1] * len(bufs)
         slab = aligned_empty(stride * len(order), huge=True) if fresh else None
         verify = verify and not fresh
 

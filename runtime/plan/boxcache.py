@@ -74,8 +74,8 @@ def cpu_key() -> str:
 #: bumped when the storage probe changes what it measures: older entries are measured again
 #: (2: the fresh-memory CPU from the cheaper of two points; 3: the dearer one too, the slow
 #: end's: ``plan.storage_probe``; 4: the fresh slab on the pages the RAM tier takes,
-#: ``io.pages``)
-STORAGE_PROBE_VERSION = 4
+#: ``io.pages``; 5: every read into such pages, whose size moves a read's rate)
+STORAGE_PROBE_VERSION = 5
 
 
 def storage_key(path: str, read_bytes: int = 0) -> str:
