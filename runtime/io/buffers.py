@@ -41,10 +41,10 @@ def aligned_empty(nbytes: int, *, alignment: int = PAGE, huge: bool = False) -> 
 
     Backed by an anonymous mapping (zero-filled, page-aligned); the tensor keeps it alive.
     ``huge`` (a slab): a private mapping, on a 2 MiB boundary and advised for transparent huge
-    pages where the kernel offers them (``madvise`` mode) and their first touch does not cost
-    far more than small pages' (``pages.huge_pages_pay``), else advised against them: a slab
-    the kernels stream every token then costs a TLB entry per 2 MiB instead of per 4 KiB
-    (resident decode measured faster in an interleaved A/B; see bench/README.md); a plain
+    pages where the kernel offers them (``madvise`` mode) and they pay on this box
+    (``pages.huge_pages_pay``: not in a one-shot process whose kernel hands free pages back to
+    a hypervisor), else advised against them: a slab the kernels stream every token then costs
+    a TLB entry per 2 MiB instead of per 4 KiB, and a read into it a segment per 2 MiB; a plain
     shared mapping elsewhere.
     """
     if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
