@@ -17,6 +17,10 @@ import time
 from expertfs.runtime.io.pages import first_touch_s_per_gb, huge_pages_pay, page_reporting
 
 
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="MiB faulted in per point (256)")
@@ -30,8 +34,7 @@ def main() -> None:
         time.sleep(p)
         huge = first_touch_s_per_gb(True, a.mib << 20)
         small = first_touch_s_per_gb(False, a.mib << 20)
-        fmt = lambda v: "n/a" if v is None else f"{v:.2f}"   # noqa: E731
-        print(f"{p:7.0f}   {fmt(huge):>16}   {fmt(small):>16}")
+        print(f"{p:7.0f}   {_fmt(huge):>16}   {_fmt(small):>16}")
 
 
 if __name__ == "__main__":

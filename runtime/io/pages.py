@@ -120,22 +120,24 @@ def expect_long_life() -> None:
     offers them (call before the first slab)."""
     global _long_life
     _long_life = True
-    huge_pages_pay.cache_clear()
 
 
 @functools.lru_cache(maxsize=1)
+def _reporting_here() -> bool:
+    """``page_reporting()`` of this box, read (and said) once a process."""
+    reporting = page_reporting()
+    if reporting:
+        log.info("the kernel reports free pages to the hypervisor: a one-shot run's slabs on "
+                 "4 KiB pages, whose first touch costs less than fresh huge pages' "
+                 "(EXPERTFS_HUGE_PAGES=1 keeps huge pages: slower to fill, faster to read into)")
+    return reporting
+
+
 def huge_pages_pay() -> bool:
-    """Whether a fresh slab should be advised for transparent huge pages on this box (once a
-    process): not in a one-shot process where the kernel reports free pages to a hypervisor;
+    """Whether a fresh slab should be advised for transparent huge pages on this box: not in
+    a one-shot process where the kernel reports free pages to a hypervisor;
     ``EXPERTFS_HUGE_PAGES`` 1 or 0 overrides."""
     env = os.environ.get("EXPERTFS_HUGE_PAGES", "auto").strip().lower()
     if env in ("1", "0", "on", "off", "true", "false"):
         return env in ("1", "on", "true")
-    if _long_life:
-        return True
-    reporting = page_reporting()
-    if reporting:
-        log.info("the kernel reports free pages to the hypervisor: slabs on 4 KiB pages, whose "
-                 "first touch costs less than fresh huge pages' (EXPERTFS_HUGE_PAGES=1 keeps "
-                 "huge pages: slower to fill, faster to read into)")
-    return not reporting
+    return _long_life or not _reporting_here()

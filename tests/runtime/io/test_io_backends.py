@@ -201,27 +201,22 @@ def test_large_host_slabs_ask_for_huge_pages_where_they_pay(huge, monkeypatch):
     transparent huge pages where they pay (``THPeligible`` 1 where the kernel offers them in
     ``madvise`` mode), advised against them where not (``EXPERTFS_HUGE_PAGES`` decides here
     for the box). Small buffers stay page-aligned shared mappings."""
-    from expertfs.runtime.io import pages
     monkeypatch.setenv("EXPERTFS_HUGE_PAGES", huge)
-    pages.huge_pages_pay.cache_clear()
-    try:
-        small = aligned_empty(1 << 20, huge=True)
-        assert small.data_ptr() % 4096 == 0
-        assert _vma_flags(small.data_ptr()).get("perms", "rw-s")[3] == "s"
-        with eio.HostSlab(3, 3 << 20, pin=False) as slab:
-            t = slab.tensor
-            assert t.data_ptr() % (2 << 20 if huge == "1" else 4096) == 0
-            assert t.numel() == 3 * (3 << 20)
-            t.fill_(7)
-            assert int(t[-1]) == 7
-            vma = _vma_flags(t.data_ptr())
-            if not vma:
-                return
-            assert vma["perms"][3] == "p"
-            if "THPeligible" in vma and "[madvise]" in _thp_mode():
-                assert vma["THPeligible"] == huge
-    finally:
-        pages.huge_pages_pay.cache_clear()
+    small = aligned_empty(1 << 20, huge=True)
+    assert small.data_ptr() % 4096 == 0
+    assert _vma_flags(small.data_ptr()).get("perms", "rw-s")[3] == "s"
+    with eio.HostSlab(3, 3 << 20, pin=False) as slab:
+        t = slab.tensor
+        assert t.data_ptr() % (2 << 20 if huge == "1" else 4096) == 0
+        assert t.numel() == 3 * (3 << 20)
+        t.fill_(7)
+        assert int(t[-1]) == 7
+        vma = _vma_flags(t.data_ptr())
+        if not vma:
+            return
+        assert vma["perms"][3] == "p"
+        if "THPeligible" in vma and "[madvise]" in _thp_mode():
+            assert vma["THPeligible"] == huge
 
 
 def _sysfs(root, balloon_features: str | None = None, reported_kib: str | None = None,
@@ -257,19 +252,16 @@ def test_free_page_reporting_is_read_from_the_balloon_and_the_kernel(tmp_path, m
     assert not pages.page_reporting(str(tmp_path / "bare"))
     assert pages.page_reporting(_sysfs(tmp_path / "d", off, reported_kib="4096"))
     assert not pages.page_reporting(_sysfs(tmp_path / "e", off, reported_kib="0"))
-    monkeypatch.setattr(pages, "page_reporting", lambda sysfs="/sys": True)
+    monkeypatch.setattr(pages, "_reporting_here", lambda: True)
     monkeypatch.setattr(pages, "_long_life", False)
     for env, want in (("auto", False), ("1", True), ("0", False), ("on", True)):
         monkeypatch.setenv("EXPERTFS_HUGE_PAGES", env)
-        pages.huge_pages_pay.cache_clear()
         assert pages.huge_pages_pay() is want
     monkeypatch.setenv("EXPERTFS_HUGE_PAGES", "auto")     # a server keeps huge pages
     pages.expect_long_life()
     assert pages.huge_pages_pay() is True
     monkeypatch.setenv("EXPERTFS_HUGE_PAGES", "0")        # unless told otherwise
-    pages.huge_pages_pay.cache_clear()
     assert pages.huge_pages_pay() is False
-    pages.huge_pages_pay.cache_clear()
 
 
 def test_first_touch_is_measured_for_both_page_sizes():
