@@ -186,10 +186,10 @@ def run_point(target: BenchTarget, backend: str, qd: int, order: Sequence[int], 
     with be.open(target.path, queue_depth=qd) as fh:
         stride = -(-biggest // PAGE) * PAGE
         nbuf = min(qd, len(order))
-        ring = aligned_empty(stride * nbuf, huge=True)
+        ring = aligned_empty(stride * nbuf, slab=True)
         bufs = [ring[i * stride:i * stride + biggest] for i in range(nbuf)]
         last = [-1] * len(bufs)
-        slab = aligned_empty(stride * len(order), huge=True) if fresh else None
+        slab = aligned_empty(stride * len(order), slab=True) if fresh else None
         verify = verify and not fresh
 
         def submit(k: int, slot: int) -> None:

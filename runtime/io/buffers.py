@@ -36,27 +36,27 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 
 
-def aligned_empty(nbytes: int, *, alignment: int = PAGE, huge: bool = False) -> torch.Tensor:
+def aligned_empty(nbytes: int, *, alignment: int = PAGE, slab: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose data starts on ``alignment`` (a power of two).
 
     Backed by an anonymous mapping (zero-filled, page-aligned); the tensor keeps it alive.
-    ``huge`` (a slab): a private mapping, on a 2 MiB boundary and advised for transparent huge
-    pages where the kernel offers them (``madvise`` mode) and they pay on this box
-    (``pages.huge_pages_pay``: not in a one-shot process whose kernel hands free pages back to
-    a hypervisor), else advised against them: a slab the kernels stream every token then costs
-    a TLB entry per 2 MiB instead of per 4 KiB, and a read into it a segment per 2 MiB; a plain
-    shared mapping elsewhere.
+    ``slab`` (a large buffer the kernels stream or reads fill): a private mapping, on a 2 MiB
+    boundary and advised for transparent huge pages where the kernel offers them (``madvise``
+    mode) and they pay on this box (``pages.huge_pages_pay``: not in a one-shot process whose
+    kernel hands free pages back to a hypervisor), else advised against them: a slab the
+    kernels stream every token then costs a TLB entry per 2 MiB instead of per 4 KiB, and a
+    read into it a segment per 2 MiB; a plain shared mapping elsewhere.
     """
     if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
         raise IOUsageError(f"aligned_empty({nbytes}, alignment={alignment}): size must be >= 0 and "
                            "alignment a power of two", fix="pass a valid size and alignment")
-    slab = huge and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
-    huge = slab and huge_pages_pay()
+    private = slab and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
+    huge = private and huge_pages_pay()
     if huge:
         alignment = max(alignment, HUGE_PAGE)
     extra = alignment if alignment > PAGE else 0
     try:
-        if slab:
+        if private:
             mm = mmap.mmap(-1, nbytes + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
                 mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
@@ -296,7 +296,7 @@ class HostSlab:
         self.slot_bytes = slot_bytes
         self.stride = -(-slot_bytes // alignment) * alignment
         self.nbytes = self.stride * n_slots
-        self.tensor = aligned_empty(self.nbytes, alignment=alignment, huge=True)
+        self.tensor = aligned_empty(self.nbytes, alignment=alignment, slab=True)
         self.pinned = False
         self.pinned_bytes = 0
         self.pin_note = "not pinned (pin=False)"

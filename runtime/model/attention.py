@@ -32,11 +32,12 @@ __all__ = ["AttentionWeights", "KVCache", "attention", "cache_zeros"]
 
 def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
-    """A zero tensor for cache state: on the CPU an anonymous mapping of its own (huge pages
-    from 2 MiB), returned to the system when the tensor is freed; elsewhere ``torch.zeros``."""
+    """A zero tensor for cache state: on the CPU an anonymous mapping of its own (a slab from
+    2 MiB: huge pages where they pay, ``io.aligned_empty``), returned to the system when the
+    tensor is freed; elsewhere ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return aligned_empty(math.prod(shape) * dtype.itemsize, huge=True).view(dtype).view(shape)
+    return aligned_empty(math.prod(shape) * dtype.itemsize, slab=True).view(dtype).view(shape)
 
 
 @dataclass

@@ -202,7 +202,7 @@ def test_large_host_slabs_ask_for_huge_pages_where_they_pay(huge, monkeypatch):
     ``madvise`` mode), advised against them where not (``EXPERTFS_HUGE_PAGES`` decides here
     for the box). Small buffers stay page-aligned shared mappings."""
     monkeypatch.setenv("EXPERTFS_HUGE_PAGES", huge)
-    small = aligned_empty(1 << 20, huge=True)
+    small = aligned_empty(1 << 20, slab=True)
     assert small.data_ptr() % 4096 == 0
     assert _vma_flags(small.data_ptr()).get("perms", "rw-s")[3] == "s"
     with eio.HostSlab(3, 3 << 20, pin=False) as slab:
