@@ -313,8 +313,7 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
     detail["compute_paths"] = compute_paths(g, req.act_quant)
 
     # --- routing and the choice ------------------------------------------------------------
-    learned = ({}, None, None, 0.0) if req.trace else learned_usage(req.target, g)
-    replays = Replays(g, req, learned, say)
+    replays = Replays(g, req, learned_usage(None if req.trace else req.target, g), say)
     routing_for = simulator_routing(g, req, say, replays)
     options = plan_options(g, box, rates, routing_for, mems=mems)
     plan = make_plan(g, box, options, rates, probes=detail, forced=forced)
