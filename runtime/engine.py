@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -38,8 +38,10 @@ from .model import ExpertRunner, Model, ModelConfig, Router, TrunkReader, dequan
 from .model.loader import set_act_quant
 from .model.qmatvec import use_fused
 from .model.trunk_stream import stream_trunk
+from .observer import ForwardObserver
 from .pool_spin import PoolSpin
 from .prefetch.lookahead import MARGIN, LookaheadStats, lookahead_slots
+from .prefetch.tuner import LookaheadTuner
 
 __all__ = ["Engine", "EngineOptions", "ForwardObserver", "make_provider", "resolve_dtype"]
 
@@ -73,6 +75,8 @@ class EngineOptions:
     dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = MARGIN        # experts beyond top-k prefetched per token
+    lookahead_tune: bool = False          # tried on and off in decode, the faster kept
+    lookahead_prior: bool = True          # (prefetch.tuner) from this arm, kept if no faster
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
                                           # tier (None: k + margin + 1; 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward
@@ -109,17 +113,6 @@ def make_provider(store: Any, *, device: str | torch.device = "cpu", ram_bytes: 
     return DirectProvider(store, device)
 
 
-class ForwardObserver(Protocol):
-    """What ``Engine.add_observer`` takes: told of every forward and every reset."""
-
-    def observe(self, tokens: list[int], hidden: torch.Tensor) -> None:
-        """``tokens`` ran, ending at the engine's position; ``hidden [T, n_embd]``: the trunk's
-        last hidden state of each (after the output norm)."""
-
-    def reset(self, pos: int) -> None:
-        """The engine's KV cache now ends at ``pos``."""
-
-
 @dataclass
 class StepTimes:
     prefill_s: float = 0.0
@@ -137,8 +130,7 @@ class Engine:
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.reader = TrunkReader(store)
         self.reader.prefetch()
-        kv = store.gguf_kv()
-        self.kv = kv
+        self.kv = kv = store.gguf_kv()
         self.config = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
         t0 = time.perf_counter()
         fused = use_fused(options.fused, self.device, self.dtype)
@@ -163,24 +155,23 @@ class Engine:
                                    group_max=max(1, self.config.n_expert_used))
         self.runner.set_act_quant(options.act_quant)
         set_act_quant(self.trunk, options.act_quant)      # the trunk's products: the same numerics
+        t1 = time.perf_counter()
         if fused:
-            t1 = time.perf_counter()
             self._precompile()
-            self.compile_seconds = time.perf_counter() - t1
+        self.compile_seconds = time.perf_counter() - t1 if fused else 0.0
         with device_memory(f"the KV cache on {self.device}", fix=KV_FIX):
             self.model = Model(self.config, self.trunk, self.runner, device=self.device,
                                dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
                                lookahead_margin=options.lookahead_margin,
                                prefill_prefetch=options.prefill_prefetch)
+        self._tuner = LookaheadTuner.of(self.model, options)
         self.model.trunk_stream = stream_trunk(self.reader, self.trunk, options.trunk_stream,
                                                lambda: self.provider.stats.bytes_read)
         from . import kernels
         if fused and kernels.available():
             kernels.set_threads(torch.get_num_threads())     # the pool keeps today's count;
             self.model.small_steps_one_thread = True         # small steps' torch ops use one
-        self.times = StepTimes()
-        self._spin = PoolSpin()
-        self.compile_seconds = getattr(self, "compile_seconds", 0.0)
+        self.times, self._spin = StepTimes(), PoolSpin()
         self._trace = None
         self._token_no = 0              # tokens run through the model (trace token index)
         self._observers: list[ForwardObserver] = []
@@ -304,6 +295,8 @@ class Engine:
         self.times.decode_s += seconds
         self.times.decode_tokens += tokens
         self._spin.step(self.provider)
+        if self._tuner is not None:
+            self._tuner.step(seconds, tokens)
 
     def logits(self, tokens: Sequence[int], *, reset: bool = True) -> torch.Tensor:
         """Logits of every position of ``tokens``: float32 ``[len(tokens), n_vocab]`` (CPU)."""
@@ -377,7 +370,8 @@ class Engine:
             "decode_tokens": self.times.decode_tokens, "decode_s": self.times.decode_s,
         }
         if self.runner.lookahead is not None:
-            out["lookahead"] = self.runner.lookahead.as_dict()
+            out["lookahead"] = {**self.runner.lookahead.as_dict(),
+                                **(self._tuner.as_dict() if self._tuner else {})}
         return out
 
     def close(self) -> None:

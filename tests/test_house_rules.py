@@ -25,7 +25,7 @@ LEVELS = {
     "runtime.hostsync": 3,
     "runtime.tokenizer": 3, "runtime.trace": 3, "runtime.policies": 3, "runtime.prefetch": 3,
     "runtime.kernels": 3, "runtime.io": 3, "runtime.heap": 3,
-    "runtime.sim": 4, "runtime.experts": 4, "runtime.pool_spin": 4,
+    "runtime.sim": 4, "runtime.experts": 4, "runtime.pool_spin": 4, "runtime.observer": 4,
     "runtime.cache": 5, "runtime.model": 5,
     "runtime.engine": 6,
     "runtime.mtp": 7, "runtime.plan": 7,

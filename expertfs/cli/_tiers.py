@@ -30,10 +30,10 @@ def _log_paths(g, device: str, fused: str, act_quant: str = "off") -> None:
 
 
 def ram_and_lookahead(args: argparse.Namespace, device: str,
-                      fused: str = "auto") -> tuple[int, bool, int]:
-    """``(ram_tier, lookahead on, its margin)`` from one reading of the store."""
+                      fused: str = "auto") -> tuple[int, dict[str, object]]:
+    """``(ram_tier, the lookahead's EngineOptions)`` from one reading of the store."""
     ram, g, trunk_resident = _sized(args, device, fused)
-    return (ram, *lookahead_choice(args, ram, g, trunk_resident))
+    return ram, lookahead_choice(args, ram, g, trunk_resident)
 
 
 def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, object, bool]:
@@ -94,20 +94,24 @@ def vram_tier(args: argparse.Namespace, device: str, g) -> int:
 
 
 def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
-                     ) -> tuple[bool, int]:
-    """(on, margin) for ``args.lookahead``: ``on`` (``--lookahead``), ``off``
-    (``--no-lookahead``) or ``auto`` (the default; ``serve``'s always): on for the
-    ``runtime.prefetch.lookahead.AUTO_ARCHS`` when the RAM tier cannot hold every expert of
-    ``g`` (nothing to predict when it can) and the trunk is resident (where it is re-read every
-    token its reads are the drive's work, and the guesses' reads slowed it), with
+                     ) -> dict[str, object]:
+    """The lookahead's ``EngineOptions`` (``lookahead``, ``lookahead_margin``,
+    ``lookahead_tune``, ``lookahead_prior``) for ``args.lookahead``: ``on`` (``--lookahead``)
+    and ``off`` (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always) tunes
+    it (``runtime.prefetch.tuner``: the decode tries it on and off and keeps the faster) when
+    the RAM tier cannot hold every expert of ``g`` (nothing to predict when it can) and the
+    trunk is resident (where it is re-read every token its reads are the drive's work, and the
+    guesses' reads slowed it), starting on for ``runtime.prefetch.lookahead.AUTO_ARCHS``, with
     ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given (else ``MARGIN``)."""
     from ..runtime.prefetch.lookahead import AUTO_ARCHS, AUTO_MARGIN, MARGIN
     mode = getattr(args, "lookahead", "auto")
     margin = getattr(args, "lookahead_margin", None)
     if mode in ("on", "off"):
-        return mode == "on", MARGIN if margin is None else margin
-    on = g.arch in AUTO_ARCHS and ram < g.slot_bytes * g.n_decode_experts \
-        and not args.vram and trunk_resident
-    if on:
-        log.info("lookahead on (auto: %s streams its experts)", g.arch)
-    return on, AUTO_MARGIN if margin is None else margin
+        return {"lookahead": mode == "on", "lookahead_margin": MARGIN if margin is None else margin}
+    tune = ram < g.slot_bytes * g.n_decode_experts and not args.vram and trunk_resident
+    prior = g.arch in AUTO_ARCHS
+    if tune:
+        log.info("lookahead tuned in decode, starting %s (%s streams its experts)",
+                 "on" if prior else "off", g.arch)
+    return {"lookahead": tune, "lookahead_margin": AUTO_MARGIN if margin is None else margin,
+            "lookahead_tune": tune, "lookahead_prior": prior}

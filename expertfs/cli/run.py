@@ -77,8 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep up to SIZE of experts dequantized (in RAM; on a GPU in VRAM, "
                    "taken from its default tier) (0 = off)")
     p.add_argument("--lookahead", action="store_const", const="on", default="auto",
-                   help="prefetch layer L+1's predicted experts while layer L runs (default: on, "
-                   "margin 0, for glm5-next stores whose experts stream; else off)")
+                   help="prefetch layer L+1's predicted experts while layer L runs (default, where "
+                   "experts stream: tried on and off over the decode, the faster kept; margin 0)")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_const", const="off")
     p.add_argument("--prefill-prefetch", action="store_true",
                    help="a prompt batch prefetches the next layer's gate-predicted experts "
@@ -165,13 +165,12 @@ def _open(args: argparse.Namespace):
     if args.tokens and fused == "auto":
         fused = "off"            # --tokens runs batches only: nothing to compile for
     device = _device(args.device)
-    ram, lookahead, margin = ram_and_lookahead(args, device, fused)
+    ram, look = ram_and_lookahead(args, device, fused)
     args.ram_tier_bytes = ram
     opts = EngineOptions(device=device, dtype=args.dtype, n_ctx=args.ctx,
-                         trunk=args.trunk, dq_cache=args.dq_cache, lookahead=lookahead,
+                         trunk=args.trunk, dq_cache=args.dq_cache, **look,
                          fused=fused, act_quant=args.act_quant, trunk_stream=args.trunk_short,
-                         lookahead_margin=margin, prefill_batch=args.batch,
-                         prefetch_slots=args.prefetch_slots,
+                         prefill_batch=args.batch, prefetch_slots=args.prefetch_slots,
                          prefill_prefetch=args.prefill_prefetch)
     mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                      draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
@@ -376,8 +375,9 @@ def _generate(eng, spec, args: argparse.Namespace, tok, prompt: list[int],
           file=sys.stderr)
     if "lookahead" in st:
         la = st["lookahead"]
-        print(f"lookahead: coverage {100 * la['coverage']:.0f}%, waste {100 * la['waste']:.0f}%",
-              file=sys.stderr)
+        print(f"lookahead: coverage {100 * la['coverage']:.0f}%, waste {100 * la['waste']:.0f}%"
+              + (f"; kept {'on' if la['tuned_on'] else 'off'} ({la['ms_on']:.0f} ms a token with it, "
+                 f"{la['ms_off']:.0f} without)" if la.get("trials") else ""), file=sys.stderr)
     if "mtp" in st:
         m = st["mtp"]
         line = (f"mtp: {m['tokens_per_step']:.2f} tokens/step, acceptance "

@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
-    ram, lookahead, margin = ram_and_lookahead(args, device)
-    opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, lookahead=lookahead,
-                         lookahead_margin=margin, trunk_stream=args.trunk_short)
+    ram, look = ram_and_lookahead(args, device)
+    opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, **look,
+                         trunk_stream=args.trunk_short)
     expect_long_life()                  # huge pages: cleared by the warm start, read into often
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     eng.start_warm()                    # the cache fills while no request is waiting

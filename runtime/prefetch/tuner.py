@@ -1,0 +1,104 @@
+"""Whether the lookahead pays on this box and model, decided from the decode's own step times.
+
+The lookahead (``prefetch.lookahead``) trades reads for stall: its guesses are read while a
+layer computes, so a right guess is a wait saved and a wrong one a read that costs the drive's
+time and the CPU's (the system call, the pinning, the completion) on the cores the products
+run on. Which side wins depends on how well the next layer's router guesses on this model, how
+much of a token the drive is, and how many cores are left over for the reads, so it is measured
+here, per run, rather than fixed per architecture:
+
+- a **trial** alternates the lookahead on and off for ``EPOCH`` decode tokens at a time in an
+  ``ABBAAB`` order (``A`` the arm it starts from), so a trend over the trial (a warm start
+  filling the tier, a cache warming) weighs on both arms alike, then compares the arms' median
+  seconds a token;
+- the other arm wins only when it is at least ``GAIN`` faster; otherwise the arm it started
+  from stays (a trial inside the box's noise changes nothing);
+- the choice holds for ``HOLD`` tokens, then a shorter ``ABBA`` trial checks it again (a long
+  generation's routing or the box's load may have changed).
+
+``set_on(bool)`` switches the lookahead (the model's flag, read at each layer); ``step(s, n)``
+counts a decode step of ``n`` tokens (a speculative window is one step) that took ``s`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LookaheadTuner"]
+
+log = logging.getLogger(__name__)
+
+
+class LookaheadTuner:
+    EPOCH = 8            # decode tokens an arm runs before the other takes over
+    GAIN = 0.03          # the other arm must be this much faster (median s/token) to switch
+    HOLD = 256           # tokens a choice holds before it is tried again
+
+    def __init__(self, set_on: Callable[[bool], None], prior: bool) -> None:
+        self._set_on = set_on
+        self.on = prior                  # the arm the decode runs now
+        self.choice = prior              # the arm kept between trials
+        self.trials = 0
+        self.medians: dict[bool, float] = {}     # the last trial's s/token per arm
+        self._times: dict[bool, list[float]] = {True: [], False: []}
+        self._order = self._trial(prior, first=True)
+        self._left = self.EPOCH          # tokens left in this epoch (or in the hold)
+        set_on(self.on)
+
+    @classmethod
+    def of(cls, model: Any, options: Any) -> LookaheadTuner | None:
+        """The tuner an engine's ``options`` ask for (``lookahead`` and ``lookahead_tune``),
+        switching ``model.lookahead``, starting from ``lookahead_prior``; else None."""
+        if not (options.lookahead and options.lookahead_tune):
+            return None
+        return cls(lambda on: setattr(model, "lookahead", on), options.lookahead_prior)
+
+    @staticmethod
+    def _trial(a: bool, *, first: bool) -> list[bool]:
+        """The arms of a trial's epochs, starting from ``a``: ABBAAB, a re-check ABBA."""
+        b = not a
+        return [a, b, b, a, a, b] if first else [a, b, b, a]
+
+    def step(self, seconds: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        if self._order:                              # in a trial: time this arm
+            self._times[self.on] += [seconds / tokens] * tokens
+        self._left -= tokens
+        if self._left > 0:
+            return
+        if self._order:
+            self._order.pop(0)
+            if self._order:
+                self._switch(self._order[0], self.EPOCH)
+                return
+            self._decide()
+            self._switch(self.choice, self.HOLD)
+        else:                                        # the hold is over: check again
+            self._order = self._trial(self.choice, first=False)
+            self._switch(self.choice, self.EPOCH)
+
+    def _switch(self, on: bool, tokens: int) -> None:
+        self._left = tokens
+        if on != self.on:
+            self.on = on
+            self._set_on(on)
+
+    def _decide(self) -> None:
+        on, off = (statistics.median(self._times[a]) for a in (True, False))
+        self.medians = {True: on, False: off}
+        self.trials += 1
+        kept, other = (on, off) if self.choice else (off, on)
+        if other < kept * (1 - self.GAIN):
+            self.choice = not self.choice
+        self._times = {True: [], False: []}
+        log.info("lookahead %s (trial %d: %.1f ms a decode token with it, %.1f without)",
+                 "on" if self.choice else "off", self.trials, on * 1e3, off * 1e3)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tuned": True, "tuned_on": self.choice, "trials": self.trials,
+                "ms_on": self.medians.get(True, 0.0) * 1e3,
+                "ms_off": self.medians.get(False, 0.0) * 1e3}

@@ -1,0 +1,103 @@
+"""The lookahead's tuner: its trials alternate the arms in ABBAAB epochs, keep the arm it
+started from unless the other is faster by more than its margin, hold the choice, check it
+again, and count a speculative window as one step of several tokens; and an engine runs it
+when its options ask, switching the model's flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertfs.runtime.prefetch.tuner import LookaheadTuner
+
+E = LookaheadTuner.EPOCH
+
+
+class Box:
+    """A decode whose token takes ``cost[arm]`` seconds; records the switches."""
+
+    def __init__(self, cost_on: float, cost_off: float, prior: bool) -> None:
+        self.cost = {True: cost_on, False: cost_off}
+        self.switches: list[bool] = []
+        self.t = LookaheadTuner(self.switches.append, prior)
+
+    def run(self, tokens: int, per_step: int = 1) -> list[bool]:
+        arms = []
+        for _ in range(tokens // per_step):
+            arms.append(self.t.on)
+            self.t.step(self.cost[self.t.on] * per_step, per_step)
+        return arms
+
+
+@pytest.mark.parametrize("prior", [True, False])
+def test_a_trial_runs_abbaab_epochs_from_its_prior(prior):
+    box = Box(0.1, 0.1, prior)
+    arms = box.run(6 * E)
+    a, b = prior, not prior
+    assert arms == [a] * E + [b] * 2 * E + [a] * 2 * E + [b] * E
+    assert box.switches[0] == prior           # the flag set at once, before the first token
+
+
+@pytest.mark.parametrize("prior", [True, False])
+@pytest.mark.parametrize("on,off,kept", [(0.10, 0.15, True), (0.15, 0.10, False)])
+def test_the_faster_arm_is_kept(prior, on, off, kept):
+    box = Box(on, off, prior)
+    box.run(6 * E)
+    assert box.t.choice is kept and box.t.on is kept and box.t.trials == 1
+    assert box.t.as_dict() == {"tuned": True, "tuned_on": kept, "trials": 1,
+                               "ms_on": pytest.approx(on * 1e3), "ms_off": pytest.approx(off * 1e3)}
+    assert set(box.run(LookaheadTuner.HOLD)) == {kept}      # held
+
+
+@pytest.mark.parametrize("prior", [True, False])
+def test_a_gain_inside_the_margin_keeps_the_prior(prior):
+    other = 0.1 * (1 - LookaheadTuner.GAIN / 2)              # faster, but not by the margin
+    box = Box(0.1 if prior else other, other if prior else 0.1, prior)
+    box.run(6 * E)
+    assert box.t.choice is prior
+
+
+def test_the_choice_is_checked_again_after_the_hold():
+    box = Box(0.10, 0.15, False)
+    box.run(6 * E)
+    assert box.t.choice is True
+    box.run(LookaheadTuner.HOLD)
+    box.cost = {True: 0.2, False: 0.1}                        # the box changed: now it costs
+    arms = box.run(4 * E)
+    assert arms == [True] * E + [False] * 2 * E + [True] * E   # ABBA from the choice
+    assert box.t.choice is False and box.t.trials == 2 and box.t.on is False
+
+
+def test_a_speculative_window_is_one_step_of_its_tokens():
+    box = Box(0.10, 0.15, False)
+    box.run(6 * E, per_step=4)                # windows of 4: the same epochs, per-token times
+    assert box.t.trials == 1 and box.t.choice is True
+    assert box.t.medians[True] == pytest.approx(0.10)
+
+
+def test_no_tokens_count_for_nothing():
+    box = Box(0.1, 0.2, True)
+    box.t.step(5.0, 0)
+    assert box.run(E) == [True] * E
+
+
+class _Opts:
+    def __init__(self, lookahead: bool, tune: bool, prior: bool) -> None:
+        self.lookahead, self.lookahead_tune, self.lookahead_prior = lookahead, tune, prior
+
+
+class _Model:
+    lookahead = True
+
+
+@pytest.mark.parametrize("look,tune", [(False, True), (True, False), (False, False)])
+def test_no_tuner_unless_asked(look, tune):
+    assert LookaheadTuner.of(_Model(), _Opts(look, tune, True)) is None
+
+
+def test_of_switches_the_models_flag():
+    m = _Model()
+    t = LookaheadTuner.of(m, _Opts(True, True, False))
+    assert m.lookahead is False
+    for _ in range(E):
+        t.step(0.1, 1)
+    assert m.lookahead is True                 # the second epoch: the other arm
