@@ -19,8 +19,10 @@ C. **decode speed under a memory cgroup** on a store larger than its RAM budget:
    page cache, the whole process (page cache included) capped at ``--cap`` of the store, the
    RAM tier a quarter of the experts, every run from the same learned-usage state;
    configurations run round-robin ``--rounds`` times, the median kept: plain, next-layer
-   lookahead, MTP, MTP + draft-route prefetch (with and without lookahead), MTP auto + draft
-   prefetch, route tail skip (alone and with MTP); each also against the disk roofline (the
+   lookahead (on, and tuned as ``run`` does by default: ``runtime.prefetch.tuner``, whose
+   trial takes its first 48 decode tokens), MTP, MTP + draft-route prefetch (with and without
+   lookahead), MTP auto + draft prefetch, route tail skip (alone and with MTP), every one
+   without the lookahead unless named with it; each also against the disk roofline (the
    drive's random whole-expert bandwidth, measured before and after, over plain's MB read per
    token: its demand misses at the tier's hit rate), as ``bench_lowram.py`` measures it.
 D. **route tail skip** quality against exact decoding: teacher-forced next-token distributions
@@ -199,17 +201,19 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
     if not os.path.exists(pristine):               # usage (runs record theirs on close)
         shutil.copytree(index, pristine)
     half = max(1, k // 2)
+    off = ["--no-lookahead"]                       # run's default tunes it (prefetch.tuner)
     configs = {
-        "plain": [],
+        "plain": off,
         "lookahead": ["--lookahead"],
+        "lookahead tuned (default)": [],
         "lookahead into the cache": ["--lookahead", "--prefetch-slots", "0"],
-        f"mtp {d}": ["--mtp", d],
-        f"mtp {d} + draft prefetch": ["--mtp", d, "--draft-prefetch"],
+        f"mtp {d}": ["--mtp", d, *off],
+        f"mtp {d} + draft prefetch": ["--mtp", d, "--draft-prefetch", *off],
         f"mtp {d} + draft prefetch + lookahead": ["--mtp", d, "--draft-prefetch", "--lookahead"],
-        "mtp auto + draft prefetch": ["--mtp", "auto", "--draft-prefetch"],
-        f"tail skip {half}": ["--route-tail-skip", str(half)],
+        "mtp auto + draft prefetch": ["--mtp", "auto", "--draft-prefetch", *off],
+        f"tail skip {half}": ["--route-tail-skip", str(half), *off],
         f"mtp {d} + draft prefetch + tail skip {half}": ["--mtp", d, "--draft-prefetch",
-                                                          "--route-tail-skip", str(half)],
+                                                          "--route-tail-skip", str(half), *off],
     }
     if a.configs:
         want = [c.strip() for c in a.configs.split(",")]
@@ -240,10 +244,14 @@ def part_speed(store: str, run: str, held, a: argparse.Namespace, k: int) -> dic
                        "tokens_per_step": m.get("tokens_per_step"),
                        "draft_prefetch": m.get("draft_prefetch"),
                        "tail_skip": st.get("route_tail_skip"),
-                       "prefetch": st.get("provider_stats", {}).get("prefetch_issued")}
+                       "prefetch": st.get("provider_stats", {}).get("prefetch_issued"),
+                       "lookahead": st.get("lookahead")}
                 res[name].append(row)
+                la = row["lookahead"] or {}
                 log(f"C  round {rnd} {name} prompt {pi}: {row['tok_s']:.2f} tok/s, "
-                    f"{row['mb_per_token']:.1f} MB/token, peak {r.peak_bytes / 2**20:.0f} MiB")
+                    f"{row['mb_per_token']:.1f} MB/token, peak {r.peak_bytes / 2**20:.0f} MiB"
+                    + (f", lookahead kept {'on' if la['tuned_on'] else 'off'} (trials, ms a "
+                       f"token on/off: {la['trial_ms']})" if la.get("tuned") else ""))
     summary = {}
     for name, rows in res.items():
         ok = [r for r in rows if "failed" not in r]
@@ -291,7 +299,7 @@ def check_inflated(small: str, big: str, held) -> bool:
     from expertfs.runtime.sampling import Sampler
     outs = []
     for s in (small, big):
-        with _engine(s) as eng:
+        with _engine(s) as (eng, _):
             outs.append([x.token for x in generate(eng, held[:32].tolist(), Sampler(), 24)])
     return outs[0] == outs[1]
 

@@ -43,6 +43,7 @@ class LookaheadTuner:
         self.choice = prior              # the arm kept between trials
         self.trials = 0
         self.medians: dict[bool, float] = {}     # the last trial's s/token per arm
+        self.history: list[tuple[float, float]] = []     # every trial's (on, off) s/token
         self._times: dict[bool, list[float]] = {True: [], False: []}
         self._order = self._trial(prior, first=True)
         self._left = self.EPOCH          # tokens left in this epoch (or in the hold)
@@ -90,6 +91,7 @@ class LookaheadTuner:
     def _decide(self) -> None:
         on, off = (statistics.median(self._times[a]) for a in (True, False))
         self.medians = {True: on, False: off}
+        self.history.append((on, off))
         self.trials += 1
         kept, other = (on, off) if self.choice else (off, on)
         if other < kept * (1 - self.GAIN):
@@ -101,4 +103,5 @@ class LookaheadTuner:
     def as_dict(self) -> dict[str, Any]:
         return {"tuned": True, "tuned_on": self.choice, "trials": self.trials,
                 "ms_on": self.medians.get(True, 0.0) * 1e3,
-                "ms_off": self.medians.get(False, 0.0) * 1e3}
+                "ms_off": self.medians.get(False, 0.0) * 1e3,
+                "trial_ms": [[round(a * 1e3, 2), round(b * 1e3, 2)] for a, b in self.history]}

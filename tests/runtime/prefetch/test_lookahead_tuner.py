@@ -44,7 +44,8 @@ def test_the_faster_arm_is_kept(prior, on, off, kept):
     box.run(6 * E)
     assert box.t.choice is kept and box.t.on is kept and box.t.trials == 1
     assert box.t.as_dict() == {"tuned": True, "tuned_on": kept, "trials": 1,
-                               "ms_on": pytest.approx(on * 1e3), "ms_off": pytest.approx(off * 1e3)}
+                               "ms_on": pytest.approx(on * 1e3), "ms_off": pytest.approx(off * 1e3),
+                               "trial_ms": [[pytest.approx(on * 1e3), pytest.approx(off * 1e3)]]}
     assert set(box.run(LookaheadTuner.HOLD)) == {kept}      # held
 
 
