@@ -164,7 +164,7 @@ class Engine:
                                dtype=self.dtype, n_ctx=options.n_ctx, lookahead=options.lookahead,
                                lookahead_margin=options.lookahead_margin,
                                prefill_prefetch=options.prefill_prefetch)
-        self._tuner = LookaheadTuner.of(self.model, options)
+        self._tuner = LookaheadTuner.of(self.model, options, lambda: provider.stats.stall_seconds)
         self.model.trunk_stream = stream_trunk(self.reader, self.trunk, options.trunk_stream,
                                                lambda: self.provider.stats.bytes_read)
         from . import kernels

@@ -14,7 +14,12 @@ here, per run, rather than fixed per architecture:
 - the other arm wins only when it is at least ``GAIN`` faster; otherwise the arm it started
   from stays (a trial inside the box's noise changes nothing);
 - the choice holds for ``HOLD`` tokens, then a shorter ``ABBA`` trial checks it again (a long
-  generation's routing or the box's load may have changed).
+  generation's routing or the box's load may have changed);
+- a trial that would try the lookahead from off ends after its first epoch where that epoch
+  waited on the drive (``stall()``, the provider's cumulative seconds, from the epoch's second
+  step: the first may carry the prompt's waits) for less than ``GAIN`` of its time: the
+  lookahead only saves such waits, so it could not win by ``GAIN`` there, and trying it would
+  cost its wrong reads for nothing (a decode the RAM tier nearly holds).
 
 ``set_on(bool)`` switches the lookahead (the model's flag, read at each layer); ``step(s, n)``
 counts a decode step of ``n`` tokens (a speculative window is one step) that took ``s`` seconds.
@@ -37,8 +42,13 @@ class LookaheadTuner:
     GAIN = 0.03          # the other arm must be this much faster (median s/token) to switch
     HOLD = 256           # tokens a choice holds before it is tried again
 
-    def __init__(self, set_on: Callable[[bool], None], prior: bool) -> None:
+    def __init__(self, set_on: Callable[[bool], None], prior: bool,
+                 stall: Callable[[], float] | None = None) -> None:
         self._set_on = set_on
+        self._stall = stall
+        self.skipped = 0                 # trials ended early: nothing to save
+        self._epoch: tuple[float, float] | None = None   # (seconds, stall at its 2nd step)
+        self._first = True               # in a trial's first epoch
         self.on = prior                  # the arm the decode runs now
         self.choice = prior              # the arm kept between trials
         self.trials = 0
@@ -50,12 +60,13 @@ class LookaheadTuner:
         set_on(self.on)
 
     @classmethod
-    def of(cls, model: Any, options: Any) -> LookaheadTuner | None:
+    def of(cls, model: Any, options: Any, stall: Callable[[], float] | None = None
+           ) -> LookaheadTuner | None:
         """The tuner an engine's ``options`` ask for (``lookahead`` and ``lookahead_tune``),
         switching ``model.lookahead``, starting from ``lookahead_prior``; else None."""
         if not (options.lookahead and options.lookahead_tune):
             return None
-        return cls(lambda on: setattr(model, "lookahead", on), options.lookahead_prior)
+        return cls(lambda on: setattr(model, "lookahead", on), options.lookahead_prior, stall)
 
     @staticmethod
     def _trial(a: bool, *, first: bool) -> list[bool]:
@@ -68,10 +79,19 @@ class LookaheadTuner:
             return
         if self._order:                              # in a trial: time this arm
             self._times[self.on] += [seconds / tokens] * tokens
+            if self._epoch is None:
+                self._epoch = (0.0, self._stall() if self._stall is not None else 0.0)
+            else:
+                self._epoch = (self._epoch[0] + seconds, self._epoch[1])
         self._left -= tokens
         if self._left > 0:
             return
-        if self._order:
+        if self._order and self._nothing_to_save():
+            self._order, self._times = [], {True: [], False: []}
+            self.skipped += 1
+            self._switch(self.choice, self.HOLD)
+        elif self._order:
+            self._first = False
             self._order.pop(0)
             if self._order:
                 self._switch(self._order[0], self.EPOCH)
@@ -79,11 +99,18 @@ class LookaheadTuner:
             self._decide()
             self._switch(self.choice, self.HOLD)
         else:                                        # the hold is over: check again
-            self._order = self._trial(self.choice, first=False)
+            self._order, self._first = self._trial(self.choice, first=False), True
             self._switch(self.choice, self.EPOCH)
 
+    def _nothing_to_save(self) -> bool:
+        """The trial's first epoch ran without the lookahead and hardly waited on the drive."""
+        if self._stall is None or self.on or not self._first or not self._epoch \
+                or self._epoch[0] <= 0:
+            return False
+        return (self._stall() - self._epoch[1]) < self.GAIN * self._epoch[0]
+
     def _switch(self, on: bool, tokens: int) -> None:
-        self._left = tokens
+        self._left, self._epoch = tokens, None
         if on != self.on:
             self.on = on
             self._set_on(on)
@@ -102,6 +129,7 @@ class LookaheadTuner:
 
     def as_dict(self) -> dict[str, Any]:
         return {"tuned": True, "tuned_on": self.choice, "trials": self.trials,
+                "skipped": self.skipped,
                 "ms_on": self.medians.get(True, 0.0) * 1e3,
                 "ms_off": self.medians.get(False, 0.0) * 1e3,
                 "trial_ms": [[round(a * 1e3, 2), round(b * 1e3, 2)] for a, b in self.history]}

@@ -1,7 +1,8 @@
 """The lookahead's tuner: its trials alternate the arms in ABBAAB epochs, keep the arm it
 started from unless the other is faster by more than its margin, hold the choice, check it
-again, and count a speculative window as one step of several tokens; and an engine runs it
-when its options ask, switching the model's flag."""
+again, count a speculative window as one step of several tokens, and do not try the lookahead
+from off where the decode hardly waits on the drive; and an engine runs it when its options
+ask, switching the model's flag."""
 
 from __future__ import annotations
 
@@ -15,16 +16,22 @@ E = LookaheadTuner.EPOCH
 class Box:
     """A decode whose token takes ``cost[arm]`` seconds; records the switches."""
 
-    def __init__(self, cost_on: float, cost_off: float, prior: bool) -> None:
+    def __init__(self, cost_on: float, cost_off: float, prior: bool,
+                 stall_share: float | None = None, stall_before: float = 0.0) -> None:
         self.cost = {True: cost_on, False: cost_off}
         self.switches: list[bool] = []
-        self.t = LookaheadTuner(self.switches.append, prior)
+        self.share = stall_share              # of each token's time spent waiting on reads
+        self.stalled = stall_before           # the provider's counter (the prompt's waits)
+        self.t = LookaheadTuner(self.switches.append, prior,
+                                None if stall_share is None else lambda: self.stalled)
 
     def run(self, tokens: int, per_step: int = 1) -> list[bool]:
         arms = []
         for _ in range(tokens // per_step):
             arms.append(self.t.on)
-            self.t.step(self.cost[self.t.on] * per_step, per_step)
+            s = self.cost[self.t.on] * per_step
+            self.stalled += s * (self.share or 0.0)
+            self.t.step(s, per_step)
         return arms
 
 
@@ -43,7 +50,7 @@ def test_the_faster_arm_is_kept(prior, on, off, kept):
     box = Box(on, off, prior)
     box.run(6 * E)
     assert box.t.choice is kept and box.t.on is kept and box.t.trials == 1
-    assert box.t.as_dict() == {"tuned": True, "tuned_on": kept, "trials": 1,
+    assert box.t.as_dict() == {"tuned": True, "tuned_on": kept, "trials": 1, "skipped": 0,
                                "ms_on": pytest.approx(on * 1e3), "ms_off": pytest.approx(off * 1e3),
                                "trial_ms": [[pytest.approx(on * 1e3), pytest.approx(off * 1e3)]]}
     assert set(box.run(LookaheadTuner.HOLD)) == {kept}      # held
@@ -102,3 +109,21 @@ def test_of_switches_the_models_flag():
     for _ in range(E):
         t.step(0.1, 1)
     assert m.lookahead is True                 # the second epoch: the other arm
+
+
+def test_no_trial_from_off_where_the_decode_hardly_waits():
+    """An epoch off that waited under GAIN of its time: the lookahead cannot save that much, so
+    the trial ends there and the choice holds; the prompt's waits, counted before the first
+    decode step, do not count for it."""
+    box = Box(0.10, 0.15, False, stall_share=LookaheadTuner.GAIN / 3, stall_before=50.0)
+    assert set(box.run(E + LookaheadTuner.HOLD)) == {False}
+    assert box.t.skipped == 1 and box.t.trials == 0 and box.t.choice is False
+    assert box.run(E) == [False] * E and box.t.skipped == 2         # the re-check, the same
+
+
+@pytest.mark.parametrize("prior,share", [(False, 0.2), (True, 0.0)])
+def test_a_trial_runs_where_the_decode_waits_or_from_on(prior, share):
+    box = Box(0.10, 0.15, prior, stall_share=share)
+    arms = box.run(6 * E)
+    assert arms[E:3 * E] == [not prior] * 2 * E
+    assert box.t.trials == 1 and box.t.skipped == 0 and box.t.choice is True
