@@ -97,21 +97,21 @@ def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
                      ) -> dict[str, object]:
     """The lookahead's ``EngineOptions`` (``lookahead``, ``lookahead_margin``,
     ``lookahead_tune``, ``lookahead_prior``) for ``args.lookahead``: ``on`` (``--lookahead``)
-    and ``off`` (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always) tunes
-    it (``runtime.prefetch.tuner``: the decode tries it on and off and keeps the faster) when
+    and ``off`` (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always), when
     the RAM tier cannot hold every expert of ``g`` (nothing to predict when it can) and the
     trunk is resident (where it is re-read every token its reads are the drive's work, and the
-    guesses' reads slowed it), starting on for ``runtime.prefetch.lookahead.AUTO_ARCHS``, with
-    ``AUTO_MARGIN`` unless ``--lookahead-margin`` is given (else ``MARGIN``)."""
+    guesses' reads slowed it): on for ``runtime.prefetch.lookahead.AUTO_ARCHS``, where it was
+    measured to pay, and elsewhere tuned (``runtime.prefetch.tuner``: the decode tries it on
+    and off and keeps the faster, starting off); with ``AUTO_MARGIN`` unless
+    ``--lookahead-margin`` is given (else ``MARGIN``)."""
     from ..runtime.prefetch.lookahead import AUTO_ARCHS, AUTO_MARGIN, MARGIN
     mode = getattr(args, "lookahead", "auto")
     margin = getattr(args, "lookahead_margin", None)
     if mode in ("on", "off"):
         return {"lookahead": mode == "on", "lookahead_margin": MARGIN if margin is None else margin}
-    tune = ram < g.slot_bytes * g.n_decode_experts and not args.vram and trunk_resident
-    prior = g.arch in AUTO_ARCHS
-    if tune:
-        log.info("lookahead tuned in decode, starting %s (%s streams its experts)",
-                 "on" if prior else "off", g.arch)
-    return {"lookahead": tune, "lookahead_margin": AUTO_MARGIN if margin is None else margin,
-            "lookahead_tune": tune, "lookahead_prior": prior}
+    streams = ram < g.slot_bytes * g.n_decode_experts and not args.vram and trunk_resident
+    on = g.arch in AUTO_ARCHS
+    if streams:
+        log.info("lookahead %s (%s streams its experts)", "on" if on else "tuned in decode", g.arch)
+    return {"lookahead": streams, "lookahead_margin": AUTO_MARGIN if margin is None else margin,
+            "lookahead_tune": streams and not on, "lookahead_prior": on}

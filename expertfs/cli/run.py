@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "taken from its default tier) (0 = off)")
     p.add_argument("--lookahead", action="store_const", const="on", default="auto",
                    help="prefetch layer L+1's predicted experts while layer L runs (default, where "
-                   "experts stream: tried on and off over the decode, the faster kept; margin 0)")
+                   "experts stream: on for glm5-next, else tried on and off, the faster kept)")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_const", const="off")
     p.add_argument("--prefill-prefetch", action="store_true",
                    help="a prompt batch prefetches the next layer's gate-predicted experts "

@@ -22,11 +22,11 @@ from .score import PredictionScore
 __all__ = ["AUTO_ARCHS", "AUTO_MARGIN", "MARGIN", "LookaheadStats", "lookahead_slots"]
 
 #: Architectures whose experts the lookahead predicts and reads early enough to gain while
-#: they stream, so that ``run``/``serve``'s tuner (``prefetch.tuner``) starts with it on and
-#: keeps it unless off is measurably faster: glm5-next's mHC streams change little from one
-#: layer to the next, so layer L+1's router on layer L's FFN input finds most of its route, and
-#: its layers wait on the drive (bench/README.md, "The lookahead on GLM-5.3-Flash"); the
-#: others start with it off (qwen3moe's guesses are as good but did not gain under a cap)
+#: they stream, so ``run``/``serve`` turn it on there without a trial: glm5-next's mHC streams
+#: change little from one layer to the next, so layer L+1's router on layer L's FFN input finds
+#: most of its route, and its layers wait on the drive (bench/README.md, "The lookahead on
+#: GLM-5.3-Flash"; its trials there were inside their margin, so a trial only cost its off
+#: epochs: "The lookahead tuned per run"); elsewhere each run tries it (``prefetch.tuner``)
 AUTO_ARCHS = ("glm5-next",)
 #: experts beyond top-k a token's lookahead prefetches (``--lookahead``) ...
 MARGIN = 2

@@ -170,15 +170,15 @@ def test_json_reports_the_prefills_reads_against_the_drive(model, capsys, tmp_pa
 
 
 @pytest.mark.parametrize("arch,ram,flag,want", [
-    ("glm5-next", "small", None, "tuned on"), ("glm5-next", "small", "--no-lookahead", None),
+    ("glm5-next", "small", None, "forced"), ("glm5-next", "small", "--no-lookahead", None),
     ("glm5-next", "all", None, None), ("glm5-next", "trunk-evicted", None, None),
     ("qwen3moe", "small", None, "tuned off"), ("qwen3moe", "small", "--lookahead", "forced")])
 def test_lookahead_is_tuned_by_default_where_experts_stream(tmp_path, capsys, monkeypatch, arch,
                                                             ram, flag, want):
-    """The lookahead's default: tuned in decode (``runtime.prefetch.tuner``) while the experts
-    stream (a tier smaller than them) beside a resident trunk, starting on for glm5-next and off
-    for the others; not built when every expert fits or the memory limit leaves the trunk to be
-    re-read; the flags force it either way."""
+    """The lookahead's default while the experts stream (a tier smaller than them) beside a
+    resident trunk: on for glm5-next, tuned in decode (``runtime.prefetch.tuner``, starting
+    off) for the others; not built when every expert fits or the memory limit leaves the trunk
+    to be re-read; the flags force it either way."""
     from expertfs.runtime.memory import LIMIT_ENV
     if ram == "trunk-evicted":
         monkeypatch.setenv(LIMIT_ENV, "64M")        # below the runtime's own allowance
