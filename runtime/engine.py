@@ -75,8 +75,8 @@ class EngineOptions:
     dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = MARGIN        # experts beyond top-k prefetched per token
-    lookahead_tune: bool = False          # tried on and off in decode, the faster kept
-    lookahead_prior: bool = True          # (prefetch.tuner) from this arm, kept if no faster
+    lookahead_tune: bool = False          # tried on and off in decode from off, the faster
+                                          # kept (prefetch.tuner)
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
                                           # tier (None: k + margin + 1; 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward

@@ -96,8 +96,8 @@ def vram_tier(args: argparse.Namespace, device: str, g) -> int:
 def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
                      ) -> dict[str, object]:
     """The lookahead's ``EngineOptions`` (``lookahead``, ``lookahead_margin``,
-    ``lookahead_tune``, ``lookahead_prior``) for ``args.lookahead``: ``on`` (``--lookahead``)
-    and ``off`` (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always), when
+    ``lookahead_tune``) for ``args.lookahead``: ``on`` (``--lookahead``) and ``off``
+    (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always), when
     the RAM tier cannot hold every expert of ``g`` (nothing to predict when it can) and the
     trunk is resident (where it is re-read every token its reads are the drive's work, and the
     guesses' reads slowed it): on for ``runtime.prefetch.lookahead.AUTO_ARCHS``, where it was
@@ -114,4 +114,4 @@ def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
     if streams:
         log.info("lookahead %s (%s streams its experts)", "on" if on else "tuned in decode", g.arch)
     return {"lookahead": streams, "lookahead_margin": AUTO_MARGIN if margin is None else margin,
-            "lookahead_tune": streams and not on, "lookahead_prior": on}
+            "lookahead_tune": streams and not on}

@@ -52,7 +52,6 @@ class LookaheadTuner:
         self.on = prior                  # the arm the decode runs now
         self.choice = prior              # the arm kept between trials
         self.trials = 0
-        self.medians: dict[bool, float] = {}     # the last trial's s/token per arm
         self.history: list[tuple[float, float]] = []     # every trial's (on, off) s/token
         self._times: dict[bool, list[float]] = {True: [], False: []}
         self._order = self._trial(prior, first=True)
@@ -63,10 +62,15 @@ class LookaheadTuner:
     def of(cls, model: Any, options: Any, stall: Callable[[], float] | None = None
            ) -> LookaheadTuner | None:
         """The tuner an engine's ``options`` ask for (``lookahead`` and ``lookahead_tune``),
-        switching ``model.lookahead``, starting from ``lookahead_prior``; else None."""
+        switching ``model.lookahead``, starting off; else None."""
         if not (options.lookahead and options.lookahead_tune):
             return None
-        return cls(lambda on: setattr(model, "lookahead", on), options.lookahead_prior, stall)
+        return cls(lambda on: setattr(model, "lookahead", on), False, stall)
+
+    @property
+    def medians(self) -> dict[bool, float]:
+        """The last trial's seconds a token per arm (none before the first)."""
+        return {True: self.history[-1][0], False: self.history[-1][1]} if self.history else {}
 
     @staticmethod
     def _trial(a: bool, *, first: bool) -> list[bool]:
@@ -117,7 +121,6 @@ class LookaheadTuner:
 
     def _decide(self) -> None:
         on, off = (statistics.median(self._times[a]) for a in (True, False))
-        self.medians = {True: on, False: off}
         self.history.append((on, off))
         self.trials += 1
         kept, other = (on, off) if self.choice else (off, on)
