@@ -29,7 +29,11 @@ ORDER = ["demo", "synth", "repack", "verify", "inspect", "unpack", "bench_io", "
          "plan", "run", "serve"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command``'s modules alone (``bench`` is
+    ``bench_io`` and ``bench_cache``): a command imports only what it runs, so ``repack`` or
+    ``verify`` starts without torch's second of imports. A name no module has gets every
+    command, so argparse's error lists them."""
     p = argparse.ArgumentParser(
         prog="expertfs",
         description="Run Mixture-of-Experts LLMs far larger than RAM, experts streamed from NVMe.")
@@ -38,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
     names = [n for n in ORDER if n in found] + sorted(n for n in found if n not in ORDER)
+    if command is not None:
+        names = [n for n in names if n == command or n.startswith(command + "_")] or names
     for name in names:
         mod = importlib.import_module(f"{__name__}.{name}")
         if hasattr(mod, "register"):
@@ -45,8 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command(argv: list[str]) -> str | None:
+    """The command word: the first argument that is not a top-level option (``-v`` and
+    ``--version`` take no value); None for ``expertfs`` alone or ``--help``."""
+    for a in argv:
+        if a in ("-h", "--help"):
+            return None
+        if not a.startswith("-"):
+            return a
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -80,3 +80,21 @@ def test_help_lists_commands():
     assert r.returncode == 0
     for c in ("repack", "verify", "inspect", "unpack"):
         assert c in r.stdout
+
+
+def test_a_command_imports_only_its_own_module(tmp_path, tiny_gguf):
+    """``expertfs repack`` builds only its own parser, so it starts without torch (as
+    ``verify`` and ``unpack`` do); ``bench`` is both of its modules; a mistyped command still
+    lists them all."""
+    code = ("import sys; from expertfs.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, "repack", str(tiny_gguf), "-o",
+                          str(tmp_path / "s.efs")], capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines()[-1] == "0 False"
+    from expertfs.cli import _command, build_parser
+    assert _command(["-v", "run", "x.efs", "-n", "4"]) == "run"
+    assert _command(["--help"]) is None and _command([]) is None
+    sub = build_parser("bench")._subparsers._group_actions[0].choices
+    assert list(sub) == ["bench"] and set(sub["bench"]._subparsers._group_actions[0].choices) == {"io", "cache"}
+    bad = run("runn", "x")
+    assert bad.returncode == 2 and "'run'" in bad.stderr and "'serve'" in bad.stderr
