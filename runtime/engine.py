@@ -298,6 +298,12 @@ class Engine:
         if self._tuner is not None:
             self._tuner.step(seconds, tokens)
 
+    def expect_decode(self, tokens: int | None) -> None:
+        """How many decode tokens the caller means to run from now (None: not known), so the
+        lookahead's tuner starts no trial a short generation could not repay."""
+        if self._tuner is not None:
+            self._tuner.expect(tokens)
+
     def logits(self, tokens: Sequence[int], *, reset: bool = True) -> torch.Tensor:
         """Logits of every position of ``tokens``: float32 ``[len(tokens), n_vocab]`` (CPU)."""
         if reset:

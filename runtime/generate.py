@@ -44,19 +44,23 @@ def generate(engine: Engine, prompt: Sequence[int], sampler: Sampler, max_new: i
     With ``spec``, decode steps are its speculative steps."""
     t0 = last = time.perf_counter()
     logits = engine.prefill(list(prompt))
-    for i in range(max_new):
-        chosen = sampler.sample(logits)        # on the logits' device
-        tok = int(chosen)                      # the token's one host copy
-        now = time.perf_counter()
-        stop = tok in stop_ids
-        yield Step(i, tok, now - last, now - t0, stop)
-        last = now
-        if stop or i + 1 == max_new:
-            return
-        if spec is not None:
-            yield from _speculative(spec, sampler, tok, i + 1, max_new, stop_ids, t0, last)
-            return
-        logits = engine.decode(chosen)         # the id stays on the device
+    engine.expect_decode(max(0, max_new - 1))  # decode steps at most (a stop ends them sooner)
+    try:
+        for i in range(max_new):
+            chosen = sampler.sample(logits)        # on the logits' device
+            tok = int(chosen)                      # the token's one host copy
+            now = time.perf_counter()
+            stop = tok in stop_ids
+            yield Step(i, tok, now - last, now - t0, stop)
+            last = now
+            if stop or i + 1 == max_new:
+                return
+            if spec is not None:
+                yield from _speculative(spec, sampler, tok, i + 1, max_new, stop_ids, t0, last)
+                return
+            logits = engine.decode(chosen)         # the id stays on the device
+    finally:
+        engine.expect_decode(None)
 
 
 def _speculative(spec: Speculative, sampler: Sampler, tok: int, i: int, max_new: int,

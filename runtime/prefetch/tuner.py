@@ -19,7 +19,13 @@ here, per run, rather than fixed per architecture:
   waited on the drive (``stall()``, the provider's cumulative seconds, from the epoch's second
   step: the first may carry the prompt's waits) for less than ``GAIN`` of its time: the
   lookahead only saves such waits, so it could not win by ``GAIN`` there, and trying it would
-  cost its wrong reads for nothing (a decode the RAM tier nearly holds).
+  cost its wrong reads for nothing (a decode the RAM tier nearly holds);
+- a trial starts only where the decode the caller still expects (``expect``: ``generate``
+  knows its ``max_new``) is at least ``1 + PAYBACK`` times the trial's length: up to half a
+  trial runs the losing arm, which only the tokens after it can repay, so a short generation
+  keeps the arm it starts from, the trial pending until a longer one (``expect`` again) or the
+  end of a hold. Without a hint (a server's requests, the API's own decode loop) the trials
+  run as the tokens come, their cost spread over the engine's life.
 
 ``set_on(bool)`` switches the lookahead (the model's flag, read at each layer); ``step(s, n)``
 counts a decode step of ``n`` tokens (a speculative window is one step) that took ``s`` seconds.
@@ -41,6 +47,7 @@ class LookaheadTuner:
     EPOCH = 8            # decode tokens an arm runs before the other takes over
     GAIN = 0.03          # the other arm must be this much faster (median s/token) to switch
     HOLD = 256           # tokens a choice holds before it is tried again
+    PAYBACK = 2          # decode expected after a trial, in trial lengths, for it to start
 
     def __init__(self, set_on: Callable[[bool], None], prior: bool,
                  stall: Callable[[], float] | None = None) -> None:
@@ -54,8 +61,11 @@ class LookaheadTuner:
         self.trials = 0
         self.history: list[tuple[float, float]] = []     # every trial's (on, off) s/token
         self._times: dict[bool, list[float]] = {True: [], False: []}
-        self._order = self._trial(prior, first=True)
-        self._left = self.EPOCH          # tokens left in this epoch (or in the hold)
+        self._budget: int | None = None  # decode tokens the caller expects (None: unknown)
+        self._pending: list[bool] | None = None          # a trial put off for a short decode
+        self._order: list[bool] = []
+        self._left = 0                   # tokens left in this epoch (or in the hold)
+        self._begin(self._trial(prior, first=True))
         set_on(self.on)
 
     @classmethod
@@ -72,6 +82,28 @@ class LookaheadTuner:
         """The last trial's seconds a token per arm (none before the first)."""
         return {True: self.history[-1][0], False: self.history[-1][1]} if self.history else {}
 
+    def expect(self, tokens: int | None) -> None:
+        """The decode tokens the caller expects to run from now on (None: not known). A trial
+        not yet begun is put off where they would not repay it, and a trial put off begins
+        where they would."""
+        self._budget = tokens
+        if self._pending is not None:
+            self._begin(self._pending)
+        elif self._order and self._left == self.EPOCH and self._epoch is None and self._first \
+                and not self._times[True] and not self._times[False]:
+            self._begin(self._order)
+
+    def _begin(self, order: list[bool]) -> None:
+        """Run the trial ``order`` from now, or hold the current choice with it pending where
+        the expected decode is short of ``1 + PAYBACK`` times its length."""
+        if self._budget is not None and \
+                self._budget < (1 + self.PAYBACK) * len(order) * self.EPOCH:
+            self._pending, self._order = order, []
+            self._switch(self.choice, self.HOLD)
+            return
+        self._pending, self._order, self._first = None, order, True
+        self._switch(order[0], self.EPOCH)
+
     @staticmethod
     def _trial(a: bool, *, first: bool) -> list[bool]:
         """The arms of a trial's epochs, starting from ``a``: ABBAAB, a re-check ABBA."""
@@ -81,6 +113,8 @@ class LookaheadTuner:
     def step(self, seconds: float, tokens: int) -> None:
         if tokens <= 0:
             return
+        if self._budget is not None:
+            self._budget -= tokens
         if self._order:                              # in a trial: time this arm
             self._times[self.on] += [seconds / tokens] * tokens
             if self._epoch is None:
@@ -102,9 +136,8 @@ class LookaheadTuner:
                 return
             self._decide()
             self._switch(self.choice, self.HOLD)
-        else:                                        # the hold is over: check again
-            self._order, self._first = self._trial(self.choice, first=False), True
-            self._switch(self.choice, self.EPOCH)
+        else:                    # the hold is over: the pending trial, or check again
+            self._begin(self._pending or self._trial(self.choice, first=False))
 
     def _nothing_to_save(self) -> bool:
         """The trial's first epoch ran without the lookahead and hardly waited on the drive."""
@@ -132,7 +165,7 @@ class LookaheadTuner:
 
     def as_dict(self) -> dict[str, Any]:
         return {"tuned": True, "tuned_on": self.choice, "trials": self.trials,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "pending": self._pending is not None,
                 "ms_on": self.medians.get(True, 0.0) * 1e3,
                 "ms_off": self.medians.get(False, 0.0) * 1e3,
                 "trial_ms": [[round(a * 1e3, 2), round(b * 1e3, 2)] for a, b in self.history]}

@@ -1,8 +1,9 @@
 """The lookahead's tuner: its trials alternate the arms in ABBAAB epochs, keep the arm it
 started from unless the other is faster by more than its margin, hold the choice, check it
-again, count a speculative window as one step of several tokens, and do not try the lookahead
-from off where the decode hardly waits on the drive; and an engine runs it when its options
-ask, switching the model's flag."""
+again, count a speculative window as one step of several tokens, do not try the lookahead
+from off where the decode hardly waits on the drive, and start no trial a decode too short to
+repay it; and an engine runs it when its options ask, switching the model's flag, and
+``generate`` tells it how long a decode to expect."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_the_faster_arm_is_kept(prior, on, off, kept):
     box.run(6 * E)
     assert box.t.choice is kept and box.t.on is kept and box.t.trials == 1
     assert box.t.as_dict() == {"tuned": True, "tuned_on": kept, "trials": 1, "skipped": 0,
+                               "pending": False,
                                "ms_on": pytest.approx(on * 1e3), "ms_off": pytest.approx(off * 1e3),
                                "trial_ms": [[pytest.approx(on * 1e3), pytest.approx(off * 1e3)]]}
     assert set(box.run(LookaheadTuner.HOLD)) == {kept}      # held
@@ -127,3 +129,53 @@ def test_a_trial_runs_where_the_decode_waits_or_from_on(prior, share):
     arms = box.run(6 * E)
     assert arms[E:3 * E] == [not prior] * 2 * E
     assert box.t.trials == 1 and box.t.skipped == 0 and box.t.choice is True
+
+
+def test_a_short_decode_starts_no_trial():
+    """Expecting fewer than (1 + PAYBACK) trial lengths: the arm it starts from runs to the end,
+    the trial pending; a longer decode expected next begins it at once."""
+    trial = 6 * E
+    box = Box(0.10, 0.15, False)
+    box.t.expect((1 + LookaheadTuner.PAYBACK) * trial - 1)
+    assert set(box.run(3 * trial - 1)) == {False}
+    assert box.t.trials == 0 and box.t.as_dict()["pending"] is True
+    box.t.expect((1 + LookaheadTuner.PAYBACK) * trial)
+    arms = box.run(trial)
+    assert arms == [False] * E + [True] * 2 * E + [False] * 2 * E + [True] * E
+    assert box.t.trials == 1 and box.t.choice is True and box.t.as_dict()["pending"] is False
+
+
+def test_a_decode_long_enough_or_unknown_runs_the_trial_and_a_recheck_is_gated_too():
+    box = Box(0.10, 0.15, False)
+    box.t.expect(None)
+    assert box.run(6 * E)[E:3 * E] == [True] * 2 * E and box.t.trials == 1
+    box.t.expect(LookaheadTuner.HOLD + 10)           # the re-check (ABBA) would not repay
+    assert set(box.run(LookaheadTuner.HOLD + 10)) == {True} and box.t.trials == 1
+    box.t.expect(None)                               # a server's decode: the pending re-check
+    assert box.run(4 * E) == [True] * E + [False] * 2 * E + [True] * E
+    assert box.t.trials == 2
+
+
+def test_generate_tells_the_engine_how_long_a_decode_to_expect():
+    from expertfs.runtime.generate import generate
+    import torch
+
+    from expertfs.runtime.sampling import Sampler, SamplingParams
+
+    class Eng:
+        def __init__(self):
+            self.hints = []
+
+        def prefill(self, ids):
+            return torch.zeros(4)
+
+        def decode(self, tok):
+            self.hints.append("decode")
+            return torch.zeros(4)
+
+        def expect_decode(self, n):
+            self.hints.append(n)
+
+    eng = Eng()
+    steps = list(generate(eng, [1, 2], Sampler(SamplingParams(temperature=0.0)), 3))
+    assert len(steps) == 3 and eng.hints == [2, "decode", "decode", None]
