@@ -115,3 +115,12 @@ def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
         log.info("lookahead %s (%s streams its experts)", "on" if on else "tuned in decode", g.arch)
     return {"lookahead": streams, "lookahead_margin": AUTO_MARGIN if margin is None else margin,
             "lookahead_tune": streams and not on}
+
+
+def lookahead_line(la: dict) -> str:
+    """``run``'s line on the lookahead: what its reads covered and, tuned, what it kept."""
+    tried = (f"; kept {'on' if la['tuned_on'] else 'off'} ({la['ms_on']:.0f} ms a token with "
+             f"it, {la['ms_off']:.0f} without)" if la.get("trials") else
+             "; not tried: too short a decode to repay a trial" if la.get("pending") else "")
+    return (f"lookahead: coverage {100 * la['coverage']:.0f}%, waste {100 * la['waste']:.0f}%"
+            + tried)

@@ -20,7 +20,7 @@ from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
 from ._common import size_arg
 from ._prompt import tokenized_prompt
-from ._tiers import ram_and_lookahead
+from ._tiers import lookahead_line, ram_and_lookahead
 
 __all__ = ["register", "run"]
 
@@ -374,10 +374,7 @@ def _generate(eng, spec, args: argparse.Namespace, tok, prompt: list[int],
           f"stall {summary['stall_s']:.2f} s; trunk {fmt_bytes(eng.trunk.float_bytes)} float",
           file=sys.stderr)
     if "lookahead" in st:
-        la = st["lookahead"]
-        print(f"lookahead: coverage {100 * la['coverage']:.0f}%, waste {100 * la['waste']:.0f}%"
-              + (f"; kept {'on' if la['tuned_on'] else 'off'} ({la['ms_on']:.0f} ms a token with it, "
-                 f"{la['ms_off']:.0f} without)" if la.get("trials") else ""), file=sys.stderr)
+        print(lookahead_line(st["lookahead"]), file=sys.stderr)
     if "mtp" in st:
         m = st["mtp"]
         line = (f"mtp: {m['tokens_per_step']:.2f} tokens/step, acceptance "

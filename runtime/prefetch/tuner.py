@@ -83,26 +83,34 @@ class LookaheadTuner:
         return {True: self.history[-1][0], False: self.history[-1][1]} if self.history else {}
 
     def expect(self, tokens: int | None) -> None:
-        """The decode tokens the caller expects to run from now on (None: not known). A trial
-        not yet begun is put off where they would not repay it, and a trial put off begins
-        where they would."""
+        """The decode tokens the caller expects to run from now on (None: not known), weighed
+        at the next step: a trial not yet begun is put off where they would not repay it, and
+        a trial put off begins where they would."""
         self._budget = tokens
-        if self._pending is not None:
-            self._begin(self._pending)
-        elif self._order and self._left == self.EPOCH and self._epoch is None and self._first \
-                and not self._times[True] and not self._times[False]:
-            self._begin(self._order)
+
+    def _repays(self, order: list[bool]) -> bool:
+        return self._budget is None or \
+            self._budget >= (1 + self.PAYBACK) * len(order) * self.EPOCH
 
     def _begin(self, order: list[bool]) -> None:
         """Run the trial ``order`` from now, or hold the current choice with it pending where
-        the expected decode is short of ``1 + PAYBACK`` times its length."""
-        if self._budget is not None and \
-                self._budget < (1 + self.PAYBACK) * len(order) * self.EPOCH:
+        the expected decode would not repay it."""
+        if not self._repays(order):
             self._pending, self._order = order, []
             self._switch(self.choice, self.HOLD)
             return
         self._pending, self._order, self._first = None, order, True
         self._switch(order[0], self.EPOCH)
+
+    def _gate(self) -> None:
+        """Before a step is counted (its arm is the first of any trial begun or put off here:
+        a trial starts from the choice): the budget's say on a trial pending or not yet begun."""
+        if self._pending is not None:
+            if self._repays(self._pending):
+                self._begin(self._pending)
+        elif self._order and self._first and self._epoch is None and \
+                self._left == self.EPOCH and not (self._times[True] or self._times[False]):
+            self._begin(self._order)
 
     @staticmethod
     def _trial(a: bool, *, first: bool) -> list[bool]:
@@ -113,6 +121,7 @@ class LookaheadTuner:
     def step(self, seconds: float, tokens: int) -> None:
         if tokens <= 0:
             return
+        self._gate()
         if self._budget is not None:
             self._budget -= tokens
         if self._order:                              # in a trial: time this arm

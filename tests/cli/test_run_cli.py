@@ -201,5 +201,8 @@ def test_lookahead_is_tuned_by_default_where_experts_stream(tmp_path, capsys, mo
         assert la is None
     elif want == "forced":
         assert la is not None and "tuned" not in la
-    else:                  # 3 tokens: no trial has ended, the tuner still runs its first arm
+    else:                  # 3 tokens: too few to repay a trial, the arm it starts from kept
         assert la["tuned"] and la["tuned_on"] == (want == "tuned on") and la["trials"] == 0
+        assert la["pending"]
+        from expertfs.cli._tiers import lookahead_line
+        assert lookahead_line(la).endswith("not tried: too short a decode to repay a trial")
