@@ -75,13 +75,12 @@ class EngineOptions:
     dq_cache: int = 0                     # bytes of dequantized experts kept (0: off)
     lookahead: bool = False               # next-layer gate prefetch
     lookahead_margin: int = MARGIN        # experts beyond top-k prefetched per token
-    lookahead_tune: bool = False          # tried on and off in decode from off, the faster
-                                          # kept (prefetch.tuner)
+    lookahead_tune: bool = False          # tried on and off in decode, the faster kept (tuner)
     prefetch_slots: int | None = None     # RAM slots the lookahead reads into, outside the
                                           # tier (None: k + margin + 1; 0: into the tier)
     prefill_batch: int = 256              # tokens per prefill forward
     prefill_prefetch: bool = False        # a prompt batch prefetches L+1's gate-predicted experts
-    load_nextn: bool = True               # build the NextN/MTP block (not run here)
+    load_nextn: bool = True               # build the NextN/MTP block (else left unread)
     fused: str = "auto"                   # compiled decode matvecs: "auto" (CPU), "on", "off"
     act_quant: str = "off"                # "q8": llama.cpp's 8-bit activations in the native
                                           # expert and trunk products (lossy, opt-in, measured)
@@ -129,9 +128,11 @@ class Engine:
         self.device = torch.device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.reader = TrunkReader(store)
-        self.reader.prefetch()
         self.kv = kv = store.gguf_kv()
-        self.config = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
+        self.config = c = ModelConfig.from_gguf(kv, self.reader.names(), store.path)
+        if not options.load_nextn:              # the NextN blocks: only read to draft
+            self.reader.leave_out(range(c.n_layers, c.n_block))
+        self.reader.prefetch()
         t0 = time.perf_counter()
         fused = use_fused(options.fused, self.device, self.dtype)
         budget = options.trunk_budget
@@ -299,8 +300,7 @@ class Engine:
             self._tuner.step(seconds, tokens)
 
     def expect_decode(self, tokens: int | None) -> None:
-        """How many decode tokens the caller means to run from now (None: not known), so the
-        lookahead's tuner starts no trial a short generation could not repay."""
+        """Decode tokens the caller means to run from now (None: not known): for the tuner."""
         if self._tuner is not None:
             self._tuner.expect(tokens)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 __all__ = ["lookahead_choice", "ram_and_lookahead", "vram_tier"]
 
@@ -52,8 +53,8 @@ def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, obje
     from ..store.reader import Store
     kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
     on = "cpu" if device == "cpu" else "gpu"
-    with Store.open(args.store) as s:
-        g = geometry_of_store(s)
+    with Store.open(args.store) as s:    # a NextN block loaded only to draft (run --mtp)
+        g = replace(geometry_of_store(s), nextn_loaded=str(getattr(args, "mtp", "0")) != "0")
     _log_paths(g, device, fused, getattr(args, "act_quant", "off"))
     if args.vram is None:
         args.vram = vram_tier(args, device, g) if on == "gpu" else 0

@@ -171,7 +171,8 @@ def _open(args: argparse.Namespace):
                          trunk=args.trunk, dq_cache=args.dq_cache, **look,
                          fused=fused, act_quant=args.act_quant, trunk_stream=args.trunk_short,
                          prefill_batch=args.batch, prefetch_slots=args.prefetch_slots,
-                         prefill_prefetch=args.prefill_prefetch)
+                         prefill_prefetch=args.prefill_prefetch,
+                         load_nextn=bool(_mtp_arg(args.mtp)))   # the NextN block: to draft
     mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
                      draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     opts = mtp.engine_options(opts)

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     ram, look = ram_and_lookahead(args, device)
     opts = EngineOptions(device=device, n_ctx=args.ctx, trunk=args.trunk, **look,
-                         trunk_stream=args.trunk_short)
+                         trunk_stream=args.trunk_short, load_nextn=False)   # no drafts here
     expect_long_life()                  # huge pages: cleared by the warm start, read into often
     eng = Engine.open(args.store, ram_bytes=ram, vram_bytes=args.vram, options=opts)
     eng.start_warm()                    # the cache fills while no request is waiting

@@ -88,6 +88,7 @@ class TrunkReader:
         self._closed = threading.Event()       # stops a background prefetch between steps
         self.row_tables = self._row_tables()
         self.row_pages = self._pages(self.row_tables)
+        self.unused_pages: list[tuple[int, int]] = []    # tensors no forward reads (leave_out)
         self._advise_rows(mmap.MADV_RANDOM)    # a lookup's fault reads its pages, not around
 
     def _row_tables(self) -> list[str]:
@@ -138,6 +139,13 @@ class TrunkReader:
                     return False
         return True
 
+    def leave_out(self, blocks: range) -> None:
+        """The tensors of ``blocks`` (the NextN blocks, where nothing drafts with them): never
+        read ahead or faulted in here, as the memory model does not count them
+        (``Geometry.nextn_loaded``)."""
+        pre = tuple(f"blk.{b}." for b in blocks)
+        self.unused_pages = self._pages([n for n in self.records if pre and n.startswith(pre)])
+
     def prefetch(self) -> None:
         """Have the kernel read trunk.bin into the page cache in the background
         (``MADV_WILLNEED`` from a thread: the call itself can wait on the drive's queue), so the
@@ -147,18 +155,19 @@ class TrunkReader:
         out (but the pages they share with a neighbour): under a cap their pages would push
         out what the model counts."""
         if self._mm is not None:
-            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED, self.row_pages),
+            skip = sorted(self.row_pages + self.unused_pages)
+            threading.Thread(target=self._advise, args=(mmap.MADV_WILLNEED, skip),
                              name="expertfs-trunk-prefetch", daemon=True).start()
 
     def populate(self) -> None:
         """Fault every page of trunk.bin in now (``MADV_POPULATE_READ``; where the kernel lacks
-        it, a read of one byte a page): the trunk resident before the first token, the row
-        tables too, so they are read as the rest, in the drive's read-ahead, not a page at a
-        time."""
+        it, a read of one byte a page) but those of tensors left out: the trunk resident before
+        the first token, the row tables too, so they are read as the rest, in the drive's
+        read-ahead, not a page at a time."""
         if self._mm is None:
             return
         self._advise_rows(mmap.MADV_NORMAL)
-        if self._advise(MADV_POPULATE_READ):
+        if self._advise(MADV_POPULATE_READ, self.unused_pages):
             return
         log.debug("MADV_POPULATE_READ refused; touching trunk.bin a page at a time")
         page = mmap.PAGESIZE

@@ -76,6 +76,8 @@ class Geometry:
     sliding_window: int = 0
     expert_types: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    nextn_loaded: bool = False             # the run loads its NextN blocks (MTP drafts); else
+                                           # their trunk tensors are never read or counted
 
     def __post_init__(self) -> None:
         n = len(self.moe_layers)
@@ -122,13 +124,24 @@ class Geometry:
 
     def trunk_resident(self, mode: str, dtype_bytes: int) -> int:
         """Bytes the loaded trunk takes: ggml bytes, with every matrix (NextN's included) in
-        the compute dtype when ``mode`` is "float"; the embedding always stays quantized."""
+        the compute dtype when ``mode`` is "float"; the embedding always stays quantized; the
+        NextN blocks' only where the run loads them (``nextn_loaded``)."""
+        base = self.loaded_trunk_bytes
         if mode == "quant":
-            return self.trunk_bytes
+            return base
         extra = 0
-        for m in (*self.trunk_matrices, *self.nextn_matrices):
+        for m in (*self.trunk_matrices, *self.loaded_nextn_matrices):
             extra += m.count * (m.elements * dtype_bytes - (0 if m.tied else m.nbytes))
-        return self.trunk_bytes + extra
+        return base + extra
+
+    @property
+    def loaded_trunk_bytes(self) -> int:
+        """The trunk's bytes a run loads: a NextN block's only where it drafts."""
+        return self.trunk_bytes - (0 if self.nextn_loaded else self.nextn_trunk_bytes)
+
+    @property
+    def loaded_nextn_matrices(self) -> tuple[Matrix, ...]:
+        return self.nextn_matrices if self.nextn_loaded else ()
 
     def trunk_compute(self, mode: str, device: str) -> tuple[Matrix, ...]:
         """The trunk matrices one token multiplies by, as the device holds them."""
@@ -160,6 +173,7 @@ class Geometry:
             "trunk_bytes": self.trunk_bytes, "trunk_active_bytes": self.trunk_active_bytes,
             "trunk_float_bytes": {d: self.trunk_resident("float", DTYPE_BYTES[d]) for d in DTYPE_BYTES},
             "embd_bytes": self.embd_bytes, "nextn_trunk_bytes": self.nextn_trunk_bytes,
+            "nextn_loaded": self.nextn_loaded,
             "expert_types": dict(self.expert_types), "notes": list(self.notes),
         }
 

@@ -79,18 +79,19 @@ def trunk_host_bytes(g: Geometry, mode: str, device: str = "cpu",
                      float_budget: int | None = None) -> int:
     """Trunk bytes a run keeps resident in host memory: none when the trunk is on the GPU;
     else ggml bytes, with the matrices the mode dequantizes at load in float32, and without an
-    untied token embedding (read a row per token from the mapped file). ``mode`` "auto" is the
+    untied token embedding (read a row per token from the mapped file), the NextN blocks' only
+    where the run drafts with them (``g.nextn_loaded``). ``mode`` "auto" is the
     runtime's rule (``runtime.model.weights.plan_float``): the ``kept_types`` (those with a
     fused product) stay quantized, the others are dequantized unless their float size passes
     ``float_budget``, then the largest stay quantized until the rest fits."""
     if device != "cpu":
         return 0
     untied = not any(m.tied for m in g.trunk_matrices)
-    base = g.trunk_bytes - (g.embd_bytes if untied else 0)
+    base = g.loaded_trunk_bytes - (g.embd_bytes if untied else 0)
     if mode == "quant":
         return max(0, base)
     el = DTYPE_BYTES["cpu"]
-    mats = [m for m in (*g.trunk_matrices, *g.nextn_matrices) if m.ggml_type != "F32"]
+    mats = [m for m in (*g.trunk_matrices, *g.loaded_nextn_matrices) if m.ggml_type != "F32"]
     if mode == "auto":
         mats = [m for m in mats if m.ggml_type not in (kept_types or ())]
         if float_budget is not None:

@@ -6,6 +6,7 @@ synthetic routing is kept to a few dozen tokens so the simulator runs in well un
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -141,7 +142,8 @@ def test_budget_glm_air_32g_24g_by_hand() -> None:
     assert ram.item("os_headroom") == 4 * GiB                       # 32 GiB / 8 > 3 GiB
     assert ram.item("runtime") == memory.RUNTIME_OVERHEAD + memory.RUNTIME_OVERHEAD_CUDA
     assert ram.item("staging") == (k + 1) * slot and m.staging_slots == 9   # min(16, k) + 1
-    assert ram.item("trunk") == 0 and vram.item("trunk") == g.trunk_bytes
+    assert ram.item("trunk") == 0                  # the NextN block's trunk: not loaded
+    assert vram.item("trunk") == g.loaded_trunk_bytes == g.trunk_bytes - g.nextn_trunk_bytes
     assert m.kv_type == "bf16" and vram.item("kv_cache") == 1_543_503_872
     assert vram.item("reserve") == int(24 * GiB * 0.05)
     assert ram.tier_slots == (32 * GiB - ram.fixed) // slot
@@ -167,14 +169,19 @@ def test_float_trunk_sizes() -> None:
     assert g.trunk_resident("float", 4) == g.trunk_bytes             # F32 stays F32 on the CPU
     assert g.trunk_resident("float", 2) == g.trunk_bytes - mat_bytes // 2      # bf16 on the GPU
     assert g.trunk_resident("quant", 2) == g.trunk_bytes
-    air = like("GLM-4.5-Air")
-    el = sum(m.elements * m.count for m in air.trunk_matrices + air.nextn_matrices)
-    q = sum(m.nbytes * m.count for m in air.trunk_matrices + air.nextn_matrices)
-    assert air.trunk_resident("float", 2) == air.trunk_bytes - q + 2 * el
+    air = like("GLM-4.5-Air")           # its NextN block's trunk not loaded: no drafts planned
+    el = sum(m.elements * m.count for m in air.trunk_matrices)
+    q = sum(m.nbytes * m.count for m in air.trunk_matrices)
+    base = air.trunk_bytes - air.nextn_trunk_bytes
+    assert air.trunk_resident("float", 2) == base - q + 2 * el
+    drafting = dataclasses.replace(air, nextn_loaded=True)
+    el_n = sum(m.elements * m.count for m in air.nextn_matrices)
+    q_n = sum(m.nbytes * m.count for m in air.nextn_matrices)
+    assert drafting.trunk_resident("float", 2) == air.trunk_bytes - q - q_n + 2 * (el + el_n)
     m = layout(air, Box(64 * GiB, 0), "cpu", "float")
     # resident on the CPU: float32 matrices, and not the untied embedding (read a row per token)
     assert not any(m_.tied for m_ in air.trunk_matrices)
-    assert m.ram.item("trunk") == air.trunk_bytes - q + 4 * el - air.embd_bytes
+    assert m.ram.item("trunk") == base - q + 4 * el - air.embd_bytes
     assert m.kv_type == "f32"
 
 
@@ -182,7 +189,7 @@ def test_budget_cpu_only() -> None:
     g = like("GLM-4.5-Air")
     m = layout(g, Box(64 * GiB, 0), "cpu", "quant")
     assert m.vram is None and m.placement.trunk == "cpu" and not m.pinned and m.staging_slots == 0
-    assert m.ram.item("trunk") == g.trunk_bytes - g.embd_bytes             # untied embedding
+    assert m.ram.item("trunk") == g.loaded_trunk_bytes - g.embd_bytes      # untied embedding
     assert m.ram.item("kv_cache") == memory.kv_reserve(m.kv_bytes)           # its growth peak
     assert m.kv_bytes == 2 * 1_543_503_872                          # float32 KV on the CPU
     assert m.ram.tier_slots == (64 * GiB - m.ram.fixed) // g.slot_bytes
@@ -208,7 +215,7 @@ def test_trunk_too_big_for_vram_stays_in_ram() -> None:
     assert "keep the trunk in RAM" in note.text
     h = layout(g, box, "hybrid", "quant")
     assert h.runnable and h.placement.trunk == "cpu" and h.placement.experts == "gpu"
-    assert h.ram.item("trunk") == g.trunk_bytes - g.embd_bytes and h.vram.item("trunk") == 0
+    assert h.ram.item("trunk") == g.loaded_trunk_bytes - g.embd_bytes and h.vram.item("trunk") == 0
     p = plan_for(g, box, tokens=16)
     assert p.memory.placement.where == "cpu"           # what expert run can do
     assert any(n.code == "trunk_not_in_vram" for n in p.notes)
@@ -221,7 +228,7 @@ def test_kv_too_big_names_the_context_that_fits() -> None:
     note = next(n for n in m.notes if n.code == "kv_not_in_vram")
     ctx = int(note.text.split("with --ctx ")[1].split()[0])
     base = m.vram.item("reserve") + m.vram.item("workspace")
-    free = 12 * GiB - base - g.trunk_bytes
+    free = 12 * GiB - base - g.loaded_trunk_bytes
     assert ctx == max_ctx_on_gpu(g, free, "bf16")
     assert kv_cache_bytes(g, ctx, "bf16") <= free < kv_cache_bytes(g, ctx + 1, "bf16")
     assert layout(g, Box(64 * GiB, 12 * GiB, ctx=ctx), "gpu", "quant").runnable
