@@ -81,3 +81,27 @@ def test_run_loads_the_block_only_to_draft(nextn_store, monkeypatch, capsys, mtp
     monkeypatch.setattr(mtp_pkg, "attach", spy)      # run's _open imports it at the call
     assert main(["run", nextn_store, "-p", "hi", "-n", "2", "--mtp", mtp, "--json"]) == 0
     assert seen == [loaded]
+
+
+def test_plans_tier_is_runs_default_for_a_store_with_a_nextn_block(nextn_store, monkeypatch,
+                                                                    capsys):
+    """``plan`` budgets the run it recommends (no drafts): its "run it:" tier is ``run``'s
+    default under the same cap, the NextN trunk left out of both."""
+    import json
+
+    from expertfs.cli import main
+    from expertfs.cli._tiers import ram_and_lookahead
+    g = geometry_from_store(nextn_store)
+    fast = ["--no-probe", "--tokens", "24", "--vram", "0", "--ctx", "64", "--placement", "cpu",
+            "--trunk", "quant", "--json"]
+    assert main(["plan", nextn_store, "--memory-limit", "64G", *fast]) == 0
+    b = json.loads(capsys.readouterr().out)["budget"]
+    limit = str(b["ram"]["fixed_bytes"] + b["decode_experts"] * b["slot_bytes"] // 2)
+    assert main(["plan", nextn_store, "--memory-limit", limit, *fast]) == 0
+    b = json.loads(capsys.readouterr().out)["budget"]
+    assert next(i for i in b["ram"]["items"] if i["name"] == "trunk")["bytes"] == \
+        trunk_host_bytes(g, "quant")
+    monkeypatch.setenv("EXPERTFS_MEMORY_LIMIT", limit)
+    ns = argparse.Namespace(store=nextn_store, ctx=64, dtype="auto", trunk="quant", ram=None,
+                            vram=0, command="run", mtp="0", lookahead="off")
+    assert ram_and_lookahead(ns, "cpu")[0] // g.slot_bytes == b["host_slab_bytes"] // g.slot_bytes
