@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -67,15 +68,16 @@ def row_figures(res: dict) -> dict:
         r = res.get(k) or {}
         return None if "failed" in r else r.get("decode_tok_s", r.get("decode_tokens_per_s"))
 
-    def pre(k: str) -> float | None:
-        r = res.get(k) or {}
-        return None if not r or "failed" in r else prefill_tok_s(r)
+    def pre(peer: str) -> float | None:
+        """The median prompt rate over the resident rounds (as bench_lowram.py prints it; its
+        JSON's ``*_resident`` is the round that is the median by decode)."""
+        ok = [r[peer] for r in res.get("resident_rounds") or [] if "failed" not in r[peer]]
+        return statistics.median(prefill_tok_s(r) for r in ok) if ok else None
     e, er = dec("expertfs"), dec("expertfs_resident")
     return {
         "model_gb": res["model_bytes"] / 1e9,
         "resident_decode": (er, dec("llama_resident"), ratio(er, dec("llama_resident"))),
-        "resident_prefill": (pre("expertfs_resident"), pre("llama_resident"),
-                             ratio(pre("expertfs_resident"), pre("llama_resident"))),
+        "resident_prefill": (pre("expertfs"), pre("llama"), ratio(pre("expertfs"), pre("llama"))),
         "capped_ra128": (e, dec("llama_ra128"), ratio(e, dec("llama_ra128"))),
         "capped_default": (e, dec("llama_default"), ratio(e, dec("llama_default"))),
         "mb_per_token": (res.get("expertfs") or {}).get("mb_read_per_token"),
