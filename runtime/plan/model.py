@@ -158,7 +158,8 @@ def geometry_from_parts(kv: Mapping[str, Any], summary: Mapping[str, Any],
                else _int(a("vocab_size")) or len(_val(kv, "tokenizer.ggml.tokens", []) or []))
     notes = []
     if n_nextn:
-        notes.append(f"{n_nextn} NextN/MTP block(s) stored but not used in decode (no drafts modelled)")
+        notes.append(f"{n_nextn} NextN/MTP block(s) stored, loaded only to draft (run --mtp): "
+                     "not modelled, their trunk not counted")
     if tied:
         notes.append("output head tied to token_embd")
     nextn_experts = sum(int(lay["expert_bytes"]) * int(lay["experts"]) for lay in layers
