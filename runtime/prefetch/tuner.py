@@ -23,8 +23,8 @@ here, per run, rather than fixed per architecture:
 - a trial starts only where the decode the caller still expects (``expect``: ``generate``
   knows its ``max_new``) is at least ``1 + PAYBACK`` times the trial's length: up to half a
   trial runs the losing arm, which only the tokens after it can repay, so a short generation
-  keeps the arm it starts from, the trial pending until a longer one (``expect`` again) or the
-  end of a hold. Without a hint (a server's requests, the API's own decode loop) the trials
+  keeps the arm it starts from, the trial pending until a step finds a longer one expected
+  (``expect`` again). Without a hint (a server's requests, the API's own decode loop) the trials
   run as the tokens come, their cost spread over the engine's life.
 
 ``set_on(bool)`` switches the lookahead (the model's flag, read at each layer); ``step(s, n)``
@@ -62,10 +62,9 @@ class LookaheadTuner:
         self.history: list[tuple[float, float]] = []     # every trial's (on, off) s/token
         self._times: dict[bool, list[float]] = {True: [], False: []}
         self._budget: int | None = None  # decode tokens the caller expects (None: unknown)
-        self._pending: list[bool] | None = None          # a trial put off for a short decode
-        self._order: list[bool] = []
+        self._order: list[bool] = []     # the running trial's epochs (empty: none runs)
+        self._pending: list[bool] | None = self._trial(prior, first=True)   # the next trial
         self._left = 0                   # tokens left in this epoch (or in the hold)
-        self._begin(self._trial(prior, first=True))
         set_on(self.on)
 
     @classmethod
@@ -84,8 +83,7 @@ class LookaheadTuner:
 
     def expect(self, tokens: int | None) -> None:
         """The decode tokens the caller expects to run from now on (None: not known), weighed
-        at the next step: a trial not yet begun is put off where they would not repay it, and
-        a trial put off begins where they would."""
+        at the next step: the next trial begins only where they would repay it."""
         self._budget = tokens
 
     def _repays(self, order: list[bool]) -> bool:
@@ -93,24 +91,10 @@ class LookaheadTuner:
             self._budget >= (1 + self.PAYBACK) * len(order) * self.EPOCH
 
     def _begin(self, order: list[bool]) -> None:
-        """Run the trial ``order`` from now, or hold the current choice with it pending where
-        the expected decode would not repay it."""
-        if not self._repays(order):
-            self._pending, self._order = order, []
-            self._switch(self.choice, self.HOLD)
-            return
+        """Run the trial ``order`` from this step (a trial starts from the choice, the arm this
+        step ran)."""
         self._pending, self._order, self._first = None, order, True
         self._switch(order[0], self.EPOCH)
-
-    def _gate(self) -> None:
-        """Before a step is counted (its arm is the first of any trial begun or put off here:
-        a trial starts from the choice): the budget's say on a trial pending or not yet begun."""
-        if self._pending is not None:
-            if self._repays(self._pending):
-                self._begin(self._pending)
-        elif self._order and self._first and self._epoch is None and \
-                self._left == self.EPOCH and not (self._times[True] or self._times[False]):
-            self._begin(self._order)
 
     @staticmethod
     def _trial(a: bool, *, first: bool) -> list[bool]:
@@ -121,9 +105,12 @@ class LookaheadTuner:
     def step(self, seconds: float, tokens: int) -> None:
         if tokens <= 0:
             return
-        self._gate()
+        if self._pending is not None and self._repays(self._pending):
+            self._begin(self._pending)
         if self._budget is not None:
             self._budget -= tokens
+        if self._pending is not None:                # put off: the choice runs meanwhile
+            return
         if self._order:                              # in a trial: time this arm
             self._times[self.on] += [seconds / tokens] * tokens
             if self._epoch is None:
@@ -145,8 +132,8 @@ class LookaheadTuner:
                 return
             self._decide()
             self._switch(self.choice, self.HOLD)
-        else:                    # the hold is over: the pending trial, or check again
-            self._begin(self._pending or self._trial(self.choice, first=False))
+        else:                                        # the hold is over: check again
+            self._pending = self._trial(self.choice, first=False)
 
     def _nothing_to_save(self) -> bool:
         """The trial's first epoch ran without the lookahead and hardly waited on the drive."""
