@@ -165,6 +165,7 @@ def _open(args: argparse.Namespace):
     if args.tokens and fused == "auto":
         fused = "off"            # --tokens runs batches only: nothing to compile for
     device = _device(args.device)
+    mtp_k = _mtp_arg(args.mtp)
     ram, look = ram_and_lookahead(args, device, fused)
     args.ram_tier_bytes = ram
     opts = EngineOptions(device=device, dtype=args.dtype, n_ctx=args.ctx,
@@ -172,8 +173,8 @@ def _open(args: argparse.Namespace):
                          fused=fused, act_quant=args.act_quant, trunk_stream=args.trunk_short,
                          prefill_batch=args.batch, prefetch_slots=args.prefetch_slots,
                          prefill_prefetch=args.prefill_prefetch,
-                         load_nextn=bool(_mtp_arg(args.mtp)))   # the NextN block: to draft
-    mtp = MTPOptions(mtp=_mtp_arg(args.mtp), mtp_max=args.mtp_max,
+                         load_nextn=bool(mtp_k))        # the NextN block: only to draft
+    mtp = MTPOptions(mtp=mtp_k, mtp_max=args.mtp_max,
                      draft_prefetch=args.draft_prefetch, route_tail_skip=args.route_tail_skip)
     opts = mtp.engine_options(opts)
     extra = {"warm_start": False} if args.no_warm_start and args.provider != "direct" else None

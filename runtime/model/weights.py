@@ -144,7 +144,7 @@ class TrunkReader:
         read ahead or faulted in here, as the memory model does not count them
         (``Geometry.nextn_loaded``)."""
         pre = tuple(f"blk.{b}." for b in blocks)
-        self.unused_pages = self._pages([n for n in self.records if pre and n.startswith(pre)])
+        self.unused_pages = self._pages([n for n in self.records if n.startswith(pre)])
 
     def prefetch(self) -> None:
         """Have the kernel read trunk.bin into the page cache in the background
