@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-__all__ = ["CpuInfo", "info", "splits_512"]
+__all__ = ["CpuInfo", "amd_full_512", "info", "splits_512"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,10 @@ def splits_512(cpu: CpuInfo | None = None) -> bool:
     box, so what depends on it does not change from run to run."""
     cpu = info() if cpu is None else cpu
     return cpu.vendor == "AuthenticAMD" and 0 < cpu.family < 0x1A
+
+
+def amd_full_512(cpu: CpuInfo | None = None) -> bool:
+    """Whether the CPU is an AMD one with full-width 512-bit units (Zen 5, family 0x1A, and
+    later): its token limits were measured apart from an Intel CPU's (``widths``)."""
+    cpu = info() if cpu is None else cpu
+    return cpu.vendor == "AuthenticAMD" and cpu.family >= 0x1A

@@ -8,12 +8,12 @@ from types import ModuleType
 
 from ...formats.ggml import GGMLType
 from .build import load
-from .cpu import splits_512
+from .cpu import amd_full_512, splits_512
 
 __all__ = ["max_tokens", "q8_panel", "splits_512", "WIDE_TYPES", "WIDE_TYPES_AVX2",
            "WIDE_TYPES_Q8_AVX2", "WIDE_TYPES_FULL512", "WIDE_TYPES_Q8_FULL512",
-           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_VNNI_SPLIT512", "WIDE_TYPES_Q8_AVXVNNI",
-           "WIDE_TYPES_AMX"]
+           "WIDE_TYPES_Q8_VNNI", "WIDE_TYPES_Q8_VNNI_SPLIT512", "WIDE_TYPES_Q8_VNNI_ZEN5",
+           "WIDE_TYPES_Q8_AVXVNNI", "WIDE_TYPES_AMX"]
 
 #: Most tokens per native product, per type, under the AVX-512 kernels on a CPU that executes
 #: 512-bit operations as two 256-bit halves (AMD Zen 4, ``splits_512``; exact numerics): the
@@ -59,18 +59,18 @@ WIDE_TYPES_Q8_AVX2 = {
 
 #: The same under the AVX-512 kernels on a CPU with full-width 512-bit units (a Zen 5, an Intel
 #: CPU), exact then q8 (the q8 rows kernels against the exact panel: q8 for a type without an
-#: integer panel); measured on a Zen 5 with 8 to 128 tokens on 2 threads (``bench_kernels.py
-#: --prefill``); the lattice IQ and TQ types' exact limits again (8-48 tokens) after their panel
-#: took the AVX2 dequantization, where it had been the portable one. Measured before Q2_K, Q3_K,
-#: IQ4_XS and IQ4_NL took the table-lookup rows kernels, which made their rows kernels faster:
-#: their limits err towards the panel.
+#: integer panel); exact measured on a Zen 5 as ``WIDE_TYPES`` (``bench_kernels.py --prefill -t
+#: 2 --rounds 3 --tokens 4,6,8,10,12,16,24,32,48,64``, two runs, the lower limit where they
+#: differ), after the table-lookup rows kernels of Q2_K, Q3_K, IQ4_XS and IQ4_NL and the one-row
+#: K-quant kernels, which took the limits from 8-24 to where the split CPU's stand; q8 on a Zen 5
+#: with 8 to 128 tokens, before the integer panel existed.
 WIDE_TYPES_FULL512 = {
-    GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 24, GGMLType.Q4_0: 24,
-    GGMLType.Q2_K: 24, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 16, GGMLType.MXFP4: 24,
-    GGMLType.IQ4_NL: 16, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12, GGMLType.IQ2_S: 8,
-    GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12, GGMLType.IQ1_M: 12,
-    GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8, GGMLType.Q4_1: 8, GGMLType.Q5_0: 24,
-    GGMLType.Q5_1: 24,
+    GGMLType.Q4_K: 12, GGMLType.Q5_K: 12, GGMLType.Q6_K: 12, GGMLType.Q8_0: 48,
+    GGMLType.Q4_0: 48, GGMLType.Q2_K: 48, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 48,
+    GGMLType.MXFP4: 64, GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12,
+    GGMLType.IQ2_S: 12, GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12,
+    GGMLType.IQ1_M: 12, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8, GGMLType.Q4_1: 12,
+    GGMLType.Q5_0: 32, GGMLType.Q5_1: 24,
 }
 WIDE_TYPES_Q8_FULL512 = {
     GGMLType.Q4_K: 8, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q8_0: 8, GGMLType.Q4_0: 8,
@@ -96,7 +96,8 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     CPU's 512-bit units (``splits_512``): ``WIDE_TYPES`` under AVX-512 on a CPU that splits
     512-bit operations, the ``_FULL512`` tables on one that does not, the ``_AVX2`` tables under
     AVX2; where q8's integer panel takes the type ``WIDE_TYPES_Q8_VNNI_SPLIT512``/
-    ``WIDE_TYPES_Q8_VNNI``/``WIDE_TYPES_Q8_AVXVNNI``, and ``WIDE_TYPES_AMX`` where exact mode's
+    ``WIDE_TYPES_Q8_VNNI_ZEN5`` (``amd_full_512``)/``WIDE_TYPES_Q8_VNNI``/
+    ``WIDE_TYPES_Q8_AVXVNNI``, and ``WIDE_TYPES_AMX`` where exact mode's
     AMX panel does; else ``default``."""
     mod = load()
     if mod is None:
@@ -105,7 +106,8 @@ def max_tokens(ggml_type: GGMLType, default: int, act_quant: str | None = None) 
     split = isa == "avx512" and splits_512()
     if q8 and int(ggml_type) in _panel_types(mod, isa):
         vnni = (WIDE_TYPES_Q8_AVXVNNI if isa != "avx512" else
-                WIDE_TYPES_Q8_VNNI_SPLIT512 if split else WIDE_TYPES_Q8_VNNI)
+                WIDE_TYPES_Q8_VNNI_SPLIT512 if split else
+                WIDE_TYPES_Q8_VNNI_ZEN5 if amd_full_512() else WIDE_TYPES_Q8_VNNI)
         return vnni.get(ggml_type, default)
     if not q8 and ggml_type in WIDE_TYPES_AMX and mod.amx():
         return WIDE_TYPES_AMX[ggml_type]
@@ -142,6 +144,18 @@ WIDE_TYPES_Q8_VNNI_SPLIT512 = {
     GGMLType.IQ2_XXS: 16, GGMLType.IQ2_XS: 16, GGMLType.IQ2_S: 16, GGMLType.IQ3_XXS: 12,
     GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 12,
     GGMLType.TQ2_0: 24,
+}
+
+#: The same on an AMD CPU with full-width 512-bit units (a Zen 5, ``amd_full_512``), measured as
+#: ``WIDE_TYPES_FULL512`` (the q8 ratio, 4-64 tokens, two runs, the lower limit): its q8 rows
+#: kernels stay ahead of the integer panel to 4-16 tokens, where the Xeon's to 4-10 (a 128-token
+#: prompt of the Qwen3-30B-A3B Q4_K_M cut in q8 mode took 0.94 of the time with this table).
+WIDE_TYPES_Q8_VNNI_ZEN5 = {
+    GGMLType.Q4_K: 10, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q2_K: 8, GGMLType.Q3_K: 8,
+    GGMLType.Q4_0: 4, GGMLType.Q8_0: 6, GGMLType.Q4_1: 4, GGMLType.Q5_0: 4, GGMLType.Q5_1: 4,
+    GGMLType.MXFP4: 4, GGMLType.IQ4_XS: 8, GGMLType.IQ4_NL: 6, GGMLType.IQ2_XXS: 8,
+    GGMLType.IQ2_XS: 8, GGMLType.IQ2_S: 8, GGMLType.IQ3_XXS: 8, GGMLType.IQ3_S: 8,
+    GGMLType.IQ1_S: 8, GGMLType.IQ1_M: 8, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 16,
 }
 
 #: The same at the AVX2 tier with AVX-VNNI (the panel product in 256-bit vectors): measured on

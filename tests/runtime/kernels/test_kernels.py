@@ -18,6 +18,7 @@ from gguf import quants
 from expertfs.formats.dequant import dequantize
 from expertfs.formats.ggml import type_size
 from expertfs.runtime import kernels
+from expertfs.runtime.kernels import gemm as _gemm  # noqa: F401  (kernels.gemm, used below)
 from support.native import (MOD, NEEDS_NATIVE, assert_thread_independent,  # noqa: F401
                             isa, isas, moe_in_parts)                 # (isa: a fixture)
 
@@ -374,11 +375,14 @@ def test_every_token_limit_takes_one_token():
 @pytest.mark.parametrize("vendor,family,split", [
     ("AuthenticAMD", 25, True), ("AuthenticAMD", 26, False), ("GenuineIntel", 6, False)])
 def test_splits_512_is_read_from_the_cpu_family(tmp_path, vendor, family, split):
-    """Zen 4 (AMD family 0x19) runs 512-bit operations as two halves; Zen 5 and Intel do not."""
+    """Zen 4 (AMD family 0x19) runs 512-bit operations as two halves; Zen 5 and Intel do not,
+    and Zen 5 has its own q8 limits (``amd_full_512``)."""
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
                     "model\t\t: 17\nflags\t\t: fpu avx2 avx512f\n")
-    assert kernels.cpu.splits_512(kernels.cpu.info(str(info))) is split
+    cpu = kernels.cpu.info(str(info))
+    assert kernels.cpu.splits_512(cpu) is split
+    assert kernels.cpu.amd_full_512(cpu) is (vendor == "AuthenticAMD" and not split)
 
 
 def test_max_tokens_follows_the_isa(monkeypatch):
@@ -389,18 +393,24 @@ def test_max_tokens_follows_the_isa(monkeypatch):
     w = kernels.widths
     assert kernels.max_tokens(T.F16, 32) == kernels.max_tokens(T.F16, 32, "q8") == 32
     for table in (w.WIDE_TYPES, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2, w.WIDE_TYPES_FULL512,
-                  w.WIDE_TYPES_Q8_FULL512, w.WIDE_TYPES_Q8_VNNI, w.WIDE_TYPES_Q8_VNNI_SPLIT512):
+                  w.WIDE_TYPES_Q8_FULL512, w.WIDE_TYPES_Q8_VNNI, w.WIDE_TYPES_Q8_VNNI_SPLIT512,
+                  w.WIDE_TYPES_Q8_VNNI_ZEN5):
         assert set(table) <= kernels.TYPES
-    for name, split, ex, q8, vnni in (
-            ("avx512", True, w.WIDE_TYPES, w.WIDE_TYPES_Q8_FULL512,
+    for name, split, zen5, ex, q8, vnni in (
+            ("avx512", True, False, w.WIDE_TYPES, w.WIDE_TYPES_Q8_FULL512,
              w.WIDE_TYPES_Q8_VNNI_SPLIT512),
-            ("avx512", False, w.WIDE_TYPES_FULL512, w.WIDE_TYPES_Q8_FULL512,
+            ("avx512", False, False, w.WIDE_TYPES_FULL512, w.WIDE_TYPES_Q8_FULL512,
              w.WIDE_TYPES_Q8_VNNI),
-            ("avx2", True, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2, w.WIDE_TYPES_Q8_AVXVNNI),
-            ("avx2", False, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2, w.WIDE_TYPES_Q8_AVXVNNI)):
+            ("avx512", False, True, w.WIDE_TYPES_FULL512, w.WIDE_TYPES_Q8_FULL512,
+             w.WIDE_TYPES_Q8_VNNI_ZEN5),
+            ("avx2", True, False, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2,
+             w.WIDE_TYPES_Q8_AVXVNNI),
+            ("avx2", False, True, w.WIDE_TYPES_AVX2, w.WIDE_TYPES_Q8_AVX2,
+             w.WIDE_TYPES_Q8_AVXVNNI)):
         if name not in isas():
             continue
         monkeypatch.setattr(w, "splits_512", lambda s=split: s)
+        monkeypatch.setattr(w, "amd_full_512", lambda z=zen5: z)
         MOD.set_isa(name)
         try:
             for gemm_backend in ("mkl", "onednn"):       # the float32 library plays no part
