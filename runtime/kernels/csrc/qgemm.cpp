@@ -114,12 +114,42 @@ EFS_G void deq_row(int type, const uint8_t* b, int64_t kn, float* y) {
     }
 }
 
+// The next panel's weight bytes, a cache line every `every` columns of the products running
+// now: decoding a panel is the only part of the product that reads memory, and a panel of
+// weights read afresh (each expert of a prompt is read once) waited on it there, while the
+// products between two decodes read none. `rows` row segments of `seg` bytes, `rb` apart.
+struct PanelPf {
+    const char* at = nullptr;     // the next line
+    const char* end = nullptr;    // the end of the current row's segment
+    int64_t rb = 0, seg = 0, rows = 0;
+    int64_t mask = -1;            // prefetch at the columns k with (k & mask) == 0 (-1: none)
+    void set(const uint8_t* first, int64_t row_bytes, int64_t seg_bytes, int64_t n_rows,
+             int64_t iters) {
+        at = (const char*)first;
+        end = at + seg_bytes;
+        rb = row_bytes, seg = seg_bytes, rows = n_rows - 1;
+        const int64_t lines = n_rows * ((seg_bytes + 63) / 64);
+        int64_t every = lines > 0 ? iters / lines : 0;
+        mask = 0;
+        while (every >= 2) every >>= 1, mask = mask * 2 + 1;
+    }
+    inline void step(int64_t k) {
+        if (mask < 0 || (k & mask) != 0) return;
+        if (at >= end) {
+            if (rows <= 0) return;
+            at = end - seg + rb, end = at + seg, --rows;
+        }
+        _mm_prefetch(at, _MM_HINT_T0);
+        at += 64;
+    }
+};
+
 // MR rows x NV vectors of 16 tokens over the kn columns of a panel block: P: MR rows of the
 // panel (stride ps), xt: XT at the block's first column and the group's first token (stride
 // tp), c: the sums [MR][stride tp] at the group's first token, added to (from zero if first).
 template <int MR, int NV>
 EFS_G void micro(const float* P, int64_t ps, int64_t kn, const float* xt, int64_t tp, float* c,
-                 bool first) {
+                 bool first, PanelPf& pf) {
     __m512 acc[MR][NV];
 #pragma GCC unroll 32
     for (int r = 0; r < MR; ++r)
@@ -127,6 +157,7 @@ EFS_G void micro(const float* P, int64_t ps, int64_t kn, const float* xt, int64_
         for (int v = 0; v < NV; ++v)
             acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * tp + 16 * v);
     for (int64_t k = 0; k < kn; ++k) {       // the sums stay in registers (loops unrolled)
+        pf.step(k);
         __m512 x[NV];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(xt + k * tp + 16 * v);
@@ -146,7 +177,7 @@ EFS_G void micro(const float* P, int64_t ps, int64_t kn, const float* xt, int64_
 // The same in AVX2 (8 tokens a vector).
 template <int MR, int NV>
 EFS_G2 void micro8(const float* P, int64_t ps, int64_t kn, const float* xt, int64_t tp,
-                   float* c, bool first) {
+                   float* c, bool first, PanelPf& pf) {
     __m256 acc[MR][NV];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
@@ -154,6 +185,7 @@ EFS_G2 void micro8(const float* P, int64_t ps, int64_t kn, const float* xt, int6
         for (int v = 0; v < NV; ++v)
             acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * tp + 8 * v);
     for (int64_t k = 0; k < kn; ++k) {
+        pf.step(k);
         __m256 x[NV];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) x[v] = _mm256_loadu_ps(xt + k * tp + 8 * v);
@@ -182,20 +214,30 @@ void fill_panel(const Deq& deq, const TypeInfo* ti, const uint8_t* W, int64_t rb
 
 // Rows [r0, r1) into y: for each block of qgemm_kb(cols, tp) columns (whose activations stay in
 // the L2 cache while every panel of the rows uses them), each panel dequantized for those
-// columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end.
-// `mul(P, ps, kn, xt, c, first)` runs one panel's token groups.
+// columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end, the next
+// panel's bytes prefetched during the products (PanelPf). `mul(P, ps, kn, xt, c, first, pf)`
+// runs one panel's token groups, `calls` micro-kernel calls of kn columns each.
 template <class Deq, class Mul>
-void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, int64_t rb,
-                    int64_t r0, int64_t r1, int64_t cols, const float* xt, int64_t tp,
-                    int64_t nt, float* panel, float* c, float* y, int64_t ys) {
+void rows_by_blocks(const Deq& deq, const Mul& mul, int64_t calls, int type, const uint8_t* W,
+                    int64_t rb, int64_t r0, int64_t r1, int64_t cols, const float* xt,
+                    int64_t tp, int64_t nt, float* panel, float* c, float* y, int64_t ys) {
     const TypeInfo* ti = type_info(type);
     const int64_t kb = qgemm_kb(cols, tp), ps = qgemm_panel_stride(kb);
+    PanelPf pf;
     for (int64_t k0 = 0; k0 < cols; k0 += kb) {
         const int64_t kn = cols - k0 < kb ? cols - k0 : kb;
         for (int64_t p0 = r0; p0 < r1; p0 += QGEMM_PANEL) {
             const int64_t p1 = p0 + QGEMM_PANEL < r1 ? p0 + QGEMM_PANEL : r1;
             fill_panel(deq, ti, W, rb, p0, p1, k0, kn, panel, ps);
-            mul(panel, ps, kn, xt + k0 * tp, c + (p0 - r0) * tp, k0 == 0);
+            // the next panel: the next rows of this block of columns, else the next block's first
+            const int64_t q0 = p1 < r1 ? p1 : r0, c0 = p1 < r1 ? k0 : k0 + kb;
+            const int64_t qn = c0 >= cols ? 0 : cols - c0 < kb ? cols - c0 : kb;
+            const int64_t q1 = q0 + QGEMM_PANEL < r1 ? q0 + QGEMM_PANEL : r1;
+            pf.mask = -1;
+            if (qn > 0)
+                pf.set(W + q0 * rb + c0 / ti->block * ti->bytes, rb, qn / ti->block * ti->bytes,
+                       q1 - q0, kn * calls);
+            mul(panel, ps, kn, xt + k0 * tp, c + (p0 - r0) * tp, k0 == 0, pf);
         }
     }
     for (int64_t t = 0; t < nt; ++t)
@@ -209,20 +251,23 @@ void avx512_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64
                        float* c, float* y, int64_t ys) {
     const auto deq = [type](const uint8_t* b, int64_t kn, float* o) { deq_row(type, b, kn, o); };
     const auto mul = [nt, tp](const float* P, int64_t ps, int64_t kn, const float* xb, float* cb,
-                              bool first) {
+                              bool first, PanelPf& pf) {
         int64_t t0 = 0;
         for (; t0 + 24 < nt; t0 += 32)                // over 24 left: 12 rows x 2 vectors
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
-                micro<12, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+                micro<12, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);
         if (nt - t0 > 8) {                             // 9-24 left: 24 rows x 1 vector
-            micro<24, 1>(P, ps, kn, xb + t0, tp, cb + t0, first);
+            micro<24, 1>(P, ps, kn, xb + t0, tp, cb + t0, first, pf);
             t0 += 16;
         }
         if (t0 < nt)                     // up to 8 left: 8-token vectors, not half-empty ones
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
-                micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+                micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);
     };
-    rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
+    // the micro-kernel calls a panel takes (mul's loops above)
+    const int64_t full = nt > 24 ? (nt - 24 + 31) / 32 : 0, left = nt - 32 * full;
+    const int64_t calls = 2 * full + (left > 8 ? 1 : 0) + ((left > 8 ? left - 16 : left) > 0 ? 2 : 0);
+    rows_by_blocks(deq, mul, calls, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
 }
 
 void avx2_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
@@ -232,16 +277,18 @@ void avx2_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t
         if (!avx2_dequant_rows(type, b, 0, 0, 1, kn, o)) dequant_rows(type, b, 0, 0, 1, kn, o);
     };
     const auto mul = [nt, tp](const float* P, int64_t ps, int64_t kn, const float* xb, float* cb,
-                              bool first) {
+                              bool first, PanelPf& pf) {
         int64_t t0 = 0;
         for (; t0 + 8 < nt; t0 += 16)                 // 16 tokens: 6 rows x 2 vectors
             for (int64_t s = 0; s < QGEMM_PANEL; s += 6)
-                micro8<6, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+                micro8<6, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);
         if (t0 < nt)                                   // up to 8 left: 12 rows x 1 vector
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
-                micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first);
+                micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);
     };
-    rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
+    const int64_t pairs = (nt + 7) / 16;              // mul's 16-token groups, then the last 8
+    const int64_t calls = 4 * pairs + (nt - 16 * pairs > 0 ? 2 : 0);
+    rows_by_blocks(deq, mul, calls, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
 }
 
 bool qgemm_compiled() { return true; }
