@@ -128,14 +128,30 @@ EFS_TI void transpose8(Panel& p, int v) {
 
 // Vector v's 16 rows of the matrix (rows r0 + 16 v ...) at block i into p.rows, with their
 // multipliers and scales (rows past r1 zero).
+// A panel reads 32 rows' block i, 32 short runs a row apart that the hardware prefetchers do
+// not follow; a prompt reads each expert's weights once, from memory. So as row r's block i
+// (of nb) is decoded, the block PF_BLOCKS further on is prefetched (past the row's last block,
+// row r + 32's, the next panel's), the tokens' products of the blocks between giving the lines
+// time to arrive (past the matrix's end: harmless).
+constexpr int64_t PF_BLOCKS = 2;
+EFS_TI void prefetch_ahead(const uint8_t* W, int64_t rb, int64_t r, int64_t i, int64_t nb,
+                           int64_t bytes) {
+    int64_t a = i + PF_BLOCKS;
+    if (a >= nb) a -= nb, r += 32;
+    const char* b = (const char*)(W + r * rb + a * bytes);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(b + o, _MM_HINT_T0);
+    _mm_prefetch(b + bytes - 1, _MM_HINT_T0);
+}
+
 template <int TYPE>
 EFS_TI void decode_rows(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
                         int bytes, Panel& p, int v) {
     for (int j = 0; j < 16; ++j) {
         const int64_t r = r0 + 16 * v + j;
-        if (r < r1)
+        if (r < r1) {
+            prefetch_ahead(W, rb, r, i, rb / bytes, bytes);
             decode_row<TYPE>(W + r * rb + i * bytes, p, v, j);
-        else
+        } else
             zero_row(p, v, j);
     }
 }
@@ -391,7 +407,9 @@ EFS_V void decode_panel32(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, 
         for (int j = 0; j < 16; ++j) {
             const int64_t r = r0 + 16 * v + j;
             if (r < r1) {
-                decode_row32<TYPE>(W + r * rb + i * 8 * B32_BYTES<TYPE>, p, v, j, ns);
+                constexpr int64_t PANEL = 8 * B32_BYTES<TYPE>;     // bytes of 256 weights
+                prefetch_ahead(W, rb, r, i, (rb + PANEL - 1) / PANEL, PANEL);
+                decode_row32<TYPE>(W + r * rb + i * PANEL, p, v, j, ns);
             } else {
                 memset(p.rows[j], 0, 256);
                 for (int k = 0; k < 8; ++k) p.bd[v][k][j] = p.bm[v][k][j] = 0.f;
