@@ -148,8 +148,8 @@ WIDE_TYPES_Q8_VNNI_SPLIT512 = {
 
 #: The same on an AMD CPU with full-width 512-bit units (a Zen 5, ``amd_full_512``), measured as
 #: ``WIDE_TYPES_FULL512`` (the q8 ratio, 4-64 tokens, two runs, the lower limit): its q8 rows
-#: kernels stay ahead of the integer panel to 4-16 tokens, where the Xeon's to 4-10 (a 128-token
-#: prompt of the Qwen3-30B-A3B Q4_K_M cut in q8 mode took 0.94 of the time with this table).
+#: kernels stay ahead of the integer panel to 4-16 tokens, where the Xeon's to 4-10
+#: (bench/README.md, "The whole matrix on a Zen 5 box").
 WIDE_TYPES_Q8_VNNI_ZEN5 = {
     GGMLType.Q4_K: 10, GGMLType.Q5_K: 8, GGMLType.Q6_K: 12, GGMLType.Q2_K: 8, GGMLType.Q3_K: 8,
     GGMLType.Q4_0: 4, GGMLType.Q8_0: 6, GGMLType.Q4_1: 4, GGMLType.Q5_0: 4, GGMLType.Q5_1: 4,

@@ -114,8 +114,8 @@ EFS_G void deq_row(int type, const uint8_t* b, int64_t kn, float* y) {
     }
 }
 
-// The next panel's weight bytes, a cache line every `every` columns of the products running
-// now: decoding a panel is the only part of the product that reads memory, and a panel of
+// The next panel's weight bytes, a cache line every 2^n columns of the products running now
+// (`mask`: as many columns as spread the lines over the panel's micro-kernel calls): decoding a panel is the only part of the product that reads memory, and a panel of
 // weights read afresh (each expert of a prompt is read once) waited on it there, while the
 // products between two decodes read none. `rows` row segments of `seg` bytes, `rb` apart.
 struct PanelPf {

@@ -126,8 +126,6 @@ EFS_TI void transpose8(Panel& p, int v) {
 
 #endif
 
-// Vector v's 16 rows of the matrix (rows r0 + 16 v ...) at block i into p.rows, with their
-// multipliers and scales (rows past r1 zero).
 // A panel reads 32 rows' block i, 32 short runs a row apart that the hardware prefetchers do
 // not follow; a prompt reads each expert's weights once, from memory. So as row r's block i
 // (of nb) is decoded, the block PF_BLOCKS further on is prefetched (past the row's last block,
@@ -143,6 +141,8 @@ EFS_TI void prefetch_ahead(const uint8_t* W, int64_t rb, int64_t r, int64_t i, i
     _mm_prefetch(b + bytes - 1, _MM_HINT_T0);
 }
 
+// Vector v's 16 rows of the matrix (rows r0 + 16 v ...) at block i into p.rows, with their
+// multipliers and scales (rows past r1 zero).
 template <int TYPE>
 EFS_TI void decode_rows(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t i,
                         int bytes, Panel& p, int v) {
