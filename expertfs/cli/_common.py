@@ -1,4 +1,5 @@
-"""Helpers shared by the command modules: progress bars, JSON output, size arguments."""
+"""Helpers shared by the command modules: progress bars, JSON output, size and --mtp
+arguments."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from ..errors import UsageError
 from ..units import parse_size
 
-__all__ = ["progress_bar", "print_json", "size_arg"]
+__all__ = ["mtp_arg", "progress_bar", "print_json", "size_arg"]
 
 
 def size_arg(text: str) -> int:
@@ -18,6 +20,21 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def mtp_arg(text: str) -> int | str:
+    """``run --mtp``: a draft depth (0: off) or ``"auto"``; read by ``run`` for its engine and
+    by the tier sizing (a NextN block is loaded, and counted, only to draft)."""
+    if text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        raise UsageError(f"--mtp {text!r}", fix="give a draft depth (e.g. 2), 0 (off) or auto") \
+            from None
+    if k < 0:
+        raise UsageError(f"--mtp {k}", fix="give a draft depth >= 1, 0 (off) or auto")
+    return k
 
 
 @contextmanager

@@ -9,6 +9,8 @@ import logging
 import sys
 from dataclasses import replace
 
+from ._common import mtp_arg
+
 __all__ = ["lookahead_choice", "ram_and_lookahead", "vram_tier"]
 
 log = logging.getLogger("expertfs.cli.run")
@@ -53,10 +55,8 @@ def _sized(args: argparse.Namespace, device: str, fused: str) -> tuple[int, obje
     from ..store.reader import Store
     kv_type = "bf16" if getattr(args, "dtype", "auto") in ("bfloat16", "bf16") else "f32"
     on = "cpu" if device == "cpu" else "gpu"
-    from .run import _mtp_arg                # run's own --mtp reading (serve has none)
     with Store.open(args.store) as s:    # a NextN block loaded only to draft (run --mtp)
-        g = replace(geometry_of_store(s),
-                    nextn_loaded=bool(_mtp_arg(str(getattr(args, "mtp", "0")))))
+        g = replace(geometry_of_store(s), nextn_loaded=bool(mtp_arg(getattr(args, "mtp", "0"))))
     _log_paths(g, device, fused, getattr(args, "act_quant", "off"))
     if args.vram is None:
         args.vram = vram_tier(args, device, g) if on == "gpu" else 0

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ExpertfsError, UsageError
 from ..units import fmt_bytes
-from ._common import size_arg
+from ._common import mtp_arg, size_arg
 from ._prompt import tokenized_prompt
 from ._tiers import lookahead_line, ram_and_lookahead
 
@@ -139,19 +139,6 @@ def _parse_tokens(text: str) -> list[int]:
     return ids
 
 
-def _mtp_arg(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        k = int(text)
-    except ValueError:
-        raise UsageError(f"--mtp {text!r}", fix="give a draft depth (e.g. 2), 0 (off) or auto") \
-            from None
-    if k < 0:
-        raise UsageError(f"--mtp {k}", fix="give a draft depth >= 1, 0 (off) or auto")
-    return k
-
-
 def _open(args: argparse.Namespace):
     """(engine, ``runtime.mtp.Speculation`` or None) for the arguments."""
     import torch
@@ -165,7 +152,7 @@ def _open(args: argparse.Namespace):
     if args.tokens and fused == "auto":
         fused = "off"            # --tokens runs batches only: nothing to compile for
     device = _device(args.device)
-    mtp_k = _mtp_arg(args.mtp)
+    mtp_k = mtp_arg(args.mtp)
     ram, look = ram_and_lookahead(args, device, fused)
     args.ram_tier_bytes = ram
     opts = EngineOptions(device=device, dtype=args.dtype, n_ctx=args.ctx,
