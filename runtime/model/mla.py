@@ -225,10 +225,11 @@ def _mqa(Q: torch.Tensor, k: torch.Tensor, L: int, mask: torch.Tensor | None,
     T, H, S = Q.shape[0], Q.shape[1], k.shape[0]
     out = torch.empty(T, H, L, dtype=Q.dtype, device=Q.device)
     kt, v = k.transpose(0, 1), k[:, :L]
-    # a prompt's products through the faster float32 library (gemm.linear: oneDNN's AVX-512
-    # where MKL would take its AVX2 code); V transposed once for it while that copy is small
-    # (up to 2048 positions of a 512 latent: 4 MiB)
-    wide = T > 1 and Q.is_cpu and Q.dtype == torch.float32 and k.is_contiguous()
+    # a prompt's products through oneDNN where the box chose it (gemm.linear: its AVX-512 where
+    # MKL would take its AVX2 code; gemm.linear falls back to F.linear for what it does not
+    # take); V transposed once for it while that copy is small (up to 2048 positions of a 512
+    # latent: 4 MiB), and only there: elsewhere the copy would buy nothing
+    wide = T > 1 and Q.is_cpu and gemm.backend() == "onednn"
     vt = v.t().contiguous() if wide and S * L <= MQA_CHUNK // 8 else None
     step = max(1, MQA_CHUNK // max(1, H * S))
     for a in range(0, T, step):
