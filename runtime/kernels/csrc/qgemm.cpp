@@ -115,7 +115,8 @@ EFS_G void deq_row(int type, const uint8_t* b, int64_t kn, float* y) {
 }
 
 // The next panel's weight bytes, a cache line every 2^n columns of the products running now
-// (`mask`: as many columns as spread the lines over the panel's micro-kernel calls): decoding a panel is the only part of the product that reads memory, and a panel of
+// (`mask`: as many columns as spread the lines over the panel's first micro-kernel call; the
+// later calls find none left): decoding a panel is the only part of the product that reads memory, and a panel of
 // weights read afresh (each expert of a prompt is read once) waited on it there, while the
 // products between two decodes read none. `rows` row segments of `seg` bytes, `rb` apart.
 struct PanelPf {
@@ -124,7 +125,7 @@ struct PanelPf {
     int64_t rb = 0, seg = 0, rows = 0;
     int64_t mask = -1;            // prefetch at the columns k with (k & mask) == 0 (-1: none)
     void set(const uint8_t* first, int64_t row_bytes, int64_t seg_bytes, int64_t n_rows,
-             int64_t iters) {
+             int64_t iters) {                    // iters: the columns of one call
         at = (const char*)first;
         end = at + seg_bytes;
         rb = row_bytes, seg = seg_bytes, rows = n_rows - 1;
@@ -216,11 +217,11 @@ void fill_panel(const Deq& deq, const TypeInfo* ti, const uint8_t* W, int64_t rb
 // the L2 cache while every panel of the rows uses them), each panel dequantized for those
 // columns and multiplied into the sums c [r1 - r0][tp], which go to y at the end, the next
 // panel's bytes prefetched during the products (PanelPf). `mul(P, ps, kn, xt, c, first, pf)`
-// runs one panel's token groups, `calls` micro-kernel calls of kn columns each.
+// runs one panel's token groups.
 template <class Deq, class Mul>
-void rows_by_blocks(const Deq& deq, const Mul& mul, int64_t calls, int type, const uint8_t* W,
-                    int64_t rb, int64_t r0, int64_t r1, int64_t cols, const float* xt,
-                    int64_t tp, int64_t nt, float* panel, float* c, float* y, int64_t ys) {
+void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, int64_t rb,
+                    int64_t r0, int64_t r1, int64_t cols, const float* xt, int64_t tp,
+                    int64_t nt, float* panel, float* c, float* y, int64_t ys) {
     const TypeInfo* ti = type_info(type);
     const int64_t kb = qgemm_kb(cols, tp), ps = qgemm_panel_stride(kb);
     PanelPf pf;
@@ -236,7 +237,7 @@ void rows_by_blocks(const Deq& deq, const Mul& mul, int64_t calls, int type, con
             pf.mask = -1;
             if (qn > 0)
                 pf.set(W + q0 * rb + c0 / ti->block * ti->bytes, rb, qn / ti->block * ti->bytes,
-                       q1 - q0, kn * calls);
+                       q1 - q0, kn);
             mul(panel, ps, kn, xt + k0 * tp, c + (p0 - r0) * tp, k0 == 0, pf);
         }
     }
@@ -264,10 +265,7 @@ void avx512_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
                 micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);
     };
-    // the micro-kernel calls a panel takes (mul's loops above)
-    const int64_t full = nt > 24 ? (nt - 24 + 31) / 32 : 0, left = nt - 32 * full;
-    const int64_t calls = 2 * full + (left > 8 ? 1 : 0) + ((left > 8 ? left - 16 : left) > 0 ? 2 : 0);
-    rows_by_blocks(deq, mul, calls, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
+    rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
 }
 
 void avx2_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1,
@@ -286,9 +284,7 @@ void avx2_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64_t
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
                 micro8<12, 1>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);
     };
-    const int64_t pairs = (nt + 7) / 16;              // mul's 16-token groups, then the last 8
-    const int64_t calls = 4 * pairs + (nt - 16 * pairs > 0 ? 2 : 0);
-    rows_by_blocks(deq, mul, calls, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
+    rows_by_blocks(deq, mul, type, W, rb, r0, r1, cols, xt, tp, nt, panel, c, y, ys);
 }
 
 bool qgemm_compiled() { return true; }
