@@ -25,12 +25,18 @@ its decode speed and keeps the fastest one the runtime supports.
   (provider, weight views, activation, weighted sum), a stated per-expert cost;
 - ``dispatch``: per-layer small torch ops (norms, RoPE, softmax, top-k, residuals) and
   device synchronisations;
+- ``read_cpu``: the CPU the storage term's reads take from the cores that compute (system
+  calls, completions, wake-ups: the storage probe's reads into memory in use) and, at the slow
+  end, the checksums of an expert's first read in a process;
+- ``overlap`` (negative): a layer's resident experts, and its missing ones as they land,
+  computed while its other misses are read (``plan.overlap``);
 - ``first_reads`` and ``warm_start``: a run's start (``plan.coldstart``), the experts its decode
   reads once after the prompt's and the CPU of the warm start filling the RAM tier behind it.
 
-slow s/token = the sum of every term at pessimistic rates (nothing overlaps); fast s/token =
-the largest of storage, pcie and compute (everything else summed) at optimistic rates (perfect
-prefetch overlaps reads with compute). tokens/s low–high = 1/slow – 1/fast. The dominant term
+slow s/token = the sum of every term at pessimistic rates, less the overlap a layer's reads have
+with its own experts (``plan.overlap``); fast s/token = the same at optimistic rates, or where
+the lookahead reads the next layer's experts by default (glm5-next) the largest of storage, pcie
+and compute (everything else summed). tokens/s low–high = 1/slow – 1/fast. The dominant term
 is the largest one at each end. The prompt's prefill is ``plan.prefill``'s first token; MTP
 drafts are not modelled.
 Each rate is a ``plan.rates.Range``: the value used for the slow end and the one used for the
@@ -124,7 +130,7 @@ ASSUMPTIONS: dict[str, Any] = {
 #: How ``plan.predict`` combines its terms into the slow and the fast end of a token.
 COMBINE = ("slow = sum of the terms at pessimistic rates, the overlap term negative (resident "
            "experts, then missing ones as they land, computed while a layer's other misses are "
-           "read, as the CPU decode does); fast = "
-           "max(storage + first_reads + trunk_reads, pcie, compute) at optimistic rates, compute "
-           "= experts + trunk + attention + dispatch + warm_start (the CPU of the warm start's "
-           "background reads)")
+           "read, as the CPU decode does); fast = the same at optimistic rates, or where the "
+           "lookahead reads ahead by default max(storage + first_reads + trunk_reads, pcie, "
+           "compute), compute = experts + trunk + attention + dispatch + read_cpu (the misses' "
+           "reads) + warm_start (the CPU of the warm start's background reads)")

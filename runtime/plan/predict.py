@@ -24,7 +24,7 @@ from .coldstart import drive_share, start_terms, window_spare
 from .geometry import Geometry, kv_cache_bytes
 from .native import compute_cost as _compute_cost, layer_cost as _layer_cost, layer_key
 from .overhead import source_label
-from .overlap import OVERLAP_DETAIL, decode_overlap
+from .overlap import OVERLAP_DETAIL, misses_cpu, token_overlap
 from .rates import (PCIE_GENS, DeviceRates, LinearCost, Range, Rates, stated_cpu, stated_gpu,
                     stated_pcie, stated_storage, storage_from_profile)
 
@@ -173,10 +173,11 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
                                          + syncs * rates.gpu.sync_s.at(e)))
         terms.append(Term("dispatch", *dp, f"{g.n_layers} layers x ({OPS_PER_LAYER} small ops"
                                            + (f" + {syncs} device syncs" if syncs else "") + ")"))
+    terms.append(Term("read_cpu", *misses_cpu(routing, rates)))
     compute = both(lambda e: sum(t.slow_s if e == "slow" else t.fast_s for t in terms
                                  if t.name not in _IO_TERMS))
-    ov = decode_overlap(g, exp_rates, routing.slow.miss_rate, s[0]) if per_layer else 0.0
-    terms += [Term("overlap", -ov, 0.0, OVERLAP_DETAIL)] if ov > 0 else []
+    ahead, *ov = token_overlap(g, mem, exp_rates, routing, s, per_layer)
+    terms += [Term("overlap", -ov[0], -ov[1], OVERLAP_DETAIL[ahead])] if ov[0] > 0 else []
     drive = drive_share(g, mem, box.page_cache)
     terms += [Term(*t) for t in start_terms(
         g, hits=both(lambda e: 1 - routing.at(e).miss_rate), ram_tier_bytes=mem.ram.tier_bytes,
@@ -188,8 +189,9 @@ def predict(g: Geometry, mem: Memory, routing: RoutingRange, rates: Rates, box: 
     slow = sum(t.slow_s for t in terms)
     compute_fast = sum(t.fast_s for t in terms if t.name not in _IO_TERMS and t.name != "overlap")
     io = {c: sum(t.fast_s for t in terms if _IO_TERMS.get(t.name) == c) for c in ("storage", "pcie")}
-    fast, dom_slow = max(compute_fast, *io.values()), max(terms, key=lambda t: t.slow_s).name
-    io_fast = max(io, key=lambda c: io[c])
+    fast = (max(compute_fast, *io.values()) if ahead
+            else max(compute_fast + io["storage"] - ov[1], io["pcie"]))
+    dom_slow, io_fast = max(terms, key=lambda t: t.slow_s).name, max(io, key=lambda c: io[c])
     dom_fast = io_fast if io[io_fast] >= compute_fast else "compute"
     return Prediction(tuple(terms), slow, fast, dom_slow, dom_fast)
 
@@ -379,8 +381,7 @@ def make_plan(g: Geometry, box: Box, options: Sequence[Option], rates: Rates | N
 def plan_to_dict(p: Plan) -> dict[str, Any]:
     m = p.memory
     return {
-        "schema": SCHEMA,
-        "status": "fits" if m.runnable else "cannot_run",
+        "schema": SCHEMA, "status": "fits" if m.runnable else "cannot_run",
         "exit_code": p.exit_code,
         "model": p.geometry.as_dict(),
         "box": {"ram_bytes": p.box.ram, "vram_bytes": p.box.vram, "ctx": p.box.ctx,
@@ -394,7 +395,6 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "first_token": p.first_token.as_dict() if p.first_token else None,
         "run": p.run_args(),
         "alternatives": [o.as_dict() for o in p.alternatives],
-        "notes": [n.as_dict() for n in p.notes],
-        "assumptions": dict(ASSUMPTIONS),
+        "notes": [n.as_dict() for n in p.notes], "assumptions": dict(ASSUMPTIONS),
         "measurements": dict(p.probes),
     }

@@ -90,6 +90,11 @@ class DeviceRates:
                 "sync_s": self.sync_s.as_dict()}
 
 
+def stated_miss_cpu() -> Range:
+    return Range(0.15, 0.05, "stated default: CPU seconds per GB of O_DIRECT reads into memory "
+                             "already in use (system calls, completions, the I/O threads' wake-ups)")
+
+
 def stated_read_cpu() -> Range:
     return Range(0.3, 0.1, "stated default: CPU seconds per GB of O_DIRECT reads (system calls, "
                            "page pinning, completions)")
@@ -105,12 +110,15 @@ class Rates:
     read_cpu: Range = field(default_factory=stated_read_cpu)
     #: CPU seconds per GB of the reader's checksums of an expert's first read (None: not priced)
     verify: Range | None = None
+    #: CPU seconds per GB of the decode's reads into slots already in use (its misses)
+    miss_cpu: Range = field(default_factory=lambda: stated_miss_cpu())
 
     def as_dict(self) -> dict[str, Any]:
         return {"storage_gbps": self.storage.as_dict(), "pcie_gbps": self.pcie.as_dict(),
                 "cpu": self.cpu.as_dict(), "gpu": self.gpu.as_dict(),
                 "read_cpu_s_per_gb": self.read_cpu.as_dict(),
-                "verify_s_per_gb": self.verify.as_dict() if self.verify else None}
+                "verify_s_per_gb": self.verify.as_dict() if self.verify else None,
+                "miss_cpu_s_per_gb": self.miss_cpu.as_dict()}
 
 
 #: pinned host->device GB/s by PCIe generation (x16): what cudaMemcpy reaches, not the line rate
@@ -236,9 +244,14 @@ def storage_from_profile(profile: Mapping[str, Any], k: int, *, label: str = "")
            f"to {fast:.2f} GB/s at qd {fast_qd}"
            + (f", reads of {read / MiB:.1f} MiB" if isinstance(read, (int, float)) and read else ""))
     cpu_us, reads, nbytes = (slow_p.get(f) for f in ("cpu_us_per_read", "reads", "bytes"))
+    reused = [p.get("cpu_us_per_read") * 1e-6 * p.get("reads") / p.get("bytes") * 1e9
+              for _, _, p in pts if p.get("cpu_us_per_read") is not None and p.get("reads")
+              and p.get("bytes")]
     detail = {"backend": chosen, "slow_qd": slow_qd, "fast_qd": fast_qd,
               "cpu_s_per_gb": (cpu_us * 1e-6 * reads / nbytes * 1e9
                                if cpu_us is not None and reads and nbytes else None),
+              "cpu_s_per_gb_reused": min(reused) if reused else None,
+              "cpu_s_per_gb_reused_slow": max(reused) if reused else None,
               "read_size": read, "p99_latency_us_at_slow_qd": (slow_p.get("lat_us") or {}).get("p99"),
               "cold": profile.get("cold")}
     return Range(slow, fast, src), detail
@@ -256,3 +269,15 @@ def read_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
         slow = float(y) if isinstance(y, (int, float)) and y > x else float(x)
         return Range(slow, float(x), f"{where}: CPU time of its reads{into}")
     return stated_read_cpu()
+
+
+def miss_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
+    """The CPU seconds per GB of the decode's reads (into slots already in use: the plain
+    points of the storage probe, its cheapest the fast end's and its dearest the slow end's),
+    else the stated default."""
+    d = detail or {}
+    x, y = d.get("cpu_s_per_gb_reused"), d.get("cpu_s_per_gb_reused_slow")
+    if isinstance(x, (int, float)) and x > 0:
+        slow = float(y) if isinstance(y, (int, float)) and y > x else float(x)
+        return Range(slow, float(x), f"{where}: CPU time of its reads into memory in use")
+    return stated_miss_cpu()

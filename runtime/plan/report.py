@@ -107,8 +107,8 @@ def format_plan(p: Plan) -> str:
             lines.append(f"  {t.name:<21}{_ms(t.slow_s):>12}{_ms(t.fast_s):>12}  "
                          f"{t.slow_s / pr.slow_s:6.1%}  {t.detail}")
         lines.append(f"  {'total':<21}{_ms(pr.slow_s):>12}{_ms(pr.fast_s):>12}  "
-                     "slow = sum (the overlap term its only overlap); fast = max(storage, pcie, "
-                     "compute) (perfect prefetch)")
+                     "slow = sum at slow rates; fast = sum at fast rates (the lookahead "
+                     "on: max(storage, pcie, compute))")
         lines.append("")
         lines.append(f"predicted decode: {pr.tok_s_low:.2f} - {pr.tok_s_high:.2f} tokens/s "
                      f"(dominant: {pr.dominant_slow} at the slow end, {pr.dominant_fast} at the "

@@ -19,7 +19,7 @@ from .coldstart import drive_share, store_page_cache, window_spare
 from .geometry import Geometry
 from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_option, stated_cpu,
                       stated_gpu, stated_pcie, stated_storage, storage_from_profile)
-from .rates import STATED_SLOW, Range, read_cpu_from, stated_drive
+from .rates import STATED_SLOW, Range, miss_cpu_from, read_cpu_from, stated_drive
 from .model import load_geometry
 from .rereads import trunk_reread_bytes
 from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Coverage, Dynamics,
@@ -308,7 +308,8 @@ def run_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) ->
             gpu, pcie, detail["gpu"] = got
     from .boxcache import verify_rate
     rates = Rates(storage, pcie, cpu, gpu, read_cpu_from(detail.get("storage"), storage.source),
-                  verify_rate(probe=req.probe))
+                  verify_rate(probe=req.probe),
+                  miss_cpu_from(detail.get("storage"), storage.source))
     from .paths import compute_paths
     detail["compute_paths"] = compute_paths(g, req.act_quant)
 
@@ -351,6 +352,10 @@ def _with_first_token(plan: Plan, req: PlanRequest, g: Geometry, say, replays: R
     return replace(plan, first_token=ft)
 
 
+_READ_CPU = ("cpu_s_per_gb", "cpu_s_per_gb_slow", "cpu_fresh",    # the probe's CPU figures
+             "cpu_s_per_gb_reused", "cpu_s_per_gb_reused_slow")   # a cached drive keeps
+
+
 def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range, dict[str, Any]]:
     """The drive at the engine's pattern: this device's cached figure, else measured now
     (with ``probe``) and cached, else the stated default; either way widened to the drive's
@@ -363,9 +368,7 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     if isinstance(hit, dict) and "slow" in hit and (hit.get("backend") or not req.probe):
         rng = Range(float(hit["slow"]), float(hit["fast"]),
                     "measured earlier on this device: " + str(hit.get("source", "")))
-        detail = {"cache": key, "cpu_s_per_gb": hit.get("cpu_s_per_gb"),
-                  "cpu_s_per_gb_slow": hit.get("cpu_s_per_gb_slow"),
-                  "cpu_fresh": hit.get("cpu_fresh")}
+        detail = {"cache": key, **{f: hit.get(f) for f in _READ_CPU}}
         if req.probe and hit.get("slow_qd"):             # (a probing plan's hit has a backend)
             from .storage_probe import storage_check
             try:
@@ -382,10 +385,8 @@ def _storage(req: PlanRequest, g: Geometry, data_path: str, say) -> tuple[Range,
     from .storage_probe import probe_storage
     say("measuring storage")
     rng, detail = probe_storage(data_path, g.k, g.slot_bytes, store_path=store)
-    data[key] = {**rng.as_dict(), "cpu_s_per_gb": detail.get("cpu_s_per_gb"),
-                 "cpu_s_per_gb_slow": detail.get("cpu_s_per_gb_slow"),
-                 "cpu_fresh": detail.get("cpu_fresh"), "backend": detail.get("backend"),
-                 "slow_qd": detail.get("slow_qd")}
+    data[key] = {**rng.as_dict(), **{f: detail.get(f) for f in _READ_CPU},
+                 "backend": detail.get("backend"), "slow_qd": detail.get("slow_qd")}
     data[checks] = boxcache.recent_checks(data.get(checks), rng.slow)
     boxcache.save(data)
     return rng, detail

@@ -63,3 +63,74 @@ def test_slow_end_grows_with_the_miss_rate() -> None:
                    * (m * per_read + layer - max(layer, m * per_read + c, per_read + m * c))
                    for m in range(1, k + 1))
     assert expected_overlap(k, q, read, [layer] * n) == pytest.approx(want)
+
+
+# --- the band's two ends over a token (plan.predict) ---------------------------------------------
+
+def _streaming(name: str):
+    """A model whose RAM tier under a 16 GiB box holds a fraction of its experts, with CPU rates
+    that price each MoE layer natively (so ``predict`` counts the structural overlap)."""
+    import dataclasses
+
+    from expertfs.cli.plan import geometry_from_like
+    from expertfs.runtime.plan.budget import Box, layout
+    from expertfs.runtime.plan.native import layer_key
+    from expertfs.runtime.plan.rates import LinearCost, Range, stated_cpu
+
+    g = geometry_from_like(name)
+    box = Box(16 * 2**30, 0, ctx=4096)
+    mem = layout(g, box, "cpu", "quant")
+    layer = LinearCost(Range(0.0, 0.0, "t"), Range(40.0, 60.0, "t"))
+    cpu = dataclasses.replace(stated_cpu(), layer_s=Range(1e-4, 5e-5, "t"),
+                              token_s=Range(0.0, 0.0, "t"),
+                              layers={layer_key(p, g.k): layer for p in g.expert_parts})
+    return g, box, mem, cpu
+
+
+def _predict(name: str):
+    from expertfs.runtime.plan.predict import Range, Rates, Routing, RoutingRange, predict
+    from expertfs.runtime.plan.rates import stated_gpu, stated_pcie
+
+    g, box, mem, cpu = _streaming(name)
+    mib = 2**20
+    slow = Routing("a", True, "wlfu", 100, 0.0, 0.6, 0.4, 300 * mib, 0, 0)
+    fast = Routing("b", True, "wlfu", 100, 0.0, 0.7, 0.3, 200 * mib, 0, 0)
+    rates = Rates(Range(1.5, 3.0, "t"), stated_pcie(4), cpu, stated_gpu(["Q4_K"]),
+                  miss_cpu=Range(0.1, 0.05, "t"), verify=Range(0.04, 0.02, "t"))
+    return g, mem, predict(g, mem, RoutingRange(slow, fast), rates, box)
+
+
+def test_fast_end_overlaps_a_routed_layer_only_where_the_lookahead_is_off() -> None:
+    """qwen3moe streams with the lookahead off by default: a layer's misses are read once it is
+    routed, so the fast end is compute + reads - the structural overlap at fast rates, not the
+    larger of the two; glm5-next turns the lookahead on and keeps the larger."""
+    from expertfs.runtime.plan.overlap import lookahead_overlaps
+
+    g, mem, pr = _predict("Qwen3-30B-A3B")
+    assert not lookahead_overlaps(g, mem)
+    t = {x.name: x for x in pr.terms}
+    io = t["storage"].fast_s + t["first_reads"].fast_s
+    compute = sum(x.fast_s for x in pr.terms
+                  if x.name not in ("storage", "first_reads", "overlap"))
+    assert 0 < -t["overlap"].fast_s < min(io, compute)
+    assert pr.fast_s == pytest.approx(compute + io + t["overlap"].fast_s)
+    assert pr.fast_s > max(compute, io) and pr.slow_s > pr.fast_s
+
+    g, mem, pr = _predict("GLM-5.3-Flash")
+    assert lookahead_overlaps(g, mem)
+    t = {x.name: x for x in pr.terms}
+    io = t["storage"].fast_s + t["first_reads"].fast_s
+    compute = sum(x.fast_s for x in pr.terms
+                  if x.name not in ("storage", "first_reads", "overlap"))
+    assert t["overlap"].fast_s == 0.0 and pr.fast_s == pytest.approx(max(compute, io))
+
+
+def test_the_misses_cpu_is_priced_at_both_ends() -> None:
+    """The reads' CPU (system calls, completions) at both ends, the first-read checksums at the
+    slow end only (a long run's misses are re-reads)."""
+    _, _, pr = _predict("Qwen3-30B-A3B")
+    t = pr.term("read_cpu")
+    mib = 2**20
+    assert t.slow_s == pytest.approx(300 * mib / 1e9 * (0.1 + 0.04))
+    assert t.fast_s == pytest.approx(200 * mib / 1e9 * 0.05)
+    assert "first-read checksums" in t.detail

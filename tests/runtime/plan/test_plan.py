@@ -114,7 +114,8 @@ def test_like_every_preset_plans(name: str) -> None:
     pr = p.prediction
     assert 0 < pr.tok_s_low <= pr.tok_s_high < math.inf
     assert {t.name for t in pr.terms} == {"storage", "first_reads", "warm_start", "pcie", "experts",
-                                          "expert_overhead", "trunk", "attention", "dispatch"}
+                                          "expert_overhead", "trunk", "attention", "dispatch",
+                                          "read_cpu"}
     json.dumps(plan_to_dict(p))
 
 
@@ -484,7 +485,7 @@ def test_json_schema() -> None:
     pr = d["prediction"]
     assert pr["tok_s_low"] <= pr["tok_s_high"]
     assert set(pr["terms"]) == {"storage", "first_reads", "warm_start", "pcie", "experts",
-                                "expert_overhead", "trunk", "attention", "dispatch"}
+                                "expert_overhead", "trunk", "attention", "dispatch", "read_cpu"}
     for t in pr["terms"].values():
         assert {"slow_s", "fast_s", "detail", "share_slow"} <= set(t)
     assert sum(t["share_slow"] for t in pr["terms"].values()) == pytest.approx(1.0)
@@ -659,3 +660,20 @@ def test_the_budget_holds_a_prompt_batch() -> None:
     one_stream = replace(g5, hc_streams=1)
     assert prefill_activation_bytes(g5, 4096, 256) - prefill_activation_bytes(
         one_stream, 4096, 256) == 4 * 6 * 256 * g5.n_embd * 3
+
+
+def test_storage_profile_keeps_the_reads_cpu_into_memory_in_use() -> None:
+    """The plain points' CPU per GB (reads into a buffer in use, as the decode's misses) is kept
+    beside the fresh-memory figure: its cheapest the fast end's, its dearest the slow end's;
+    without it the stated default."""
+    from expertfs.runtime.plan.rates import miss_cpu_from, stated_miss_cpu
+    p = _profile()
+    for pt, us in zip(p["points"], (100.0, 300.0, 200.0, 900.0, 900.0)):
+        pt.update(cpu_us_per_read=us, reads=10, bytes=10 * (1 << 20))
+    _, d = storage_from_profile(p, 8)
+    per_gb = [us * 1e-6 / (1 << 20) * 1e9 for us in (100.0, 300.0)]
+    assert d["cpu_s_per_gb_reused"] == pytest.approx(per_gb[0])
+    assert d["cpu_s_per_gb_reused_slow"] == pytest.approx(per_gb[1])
+    r = miss_cpu_from(d, "probe")
+    assert (r.slow, r.fast) == (pytest.approx(per_gb[1]), pytest.approx(per_gb[0]))
+    assert miss_cpu_from({}, "probe") == stated_miss_cpu()
