@@ -3,7 +3,8 @@
 A real trace (``--trace``, recorded against this model) is replayed as it is. Without one, a
 store that earlier runs taught its usage (the LMDB table ``run`` adds its routes to) gives the
 popularity of every expert: a trace is drawn from it (``usage_replay``: each layer's fresh picks
-in proportion to its learned counts, smoothed by ``USAGE_PRIOR``) with a preset's token-to-token
+in proportion to its learned counts, the experts never chosen sharing the Good–Turing estimate
+of the routes they would get, ``_popularity``) with a preset's token-to-token
 dynamics (stickiness, cross-layer links), and, where the runs also counted how their decode
 kept and reused experts (``learned_dynamics``), those dynamics for the tokens after the first
 quarter. Otherwise a synthetic trace of the model's geometry is generated from a preset of
@@ -29,7 +30,7 @@ from ..sim.replay import Replay, simulate, usage_counts
 from ..trace.file import TraceHeader
 from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_header
 
-__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKENS",
+__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "UNSEEN_ROUTES", "MIN_USAGE_TOKENS",
            "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "Coverage", "learned_coverage",
            "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay", "route",
            "ideal_routing"]
@@ -38,9 +39,9 @@ __all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "USAGE_PRIOR", "MIN_USAGE_TOKE
 #: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
 DEFAULT_SYNTHETIC = ("diffuse", "mixed")
 DEFAULT_TOKENS = 256
-#: routes per expert added to every learned count: experts the earlier runs never chose keep a
-#: chance (a flat prior worth n_experts / k tokens)
-USAGE_PRIOR = 1.0
+#: the fewest routes a layer's never-chosen experts share (``_popularity``): they keep a chance
+#: even where no expert was chosen exactly once
+UNSEEN_ROUTES = 1.0
 #: fewer learned tokens than this (per MoE layer, on average) and the presets are used instead
 MIN_USAGE_TOKENS = 64
 #: fewer decoded tokens than this in the runs' counters and the presets' dynamics are used
@@ -183,15 +184,25 @@ def _seen_popularity(g: Geometry, usage: dict[tuple[int, int], float], seen: flo
 
 
 def _popularity(g: Geometry, usage: dict[tuple[int, int], float]):
-    """``[MoE layers, experts]``: the learned counts ((block, expert) → routes) plus
-    ``USAGE_PRIOR``."""
+    """``[MoE layers, experts]``: the learned counts ((block, expert) → routes), and for the
+    experts a layer's runs never chose the routes Good–Turing gives them: the unseen share of a
+    layer's routes is about the share of its experts chosen exactly once (``N1 / N``), so they
+    share ``N1`` routes (at least ``UNSEEN_ROUTES``) evenly. A flat prior of a route for every
+    expert gave them a large share of a short history whose runs kept to a few experts a layer,
+    and the replay read several times the bytes the runs did (bench/README.md, plan's learned
+    routing); a varied history (many experts chosen once) still leaves them much."""
     import numpy as np
 
-    pop = np.full((len(g.moe_layers), g.n_experts), USAGE_PRIOR)
+    pop = np.zeros((len(g.moe_layers), g.n_experts))
     row = {layer: i for i, layer in enumerate(g.moe_layers)}
     for (layer, e), c in usage.items():
         if layer in row and 0 <= e < g.n_experts:
             pop[row[layer], e] += max(0.0, float(c))
+    for r in pop:
+        unseen = r <= 0
+        if unseen.any():
+            once = int(np.count_nonzero((r > 0) & (r <= 1)))
+            r[unseen] = max(float(once), UNSEEN_ROUTES) / int(unseen.sum())
     return pop
 
 
@@ -225,7 +236,7 @@ def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
                  dynamics: Dynamics | None = None) -> Replay:
     """A trace drawn from a store's learned usage ((block, expert) → routes) with the
     dynamics of the preset ``spec``: each layer's fresh picks are drawn so that an expert is
-    in a token's route as often as the learned counts plus ``USAGE_PRIOR`` say
+    in a token's route as often as the learned counts (``_popularity``) say
     (``_draw_weights``). With ``dynamics`` the tokens after the first quarter (what ``route``
     learns from, as a run's decode follows its prompt) keep and reuse experts as the store's
     runs did, and no pick follows the preset's cross-layer links: those are random

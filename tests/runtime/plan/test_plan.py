@@ -677,3 +677,18 @@ def test_storage_profile_keeps_the_reads_cpu_into_memory_in_use() -> None:
     r = miss_cpu_from(d, "probe")
     assert (r.slow, r.fast) == (pytest.approx(per_gb[1]), pytest.approx(per_gb[0]))
     assert miss_cpu_from({}, "probe") == stated_miss_cpu()
+
+
+def test_unseen_experts_share_the_good_turing_routes() -> None:
+    """The learned popularity keeps every count and gives a layer's never-chosen experts, evenly,
+    as many routes as the experts chosen exactly once (at least ``UNSEEN_ROUTES``), not a
+    route each: a short history that kept to a few experts leaves the rest little."""
+    from expertfs.runtime.plan.routing import UNSEEN_ROUTES, _popularity
+    g = _tiny()
+    a, b = g.moe_layers[0], g.moe_layers[1]
+    usage = {(a, 0): 30.0, (a, 1): 1.0, (a, 2): 1.0, (a, 3): 4.0, (b, 5): 9.0}
+    pop = _popularity(g, usage)
+    assert list(pop[0, :4]) == [30.0, 1.0, 1.0, 4.0] and pop[1, 5] == 9.0
+    assert pop[0, 4:].sum() == pytest.approx(2.0) and len(set(pop[0, 4:])) == 1
+    assert pop[1, [e for e in range(g.n_experts) if e != 5]].sum() == pytest.approx(UNSEEN_ROUTES)
+    assert (pop > 0).all()                # trace.synth draws only positive popularities
