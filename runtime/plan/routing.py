@@ -44,8 +44,11 @@ DEFAULT_TOKENS = 256
 UNSEEN_ROUTES = 1.0
 #: fewer learned tokens than this (per MoE layer, on average) and the presets are used instead
 MIN_USAGE_TOKENS = 64
-#: fewer decoded tokens than this in the runs' counters and the presets' dynamics are used
-MIN_DYNAMICS_TOKENS = 32
+#: fewer decoded tokens than this in the runs' counters and the presets' dynamics are used: a
+#: run of 16 tokens, or two short ones (``_beyond`` already discounts what so few routes cannot
+#: tell from chance, where the presets' far less sticky decode priced far more misses than two
+#: such runs of a capped qwen3moe had: bench/README.md, plan's learned routing)
+MIN_DYNAMICS_TOKENS = 16
 
 
 def synthetic_replay(g: Geometry, spec: str, *, tokens: int = DEFAULT_TOKENS, seed: int = 0) -> Replay:
