@@ -21,7 +21,8 @@ failed: killed (exit -9: the cap's OOM kill) or past ``--timeout`` ("timed out":
 thrashes without end), where ``plan`` should say CANNOT RUN.
 ``--json`` writes every round. ``--learn N`` first runs each store N times under its
 tightest cap, so that ``plan`` prices the routing those runs taught the store (its learned
-usage and decode dynamics) instead of a synthetic preset.
+usage and decode dynamics) instead of a synthetic preset; those runs take another prompt and
+other sampling seeds than the measured rounds (each round its own seed).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from bench_lowram import PROMPT, PROSE, long_prompt, prompt_tokens  # noqa: E402
 from lowram import TIMED_OUT, block_device_of, drop_caches, page_in, run_capped  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
+#: the learning runs' first sampling seed (the measured rounds take 1, 2, ...)
+LEARN_SEED = 1000
 EXPERTFS = os.path.join(BIN, "expertfs")
 
 
@@ -89,9 +92,9 @@ def _files(store: str, cap: str) -> tuple[str, ...]:
 
 
 def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt: str,
-         warm: tuple[str, ...] = ()) -> dict:
+         warm: tuple[str, ...] = (), seed: int = 0) -> dict:
     argv = [EXPERTFS, "run", store, "-p", prompt, "-n", str(a.n), "--ignore-eos", "--temp", "1.0",
-            "--ctx", str(a.ctx), "-t", str(a.threads), "--json"]
+            "--seed", str(seed), "--ctx", str(a.ctx), "-t", str(a.threads), "--json"]
     argv += ["--act-quant", a.act_quant] if a.act_quant != "off" else []
     r = run_capped(argv, limit, dev, timeout=a.timeout, warm=warm)
     if r.returncode:
@@ -104,11 +107,14 @@ def _run(store: str, limit: int | None, dev: str, a: argparse.Namespace, prompt:
 
 def _learn(store: str, size: int, a: argparse.Namespace, prompt: str) -> None:
     """``--learn`` runs of ``store`` under the tightest of ``--caps`` (a user who ran the model
-    before planning): ``run`` adds each one's routes and dynamics to the store's usage table."""
+    before planning): ``run`` adds each one's routes and dynamics to the store's usage table.
+    Their prompt and sampling seeds are not the measured runs' (``prompt``: the prose's words in
+    reverse order; seeds from ``LEARN_SEED``), so ``plan`` prices what earlier, different
+    requests taught it, not a replay of the very tokens the rounds then decode."""
     caps = [float(c) for c in a.caps.split(",") if c not in ("none", "cached")]
     limit = int(min(caps) * size) if caps else None
     for i in range(a.learn):
-        x = _run(store, limit, block_device_of(store), a, prompt)
+        x = _run(store, limit, block_device_of(store), a, prompt, seed=LEARN_SEED + i)
         print(f"  learning run {i + 1} of {os.path.basename(store)}: "
               + (f"failed {x['failed']}" if "failed" in x else f"{x['decode']:.2f} tok/s, "
                  f"{x['mb_per_token']:.1f} MB a token"), flush=True)
@@ -187,7 +193,8 @@ def main() -> int:
                                         PROSE if a.prompt_text == "prose" else PROMPT)
             n_prompt = prompt_tokens(store, prompts[name])
             size = _size(store)
-            _learn(store, size, a, prompts[name])
+            _learn(store, size, a, long_prompt(store, a.prompt_tokens, " ".join(reversed(
+                (PROSE if a.prompt_text == "prose" else PROMPT).split()))))
             for cap in a.caps.split(","):
                 limit = None if cap in ("none", "cached") else int(float(cap) * size)
                 drop_caches()                    # the page cache as the row's runs find it
@@ -198,7 +205,7 @@ def main() -> int:
         for rnd in range(a.rounds):
             for r in (rows if rnd % 2 == 0 else rows[::-1]):
                 r["runs"].append(_run(r["path"], r["limit"], dev, a, prompts[r["store"]],
-                                      _files(r["path"], r["cap"])))
+                                      _files(r["path"], r["cap"]), seed=rnd + 1))
                 x = r["runs"][-1]
                 print(f"  round {rnd + 1} {r['store']} cap {r['cap']}: "
                       + (f"failed {x['failed']}" if "failed" in x else

@@ -4,7 +4,8 @@ A real trace (``--trace``, recorded against this model) is replayed as it is. Wi
 store that earlier runs taught its usage (the LMDB table ``run`` adds its routes to) gives the
 popularity of every expert: a trace is drawn from it (``usage_replay``: each layer's fresh picks
 in proportion to its learned counts, the experts never chosen sharing the Good–Turing estimate
-of the routes they would get, ``_popularity``) with a preset's token-to-token
+of the routes they would get at the fast end, a route each at the slow end: ``_popularity``)
+with a preset's token-to-token
 dynamics (stickiness, cross-layer links), and, where the runs also counted how their decode
 kept and reused experts (``learned_dynamics``), those dynamics for the tokens after the first
 quarter. Otherwise a synthetic trace of the model's geometry is generated from a preset of
@@ -30,7 +31,8 @@ from ..sim.replay import Replay, simulate, usage_counts
 from ..trace.file import TraceHeader
 from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_header
 
-__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "UNSEEN_ROUTES", "MIN_USAGE_TOKENS",
+__all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "UNSEEN_ROUTES", "NEW_REQUEST",
+           "MIN_USAGE_TOKENS",
            "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "Coverage", "learned_coverage",
            "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay", "route",
            "ideal_routing"]
@@ -42,6 +44,9 @@ DEFAULT_TOKENS = 256
 #: the fewest routes a layer's never-chosen experts share (``_popularity``): they keep a chance
 #: even where no expert was chosen exactly once
 UNSEEN_ROUTES = 1.0
+#: the slow end's usage replay (``usage:PRESET`` + this): a request unlike those the store
+#: learned, whose experts the learned counts foretell less: every expert a route of prior
+NEW_REQUEST = "+new"
 #: fewer learned tokens than this (per MoE layer, on average) and the presets are used instead
 MIN_USAGE_TOKENS = 64
 #: fewer decoded tokens than this in the runs' counters and the presets' dynamics are used: a
@@ -186,14 +191,17 @@ def _seen_popularity(g: Geometry, usage: dict[tuple[int, int], float], seen: flo
     return min(1.0, float((p * seen_after(hi)).sum(axis=1).mean()))
 
 
-def _popularity(g: Geometry, usage: dict[tuple[int, int], float]):
+def _popularity(g: Geometry, usage: dict[tuple[int, int], float], new: bool = False):
     """``[MoE layers, experts]``: the learned counts ((block, expert) → routes), and for the
     experts a layer's runs never chose the routes Good–Turing gives them: the unseen share of a
     layer's routes is about the share of its experts chosen exactly once (``N1 / N``), so they
     share ``N1`` routes (at least ``UNSEEN_ROUTES``) evenly. A flat prior of a route for every
     expert gave them a large share of a short history whose runs kept to a few experts a layer,
     and the replay read several times the bytes the runs did (bench/README.md, plan's learned
-    routing); a varied history (many experts chosen once) still leaves them much."""
+    routing); a varied history (many experts chosen once) still leaves them much. ``new``: a
+    request unlike the learned ones instead, every expert a route more (``NEW_REQUEST``): a
+    run on a prompt the store had not seen read several times the bytes of the next run on it,
+    which the first had taught the store (bench/README.md)."""
     import numpy as np
 
     pop = np.zeros((len(g.moe_layers), g.n_experts))
@@ -201,6 +209,8 @@ def _popularity(g: Geometry, usage: dict[tuple[int, int], float]):
     for (layer, e), c in usage.items():
         if layer in row and 0 <= e < g.n_experts:
             pop[row[layer], e] += max(0.0, float(c))
+    if new:
+        return pop + UNSEEN_ROUTES
     for r in pop:
         unseen = r <= 0
         if unseen.any():
@@ -245,7 +255,9 @@ def usage_replay(g: Geometry, usage: dict[tuple[int, int], float], spec: str, *,
     runs did, and no pick follows the preset's cross-layer links: those are random
     permutations, not this model's, and they drew a capped Qwen3-30B-A3B cut's decode away
     from the experts its runs use (bench/README.md, plan's learned routing)."""
-    pop = _draw_weights(_popularity(g, usage), g.k)
+    new = spec.endswith(NEW_REQUEST)
+    spec = spec[:-len(NEW_REQUEST)] if new else spec
+    pop = _draw_weights(_popularity(g, usage, new), g.k)
     s = parse_spec(spec, n_layers=len(g.moe_layers), n_experts=g.n_experts, k=g.k,
                    n_tokens=tokens, expert_bytes=g.slot_bytes, seed=seed)
     if dynamics is not None:

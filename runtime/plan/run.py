@@ -22,8 +22,8 @@ from .predict import (Option, Plan, Rates, RoutingRange, make_plan, predict_opti
 from .rates import STATED_SLOW, Range, miss_cpu_from, read_cpu_from, stated_drive
 from .model import load_geometry
 from .rereads import trunk_reread_bytes
-from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, Coverage, Dynamics,
-                      ideal_routing, learned_coverage, learned_dynamics, route, synthetic_replay,
+from .routing import (DEFAULT_SYNTHETIC, DEFAULT_TOKENS, MIN_USAGE_TOKENS, NEW_REQUEST, Coverage,
+                      Dynamics, ideal_routing, learned_coverage, learned_dynamics, route, synthetic_replay,
                       trace_replay, usage_replay, usage_tokens)
 from ..policies.registry import DEFAULT_POLICY
 
@@ -140,10 +140,9 @@ Learned = tuple[dict[tuple[int, int], float], Dynamics | None, Coverage | None, 
 
 
 def learned_usage(target: str | None, g: Geometry) -> Learned:
-    """The store's learned usage ((block, expert) → routes) when ``target`` is a store whose
-    earlier runs taught it at least ``MIN_USAGE_TOKENS`` tokens, else {}, and with it the
-    decode dynamics those runs counted (``learned_dynamics``), or None; the coverage of the
-    prompts they counted (``learned_coverage``), or None; and the tokens it was learned from."""
+    """The store's learned usage ((block, expert) → routes) where earlier runs taught it at
+    least ``MIN_USAGE_TOKENS`` tokens, else {}; their decode dynamics (``learned_dynamics``)
+    and prompt coverage (``learned_coverage``), or None; the tokens it was learned from."""
     if not target or not os.path.isdir(target):
         return {}, None, None, 0.0
     from ...store.reader import Store
@@ -185,11 +184,11 @@ class Replays:
 
 
 def routing_specs(req: PlanRequest, usage: dict[tuple[int, int], float]) -> list[str]:
-    """The (slow end, fast end) replays: the trace, else the presets (on the learned usage)."""
+    """(slow, fast end) replays: the trace, else the presets (on the learned usage; NEW_REQUEST)."""
     if req.trace:
         return ["trace", "trace"]
     specs = list(req.synthetic) * (2 if len(req.synthetic) == 1 else 1)
-    return ["usage:" + x for x in specs] if usage else specs
+    return ["usage:" + specs[0] + NEW_REQUEST, "usage:" + specs[1]] if usage else specs
 
 
 def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
@@ -208,9 +207,10 @@ def simulator_routing(g: Geometry, req: PlanRequest, say: Callable[[str], None],
         if spec == "trace":
             return f"trace {req.trace}"
         if spec.startswith("usage:"):
-            dyn = replays.dynamics
+            dyn, preset = replays.dynamics, spec[6:].removesuffix(NEW_REQUEST)
+            new = ", a request unlike them" if spec.endswith(NEW_REQUEST) else ""
             return (f"this store's learned usage ({replays.tokens:.0f} tokens of earlier "
-                    f"runs), '{spec[6:]}' dynamics"
+                    f"runs{new}), '{preset}' dynamics"
                     + (f" in the prompt, {dyn.describe()}" if dyn is not None else ""))
         return f"synthetic '{spec}'"
 

@@ -692,3 +692,18 @@ def test_unseen_experts_share_the_good_turing_routes() -> None:
     assert pop[0, 4:].sum() == pytest.approx(2.0) and len(set(pop[0, 4:])) == 1
     assert pop[1, [e for e in range(g.n_experts) if e != 5]].sum() == pytest.approx(UNSEEN_ROUTES)
     assert (pop > 0).all()                # trace.synth draws only positive popularities
+
+
+def test_the_slow_end_prices_a_request_unlike_the_learned_ones() -> None:
+    """``NEW_REQUEST``'s replay (the slow end) gives every expert a route of prior over its
+    count; the fast end's keeps Good–Turing's share for the unseen; both replays build."""
+    from expertfs.runtime.plan.routing import (NEW_REQUEST, UNSEEN_ROUTES, _popularity,
+                                               usage_replay)
+    g = _tiny()
+    a = g.moe_layers[0]
+    usage = {(a, e): 8.0 for e in range(g.k + 1)}
+    new = _popularity(g, usage, new=True)
+    assert new[0, 0] == 8.0 + UNSEEN_ROUTES and new[0, -1] == UNSEEN_ROUTES
+    assert _popularity(g, usage)[0, -1] < new[0, -1]
+    for spec in ("diffuse" + NEW_REQUEST, "mixed"):
+        assert usage_replay(g, usage, spec, tokens=16).n_tokens == 16
