@@ -19,8 +19,10 @@ end what the routing replay (the trace, else the fast synthetic preset) touches 
 tokens; at the slow end the same from ``slow_replay`` where the routing was measured (this
 store's trace or its learned usage), else as if routing were uniform and independent,
 ``E · (1 − (1 − k/E)^b)`` (a balanced model's most).
-Slow end: compute + reads (nothing overlapped); fast end: max(compute, reads), as the engine
-computes the experts already in while the rest are read. Both ends add to the compute the CPU
+Slow end: compute + reads (nothing overlapped); fast end: the rest of the compute + max(the
+experts' products, reads), as the engine computes a layer's experts already in while the rest
+are read, and its attention and trunk products only once the layer's experts are done (the
+next layer's reads start after its routing: ``--prefill-prefetch`` is off by default). Both ends add to the compute the CPU
 the reads take (``Rates.read_cpu``, at that end) for the bytes read into the tiers' fresh
 pages, up to the tiers' size: whether the runtime's background fault-in or the read touches a
 fresh page first, that touch is CPU time on the cores the prompt computes on (on a virtual
@@ -86,6 +88,7 @@ class FirstToken:
                                  # from the page cache: ``coldstart.drive_share``)
     verify_s: tuple[float, float] = (0.0, 0.0)  # CPU of the experts' checksums on first read
     cover: str = ""              # where the experts a batch touches come from, when learned
+    experts_s: tuple[float, float] = (0.0, 0.0)  # the routed experts' part of compute_s
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -166,7 +169,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     exp_el = sum(m.elements for layer in g.expert_parts for m in layer) / n_moe
     ext = sum(g.extent_bytes) / n_moe
     sizes = [batch] * (prompt_tokens // batch) + [prompt_tokens % batch] * bool(prompt_tokens % batch)
-    compute, reads, loaded = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    compute, reads, loaded, experts = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
     for i, end in enumerate(("slow", "fast")):
         per_expert = sum(compute_cost(cpu, layer, end, quantized=True)
                          for layer in g.expert_parts) / n_moe
@@ -184,6 +187,7 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                    * n_moe for b in set(sizes)}               # experts a batch touches, all layers
         for j, b in enumerate(sizes):
             flops = 2.0 * b * n_moe * g.k * exp_el                  # the routed experts'
+            experts[i] += flops / (gemm.at(end) * 1e9) + touched[b] * per_expert
             compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
                 loaded[i] += touched[b] * ext
@@ -201,6 +205,8 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
     verify_s = ((min(loaded[0], every) / 1e9 * verify.slow, min(loaded[1], every) / 1e9
                  * verify.fast) if verify is not None else (0.0, 0.0))
     cpu = (compute[0] + fresh_s[0] + verify_s[0], compute[1] + fresh_s[1] + verify_s[1])
-    return FirstToken(prompt_tokens, cpu[0] + r_slow, max(cpu[1], r_fast),
+    # fast end: a layer's experts computed as their reads land, the rest of the CPU after
+    return FirstToken(prompt_tokens, cpu[0] + r_slow, cpu[1] - experts[1] + max(experts[1], r_fast),
                       (compute[0], compute[1]), (reads[0], reads[1]), gemm, fresh_s, drive,
-                      verify_s, coverage.describe(g.n_experts) if coverage is not None else "")
+                      verify_s, coverage.describe(g.n_experts) if coverage is not None else "",
+                      (experts[0], experts[1]))

@@ -42,7 +42,10 @@ def test_first_token_combines_compute_and_reads_as_stated(g):
     n_moe, ext = len(g.moe_layers), sum(g.extent_bytes) / len(g.moe_layers)
     assert ft.read_bytes[0] == pytest.approx(n_moe * touched_per_layer(g, 49) * ext)
     assert ft.s_slow == pytest.approx(ft.compute_s[0] + ft.read_bytes[0] / (rates.storage.slow * 1e9))
-    assert ft.s_fast == pytest.approx(max(ft.compute_s[1], ft.read_bytes[1] / (rates.storage.fast * 1e9)))
+    # fast: a layer's experts computed as their reads land, its attention and trunk after
+    e, r = ft.experts_s[1], ft.read_bytes[1] / (rates.storage.fast * 1e9)
+    assert 0 < e < ft.compute_s[1] and ft.s_fast == pytest.approx(ft.compute_s[1] - e + max(e, r))
+    assert ft.s_fast >= max(ft.compute_s[1], r)
     assert ft.s_slow >= ft.s_fast > 0 and ft.compute_s[0] >= ft.compute_s[1]
     # the batch's arithmetic at the matmul rate: twice the rate, less compute; longer, more
     quick = first_token(g, rates, 0, 49, Range(80.0, 160.0, "test"))
@@ -131,8 +134,8 @@ def test_both_ends_pay_for_faulting_in_the_tiers_fresh_pages(g):
         assert ft.fresh_s == pytest.approx(fresh) and min(fresh) > 0
         assert ft.s_slow == pytest.approx(ft.compute_s[0] + fresh[0] + ft.read_bytes[0]
                                           / (rates.storage.slow * 1e9))
-        assert ft.s_fast == pytest.approx(max(ft.compute_s[1] + fresh[1],
-                                              ft.read_bytes[1] / (rates.storage.fast * 1e9)))
+        e, r = ft.experts_s[1], ft.read_bytes[1] / (rates.storage.fast * 1e9)
+        assert ft.s_fast == pytest.approx(ft.compute_s[1] + fresh[1] - e + max(e, r))
     assert none.fresh_s == (0.0, 0.0)
     assert first_token(g, rates, big, 64, GEMM).fresh_s[0] > first_token(g, rates, small, 64, GEMM).fresh_s[0]
 
