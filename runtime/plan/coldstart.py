@@ -10,14 +10,16 @@ on top of the steady state that ``predict``'s other terms describe:
   passes the room the prompt left in the tiers. At the slow end they get half the drive
   (``WARM_SHARE``) and never more time than the same experts would take as misses; at the fast
   end they share the drive with the misses, overlapped with compute like them.
-- ``warm_start`` (CPU, the slow end): the warm start fills the rest of the RAM tier in the
+- ``warm_start`` (CPU): the warm start fills the rest of the RAM tier in the
   background, one read at a time, while the decode computes, and the CPU those reads cost
   (``Rates.read_cpu``, seconds per GB, measured with the drive: system calls, page pinning,
   completions), with the checksums of each expert's first load (``Rates.verify``:
   ``verify_cost``), is taken from the decode's cores. What it has left to read is the RAM tier less
   what the prompt loaded, as much as the more skewed routing replay's first ``P`` tokens touch
   (``Routing.prompt_cover``); per token it reads at most its share of the drive over the
-  token's compute time. The fast end overlaps it with the decode as it does every read.
+  token's compute time, at each end at that end's drive, CPU and compute rates (those cores
+  are the decode's: the fast end cannot hide it either). Over a short run a larger RAM tier
+  can so cost a little more than the misses it saves.
 
 Where ``run``'s RAM tier is the experts file mapped (``cache.slots.maps_tier``: a tier that
 holds every expert, on the CPU, the file mostly in the page cache), the experts the page cache
@@ -170,14 +172,20 @@ def start_terms(g: Geometry, *, hits: tuple[float, float], tier_bytes: int, ram_
     uniform = distinct_experts(g.n_experts, g.k, P) / max(1, g.n_experts)
     left_all = warm_read_bytes(g, ram_tier_bytes, min(prompt_cover, uniform))
     left = drive * left_all                                       # what the drive serves
-    warm = min(left / n, WARM_SHARE * storage.slow * 1e9 * compute_s[0])
+
+    def warm_at(e: str) -> tuple[float, float, float]:
+        """(bytes read, bytes mapped, CPU seconds) a token of the warm start at end ``e``."""
+        ck, c = (verify.at(e) if verify is not None else 0.0), compute_s[e == "fast"]
+        w = min(left / n, WARM_SHARE * storage.at(e) * 1e9 * c)
+        mapped = min((left_all - left) / n, c * 1e9 / ck) if ck else 0.0
+        return w, mapped, (w * (read_cpu.at(e) + ck) + mapped * ck) / 1e9
+    (warm, mapped, cpu_slow), cpu_fast = warm_at("slow"), warm_at("fast")[2]
     check = verify.slow if verify is not None else 0.0
-    mapped = min((left_all - left) / n, compute_s[0] * 1e9 / check) if check else 0.0
     after = (f"after a {P}-token prompt" if P else "from empty tiers"
              + (" (the prompt's reads in the spare slots)" if window else ""))
     return [("first_reads", *reads, f"{cold[0] / MiB:.0f} MiB read once over a run of {n} tokens "
              f"{after} ({cold[0] / n / MiB:.1f} MiB/token)"),
-            ("warm_start", (warm * (read_cpu.slow + check) + mapped * check) / 1e9, 0.0,
+            ("warm_start", cpu_slow, cpu_fast,
              f"{warm / MiB:.0f} MiB/token read into the RAM tier in the background"
              + (f", {mapped / MiB:.0f} MiB/token mapped from the page cache" if mapped else "")
              + f" ({left_all / MiB:.0f} MiB left after the prompt) at {read_cpu.slow:.2f} CPU s/GB"

@@ -73,7 +73,8 @@ def _routing(miss: float, cover: float = 0.0) -> RoutingRange:
 def test_the_warm_start_reads_what_the_prompt_left_at_its_share_of_the_drive() -> None:
     """The warm start's CPU at the slow end: its bytes a token (what is left of the RAM tier
     after the prompt, spread over the run, at most its share of the drive over the token's
-    compute) times the CPU seconds a GB of reads costs; overlapped at the fast end."""
+    compute) times the CPU seconds a GB of reads costs; the same at the fast end's rates (the
+    decode's cores do those reads: nothing hides them)."""
     g = qwen()
     every = g.n_experts * sum(g.extent_bytes)
     assert warm_read_bytes(g, every, 0.25) == pytest.approx(0.75 * every)
@@ -88,7 +89,9 @@ def test_the_warm_start_reads_what_the_prompt_left_at_its_share_of_the_drive() -
                                                              **args) if name == "warm_start")
 
     paced = WARM_SHARE * 1.0 * 0.1                                  # GB a token
-    assert warm(16, 0.5) == (pytest.approx(min(0.5 * every / 16 / 1e9, paced) * 0.5), 0.0)
+    paced_fast = WARM_SHARE * 2.0 * 0.05
+    assert warm(16, 0.5) == (pytest.approx(min(0.5 * every / 16 / 1e9, paced) * 0.5),
+                             pytest.approx(min(0.5 * every / 16 / 1e9, paced_fast) * 0.25))
     assert warm(100_000, 0.5)[0] < warm(16, 0.5)[0] / 100           # a long run amortises it
     # the cover is never taken above uniform routing's, the most a prompt can touch
     uniform = distinct_experts(g.n_experts, g.k, 64) / g.n_experts

@@ -426,10 +426,16 @@ def test_cpu_run_has_no_pcie_term_and_is_cpu_bound() -> None:
     assert any(n.code == "cpu_bound" for n in p.notes)
 
 
+#: how far a larger box's figure may fall below a smaller one's (see ``_grid_check``)
+SHORT_RUN_SLACK = 0.005
+
+
 def _grid_check(g, boxes, replays, where="auto", trunk="auto") -> int:
     """Both ends monotone for a fixed placement; the chosen figure (geometric mean) for auto.
     Except where the RAM tier first holds every expert: its prompt reads through the spare
-    slots (``cache.window``), the first token's fresh memory moved into the decode's start."""
+    slots (``cache.window``), the first token's fresh memory moved into the decode's start.
+    Within ``SHORT_RUN_SLACK``: over a short run the warm start's CPU grows with the RAM tier
+    it fills (``coldstart.start_terms``), and can outweigh the few misses a larger tier saves."""
     prev, seen, windowed = (0.0, 0.0), 0, False
     for box in boxes:
         p = plan_for(g, box, replays=replays, where=where, trunk=trunk)
@@ -444,7 +450,8 @@ def _grid_check(g, boxes, replays, where="auto", trunk="auto") -> int:
             cur = (math.sqrt(lo * hi),) * 2
         else:
             cur = (lo, hi)
-        assert cur[0] >= prev[0] * (1 - 1e-9) and cur[1] >= prev[1] * (1 - 1e-9), (box, cur, prev)
+        low = 1 - SHORT_RUN_SLACK
+        assert cur[0] >= prev[0] * low and cur[1] >= prev[1] * low, (box, cur, prev)
         prev = cur
     return seen
 
