@@ -8,11 +8,12 @@ of the routes they would get at the fast end, a route each at the slow end: ``_p
 with a preset's token-to-token dynamics (stickiness, cross-layer links), and, where the runs
 also counted how their decode kept and reused experts (``learned_dynamics``), those dynamics
 for the tokens after the first quarter. Otherwise a synthetic trace of the model's geometry is
-generated from a preset of ``trace.synth`` and the result is labelled synthetic. Either way the first quarter of the
-tokens only teaches the usage table (as the store's learned usage warms a real run's caches;
-experts it never saw rank last) and the rest is replayed from that warm start, so the rates
-are steady-state decode, not the cold first tokens. Tiers are exclusive (``simulate``'s default); slots hold the model's largest extent and every
-miss reads that layer's extent bytes.
+generated from a preset of ``trace.synth`` and the result is labelled synthetic. Either way the
+first quarter of the tokens only teaches the usage table (as the store's learned usage warms a
+real run's caches; experts it never saw rank last) and the rest is replayed from that warm
+start, so the rates are steady-state decode, not the cold first tokens. Tiers are exclusive
+(``simulate``'s default); slots hold the model's largest extent and every miss reads that
+layer's extent bytes.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from ..trace.synth import PRESETS, parse_spec, synthetic_chunks, synthetic_heade
 
 __all__ = ["DEFAULT_SYNTHETIC", "DEFAULT_TOKENS", "UNSEEN_ROUTES", "NEW_REQUEST",
            "MIN_USAGE_TOKENS", "MIN_DYNAMICS_TOKENS", "Dynamics", "learned_dynamics", "Coverage",
-           "learned_coverage", "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay", "route",
-           "ideal_routing"]
+           "learned_coverage", "synthetic_replay", "usage_replay", "usage_tokens", "trace_replay",
+           "route", "ideal_routing"]
 
 #: (slow end, fast end) presets when no trace is given: spread-out routing with little reuse,
 #: and skewed, sticky routing whose layers differ (see trace.synth.PRESETS)
