@@ -56,8 +56,10 @@ EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
 // The 4-bit super-block types by table lookup: 64 bytes of packed nibbles are one load of 16
 // dwords, and nibble k of every dword (k = 0..7: the dwords shifted right by 4k) looked up in a
 // table of 16 floats gives 16 exact weights a vector. Rows two at a time where a pass of one or
-// two tokens has more than 16 KiB of activations (they would be re-read from L2 for every
-// row), one otherwise (pairs).
+// two tokens has more than 16 KiB of activations, or a pass of more than 32 KiB, a common L1
+// data cache (they would be re-read from L2 for every row; past two tokens two rows' weights
+// and sums overflow the registers, which costs less than that but more than re-reading them
+// from L1), one otherwise (pairs).
 //
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
 // nibbles sub-block 2j, high 2j+1). Dword l of the load, nibble k: lanes 0..7 are chunk j,
@@ -72,7 +74,9 @@ struct ZQ4K {
     }
     EFS_ZI static const float* x(const XPrep& p) { return p.xz; }
     EFS_ZI static const float* sums(const XPrep& p) { return p.s32; }
-    EFS_ZI static bool pairs(int nt, int64_t cols) { return nt <= 2 && !x_in_l1(nt, cols, 4); }
+    EFS_ZI static bool pairs(int nt, int64_t cols) {
+        return nt <= 2 ? !x_in_l1(nt, cols, 4) : !x_in_l1(nt, cols, 2);
+    }
     EFS_ZI static __m512 scales(const uint8_t* b) { return q45_scales_z(b); }
     EFS_ZI static __m512 even(__m512 sv, int h) { return q45_pair(sv, 4 * h, 4 * h + 2); }
     EFS_ZI static __m512 odd(__m512 sv, int h) { return q45_pair(sv, 4 * h + 1, 4 * h + 3); }

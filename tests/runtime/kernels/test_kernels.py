@@ -133,15 +133,16 @@ def test_exact_equals_dequant_linear(t, isa):
 @pytest.mark.parametrize("isa", isas(), indirect=True)
 @pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_table_lookup_kernels_on_wide_rows(t, isa):
-    """Rows whose one or two tokens pass 16 KiB of activations go two at a time through the
-    AVX-512 table-lookup kernels (an odd last row alone): the dequantized product within the
-    rounding bound, and each token's result that of the token alone."""
+    """Rows whose passes' activations overflow the L1 cache (one or two tokens past 16 KiB,
+    Q4_K and IQ4_XS passes of more past 32 KiB) go two at a time through the AVX-512
+    table-lookup kernels (an odd last row alone): the dequantized product within the rounding
+    bound, and each token's result that of the token alone."""
     rows, cols = 13, 4608
     raw = weight(t, rows, cols, int(t) + 300)
     W = dequantize(raw, t, (rows, cols))
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(31))
-    alone = [kernels.matvec(x[i:i + 1], raw, t, (rows, cols)) for i in range(3)]
-    for nt in (1, 2, 3):
+    x = torch.randn(8, cols, generator=torch.Generator().manual_seed(31))
+    alone = [kernels.matvec(x[i:i + 1], raw, t, (rows, cols)) for i in range(8)]
+    for nt in (1, 2, 3, 4, 5, 8):
         got = kernels.matvec(x[:nt], raw, t, (rows, cols))
         assert ((got - F.linear(x[:nt], W)).abs() <= bound(x[:nt], W)).all(), (isa, nt)
         assert torch.equal(got, torch.cat(alone[:nt])), (isa, nt)
