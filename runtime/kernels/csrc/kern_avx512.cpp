@@ -240,8 +240,10 @@ struct ZQ2 {
 
 struct ZQ3 : ZQ2 {                  // its activations in ZQ2's order
     static constexpr int BYTES = 110, PER = 8;
-    // one row at a time (two rows' decode state spills), passes of up to 8 tokens
-    EFS_ZI static bool pairs(int, int64_t) { return false; }
+    // passes of up to 8 tokens; two rows at a time only past 32 KiB of activations a pass
+    // (ZQ4K's rule): two rows' decode state spills, which costs less than re-reading the
+    // activations from L2 for every row but more than from L1
+    EFS_ZI static bool pairs(int nt, int64_t cols) { return !x_in_l1(nt, cols, 2); }
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
     }

@@ -134,7 +134,7 @@ def test_exact_equals_dequant_linear(t, isa):
 @pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_table_lookup_kernels_on_wide_rows(t, isa):
     """Rows whose passes' activations overflow the L1 cache (one or two tokens past 16 KiB,
-    Q4_K and IQ4_XS passes of more past 32 KiB) go two at a time through the AVX-512
+    Q3_K, Q4_K and IQ4_XS passes of more past 32 KiB) go two at a time through the AVX-512
     table-lookup kernels (an odd last row alone): the dequantized product within the rounding
     bound, and each token's result that of the token alone."""
     rows, cols = 13, 4608
