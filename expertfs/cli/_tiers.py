@@ -100,24 +100,24 @@ def lookahead_choice(args: argparse.Namespace, ram: int, g, trunk_resident: bool
                      ) -> dict[str, object]:
     """The lookahead's ``EngineOptions`` (``lookahead``, ``lookahead_margin``,
     ``lookahead_tune``) for ``args.lookahead``: ``on`` (``--lookahead``) and ``off``
-    (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always), when
-    the RAM tier cannot hold every expert of ``g`` (nothing to predict when it can) and the
-    trunk is resident (where it is re-read every token its reads are the drive's work, and the
-    guesses' reads slowed it): on for ``runtime.prefetch.lookahead.AUTO_ARCHS``, where it was
-    measured to pay, and elsewhere tuned (``runtime.prefetch.tuner``: the decode tries it on
-    and off and keeps the faster, starting off); with ``AUTO_MARGIN`` unless
-    ``--lookahead-margin`` is given (else ``MARGIN``)."""
-    from ..runtime.prefetch.lookahead import AUTO_ARCHS, AUTO_MARGIN, MARGIN
+    (``--no-lookahead``) as asked; ``auto`` (the default; ``serve``'s always) as
+    ``runtime.prefetch.lookahead.auto_lookahead`` decides for a RAM tier of ``ram`` (on where
+    the experts stream on the architectures where it was measured to pay, tuned in decode
+    elsewhere they stream, else off); with ``AUTO_MARGIN`` unless ``--lookahead-margin`` is
+    given (else ``MARGIN``)."""
+    from ..runtime.prefetch.lookahead import AUTO_MARGIN, MARGIN, auto_lookahead
     mode = getattr(args, "lookahead", "auto")
     margin = getattr(args, "lookahead_margin", None)
     if mode in ("on", "off"):
         return {"lookahead": mode == "on", "lookahead_margin": MARGIN if margin is None else margin}
-    streams = ram < g.slot_bytes * g.n_decode_experts and not args.vram and trunk_resident
-    on = g.arch in AUTO_ARCHS
-    if streams:
-        log.info("lookahead %s (%s streams its experts)", "on" if on else "tuned in decode", g.arch)
-    return {"lookahead": streams, "lookahead_margin": AUTO_MARGIN if margin is None else margin,
-            "lookahead_tune": streams and not on}
+    auto = auto_lookahead(g.arch, ram // max(1, g.slot_bytes), g.n_decode_experts,
+                          bool(args.vram), trunk_resident)
+    if auto != "off":
+        log.info("lookahead %s (%s streams its experts)",
+                 "on" if auto == "on" else "tuned in decode", g.arch)
+    return {"lookahead": auto != "off",
+            "lookahead_margin": AUTO_MARGIN if margin is None else margin,
+            "lookahead_tune": auto == "tuned"}
 
 
 def lookahead_line(la: dict) -> str:

@@ -1,5 +1,6 @@
 """The overlap of reads and compute that the CPU decode has by construction, priced at both
-ends of ``plan``'s band (the fast end's rates and routing at the fast end).
+ends of ``plan``'s band (the fast end's rates and routing at the fast end), and the part of the
+reads no overlap hides: the CPU they take from the cores that compute (``misses_cpu``).
 
 A decode MoE layer on the CPU (``runtime.model.moe``, ``_overlapped``) issues the reads of its
 missing experts, computes the experts already in RAM while they are read, then each missing one
@@ -39,15 +40,12 @@ OVERLAP_DETAIL = {
 
 def lookahead_overlaps(g: Geometry, mem: Any) -> bool:
     """Does ``run``'s decode read ahead of routing with the tiers of ``mem`` (``budget.Memory``)?
-    Its lookahead is on by default only where the experts stream (the RAM tier holds fewer than
-    every expert, no VRAM tier, the trunk resident) on the architectures of
-    ``prefetch.lookahead.AUTO_ARCHS`` (``expertfs.cli._tiers.lookahead_choice``); elsewhere it
-    is off, or tried in decode and kept only when it measures faster, so a layer's misses are
-    read once the layer is routed."""
-    from ..prefetch.lookahead import AUTO_ARCHS
-    streams = (mem.ram.tier_slots < g.n_decode_experts and not (mem.vram and mem.vram.tier_slots)
-               and not mem.trunk_evicted)
-    return streams and g.arch in AUTO_ARCHS
+    Where its default lookahead (``prefetch.lookahead.auto_lookahead``, ``run``'s rule) is on;
+    elsewhere it is off, or tried in decode and kept only when it measures faster, so a layer's
+    misses are read once the layer is routed."""
+    from ..prefetch.lookahead import auto_lookahead
+    return auto_lookahead(g.arch, mem.ram.tier_slots, g.n_decode_experts,
+                          bool(mem.vram and mem.vram.tier_slots), not mem.trunk_evicted) == "on"
 
 
 def token_overlap(g: Geometry, mem: Any, rates: DeviceRates, routing: Any,

@@ -19,7 +19,8 @@ from typing import Any
 
 from .score import PredictionScore
 
-__all__ = ["AUTO_ARCHS", "AUTO_MARGIN", "MARGIN", "LookaheadStats", "lookahead_slots"]
+__all__ = ["AUTO_ARCHS", "AUTO_MARGIN", "MARGIN", "LookaheadStats", "auto_lookahead",
+           "lookahead_slots"]
 
 #: Architectures whose experts the lookahead predicts and reads early enough to gain while
 #: they stream, so ``run``/``serve`` turn it on there without a trial: glm5-next's mHC streams
@@ -32,6 +33,19 @@ AUTO_ARCHS = ("glm5-next",)
 MARGIN = 2
 #: ... and where it is on by default: predictions beyond top-k were more wasted reads than hits
 AUTO_MARGIN = 0
+
+
+def auto_lookahead(arch: str, tier_experts: int, n_experts: int, vram: bool,
+                   trunk_resident: bool) -> str:
+    """The lookahead's default (``--lookahead auto``): ``"off"`` unless the experts stream (a
+    RAM tier of ``tier_experts`` holds fewer than the ``n_experts`` a decode routes among, no
+    VRAM tier, the trunk resident: where the trunk is re-read every token its reads are the
+    drive's work, and the guesses' reads slowed it), then ``"on"`` for ``AUTO_ARCHS`` and
+    ``"tuned"`` elsewhere (``prefetch.tuner``: tried on and off in decode, the faster kept,
+    starting off). ``run``/``serve`` and ``plan`` both read it."""
+    if tier_experts >= n_experts or vram or not trunk_resident:
+        return "off"
+    return "on" if arch in AUTO_ARCHS else "tuned"
 
 
 @dataclass

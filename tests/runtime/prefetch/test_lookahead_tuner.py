@@ -179,3 +179,15 @@ def test_generate_tells_the_engine_how_long_a_decode_to_expect():
     eng = Eng()
     steps = list(generate(eng, [1, 2], Sampler(SamplingParams(temperature=0.0)), 3))
     assert len(steps) == 3 and eng.hints == [2, "decode", "decode", None]
+
+
+def test_the_lookahead_default_is_one_rule_for_run_and_plan() -> None:
+    """``auto_lookahead``: off unless the experts stream (a RAM tier short of every expert, no
+    VRAM tier, the trunk resident), then on for ``AUTO_ARCHS`` and tuned elsewhere."""
+    from expertfs.runtime.prefetch.lookahead import AUTO_ARCHS, auto_lookahead
+    arch = AUTO_ARCHS[0]
+    assert auto_lookahead(arch, 100, 400, False, True) == "on"
+    assert auto_lookahead("qwen3moe", 100, 400, False, True) == "tuned"
+    assert auto_lookahead(arch, 400, 400, False, True) == "off"        # every expert held
+    assert auto_lookahead(arch, 100, 400, True, True) == "off"         # a VRAM tier
+    assert auto_lookahead(arch, 100, 400, False, False) == "off"       # the trunk re-read
