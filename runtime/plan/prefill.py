@@ -187,8 +187,9 @@ def first_token(g: Geometry, rates: Rates, tier_slots: int, prompt_tokens: int,
                    * n_moe for b in set(sizes)}               # experts a batch touches, all layers
         for j, b in enumerate(sizes):
             flops = 2.0 * b * n_moe * g.k * exp_el                  # the routed experts'
-            experts[i] += flops / (gemm.at(end) * 1e9) + touched[b] * per_expert
-            compute[i] += flops / (gemm.at(end) * 1e9) + trunk_s[b] + touched[b] * per_expert
+            e = flops / (gemm.at(end) * 1e9) + touched[b] * per_expert
+            experts[i] += e
+            compute[i] += e + trunk_s[b]
             if j == 0 or touched[b] > tier_slots:             # the tier cannot keep them all
                 loaded[i] += touched[b] * ext
                 reads[i] += touched[b] * ext * drive

@@ -257,27 +257,28 @@ def storage_from_profile(profile: Mapping[str, Any], k: int, *, label: str = "")
     return Range(slow, fast, src), detail
 
 
+def _cpu_per_gb(d: Mapping[str, Any], fast: str, slow: str) -> tuple[float, float] | None:
+    """(slow, fast end) CPU s/GB from ``d[fast]`` and, where it is dearer, ``d[slow]``."""
+    x, y = d.get(fast), d.get(slow)
+    if not (isinstance(x, (int, float)) and x > 0):
+        return None
+    return (float(y) if isinstance(y, (int, float)) and y > x else float(x)), float(x)
+
+
 def read_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
     """The CPU seconds per GB of reads measured with the drive (``storage_from_profile``'s
     ``cpu_s_per_gb``; the slow end ``cpu_s_per_gb_slow`` where measured), else the stated
     default."""
     d = detail or {}
-    x = d.get("cpu_s_per_gb")
-    if isinstance(x, (int, float)) and x > 0:
-        into = " into fresh memory" if d.get("cpu_fresh") else ""
-        y = d.get("cpu_s_per_gb_slow")
-        slow = float(y) if isinstance(y, (int, float)) and y > x else float(x)
-        return Range(slow, float(x), f"{where}: CPU time of its reads{into}")
-    return stated_read_cpu()
+    r = _cpu_per_gb(d, "cpu_s_per_gb", "cpu_s_per_gb_slow")
+    into = " into fresh memory" if d.get("cpu_fresh") else ""
+    return Range(*r, f"{where}: CPU time of its reads{into}") if r else stated_read_cpu()
 
 
 def miss_cpu_from(detail: Mapping[str, Any] | None, where: str) -> Range:
     """The CPU seconds per GB of the decode's reads (into slots already in use: the plain
     points of the storage probe, its cheapest the fast end's and its dearest the slow end's),
     else the stated default."""
-    d = detail or {}
-    x, y = d.get("cpu_s_per_gb_reused"), d.get("cpu_s_per_gb_reused_slow")
-    if isinstance(x, (int, float)) and x > 0:
-        slow = float(y) if isinstance(y, (int, float)) and y > x else float(x)
-        return Range(slow, float(x), f"{where}: CPU time of its reads into memory in use")
-    return stated_miss_cpu()
+    r = _cpu_per_gb(detail or {}, "cpu_s_per_gb_reused", "cpu_s_per_gb_reused_slow")
+    return (Range(*r, f"{where}: CPU time of its reads into memory in use") if r
+            else stated_miss_cpu())
