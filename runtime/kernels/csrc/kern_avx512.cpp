@@ -31,6 +31,12 @@ namespace {
 
 enum { F_NIB, F_Q23, F_B32 };   // a table-lookup type's family of kernels (Z::FAMILY)
 
+// A pass of nt tokens' float32 activations past 32 KiB, a common L1 data cache: where two
+// rows' weights and sums overflow the registers (past two tokens for Q4_K and IQ4_XS, at any
+// count for Q3_K), taking rows in pairs costs less than re-reading the activations from L2 for
+// every row, but more than from L1.
+EFS_ZI bool x_past_l1d(int nt, int64_t cols) { return !x_in_l1(nt, cols, 2); }
+
 EFS_ZI float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -56,10 +62,8 @@ EFS_ZI void put_z(float* o, float v, float alpha, int accumulate) {
 // The 4-bit super-block types by table lookup: 64 bytes of packed nibbles are one load of 16
 // dwords, and nibble k of every dword (k = 0..7: the dwords shifted right by 4k) looked up in a
 // table of 16 floats gives 16 exact weights a vector. Rows two at a time where a pass of one or
-// two tokens has more than 16 KiB of activations, or a pass of more than 32 KiB, a common L1
-// data cache (they would be re-read from L2 for every row; past two tokens two rows' weights
-// and sums overflow the registers, which costs less than that but more than re-reading them
-// from L1), one otherwise (pairs).
+// two tokens has more than 16 KiB of activations (they would be re-read from L2 for every row),
+// or a pass of more tokens past x_past_l1d, one otherwise (pairs).
 //
 // Q4_K: d, dmin, scales[12], qs[128]. 64 bytes of qs = chunks j, j+1 (32 bytes each, low
 // nibbles sub-block 2j, high 2j+1). Dword l of the load, nibble k: lanes 0..7 are chunk j,
@@ -75,7 +79,7 @@ struct ZQ4K {
     EFS_ZI static const float* x(const XPrep& p) { return p.xz; }
     EFS_ZI static const float* sums(const XPrep& p) { return p.s32; }
     EFS_ZI static bool pairs(int nt, int64_t cols) {
-        return nt <= 2 ? !x_in_l1(nt, cols, 4) : !x_in_l1(nt, cols, 2);
+        return nt <= 2 ? !x_in_l1(nt, cols, 4) : x_past_l1d(nt, cols);
     }
     EFS_ZI static __m512 scales(const uint8_t* b) { return q45_scales_z(b); }
     EFS_ZI static __m512 even(__m512 sv, int h) { return q45_pair(sv, 4 * h, 4 * h + 2); }
@@ -240,10 +244,9 @@ struct ZQ2 {
 
 struct ZQ3 : ZQ2 {                  // its activations in ZQ2's order
     static constexpr int BYTES = 110, PER = 8;
-    // passes of up to 8 tokens; two rows at a time only past 32 KiB of activations a pass
-    // (ZQ4K's rule): two rows' decode state spills, which costs less than re-reading the
-    // activations from L2 for every row but more than from L1
-    EFS_ZI static bool pairs(int nt, int64_t cols) { return !x_in_l1(nt, cols, 2); }
+    // passes of up to 8 tokens; two rows at a time only past x_past_l1d (two rows' decode
+    // state spills at any token count)
+    EFS_ZI static bool pairs(int nt, int64_t cols) { return x_past_l1d(nt, cols); }
     EFS_ZI static __m512 tbl() {
         return _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
     }
