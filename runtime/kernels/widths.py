@@ -62,14 +62,17 @@ WIDE_TYPES_Q8_AVX2 = {
 #: integer panel); exact measured on a Zen 5 as ``WIDE_TYPES`` (``bench_kernels.py --prefill -t
 #: 2 --rounds 3 --tokens 4,6,8,10,12,16,24,32,48,64``, two runs, the lower limit where they
 #: differ), after the table-lookup rows kernels of Q2_K, Q3_K, IQ4_XS and IQ4_NL and the one-row
-#: K-quant kernels, which took the limits from 8-24 to where the split CPU's stand; q8 on a Zen 5
-#: with 8 to 128 tokens, before the integer panel existed.
+#: K-quant kernels, which took the limits from 8-24 to where the split CPU's stand; again (8 to 96
+#: tokens) after Q4_K's, IQ4_XS's and Q3_K's rows kernels took rows in pairs past a 32 KiB pass
+#: and the panel's 17-32-token tail its two-vector kernel (qgemm.cpp): Q4_K 12 -> 24, Q6_K 12 ->
+#: 20, Q3_K 32 -> 64, IQ4_XS 48 -> 64, TQ2_0 8 -> 10; q8 on a Zen 5 with 8 to 128 tokens, before
+#: the integer panel existed.
 WIDE_TYPES_FULL512 = {
-    GGMLType.Q4_K: 12, GGMLType.Q5_K: 12, GGMLType.Q6_K: 12, GGMLType.Q8_0: 48,
-    GGMLType.Q4_0: 48, GGMLType.Q2_K: 48, GGMLType.Q3_K: 32, GGMLType.IQ4_XS: 48,
+    GGMLType.Q4_K: 24, GGMLType.Q5_K: 12, GGMLType.Q6_K: 20, GGMLType.Q8_0: 48,
+    GGMLType.Q4_0: 48, GGMLType.Q2_K: 48, GGMLType.Q3_K: 64, GGMLType.IQ4_XS: 64,
     GGMLType.MXFP4: 64, GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12,
     GGMLType.IQ2_S: 12, GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12,
-    GGMLType.IQ1_M: 12, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 8, GGMLType.Q4_1: 12,
+    GGMLType.IQ1_M: 12, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 10, GGMLType.Q4_1: 12,
     GGMLType.Q5_0: 32, GGMLType.Q5_1: 24,
 }
 WIDE_TYPES_Q8_FULL512 = {
