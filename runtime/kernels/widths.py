@@ -65,13 +65,14 @@ WIDE_TYPES_Q8_AVX2 = {
 #: K-quant kernels, which took the limits from 8-24 to where the split CPU's stand; again (8 to 96
 #: tokens) after Q4_K's, IQ4_XS's and Q3_K's rows kernels took rows in pairs past a 32 KiB pass
 #: and the panel's 17-32-token tail its two-vector kernel (qgemm.cpp): Q4_K 12 -> 24, Q6_K 12 ->
-#: 20, Q3_K 32 -> 64, IQ4_XS 48 -> 64, TQ2_0 8 -> 10; q8 on a Zen 5 with 8 to 128 tokens, before
-#: the integer panel existed.
+#: 20, Q3_K 32 -> 64, IQ4_XS 48 -> 64, TQ2_0 8 -> 10; and IQ2_XXS's, IQ3_XXS's and IQ3_S's (8-32
+#: tokens) after their one-row kernels: 12 -> 20, 16, 16; q8 on a Zen 5 with 8 to 128 tokens,
+#: before the integer panel existed.
 WIDE_TYPES_FULL512 = {
     GGMLType.Q4_K: 24, GGMLType.Q5_K: 12, GGMLType.Q6_K: 20, GGMLType.Q8_0: 48,
     GGMLType.Q4_0: 48, GGMLType.Q2_K: 48, GGMLType.Q3_K: 64, GGMLType.IQ4_XS: 64,
-    GGMLType.MXFP4: 64, GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 12, GGMLType.IQ2_XS: 12,
-    GGMLType.IQ2_S: 12, GGMLType.IQ3_XXS: 12, GGMLType.IQ3_S: 12, GGMLType.IQ1_S: 12,
+    GGMLType.MXFP4: 64, GGMLType.IQ4_NL: 64, GGMLType.IQ2_XXS: 20, GGMLType.IQ2_XS: 12,
+    GGMLType.IQ2_S: 12, GGMLType.IQ3_XXS: 16, GGMLType.IQ3_S: 16, GGMLType.IQ1_S: 12,
     GGMLType.IQ1_M: 12, GGMLType.TQ1_0: 8, GGMLType.TQ2_0: 10, GGMLType.Q4_1: 12,
     GGMLType.Q5_0: 32, GGMLType.Q5_1: 24,
 }

@@ -61,6 +61,7 @@ struct XPrep {
     const float* xh;   // exact, AVX-512 one-row kernels: xp's 32-halves interleaved (perm_h64)
     const float* xq;   // exact, AVX-512 Q2_K/Q3_K lookup: each 256-chunk permuted (perm_q2)
     const float* xi;   // exact, AVX-512 IQ4_XS lookup: each 128-chunk permuted (perm_iq4)
+    const float* xg;   // exact, AVX-512 IQ2_XXS / IQ3 one-row kernels: each 32 (perm_g32)
     const void* q;     // q8 mode: Q8K or QX8 blocks
 };
 
@@ -182,10 +183,14 @@ void perm128(const float* x, float* xz, int64_t n);       // the AVX-512 Q4_K lo
 void perm_h64(const float* xp, float* xh, int64_t n);     // the AVX-512 one-row order, from xp
 void perm_q2(const float* x, float* xq, int64_t n);       // the AVX-512 Q2_K/Q3_K lookup order
 void perm_iq4(const float* x, float* xi, int64_t n);      // the AVX-512 IQ4_XS lookup order
+void perm_g32(const float* x, float* xg, int64_t n);      // the AVX-512 lattice IQ one-row order
 // Which of the AVX-512 exact layouts a type's kernel reads: X_XZ (Q4_K's table lookup),
 // X_XH (Q5_K's and Q6_K's one-row kernels), X_XQ (Q2_K's and Q3_K's table lookup), X_XI
-// (IQ4_XS's); the others read only x / xp / s16 / s32.
-enum { X_XZ = 1, X_XH = 2, X_XQ = 4, X_XI = 8 };
+// (IQ4_XS's), X_XG (IQ2_XXS's, IQ3_XXS's and IQ3_S's one-row kernels); the others read only
+// x / xp / s16 / s32.
+enum { X_XZ = 1, X_XH = 2, X_XQ = 4, X_XI = 8, X_XG = 16 };
+// X_XG is prepared for batches of at least this many tokens (its kernels' passes from it)
+constexpr int XG_FROM_TOKENS = 4;
 int exact_layouts(int type);
 void sums16(const float* x, float* s16, float* s32, int64_t n);
 void quantize_q8k(const float* x, Q8K* y, int64_t n);      // llama.cpp quantize_row_q8_K_ref

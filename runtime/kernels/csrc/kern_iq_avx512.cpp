@@ -292,6 +292,74 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
+// One row per vector, two rows a pass: row r's group ib as [w0 | w2] and [w1 | w3] (its four
+// groups of 8), against activations in perm_g32's order (each 32 as x[0..7], x[16..23],
+// x[8..15], x[24..31]), so that lanes 0..7 compute the AVX2 kernel's h0 = w0 x0 + w1 x1 and
+// lanes 8..15 its h1 = w2 x2 + w3 x3, times [s0 | s1] into one sum whose halves are its a0
+// and a1: the AVX2 kernel's products, sums and scales lane for lane, so its bits. Where the
+// two-row form loads each activation group of 8 as a broadcast to both rows' halves, this
+// one loads 16 activations a plain load for both rows: 1.05-1.26x the two-row form at 4-8
+// tokens on IQ2_XXS, IQ3_XXS and IQ3_S, 0.92-1.0x at 1-2 (bench/README.md), so passes of
+// XG_FROM_TOKENS or more of those types take it; IQ1_S and IQ1_M gained nothing.
+template <class D> constexpr bool R1 = false;
+template <> constexpr bool R1<IQ2XXS> = true;
+template <> constexpr bool R1<IQ3XXS> = true;
+template <> constexpr bool R1<IQ3S> = true;
+
+template <class D>
+EFS_ZI void row_w(const uint8_t* b, int ib, __m512* v) {
+    __m256 u[4];
+    D::w(b, ib, u);
+    v[0] = ps2(u[0], u[2]);
+    v[1] = ps2(u[1], u[3]);
+}
+
+template <int NT, class D>
+EFS_Z void ex_iq_r2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* xs, Out out) {
+    static_assert(Sc<D>::ON && !D::PAIR && !Tab1<D>::ON, "R1's types: one scale a group");
+    const int64_t nb = cols / 256;
+    const float* xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = xs[t].xg;
+    PfPair pf(rb);
+    alignas(64) uint16_t ob[2][2][64];            // prep2's scales, built a block ahead
+    alignas(64) float sb[2][2][16];
+    for (int64_t r = r0; r + 2 <= r1; r += 2) {
+        const uint8_t* b0 = W + r * rb;
+        const uint8_t* b1 = b0 + rb;
+        __m512 a0[NT], a1[NT];
+        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+        prep2<D>(b0, b1, ob[0], sb[0]);
+        for (int64_t i = 0; i < nb; ++i, b0 += D::BYTES, b1 += D::BYTES) {
+            pf.next(b0, b1, D::BYTES);
+            const int cur = (int)(i & 1);
+            if (i + 1 < nb) prep2<D>(b0 + D::BYTES, b1 + D::BYTES, ob[cur ^ 1], sb[cur ^ 1]);
+            const float *sc0 = sb[cur][0], *sc1 = sb[cur][1];
+            for (int ib = 0; ib < 8; ++ib) {
+                const __m512 s0 = _mm512_set1_ps(sc0[2 * ib]);      // one scale a group
+                const __m512 s1 = _mm512_set1_ps(sc1[2 * ib]);
+                __m512 v0[2], v1[2];
+                row_w<D>(b0, ib, v0);
+                row_w<D>(b1, ib, v1);
+                for (int t = 0; t < NT; ++t) {
+                    const float* x = xv[t] + 256 * i + 32 * ib;
+                    const __m512 xa = _mm512_loadu_ps(x), xb = _mm512_loadu_ps(x + 16);
+                    __m512 h0 = _mm512_mul_ps(v0[0], xa);
+                    __m512 h1 = _mm512_mul_ps(v1[0], xa);
+                    h0 = _mm512_fmadd_ps(v0[1], xb, h0);
+                    h1 = _mm512_fmadd_ps(v1[1], xb, h1);
+                    a0[t] = _mm512_fmadd_ps(h0, s0, a0[t]);
+                    a1[t] = _mm512_fmadd_ps(h1, s1, a1[t]);
+                }
+            }
+        }
+        for (int t = 0; t < NT; ++t) {
+            out.put(t, r, hsum(_mm256_add_ps(lo8(a0[t]), hi8(a0[t]))));
+            out.put(t, r + 1, hsum(_mm256_add_ps(lo8(a1[t]), hi8(a1[t]))));
+        }
+    }
+}
+
 // The smallest pass of tokens that takes the two-row kernel; smaller ones keep the AVX2 kernel,
 // as fast or faster there (measured: TQ2_0's cheap decoder gains nothing from the wider
 // products at one or two tokens, and loses the insert of each row's half). IQ2_XXS, which was
@@ -314,6 +382,20 @@ EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             continue;
         }
         const Out o{yt, ys, alpha, accumulate};
+        if constexpr (R1<D>) {
+            if (n >= XG_FROM_TOKENS && x[0].xg) {   // (none where the AVX2 ISA prepared them)
+                switch (n) {                 // (XG_FROM_TOKENS is 4)
+                    case 4: ex_iq_r2<4, D>(W, rb, r0, r1, cols, x, o); break;
+                    case 5: ex_iq_r2<5, D>(W, rb, r0, r1, cols, x, o); break;
+                    case 6: ex_iq_r2<6, D>(W, rb, r0, r1, cols, x, o); break;
+                    case 7: ex_iq_r2<7, D>(W, rb, r0, r1, cols, x, o); break;
+                    default: ex_iq_r2<8, D>(W, rb, r0, r1, cols, x, o); break;
+                }
+                if ((r1 - r0) & 1)                                      // a last odd row
+                    avx2(W, rb, r1 - 1, r1, cols, x, n, yt, ys, alpha, accumulate);
+                continue;
+            }
+        }
         switch (n) {
             case 1: ex_iq_z2<1, D>(W, rb, r0, r1, cols, x, o); break;
             case 2: ex_iq_z2<2, D>(W, rb, r0, r1, cols, x, o); break;

@@ -156,7 +156,18 @@ int exact_layouts(int type) {
            : type == T_Q2_K || type == T_Q3_K ? X_XQ
            : type == T_IQ4_XS ? X_XI
            : type == T_Q5_K || type == T_Q6_K ? X_XH
-                                              : 0;
+           : type == T_IQ2_XXS || type == T_IQ3_XXS || type == T_IQ3_S ? X_XG
+                                                                       : 0;
+}
+
+void perm_g32(const float* x, float* xg, int64_t n) {
+    // Each 32: x[0..7], x[16..23], x[8..15], x[24..31], so that one 16-float load holds the
+    // AVX2 kernels' first products of both halves of a lattice group, the next their second
+    // (kern_iq_avx512.cpp's one-row kernels).
+    static const int from[4] = {0, 16, 8, 24};
+    for (int64_t c = 0; c + 32 <= n; c += 32)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < 8; ++l) xg[c + 8 * k + l] = x[c + from[k] + l];
 }
 
 void perm_h64(const float* xp, float* xh, int64_t n) {

@@ -126,7 +126,8 @@ struct Order {
 constexpr Order ORDERS[] = {{X_XZ, 128, perm128, false, &XPrep::xz},
                             {X_XH, 128, perm_h64, true, &XPrep::xh},
                             {X_XQ, 256, perm_q2, false, &XPrep::xq},
-                            {X_XI, 128, perm_iq4, false, &XPrep::xi}};
+                            {X_XI, 128, perm_iq4, false, &XPrep::xi},
+                            {X_XG, 256, perm_g32, false, &XPrep::xg}};
 constexpr int N_ORDERS = (int)(sizeof(ORDERS) / sizeof(ORDERS[0]));
 
 // Prepared activations for `nt` vectors of `cols` floats in one format; owns its memory.
@@ -140,7 +141,7 @@ struct Prep {
     // on AVX-512 builds only those).
     void make(const float* x, int64_t xstride, int nt, int64_t cols, int fmt, int layouts) {
         xs.assign(nt, XPrep{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                            nullptr, nullptr});
+                            nullptr, nullptr, nullptr});
         if (fmt == X_EXACT) {
             // Per token [xp | the AVX-512 orders wanted (ORDERS) | s16 | s32], each token's
             // block and each order starting on a 64-byte boundary when cols % 32 == 0: a
@@ -148,7 +149,8 @@ struct Prep {
             int64_t off[N_ORDERS], os = cols;
             for (int k = 0; k < N_ORDERS; ++k) {
                 const Order& o = ORDERS[k];
-                const bool on = g_isa >= ISA_AVX512 && cols % o.chunk == 0 && (layouts & o.bit);
+                const bool on = g_isa >= ISA_AVX512 && cols % o.chunk == 0 &&
+                                (layouts & o.bit) && (o.bit != X_XG || nt >= XG_FROM_TOKENS);
                 off[k] = on ? os : -1;
                 os += on ? cols : 0;
             }
