@@ -79,17 +79,17 @@ class Term:
 class Prediction:
     terms: tuple[Term, ...]
     slow_s: float                      # seconds per token at the slow end (all terms summed)
-    fast_s: float                      # at the fast end (overlapped)
-    dominant_slow: str
-    dominant_fast: str
+    fast_s: float                      # at the fast end (overlapped); the band is the range
+    dominant_slow: str                 # of the two: a faster drive's warm start reads more in
+    dominant_fast: str                 # a short run, so its CPU can make the fast end slower
 
     @property
     def tok_s_low(self) -> float:
-        return 1.0 / self.slow_s if self.slow_s > 0 else math.inf
+        return 1.0 / s if (s := max(self.slow_s, self.fast_s)) > 0 else math.inf
 
     @property
     def tok_s_high(self) -> float:
-        return 1.0 / self.fast_s if self.fast_s > 0 else math.inf
+        return 1.0 / s if (s := min(self.slow_s, self.fast_s)) > 0 else math.inf
 
     def term(self, name: str) -> Term | None:
         return next((t for t in self.terms if t.name == name), None)

@@ -1,5 +1,5 @@
 """The slow end's read/compute overlap (``plan.overlap``): the expectation by hand, its bounds,
-and that the slow end stays monotone in the miss rate."""
+and that the slow end stays monotone in the miss rate; the band from the two ends."""
 
 from __future__ import annotations
 
@@ -134,3 +134,13 @@ def test_the_misses_cpu_is_priced_at_both_ends() -> None:
     assert t.slow_s == pytest.approx(300 * mib / 1e9 * (0.1 + 0.04))
     assert t.fast_s == pytest.approx(200 * mib / 1e9 * 0.05)
     assert "first-read checksums" in t.detail
+
+
+def test_band_is_the_range_of_the_two_ends() -> None:
+    # a faster drive's warm start reads more during a short run: the fast end can come out the
+    # slower, and the band still runs from the slower end's rate to the faster one's
+    from expertfs.runtime.plan.predict import Prediction
+    p = Prediction(terms=(), slow_s=0.050, fast_s=0.052, dominant_slow="x", dominant_fast="x")
+    assert p.tok_s_low == pytest.approx(1 / 0.052) and p.tok_s_high == pytest.approx(20.0)
+    q = Prediction(terms=(), slow_s=0.0, fast_s=0.0, dominant_slow="x", dominant_fast="x")
+    assert q.tok_s_low == q.tok_s_high == float("inf")
