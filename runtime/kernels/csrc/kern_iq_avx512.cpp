@@ -224,16 +224,41 @@ EFS_ZI void prep2(const uint8_t* b0, const uint8_t* b1, uint16_t (*o)[64], float
     }
 }
 
-// One token or a few: two rows per vector (kern_avx512_pair.h). Each row's group decoded by
-// the AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per
-// half the AVX2 kernel's products, scales and sums in its order, so its bits. Rows in pairs
-// only: a last odd row is left to the caller (rows_exz gives it to the AVX2 kernel).
-template <int NT, class D>
+// One row per vector, two rows a pass: row r's group ib as [w0 | w2] and [w1 | w3] (its four
+// groups of 8), against activations in perm_g32's order (each 32 as x[0..7], x[16..23],
+// x[8..15], x[24..31]), so that lanes 0..7 compute the AVX2 kernel's h0 = w0 x0 + w1 x1 and
+// lanes 8..15 its h1 = w2 x2 + w3 x3, times [s0 | s1] into one sum whose halves are its a0
+// and a1: the AVX2 kernel's products, sums and scales lane for lane, so its bits. Where the
+// two-row form loads each activation group of 8 as a broadcast to both rows' halves, this
+// one loads 16 activations a plain load for both rows: faster than the two-row form from 4
+// tokens on IQ2_XXS, IQ3_XXS and IQ3_S, slower at 1-2 (bench/README.md), so passes of
+// XG_FROM_TOKENS or more of those types take it (ex_iq_z2's ONE); IQ1_S and IQ1_M gained
+// nothing.
+template <class D> constexpr bool R1 = false;
+template <> constexpr bool R1<IQ2XXS> = true;
+template <> constexpr bool R1<IQ3XXS> = true;
+template <> constexpr bool R1<IQ3S> = true;
+
+template <class D>
+EFS_ZI void row_w(const uint8_t* b, int ib, __m512* v) {
+    __m256 u[4];
+    D::w(b, ib, u);
+    v[0] = ps2(u[0], u[2]);
+    v[1] = ps2(u[1], u[3]);
+}
+
+// One token or a few: two rows per vector (kern_avx512_pair.h), or (ONE: R1's types) one row
+// per vector as above, two rows a pass. Two rows per vector: each row's group decoded by the
+// AVX2 decoder (D::w) into its half, the activations loaded once for both rows, then per half
+// the AVX2 kernel's products, scales and sums in its order, so its bits. Rows in pairs only: a
+// last odd row is left to the caller (rows_exz gives it to the AVX2 kernel).
+template <int NT, class D, bool ONE = false>
 EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, Out out) {
+    static_assert(!ONE || (Sc<D>::ON && !D::PAIR && !Tab1<D>::ON), "one row: R1's types");
     const int64_t nb = cols / 256;
     const float* xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = xs[t].x;
+    for (int t = 0; t < NT; ++t) xv[t] = ONE ? xs[t].xg : xs[t].x;
     PfPair pf(rb);
     // Tab1's offsets and Sc's scales of the pair's blocks, built one block ahead (a buffer
     // each): read right after their vector stores, their loads would wait for the stores
@@ -256,7 +281,10 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             const float df1 = Sc<D>::ON ? 0.f : D::d(b1) * D::F;
             for (int ib = 0; ib < 8; ++ib) {
                 __m512 s0, s1;
-                if constexpr (Sc<D>::ON) {
+                if constexpr (ONE) {                  // one scale a group, a row a vector
+                    s0 = _mm512_set1_ps(sc0[2 * ib]);
+                    s1 = _mm512_set1_ps(sc1[2 * ib]);
+                } else if constexpr (Sc<D>::ON) {
                     s0 = halves(sc0 + 2 * ib, sc1 + 2 * ib);
                     s1 = D::PAIR ? halves(sc0 + 2 * ib + 1, sc1 + 2 * ib + 1) : s0;
                 } else {
@@ -269,7 +297,10 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                                  : s0;
                 }
                 __m512 w[4];
-                if constexpr (Tab1<D>::ON) {
+                if constexpr (ONE) {                  // [w0 | w2], [w1 | w3] of each row
+                    row_w<D>(b0, ib, w);
+                    row_w<D>(b1, ib, w + 2);
+                } else if constexpr (Tab1<D>::ON) {
                     Tab1<D>::pair(o0, o1, ib, w);
                 } else {
                     __m256 u[4], v[4];
@@ -279,86 +310,33 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
                 }
                 for (int t = 0; t < NT; ++t) {
                     const float* x = xv[t] + 256 * i + 32 * ib;
-                    __m512 h0 = _mm512_mul_ps(w[0], bc8(x));
-                    __m512 h1 = _mm512_mul_ps(w[2], bc8(x + 16));
-                    h0 = _mm512_fmadd_ps(w[1], bc8(x + 8), h0);
-                    h1 = _mm512_fmadd_ps(w[3], bc8(x + 24), h1);
+                    __m512 h0, h1;
+                    if constexpr (ONE) {              // rows r and r + 1, two plain loads
+                        const __m512 xa = _mm512_loadu_ps(x), xb = _mm512_loadu_ps(x + 16);
+                        h0 = _mm512_fmadd_ps(w[1], xb, _mm512_mul_ps(w[0], xa));
+                        h1 = _mm512_fmadd_ps(w[3], xb, _mm512_mul_ps(w[2], xa));
+                    } else {                          // halves h0 and h1 of both rows
+                        h0 = _mm512_mul_ps(w[0], bc8(x));
+                        h1 = _mm512_mul_ps(w[2], bc8(x + 16));
+                        h0 = _mm512_fmadd_ps(w[1], bc8(x + 8), h0);
+                        h1 = _mm512_fmadd_ps(w[3], bc8(x + 24), h1);
+                    }
                     a0[t] = _mm512_fmadd_ps(h0, s0, a0[t]);
                     a1[t] = _mm512_fmadd_ps(h1, s1, a1[t]);
                 }
             }
         }
-        put2<NT, false>(out, r, a0, a1, a0);
-    }
-}
-
-// One row per vector, two rows a pass: row r's group ib as [w0 | w2] and [w1 | w3] (its four
-// groups of 8), against activations in perm_g32's order (each 32 as x[0..7], x[16..23],
-// x[8..15], x[24..31]), so that lanes 0..7 compute the AVX2 kernel's h0 = w0 x0 + w1 x1 and
-// lanes 8..15 its h1 = w2 x2 + w3 x3, times [s0 | s1] into one sum whose halves are its a0
-// and a1: the AVX2 kernel's products, sums and scales lane for lane, so its bits. Where the
-// two-row form loads each activation group of 8 as a broadcast to both rows' halves, this
-// one loads 16 activations a plain load for both rows: 1.05-1.26x the two-row form at 4-8
-// tokens on IQ2_XXS, IQ3_XXS and IQ3_S, 0.92-1.0x at 1-2 (bench/README.md), so passes of
-// XG_FROM_TOKENS or more of those types take it; IQ1_S and IQ1_M gained nothing.
-template <class D> constexpr bool R1 = false;
-template <> constexpr bool R1<IQ2XXS> = true;
-template <> constexpr bool R1<IQ3XXS> = true;
-template <> constexpr bool R1<IQ3S> = true;
-
-template <class D>
-EFS_ZI void row_w(const uint8_t* b, int ib, __m512* v) {
-    __m256 u[4];
-    D::w(b, ib, u);
-    v[0] = ps2(u[0], u[2]);
-    v[1] = ps2(u[1], u[3]);
-}
-
-template <int NT, class D>
-EFS_Z void ex_iq_r2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
-                    const XPrep* xs, Out out) {
-    static_assert(Sc<D>::ON && !D::PAIR && !Tab1<D>::ON, "R1's types: one scale a group");
-    const int64_t nb = cols / 256;
-    const float* xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = xs[t].xg;
-    PfPair pf(rb);
-    alignas(64) uint16_t ob[2][2][64];            // prep2's scales, built a block ahead
-    alignas(64) float sb[2][2][16];
-    for (int64_t r = r0; r + 2 <= r1; r += 2) {
-        const uint8_t* b0 = W + r * rb;
-        const uint8_t* b1 = b0 + rb;
-        __m512 a0[NT], a1[NT];
-        for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-        prep2<D>(b0, b1, ob[0], sb[0]);
-        for (int64_t i = 0; i < nb; ++i, b0 += D::BYTES, b1 += D::BYTES) {
-            pf.next(b0, b1, D::BYTES);
-            const int cur = (int)(i & 1);
-            if (i + 1 < nb) prep2<D>(b0 + D::BYTES, b1 + D::BYTES, ob[cur ^ 1], sb[cur ^ 1]);
-            const float *sc0 = sb[cur][0], *sc1 = sb[cur][1];
-            for (int ib = 0; ib < 8; ++ib) {
-                const __m512 s0 = _mm512_set1_ps(sc0[2 * ib]);      // one scale a group
-                const __m512 s1 = _mm512_set1_ps(sc1[2 * ib]);
-                __m512 v0[2], v1[2];
-                row_w<D>(b0, ib, v0);
-                row_w<D>(b1, ib, v1);
-                for (int t = 0; t < NT; ++t) {
-                    const float* x = xv[t] + 256 * i + 32 * ib;
-                    const __m512 xa = _mm512_loadu_ps(x), xb = _mm512_loadu_ps(x + 16);
-                    __m512 h0 = _mm512_mul_ps(v0[0], xa);
-                    __m512 h1 = _mm512_mul_ps(v1[0], xa);
-                    h0 = _mm512_fmadd_ps(v0[1], xb, h0);
-                    h1 = _mm512_fmadd_ps(v1[1], xb, h1);
-                    a0[t] = _mm512_fmadd_ps(h0, s0, a0[t]);
-                    a1[t] = _mm512_fmadd_ps(h1, s1, a1[t]);
-                }
+        if constexpr (ONE) {                          // each sum's halves: a row's a0, a1
+            for (int t = 0; t < NT; ++t) {
+                out.put(t, r, hsum(_mm256_add_ps(lo8(a0[t]), hi8(a0[t]))));
+                out.put(t, r + 1, hsum(_mm256_add_ps(lo8(a1[t]), hi8(a1[t]))));
             }
-        }
-        for (int t = 0; t < NT; ++t) {
-            out.put(t, r, hsum(_mm256_add_ps(lo8(a0[t]), hi8(a0[t]))));
-            out.put(t, r + 1, hsum(_mm256_add_ps(lo8(a1[t]), hi8(a1[t]))));
+        } else {
+            put2<NT, false>(out, r, a0, a1, a0);
         }
     }
 }
+
 
 // The smallest pass of tokens that takes the two-row kernel; smaller ones keep the AVX2 kernel,
 // as fast or faster there (measured: TQ2_0's cheap decoder gains nothing from the wider
@@ -385,11 +363,11 @@ EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         if constexpr (R1<D>) {
             if (n >= XG_FROM_TOKENS && x[0].xg) {   // (none where the AVX2 ISA prepared them)
                 switch (n) {                 // (XG_FROM_TOKENS is 4)
-                    case 4: ex_iq_r2<4, D>(W, rb, r0, r1, cols, x, o); break;
-                    case 5: ex_iq_r2<5, D>(W, rb, r0, r1, cols, x, o); break;
-                    case 6: ex_iq_r2<6, D>(W, rb, r0, r1, cols, x, o); break;
-                    case 7: ex_iq_r2<7, D>(W, rb, r0, r1, cols, x, o); break;
-                    default: ex_iq_r2<8, D>(W, rb, r0, r1, cols, x, o); break;
+                    case 4: ex_iq_z2<4, D, true>(W, rb, r0, r1, cols, x, o); break;
+                    case 5: ex_iq_z2<5, D, true>(W, rb, r0, r1, cols, x, o); break;
+                    case 6: ex_iq_z2<6, D, true>(W, rb, r0, r1, cols, x, o); break;
+                    case 7: ex_iq_z2<7, D, true>(W, rb, r0, r1, cols, x, o); break;
+                    default: ex_iq_z2<8, D, true>(W, rb, r0, r1, cols, x, o); break;
                 }
                 if ((r1 - r0) & 1)                                      // a last odd row
                     avx2(W, rb, r1 - 1, r1, cols, x, n, yt, ys, alpha, accumulate);
