@@ -337,7 +337,6 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
     }
 }
 
-
 // The smallest pass of tokens that takes the two-row kernel; smaller ones keep the AVX2 kernel,
 // as fast or faster there (measured: TQ2_0's cheap decoder gains nothing from the wider
 // products at one or two tokens, and loses the insert of each row's half). IQ2_XXS, which was
