@@ -33,13 +33,14 @@ import torch  # noqa: E402
 
 
 def load_build(folder: str) -> ModuleType:
-    """The kernel extension built in ``folder``, with the IQ tables installed."""
-    from expertfs.runtime.kernels.iq_tables import install
+    """The kernel extension built in ``folder``, configured as ``build.load`` configures its
+    own (the IQ tables, the CPU)."""
+    from expertfs.runtime.kernels import build
     so = glob.glob(os.path.join(folder, "*.so"))[0]
     spec = importlib.util.spec_from_file_location(os.path.basename(so).split(".")[0], so)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    install(mod)
+    build.configure(mod)
     return mod
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["load", "status", "cache_dir", "SOURCES"]
+__all__ = ["load", "configure", "status", "cache_dir", "SOURCES"]
 
 log = logging.getLogger(__name__)
 #: The first-run build's start, progress and end lines (the CLI shows these at its default
@@ -188,6 +188,17 @@ def _announce(bdir: Path, name: str):
     progress.info("native CPU kernels built in %.0f s", time.perf_counter() - t0)
 
 
+def configure(mod: ModuleType) -> None:
+    """Hand a freshly loaded build what it does not find out itself: the IQ codebooks (from
+    gguf-py) and what its kernels follow of the CPU (``cpu.splits_512``; a build from before
+    ``set_cpu``, as a benchmark's A/B may load, has none to take)."""
+    from .cpu import splits_512
+    from .iq_tables import install
+    install(mod)
+    if hasattr(mod, "set_cpu"):
+        mod.set_cpu(splits_512())
+
+
 def load() -> ModuleType | None:
     """The compiled module, building it on first use; None when unavailable (reason logged
     once, see ``status()``)."""
@@ -209,8 +220,7 @@ def load() -> ModuleType | None:
                     mod = cpp_extension.load(name=name, sources=[str(CSRC / f) for f in SOURCES],
                                              extra_cflags=list(_cflags()),
                                              build_directory=str(bdir), verbose=False)
-                from .iq_tables import install
-                install(mod)                # the IQ codebooks, from gguf-py
+                configure(mod)
             except Exception as e:  # noqa: BLE001 - any toolchain failure means "use torch"
                 mod, reason = None, f"build failed ({_short(e)})"
             _state["seconds"] = time.perf_counter() - t0

@@ -100,6 +100,7 @@ RowsFn avx512_rows(int type, int mode);   // only the types that have an AVX-512
 // nullptr for the rest (and without AVX-512BW).
 RowsFn avx512_k_rows(int type, int mode);
 extern bool g_gfni_on;                    // ops.cpp: exact Q6_K by GFNI (set_gfni)
+extern bool g_splits_512;                 // ops.cpp: 512-bit operations in two halves (set_cpu)
 bool avx512_compiled();
 
 // Products of many tokens (qgemm.cpp; AVX-512F or AVX2): y[t * ys + r] = dot(W[r], x_t) for

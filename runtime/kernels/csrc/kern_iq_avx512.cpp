@@ -232,12 +232,10 @@ EFS_ZI void prep2(const uint8_t* b0, const uint8_t* b1, uint16_t (*o)[64], float
 // two-row form loads each activation group of 8 as a broadcast to both rows' halves, this
 // one loads 16 activations a plain load for both rows: faster than the two-row form from 4
 // tokens on IQ2_XXS, IQ3_XXS and IQ3_S, slower at 1-2 (bench/README.md), so passes of
-// XG_FROM_TOKENS or more of those types take it (ex_iq_z2's ONE); IQ1_S and IQ1_M gained
-// nothing.
-template <class D> constexpr bool R1 = false;
-template <> constexpr bool R1<IQ2XXS> = true;
-template <> constexpr bool R1<IQ3XXS> = true;
-template <> constexpr bool R1<IQ3S> = true;
+// XG_FROM_TOKENS or more of the types whose tokens come with perm_g32's copy (exact_layouts'
+// X_XG) take it (ex_iq_z2's ONE); IQ1_S and IQ1_M gained nothing. R1: the decoders it can take
+// (each row's weights from D::w, one scale a group of 32).
+template <class D> constexpr bool R1 = Sc<D>::ON && !D::PAIR && !Tab1<D>::ON;
 
 template <class D>
 EFS_ZI void row_w(const uint8_t* b, int ib, __m512* v) {
@@ -255,7 +253,7 @@ EFS_ZI void row_w(const uint8_t* b, int ib, __m512* v) {
 template <int NT, class D, bool ONE = false>
 EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
                     const XPrep* xs, Out out) {
-    static_assert(!ONE || (Sc<D>::ON && !D::PAIR && !Tab1<D>::ON), "one row: R1's types");
+    static_assert(!ONE || R1<D>, "one row: R1's types");
     const int64_t nb = cols / 256;
     const float* xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = ONE ? xs[t].xg : xs[t].x;
@@ -345,6 +343,22 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
 template <class D> constexpr int Z2_FROM = 1;
 template <> constexpr int Z2_FROM<TQ2> = 3;
 
+// One pass of n (1-8) tokens through ex_iq_z2.
+template <class D, bool ONE>
+EFS_ZI void z2_pass(int n, const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
+                    const XPrep* x, Out o) {
+    switch (n) {
+        case 1: ex_iq_z2<1, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        case 2: ex_iq_z2<2, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        case 3: ex_iq_z2<3, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        case 4: ex_iq_z2<4, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        case 5: ex_iq_z2<5, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        case 6: ex_iq_z2<6, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        case 7: ex_iq_z2<7, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+        default: ex_iq_z2<8, D, ONE>(W, rb, r0, r1, cols, x, o); break;
+    }
+}
+
 // Passes of up to 8 tokens; a pass below Z2_FROM goes to the AVX2 kernel.
 template <class D, int TYPE>
 EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_t cols,
@@ -359,29 +373,13 @@ EFS_Z void rows_exz(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
             continue;
         }
         const Out o{yt, ys, alpha, accumulate};
-        if constexpr (R1<D>) {
-            if (n >= XG_FROM_TOKENS && x[0].xg) {   // (none where the AVX2 ISA prepared them)
-                switch (n) {                 // (XG_FROM_TOKENS is 4)
-                    case 4: ex_iq_z2<4, D, true>(W, rb, r0, r1, cols, x, o); break;
-                    case 5: ex_iq_z2<5, D, true>(W, rb, r0, r1, cols, x, o); break;
-                    case 6: ex_iq_z2<6, D, true>(W, rb, r0, r1, cols, x, o); break;
-                    case 7: ex_iq_z2<7, D, true>(W, rb, r0, r1, cols, x, o); break;
-                    default: ex_iq_z2<8, D, true>(W, rb, r0, r1, cols, x, o); break;
-                }
-                if ((r1 - r0) & 1)                                      // a last odd row
-                    avx2(W, rb, r1 - 1, r1, cols, x, n, yt, ys, alpha, accumulate);
-                continue;
-            }
-        }
-        switch (n) {
-            case 1: ex_iq_z2<1, D>(W, rb, r0, r1, cols, x, o); break;
-            case 2: ex_iq_z2<2, D>(W, rb, r0, r1, cols, x, o); break;
-            case 3: ex_iq_z2<3, D>(W, rb, r0, r1, cols, x, o); break;
-            case 4: ex_iq_z2<4, D>(W, rb, r0, r1, cols, x, o); break;
-            case 5: ex_iq_z2<5, D>(W, rb, r0, r1, cols, x, o); break;
-            case 6: ex_iq_z2<6, D>(W, rb, r0, r1, cols, x, o); break;
-            case 7: ex_iq_z2<7, D>(W, rb, r0, r1, cols, x, o); break;
-            default: ex_iq_z2<8, D>(W, rb, r0, r1, cols, x, o); break;
+        if constexpr (R1<D>) {              // xg: prepared where exact_layouts gives X_XG
+            if (n >= XG_FROM_TOKENS && x[0].xg)
+                z2_pass<D, true>(n, W, rb, r0, r1, cols, x, o);
+            else
+                z2_pass<D, false>(n, W, rb, r0, r1, cols, x, o);
+        } else {
+            z2_pass<D, false>(n, W, rb, r0, r1, cols, x, o);
         }
         if ((r1 - r0) & 1)                                              // a last odd row
             avx2(W, rb, r1 - 1, r1, cols, x, n, yt, ys, alpha, accumulate);

@@ -115,19 +115,21 @@ RowsFn rows_fn(int type, int mode) {
 }
 
 // The AVX-512 exact kernels' activation orders (kern.h exact_layouts): its bit, the columns it
-// needs a multiple of, its permutation (from x, or from xp) and its XPrep field.
+// needs a multiple of, its permutation (from x, or from xp), its XPrep field and the fewest
+// tokens of a batch its kernels read it for.
 struct Order {
     int bit;
     int64_t chunk;
     void (*perm)(const float*, float*, int64_t);
     bool from_xp;
     const float* XPrep::*field;
+    int min_tokens;
 };
-constexpr Order ORDERS[] = {{X_XZ, 128, perm128, false, &XPrep::xz},
-                            {X_XH, 128, perm_h64, true, &XPrep::xh},
-                            {X_XQ, 256, perm_q2, false, &XPrep::xq},
-                            {X_XI, 128, perm_iq4, false, &XPrep::xi},
-                            {X_XG, 256, perm_g32, false, &XPrep::xg}};
+constexpr Order ORDERS[] = {{X_XZ, 128, perm128, false, &XPrep::xz, 1},
+                            {X_XH, 128, perm_h64, true, &XPrep::xh, 1},
+                            {X_XQ, 256, perm_q2, false, &XPrep::xq, 1},
+                            {X_XI, 128, perm_iq4, false, &XPrep::xi, 1},
+                            {X_XG, 256, perm_g32, false, &XPrep::xg, XG_FROM_TOKENS}};
 constexpr int N_ORDERS = (int)(sizeof(ORDERS) / sizeof(ORDERS[0]));
 
 // Prepared activations for `nt` vectors of `cols` floats in one format; owns its memory.
@@ -150,7 +152,7 @@ struct Prep {
             for (int k = 0; k < N_ORDERS; ++k) {
                 const Order& o = ORDERS[k];
                 const bool on = g_isa >= ISA_AVX512 && cols % o.chunk == 0 &&
-                                (layouts & o.bit) && (o.bit != X_XG || nt >= XG_FROM_TOKENS);
+                                (layouts & o.bit) && nt >= o.min_tokens;
                 off[k] = on ? os : -1;
                 os += on ? cols : 0;
             }
@@ -903,6 +905,11 @@ bool set_amx(bool on) {
     return was;
 }
 
+// What the kernels are told of the CPU beyond its features (kernels/cpu.py, at load): whether
+// it executes 512-bit operations as two 256-bit halves (a Zen 4), which the float panel's
+// token tails follow (qgemm.cpp). Not set: a full-width CPU's choices, the same results.
+void set_cpu(bool splits_512) { g_splits_512 = splits_512; }
+
 // Exact Q6_K's GFNI decoder on or off; gives the setting it replaces (to restore it).
 bool set_gfni(bool on) {
     TORCH_CHECK(!on || g_gfni, "expertfs kernels: this CPU (or build) has no GFNI");
@@ -991,12 +998,14 @@ pybind11::dict info() {
         if (qgemm_amx_fn(t, 256) != nullptr) ap.append(t);
     d["amx_types"] = ap;
     d["iq_tables"] = g_iq.ok;
+    d["splits_512"] = g_splits_512;     // as set_cpu was told
     return d;
 }
 
 }  // namespace
 
 bool g_gfni_on = g_gfni;                  // kern.h
+bool g_splits_512 = false;                // kern.h (set_cpu)
 
 void run_parallel(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
     par_chunks(n, [&](int64_t c) { fn(ctx, c); });
@@ -1054,6 +1063,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &efs::set_isa, "force the kernel ISA: scalar, avx2, avx512 or best");
     m.def("amx", &efs::amx_in_use, "whether exact mode's wide products run on AMX now (the CPU "
           "has it, it is on, the kernels run at the AVX-512 tier)");
+    m.def("set_cpu", &efs::set_cpu, "what the kernels follow of the CPU: splits_512",
+          pybind11::arg("splits_512"));
     m.def("set_gfni", &efs::set_gfni, "exact Q6_K's GFNI decoder on or off (where the CPU "
           "has GFNI); returns the setting it replaces");
     m.def("set_amx", &efs::set_amx, "exact mode's AMX panel product on or off (where the CPU "

@@ -21,7 +21,8 @@
 //    costs it as much), a tail of 17-32 tokens takes 12 rows x 2 vectors over XT's zero-padded
 //    lanes: the same products as 32 tokens, where 24 rows x 1 vector and an 8-token pass cost
 //    more than 32 tokens did (one broadcast a multiply-add, and a half-width pass); on a CPU
-//    that splits it in two halves (a Zen 4) the tail's 24 lanes keep the two narrower passes.
+//    that splits it in two halves (a Zen 4: g_splits_512) the tail's 24 lanes keep the two
+//    narrower passes.
 #include "kern.h"
 
 #include <string.h>
@@ -43,8 +44,6 @@ int64_t qgemm_kb(int64_t cols, int64_t tp) {
 }  // namespace efs
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-
 #include "avx512_emulated.h"
 #include "kern_avx2_util.h"
 
@@ -252,17 +251,6 @@ void rows_by_blocks(const Deq& deq, const Mul& mul, int type, const uint8_t* W, 
         for (int64_t r = r0; r < r1; ++r) y[t * ys + r] = c[(r - r0) * tp + t];
 }
 
-// Whether this CPU executes 512-bit operations as two 256-bit halves: an AMD CPU before
-// family 0x1A (Zen 4 is its only one with AVX-512), as kernels/cpu.py's splits_512 says.
-bool splits_512() {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // AuthenticAMD
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-    const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
-    return family < 0x1A;
-}
-const bool g_split512 = splits_512();
 
 }  // namespace
 
@@ -273,7 +261,7 @@ void avx512_qgemm_rows(int type, const uint8_t* W, int64_t rb, int64_t r0, int64
     const auto mul = [nt, tp](const float* P, int64_t ps, int64_t kn, const float* xb, float* cb,
                               bool first, PanelPf& pf) {
         int64_t t0 = 0;
-        const int64_t pair_over = g_split512 ? 24 : 16;   // XT's lanes reach t0 + 32 past 16
+        const int64_t pair_over = g_splits_512 ? 24 : 16;  // XT's lanes reach t0 + 32 past 16
         for (; t0 + pair_over < nt; t0 += 32)         // 12 rows x 2 vectors
             for (int64_t s = 0; s < QGEMM_PANEL; s += 12)
                 micro<12, 2>(P + s * ps, ps, kn, xb + t0, tp, cb + s * tp + t0, first, pf);

@@ -1,6 +1,7 @@
 """The native kernels' build folder survives a build that was stopped: torch's lock file, left
 behind by a killed build, no longer makes every later load wait for it forever; a build is
-announced with its progress, and a missing compiler is said once, loudly."""
+announced with its progress, and a missing compiler is said once, loudly; a loaded build is
+told what kernels.cpu knows of the CPU."""
 
 from __future__ import annotations
 
@@ -117,3 +118,10 @@ def test_a_build_killed_midway_leaves_no_lock_that_blocks(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]          # the kernel lock died with its holder
     assert not (bdir / "lock").exists()                 # and torch's is cleared
+
+
+@needs_kernels
+def test_a_loaded_build_is_told_the_cpu_as_kernels_cpu_sees_it():
+    # the float panel's token tails follow cpu.splits_512, handed over at load (build.configure)
+    from expertfs.runtime.kernels.cpu import splits_512
+    assert build.load().info()["splits_512"] == splits_512()
