@@ -186,15 +186,15 @@ def main() -> int:
     os.makedirs(a.dir, exist_ok=True)
     rows: list[dict] = []
     prompts: dict[str, str] = {}
+    text = PROSE if a.prompt_text == "prose" else PROMPT
+    learn_text = " ".join(reversed(text.split()))     # the learning runs' other request
     try:
         for spec in a.store:
             name, store = _store(a.dir, spec)
-            prompts[name] = long_prompt(store, a.prompt_tokens,
-                                        PROSE if a.prompt_text == "prose" else PROMPT)
+            prompts[name] = long_prompt(store, a.prompt_tokens, text)
             n_prompt = prompt_tokens(store, prompts[name])
             size = _size(store)
-            _learn(store, size, a, long_prompt(store, a.prompt_tokens, " ".join(reversed(
-                (PROSE if a.prompt_text == "prose" else PROMPT).split()))))
+            _learn(store, size, a, long_prompt(store, a.prompt_tokens, learn_text))
             for cap in a.caps.split(","):
                 limit = None if cap in ("none", "cached") else int(float(cap) * size)
                 drop_caches()                    # the page cache as the row's runs find it
