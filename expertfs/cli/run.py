@@ -149,8 +149,10 @@ def _open(args: argparse.Namespace):
     if args.n_predict < 0 or args.ctx < 1 or args.batch < 1:
         raise UsageError("-n, --ctx and --batch must be positive", fix="check the numbers")
     fused = args.fused
-    if args.tokens and fused == "auto":
-        fused = "off"            # --tokens runs batches only: nothing to compile for
+    # --tokens runs batches only, nothing to compile for; the q8 products of --act-quant
+    # live on the fused path, so they keep it
+    if args.tokens and fused == "auto" and args.act_quant == "off":
+        fused = "off"
     device = _device(args.device)
     mtp_k = mtp_arg(args.mtp)
     ram, look = ram_and_lookahead(args, device, fused)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,18 @@ def test_cli_flag_reaches_the_runner(store, capsys, monkeypatch):
                  "--provider", "direct", "--act-quant", "q8"]) == 0
     assert seen["act_quant"] == "q8"
     assert isinstance(json.loads(capsys.readouterr().out), dict)
+
+
+def test_cli_tokens_logits_in_q8(store, tmp_path):
+    """``run --tokens --logits-out --act-quant q8`` writes llama.cpp's numerics (the fused
+    path's q8 products), not the exact logits: the comparison a user runs it for."""
+    from expertfs.cli import main
+    out = {aq: tmp_path / f"{aq}.npy" for aq in ("off", "q8")}
+    for aq, f in out.items():
+        assert main(["run", store, "--tokens", "3,14,15,92,65", "--logits-out", str(f),
+                     "--provider", "direct", "--act-quant", aq]) == 0
+    exact, q8 = (torch.from_numpy(np.load(out[aq])) for aq in ("off", "q8"))
+    assert 0 < float((q8 - exact).abs().max()) < 0.05 * float(exact.abs().max())
 
 
 @pytest.fixture(scope="module")
