@@ -31,6 +31,7 @@ import torch
 from ...formats.dequant import dequantize
 from .. import kernels as native
 from ..kernels import gemm
+from . import scratch
 from .attention import KVCache
 from .config import ModelConfig
 from .rope import Rope, rms_norm
@@ -106,8 +107,20 @@ class HeadMatrices:
                       for h in range(H)]
                 if all(y is not None for y in ys):
                     return torch.stack(ys, dim=1).to(x.dtype)
-        w = self.weight if self.weight is not None else self.dense(x.dtype)
+        w = self.weight if self.weight is not None else self._dense_for(x)
         return torch.einsum("thc,hrc->thr", x, w.to(x.dtype))
+
+    def _dense_for(self, x: torch.Tensor) -> torch.Tensor:
+        """``dense(x.dtype)`` for one call: on the CPU in float32, dequantized by the native
+        kernels into this thread's scratch (``model.scratch``: DeepSeek-V3's 128 heads of 512 x
+        128 are 32 MiB, past glibc's mmap threshold), valid until the next call."""
+        H, R, C = self.shape
+        if x.dtype == torch.float32 and x.is_cpu:
+            buf = scratch.buffer("mla_heads", H * R * C)
+            w = native.dequant(self.raw.raw, self.ggml_type, (H * R, C), out=buf)
+            if w is not None:
+                return w.view(H, R, C)
+        return self.dense(x.dtype)
 
 
 @dataclass
@@ -174,7 +187,9 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, cfg: ModelConfig, rope: Rope,
         step = max(1, MLA_QUERY_CHUNK // (H * (L + R)))
         if T <= step:
             return attend(0, T, absorbed(0, T))
-        out = torch.empty(T, H, L, dtype=q.dtype, device=q.device)
+        out = (scratch.buffer("mla_out", T * H * L).view(T, H, L)   # consumed by _out
+               if q.dtype == torch.float32 and q.is_cpu else
+               torch.empty(T, H, L, dtype=q.dtype, device=q.device))
         for a in range(0, T, step):
             b = min(T, a + step)
             out[a:b] = attend(a, b, absorbed(a, b))

@@ -9,16 +9,14 @@ portable kernels:
 as soon as it exists, so the float weight never exists whole and a chunk stays in cache), with
 the chunks dequantized by the native kernels (``runtime.kernels.dequant``: each weight as the
 exact kernels and gguf-py give it) where they take the type, else by the torch dequantization:
-the same result either way. The native chunks are written into one scratch buffer per thread,
-reused by every call: a fresh chunk would be new pages each time (the allocator hands blocks
-that size back to the kernel), faulted in and zeroed before the dequantization writes them,
-which cost as much as the dequantization and the product together (bench/README.md). Each
-chunk is multiplied by ``gemm.linear`` (the GEMM library chosen for the box).
+the same result either way. The native chunks are written into one scratch buffer per thread
+(``model.scratch``), reused by every call: a fresh chunk would be new pages each time,
+faulted in and zeroed before the dequantization writes them, which cost as much as the
+dequantization and the product together (bench/README.md). Each chunk is multiplied by
+``gemm.linear`` (the GEMM library chosen for the box).
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 
@@ -26,21 +24,12 @@ from ...formats.dequant import linear as torch_linear
 from ...formats.ggml import GGMLType
 from .. import kernels as native
 from ..kernels import gemm
+from . import scratch
 
 __all__ = ["wide_linear", "dequant_linear", "CHUNK_ELEMS"]
 
 #: Weights dequantized per step (as ``formats.dequant.linear``'s CPU chunk): 4 MiB of float32.
 CHUNK_ELEMS = 1 << 20
-
-_scratch = threading.local()
-
-
-def _chunk_buffer(n: int) -> torch.Tensor:
-    """This thread's float32 scratch of at least ``n`` elements (grown, never shrunk)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _scratch.buf = torch.empty(n, dtype=torch.float32)
-    return buf
 
 
 def wide_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple[int, ...],
@@ -66,7 +55,8 @@ def dequant_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, shape: tuple
             native.dequant(raw[:0], t, (0, cols)) is not None:        # the kernels take it
         def native_rows(part: torch.Tensor) -> torch.Tensor:     # used before the next call
             n = part.shape[0]
-            return native.dequant(part, t, (n, cols), out=_chunk_buffer(n * cols))
+            out = scratch.buffer("dequant_rows", n * cols)
+            return native.dequant(part, t, (n, cols), out=out)
     if native_rows is None:
         return torch_linear(x, raw, t, shape, bias)
     x2 = x.reshape(-1, cols)
