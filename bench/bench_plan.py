@@ -19,7 +19,8 @@ band's geometric midpoint), the same for the first token of a prompt of about
 sentence's tokens touch fewer experts), the peak memory against the cap, and any run that
 failed: killed (exit -9: the cap's OOM kill) or past ``--timeout`` ("timed out": a run that
 thrashes without end), where ``plan`` should say CANNOT RUN.
-``--json`` writes every round. ``--learn N`` first runs each store N times under its
+``--json`` writes every round, and each row's plan term by term as it was priced before
+the rounds (``plan`` run afterwards prices what the rounds taught the store). ``--learn N`` first runs each store N times under its
 tightest cap, so that ``plan`` prices the routing those runs taught the store (its learned
 usage and decode dynamics) instead of a synthetic preset; those runs take another prompt and
 other sampling seeds than the measured rounds (each round its own seed).
@@ -79,10 +80,20 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace, n_prompt: int) -
         return {"status": f"failed ({r.returncode}): {r.stderr[-300:]}"}
     pred = p.get("prediction") or {}
     ft = p.get("first_token") or {}
+    routing = p.get("routing") or {}
+    storage = (p.get("rates") or {}).get("storage_gbps") or {}
     return {"status": p.get("status"), "low": pred.get("tok_s_low"), "high": pred.get("tok_s_high"),
             "ttft": (ft.get("s_fast"), ft.get("s_slow")),
             "tier_bytes": ((p.get("budget") or {}).get("ram") or {}).get("tier_bytes"),
-            "slot_bytes": (p.get("budget") or {}).get("slot_bytes"), "run": p.get("run")}
+            "slot_bytes": (p.get("budget") or {}).get("slot_bytes"), "run": p.get("run"),
+            # what the band was made of, as priced before the rounds (a plan run later prices
+            # the usage the rounds taught the store): each term's seconds a token at the slow
+            # and the fast end, the expert bytes a token read and the drive's GB/s at each end
+            "terms": {n: (t.get("slow_s"), t.get("fast_s"))
+                      for n, t in (pred.get("terms") or {}).items()},
+            "read_bytes_per_token": tuple((routing.get(e) or {}).get("nvme_bytes_per_token")
+                                          for e in ("slow", "fast")),
+            "storage_gbps": (storage.get("slow"), storage.get("fast"))}
 
 
 def _files(store: str, cap: str) -> tuple[str, ...]:
