@@ -70,13 +70,19 @@ def test_synth_model_with_k_quants_agrees(tmp_path, quant):
 
 @pytest.mark.parametrize("arch", ["deepseek2", "glm-dsa", "glm5-next"])
 def test_mla_q8_mode_is_llama_cpps_numerics(tmp_path, arch):
-    """MLA's per-head ``k_b``/``v_b`` products take q8 activations too: a short prompt (every
-    product on the row kernels) in q8 mode gives llama.cpp's logits but for float order."""
+    """MLA's per-head ``k_b``/``v_b`` products take q8 activations too: short prompts (every
+    product on the row kernels) in q8 mode give llama.cpp's logits but for float order. Float
+    order can still flip a near-tie of the tiny random router (group-limited on deepseek2) at
+    some position of some prompt, which the box's ISA decides (on a Zen 5 the first prompt
+    here, from its second position), so most positions must agree, not every one; with the
+    heads' products exact (the defect this guards against) no position of these does."""
     from expertfs.store.repack import repack
     from expertfs.synth import SynthConfig, synthesize
     gguf = str(tmp_path / "m.gguf")
     synthesize(SynthConfig.tiny(arch).replace(quant="Q8_0"), gguf)
     repack([gguf], str(tmp_path / "m.efs"))
-    toks = [5, 100, 37]
-    ref = llama_logits(gguf, toks)
-    assert np.abs(ours(str(tmp_path / "m.efs"), toks, "q8") - ref).max() < 1e-4
+    same = []
+    for toks in ([5, 100, 37], [7, 200, 41, 9], [11, 12, 13, 14, 15], [300, 2, 77, 150]):
+        ref = llama_logits(gguf, toks)
+        same += list(np.abs(ours(str(tmp_path / "m.efs"), toks, "q8") - ref).max(-1) < 1e-4)
+    assert np.mean(same) >= 0.75, same
