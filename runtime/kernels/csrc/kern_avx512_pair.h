@@ -31,6 +31,10 @@ EFS_ZI __m256 hi8(__m512 a) {
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
 
+EFS_ZI float hsum_halves(__m512 a) {                            // hsum(lo8(a) + hi8(a))
+    return hsum(_mm256_add_ps(lo8(a), hi8(a)));
+}
+
 EFS_ZI __m512 bc8(const float* p) {                              // [p[0..7] | p[0..7]]
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)p)));
 }

@@ -326,8 +326,8 @@ EFS_Z void ex_iq_z2(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64_
         }
         if constexpr (ONE) {                          // each sum's halves: a row's a0, a1
             for (int t = 0; t < NT; ++t) {
-                out.put(t, r, hsum(_mm256_add_ps(lo8(a0[t]), hi8(a0[t]))));
-                out.put(t, r + 1, hsum(_mm256_add_ps(lo8(a1[t]), hi8(a1[t]))));
+                out.put(t, r, hsum_halves(a0[t]));
+                out.put(t, r + 1, hsum_halves(a1[t]));
             }
         } else {
             put2<NT, false>(out, r, a0, a1, a0);

@@ -240,7 +240,7 @@ EFS_Z void ex_q5_k_r(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, int64
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)
-                out.put(t, r + j, hsum(_mm256_add_ps(lo8(acc[j][t]), hi8(acc[j][t]))) -
+                out.put(t, r + j, hsum_halves(acc[j][t]) -
                                       hsum(am[j][t]));
     }
     if (R == 2 && r < r1) ex_q5_k_r<NT, 1>(W, rb, r, r1, cols, xs, out);

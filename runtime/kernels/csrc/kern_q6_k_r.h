@@ -65,7 +65,7 @@ EFS_Q6R_ATTR void EFS_Q6R_NAME(const uint8_t* W, int64_t rb, int64_t r0, int64_t
         }
         for (int j = 0; j < R; ++j)
             for (int t = 0; t < NT; ++t)
-                out.put(t, r + j, hsum(_mm256_add_ps(lo8(acc[j][t]), hi8(acc[j][t]))));
+                out.put(t, r + j, hsum_halves(acc[j][t]));
     }
     if (R == 2 && r < r1) EFS_Q6R_NAME<NT, 1>(W, rb, r, r1, cols, xs, out);
 }
