@@ -20,10 +20,12 @@ sentence's tokens touch fewer experts), the peak memory against the cap, and any
 failed: killed (exit -9: the cap's OOM kill) or past ``--timeout`` ("timed out": a run that
 thrashes without end), where ``plan`` should say CANNOT RUN.
 ``--json`` writes every round, and each row's plan term by term as it was priced before
-the rounds (``plan`` run afterwards prices what the rounds taught the store). ``--learn N`` first runs each store N times under its
-tightest cap, so that ``plan`` prices the routing those runs taught the store (its learned
-usage and decode dynamics) instead of a synthetic preset; those runs take another prompt and
-other sampling seeds than the measured rounds (each round its own seed).
+the rounds (``plan`` run afterwards prices what the rounds taught the store): each term's
+seconds a token at both ends, the expert bytes a token read and the drive's GB/s at each end.
+``--learn N`` first runs each store N times under its tightest cap, so that ``plan`` prices
+the routing those runs taught the store (its learned usage and decode dynamics) instead of a
+synthetic preset; those runs take another prompt and other sampling seeds than the measured
+rounds (each round its own seed).
 """
 
 from __future__ import annotations
@@ -86,9 +88,6 @@ def _plan(store: str, limit: int | None, a: argparse.Namespace, n_prompt: int) -
             "ttft": (ft.get("s_fast"), ft.get("s_slow")),
             "tier_bytes": ((p.get("budget") or {}).get("ram") or {}).get("tier_bytes"),
             "slot_bytes": (p.get("budget") or {}).get("slot_bytes"), "run": p.get("run"),
-            # what the band was made of, as priced before the rounds (a plan run later prices
-            # the usage the rounds taught the store): each term's seconds a token at the slow
-            # and the fast end, the expert bytes a token read and the drive's GB/s at each end
             "terms": {n: (t.get("slow_s"), t.get("fast_s"))
                       for n, t in (pred.get("terms") or {}).items()},
             "read_bytes_per_token": tuple((routing.get(e) or {}).get("nvme_bytes_per_token")

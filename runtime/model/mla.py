@@ -80,11 +80,19 @@ class HeadMatrices:
         t = self.weight if self.weight is not None else self.raw.raw
         return t.numel() * t.element_size()
 
-    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float ``[H, R, C]`` tensor (dequantized for the call when kept as bytes)."""
+    def dense(self, dtype: torch.dtype = torch.float32,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float ``[H, R, C]`` tensor (dequantized for the call when kept as bytes: on the
+        CPU in float32 by the native kernels, gguf-py's bits, into the float32 buffer ``out``
+        where one is given)."""
         if self.weight is not None:
             return self.weight.to(dtype)
         r = self.raw
+        if dtype == torch.float32 and r.raw.is_cpu:
+            H, R, C = self.shape
+            w = native.dequant(r.raw, r.ggml_type, (H * R, C), out=out)
+            if w is not None:
+                return w.view(H, R, C)
         return dequantize(r.raw, r.ggml_type, r.shape, dtype=dtype)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,20 +115,13 @@ class HeadMatrices:
                       for h in range(H)]
                 if all(y is not None for y in ys):
                     return torch.stack(ys, dim=1).to(x.dtype)
-        w = self.weight if self.weight is not None else self._dense_for(x)
+        if self.weight is not None:
+            w = self.weight
+        else:   # in this thread's scratch (``model.scratch``: DeepSeek-V3's 128 heads of 512 x
+            #     128 are 32 MiB, past glibc's mmap threshold), valid until the next call
+            f32 = x.is_cpu and x.dtype == torch.float32
+            w = self.dense(x.dtype, scratch.buffer("mla_heads", H * R * C) if f32 else None)
         return torch.einsum("thc,hrc->thr", x, w.to(x.dtype))
-
-    def _dense_for(self, x: torch.Tensor) -> torch.Tensor:
-        """``dense(x.dtype)`` for one call: on the CPU in float32, dequantized by the native
-        kernels into this thread's scratch (``model.scratch``: DeepSeek-V3's 128 heads of 512 x
-        128 are 32 MiB, past glibc's mmap threshold), valid until the next call."""
-        H, R, C = self.shape
-        if x.dtype == torch.float32 and x.is_cpu:
-            buf = scratch.buffer("mla_heads", H * R * C)
-            w = native.dequant(self.raw.raw, self.ggml_type, (H * R, C), out=buf)
-            if w is not None:
-                return w.view(H, R, C)
-        return self.dense(x.dtype)
 
 
 @dataclass
