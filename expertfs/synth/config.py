@@ -187,6 +187,13 @@ class SynthConfig:
             raise bad(f"expert groups {self.expert_group_used_count}/{self.expert_group_count} "
                       f"do not fit {self.n_experts} experts",
                       "use a group count dividing the expert count and fewer used groups")
+        g, used = self.expert_group_count, self.expert_group_used_count
+        per = self.n_experts // max(1, g)
+        if g > 1 and (per < 2 or used * per < self.n_expert_used):
+            # routing scores a group by its two best experts and picks top-k in the used groups
+            need = g * max(2, -(-self.n_expert_used // used))
+            raise bad(f"expert groups {used}/{g} of {per} expert(s) each cannot route "
+                      f"top-{self.n_expert_used}", f"use at least {need} experts")
         if self.arch == "deepseek2":
             if min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) < 1:
                 raise bad("MLA needs kv_lora_rank, qk_nope_dim, qk_rope_dim and v_head_dim",

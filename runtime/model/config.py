@@ -244,6 +244,10 @@ class ModelConfig:
         if self.n_group > 1 and (self.n_experts % self.n_group or
                                  not 0 < self.n_group_used <= self.n_group):
             raise bad(f"expert groups {self.n_group_used}/{self.n_group} for {self.n_experts} experts")
+        if self.n_group > 1 and self.n_experts // self.n_group < 2:
+            # a group is scored by its two best experts (llama.cpp's build_moe_ffn)
+            raise bad(f"expert groups of {self.n_experts // self.n_group} expert: group-limited "
+                      "routing scores each group by its two best")
         if self.spec.mla and not (self.kv_lora_rank and self.k_head_mla > self.n_rot
                                   and self.v_head_mla):
             raise bad("MLA without kv_lora_rank / key_length_mla / value_length_mla",

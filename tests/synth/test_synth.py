@@ -416,6 +416,9 @@ def test_like_geometry():
         SynthConfig.like("llama-7b")
     with pytest.raises(UsageError, match="V2-Lite"):
         SynthConfig.like("DeepSeek-V3", layers=27)
+    # 8 groups of one expert: a group is scored by its two best, and 4 kept groups hold 4 < 8
+    with pytest.raises(UsageError, match="at least 16 experts"):
+        SynthConfig.like("DeepSeek-V3", layers=4, n_experts=8)
 
 
 # sizes of the real files (Q4_K_M from the usual GGUF publishers; gpt-oss: ggml-org's MXFP4)

@@ -308,6 +308,23 @@ def test_dense_model_is_refused():
         ModelConfig.from_gguf(kv)
 
 
+def test_one_expert_groups_are_refused(tmp_path):
+    """Group-limited routing scores each group by its two best experts: a GGUF whose groups hold
+    one expert each is a typed error, not a torch error in the first token's routing."""
+    from expertfs.store.reader import Store
+    from expertfs.store.repack import repack
+    from expertfs.synth import SynthConfig, synthesize
+    cfg = SynthConfig.tiny("deepseek2")
+    synthesize(cfg, str(tmp_path / "d.gguf"))
+    repack([str(tmp_path / "d.gguf")], str(tmp_path / "d.efs"))
+    with Store.open(str(tmp_path / "d.efs")) as st:
+        kv = dict(st.gguf_kv())
+    assert ModelConfig.from_gguf(kv).n_group == cfg.expert_group_count
+    kv["deepseek2.expert_group_count"] = cfg.n_experts
+    with pytest.raises(UnsupportedModelError, match="two best"):
+        ModelConfig.from_gguf(kv, path="model.gguf")
+
+
 def test_synth_archs_run(tmp_path):
     """Synth's qwen3moe, glm4moe (+NextN), llama and deepseek2 (MLA, groups) GGUFs in mixed
     K-quants load and run."""
